@@ -1,0 +1,95 @@
+"""File helpers shared by every stage: atomic writes, parquet I/O, sample ids and shard assignment.
+
+Every stage output is written to a temporary name in the same directory and renamed into place, so a crash
+never leaves a truncated file that a rerun would take as done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds.
+
+    The temporary file lives in the same directory (same filesystem) so ``os.replace`` is atomic.
+    On an exception the temporary file is removed and ``path`` is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def write_parquet(table: pa.Table, path: str | os.PathLike) -> None:
+    """Write ``table`` to ``path`` atomically (zstd-compressed parquet)."""
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+
+
+def write_json(obj, path: str | os.PathLike) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_text(text: str, path: str | os.PathLike) -> None:
+    """Write ``text`` to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def read_parquet(paths: str | os.PathLike | list) -> pa.Table:
+    """Read one or several parquet files into one table (schemas must agree)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    tables = [pq.read_table(p) for p in paths]
+    if not tables:
+        raise ValueError("read_parquet: no input files")
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+def content_hash(*parts: object, length: int = 16) -> str:
+    """Hex digest (blake2b, ``length`` bytes -> 2*length hex chars) of the JSON of ``parts``.
+
+    Used for sample ids of sources without their own id and for request keys; stable across runs,
+    machines and Python versions (canonical JSON with sorted keys).
+    """
+    blob = json.dumps(parts, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+    return hashlib.blake2b(blob, digest_size=length).hexdigest()
+
+
+def shard_of(sample_id: str, num_shards: int) -> int:
+    """Shard index in ``[0, num_shards)`` of a sample, from a hash of its ``sample_id``.
+
+    Depends only on the id, so adding samples to a source never moves existing samples between shards.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    digest = hashlib.blake2b(sample_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % num_shards
+
+
+def shard_name(index: int) -> str:
+    """File stem of shard ``index``: zero-padded to 3 digits (``000``, ``001``, ...)."""
+    return f"{index:03d}"

@@ -1,0 +1,22 @@
+"""Logging setup for stage scripts: one log file per job (``snakemake.log[0]``) plus stderr."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def setup_logging(log_path: str | None = None, level: int = logging.INFO) -> logging.Logger:
+    """Send the ``eagle3_data`` logger's records to ``log_path`` (if given) and stderr; return it."""
+    logger = logging.getLogger("eagle3_data")
+    logger.setLevel(level)
+    logger.handlers.clear()
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_path:
+        handlers.append(logging.FileHandler(log_path, mode="w"))
+    for h in handlers:
+        h.setFormatter(fmt)
+        logger.addHandler(h)
+    logger.propagate = False
+    return logger
