@@ -1,0 +1,32 @@
+# EAGLE-3 training-data build. Stages (one rule file each in rules/):
+#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> report
+# `snakemake --cores N` rebuilds only stale targets; see README.md.
+
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/tiny_target.smk"
+include: "rules/normalize.smk"
+include: "rules/generate.smk"
+include: "rules/tokenize.smk"
+include: "rules/validate.smk"
+include: "rules/merge.smk"
+include: "rules/extract.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    input:
+        hidden_states=expand("results/hidden_states/{k}.safetensors", k=MERGED_SHARDS),
+        report=rules.report.output,
+    default_target: True
+
+
+onsuccess:
+    print_tally("results/reports/tally.md")

@@ -1,0 +1,59 @@
+# Config validation, dataset lists, input functions and wildcard constraints shared by every stage.
+
+import re
+import sys
+from pathlib import Path
+
+from snakemake.utils import validate
+
+validate(config, schema="../schemas/config.schema.yaml")
+
+from eagle3_data import config as cfg
+
+DATASETS = cfg.datasets(config)
+GENERATED = cfg.generated_datasets(config)
+PRETOKENIZED = cfg.pretokenized_datasets(config)
+MERGE_DATASETS = cfg.merge_datasets(config)
+MERGED_SHARDS = cfg.merged_shard_names(config)
+TARGET = config["target"]
+CACHE_DIR = config["cache_dir"]
+for _ds in GENERATED:
+    cfg.backends_config(config, _ds)  # fails early, naming the dataset, on an unknown backend
+
+
+def _alternation(names):
+    return "|".join(re.escape(n) for n in names) if names else "(?!x)x"
+
+
+wildcard_constraints:
+    ds=_alternation(DATASETS),
+    shard=r"\d{3}",
+    k=r"\d{3}",
+
+
+def shards(ds):
+    return cfg.shard_names(config, ds)
+
+
+def target_input():
+    """The target directory, when the build makes it (tiny target), so a rebuild reruns what uses it."""
+    return [TARGET["path"]] if TARGET.get("build_tiny") else []
+
+
+def validated_files(datasets):
+    return [f"results/{ds}/validated/{s}.parquet" for ds in datasets for s in shards(ds)]
+
+
+def rejected_files(datasets):
+    out = [f"results/{ds}/rejected/normalize.parquet" for ds in datasets]
+    return out + [f"results/{ds}/rejected/{s}.parquet" for ds in datasets for s in shards(ds)]
+
+
+def responses_files(datasets):
+    return [f"results/{ds}/responses/{s}.parquet" for ds in datasets if ds in GENERATED for s in shards(ds)]
+
+
+def print_tally(path):
+    p = Path(path)
+    if p.exists():
+        print("\n" + p.read_text(), file=sys.stderr)

@@ -1,0 +1,24 @@
+# Stage 2: prompts shard -> responses shard, through the dataset's backends (OpenAI-compatible HTTP).
+# Completed responses are journaled under cache/ (outside results/), keyed by a hash of the request, so a
+# failed, killed or deleted target never pays for the same response twice.
+
+
+rule generate:
+    input:
+        prompts="results/{ds}/prompts/{shard}.parquet",
+        target=target_input(),
+    output:
+        "results/{ds}/responses/{shard}.parquet",
+    wildcard_constraints:
+        ds=_alternation(GENERATED),
+    params:
+        target_name=TARGET["name"],
+        generation=lambda wc: cfg.generation_config(config, wc.ds),
+        backends=lambda wc: cfg.backends_config(config, wc.ds),
+        journal_dir=f"{CACHE_DIR}/journal",
+    resources:
+        api_slots=lambda wc: sum(b.get("max_concurrency", 1) for b in cfg.backends_config(config, wc.ds).values()),
+    log:
+        "logs/generate/{ds}/{shard}.log",
+    script:
+        "../scripts/generate.py"

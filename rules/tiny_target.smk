@@ -1,0 +1,13 @@
+# A tiny random-weight target with a Kimi-style tokenizer and chat template, built from a seed (never downloaded).
+
+if TARGET.get("build_tiny"):
+
+    rule tiny_target:
+        output:
+            directory(TARGET["path"]),
+        params:
+            tiny=TARGET.get("tiny", {}),
+        log:
+            "logs/tiny_target.log",
+        script:
+            "../scripts/tiny_target.py"

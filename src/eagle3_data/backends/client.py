@@ -1,0 +1,414 @@
+"""OpenAI-compatible chat-completions client: request bodies, response parsing, retries, backend pool.
+
+Backends (config ``backends:``): ``type`` openai (any OpenAI-compatible server: vLLM, ``transformers
+serve``), openrouter, or sglang; ``base_url`` (``.../v1``), ``model``, ``api_key_env`` (the *name* of an
+environment variable, or null), ``max_concurrency``, ``timeout_s``, optional ``requests_per_minute``.
+
+Failure policy (``reference/formats.md`` §3.3):
+- retried with exponential backoff and jitter (tenacity), a bounded number of times: 429 (``Retry-After``
+  honoured), 408/409/425/5xx, timeouts, connection errors/resets, malformed JSON, and errors inside an HTTP
+  200 body (top-level ``error``, ``choices[].error``, ``finish_reason == "error"``, no choices, empty reply);
+- 401, 402, 403 (except OpenRouter's moderation 403, which fails only its sample) raise
+  :class:`FatalBackendError`: the job stops at once;
+- other 4xx fail the sample without retry (reason ``http_<code>``).
+Messages never contain the API key: it is only ever placed in the ``Authorization`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger("eagle3_data.backends")
+
+BACKEND_TYPES = ("openai", "openrouter", "sglang")
+RETRYABLE_STATUS = {408, 409, 425, 429}
+FATAL_STATUS = {401, 402, 403}
+
+
+class FatalBackendError(RuntimeError):
+    """Credentials rejected (401/403) or credits exhausted (402): stop the whole job, keep the journal."""
+
+
+class RetryableError(Exception):
+    """A transient failure; ``reason`` is a short code (``http_429``, ``timeout``, ``error_in_body`` ...)."""
+
+    def __init__(self, reason: str, message: str = "", retry_after: float | None = None, backend_fault: bool = False):
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after
+        # connection refused / 5xx: counts toward taking the backend out of rotation for a while
+        self.backend_fault = backend_fault
+
+
+class SampleError(Exception):
+    """A permanent failure of one request (e.g. HTTP 400, moderation); not retried."""
+
+    def __init__(self, reason: str, message: str = ""):
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass
+class BackendConfig:
+    """One entry of config ``backends:`` (``launch`` is handled by :mod:`.server`)."""
+
+    name: str
+    type: str
+    base_url: str
+    model: str
+    api_key_env: str | None = None
+    max_concurrency: int = 8
+    timeout_s: float = 300.0
+    requests_per_minute: float | None = None
+    launch: dict | None = None
+    headers: dict = field(default_factory=dict)  # extra non-secret headers (e.g. X-Title)
+
+    @classmethod
+    def from_dict(cls, name: str, cfg: dict) -> "BackendConfig":
+        missing = [k for k in ("type", "base_url", "model") if not cfg.get(k)]
+        if missing:
+            raise ValueError(f"backend {name!r}: missing config keys {missing}")
+        if cfg["type"] not in BACKEND_TYPES:
+            raise ValueError(f"backend {name!r}: type {cfg['type']!r} is not one of {BACKEND_TYPES}")
+        conc = int(cfg.get("max_concurrency") or 8)
+        if conc < 1:
+            raise ValueError(f"backend {name!r}: max_concurrency must be >= 1, got {conc}")
+        return cls(
+            name=name,
+            type=cfg["type"],
+            base_url=str(cfg["base_url"]).rstrip("/"),
+            model=str(cfg["model"]),
+            api_key_env=cfg.get("api_key_env") or None,
+            max_concurrency=conc,
+            timeout_s=float(cfg.get("timeout_s") or 300.0),
+            requests_per_minute=cfg.get("requests_per_minute"),
+            launch=cfg.get("launch"),
+            headers=dict(cfg.get("headers") or {}),
+        )
+
+    def api_key(self) -> str | None:
+        """The key from the environment variable ``api_key_env``; error names the variable, not a value."""
+        if not self.api_key_env:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise FatalBackendError(
+                f"backend {self.name!r}: environment variable {self.api_key_env} (api_key_env) is not set or empty"
+            )
+        return key
+
+
+def build_body(backend: BackendConfig, messages: list, tools: list | None, sampling: dict) -> dict:
+    """Chat-completions request body: model, messages, tools, max_tokens, temperature, top_p, + extra_body.
+
+    ``sampling`` keys: ``max_tokens``, ``temperature``, ``top_p`` (None values are left out) and
+    ``extra_body`` (merged last, e.g. OpenRouter ``reasoning``/``provider``, SGLang ``chat_template_kwargs``,
+    ``separate_reasoning``).
+    """
+    body: dict[str, Any] = {"model": backend.model, "messages": messages}
+    if tools:
+        body["tools"] = tools
+    for k in ("max_tokens", "temperature", "top_p"):
+        if sampling.get(k) is not None:
+            body[k] = sampling[k]
+    body.update(sampling.get("extra_body") or {})
+    body["stream"] = False
+    return body
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    raw = resp.headers.get("retry-after")
+    if not raw:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            return max(0.0, parsedate_to_datetime(raw).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+
+
+def _error_text(resp: httpx.Response, limit: int = 300) -> str:
+    try:
+        data = resp.json()
+        err = data.get("error") if isinstance(data, dict) else None
+        if isinstance(err, dict):
+            return str(err.get("message") or err)[:limit]
+        if err:
+            return str(err)[:limit]
+        return json.dumps(data)[:limit]
+    except ValueError:
+        return resp.text[:limit]
+
+
+def _is_moderation(resp: httpx.Response) -> bool:
+    try:
+        err = resp.json().get("error") or {}
+        meta = err.get("metadata") or {}
+        return "flagged_input" in meta or "reasons" in meta or "moderation" in str(err.get("message", "")).lower()
+    except (ValueError, AttributeError):
+        return False
+
+
+def check_status(backend: BackendConfig, resp: httpx.Response) -> None:
+    """Raise the right error for a non-200 response (see module docstring)."""
+    code = resp.status_code
+    if code == 200:
+        return
+    text = _error_text(resp)
+    if code in FATAL_STATUS:
+        if code == 403 and _is_moderation(resp):
+            raise SampleError("moderation", text)
+        what = {401: "credentials rejected", 402: "insufficient credits", 403: "forbidden"}[code]
+        raise FatalBackendError(
+            f"backend {backend.name!r} ({backend.base_url}) answered HTTP {code} ({what}): {text}. "
+            "Stopping the job; every response already received is kept in the journal."
+        )
+    if code in RETRYABLE_STATUS or code >= 500:
+        raise RetryableError(f"http_{code}", text, retry_after=_retry_after(resp), backend_fault=code >= 500)
+    raise SampleError(f"http_{code}", text)
+
+
+def _int(v) -> int | None:
+    try:
+        return None if v is None else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> dict:
+    """Parse a 200 chat-completions body into RESPONSES fields.
+
+    Returns keys: reasoning, content, tool_calls (JSON text or None), finish_reason, prompt_tokens,
+    completion_tokens, reasoning_tokens, cost_usd (``usage.cost``, OpenRouter credits = USD), backend,
+    provider (OpenRouter top-level ``provider``, else the backend name), model, latency_s, output_ids
+    (``choices[0].token_ids`` / ``output_ids`` when the server returns them), completed_at.
+    Raises :class:`RetryableError` for malformed JSON and errors inside the body.
+    """
+    try:
+        data = json.loads(content)
+    except ValueError as exc:
+        raise RetryableError("malformed_json", f"{exc} (body starts {content[:80]!r})") from None
+    if not isinstance(data, dict):
+        raise RetryableError("malformed_json", "body is not a JSON object")
+    err = data.get("error")
+    if err:
+        code = err.get("code") if isinstance(err, dict) else None
+        msg = (err.get("message") if isinstance(err, dict) else str(err)) or str(err)
+        if code in (401, 402) or str(code) in ("401", "402"):
+            raise FatalBackendError(f"backend {backend.name!r}: error {code} inside a 200 body: {msg[:300]}")
+        raise RetryableError("error_in_body", str(msg)[:300])
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise RetryableError("no_choices", "response has no choices")
+    choice = choices[0]
+    if choice.get("error"):
+        cerr = choice["error"]
+        raise RetryableError("error_in_body", str(cerr.get("message") if isinstance(cerr, dict) else cerr)[:300])
+    finish = choice.get("finish_reason")
+    if finish == "error":
+        raise RetryableError("error_in_body", "finish_reason is 'error'")
+    msg = choice.get("message")
+    if not isinstance(msg, dict):
+        raise RetryableError("malformed_json", "choices[0].message missing")
+    content_text = msg.get("content")
+    reasoning = msg.get("reasoning")
+    if reasoning is None:
+        reasoning = msg.get("reasoning_content")
+    tool_calls = msg.get("tool_calls") or None
+    usage = data.get("usage") or {}
+    completion_tokens = _int(usage.get("completion_tokens"))
+    if not content_text and not reasoning and not tool_calls and not completion_tokens:
+        raise RetryableError("empty_response", "no content, reasoning or tool calls")
+    details = usage.get("completion_tokens_details") or {}
+    reasoning_tokens = _int(details.get("reasoning_tokens"))
+    if reasoning_tokens is None:
+        reasoning_tokens = _int(usage.get("reasoning_tokens"))  # SGLang: top-level
+    cost = usage.get("cost")
+    try:
+        cost = None if cost is None else float(cost)
+    except (TypeError, ValueError):
+        cost = None
+    ids = choice.get("token_ids") or choice.get("output_ids")
+    if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+        ids = None
+    provider = data.get("provider") if backend.type == "openrouter" else None
+    return {
+        "reasoning": reasoning if isinstance(reasoning, str) else None,
+        "content": content_text if isinstance(content_text, str) else None,
+        "tool_calls": json.dumps(tool_calls, ensure_ascii=False) if tool_calls else None,
+        "finish_reason": finish,
+        "prompt_tokens": _int(usage.get("prompt_tokens")),
+        "completion_tokens": completion_tokens,
+        "reasoning_tokens": reasoning_tokens,
+        "cost_usd": cost,
+        "backend": backend.name,
+        "provider": str(provider) if provider else backend.name,
+        "model": str(data.get("model") or backend.model),
+        "latency_s": float(latency_s),
+        "output_ids": ids,
+        "completed_at": time.time(),
+    }
+
+
+class Backend:
+    """A live backend: config + httpx.AsyncClient (pool sized to ``max_concurrency``) + in-flight count.
+
+    Health: ``eject_after`` consecutive backend faults (connection refused, 5xx) take it out of rotation for
+    ``eject_s`` seconds; its requests go to the other backends meanwhile.
+    """
+
+    def __init__(self, cfg: BackendConfig, *, eject_after: int = 20, eject_s: float = 30.0):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.in_flight = 0
+        self.eject_after = eject_after
+        self.eject_s = eject_s
+        self.consecutive_faults = 0
+        self.ejected_until = 0.0
+        self.ejections = 0
+        key = cfg.api_key()
+        headers = {"Content-Type": "application/json", **cfg.headers}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        n = cfg.max_concurrency
+        self.client = httpx.AsyncClient(
+            base_url=cfg.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+            trust_env=False,
+        )
+        self.limiter = None
+        if cfg.requests_per_minute:
+            from aiolimiter import AsyncLimiter
+
+            self.limiter = AsyncLimiter(float(cfg.requests_per_minute), 60.0)
+
+    def available(self, now: float) -> bool:
+        return self.in_flight < self.cfg.max_concurrency and now >= self.ejected_until
+
+    def record(self, ok: bool, backend_fault: bool = False) -> None:
+        if ok:
+            self.consecutive_faults = 0
+            return
+        if backend_fault:
+            self.consecutive_faults += 1
+            if self.consecutive_faults >= self.eject_after:
+                self.ejected_until = time.monotonic() + self.eject_s
+                self.ejections += 1
+                self.consecutive_faults = 0
+                logger.warning(
+                    "backend %s: %d consecutive failures, out of rotation for %.0f s",
+                    self.name, self.eject_after, self.eject_s,
+                )
+
+    async def post_chat(self, body: bytes) -> dict:
+        """POST one chat completion; return parsed fields or raise Retryable/Sample/FatalBackendError."""
+        if self.limiter is not None:
+            await self.limiter.acquire()
+        t0 = time.monotonic()
+        try:
+            resp = await self.client.post("/chat/completions", content=body)
+        except httpx.TimeoutException as exc:
+            raise RetryableError("timeout", type(exc).__name__) from None
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
+                httpx.NetworkError) as exc:
+            raise RetryableError("connection_error", f"{type(exc).__name__}: {str(exc)[:200]}",
+                                 backend_fault=isinstance(exc, httpx.ConnectError)) from None
+        check_status(self.cfg, resp)
+        return parse_response(self.cfg, resp.content, time.monotonic() - t0)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class BackendPool:
+    """Backends in priority order: a request takes the first backend with a free slot (overflow goes on).
+
+    ``async with pool.slot() as backend:`` waits until some backend in rotation has capacity.
+    """
+
+    def __init__(self, backends: list[Backend]):
+        if not backends:
+            raise ValueError("BackendPool needs at least one backend")
+        self.backends = backends
+        self._cond = asyncio.Condition()
+
+    @property
+    def capacity(self) -> int:
+        return sum(b.cfg.max_concurrency for b in self.backends)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(b.in_flight for b in self.backends)
+
+    async def acquire(self) -> Backend:
+        async with self._cond:
+            while True:
+                now = time.monotonic()
+                for b in self.backends:
+                    if b.available(now):
+                        b.in_flight += 1
+                        return b
+                # all busy or ejected: wake on release, or when the earliest ejection ends
+                wake = [b.ejected_until - now for b in self.backends if b.ejected_until > now]
+                timeout = max(0.05, min(wake)) if wake else None
+                try:
+                    await asyncio.wait_for(self._cond.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def release(self, b: Backend) -> None:
+        async with self._cond:
+            b.in_flight -= 1
+            self._cond.notify(1)
+
+    def slot(self):
+        pool = self
+
+        class _Slot:
+            async def __aenter__(self_inner):
+                self_inner.b = await pool.acquire()
+                return self_inner.b
+
+            async def __aexit__(self_inner, *exc):
+                await pool.release(self_inner.b)
+
+        return _Slot()
+
+    async def aclose(self) -> None:
+        for b in self.backends:
+            await b.aclose()
+
+
+def retry_wait(initial_s: float, max_s: float):
+    """A tenacity ``wait`` callable: the server's ``Retry-After`` when given (capped at ``max_s``, plus up to
+    10% jitter), else full-jitter exponential backoff ``uniform(0, min(max_s, initial_s * 2**n))``."""
+    import tenacity
+
+    expo = tenacity.wait_random_exponential(multiplier=initial_s, max=max_s)
+
+    def wait(retry_state) -> float:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        ra = getattr(exc, "retry_after", None)
+        if ra is not None:
+            return min(max_s, ra) * (1 + 0.1 * random.random())
+        return max(initial_s / 4, expo(retry_state))
+
+    return wait

@@ -1,0 +1,154 @@
+"""Append-only response journal: what has been paid for survives crashes, kills and deleted results.
+
+Layout: ``<journal_dir>/<dataset>/<shard>.jsonl``, one JSON object per line, each a completed response
+(``status == "ok"``) with its ``request_key`` and every ``schemas.RESPONSES`` field. A job appends only to
+its own shard file, but reads *all* ``*.jsonl`` files of the dataset on start, so a changed shard count still
+finds earlier responses.
+
+Durability: each record is written to the OS with one ``os.write`` on an ``O_APPEND`` descriptor as soon
+as it arrives (a ``kill -9`` of the job loses nothing written), and ``fsync``-ed in small batches (every
+``sync_every`` records or ``sync_interval_s`` seconds, and on close) against power loss. A crash can leave a
+torn last line; the reader skips lines that are not complete JSON objects (counted and reported), and the
+writer starts a fresh line if the file does not end in a newline, so a torn fragment never glues onto the
+next record. Failed requests are never journaled: a rerun retries them.
+
+The journal never holds an API key: records are response fields only (no headers, no request options).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterable
+
+logger = logging.getLogger("eagle3_data.journal")
+
+
+class JournalError(RuntimeError):
+    """The journal directory or a record is unusable (message names the file)."""
+
+
+def journal_path(journal_dir: str | os.PathLike, dataset: str, shard: str) -> Path:
+    """``<journal_dir>/<dataset>/<shard>.jsonl``."""
+    return Path(journal_dir) / dataset / f"{shard}.jsonl"
+
+
+def read_journal(journal_dir: str | os.PathLike, dataset: str) -> tuple[dict[str, dict], dict]:
+    """Read every ``*.jsonl`` of ``<journal_dir>/<dataset>/``.
+
+    Returns ``(records, stats)``: ``records`` maps ``request_key`` -> record dict (first occurrence wins;
+    a duplicate key is counted, not an error); ``stats`` = ``{"files", "lines", "records", "bad_lines",
+    "duplicates"}``. A line that is not a JSON object with a string ``request_key`` (a torn write) is
+    skipped with a warning naming file and line number.
+    """
+    records: dict[str, dict] = {}
+    stats = {"files": 0, "lines": 0, "records": 0, "bad_lines": 0, "duplicates": 0}
+    folder = Path(journal_dir) / dataset
+    if not folder.is_dir():
+        return records, stats
+    for path in sorted(folder.glob("*.jsonl")):
+        stats["files"] += 1
+        with open(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                stats["lines"] += 1
+                try:
+                    rec = json.loads(raw)
+                    if not isinstance(rec, dict) or not isinstance(rec.get("request_key"), str):
+                        raise ValueError("no request_key")
+                except ValueError:
+                    stats["bad_lines"] += 1
+                    logger.warning("journal %s line %d: not a complete record (torn write?); skipped", path, lineno)
+                    continue
+                key = rec["request_key"]
+                if key in records:
+                    stats["duplicates"] += 1
+                    continue
+                records[key] = rec
+                stats["records"] += 1
+    return records, stats
+
+
+class JournalWriter:
+    """Appends completed responses to ``<journal_dir>/<dataset>/<shard>.jsonl``.
+
+    Use as a context manager (``close`` fsyncs). ``append(record)`` requires ``record["request_key"]``;
+    values must be JSON-serialisable (lists of ints, strings, numbers, None).
+    """
+
+    def __init__(
+        self,
+        journal_dir: str | os.PathLike,
+        dataset: str,
+        shard: str,
+        *,
+        sync_every: int = 32,
+        sync_interval_s: float = 1.0,
+    ):
+        self.path = journal_path(journal_dir, dataset, shard)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.sync_every = max(1, int(sync_every))
+        self.sync_interval_s = float(sync_interval_s)
+        created = not self.path.exists()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if created:
+            dfd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        else:
+            size = os.fstat(self._fd).st_size
+            if size:
+                with open(self.path, "rb") as fh:
+                    fh.seek(size - 1)
+                    if fh.read(1) != b"\n":  # torn last line: never glue the next record onto it
+                        os.write(self._fd, b"\n")
+        self._unsynced = 0
+        self._last_sync = time.monotonic()
+        self.written = 0
+
+    def append(self, record: dict) -> None:
+        """Write one record now (one ``os.write``); fsync when the batch is full or old enough."""
+        if self._fd is None:
+            raise JournalError(f"{self.path}: journal already closed")
+        if not isinstance(record.get("request_key"), str):
+            raise JournalError(f"{self.path}: record without a request_key")
+        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        view = memoryview(line)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        self.written += 1
+        self._unsynced += 1
+        if self._unsynced >= self.sync_every or time.monotonic() - self._last_sync >= self.sync_interval_s:
+            self.sync()
+
+    def extend(self, records: Iterable[dict]) -> None:
+        for r in records:
+            self.append(r)
+
+    def sync(self) -> None:
+        """fsync what has been written."""
+        if self._fd is not None and self._unsynced:
+            os.fsync(self._fd)
+        self._unsynced = 0
+        self._last_sync = time.monotonic()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                self.sync()
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> "JournalWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,201 @@
+"""Stage 1, normalize: a raw public source file -> per-shard PROMPTS parquet (or TOKENS for pre-tokenized
+sources) + one rejects file.
+
+Output rows (``schemas.PROMPTS``): ``sample_id`` (the source's own id, else ``io.content_hash(messages,
+tools)``), ``dataset``, ``messages`` (JSON text of OpenAI messages: role system/user/assistant/tool,
+``content`` always a string, ``tool_calls`` with ``function.arguments`` as JSON text, ``tool_call_id``/``name``
+on tool messages; original assistant turns are kept), ``tools`` (JSON text of OpenAI tool definitions, or
+null), ``source_format``, ``source_row`` (0-based record index in the source file; for JSONL blank lines are
+not counted). Shard of a row = ``io.shard_of(sample_id, num_shards)``, so appending records to a source never
+moves existing samples.
+
+Every conversation passes :func:`sources.base.check_conversation`: at least one message, only the four
+roles, system messages only before the first turn, first non-system turn a user turn, no empty user text.
+A conversation may end with a user turn (a pure prompt) or with an assistant turn (the generate stage
+decides which assistant turn(s) to regenerate).
+
+Rejects (``schemas.REJECTS``, stage ``normalize``): reason codes of ``sources.REJECT_REASONS``. A row whose
+id repeats an earlier row's id is rejected as ``duplicate_id`` (the first occurrence wins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+import pyarrow.parquet as pq
+
+from . import schemas
+from .io import atomic_path, content_hash, shard_of
+from .sources import FORMAT_PROBE_RECORDS, RowReject, SourceFormatError, get_adapter, iter_records
+
+PROGRESS_EVERY_S = 10.0
+
+
+class _ShardWriter:
+    """Streams checked batches of one shard into a temporary parquet file; renamed into place on success."""
+
+    def __init__(self, path: str | os.PathLike, kind: str, stack: contextlib.ExitStack, batch_rows: int):
+        self.path = str(path)
+        self.kind = kind
+        self.schema = schemas.MODELS[kind][0]
+        self.batch_rows = batch_rows
+        tmp = stack.enter_context(atomic_path(path))
+        self.writer = pq.ParquetWriter(tmp, self.schema, compression="zstd")
+        stack.callback(self.writer.close)  # runs before atomic_path's rename (LIFO)
+        self.rows: list[dict] = []
+        self.count = 0
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.count += 1
+        if len(self.rows) >= self.batch_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        table = schemas.from_rows(self.rows, self.schema)
+        schemas.check(table, self.kind, self.path)
+        if table.num_rows:
+            self.writer.write_table(table)
+        self.rows = []
+
+
+def _tokens_row(sample_id: str, dataset: str, ids: list[int], mask: list[int]) -> dict:
+    first = next((i for i, m in enumerate(mask) if m), len(mask))
+    return {
+        "sample_id": sample_id,
+        "dataset": dataset,
+        "input_ids": ids,
+        "loss_mask": mask,
+        "num_tokens": len(ids),
+        "num_prompt_tokens": first,
+        "num_completion_tokens": sum(mask),
+        "ids_source": "pretokenized",
+    }
+
+
+def normalize(
+    source_path: str | os.PathLike,
+    source_format: str,
+    dataset: str,
+    num_shards: int,
+    out_paths: Sequence[str | os.PathLike],
+    rejects_path: str | os.PathLike,
+    *,
+    max_samples: int | None = None,
+    options: dict | None = None,
+    log: logging.Logger | None = None,
+    batch_rows: int = 2048,
+) -> dict:
+    """Normalize one source file into ``num_shards`` shard files and one rejects file.
+
+    ``source_path``: ``.jsonl``, ``.json`` (array) or ``.parquet`` (``.gz`` allowed on the JSON kinds), read
+    streaming. ``source_format``: a name from ``sources.ADAPTERS``; ``options``: that adapter's options.
+    ``out_paths[i]``: shard ``i``'s file — PROMPTS rows, or TOKENS rows (``ids_source="pretokenized"``) for the
+    ``pretokenized`` format. Every shard file is written (an empty table when the shard has no rows), and
+    ``rejects_path`` (REJECTS rows, stage ``normalize``), all atomically and checked against ``schemas``.
+    ``max_samples``: keep the first N usable rows, then stop reading.
+
+    Returns ``{"rows_read": int, "kept": int, "rejected": {reason: n}, "per_shard": [n, ...],
+    "repaired": {note: n}, "output": "prompts"|"tokens"}``; ``repaired`` counts kept rows that were fixed up
+    (e.g. ``merged_consecutive_turns``).
+
+    Raises SourceFormatError (file not the named format: invalid JSON anywhere, naming the line/record; a
+    record without the format's required field among the first 10), ValueError (unknown format/option,
+    ``len(out_paths) != num_shards``), FileNotFoundError.
+    """
+    log = log or logging.getLogger("eagle3_data.normalize")
+    if len(out_paths) != num_shards:
+        raise ValueError(f"normalize: {len(out_paths)} output paths for {num_shards} shards")
+    if max_samples is not None and max_samples < 0:
+        raise ValueError(f"normalize: max_samples must be >= 0 or null, got {max_samples}")
+    adapter = get_adapter(source_format, options)
+    kind = "tokens" if adapter.output == "tokens" else "prompts"
+    source_path = Path(source_path)
+
+    rejects: list[dict] = []
+    rejected: Counter = Counter()
+    repaired: Counter = Counter()
+    seen: set[str] = set()
+    rows_read = kept = 0
+    t0 = last = time.monotonic()
+
+    def reject(reason: str, detail: str, sid: str | None, index: int) -> None:
+        rejected[reason] += 1
+        rejects.append(
+            {"sample_id": sid, "dataset": dataset, "stage": "normalize", "reason": reason, "detail": detail[:2000], "source_row": index}
+        )
+
+    log.info("normalize %s: reading %s as %s -> %d shard(s) of %s", dataset, source_path, source_format, num_shards, kind)
+    with contextlib.ExitStack() as stack:
+        shards = [_ShardWriter(p, kind, stack, batch_rows) for p in out_paths]
+        records = stack.enter_context(contextlib.closing(iter_records(source_path)))
+        for index, record, where in records:
+            if max_samples is not None and kept >= max_samples:
+                break
+            rows_read += 1
+            problem = adapter.shape_problem(record)
+            if problem is not None:
+                if index < FORMAT_PROBE_RECORDS:
+                    raise SourceFormatError(f"{source_path} {where}: expected {adapter.expected}, {problem}")
+                reject("malformed_record", f"{where}: {problem}", None, index)
+                continue
+            try:
+                sample = adapter.convert(record)
+            except RowReject as rej:
+                reject(rej.reason, f"{where}: {rej.detail}", rej.sample_id, index)
+                continue
+            if kind == "tokens":
+                sid = sample.sample_id or content_hash(sample.input_ids, sample.loss_mask)
+            else:
+                sid = sample.sample_id or content_hash(sample.messages, sample.tools)
+            if sid in seen:
+                reject("duplicate_id", f"{where}: sample_id {sid!r} already used by an earlier row", sid, index)
+                continue
+            seen.add(sid)
+            if kind == "tokens":
+                row = _tokens_row(sid, dataset, sample.input_ids, sample.loss_mask)
+            else:
+                row = {
+                    "sample_id": sid,
+                    "dataset": dataset,
+                    "messages": json.dumps(sample.messages, ensure_ascii=False),
+                    "tools": json.dumps(sample.tools, ensure_ascii=False) if sample.tools else None,
+                    "source_format": source_format,
+                    "source_row": index,
+                }
+            shards[shard_of(sid, num_shards)].add(row)
+            kept += 1
+            repaired.update(sample.notes)
+            now = time.monotonic()
+            if now - last >= PROGRESS_EVERY_S:
+                last = now
+                log.info(
+                    "normalize %s: %d read, %d kept, %d rejected (%.0f rows/s)",
+                    dataset, rows_read, kept, sum(rejected.values()), rows_read / max(now - t0, 1e-9),
+                )
+        for s in shards:
+            s.flush()
+        schemas.write_checked(schemas.from_rows(rejects, schemas.REJECTS), "rejects", rejects_path)
+
+    if rows_read == 0:
+        log.warning("normalize %s: %s holds no records", dataset, source_path)
+    counts = {
+        "rows_read": rows_read,
+        "kept": kept,
+        "rejected": dict(sorted(rejected.items())),
+        "per_shard": [s.count for s in shards],
+        "repaired": dict(sorted(repaired.items())),
+        "output": kind,
+    }
+    log.info(
+        "normalize %s: done in %.1fs: %d read, %d kept, rejected %s, per shard %s",
+        dataset, time.monotonic() - t0, rows_read, kept, counts["rejected"] or "{}", counts["per_shard"],
+    )
+    return counts

@@ -1,0 +1,209 @@
+"""Streaming record readers for source files: JSONL, JSON array and parquet, chosen by file extension.
+
+Real sources are 0.2-7 GB, so nothing here loads a whole file: JSONL is read line by line, a JSON array is
+parsed incrementally (``ijson`` when installed, else a small ``json.JSONDecoder.raw_decode`` loop), parquet by
+record batch (``pyarrow.parquet.ParquetFile.iter_batches``). A ``.gz`` suffix on the JSON formats is
+decompressed on the fly.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io as _io
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .base import SourceFormatError
+
+try:  # optional: a C-backed incremental JSON parser (PyPI `ijson`)
+    import ijson  # type: ignore
+except ImportError:  # pragma: no cover - depends on the environment
+    ijson = None
+
+FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """``jsonl`` | ``json`` | ``parquet`` from the extension (``.gz`` allowed on the JSON kinds).
+
+    Raises SourceFormatError for any other extension.
+    """
+    p = Path(path)
+    suffixes = [s.lower() for s in p.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+        if suffixes and suffixes[-1] == ".parquet":
+            raise SourceFormatError(f"{path}: gzip-compressed parquet is not supported (parquet compresses itself)")
+    ext = suffixes[-1] if suffixes else ""
+    if ext not in FORMATS:
+        raise SourceFormatError(f"{path}: unknown source file extension {ext or '(none)'!r}; expected .jsonl, .json or .parquet")
+    return FORMATS[ext]
+
+
+def _open_binary(path: Path):
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def iter_records(path: str | os.PathLike, *, batch_rows: int = 1024, use_ijson: bool | None = None) -> Iterator[tuple[int, Any, str]]:
+    """Yield ``(index, record, where)`` for every record of ``path``.
+
+    ``index``: 0-based record number (blank JSONL lines are skipped and not counted); ``where``: a location
+    for messages, ``"line N"`` (1-based) for JSONL, ``"record N"`` otherwise. Records are whatever the file
+    holds (dicts for well-formed sources; parquet rows are dicts of Python values).
+    ``use_ijson``: None = use ijson when installed; False forces the built-in incremental decoder.
+
+    Raises SourceFormatError naming the file and the line/record on invalid JSON, a JSON file that is not an
+    array, or an unreadable parquet file.
+    """
+    path = Path(path)
+    kind = file_kind(path)
+    if not path.exists():
+        raise FileNotFoundError(f"source file not found: {path}")
+    if kind == "jsonl":
+        yield from _iter_jsonl(path)
+    elif kind == "json":
+        if use_ijson is None:
+            use_ijson = ijson is not None
+        yield from (_iter_json_array_ijson(path) if use_ijson else _iter_json_array_plain(path))
+    else:
+        yield from _iter_parquet(path, batch_rows)
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str]]:
+    index = 0
+    with _open_binary(path) as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+                col = f" column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+                raise SourceFormatError(
+                    f"{path} line {lineno}: invalid JSON ({msg}{col}); expected one JSON object per line"
+                ) from None
+            yield index, record, f"line {lineno}"
+            index += 1
+
+
+def _first_char(fh) -> bytes:
+    while True:
+        c = fh.read(1)
+        if not c or not c.isspace():
+            return c
+
+
+def _not_array_error(path: Path, c: bytes) -> SourceFormatError:
+    hint = " (one object per line? name the file .jsonl)" if c == b"{" else ""
+    got = repr(c.decode(errors="replace")) if c else "an empty file"
+    return SourceFormatError(f"{path}: expected a JSON array of records starting with '[', got {got}{hint}")
+
+
+def _iter_json_array_ijson(path: Path) -> Iterator[tuple[int, Any, str]]:
+    with _open_binary(path) as fh:
+        c = _first_char(fh)
+        if c != b"[":
+            raise _not_array_error(path, c)
+    with _open_binary(path) as fh:
+        index = 0
+        try:
+            for record in ijson.items(fh, "item", use_float=True):
+                yield index, record, f"record {index}"
+                index += 1
+        except ijson.JSONError as exc:
+            detail = " ".join(str(exc).split())
+            raise SourceFormatError(
+                f"{path} record {index}: invalid JSON after {index} complete record(s) ({detail[:300]})"
+            ) from None
+
+
+def _iter_json_array_plain(path: Path, chunk_chars: int = 1 << 20, max_record_chars: int = 1 << 28) -> Iterator[tuple[int, Any, str]]:
+    """Incremental JSON-array reader without ijson: ``raw_decode`` one element at a time from a sliding buffer."""
+    decoder = json.JSONDecoder()
+    with _io.TextIOWrapper(_open_binary(path), encoding="utf-8") as fh:
+        buf = ""
+        pos = 0
+        line = 1  # 1-based line of buf[pos]
+        eof = False
+
+        def fill() -> bool:
+            nonlocal buf, pos, eof
+            if eof:
+                return False
+            chunk = fh.read(chunk_chars)
+            if not chunk:
+                eof = True
+                return False
+            buf = buf[pos:] + chunk
+            pos = 0
+            return True
+
+        def skip_ws() -> str:
+            nonlocal pos, line
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n":
+                    if buf[pos] == "\n":
+                        line += 1
+                    pos += 1
+                if pos < len(buf):
+                    return buf[pos]
+                if not fill():
+                    return ""
+
+        c = skip_ws()
+        if c != "[":
+            raise _not_array_error(path, c.encode())
+        pos += 1
+        index = 0
+        while True:
+            c = skip_ws()
+            if c == "]":
+                pos += 1
+                if skip_ws():
+                    raise SourceFormatError(f"{path} line {line}: invalid JSON (extra data after the closing ']')")
+                return
+            if index > 0:
+                if c != ",":
+                    got = repr(c) if c else "end of file"
+                    raise SourceFormatError(
+                        f"{path} line {line} (record {index}): invalid JSON (expected ',' or ']' after a record, got {got})"
+                    )
+                pos += 1
+                c = skip_ws()
+            if not c:
+                raise SourceFormatError(f"{path} line {line} (record {index}): invalid JSON (file ends inside the array)")
+            while True:
+                try:
+                    record, end = decoder.raw_decode(buf, pos)
+                    if end == len(buf) and not eof and isinstance(record, (int, float)):
+                        raise json.JSONDecodeError("number may continue", buf, end)  # e.g. "12" of "123"
+                    break
+                except json.JSONDecodeError as exc:
+                    if len(buf) - pos > max_record_chars or not fill():
+                        raise SourceFormatError(
+                            f"{path} line {line} (record {index}): invalid JSON ({exc.msg})"
+                        ) from None
+            line += buf.count("\n", pos, end)
+            pos = end
+            yield index, record, f"record {index}"
+            index += 1
+
+
+def _iter_parquet(path: Path, batch_rows: int) -> Iterator[tuple[int, Any, str]]:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SourceFormatError(f"{path}: not a readable parquet file ({exc})") from None
+    index = 0
+    for batch in pf.iter_batches(batch_size=batch_rows):
+        for record in batch.to_pylist():
+            yield index, record, f"record {index}"
+            index += 1

@@ -1,0 +1,16 @@
+-- merge_rows: the kept rows in merged-shard order (shard, then shuffle_key), truncated to max_len.
+-- Needs the merge_plan table (run merge_plan.sql first with the same variables), e.g. by hand:
+--   COPY (SELECT * EXCLUDE (shard) FROM (<this query>) WHERE shard = 0) TO 'merged_000.parquet';
+SELECT
+    v.sample_id,
+    v.dataset,
+    CASE WHEN p.truncated THEN v.input_ids[1:getvariable('max_len')] ELSE v.input_ids END AS input_ids,
+    CASE WHEN p.truncated THEN v.loss_mask[1:getvariable('max_len')] ELSE v.loss_mask END AS loss_mask,
+    p.out_tokens AS num_tokens,
+    p.out_supervised AS num_supervised,
+    p.truncated,
+    p.shard
+FROM read_parquet(getvariable('validated_files'), filename = true, file_row_number = true) AS v
+JOIN (SELECT * FROM merge_plan WHERE drop_reason IS NULL) AS p
+  ON v.filename = p.filename AND v.file_row_number = p.file_row_number
+ORDER BY p.shard, p.shuffle_key

@@ -1,0 +1,49 @@
+"""Shared fixtures: the repository root, a scratch copy of the workflow, and a snakemake runner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "resources", "profiles", "envs"]
+
+
+def copy_workflow(dest: Path) -> Path:
+    """Copy the workflow (not results/, cache/, logs/) into ``dest`` and return it."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_FILES:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, dirs_exist_ok=True)
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def snakemake_env() -> dict:
+    """Environment for a snakemake subprocess: this interpreter's bin dir first on PATH (for CLIs)."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["HF_HUB_OFFLINE"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run ``python -m snakemake <args>`` in ``workdir``; on ``check`` assert rc 0 showing the output."""
+    cmd = [sys.executable, "-m", "snakemake", *args]
+    proc = subprocess.run(cmd, cwd=workdir, env=snakemake_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def root() -> Path:
+    return ROOT

@@ -1,0 +1,206 @@
+"""Merge: dedup, caps, max_len, seeded shuffle independent of input sharding, token-balanced shards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pyarrow.parquet as pq
+import pytest
+
+from eagle3_data import schemas
+from eagle3_data.merge import merge
+
+
+def make_rows(n: int, datasets: list[str], seed: int = 1, min_len: int = 4, max_len: int = 60) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        ds = datasets[i % len(datasets)]
+        length = rng.randint(min_len, max_len)
+        prompt = rng.randint(1, length - 1)
+        ids = [rng.randrange(0, 1000) for _ in range(length)]
+        mask = [0] * prompt + [1] * (length - prompt)
+        rows.append(row(ds, f"{ds}-{i:05d}", ids, mask))
+    return rows
+
+
+def row(ds: str, sid: str, ids: list[int], mask: list[int]) -> dict:
+    return {
+        "sample_id": sid,
+        "dataset": ds,
+        "input_ids": ids,
+        "loss_mask": mask,
+        "num_tokens": len(ids),
+        "num_prompt_tokens": mask.index(1) if 1 in mask else len(mask),
+        "num_completion_tokens": sum(mask),
+        "ids_source": "reconstructed",
+        "billed_completion_tokens": sum(mask),
+        "finish_reason": "stop",
+        "backend": "b",
+        "provider": "p",
+        "cost_usd": 0.0,
+    }
+
+
+def write_inputs(tmp_path, rows: list[dict], n_files: int, shuffle_seed: int | None = None, tag: str = "in"):
+    rows = list(rows)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(rows)
+    paths = []
+    for f in range(n_files):
+        part = rows[f::n_files]
+        p = tmp_path / tag / f"{f:03d}.parquet"
+        schemas.write_checked(schemas.from_rows(part, schemas.VALIDATED), "validated", p)
+        paths.append(p)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed + 1).shuffle(paths)
+    return paths
+
+
+def shuffle_key(seed, ds, sid) -> str:
+    return hashlib.md5(f"{seed}\x1f{ds}\x1f{sid}".encode()).hexdigest()
+
+
+def reference_merge(rows, *, k, datasets=None, max_samples=None, max_len, overflow, seed):
+    """Plain-Python statement of the merge rules, to compare against the DuckDB implementation."""
+    rows = [r for r in rows if datasets is None or r["dataset"] in datasets]
+    seen, kept = set(), []
+    for r in sorted(rows, key=lambda r: (r["dataset"], r["sample_id"])):
+        key = tuple(r["input_ids"])
+        if key in seen:
+            continue
+        seen.add(key)
+        ids, mask, trunc = r["input_ids"], r["loss_mask"], False
+        if len(ids) > max_len:
+            if overflow == "drop":
+                continue
+            ids, mask, trunc = ids[:max_len], mask[:max_len], True
+        if sum(mask) == 0:
+            continue
+        kept.append({"sample_id": r["sample_id"], "dataset": r["dataset"], "input_ids": ids, "loss_mask": mask,
+                     "num_tokens": len(ids), "num_supervised": sum(mask), "truncated": trunc})
+    kept.sort(key=lambda r: shuffle_key(seed, r["dataset"], r["sample_id"]))
+    caps = max_samples or {}
+    count: dict = {}
+    final = []
+    for r in kept:
+        count[r["dataset"]] = count.get(r["dataset"], 0) + 1
+        if count[r["dataset"]] <= caps.get(r["dataset"], 1 << 62):
+            final.append(r)
+    total = sum(r["num_tokens"] for r in final)
+    shards = [[] for _ in range(k)]
+    before = 0
+    for r in final:
+        shards[min(k - 1, before * k // total)].append(r)
+        before += r["num_tokens"]
+    return shards
+
+
+def read_shards(paths):
+    return [pq.read_table(p).to_pylist() for p in paths]
+
+
+def test_matches_reference_and_is_independent_of_input_sharding(tmp_path):
+    rows = make_rows(400, ["a", "b", "c"], seed=3)
+    # duplicates by content: same ids under another id and another dataset
+    rows.append(row("a", "a-dup", rows[5]["input_ids"], rows[5]["loss_mask"]))
+    rows.append(row("c", "c-dup", rows[7]["input_ids"], rows[7]["loss_mask"]))
+    settings = dict(max_samples={"b": 50}, max_len=40, overflow="truncate", seed=7)
+    outs1 = [tmp_path / "m1" / f"{i:03d}.parquet" for i in range(3)]
+    outs7 = [tmp_path / "m7" / f"{i:03d}.parquet" for i in range(3)]
+    man1 = merge(write_inputs(tmp_path, rows, 1, tag="one"), outs1, tmp_path / "m1.json", **settings)
+    man7 = merge(write_inputs(tmp_path, rows, 7, shuffle_seed=11, tag="seven"), outs7, tmp_path / "m7.json", **settings)
+
+    got1, got7 = read_shards(outs1), read_shards(outs7)
+    assert got1 == got7
+    expected = reference_merge(rows, k=3, **settings)
+    assert got1 == expected
+    assert man1["shards"] == [dict(s, path=str(o)) for s, o in zip(man7["shards"], outs1)]
+    assert man1["totals"] == man7["totals"]
+    # the cap kept exactly 50 of b; duplicates counted
+    assert sum(r["dataset"] == "b" for s in got1 for r in s) == 50
+    assert man1["totals"]["dropped"]["duplicate"] == 2
+    assert man1["datasets"]["b"]["dropped"]["over_max_samples"] == man1["datasets"]["b"]["input_samples"] - 50 - man1[
+        "datasets"]["b"]["dropped"].get("no_supervised_after_truncation", 0)
+
+
+def test_truncate_cuts_ids_and_mask_and_drops_unsupervised(tmp_path):
+    rows = [
+        row("a", "long", list(range(100, 120)), [0] * 5 + [1] * 15),  # truncated to 10, 5 supervised
+        row("a", "late", list(range(200, 220)), [0] * 15 + [1] * 5),  # no supervision in first 10: dropped
+        row("a", "short", [1, 2, 3], [0, 1, 1]),
+    ]
+    outs = [tmp_path / "m" / "000.parquet"]
+    man = merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json", max_len=10, overflow="truncate", seed=0)
+    got = {r["sample_id"]: r for r in pq.read_table(outs[0]).to_pylist()}
+    assert set(got) == {"long", "short"}
+    assert got["long"]["input_ids"] == list(range(100, 110))
+    assert got["long"]["loss_mask"] == [0] * 5 + [1] * 5
+    assert (got["long"]["num_tokens"], got["long"]["num_supervised"], got["long"]["truncated"]) == (10, 5, True)
+    assert (got["short"]["num_tokens"], got["short"]["truncated"]) == (3, False)
+    assert man["datasets"]["a"]["dropped"] == {"no_supervised_after_truncation": 1}
+    assert man["totals"]["truncated"] == 1
+
+    man = merge(write_inputs(tmp_path, rows, 1, tag="d"), outs, tmp_path / "m.json", max_len=10, overflow="drop",
+                seed=0)
+    assert [r["sample_id"] for r in pq.read_table(outs[0]).to_pylist()] == ["short"]
+    assert man["datasets"]["a"]["dropped"] == {"over_max_len": 2}
+
+
+def test_dataset_filter_seed_and_balance(tmp_path):
+    rows = make_rows(600, ["a", "b", "c"], seed=5, max_len=80)
+    inputs = write_inputs(tmp_path, rows, 4)
+    outs = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(4)]
+    man = merge(inputs, outs, tmp_path / "m.json", datasets=["a", "c"], max_len=1000, seed=1)
+    got = read_shards(outs)
+    assert {r["dataset"] for s in got for r in s} == {"a", "c"}
+    assert sum(len(s) for s in got) == 400
+    tokens = [sum(r["num_tokens"] for r in s) for s in got]
+    total = sum(tokens)
+    assert tokens == [s["tokens"] for s in man["shards"]]
+    assert total == sum(len(r["input_ids"]) for r in rows if r["dataset"] != "b")
+    assert max(abs(t - total / 4) for t in tokens) <= 80  # within one sample of perfect balance
+    # supervised and per-dataset counts in the manifest equal what the files hold
+    for s, m in zip(got, man["shards"]):
+        assert m["supervised_tokens"] == sum(sum(r["loss_mask"]) for r in s)
+        assert m["datasets"] == {d: sum(r["dataset"] == d for r in s) for d in {r["dataset"] for r in s}}
+    on_disk = json.loads((tmp_path / "m.json").read_text())
+    assert on_disk["totals"] == man["totals"]
+    # another seed: same set, different order
+    man2 = merge(inputs, outs, tmp_path / "m2.json", datasets=["a", "c"], max_len=1000, seed=2)
+    got2 = read_shards(outs)
+    ids1 = [r["sample_id"] for s in got for r in s]
+    ids2 = [r["sample_id"] for s in got2 for r in s]
+    assert sorted(ids1) == sorted(ids2) and ids1 != ids2
+    assert man2["totals"]["samples"] == 400
+
+
+def test_more_shards_than_samples_and_conflicting_ids(tmp_path):
+    rows = make_rows(2, ["a"], seed=2)
+    outs = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(4)]
+    man = merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json", max_len=100, seed=0)
+    assert [pq.read_table(p).num_rows for p in outs] == [s["samples"] for s in man["shards"]]
+    assert sum(s["samples"] for s in man["shards"]) == 2
+    assert all(p.exists() for p in outs)
+
+    bad = [row("a", "x", [1, 2, 3], [0, 1, 1])]
+    bad2 = [row("a", "x", [1, 2, 4], [0, 1, 1])]
+    p1 = write_inputs(tmp_path, bad, 1, tag="c1")
+    p2 = write_inputs(tmp_path, bad2, 1, tag="c2")
+    out = tmp_path / "c" / "000.parquet"
+    with pytest.raises(ValueError, match=r"a/x: 2 versions"):
+        merge(p1 + p2, [out], tmp_path / "c.json", max_len=10, seed=0)
+    assert not out.exists()
+    assert not list((tmp_path / "c").glob(".*tmp"))
+
+
+def test_bad_arguments(tmp_path):
+    p = write_inputs(tmp_path, make_rows(3, ["a"]), 1)
+    with pytest.raises(ValueError, match="overflow"):
+        merge(p, [tmp_path / "o.parquet"], tmp_path / "m.json", max_len=10, overflow="cut")
+    with pytest.raises(ValueError, match="max_len"):
+        merge(p, [tmp_path / "o.parquet"], tmp_path / "m.json", max_len=0)
+    with pytest.raises(FileNotFoundError, match="nope"):
+        merge([tmp_path / "nope.parquet"], [tmp_path / "o.parquet"], tmp_path / "m.json", max_len=10)

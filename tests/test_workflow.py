@@ -1,0 +1,222 @@
+"""The whole Snakefile on a scratch copy of the embedded default config, checked stage by stage by value.
+
+One full run (module-scoped fixture, a few minutes on 2 cores) feeds every test here; the incremental tests
+work on copies of the finished tree so they see the real Snakemake metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from safetensors import safe_open
+
+from conftest import copy_workflow, run_snakemake
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    wd = copy_workflow(tmp_path_factory.mktemp("workflow"))
+    proc = run_snakemake(wd, "--cores", "2")
+    (wd / "run.out").write_text(proc.stdout + proc.stderr)
+    return wd
+
+
+def config(wd: Path) -> dict:
+    return yaml.safe_load((wd / "config.yaml").read_text())
+
+
+def rows(paths) -> list[dict]:
+    out = []
+    for p in paths:
+        out.extend(pq.read_table(p).to_pylist())
+    return out
+
+
+def test_every_stage_output_exists_and_tally_is_printed(built):
+    cfg = config(built)
+    for ds, d in cfg["datasets"].items():
+        for s in range(d.get("shards", 1)):
+            assert (built / f"results/{ds}/validated/{s:03d}.parquet").exists()
+            assert (built / f"results/{ds}/rejected/{s:03d}.parquet").exists()
+    for k in range(cfg["merge"]["shards"]):
+        assert (built / f"results/merged/{k:03d}.parquet").exists()
+        assert (built / f"results/hidden_states/{k:03d}.safetensors").exists()
+    out = (built / "run.out").read_text()
+    for ds in cfg["datasets"]:
+        assert ds in out, f"the tally printed at the end should list {ds}"
+    # the server the build launched is gone and left no temp files behind
+    assert not list((built / "results").rglob("*.tmp"))
+
+
+def test_counts_are_conserved_from_prompts_to_validated(built):
+    cfg = config(built)
+    for ds, d in cfg["datasets"].items():
+        n = d.get("shards", 1)
+        norm_rejects = rows([built / f"results/{ds}/rejected/normalize.parquet"])
+        if d["source"]["format"] == "pretokenized":
+            upstream = rows([built / f"results/{ds}/tokens/{s:03d}.parquet" for s in range(n)])
+        else:
+            prompts = rows([built / f"results/{ds}/prompts/{s:03d}.parquet" for s in range(n)])
+            responses = rows([built / f"results/{ds}/responses/{s:03d}.parquet" for s in range(n)])
+            # mode `last`: exactly one response per prompt, none twice
+            assert sorted(r["sample_id"] for r in responses) == sorted(p["sample_id"] for p in prompts)
+            upstream = prompts
+        validated = rows([built / f"results/{ds}/validated/{s:03d}.parquet" for s in range(n)])
+        rejected = rows([built / f"results/{ds}/rejected/{s:03d}.parquet" for s in range(n)])
+        assert len(validated) + len(rejected) == len(upstream), ds
+        assert not {r["sample_id"] for r in validated} & {r["sample_id"] for r in rejected}
+        assert len(validated) > 0, ds
+        # the bundled samples include messy rows: each is rejected with a reason, never dropped silently
+        assert all(r["reason"] for r in norm_rejects + rejected)
+        assert norm_rejects, f"{ds}: the bundled sample has messy rows that normalize must reject"
+
+
+def test_generated_pass_rate_is_at_least_90_percent(built):
+    cfg = config(built)
+    ok = bad = 0
+    for ds, d in cfg["datasets"].items():
+        if d["source"]["format"] == "pretokenized":
+            continue
+        n = d.get("shards", 1)
+        ok += len(rows([built / f"results/{ds}/validated/{s:03d}.parquet" for s in range(n)]))
+        bad += len(rows([built / f"results/{ds}/rejected/{s:03d}.parquet" for s in range(n)]))
+    assert ok / (ok + bad) >= 0.90, (ok, bad)
+
+
+def test_token_ids_and_loss_mask_cover_exactly_the_completion(built):
+    from transformers import AutoTokenizer
+
+    cfg = config(built)
+    tok = AutoTokenizer.from_pretrained(built / cfg["target"]["path"])
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    checked = 0
+    for ds, d in cfg["datasets"].items():
+        n = d.get("shards", 1)
+        validated = rows([built / f"results/{ds}/validated/{s:03d}.parquet" for s in range(n)])
+        for r in validated:
+            ids, mask = r["input_ids"], r["loss_mask"]
+            assert len(ids) == len(mask) == r["num_tokens"]
+            assert 0 <= min(ids) and max(ids) < len(tok)
+            assert ids[-1] == eot and mask[-1] == 1
+        if d["source"]["format"] == "pretokenized":
+            continue
+        responses = {
+            r["sample_id"]: r for r in rows([built / f"results/{ds}/responses/{s:03d}.parquet" for s in range(n)])
+        }
+        for r in validated:
+            resp = responses[r["sample_id"]]
+            prompt = tok.apply_chat_template(
+                json.loads(resp["messages"]),
+                tools=json.loads(resp["tools"]) if resp["tools"] else None,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            prompt_ids = tok.encode(prompt, add_special_tokens=False)
+            p = r["num_prompt_tokens"]
+            assert r["input_ids"][:p] == prompt_ids
+            assert r["loss_mask"] == [0] * p + [1] * (r["num_tokens"] - p)
+            completion = tok.decode(r["input_ids"][p:], skip_special_tokens=False)
+            assert completion == (resp["content"] or "") + "<|im_end|>"
+            assert r["num_completion_tokens"] == resp["completion_tokens"]
+            checked += 1
+    assert checked >= 50
+
+
+def test_merged_shards_and_hidden_states_match_the_tiny_target(built):
+    cfg = config(built)
+    tcfg = cfg["target"]["tiny"]
+    H, L = tcfg["hidden_size"], tcfg["num_layers"]
+    manifest = json.loads((built / "results/merged/manifest.json").read_text())
+    total_samples = 0
+    for k in range(cfg["merge"]["shards"]):
+        merged = rows([built / f"results/merged/{k:03d}.parquet"])
+        total_samples += len(merged)
+        T = sum(r["num_tokens"] for r in merged)
+        assert T > 0
+        with safe_open(str(built / f"results/hidden_states/{k:03d}.safetensors"), "pt") as f:
+            aux, final = f.get_tensor("aux_hidden_states"), f.get_tensor("hidden_states")
+            ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+            offsets = f.get_tensor("sample_offsets")
+            meta = f.metadata()
+        assert tuple(aux.shape) == (T, 3 * H), "auxiliary states: tokens x 3H, no padding rows"
+        assert tuple(final.shape) == (T, H), "final states: tokens x H, no padding rows"
+        assert ids.tolist() == [i for r in merged for i in r["input_ids"]]
+        assert mask.tolist() == [m for r in merged for m in r["loss_mask"]]
+        assert offsets.tolist()[-1] == T and len(offsets) == len(merged) + 1
+        assert json.loads(meta["layers"]) == [1, L // 2 - 1, L - 4]
+        assert json.loads(meta["sample_ids"]) == [r["sample_id"] for r in merged]
+    validated = sum(
+        len(rows([built / f"results/{ds}/validated/{s:03d}.parquet" for s in range(d.get("shards", 1))]))
+        for ds, d in cfg["datasets"].items()
+    )
+    assert total_samples <= validated and total_samples >= 0.9 * validated  # dedup/cap may drop a few
+    assert manifest["totals"]["samples"] == total_samples
+
+
+def _dry_run_jobs(wd: Path) -> dict[str, int]:
+    proc = run_snakemake(wd, "-n", "--quiet", "rules")
+    out = proc.stdout + proc.stderr
+    if "Nothing to be done" in out:
+        return {}
+    table = out.split("Job stats:")[1].split("Reasons:")[0]
+    jobs = {}
+    for line in table.splitlines():
+        m = re.match(r"^(\S+)\s+(\d+)\s*$", line.strip())
+        if m and m.group(1) not in ("total", "job"):
+            jobs[m.group(1)] = int(m.group(2))
+    return jobs
+
+
+@pytest.fixture
+def scratch(built, tmp_path) -> Path:
+    wd = tmp_path / "copy"
+    shutil.copytree(built, wd, symlinks=True)
+    return wd
+
+
+def test_second_run_does_nothing(scratch):
+    proc = run_snakemake(scratch, "--cores", "2")
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def test_changed_sample_file_reruns_only_that_dataset(scratch):
+    src = scratch / "resources/samples/ultrachat.jsonl"
+    lines = src.read_text().splitlines()
+    src.write_text("\n".join(lines[:-1]) + "\n")  # drop one record
+    jobs = _dry_run_jobs(scratch)
+    assert jobs.get("normalize_ultrachat_demo") == 1
+    assert not any(j.startswith("normalize_") and j != "normalize_ultrachat_demo" for j in jobs)
+    shards = config(scratch)["datasets"]["ultrachat_demo"].get("shards", 1)
+    assert jobs.get("generate") == shards and jobs.get("tokenize") == shards and jobs.get("validate") == shards
+    assert jobs.get("merge") == 1 and jobs.get("report") == 1
+    assert jobs.get("extract") == config(scratch)["merge"]["shards"]
+
+
+def test_changed_generation_params_rerun_only_that_dataset(scratch):
+    cfg = config(scratch)
+    cfg["datasets"]["sweagent_demo"].setdefault("generation", {})["temperature"] = 0.5
+    (scratch / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    jobs = _dry_run_jobs(scratch)
+    assert not any(j.startswith("normalize_") for j in jobs)
+    assert jobs.get("generate") == cfg["datasets"]["sweagent_demo"].get("shards", 1)
+    assert jobs.get("merge") == 1
+
+
+def test_journal_survives_deleting_results(scratch):
+    """A rerun after deleting results/ sends no request again: every response comes from the journal."""
+    shutil.rmtree(scratch / "results")
+    shutil.rmtree(scratch / ".snakemake", ignore_errors=True)
+    run_snakemake(scratch, "--cores", "2")
+    logs = list((scratch / "logs/generate").rglob("*.log"))
+    assert logs
+    for log in logs:
+        text = log.read_text()
+        assert re.search(r"sent[=: ]+0\b", text), f"{log}: expected no request sent\n{text[-2000:]}"
