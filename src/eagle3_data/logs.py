@@ -7,7 +7,10 @@ import sys
 
 
 def setup_logging(log_path: str | None = None, level: int = logging.INFO) -> logging.Logger:
-    """Send the ``eagle3_data`` logger's records to ``log_path`` (if given) and stderr; return it."""
+    """Send the ``eagle3_data`` logger's records to ``log_path`` (if given) and stderr; return it.
+
+    Also installs a ``sys.excepthook`` so an uncaught error (with its traceback) lands in the job's log file.
+    """
     logger = logging.getLogger("eagle3_data")
     logger.setLevel(level)
     logger.handlers.clear()
@@ -19,4 +22,10 @@ def setup_logging(log_path: str | None = None, level: int = logging.INFO) -> log
         h.setFormatter(fmt)
         logger.addHandler(h)
     logger.propagate = False
+
+    def log_uncaught(exc_type, exc, tb):
+        # the job's log file names the error (file, line, field) as well as the terminal
+        logger.error("%s: %s", exc_type.__name__, exc, exc_info=(exc_type, exc, tb))
+
+    sys.excepthook = log_uncaught
     return logger

@@ -1,0 +1,587 @@
+"""The ``generate`` stage: send each prompt to the target model's backends, journal, write RESPONSES parquet.
+
+One job = one dataset shard. Flow:
+
+1. read the PROMPTS parquet (``schemas.PROMPTS``); a row whose ``messages``/``tools`` is not usable becomes a
+   ``failed`` row with reason ``bad_prompt`` (no request is sent);
+2. build the requests: mode ``last`` regenerates the final assistant turn (prompt = messages before it; a
+   conversation without an assistant message is sent whole if it ends on a user/tool message); mode ``all``
+   regenerates every assistant turn in order, each prompt built from the regenerated history (sequential per
+   sample). Agent trajectories are the same: the prompt is cut before an assistant step;
+3. request key = ``io.content_hash(dataset, sample_id, turn, target_name, prompt messages, tools, sampling)``
+   with sampling = ``{max_tokens, temperature, top_p, extra_body}``: independent of the backend, so a response
+   from OpenRouter satisfies the same request later routed to SGLang;
+4. read the journal (:mod:`.journal`), send only missing keys; local servers (a backend's ``launch:``) start
+   only when something must be sent;
+5. write every RESPONSES row (journaled ok rows + failed rows) with ``schemas.write_checked``.
+
+Budgets (per dataset in config; a shard job gets ``1/num_shards`` of each): ``max_samples`` caps the samples
+considered (sorted by ``sample_id``), ``budget_completion_tokens`` and ``budget_usd`` stop *new* requests once
+spent + (in flight x mean per completed request) reaches the budget, so the overshoot is at most what was in
+flight. Samples never sent get no row (a rerun with a larger budget sends them); the summary counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from . import schemas
+from .backends.client import (
+    Backend,
+    BackendConfig,
+    BackendPool,
+    FatalBackendError,
+    RetryableError,
+    SampleError,
+    build_body,
+    retry_wait,
+)
+from .backends.server import launch_server
+from .io import content_hash
+from .journal import JournalWriter, read_journal
+
+logger = logging.getLogger("eagle3_data.generate")
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "extra_body")
+RESPONSE_FIELDS = [f.name for f in schemas.RESPONSES]
+PROMPT_ROLES = ("user", "tool")
+
+
+class GenerationStopped(RuntimeError):
+    """The job stopped early (credentials/credits rejected, SIGTERM); the journal keeps every response."""
+
+
+class _Terminated(BaseException):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# prompts -> requests
+
+
+@dataclass
+class Sample:
+    sample_id: str
+    messages: list
+    tools: list | None
+    turns: list[int]  # assistant indices to regenerate, in order (len(messages) = append a new turn)
+    source_row: int = -1
+
+
+def assistant_turns(messages: list, mode: str) -> list[int]:
+    """Indices of the assistant turns to regenerate (``mode`` last|all); ``[]`` if nothing can be asked.
+
+    No assistant message: ``[len(messages)]`` when the last message is a user/tool message (a fresh turn),
+    else ``[]``. A turn whose prompt would be empty is skipped.
+    """
+    idx = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and i > 0]
+    if not idx:
+        if messages and messages[-1].get("role") in PROMPT_ROLES:
+            return [len(messages)]
+        return []
+    if mode == "last":
+        return [idx[-1]]
+    if mode == "all":
+        return idx
+    raise ValueError(f"generation.mode must be 'last' or 'all', got {mode!r}")
+
+
+def assistant_message(rec: dict) -> dict:
+    """The regenerated assistant message put into the history of later turns (mode ``all``)."""
+    msg: dict = {"role": "assistant", "content": rec.get("content") or ""}
+    if rec.get("tool_calls"):
+        msg["tool_calls"] = json.loads(rec["tool_calls"])
+    return msg
+
+
+def sampling_params(generation: dict) -> dict:
+    return {k: generation.get(k) if k != "extra_body" else (generation.get(k) or {}) for k in SAMPLING_KEYS}
+
+
+def request_key(dataset: str, sample_id: str, turn: int, target_name: str, messages: list, tools, sampling: dict) -> str:
+    """Backend-independent key of one request (see module docstring)."""
+    return content_hash(dataset, sample_id, int(turn), target_name, messages, tools, sampling, length=16)
+
+
+def _parse_json_cell(text, what: str, row: int, path) -> object:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path} row {row}: column {what!r} is not valid JSON ({exc})") from None
+
+
+def read_prompts(prompts_path, mode: str) -> tuple[list[Sample], list[dict]]:
+    """Read a PROMPTS parquet; return (samples, bad rows as dicts with sample_id/row/reason detail)."""
+    table = pq.read_table(prompts_path)
+    missing = {"sample_id", "messages"} - set(table.column_names)
+    if missing:
+        raise ValueError(f"{prompts_path}: not a PROMPTS parquet, missing columns {sorted(missing)}")
+    cols = table.to_pydict()
+    n = table.num_rows
+    tools_col = cols.get("tools") or [None] * n
+    rows_col = cols.get("source_row") or list(range(n))
+    samples, bad, seen = [], [], set()
+    for i in range(n):
+        sid = cols["sample_id"][i]
+        if not sid:
+            raise ValueError(f"{prompts_path} row {i}: null/empty sample_id")
+        if sid in seen:
+            bad.append({"sample_id": sid, "row": i, "detail": "duplicate sample_id in prompts", "dup": True})
+            continue
+        seen.add(sid)
+        try:
+            messages = _parse_json_cell(cols["messages"][i], "messages", i, prompts_path)
+            tools = _parse_json_cell(tools_col[i], "tools", i, prompts_path)
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+                raise ValueError(f"{prompts_path} row {i}: messages must be a JSON list of objects with 'role'")
+            if tools is not None and not isinstance(tools, list):
+                raise ValueError(f"{prompts_path} row {i}: tools must be a JSON list or null")
+            turns = assistant_turns(messages, mode)
+            if not turns:
+                raise ValueError(f"{prompts_path} row {i}: no assistant turn to regenerate and the last message "
+                                 "is not a user/tool message")
+        except ValueError as exc:
+            bad.append({"sample_id": sid, "row": i, "detail": str(exc), "raw": cols["messages"][i],
+                        "tools": tools_col[i]})
+            continue
+        samples.append(Sample(sid, messages, tools or None, turns, int(rows_col[i] if rows_col[i] is not None else i)))
+    return samples, bad
+
+
+# ---------------------------------------------------------------------------------------------------
+# run state
+
+
+@dataclass
+class _State:
+    total: int
+    budget_tokens: float | None
+    budget_usd: float | None
+    done: int = 0
+    from_journal: int = 0
+    ok: int = 0
+    sent: int = 0  # HTTP requests made (attempts)
+    retries: int = 0
+    in_flight: int = 0
+    not_sent: int = 0
+    failed: dict = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # this run's new responses
+    journal_completion_tokens: int = 0
+    cost_usd: float = 0.0
+    journal_cost_usd: float = 0.0
+    new_ok: int = 0
+    stopped_by: str | None = None
+    by_backend: dict = field(default_factory=dict)
+    retry_reasons: dict = field(default_factory=dict)
+    t0: float = field(default_factory=time.monotonic)
+
+    def spent_tokens(self) -> int:
+        return self.completion_tokens + self.journal_completion_tokens
+
+    def spent_usd(self) -> float:
+        return self.cost_usd + self.journal_cost_usd
+
+    def budget_reached(self) -> str | None:
+        """Name of the budget that forbids a new request now (counting in-flight at the running mean)."""
+        if self.stopped_by:
+            return self.stopped_by
+        n = max(1, self.new_ok)
+        if self.budget_tokens is not None:
+            est = self.completion_tokens / n if self.new_ok else 0.0
+            if self.spent_tokens() + self.in_flight * est >= self.budget_tokens:
+                self.stopped_by = "budget_completion_tokens"
+        if self.budget_usd is not None and not self.stopped_by:
+            est = self.cost_usd / n if self.new_ok else 0.0
+            if self.spent_usd() + self.in_flight * est >= self.budget_usd:
+                self.stopped_by = "budget_usd"
+        return self.stopped_by
+
+    def progress_line(self) -> str:
+        el = max(1e-9, time.monotonic() - self.t0)
+        fails = sum(self.failed.values())
+        return (
+            f"done {self.done}/{self.total} (journal {self.from_journal}, ok {self.ok}, failed {fails}) | "
+            f"in flight {self.in_flight} | {self.completion_tokens / el:.1f} completion tok/s | "
+            f"${self.spent_usd():.4f} spent | retries {self.retries} | requests {self.sent}"
+        )
+
+
+def _failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reason: str, detail: str) -> dict:
+    return {
+        "sample_id": sample.sample_id, "dataset": dataset, "turn": int(turn), "request_key": key,
+        "messages": json.dumps(prompt, ensure_ascii=False) if not isinstance(prompt, str) else prompt,
+        "tools": json.dumps(sample.tools, ensure_ascii=False) if sample.tools else None,
+        "status": "failed", "error": f"{reason}: {detail}"[:2000],
+    }
+
+
+class _Runner:
+    def __init__(self, *, dataset, target_name, generation, records, journal, pool, state, sampling):
+        self.dataset = dataset
+        self.target_name = target_name
+        self.generation = generation
+        self.records = records
+        self.journal = journal
+        self.pool = pool
+        self.state = state
+        self.sampling = sampling
+        self.max_attempts = int(generation.get("max_retries", 5)) + 1
+        self.wait = retry_wait(float(generation.get("retry_initial_s", 1.0)), float(generation.get("retry_max_s", 60.0)))
+        self.rows: list[dict] = []
+
+    def steps(self, sample: Sample):
+        """Yield (turn, prompt, key, journaled record or None); the caller sends the request if None and
+        passes the new record back via ``send``-style generator protocol."""
+        history = list(sample.messages)
+        for turn in sample.turns:
+            prompt = history[:turn]
+            key = request_key(self.dataset, sample.sample_id, turn, self.target_name, prompt, sample.tools, self.sampling)
+            rec = yield turn, prompt, key, self.records.get(key)
+            if rec is None:
+                return
+            if turn < len(history):
+                orig = history[turn]
+                # an original turn with tool calls is answered by the tool messages after it: keep it
+                if not orig.get("tool_calls"):
+                    history[turn] = assistant_message(rec)
+
+    def pending(self, sample: Sample) -> bool:
+        gen = self.steps(sample)
+        item = next(gen)
+        while True:
+            _, _, _, rec = item
+            if rec is None:
+                return True
+            try:
+                item = gen.send(rec)
+            except StopIteration:
+                return False
+
+    async def run_sample(self, sample: Sample) -> None:
+        gen = self.steps(sample)
+        item = next(gen)
+        st = self.state
+        while True:
+            turn, prompt, key, rec = item
+            if rec is not None:
+                st.from_journal += 1
+                st.journal_completion_tokens += rec.get("completion_tokens") or 0
+                st.journal_cost_usd += rec.get("cost_usd") or 0.0
+            else:
+                limit = st.budget_reached()
+                if limit:
+                    st.not_sent += 1
+                    st.done += 1
+                    return
+                try:
+                    rec = await self.request(sample, turn, prompt, key)
+                except (RetryableError, SampleError) as exc:
+                    st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
+                    st.done += 1
+                    self.rows.append(_failed_row(sample, self.dataset, turn, key, prompt, exc.reason,
+                                                 f"{exc.message} (after {getattr(exc, 'attempts', 1)} attempt(s))"))
+                    return
+                self.journal.append(rec)
+                st.new_ok += 1
+                st.completion_tokens += rec.get("completion_tokens") or 0
+                st.prompt_tokens += rec.get("prompt_tokens") or 0
+                st.cost_usd += rec.get("cost_usd") or 0.0
+                st.by_backend[rec["backend"]] = st.by_backend.get(rec["backend"], 0) + 1
+            self.rows.append({k: rec.get(k) for k in RESPONSE_FIELDS})
+            try:
+                item = gen.send(rec)
+            except StopIteration:
+                st.ok += 1
+                st.done += 1
+                return
+
+    async def request(self, sample: Sample, turn: int, prompt: list, key: str) -> dict:
+        import tenacity
+
+        st = self.state
+        attempts = 0
+        try:
+            async for attempt in tenacity.AsyncRetrying(
+                stop=tenacity.stop_after_attempt(self.max_attempts),
+                wait=self.wait,
+                retry=tenacity.retry_if_exception_type(RetryableError),
+                reraise=True,
+            ):
+                with attempt:
+                    attempts += 1
+                    if attempts > 1:
+                        st.retries += 1
+                    async with self.pool.slot() as backend:
+                        body = json.dumps(build_body(backend.cfg, prompt, sample.tools, self.sampling),
+                                          ensure_ascii=False).encode()
+                        st.in_flight += 1
+                        st.sent += 1
+                        try:
+                            fields = await backend.post_chat(body)
+                        except RetryableError as exc:
+                            backend.record(False, exc.backend_fault)
+                            st.retry_reasons[exc.reason] = st.retry_reasons.get(exc.reason, 0) + 1
+                            raise
+                        finally:
+                            st.in_flight -= 1
+                        backend.record(True)
+        except (RetryableError, SampleError) as exc:
+            exc.attempts = attempts
+            raise
+        return {
+            **fields,
+            "sample_id": sample.sample_id, "dataset": self.dataset, "turn": int(turn), "request_key": key,
+            "messages": json.dumps(prompt, ensure_ascii=False),
+            "tools": json.dumps(sample.tools, ensure_ascii=False) if sample.tools else None,
+            "status": "ok", "error": None,
+        }
+
+
+async def _progress(state: _State, interval: float, tag: str) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        logger.info("%s %s", tag, state.progress_line())
+
+
+async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str) -> None:
+    prog = asyncio.create_task(_progress(runner.state, interval, tag))
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for s in samples:
+                tg.create_task(runner.run_sample(s))
+    except* FatalBackendError as eg:
+        raise eg.exceptions[0] from None
+    finally:
+        prog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await prog
+        await runner.pool.aclose()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the stage
+
+
+def _server_log_path(log, journal_dir: Path, dataset: str, shard: str, backend: str) -> Path:
+    if isinstance(log, (str, os.PathLike)):
+        p = Path(log)
+        return p.with_name(f"{p.stem}.server-{backend}.log")
+    return journal_dir / dataset / f"{shard}.server-{backend}.log"
+
+
+@contextlib.contextmanager
+def _job_logging(log):
+    """Attach a file handler for ``log`` (a path) to the package logger for the job's duration."""
+    if not isinstance(log, (str, os.PathLike)):
+        yield
+        return
+    pkg = logging.getLogger("eagle3_data")
+    target = os.path.abspath(log)
+    if any(getattr(h, "baseFilename", None) == target for h in pkg.handlers):
+        yield
+        return
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    h = logging.FileHandler(target, mode="a")
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    pkg.addHandler(h)
+    if pkg.level == logging.NOTSET or pkg.level > logging.INFO:
+        pkg.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        pkg.removeHandler(h)
+        h.close()
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception():
+    """While active (main thread only), SIGTERM raises so that ``finally`` blocks stop servers and close
+    the journal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Terminated()
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def generate(
+    prompts_path,
+    out_path,
+    *,
+    dataset: str,
+    shard: str,
+    target_name: str,
+    generation: dict,
+    backends: dict,
+    journal_dir,
+    log=None,
+    num_shards: int = 1,
+    progress_interval_s: float = 5.0,
+) -> dict:
+    """Generate responses for one dataset shard; write ``out_path`` (RESPONSES parquet); return a summary.
+
+    Args:
+        prompts_path: PROMPTS parquet (``schemas.PROMPTS``).
+        out_path: RESPONSES parquet to write (atomically; one row per (sample, regenerated turn), ``ok`` or
+            ``failed`` with ``error`` = ``"<reason>: <detail>"``; never-sent samples get no row).
+        dataset, shard: names; the journal is ``<journal_dir>/<dataset>/<shard>.jsonl``.
+        target_name: identity of the target model in request keys.
+        generation: the dataset's ``generation:`` config (backends, mode, max_tokens, temperature, top_p,
+            extra_body, max_retries, max_samples, budget_completion_tokens, budget_usd; optional
+            retry_initial_s / retry_max_s (backoff, default 1 / 60 s)).
+        backends: config ``backends:`` (name -> dict); only those named in ``generation["backends"]`` are used.
+        journal_dir: directory for journals (outside ``results/``).
+        log: job log path (progress lines are appended; local servers log to ``<stem>.server-<backend>.log``
+            beside it) or None (package logger only; server logs go to the journal folder).
+        num_shards: shards of the dataset; per-dataset caps and budgets are split evenly across them.
+        progress_interval_s: seconds between progress lines.
+
+    Returns: dict with dataset, shard, samples, ok, failed (reason -> count), from_journal, sent (HTTP
+        requests), retries, not_sent, completion_tokens / prompt_tokens / cost_usd (this run),
+        total_completion_tokens / total_cost_usd (incl. journal), by_backend, stopped_by, servers_started,
+        wall_s.
+
+    Raises:
+        GenerationStopped: 401/402/403 from a backend, a missing API key variable, or SIGTERM (the journal
+            keeps every completed response; no output is written).
+        ServerLaunchError: a local server did not start.
+        ValueError: bad config or an unreadable prompts file (message names file/row/key).
+    """
+    t0 = time.monotonic()
+    journal_dir = Path(journal_dir)
+    tag = f"[{dataset}/{shard}]"
+    with _job_logging(log), _sigterm_as_exception():
+        mode = generation.get("mode", "last")
+        names = list(generation.get("backends") or [])
+        if not names:
+            raise ValueError(f"dataset {dataset}: generation.backends is empty")
+        unknown = [n for n in names if n not in backends]
+        if unknown:
+            raise ValueError(f"dataset {dataset}: generation.backends names unknown backends {unknown}")
+        cfgs = [BackendConfig.from_dict(n, backends[n]) for n in names]
+        sampling = sampling_params(generation)
+
+        samples, bad = read_prompts(prompts_path, mode)
+        samples.sort(key=lambda s: s.sample_id)
+        cap = generation.get("max_samples")
+        capped = 0
+        if cap is not None:
+            per_shard = math.ceil(int(cap) / max(1, num_shards))
+            capped = max(0, len(samples) - per_shard)
+            samples = samples[:per_shard]
+        div = max(1, num_shards)
+        bt = generation.get("budget_completion_tokens")
+        bu = generation.get("budget_usd")
+        state = _State(
+            total=len(samples) + len([b for b in bad if not b.get("dup")]),
+            budget_tokens=None if bt is None else float(bt) / div,
+            budget_usd=None if bu is None else float(bu) / div,
+        )
+        records, jstats = read_journal(journal_dir, dataset)
+        logger.info(
+            "%s %d samples (%d unusable, %d over max_samples), mode %s; journal: %d responses in %d file(s), "
+            "%d torn/bad line(s) skipped", tag, len(samples), len(bad), capped, mode, jstats["records"],
+            jstats["files"], jstats["bad_lines"],
+        )
+        rows: list[dict] = []
+        for b in bad:
+            if b.get("dup"):
+                logger.warning("%s row %d: duplicate sample_id %s skipped", tag, b["row"], b["sample_id"])
+                continue
+            s = Sample(b["sample_id"], [], None, [])
+            key = content_hash(dataset, b["sample_id"], "bad_prompt")
+            r = _failed_row(s, dataset, 0, key, b.get("raw") or "[]", "bad_prompt", b["detail"])
+            r["tools"] = b.get("tools")
+            rows.append(r)
+            state.failed["bad_prompt"] = state.failed.get("bad_prompt", 0) + 1
+            state.done += 1
+
+        # which samples still need a request? (mode all: walk the journal through the regenerated history)
+        probe = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
+                        journal=None, pool=None, state=state, sampling=sampling)
+        n_pending = sum(1 for s in samples if probe.pending(s))
+        logger.info("%s %d sample(s) need requests, %d complete in the journal", tag, n_pending, len(samples) - n_pending)
+
+        servers_started = []
+        try:
+            with contextlib.ExitStack() as stack:
+                if n_pending:
+                    if not (state.budget_reached()):
+                        for cfg in cfgs:
+                            if cfg.launch:
+                                srv = stack.enter_context(launch_server(
+                                    cfg.launch, cfg.model,
+                                    _server_log_path(log, journal_dir, dataset, shard, cfg.name), name=cfg.name))
+                                cfg.base_url = cfg.base_url.replace("{port}", str(srv.port))
+                                servers_started.append(cfg.name)
+                    for cfg in cfgs:
+                        if "{port}" in cfg.base_url and cfg.name not in servers_started and not state.stopped_by:
+                            raise ValueError(f"backend {cfg.name!r}: base_url has {{port}} but no launch: config")
+                journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
+                pool = BackendPool([Backend(c) for c in cfgs]) if n_pending else None
+                runner = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
+                                 journal=journal, pool=pool, state=state, sampling=sampling)
+                if pool is not None:
+                    asyncio.run(_run(runner, samples, progress_interval_s, tag))
+                else:
+                    for s in samples:  # everything is journaled: no network, no event loop
+                        coro = runner.run_sample(s)
+                        try:
+                            coro.send(None)
+                        except StopIteration:
+                            pass
+                rows.extend(runner.rows)
+        except FatalBackendError as exc:
+            logger.error("%s STOPPED: %s", tag, exc)
+            raise GenerationStopped(f"{tag} {exc}") from None
+        except (_Terminated, KeyboardInterrupt):
+            logger.error("%s interrupted; journal kept (%s)", tag, state.progress_line())
+            raise GenerationStopped(f"{tag} interrupted (SIGTERM/KeyboardInterrupt); journal kept") from None
+
+        table = schemas.from_rows(rows, schemas.RESPONSES)
+        schemas.write_checked(table, "responses", out_path)
+
+        failed_n = sum(state.failed.values())
+        if state.stopped_by:
+            stopped_by = state.stopped_by
+        elif capped:
+            stopped_by = "max_samples"
+        else:
+            stopped_by = "all samples done"
+        summary = {
+            "dataset": dataset, "shard": shard, "samples": state.total, "ok": state.ok,
+            "failed": dict(state.failed), "failed_total": failed_n, "from_journal": state.from_journal,
+            "sent": state.sent, "retries": state.retries, "retry_reasons": dict(state.retry_reasons),
+            "not_sent": state.not_sent, "over_max_samples": capped,
+            "prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,
+            "cost_usd": round(state.cost_usd, 6), "total_completion_tokens": state.spent_tokens(),
+            "total_cost_usd": round(state.spent_usd(), 6), "by_backend": dict(state.by_backend),
+            "stopped_by": stopped_by, "servers_started": servers_started,
+            "journal_bad_lines": jstats["bad_lines"], "rows": table.num_rows,
+            "wall_s": round(time.monotonic() - t0, 3),
+        }
+        logger.info("%s finished: %s", tag, state.progress_line())
+        logger.info("%s summary: %s", tag, json.dumps(summary, sort_keys=True))
+        return summary
