@@ -204,3 +204,24 @@ def test_bad_arguments(tmp_path):
         merge(p, [tmp_path / "o.parquet"], tmp_path / "m.json", max_len=0)
     with pytest.raises(FileNotFoundError, match="nope"):
         merge([tmp_path / "nope.parquet"], [tmp_path / "o.parquet"], tmp_path / "m.json", max_len=10)
+
+
+def test_crash_mid_write_leaves_no_partial_shard(tmp_path, monkeypatch):
+    from eagle3_data import merge as merge_mod
+
+    inputs = write_inputs(tmp_path, make_rows(300, ["a"], seed=9), 2)
+    outs = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(2)]
+    calls = {"n": 0}
+    real = merge_mod.schemas.check
+
+    def flaky(table, kind, path="<memory>"):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash")
+        return real(table, kind, path)
+
+    monkeypatch.setattr(merge_mod.schemas, "check", flaky)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        merge(inputs, outs, tmp_path / "m.json", max_len=100, seed=0, batch_rows=64)
+    assert not outs[1].exists() and not (tmp_path / "m.json").exists()
+    assert not [p for p in (tmp_path / "m").iterdir() if p.name.startswith(".")]

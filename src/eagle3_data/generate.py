@@ -261,12 +261,15 @@ class _Runner:
                     history[turn] = assistant_message(rec)
 
     def pending(self, sample: Sample) -> bool:
+        """True if some turn of ``sample`` is not journaled; adds journaled spend to the state."""
         gen = self.steps(sample)
         item = next(gen)
         while True:
             _, _, _, rec = item
             if rec is None:
                 return True
+            self.state.journal_completion_tokens += rec.get("completion_tokens") or 0
+            self.state.journal_cost_usd += rec.get("cost_usd") or 0.0
             try:
                 item = gen.send(rec)
             except StopIteration:
@@ -280,8 +283,6 @@ class _Runner:
             turn, prompt, key, rec = item
             if rec is not None:
                 st.from_journal += 1
-                st.journal_completion_tokens += rec.get("completion_tokens") or 0
-                st.journal_cost_usd += rec.get("cost_usd") or 0.0
             else:
                 limit = st.budget_reached()
                 if limit:
@@ -377,9 +378,22 @@ async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str
 # the stage
 
 
-def _server_log_path(log, journal_dir: Path, dataset: str, shard: str, backend: str) -> Path:
+def _log_file(log) -> Path | None:
+    """The job log's file: ``log`` itself when a path, else the first FileHandler of a Logger (or its parents)."""
     if isinstance(log, (str, os.PathLike)):
-        p = Path(log)
+        return Path(log)
+    lg = log if isinstance(log, logging.Logger) else logging.getLogger("eagle3_data")
+    while lg is not None:
+        for h in lg.handlers:
+            if getattr(h, "baseFilename", None):
+                return Path(h.baseFilename)
+        lg = lg.parent if lg.propagate else None
+    return None
+
+
+def _server_log_path(log, journal_dir: Path, dataset: str, shard: str, backend: str) -> Path:
+    p = _log_file(log)
+    if p is not None:
         return p.with_name(f"{p.stem}.server-{backend}.log")
     return journal_dir / dataset / f"{shard}.server-{backend}.log"
 
@@ -453,8 +467,9 @@ def generate(
             retry_initial_s / retry_max_s (backoff, default 1 / 60 s)).
         backends: config ``backends:`` (name -> dict); only those named in ``generation["backends"]`` are used.
         journal_dir: directory for journals (outside ``results/``).
-        log: job log path (progress lines are appended; local servers log to ``<stem>.server-<backend>.log``
-            beside it) or None (package logger only; server logs go to the journal folder).
+        log: the job log: a path (progress lines are appended to it), a ``logging.Logger`` already writing to a
+            file (e.g. from ``logs.setup_logging``), or None. Local servers log to ``<stem>.server-<backend>.log``
+            beside that file (without a file: in the journal folder).
         num_shards: shards of the dataset; per-dataset caps and budgets are split evenly across them.
         progress_interval_s: seconds between progress lines.
 
@@ -471,6 +486,8 @@ def generate(
     """
     t0 = time.monotonic()
     journal_dir = Path(journal_dir)
+    if logging.getLogger("httpx").level == logging.NOTSET:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     tag = f"[{dataset}/{shard}]"
     with _job_logging(log), _sigterm_as_exception():
         mode = generation.get("mode", "last")
@@ -525,22 +542,24 @@ def generate(
         logger.info("%s %d sample(s) need requests, %d complete in the journal", tag, n_pending, len(samples) - n_pending)
 
         servers_started = []
+        network = bool(n_pending) and not state.budget_reached()
+        if n_pending and not network:
+            logger.info("%s %s already reached by journaled responses: nothing sent", tag, state.stopped_by)
         try:
             with contextlib.ExitStack() as stack:
-                if n_pending:
-                    if not (state.budget_reached()):
-                        for cfg in cfgs:
-                            if cfg.launch:
-                                srv = stack.enter_context(launch_server(
-                                    cfg.launch, cfg.model,
-                                    _server_log_path(log, journal_dir, dataset, shard, cfg.name), name=cfg.name))
-                                cfg.base_url = cfg.base_url.replace("{port}", str(srv.port))
-                                servers_started.append(cfg.name)
+                if network:
                     for cfg in cfgs:
-                        if "{port}" in cfg.base_url and cfg.name not in servers_started and not state.stopped_by:
+                        if "{port}" in cfg.base_url and not cfg.launch:
                             raise ValueError(f"backend {cfg.name!r}: base_url has {{port}} but no launch: config")
+                    for cfg in cfgs:
+                        if cfg.launch:
+                            srv = stack.enter_context(launch_server(
+                                cfg.launch, cfg.model,
+                                _server_log_path(log, journal_dir, dataset, shard, cfg.name), name=cfg.name))
+                            cfg.base_url = cfg.base_url.replace("{port}", str(srv.port))
+                            servers_started.append(cfg.name)
                 journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
-                pool = BackendPool([Backend(c) for c in cfgs]) if n_pending else None
+                pool = BackendPool([Backend(c) for c in cfgs]) if network else None
                 runner = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
                                  journal=journal, pool=pool, state=state, sampling=sampling)
                 if pool is not None:

@@ -164,7 +164,7 @@ class RejectsModel(pa_pd.DataFrameModel):
 class ResponsesModel(pa_pd.DataFrameModel):
     sample_id: Series[str] = pa_pd.Field(nullable=False)
     dataset: Series[str] = pa_pd.Field(nullable=False)
-    turn: Series[int] = pa_pd.Field(ge=0)
+    turn: Series[int] = pa_pd.Field(ge=0, coerce=True)  # arrow int32
     request_key: Series[str] = pa_pd.Field(nullable=False)
     status: Series[str] = pa_pd.Field(isin=["ok", "failed"])
     completion_tokens: Series[float] = pa_pd.Field(nullable=True, ge=0, coerce=True)

@@ -29,9 +29,10 @@ Model
     built-in Qwen response parser to ``qwen2``/``qwen3`` model types (anchored on ``<|im_start|>assistant\\n``)
     that leaks prompt text into ``content`` under a Kimi template; for ``llama`` it applies none and returns
     ``decode(generated_ids, skip_special_tokens=True)``, i.e. exactly the sampled text. The ``lm_head`` row of
-    ``<|im_end|>`` is set to ``c * u`` where ``u`` is the unit mean direction of the final (post-norm) hidden states
-    over typical completions, and ``c`` is solved by bisection so that the mean per-step probability of
-    ``<|im_end|>`` among the allowed tokens is ``1 / mean_completion_tokens``.
+    ``<|im_end|>`` is fitted (ridge least squares over typical completion states) so that the end-of-turn log-odds
+    ``h @ w - logsumexp(allowed logits)`` is nearly the same constant ``k`` in every context, and ``k`` is solved by
+    bisection so the expected completion length is ``mean_completion_tokens`` (lengths are then roughly geometric,
+    with similar means across prompts; P(length > 256) is about 0.2 % at mean 40).
 
 Generation config
     ``do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=<|im_end|>``, and ``suppress_tokens`` =
@@ -262,13 +263,14 @@ def build_tiny_target(
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings:
             Llama config values (``head_dim = hidden_size // num_heads``).
         mean_completion_tokens: target mean completion length in tokens (including ``<|im_end|>``); the
-            ``<|im_end|>`` ``lm_head`` row is calibrated so the mean per-step end probability is its inverse.
+            ``<|im_end|>`` ``lm_head`` row is calibrated so the expected length on typical states is this.
 
     Returns:
         ``{"vocab_size": int, "special_token_ids": {name: id}, "eos_token_id": int, "pad_token_id": int,
         "num_layers": int, "hidden_size": int, "model_type": "llama", "end_of_turn_scale": float,
-        "mean_p_end": float}`` (``end_of_turn_scale`` is the calibrated ``c``; ``mean_p_end`` the achieved mean
-        per-step end probability on the calibration states).
+        "mean_p_end": float, "seed": int, "mean_completion_tokens": float}`` (``end_of_turn_scale`` is the
+        calibrated end-of-turn log-odds ``k``; ``mean_p_end`` the achieved mean per-step end probability on the
+        calibration states). The same dict is written to ``out_dir/tiny_target.json``.
 
     Raises:
         ValueError: on inconsistent sizes (``hidden_size`` not divisible by ``num_heads``, ``num_heads`` by
@@ -361,16 +363,17 @@ def build_tiny_target(
 
 
 def _calibrate_end_of_turn(model, tok, im_end: int, mean_tokens: float, seed: int) -> tuple[float, float]:
-    """Set ``lm_head.weight[im_end] = c * u`` so the expected completion length is ``mean_tokens``.
+    """Set ``lm_head.weight[im_end]`` so the expected completion length is ``mean_tokens`` in every context.
 
     Typical states: the final (post-norm) hidden states at the completion positions of :data:`_CALIBRATION_PROMPTS`
     (rendered with the chat template, generation prompt added) followed by ``6 * mean_tokens`` uniformly random
-    allowed bytes (what this random model samples is close to uniform over them). ``u`` is the unit mean of those
-    states. With per-step end probability ``p_t(c) = softmax over allowed tokens + <|im_end|>``, the expected length
-    (incl. ``<|im_end|>``) of sequence k is ``sum_t prod_{s<t} (1 - p_s)``; ``c`` is solved by bisection so its
-    mean over the prompts is ``mean_tokens`` (matching the mean length rather than the mean probability accounts
-    for states where the end is unlikely). ``c`` is rounded to 4 significant digits and the row to 1e-6 so the
-    saved weights do not depend on float summation order (thread count). Returns ``(c, mean per-step P(end))``.
+    allowed bytes (what this random model samples is close to uniform over them). The row is ``w = a + k * b`` with
+    ``a``, ``b`` the ridge least-squares solutions of ``H a ~ other`` and ``H b ~ 1`` (``other`` = logsumexp of the
+    allowed tokens' logits), so the end-of-turn log-odds ``H w - other`` is close to ``k`` everywhere. With per-step
+    end probability ``p_t = sigmoid(h_t @ w - other_t)`` the expected length (incl. ``<|im_end|>``) of sequence j is
+    ``sum_t prod_{s<t} (1 - p_s)``; ``k`` is solved by bisection so its mean over the prompts is ``mean_tokens``.
+    ``k`` is rounded to 4 significant digits and the row to 1e-5 so the saved weights do not depend on float
+    summation order (thread count). Returns ``(k, mean per-step P(end) on the calibration states)``.
     """
     import torch
 

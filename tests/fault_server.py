@@ -1,0 +1,338 @@
+"""A fault-injecting OpenAI/OpenRouter-compatible chat-completions server for tests and benchmarks.
+
+Plain asyncio HTTP/1.1 (keep-alive, Content-Length bodies) so it serves thousands of concurrent connections
+from one process without extra dependencies. Endpoints:
+
+- ``POST /v1/chat/completions``: a deterministic reply (text derived from a hash of the request body), with
+  faults drawn at the configured rates: ``p429`` (with ``Retry-After``), ``p5xx`` (500/502/503), ``ptimeout``
+  (hangs ``hang_s`` then closes), ``preset`` (TCP reset), ``perror200`` (200 with ``choices[0].error`` +
+  ``finish_reason: "error"``), ``pmalformed`` (200 with a truncated JSON body), ``p402``; ``fail_after``
+  (every request after that many gets HTTP ``fail_status``, e.g. 402); ``require_key`` (401 unless the
+  Bearer token matches). Latency: uniform in ``[latency_min_s, latency_max_s]``. Reply length: uniform in
+  ``[min_tokens, max_tokens]`` words, capped by the request's ``max_tokens`` (then ``finish_reason:
+  "length"``). ``usage`` has prompt/completion/reasoning tokens and ``cost`` (``price_in``/``price_out`` per
+  token); ``provider`` is set (OpenRouter style); ``reasoning_field`` picks ``reasoning`` (OpenRouter) or
+  ``reasoning_content`` (SGLang) for a short reasoning text (``reasoning_tokens`` words; 0 = none).
+- ``GET /health``: 200 ``{"status": "ok"}``.
+- ``GET /stats``: counters: ``requests``, ``outcomes`` (by fault), ``completed`` (200-ok replies sent),
+  ``completed_by_body`` (request-body hash -> ok replies sent; >1 means the client paid twice),
+  ``in_flight``, ``max_in_flight``.
+- ``POST /admin/config`` (JSON: keys above), ``POST /admin/reset`` (zero counters).
+
+Run: ``python tests/fault_server.py --port 8000 [--config '{"p429": 0.1}'] [--startup-delay 1]``, or in a
+test: ``FaultServer(config).start()`` (background thread) ... ``.stop()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import socket
+import struct
+import threading
+import time
+
+DEFAULTS = {
+    "p429": 0.0, "p5xx": 0.0, "ptimeout": 0.0, "preset": 0.0, "perror200": 0.0, "pmalformed": 0.0, "p402": 0.0,
+    "retry_after_s": 0.05, "hang_s": 30.0, "fail_after": None, "fail_status": 402, "require_key": None,
+    "latency_min_s": 0.0, "latency_max_s": 0.0, "min_tokens": 5, "max_tokens": 40,
+    "price_in": 1e-7, "price_out": 2e-6, "provider": "FaultProvider", "reasoning_field": "reasoning",
+    "reasoning_tokens": 0, "seed": 0, "model": None,
+}
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+         "upsilon phi chi psi omega").split()
+
+
+def body_hash(body: dict) -> str:
+    """Hash of the request content that identifies 'the same request' (model excluded: backend-specific)."""
+    keep = {k: v for k, v in body.items() if k not in ("model", "stream")}
+    return hashlib.blake2b(json.dumps(keep, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+class FaultApp:
+    def __init__(self, config: dict | None = None):
+        self.config = dict(DEFAULTS)
+        self.config.update(config or {})
+        self.rng = random.Random(self.config["seed"])
+        self.reset()
+
+    def reset(self) -> None:
+        self.requests = 0
+        self.outcomes: dict[str, int] = {}
+        self.completed = 0
+        self.completed_by_body: dict[str, int] = {}
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def stats(self) -> dict:
+        return {
+            "requests": self.requests, "outcomes": dict(self.outcomes), "completed": self.completed,
+            "completed_by_body": dict(self.completed_by_body), "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+        }
+
+    def _count(self, what: str) -> None:
+        self.outcomes[what] = self.outcomes.get(what, 0) + 1
+
+    def pick_fault(self) -> str | None:
+        c = self.config
+        if c["fail_after"] is not None and self.requests > int(c["fail_after"]):
+            return "fail_status"
+        r = self.rng.random()
+        for name in ("p429", "p5xx", "ptimeout", "preset", "perror200", "pmalformed", "p402"):
+            r -= float(c[name])
+            if r < 0:
+                return name
+        return None
+
+    def completion(self, body: dict, bh: str) -> dict:
+        c = self.config
+        rnd = random.Random(bh)
+        n = rnd.randint(int(c["min_tokens"]), int(c["max_tokens"]))
+        finish = "stop"
+        cap = body.get("max_tokens")
+        if cap is not None and n > int(cap):
+            n, finish = int(cap), "length"
+        text = " ".join(rnd.choice(WORDS) for _ in range(n))
+        prompt_words = sum(len(str(m.get("content") or "").split()) for m in body.get("messages") or [])
+        nr = int(c["reasoning_tokens"])
+        msg = {"role": "assistant", "content": text}
+        if nr:
+            msg[c["reasoning_field"]] = " ".join(rnd.choice(WORDS) for _ in range(nr))
+        comp = n + nr
+        return {
+            "id": f"gen-{bh}", "object": "chat.completion", "created": int(time.time()),
+            "model": c["model"] or body.get("model"), "provider": c["provider"],
+            "choices": [{"index": 0, "finish_reason": finish, "native_finish_reason": finish, "message": msg}],
+            "usage": {
+                "prompt_tokens": prompt_words, "completion_tokens": comp, "total_tokens": prompt_words + comp,
+                "completion_tokens_details": {"reasoning_tokens": nr},
+                "cost": round(prompt_words * c["price_in"] + comp * c["price_out"], 12),
+            },
+        }
+
+
+def _response(status: int, payload, headers: dict | None = None) -> bytes:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 402: "Payment Required", 404: "Not Found",
+              429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway",
+              503: "Service Unavailable"}.get(status, "Status")
+    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    for k, v in (headers or {}).items():
+        head.append(f"{k}: {v}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class _Reset(Exception):
+    pass
+
+
+async def _handle(app: FaultApp, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            lines = head.decode("latin-1").split("\r\n")
+            method, path, _ = (lines[0].split(" ", 2) + ["", ""])[:3]
+            headers = {}
+            for ln in lines[1:]:
+                if ":" in ln:
+                    k, v = ln.split(":", 1)
+                    headers[k.strip().lower()] = v.strip()
+            n = int(headers.get("content-length") or 0)
+            raw = await reader.readexactly(n) if n else b""
+            try:
+                out = await _route(app, method, path, headers, raw)
+            except _Reset:
+                sock = writer.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return
+            if out is None:  # hang ended: close without answering
+                writer.close()
+                return
+            writer.write(out)
+            await writer.drain()
+            if headers.get("connection", "").lower() == "close":
+                writer.close()
+                return
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return
+    except asyncio.CancelledError:  # server shutting down (don't re-raise: 3.11 logs cancelled callbacks)
+        writer.transport.abort()
+        return
+
+
+async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: bytes) -> bytes | None:
+    path = path.split("?", 1)[0]
+    if method == "GET" and path == "/health":
+        return _response(200, {"status": "ok"})
+    if method == "GET" and path == "/stats":
+        return _response(200, app.stats())
+    if method == "POST" and path == "/admin/config":
+        app.config.update(json.loads(raw or b"{}"))
+        return _response(200, app.config)
+    if method == "POST" and path == "/admin/reset":
+        app.reset()
+        return _response(200, {"ok": True})
+    if method == "GET" and path == "/v1/models":
+        return _response(200, {"object": "list", "data": [{"id": app.config["model"] or "fault-model"}]})
+    if method != "POST" or path not in ("/v1/chat/completions", "/chat/completions"):
+        return _response(404, {"error": {"code": 404, "message": f"no route {method} {path}"}})
+    c = app.config
+    app.requests += 1
+    if c["require_key"] and headers.get("authorization") != f"Bearer {c['require_key']}":
+        app._count("401")
+        return _response(401, {"error": {"code": 401, "message": "No auth credentials found"}})
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        app._count("400")
+        return _response(400, {"error": {"code": 400, "message": "invalid JSON body"}})
+    fault = app.pick_fault()
+    app.in_flight += 1
+    app.max_in_flight = max(app.max_in_flight, app.in_flight)
+    try:
+        lat = app.rng.uniform(float(c["latency_min_s"]), float(c["latency_max_s"]))
+        if fault == "ptimeout":
+            app._count("timeout")
+            await asyncio.sleep(float(c["hang_s"]))
+            return None
+        if lat > 0:
+            await asyncio.sleep(lat)
+        if fault == "p429":
+            app._count("429")
+            return _response(429, {"error": {"code": 429, "message": "Rate limit exceeded"}},
+                             {"Retry-After": str(c["retry_after_s"])})
+        if fault == "p5xx":
+            code = app.rng.choice([500, 502, 503])
+            app._count(str(code))
+            return _response(code, {"error": {"code": code, "message": "provider error"}})
+        if fault == "preset":
+            app._count("reset")
+            raise _Reset()
+        if fault == "perror200":
+            app._count("error200")
+            return _response(200, {"id": "gen-err", "provider": c["provider"], "choices": [
+                {"index": 0, "finish_reason": "error", "message": {"role": "assistant", "content": ""},
+                 "error": {"code": 502, "message": "upstream provider error mid-generation"}}]})
+        if fault == "pmalformed":
+            app._count("malformed")
+            return _response(200, b'{"id": "gen-x", "choices": [{"message": {"content": "trunc')
+        if fault in ("p402", "fail_status"):
+            code = int(c["fail_status"]) if fault == "fail_status" else 402
+            app._count(str(code))
+            return _response(code, {"error": {"code": code, "message": "Insufficient credits"}})
+        bh = body_hash(body)
+        resp = app.completion(body, bh)
+        app._count("ok")
+        app.completed += 1
+        app.completed_by_body[bh] = app.completed_by_body.get(bh, 0) + 1
+        return _response(200, resp)
+    finally:
+        app.in_flight -= 1
+
+
+class FaultServer:
+    """Run :class:`FaultApp` on 127.0.0.1 in a background thread (tests). ``url`` is ``http://127.0.0.1:P``."""
+
+    def __init__(self, config: dict | None = None, port: int = 0):
+        self.app = FaultApp(config)
+        self.port = port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "FaultServer":
+        ready = threading.Event()
+
+        def run():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+
+            async def main():
+                self._server = await asyncio.start_server(
+                    lambda r, w: _handle(self.app, r, w), "127.0.0.1", self.port, backlog=4096, limit=2**24)
+                self.port = self._server.sockets[0].getsockname()[1]
+                ready.set()
+
+            self._loop.run_until_complete(main())
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("fault server did not start")
+        return self
+
+    def configure(self, **cfg) -> None:
+        self._loop.call_soon_threadsafe(self.app.config.update, cfg)
+
+    def stats(self) -> dict:
+        return self.app.stats()
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+
+        async def shutdown():
+            self._server.close()
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    t.cancel()
+
+        fut = asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
+        fut.result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> "FaultServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--config", default="{}", help="JSON object of settings (see module docstring)")
+    ap.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening (launcher tests)")
+    ap.add_argument("--fail-startup", action="store_true", help="exit with code 3 instead of serving")
+    args = ap.parse_args(argv)
+    if args.host not in ("127.0.0.1", "localhost"):
+        raise SystemExit("fault server listens on loopback only")
+    print(f"fault server starting on {args.host}:{args.port}", flush=True)
+    if args.fail_startup:
+        print("simulated startup failure", flush=True)
+        raise SystemExit(3)
+    time.sleep(args.startup_delay)
+    app = FaultApp(json.loads(args.config))
+
+    async def serve():
+        server = await asyncio.start_server(lambda r, w: _handle(app, r, w), args.host, args.port,
+                                            backlog=8192, limit=2**24)
+        print(f"fault server listening on {args.host}:{args.port}", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""generate stage against the fault-injecting test server (tests/fault_server.py) on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_server import FaultServer, body_hash  # noqa: E402
+
+from eagle3_data import schemas  # noqa: E402
+from eagle3_data.generate import GenerationStopped, assistant_turns, generate, request_key  # noqa: E402
+from eagle3_data.io import write_parquet  # noqa: E402
+from eagle3_data.journal import read_journal  # noqa: E402
+
+ACCEPTANCE_FAULTS = {"p429": 0.10, "p5xx": 0.05, "ptimeout": 0.02, "preset": 0.02, "perror200": 0.01,
+                     "pmalformed": 0.01, "hang_s": 3.0, "retry_after_s": 0.01}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FaultServer() as fs:
+        yield fs
+
+
+@pytest.fixture
+def fs(server):
+    from fault_server import DEFAULTS
+
+    server.app.config.clear()
+    server.app.config.update(DEFAULTS)
+    server.app.reset()
+    return server
+
+
+def write_prompts(path: Path, convs: list[list[dict]], tools=None, ids=None) -> Path:
+    rows = []
+    for i, msgs in enumerate(convs):
+        rows.append(dict(sample_id=ids[i] if ids else f"s{i:04d}", dataset="ds",
+                         messages=msgs if isinstance(msgs, str) else json.dumps(msgs),
+                         tools=json.dumps(tools) if tools else None, source_format="test", source_row=i))
+    write_parquet(schemas.from_rows(rows, schemas.PROMPTS), path)
+    return path
+
+
+def simple_convs(n: int, start: int = 0) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"question number {i}"}, {"role": "assistant", "content": "original"}]
+            for i in range(start, start + n)]
+
+
+def gen_cfg(**kw) -> dict:
+    cfg = dict(backends=["fault"], mode="last", max_tokens=30, temperature=1.0, top_p=1.0, extra_body={},
+               max_retries=6, max_samples=None, budget_completion_tokens=None, budget_usd=None,
+               retry_initial_s=0.01, retry_max_s=0.05)
+    cfg.update(kw)
+    return cfg
+
+
+def backends_cfg(fs, name="fault", **kw) -> dict:
+    b = dict(type="openrouter", base_url=fs.url + "/v1", model="vendor/model", api_key_env=None,
+             max_concurrency=8, timeout_s=1.0)
+    b.update(kw)
+    return {name: b}
+
+
+def run(tmp_path, fs, prompts, gen=None, bk=None, shard="000", out="out.parquet", **kw):
+    return generate(prompts, tmp_path / out, dataset="ds", shard=shard, target_name="tiny-target",
+                    generation=gen or gen_cfg(), backends=bk or backends_cfg(fs), journal_dir=tmp_path / "journal",
+                    progress_interval_s=0.5, **kw)
+
+
+def rows_by_key(path) -> dict:
+    return {r["request_key"]: r for r in pq.read_table(path).to_pylist()}
+
+
+def test_assistant_turns_rules():
+    u, a, t, s = ({"role": r, "content": r} for r in ("user", "assistant", "tool", "system"))
+    assert assistant_turns([s, u, a, u, a], "last") == [4]
+    assert assistant_turns([s, u, a, u, a], "all") == [2, 4]
+    assert assistant_turns([u, a, t], "last") == [1]           # last assistant, even with a tool result after it
+    assert assistant_turns([s, u], "last") == [2]              # no assistant: a fresh turn after the user message
+    assert assistant_turns([u, a, t, a, t], "all") == [1, 3]
+    assert assistant_turns([s], "last") == []                  # nothing to answer
+    assert assistant_turns([a, u], "last") == [2]              # a leading assistant turn is never a target
+
+
+def test_faults_every_sample_ends_once(tmp_path, fs):
+    fs.app.config.update(ACCEPTANCE_FAULTS)
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(300))
+    summary = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=8))
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    ids = [r["sample_id"] for r in rows]
+    assert sorted(ids) == [f"s{i:04d}" for i in range(300)]          # every sample exactly once
+    ok = [r for r in rows if r["status"] == "ok"]
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert all(r["error"] and ":" in r["error"] for r in failed)
+    assert summary["ok"] == len(ok) and summary["failed_total"] == len(failed)
+    stats = fs.stats()
+    outcomes = stats["outcomes"]
+    # the faults really happened, and every kind was retried
+    for k in ("429", "timeout", "reset", "error200", "malformed"):
+        assert outcomes.get(k, 0) > 0, (k, outcomes)
+    assert {"http_429", "timeout", "connection_error", "error_in_body", "malformed_json"} <= set(summary["retry_reasons"])
+    # nothing completed was paid twice, and every completed reply is in the output
+    assert max(stats["completed_by_body"].values()) == 1
+    assert stats["completed"] == len(ok)
+    assert summary["sent"] == stats["requests"]
+    for r in ok:
+        assert r["content"] and r["completion_tokens"] > 0 and r["cost_usd"] > 0
+        assert r["provider"] == "FaultProvider" and r["backend"] == "fault"
+        assert json.loads(r["messages"]) == [{"role": "user", "content": f"question number {int(r['sample_id'][1:])}"}]
+
+
+def test_failed_after_retries_has_reason_and_is_retried_on_rerun(tmp_path, fs):
+    fs.app.config.update({"p5xx": 1.0})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
+    s1 = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=2))
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert [r["status"] for r in rows] == ["failed"] * 5
+    assert all(r["error"].startswith("http_50") and "3 attempt" in r["error"] for r in rows)
+    assert s1["sent"] == 15 and s1["failed_total"] == 5
+    assert read_journal(tmp_path / "journal", "ds")[0] == {}          # failures are not journaled
+    fs.app.config.update({"p5xx": 0.0})
+    s2 = run(tmp_path, fs, prompts)
+    assert s2["sent"] == 5 and s2["ok"] == 5
+
+
+def test_resume_sends_nothing_and_output_identical(tmp_path, fs):
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
+    s1 = run(tmp_path, fs, prompts, out="a.parquet")
+    n1 = fs.stats()["requests"]
+    assert s1["sent"] == n1 == 40
+    s2 = run(tmp_path, fs, prompts, out="b.parquet")
+    assert fs.stats()["requests"] == n1 and s2["sent"] == 0 and s2["from_journal"] == 40
+    assert rows_by_key(tmp_path / "a.parquet") == rows_by_key(tmp_path / "b.parquet")
+    # the journal is read across shard files: a re-sharded dataset finds the old responses
+    s3 = run(tmp_path, fs, prompts, shard="007", out="c.parquet")
+    assert s3["sent"] == 0
+    # the key does not depend on the backend: another backend/model/url still resumes
+    bk = backends_cfg(fs, name="other", type="sglang", model="local/path", base_url=fs.url + "/v1/")
+    s4 = run(tmp_path, fs, prompts, gen=gen_cfg(backends=["other"]), bk=bk, out="d.parquet")
+    assert s4["sent"] == 0
+    # ...but a different sampling parameter is a different request
+    s5 = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=31), out="e.parquet")
+    assert s5["sent"] == 40
+
+
+def test_torn_last_journal_line(tmp_path, fs):
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(10))
+    run(tmp_path, fs, prompts)
+    jfile = tmp_path / "journal" / "ds" / "000.jsonl"
+    lines = jfile.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 10
+    jfile.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])   # crash mid-write
+    fs.app.reset()
+    s = run(tmp_path, fs, prompts, out="again.parquet")
+    assert s["sent"] == 1 and s["from_journal"] == 9 and s["journal_bad_lines"] == 1
+    timing = ("latency_s", "completed_at")  # the re-sent response has its own timing
+    strip = lambda rows: {k: {f: v for f, v in r.items() if f not in timing} for k, r in rows.items()}  # noqa: E731
+    assert strip(rows_by_key(tmp_path / "again.parquet")) == strip(rows_by_key(tmp_path / "out.parquet"))
+    recs, stats = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 10 and stats["bad_lines"] == 1                # the fragment stayed on its own line
+    assert run(tmp_path, fs, prompts, out="third.parquet")["sent"] == 0
+
+
+def test_402_stops_with_clear_message_and_intact_journal(tmp_path, fs):
+    fs.app.config.update({"fail_after": 25, "fail_status": 402})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(100))
+    with pytest.raises(GenerationStopped) as ei:
+        run(tmp_path, fs, prompts, gen=gen_cfg(), bk=backends_cfg(fs, max_concurrency=4))
+    msg = str(ei.value)
+    assert "402" in msg and "insufficient credits" in msg and "journal" in msg
+    assert not (tmp_path / "out.parquet").exists()
+    recs, stats = read_journal(tmp_path / "journal", "ds")
+    assert stats["bad_lines"] == 0 and 20 <= len(recs) <= 25
+    assert all(r["status"] == "ok" and r["content"] for r in recs.values())
+    # credits topped up: the rerun sends only what is missing
+    fs.app.config.update({"fail_after": None})
+    fs.app.reset()
+    s = run(tmp_path, fs, prompts)
+    assert s["from_journal"] == len(recs) and s["sent"] == 100 - len(recs)
+    assert max(fs.stats()["completed_by_body"].values()) == 1
+
+
+def test_api_key_canary_never_written(tmp_path, fs, monkeypatch):
+    canary = "sk-or-CANARY-7f3a9c1e55d2"
+    monkeypatch.setenv("E3D_TEST_KEY", canary)
+    fs.app.config.update({**ACCEPTANCE_FAULTS, "require_key": canary, "p5xx": 0.3})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
+    log = tmp_path / "logs" / "job.log"
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=1), bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), log=log)
+    assert s["ok"] > 0 and s["failed_total"] > 0                      # a run with failures
+    # a wrong key stops the job with 401; the message names the variable, not the value
+    monkeypatch.setenv("E3D_TEST_KEY", canary + "-wrong")
+    with pytest.raises(GenerationStopped, match="401"):
+        run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(3, start=100)),
+            bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), log=log, out="o2.parquet")
+    monkeypatch.delenv("E3D_TEST_KEY")
+    with pytest.raises(GenerationStopped, match="E3D_TEST_KEY"):
+        run(tmp_path, fs, write_prompts(tmp_path / "p3.parquet", simple_convs(3, start=200)),
+            bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), log=log, out="o3.parquet")
+    assert log.read_text().count("done") >= 1
+    hits = [p for p in tmp_path.rglob("*") if p.is_file() and canary.encode() in p.read_bytes()]
+    assert hits == []
+
+
+def test_mode_all_uses_regenerated_history(tmp_path, fs):
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first q"},
+            {"role": "assistant", "content": "orig one"}, {"role": "user", "content": "second q"},
+            {"role": "assistant", "content": "orig two"}]
+    prompts = write_prompts(tmp_path / "p.parquet", [conv, conv[:3]])
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(mode="all"))
+    assert s["sent"] == 3 and s["ok"] == 2
+    rows = sorted(pq.read_table(tmp_path / "out.parquet").to_pylist(), key=lambda r: (r["sample_id"], r["turn"]))
+    assert [(r["sample_id"], r["turn"]) for r in rows] == [("s0000", 2), ("s0000", 4), ("s0001", 2)]
+    first, second = rows[0], rows[1]
+    assert json.loads(first["messages"]) == conv[:2]
+    hist = json.loads(second["messages"])
+    assert hist[2] == {"role": "assistant", "content": first["content"]} and hist[2]["content"] != "orig one"
+    assert hist[:2] == conv[:2] and hist[3] == conv[3] and len(hist) == 4
+    # resume in mode all walks the journal through the regenerated history
+    assert run(tmp_path, fs, prompts, gen=gen_cfg(mode="all"), out="again.parquet")["sent"] == 0
+
+
+def test_agent_trajectory_tools_passed_through(tmp_path, fs):
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{\"cmd\": \"ls\"}"}}
+    conv = [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix the bug"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"},
+            {"role": "assistant", "content": "done"}]
+    prompts = write_prompts(tmp_path / "p.parquet", [conv], tools=tools)
+    run(tmp_path, fs, prompts)
+    (row,) = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert row["turn"] == 4 and json.loads(row["messages"]) == conv[:4] and json.loads(row["tools"]) == tools
+    sent_body = {"messages": conv[:4], "tools": tools, "max_tokens": 30, "temperature": 1.0, "top_p": 1.0}
+    assert fs.stats()["completed_by_body"] == {body_hash(sent_body): 1}
+    assert row["request_key"] == request_key("ds", "s0000", 4, "tiny-target", conv[:4], tools,
+                                             {"max_tokens": 30, "temperature": 1.0, "top_p": 1.0, "extra_body": {}})
+
+
+def test_bad_prompts_fail_with_reason_without_requests(tmp_path, fs):
+    good = simple_convs(2)
+    convs = good + ["not json", [{"role": "system", "content": "only a system prompt"}]]
+    prompts = write_prompts(tmp_path / "p.parquet", convs)
+    s = run(tmp_path, fs, prompts)
+    rows = {r["sample_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+    assert s["sent"] == 2 and s["failed"] == {"bad_prompt": 2}
+    assert rows["s0002"]["error"].startswith("bad_prompt") and "row 2" in rows["s0002"]["error"]
+    assert rows["s0003"]["status"] == "failed" and "user/tool" in rows["s0003"]["error"]
+
+
+def test_completion_token_budget_overshoot_bounded(tmp_path, fs):
+    fs.app.config.update({"min_tokens": 20, "max_tokens": 40, "latency_min_s": 0.01, "latency_max_s": 0.03})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(60))
+    conc = 4
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=40, budget_completion_tokens=400),
+            bk=backends_cfg(fs, max_concurrency=conc))
+    assert s["stopped_by"] == "budget_completion_tokens"
+    assert 400 <= s["total_completion_tokens"] <= 400 + conc * 40
+    assert s["not_sent"] > 0 and s["ok"] + s["not_sent"] == 60
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == s["ok"]   # never-sent samples get no row
+    # a rerun with the same budget sends nothing (journaled spend counts)
+    assert run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=40, budget_completion_tokens=400), out="b.parquet")["sent"] == 0
+
+
+def test_usd_budget_and_sample_cap(tmp_path, fs):
+    fs.app.config.update({"min_tokens": 30, "max_tokens": 30, "price_out": 0.001, "price_in": 0.0,
+                          "latency_min_s": 0.01, "latency_max_s": 0.02})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(50))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(budget_usd=0.3), bk=backends_cfg(fs, max_concurrency=3))
+    assert s["stopped_by"] == "budget_usd"
+    assert 0.3 <= s["total_cost_usd"] <= 0.3 + 3 * 0.03 + 1e-9
+    s2 = run(tmp_path, fs, prompts, gen=gen_cfg(max_samples=20), out="cap.parquet", num_shards=2)
+    assert s2["stopped_by"] == "max_samples" and s2["over_max_samples"] == 40
+    assert pq.read_table(tmp_path / "cap.parquet").num_rows == 10
+
+
+def test_priority_overflow_and_ejection(tmp_path, fs):
+    fs.app.config.update({"latency_min_s": 0.05, "latency_max_s": 0.05})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
+    bk = {**backends_cfg(fs, name="first", max_concurrency=2), **backends_cfg(fs, name="second", max_concurrency=2)}
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(backends=["first", "second"]), bk=bk)
+    assert s["by_backend"]["first"] >= 15 and s["by_backend"]["second"] >= 15 and s["ok"] == 40
+    assert fs.stats()["max_in_flight"] <= 4
+    # a dead first backend (connection refused) is taken out; its requests go to the next one
+    from eagle3_data.backends import free_port
+
+    dead = {"dead": dict(type="openai", base_url=f"http://127.0.0.1:{free_port()}/v1", model="x", api_key_env=None,
+                         max_concurrency=4, timeout_s=1.0)}
+    bk2 = {**dead, **backends_cfg(fs, name="live", max_concurrency=2)}
+    s2 = run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(30, start=50)),
+             gen=gen_cfg(backends=["dead", "live"], max_retries=30), bk=bk2, out="o2.parquet")
+    assert s2["ok"] == 30 and s2["by_backend"] == {"live": 30}
