@@ -1,4 +1,6 @@
 """Rule report: DuckDB tallies of samples, tokens, source and rejects per dataset."""
+from pathlib import Path
+
 from eagle3_data.logs import setup_logging
 from eagle3_data.report import tally
 
@@ -7,9 +9,7 @@ tally(
     list(snakemake.input.validated),
     list(snakemake.input.rejected),
     list(snakemake.input.responses),
-    snakemake.output.tally_md,
-    snakemake.output.tally_csv,
-    snakemake.output.rejects_csv,
-    backends=snakemake.params.backends,
+    Path(snakemake.output.tally_md).parent,
     datasets_config=snakemake.params.datasets,
+    backends=snakemake.params.backends,
 )

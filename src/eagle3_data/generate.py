@@ -67,6 +67,10 @@ class _Terminated(BaseException):
     pass
 
 
+class _BudgetStop(Exception):
+    """A budget forbids sending this new request."""
+
+
 # ---------------------------------------------------------------------------------------------------
 # prompts -> requests
 
@@ -284,13 +288,12 @@ class _Runner:
             if rec is not None:
                 st.from_journal += 1
             else:
-                limit = st.budget_reached()
-                if limit:
+                try:
+                    rec = await self.request(sample, turn, prompt, key)
+                except _BudgetStop:
                     st.not_sent += 1
                     st.done += 1
                     return
-                try:
-                    rec = await self.request(sample, turn, prompt, key)
                 except (RetryableError, SampleError) as exc:
                     st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
                     st.done += 1
@@ -315,6 +318,8 @@ class _Runner:
         import tenacity
 
         st = self.state
+        if self.pool is None or st.stopped_by:  # no network: a budget was already reached
+            raise _BudgetStop()
         attempts = 0
         try:
             async for attempt in tenacity.AsyncRetrying(
@@ -328,6 +333,10 @@ class _Runner:
                     if attempts > 1:
                         st.retries += 1
                     async with self.pool.slot() as backend:
+                        # budgets gate new requests (not retries), checked when a slot is free so that the
+                        # spend of everything in flight is counted
+                        if attempts == 1 and st.budget_reached():
+                            raise _BudgetStop()
                         body = json.dumps(build_body(backend.cfg, prompt, sample.tools, self.sampling),
                                           ensure_ascii=False).encode()
                         st.in_flight += 1

@@ -20,9 +20,11 @@ import ctypes
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -103,6 +105,16 @@ def _format_command(launch: dict, model: str, port: int) -> list[str]:
     else:
         argv = [str(a) for a in cmd]
     argv = [a.replace("{model}", str(model)).replace("{port}", str(port)) for a in argv]
+    if argv and os.sep not in argv[0]:
+        # prefer the running interpreter's environment (a venv's `transformers`, `python`) over PATH
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        else:
+            found = shutil.which(argv[0], path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                                 os.environ.get("PATH", "")]))
+            if not found:
+                raise ServerLaunchError(f"launch command {argv[0]!r} not found next to {sys.executable} or on PATH")
+            argv[0] = found
     for i, a in enumerate(argv):
         host = None
         if a in ("--host", "--bind") and i + 1 < len(argv):
