@@ -8,7 +8,8 @@ rule generate:
         prompts="results/{ds}/prompts/{shard}.parquet",
         target=target_input(),
     output:
-        "results/{ds}/responses/{shard}.parquet",
+        responses="results/{ds}/responses/{shard}.parquet",
+        summary="results/{ds}/responses/{shard}.json",
     wildcard_constraints:
         ds=_alternation(GENERATED),
     params:
@@ -16,6 +17,7 @@ rule generate:
         generation=lambda wc: cfg.generation_config(config, wc.ds),
         backends=lambda wc: cfg.backends_config(config, wc.ds),
         journal_dir=f"{CACHE_DIR}/journal",
+        num_shards=lambda wc: len(shards(wc.ds)),
     resources:
         api_slots=lambda wc: sum(b.get("max_concurrency", 1) for b in cfg.backends_config(config, wc.ds).values()),
     log:

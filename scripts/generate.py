@@ -5,12 +5,14 @@ from eagle3_data.logs import setup_logging
 log = setup_logging(snakemake.log[0])
 generate(
     snakemake.input.prompts,
-    snakemake.output[0],
+    snakemake.output.responses,
     dataset=snakemake.wildcards.ds,
     shard=snakemake.wildcards.shard,
     target_name=snakemake.params.target_name,
     generation=snakemake.params.generation,
     backends=snakemake.params.backends,
     journal_dir=snakemake.params.journal_dir,
+    num_shards=snakemake.params.num_shards,
+    summary_path=snakemake.output.summary,
     log=log,
 )

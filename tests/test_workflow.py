@@ -213,10 +213,49 @@ def test_changed_generation_params_rerun_only_that_dataset(scratch):
 def test_journal_survives_deleting_results(scratch):
     """A rerun after deleting results/ sends no request again: every response comes from the journal."""
     shutil.rmtree(scratch / "results")
+    shutil.rmtree(scratch / "logs")
     shutil.rmtree(scratch / ".snakemake", ignore_errors=True)
     run_snakemake(scratch, "--cores", "2")
-    logs = list((scratch / "logs/generate").rglob("*.log"))
-    assert logs
+    logs = [p for p in (scratch / "logs/generate").rglob("*.log") if ".server-" not in p.name]
+    assert len(logs) == sum(d.get("shards", 1) for d in config(scratch)["datasets"].values()
+                            if d["source"]["format"] != "pretokenized")
+    assert not [p for p in (scratch / "logs/generate").rglob("*.log") if ".server-" in p.name], "no server started"
     for log in logs:
         text = log.read_text()
-        assert re.search(r"sent[=: ]+0\b", text), f"{log}: expected no request sent\n{text[-2000:]}"
+        assert re.search(r"\"sent\": 0\b", text), f"{log}: expected no request sent\n{text[-2000:]}"
+
+
+def _set(wd: Path, mutate) -> dict:
+    cfg = config(wd)
+    mutate(cfg)
+    (wd / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return cfg
+
+
+def test_changed_merge_max_len_reruns_merge_and_below_only(scratch):
+    cfg = _set(scratch, lambda c: c["merge"].__setitem__("max_len", 512))
+    jobs = _dry_run_jobs(scratch)
+    assert set(jobs) == {"merge", "extract", "all"}, jobs
+    assert jobs["extract"] == cfg["merge"]["shards"]
+
+
+def test_changed_extraction_layers_rerun_extraction_only(scratch):
+    cfg = _set(scratch, lambda c: c["extract"].__setitem__("layers", [0, 2, 5]))
+    jobs = _dry_run_jobs(scratch)
+    assert set(jobs) == {"extract", "all"}, jobs
+    assert jobs["extract"] == cfg["merge"]["shards"]
+
+
+def test_new_dataset_runs_its_chain_plus_merge_and_below(scratch):
+    def add(c):
+        c["datasets"]["ultrachat_copy"] = {
+            "source": {"format": "ultrachat", "path": "resources/samples/ultrachat.jsonl"},
+            "shards": 1,
+        }
+
+    _set(scratch, add)
+    jobs = _dry_run_jobs(scratch)
+    assert jobs.get("normalize_ultrachat_copy") == 1
+    assert not any(j.startswith("normalize_") and j != "normalize_ultrachat_copy" for j in jobs)
+    assert jobs.get("generate") == 1 and jobs.get("tokenize") == 1 and jobs.get("validate") == 1
+    assert jobs.get("merge") == 1 and jobs.get("report") == 1

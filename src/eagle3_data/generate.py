@@ -49,7 +49,7 @@ from .backends.client import (
     retry_wait,
 )
 from .backends.server import launch_server
-from .io import content_hash
+from .io import content_hash, write_json
 from .journal import JournalWriter, read_journal
 
 logger = logging.getLogger("eagle3_data.generate")
@@ -462,6 +462,7 @@ def generate(
     log=None,
     num_shards: int = 1,
     progress_interval_s: float = 5.0,
+    summary_path=None,
 ) -> dict:
     """Generate responses for one dataset shard; write ``out_path`` (RESPONSES parquet); return a summary.
 
@@ -481,6 +482,8 @@ def generate(
             beside that file (without a file: in the journal folder).
         num_shards: shards of the dataset; per-dataset caps and budgets are split evenly across them.
         progress_interval_s: seconds between progress lines.
+        summary_path: if given, the returned summary is also written there as JSON (atomically); the report
+            reads ``stopped_by`` from it.
 
     Returns: dict with dataset, shard, samples, ok, failed (reason -> count), from_journal, sent (HTTP
         requests), retries, not_sent, completion_tokens / prompt_tokens / cost_usd (this run),
@@ -612,4 +615,6 @@ def generate(
         }
         logger.info("%s finished: %s", tag, state.progress_line())
         logger.info("%s summary: %s", tag, json.dumps(summary, sort_keys=True))
+        if summary_path is not None:
+            write_json(summary, summary_path)
         return summary
