@@ -7,7 +7,11 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config.yaml"
+# The embedded default. `--configfile other.yaml` replaces it (rather than being merged into it, which would
+# keep the demo datasets); `--config key=value` still overrides single keys of it.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config.yaml"
 
 
 include: "rules/common.smk"

@@ -84,3 +84,56 @@ def merge_datasets(config: dict) -> list[str]:
     if unknown:
         raise KeyError(f"merge.datasets: unknown dataset(s) {unknown}; defined: {datasets(config)}")
     return list(chosen)
+
+
+def schema_reference(schema: dict) -> str:
+    """A markdown table of every config key in the JSON ``schema`` (path, type, allowed values, description).
+
+    The README's config reference is this function's output; a test keeps the two equal.
+    """
+    rows: list[tuple[str, str, str]] = []
+    defs = schema.get("$defs", {})
+
+    def resolve(node: dict) -> dict:
+        ref = node.get("$ref")
+        return defs[ref.split("/")[-1]] if ref else node
+
+    def kind(node: dict) -> str:
+        t = node.get("type", "object" if "properties" in node else "")
+        t = " or ".join(t) if isinstance(t, list) else t
+        if node.get("type") == "array" or (isinstance(node.get("type"), list) and "array" in node["type"]):
+            item = node.get("items", {}).get("type")
+            if item:
+                t = t.replace("array", f"list of {item}")
+        return t.replace("null", "null")
+
+    def note(node: dict) -> str:
+        parts = []
+        if "enum" in node:
+            parts.append("one of " + ", ".join(f"`{v}`" for v in node["enum"]))
+        for key, word in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<=")):
+            if key in node:
+                parts.append(f"{word} {node[key]}")
+        if "default" in node:
+            parts.append(f"default `{node['default']}`")
+        if node.get("description"):
+            parts.append(node["description"])
+        return "; ".join(parts)
+
+    def walk(node: dict, path: str) -> None:
+        node = resolve(node)
+        for name, child in (node.get("properties") or {}).items():
+            child = resolve(child)
+            p = f"{path}.{name}" if path else name
+            rows.append((p, kind(child), note(child)))
+            walk(child, p)
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict) and ("properties" in extra or "$ref" in extra):
+            p = f"{path}.<name>"
+            rows.append((p, "object", "one entry per name"))
+            walk(extra, p)
+
+    walk(schema, "")
+    lines = ["| key | type | values / meaning |", "|---|---|---|"]
+    lines += [f"| `{p}` | {t} | {n.replace('|', '/')} |" for p, t, n in rows]
+    return "\n".join(lines) + "\n"
