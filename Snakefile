@@ -14,6 +14,9 @@ if not workflow.overwrite_configfiles:
     configfile: "config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/tiny_target.smk"
 include: "rules/normalize.smk"

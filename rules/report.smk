@@ -1,4 +1,6 @@
-# Stage 7: DuckDB tallies over the parquet files -> results/reports/ (printed at the end of a run).
+# Stage 7: DuckDB reports (Markdown + CSV) and plots (PNG) over the parquet files -> results/reports/.
+# Tables (CSV) and plots are flagged with report() so `snakemake --report report.html` shows them on one
+# self-contained page; captions are in report/*.rst. tally.md is printed at the end of a run.
 
 
 rule report:
@@ -6,13 +8,26 @@ rule report:
         validated=validated_files(DATASETS),
         rejected=rejected_files(DATASETS),
         responses=responses_files(DATASETS),
+        summaries=[f.replace(".parquet", ".json") for f in responses_files(DATASETS)],
     output:
         tally_md="results/reports/tally.md",
-        tally_csv="results/reports/tally.csv",
-        rejects_csv="results/reports/rejects.csv",
+        tally_csv=report("results/reports/tally.csv", caption="../report/tally.rst", category="1. Tables", labels={"table": "tally"}),
+        rejects_md="results/reports/rejects.md",
+        rejects_csv=report("results/reports/rejects.csv", caption="../report/rejects.rst", category="1. Tables", labels={"table": "rejects"}),
+        cost_md="results/reports/cost.md",
+        cost_csv=report("results/reports/cost.csv", caption="../report/cost.rst", category="1. Tables", labels={"table": "cost"}),
+        throughput_md="results/reports/throughput.md",
+        throughput_csv=report("results/reports/throughput.csv", caption="../report/throughput.rst", category="1. Tables", labels={"table": "throughput"}),
+        limits_md="results/reports/limits.md",
+        limits_csv=report("results/reports/limits.csv", caption="../report/limits.rst", category="1. Tables", labels={"table": "limits"}),
+        lengths_png=report("results/reports/lengths.png", caption="../report/lengths.rst", category="2. Plots", labels={"plot": "lengths"}),
+        completion_vs_time_png=report("results/reports/completion_vs_time.png", caption="../report/completion_vs_time.rst", category="2. Plots", labels={"plot": "completion vs time"}),
+        cost_over_time_png=report("results/reports/cost_over_time.png", caption="../report/cost_over_time.rst", category="2. Plots", labels={"plot": "cost over time"}),
+        rejects_png=report("results/reports/rejects.png", caption="../report/rejects_plot.rst", category="2. Plots", labels={"plot": "rejects"}),
     params:
         backends=config["backends"],
         datasets=config["datasets"],
+        generation={ds: cfg.generation_config(config, ds) for ds in GENERATED},
     log:
         "logs/report.log",
     script:

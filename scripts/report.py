@@ -1,15 +1,21 @@
-"""Rule report: DuckDB tallies of samples, tokens, source and rejects per dataset."""
+"""Rule report: DuckDB reports (Markdown + CSV) and plots (PNG) of samples, tokens, rejects, cost, throughput."""
 from pathlib import Path
 
 from eagle3_data.logs import setup_logging
-from eagle3_data.report import tally
+from eagle3_data.plots import write_plots
+from eagle3_data.report import write_reports
 
 setup_logging(snakemake.log[0])
-tally(
-    list(snakemake.input.validated),
-    list(snakemake.input.rejected),
-    list(snakemake.input.responses),
-    Path(snakemake.output.tally_md).parent,
+out_dir = Path(snakemake.output.tally_md).parent
+inputs = (list(snakemake.input.validated), list(snakemake.input.rejected), list(snakemake.input.responses))
+write_reports(
+    *inputs,
+    out_dir,
     datasets_config=snakemake.params.datasets,
     backends=snakemake.params.backends,
+    generation=snakemake.params.generation,
+    # generate's per-shard summary JSON: the declared input when the rule has one, else those found beside
+    # the responses files
+    summary_paths=list(snakemake.input.summaries) if hasattr(snakemake.input, "summaries") else None,
 )
+write_plots(*inputs, out_dir)

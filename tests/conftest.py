@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "resources", "profiles", "envs"]
+WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "resources", "profiles", "envs", "report"]
 
 
 def copy_workflow(dest: Path) -> Path:
@@ -47,3 +47,16 @@ def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """A scratch copy of the workflow after one full `snakemake --cores 2` on the embedded default.
+
+    Shared by every test that reads a finished build (a few minutes on 2 cores, paid once per session).
+    Tests must not modify it: copy it (``shutil.copytree(demo_run, dest, symlinks=True)``) first.
+    """
+    wd = copy_workflow(tmp_path_factory.mktemp("demo"))
+    proc = run_snakemake(wd, "--cores", "2")
+    (wd / "run.out").write_text(proc.stdout + proc.stderr)
+    return wd

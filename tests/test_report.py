@@ -130,3 +130,113 @@ def test_empty_inputs_and_backend_location(tmp_path):
     assert backend_location(None) == "unknown"
     with pytest.raises(FileNotFoundError, match="validated"):
         tally([tmp_path / "missing.parquet"], [], [], tmp_path / "r")
+
+
+def _responses(tmp_path, ds, shard, rows):
+    p = tmp_path / ds / "responses" / f"{shard}.parquet"
+    schemas.write_checked(schemas.from_rows(rows, schemas.RESPONSES), "responses", p)
+    return p
+
+
+def _resp(ds, i, t, tokens, cost, backend="openrouter", provider="p1", status="ok"):
+    return {"sample_id": f"{ds}-{i}", "dataset": ds, "turn": 1, "request_key": f"{ds}-{i}", "status": status,
+            "completion_tokens": tokens if status == "ok" else None, "prompt_tokens": 100 if status == "ok" else None,
+            "cost_usd": cost, "backend": backend, "provider": provider, "completed_at": t}
+
+
+def test_write_reports_cost_throughput_limits(tmp_path):
+    from eagle3_data.report import REPORT_FILES, write_reports
+
+    t0 = 1_700_000_000.0
+    rng = random.Random(7)
+    # ds_a: two providers through openrouter + one local backend; a failed response that still cost money
+    a = [_resp("ds_a", i, t0 + 10 * i, rng.randint(1, 500), 0.001 * (1 + i % 3), provider=f"p{i % 2}")
+         for i in range(20)]
+    a += [_resp("ds_a", 100 + i, t0 + 5 * i, 40, 0.0, backend="local", provider="local") for i in range(5)]
+    a.append(_resp("ds_a", 999, t0 + 7, 0, 0.002, status="failed"))
+    # ds_b: starts 5 minutes later; stopped by its dollar budget (summary JSON on both shards)
+    b0 = [_resp("ds_b", i, t0 + 300 + 3 * i, 200 + i, 0.01) for i in range(10)]
+    b1 = [_resp("ds_b", 50 + i, t0 + 301 + 3 * i, 300, 0.01) for i in range(10)]
+    paths = [_responses(tmp_path, "ds_a", "000", a), _responses(tmp_path, "ds_b", "000", b0),
+             _responses(tmp_path, "ds_b", "001", b1)]
+    for shard, stop in (("000", "budget_usd"), ("001", "budget_usd")):
+        (tmp_path / "ds_b" / "responses" / f"{shard}.json").write_text(
+            '{"dataset": "ds_b", "shard": "%s", "stopped_by": "%s", "not_sent": 4, "failed": {}}' % (shard, stop))
+    # ds_c: no summary, its token budget reached -> inferred; ds_d: nothing generated
+    c = [_resp("ds_c", i, t0 + 60 + i, 100, 0.0) for i in range(10)]
+    paths.append(_responses(tmp_path, "ds_c", "000", c))
+    datasets = {"ds_a": {"source": {"format": "sharegpt"}, "shards": 1},
+                "ds_b": {"source": {"format": "sharegpt"}, "shards": 2},
+                "ds_c": {"source": {"format": "sharegpt"}, "shards": 1},
+                "ds_d": {"source": {"format": "sharegpt"}, "shards": 1},
+                "pre": {"source": {"format": "pretokenized"}}}
+    generation = {"ds_a": {"max_samples": None}, "ds_b": {"budget_usd": 0.2},
+                  "ds_c": {"budget_completion_tokens": 1000}, "ds_d": {"max_samples": 10}}
+    out = tmp_path / "reports"
+    res = write_reports([], [], paths, out, datasets_config=datasets, generation=generation,
+                        backends={"openrouter": {"type": "openrouter"}, "local": {"launch": {"command": "x"}}})
+    assert sorted(p.name for p in out.iterdir()) == sorted(REPORT_FILES)
+    everything = a + b0 + b1 + c
+    ok = [r for r in everything if r["status"] == "ok"]
+
+    # cost: detail rows sum to the dataset rows, which sum to the total; $/M is cost per million tokens
+    cost = res["cost"]
+    total = [r for r in cost if r["level"] == "total"]
+    assert len(total) == 1
+    total = total[0]
+    assert total["cost_usd"] == pytest.approx(sum(r["cost_usd"] for r in everything))
+    assert total["completion_tokens"] == sum(r["completion_tokens"] for r in ok)
+    assert total["responses_failed"] == 1 and total["responses_ok"] == len(ok)
+    details = [r for r in cost if r["level"] == "detail"]
+    assert {(r["dataset"], r["backend"], r["provider"]) for r in details} == {
+        ("ds_a", "openrouter", "p0"), ("ds_a", "openrouter", "p1"), ("ds_a", "local", "local"),
+        ("ds_b", "openrouter", "p1"), ("ds_c", "openrouter", "p1")}
+    for r in details:
+        src = [x for x in everything if (x["dataset"], x["backend"], x["provider"]) == (r["dataset"], r["backend"], r["provider"])]
+        assert r["cost_usd"] == pytest.approx(sum(x["cost_usd"] for x in src))
+        assert r["completion_tokens"] == sum(x["completion_tokens"] or 0 for x in src)
+        if r["completion_tokens"]:
+            assert r["usd_per_m_completion_tokens"] == pytest.approx(r["cost_usd"] * 1e6 / r["completion_tokens"])
+    by_backend = {r["backend"]: r for r in cost if r["level"] == "backend" and r["provider"] == "local"}
+    assert by_backend["local"]["completion_tokens"] == 200 and by_backend["local"]["cost_usd"] == 0
+    with open(out / "cost.csv") as fh:
+        assert len(list(csv.DictReader(fh))) == len(cost)
+
+    # throughput: one row per minute from the first response to the last, idle minutes included
+    tp = res["throughput"]
+    last = max(r["completed_at"] for r in everything)
+    assert len(tp) == int((last - t0) // 60) + 1
+    for k, row in enumerate(tp):
+        in_minute = [r for r in ok if t0 + 60 * k <= r["completed_at"] < t0 + 60 * (k + 1)]
+        assert row["responses_ok"] == len(in_minute)
+        assert row["completion_tokens_per_min"] == pytest.approx(sum(r["completion_tokens"] for r in in_minute))
+    assert tp[-1]["cumulative_completion_tokens"] == sum(r["completion_tokens"] for r in ok)
+    assert tp[-1]["cumulative_cost_usd"] == pytest.approx(total["cost_usd"])
+    assert tp[-1]["cumulative_mean_completion_tokens"] == pytest.approx(
+        sum(r["completion_tokens"] for r in ok) / len(ok))
+    assert any(r["responses_ok"] == 0 for r in tp)  # minutes 2-4 are idle
+
+    # limits: from the summaries when present, else inferred; pre-tokenized datasets are not listed
+    lim = {r["dataset"]: r for r in res["limits"]}
+    assert set(lim) == {"ds_a", "ds_b", "ds_c", "ds_d"}
+    assert (lim["ds_b"]["ended_by"], lim["ds_b"]["evidence"], lim["ds_b"]["not_sent"]) == ("budget_usd", "summary", 8)
+    assert (lim["ds_c"]["ended_by"], lim["ds_c"]["evidence"]) == ("budget_completion_tokens", "inferred")
+    assert (lim["ds_a"]["ended_by"], lim["ds_a"]["samples_ok"]) == ("all samples done", 25)
+    assert lim["ds_d"]["ended_by"] == "not generated"
+    assert lim["ds_b"]["cost_usd"] == pytest.approx(0.2) and lim["ds_b"]["budget_usd"] == 0.2
+    md = (out / "limits.md").read_text()
+    assert "| ds_b | budget_usd | summary |" in md
+
+
+def test_limits_mixed_and_partial_summaries(tmp_path):
+    from eagle3_data.report import write_reports
+
+    paths = []
+    for shard in ("000", "001", "002"):
+        paths.append(_responses(tmp_path, "ds", shard, [_resp("ds", f"{shard}-{i}", 1e9 + i, 5, 0.0) for i in range(3)]))
+    for shard, stop in (("000", "max_samples"), ("001", "all samples done")):
+        (tmp_path / "ds" / "responses" / f"{shard}.json").write_text('{"stopped_by": "%s"}' % stop)
+    res = write_reports([], [], paths, tmp_path / "r", datasets_config={"ds": {"shards": 3}})
+    (row,) = res["limits"]
+    assert row["evidence"] == "partial summary" and row["shards_reported"] == 2
+    assert row["ended_by"] == "all samples done (1 of 3 shards); max_samples (1 of 3 shards)"

@@ -16,17 +16,14 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from conftest import copy_workflow, run_snakemake
+from conftest import run_snakemake
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    wd = copy_workflow(tmp_path_factory.mktemp("workflow"))
-    proc = run_snakemake(wd, "--cores", "2")
-    (wd / "run.out").write_text(proc.stdout + proc.stderr)
-    return wd
+def built(demo_run) -> Path:
+    return demo_run
 
 
 def config(wd: Path) -> dict:

@@ -1,7 +1,19 @@
-"""Report stage: DuckDB tallies over the stage parquet files (the seed-style per-dataset table, rejects).
+"""Report stage: DuckDB reports over the stage parquet files, as Markdown and CSV under ``results/reports/``.
 
-The queries live in ``sql/report_views.sql``, ``sql/tally.sql`` and ``sql/rejects_by_reason.sql`` so a
-user can run them by hand in the ``duckdb`` CLI (see each file's header).
+Reports (file stem: what, named query in ``sql/``):
+
+- ``tally``: the seed-style per-dataset table: samples, prompt/completion/total tokens, source
+  (local/remote/mixed), pre-tokenized datasets listed apart, totals (``tally.sql``);
+- ``rejects``: rejected samples by dataset, stage and reason (``rejects_by_reason.sql``);
+- ``cost``: responses, billed tokens and dollars by dataset, backend and provider, $ per million tokens
+  (``cost.sql``);
+- ``throughput``: completion tokens per minute, cost and the running mean completion length over the
+  responses' ``completed_at`` (``throughput.sql``);
+- ``limits``: which limit ended each generated dataset, from generate's per-shard summary JSON when present
+  (``limits.sql``).
+
+Every query reads the views of ``sql/report_views.sql``, so a user can run it by hand in the ``duckdb`` CLI
+(see each file's header). :func:`write_reports` writes them all; :func:`tally` only the first two.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ import io
 import ipaddress
 import logging
 import os
+import re
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -27,6 +40,30 @@ TALLY_COLUMNS = [
     "rejected", "responses_ok", "responses_failed", "cost_usd",
 ]
 REJECT_COLUMNS = ["dataset", "stage", "reason", "count"]
+COST_COLUMNS = [
+    "dataset", "backend", "provider", "level", "responses_ok", "responses_failed", "prompt_tokens",
+    "completion_tokens", "total_tokens", "cost_usd", "usd_per_m_completion_tokens", "usd_per_m_tokens",
+]
+THROUGHPUT_COLUMNS = [
+    "bucket_start_utc", "minutes_from_start", "responses_ok", "responses_failed", "completion_tokens",
+    "completion_tokens_per_min", "cost_usd", "cumulative_completion_tokens", "cumulative_cost_usd",
+    "mean_completion_tokens", "cumulative_mean_completion_tokens",
+]
+LIMIT_COLUMNS = [
+    "dataset", "ended_by", "evidence", "shards", "shards_reported", "samples_ok", "responses_failed", "not_sent",
+    "over_max_samples", "max_samples", "completion_tokens", "budget_completion_tokens", "cost_usd", "budget_usd",
+]
+#: every file :func:`write_reports` writes into its ``out_dir``
+REPORT_FILES = [
+    f"{stem}.{ext}" for stem in ("tally", "rejects", "cost", "throughput", "limits") for ext in ("md", "csv")
+]
+#: bucket lengths (seconds) the Markdown throughput table may use; the smallest giving <= MAX_MD_BUCKETS rows
+MD_BUCKETS_S = [60, 300, 600, 900, 1800, 3600, 7200, 4 * 3600, 6 * 3600, 12 * 3600, 86400]
+MAX_MD_BUCKETS = 240
+SUMMARY_COLUMNS = {
+    "dataset": "VARCHAR", "shard": "VARCHAR", "stopped_by": "VARCHAR", "samples": "BIGINT", "ok": "BIGINT",
+    "failed_total": "BIGINT", "not_sent": "BIGINT", "over_max_samples": "BIGINT", "filename": "VARCHAR",
+}
 
 
 def backend_location(cfg: dict | None) -> str:
@@ -77,19 +114,106 @@ def _paths(paths) -> list[str]:
     return [str(p) for p in paths]
 
 
-def _register(con, name: str, files: list[str], schema) -> None:
+def _view_statements() -> dict[str, str]:
+    """The ``CREATE ... VIEW <name>`` statements of ``report_views.sql``, by view name."""
+    out = {}
+    for stmt in re.split(r";\s*(?:\n|$)", sql.load("report_views")):
+        m = re.search(r"CREATE OR REPLACE TEMP VIEW (\w+) AS", stmt)
+        if m:
+            out[m.group(1)] = stmt[m.start():]
+    return out
+
+
+def _register(con, name: str, files: list[str], schema, *, statements: dict[str, str] | None = None) -> None:
+    """View ``name`` over ``files`` (``report_views.sql``'s statement), or an empty table of ``schema``
+    (a pyarrow schema, or a ``{column: duckdb type}`` dict) when there are none."""
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"report: {name} files not found: {missing[:5]}")
     if files:
-        sql.set_variables(con, **{f"{name}_files": files})
-        con.execute(
-            f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM read_parquet(getvariable('{name}_files'), "
-            "union_by_name = true)"
-        )
+        var = {"shard_summaries": "summary_files"}.get(name, f"{name}_files")
+        sql.set_variables(con, **{var: files})
+        con.execute((statements or _view_statements())[name])
+    elif isinstance(schema, dict):
+        cols = ", ".join(f"NULL::{t} AS {c}" for c, t in schema.items())
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT {cols} WHERE false")
     else:
         con.register(f"_{name}_empty", schemas.empty(schema))
         con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM _{name}_empty")
+
+
+def _limits_of(datasets_config: dict, generation: dict | None) -> list[tuple]:
+    """``dataset_limits`` rows: (dataset, shards, max_samples, budget_completion_tokens, budget_usd)."""
+    rows = []
+    for name, dcfg in sorted(datasets_config.items()):
+        dcfg = dcfg or {}
+        if ((dcfg.get("source") or {}).get("format")) == "pretokenized":
+            continue
+        gen = (generation or {}).get(name)
+        if gen is None:
+            gen = dcfg.get("generation") or {}
+        rows.append((name, int(dcfg.get("shards", 1)), gen.get("max_samples"), gen.get("budget_completion_tokens"),
+                     gen.get("budget_usd")))
+    return rows
+
+
+def summary_paths_for(responses_paths) -> list[str]:
+    """The generate summary JSON beside each RESPONSES parquet (``<shard>.parquet`` -> ``<shard>.json``) that
+    exists; missing ones are skipped (the summary is optional input)."""
+    return [str(q) for q in (Path(p).with_suffix(".json") for p in _paths(responses_paths)) if q.is_file()]
+
+
+def open_report_db(
+    validated_paths,
+    rejected_paths,
+    responses_paths,
+    *,
+    backends: dict | None = None,
+    datasets_config: dict | None = None,
+    generation: dict | None = None,
+    summary_paths=None,
+) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection holding what every report query reads (``sql/report_views.sql``).
+
+    Views ``validated``, ``rejected``, ``responses`` (over the parquet files; an empty table of the stage's
+    schema when a list is empty) and ``shard_summaries`` (generate's per-shard summary JSON files; when
+    ``summary_paths`` is None, the ``.json`` beside each responses file that exists); tables ``backend_kinds``
+    (backend, location: :func:`backend_location` of each ``backends`` entry) and ``dataset_limits`` (dataset,
+    shards, max_samples, budget_completion_tokens, budget_usd: each non-pre-tokenized dataset of
+    ``datasets_config``, limits from ``generation[dataset]`` (the merged generation config) or else the
+    dataset's own ``generation:``). The caller closes it. Raises ``FileNotFoundError`` naming missing files.
+    """
+    summary_paths = summary_paths_for(responses_paths) if summary_paths is None else _paths(summary_paths)
+    statements = _view_statements()
+    con = duckdb.connect()
+    try:
+        _register(con, "validated", _paths(validated_paths), schemas.VALIDATED, statements=statements)
+        _register(con, "rejected", _paths(rejected_paths), schemas.REJECTS, statements=statements)
+        _register(con, "responses", _paths(responses_paths), schemas.RESPONSES, statements=statements)
+        _register(con, "shard_summaries", summary_paths, SUMMARY_COLUMNS, statements=statements)
+        kinds = [(name, backend_location(cfg)) for name, cfg in sorted((backends or {}).items())]
+        con.execute("CREATE OR REPLACE TEMP TABLE backend_kinds (backend VARCHAR, location VARCHAR)")
+        if kinds:
+            con.executemany("INSERT INTO backend_kinds VALUES (?, ?)", kinds)
+        con.execute("CREATE OR REPLACE TEMP TABLE dataset_limits (dataset VARCHAR, shards BIGINT, max_samples BIGINT,"
+                    " budget_completion_tokens BIGINT, budget_usd DOUBLE)")
+        limits = _limits_of(datasets_config or {}, generation)
+        if limits:
+            con.executemany("INSERT INTO dataset_limits VALUES (?, ?, ?, ?, ?)", limits)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def query(con, name: str, **variables) -> list[dict]:
+    """Run the named query ``sql/<name>.sql`` on ``con`` (after ``SET VARIABLE`` of ``variables``); rows as
+    dicts."""
+    if variables:
+        sql.set_variables(con, **variables)
+    res = con.sql(sql.load(name))
+    cols = res.columns
+    return [dict(zip(cols, r)) for r in res.fetchall()]
 
 
 def tally(
@@ -119,20 +243,17 @@ def tally(
         tokens (loss mask 1), ``prompt_tokens`` = the rest, ``total_tokens`` = their sum.
     """
     datasets_config = datasets_config or {}
-    backends = backends or {}
     out_dir = Path(out_dir)
-    with contextlib.closing(duckdb.connect()) as con:
-        _register(con, "validated", _paths(validated_paths), schemas.VALIDATED)
-        _register(con, "rejected", _paths(rejected_paths), schemas.REJECTS)
-        _register(con, "responses", _paths(responses_paths), schemas.RESPONSES)
-        kinds = [(name, backend_location(cfg)) for name, cfg in sorted(backends.items())]
-        con.execute("CREATE OR REPLACE TEMP TABLE backend_kinds (backend VARCHAR, location VARCHAR)")
-        if kinds:
-            con.executemany("INSERT INTO backend_kinds VALUES (?, ?)", kinds)
-        res = con.sql(sql.load("tally"))
-        cols = res.columns
-        found = {r[0]: dict(zip(cols, r)) for r in res.fetchall()}
-        rejects = [dict(zip(REJECT_COLUMNS, r)) for r in con.sql(sql.load("rejects_by_reason")).fetchall()]
+    with contextlib.closing(open_report_db(validated_paths, rejected_paths, responses_paths, backends=backends,
+                                           summary_paths=[])) as con:
+        rows, rejects = _tally_rows(con, datasets_config)
+    _write_tally(rows, rejects, out_dir)
+    return rows
+
+
+def _tally_rows(con, datasets_config: dict) -> tuple[list[dict], list[dict]]:
+    found = {r["dataset"]: r for r in query(con, "tally")}
+    rejects = [{c: r[c] for c in REJECT_COLUMNS} for r in query(con, "rejects_by_reason")]
 
     names = sorted(set(found) | set(datasets_config))
     generated, pretok = [], []
@@ -170,7 +291,10 @@ def tally(
     rows += pretok
     rows.append(total("Total pre-tokenized", pretok))
     rows.append(total("Grand total", generated + pretok))
+    return rows, rejects
 
+
+def _write_tally(rows: list[dict], rejects: list[dict], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text(_csv(rows, TALLY_COLUMNS), out_dir / "tally.csv")
     write_text(_csv(rejects, REJECT_COLUMNS), out_dir / "rejects.csv")
@@ -179,7 +303,76 @@ def tally(
     g = rows[-1]
     log.info("tally: %d samples, %d tokens (%d supervised), %d rejected, $%.2f", g["samples"], g["total_tokens"],
              g["completion_tokens"], g["rejected"], g["cost_usd"])
-    return rows
+
+
+def md_bucket_s(con) -> int:
+    """Bucket length (s) for the Markdown throughput table: the smallest of :data:`MD_BUCKETS_S` giving at
+    most :data:`MAX_MD_BUCKETS` rows over the responses' ``completed_at`` span."""
+    span = con.execute("SELECT coalesce(max(completed_at) - min(completed_at), 0) FROM responses").fetchall()[0][0]
+    for b in MD_BUCKETS_S:
+        if span / b < MAX_MD_BUCKETS:
+            return b
+    return MD_BUCKETS_S[-1]
+
+
+def write_reports(
+    validated_paths,
+    rejected_paths,
+    responses_paths,
+    out_dir,
+    *,
+    datasets_config: dict | None = None,
+    backends: dict | None = None,
+    generation: dict | None = None,
+    summary_paths=None,
+) -> dict[str, list[dict]]:
+    """Write every report of the build into ``out_dir`` as Markdown and CSV (:data:`REPORT_FILES`).
+
+    Args:
+        validated_paths, rejected_paths, responses_paths: the stage parquet files (as for :func:`tally`).
+        out_dir: directory for the files (each written atomically).
+        datasets_config: the config's ``datasets`` mapping (rows for datasets with no data; pre-tokenized
+            ones apart; shards per dataset for the limits report).
+        backends: the config's ``backends`` mapping (local/remote source labels).
+        generation: dataset -> its merged generation config (``config.generation_config``); the limits
+            report shows ``max_samples``, ``budget_completion_tokens``, ``budget_usd`` from it.
+        summary_paths: generate's per-shard summary JSON files; None: the ``.json`` beside each responses
+            parquet where it exists.
+
+    Returns: ``{"tally": rows, "rejects": rows, "cost": rows, "throughput": rows (60 s buckets),
+        "limits": rows}``, each row a dict with the columns of the CSV (:data:`TALLY_COLUMNS`,
+        :data:`REJECT_COLUMNS`, :data:`COST_COLUMNS`, :data:`THROUGHPUT_COLUMNS`, :data:`LIMIT_COLUMNS`).
+        Throughput times are UTC; dollars as the backends reported them (0 for local servers).
+
+    Raises: ``FileNotFoundError`` naming missing input files.
+    """
+    datasets_config = datasets_config or {}
+    out_dir = Path(out_dir)
+    with contextlib.closing(open_report_db(
+        validated_paths, rejected_paths, responses_paths, backends=backends, datasets_config=datasets_config,
+        generation=generation, summary_paths=summary_paths,
+    )) as con:
+        rows, rejects = _tally_rows(con, datasets_config)
+        cost = query(con, "cost")
+        throughput = query(con, "throughput", bucket_s=60)
+        bucket = md_bucket_s(con)
+        throughput_md = throughput if bucket == 60 else query(con, "throughput", bucket_s=bucket)
+        limits = query(con, "limits")
+    _write_tally(rows, rejects, out_dir)
+    write_text("# Rejects by dataset, stage and reason\n\n" + format_rejects(rejects) + "\n", out_dir / "rejects.md")
+    write_text(_csv(cost, COST_COLUMNS), out_dir / "cost.csv")
+    write_text("# Cost and tokens by dataset, backend and provider\n\n" + format_cost(cost) + "\n",
+               out_dir / "cost.md")
+    write_text(_csv(throughput, THROUGHPUT_COLUMNS), out_dir / "throughput.csv")
+    write_text(f"# Throughput ({_duration(bucket)} buckets of completed_at, UTC)\n\n"
+               + format_throughput(throughput_md, bucket) + "\n", out_dir / "throughput.md")
+    write_text(_csv(limits, LIMIT_COLUMNS), out_dir / "limits.csv")
+    write_text("# Which limit ended each dataset\n\n" + format_limits(limits) + "\n", out_dir / "limits.md")
+    total = cost[-1] if cost else {}
+    log.info("reports: %d datasets, %d responses, $%.4f, %d throughput buckets, written to %s", len(rows) - 3,
+             (total.get("responses_ok") or 0) + (total.get("responses_failed") or 0), total.get("cost_usd") or 0.0,
+             len(throughput), out_dir)
+    return {"tally": rows, "rejects": rejects, "cost": cost, "throughput": throughput, "limits": limits}
 
 
 def _csv(rows: list[dict], columns: list[str]) -> str:
@@ -221,3 +414,71 @@ def format_rejects(rejects: list[dict]) -> str:
     lines = ["| Dataset | Stage | Reason | Count |", "|---|---|---|--:|"]
     lines += [f"| {r['dataset']} | {r['stage']} | {r['reason']} | {r['count']:,} |" for r in rejects]
     return "\n".join(lines)
+
+
+def _duration(seconds: int) -> str:
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600} h"
+    return f"{seconds // 60} min"
+
+
+def _fmt(v, kind: str = "") -> str:
+    if v is None:
+        return ""
+    if kind == "usd":
+        return f"{v:,.4f}" if abs(v) < 100 else f"{v:,.2f}"
+    if kind == "tok":
+        return human_tokens(int(v))
+    if isinstance(v, float):
+        return f"{v:,.1f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]], *, bold=lambda r: False) -> str:
+    """Markdown table of ``rows``; ``columns`` = (key, header, kind) with kind ``""`` (plain), ``"tok"``
+    (:func:`human_tokens`), ``"usd"``, ``"text"`` (left-aligned); ``bold(row)`` marks summary rows."""
+    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
+    align = "|" + "|".join("---" if k == "text" else "--:" for _, _, k in columns) + "|"
+    lines = [head, align]
+    for r in rows:
+        cells = [_fmt(r.get(key), kind) for key, _, kind in columns]
+        if bold(r):
+            cells = [f"**{c}**" if c else "" for c in cells]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_cost(rows: list[dict]) -> str:
+    """Markdown table of ``cost.sql`` rows; dataset subtotals and the total in bold."""
+    cols = [("dataset", "Dataset", "text"), ("backend", "Backend", "text"), ("provider", "Provider", "text"),
+            ("responses_ok", "OK", ""), ("responses_failed", "Failed", ""), ("prompt_tokens", "Prompt tokens", "tok"),
+            ("completion_tokens", "Completion tokens", "tok"), ("total_tokens", "Tokens", "tok"),
+            ("cost_usd", "Cost $", "usd"), ("usd_per_m_completion_tokens", "$/M completion", "usd"),
+            ("usd_per_m_tokens", "$/M tokens", "usd")]
+    return markdown_table(rows, cols, bold=lambda r: r["level"] != "detail")
+
+
+def format_throughput(rows: list[dict], bucket_s: int = 60) -> str:
+    """Markdown table of ``throughput.sql`` rows (``"none"`` without responses)."""
+    if not rows:
+        return "none (no response has a completion time)"
+    cols = [("bucket_start_utc", "Start (UTC)", "text"), ("minutes_from_start", "Minute", ""),
+            ("responses_ok", "Responses", ""), ("completion_tokens_per_min", "Completion tokens/min", ""),
+            ("cost_usd", "Cost $", "usd"), ("cumulative_completion_tokens", "Cum. completion tokens", "tok"),
+            ("cumulative_cost_usd", "Cum. cost $", "usd"),
+            ("cumulative_mean_completion_tokens", "Mean completion so far", "")]
+    out = [dict(r, bucket_start_utc=str(r["bucket_start_utc"])[:19]) for r in rows]
+    return markdown_table(out, cols)
+
+
+def format_limits(rows: list[dict]) -> str:
+    """Markdown table of ``limits.sql`` rows (``"none"`` without generated datasets)."""
+    if not rows:
+        return "none (no generated dataset)"
+    cols = [("dataset", "Dataset", "text"), ("ended_by", "Ended by", "text"), ("evidence", "Evidence", "text"),
+            ("samples_ok", "Samples", ""), ("not_sent", "Not sent", ""), ("max_samples", "Max samples", ""),
+            ("completion_tokens", "Completion tokens", ""), ("budget_completion_tokens", "Token budget", ""),
+            ("cost_usd", "Cost $", "usd"), ("budget_usd", "Budget $", "usd")]
+    return markdown_table(rows, cols)

@@ -1,0 +1,143 @@
+"""profiles/slurm through the real SLURM executor plugin, against stand-in SLURM commands on PATH.
+
+The stand-ins (sbatch, sacct, squeue, sacctmgr, scontrol, scancel, sinfo, sshare) record their argv and answer
+like SLURM: sbatch prints a job id, sacctmgr the account, scontrol a MinJobAge, sacct reports every job FAILED
+so the run ends at once. Only one extract and one generate job are submitted (forced targets on a scratch
+copy whose inputs exist as placeholders); the test checks the sbatch lines.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, copy_workflow, snakemake_env
+
+pytest.importorskip("snakemake_executor_plugin_slurm")
+
+STANDIN = r"""#!/bin/bash
+# stand-in for SLURM's {name}: record argv (NUL-separated, one file per call), answer like SLURM
+d="${{SLURM_STANDIN_DIR:?}}"
+f=$(mktemp "$d/{name}.XXXXXX")
+printf '%s\0' "$@" > "$f"
+{answer}
+"""
+ANSWERS = {
+    "sbatch": 'touch "$d/jobid.$$"; echo "$$"',  # --parsable: the job id (this process id, recorded for sacct)
+    "sacct": 'for f in "$d"/jobid.*; do [ -e "$f" ] && echo "${f##*.}|FAILED"; done; true',
+    "sacctmgr": "echo myproj",
+    "scontrol": 'echo "MinJobAge               = 300 sec"',
+    "squeue": "true",
+    "scancel": "true",
+    "sinfo": "true",
+    "sshare": "echo myproj",
+}
+
+EXTRACT = "results/hidden_states/000.safetensors"
+GENERATE = "results/sharegpt_demo/responses/000.parquet"
+
+
+def _standins(bin_dir: Path) -> None:
+    bin_dir.mkdir(parents=True)
+    for name, answer in ANSWERS.items():
+        p = bin_dir / name
+        p.write_text(STANDIN.format(name=name, answer=answer))
+        p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def _calls(record: Path, name: str) -> list[list[str]]:
+    out = []
+    for f in sorted(record.glob(f"{name}.*")):
+        out.append(f.read_bytes().decode().split("\0")[:-1])
+    return out
+
+
+def _opt(argv: list[str], flag: str) -> str | None:
+    """Value of ``flag`` in an sbatch argv: ``-p gpu`` or ``--gpus=1`` forms."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+@pytest.fixture(scope="module")
+def submitted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("slurm")
+    work = copy_workflow(tmp / "w")
+    # placeholder inputs: with --allowed-rules nothing upstream is scheduled, and the jobs never run
+    for f in ("results/merged/000.parquet", "results/sharegpt_demo/prompts/000.parquet",
+              "results/target/tiny-kimi/config.json"):
+        (work / f).parent.mkdir(parents=True, exist_ok=True)
+        (work / f).touch()
+    record = tmp / "record"
+    record.mkdir()
+    _standins(tmp / "bin")
+    env = snakemake_env()
+    env["PATH"] = f"{tmp / 'bin'}{os.pathsep}{env['PATH']}"
+    env["SLURM_STANDIN_DIR"] = str(record)
+    env["EAGLE3_SLURM_ACCOUNT"] = "myproj"
+    cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", "profiles/slurm", "--force",
+           "--allowed-rules", "extract", "generate", "--slurm-init-seconds-before-status-checks", "1",
+           "--latency-wait", "1", "--retries", "0", "--", EXTRACT, GENERATE]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    sb = _calls(record, "sbatch")
+    assert len(sb) == 2, f"expected 2 sbatch calls, got {len(sb)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    jobs = {}
+    for argv in sb:
+        wrap = _opt(argv, "--wrap") or ""
+        rule = "extract" if "--target-jobs 'extract:" in wrap else "generate" if "--target-jobs 'generate:" in wrap else "?"
+        jobs[rule] = argv
+    return {"jobs": jobs, "proc": proc, "record": record}
+
+
+def test_profile_keys_are_the_plugins():
+    prof = yaml.safe_load((ROOT / "profiles" / "slurm" / "config.yaml").read_text())
+    assert prof["executor"] == "slurm"
+    text = (ROOT / "profiles" / "slurm" / "config.yaml").read_text()
+    # GPUs through the plugin's resources, never through slurm_extra (the plugin rejects --gres/--gpus there)
+    assert "slurm_extra" not in yaml.safe_dump(prof)
+    assert "gres" not in yaml.safe_dump(prof)
+    assert "--workflow-profile profiles/slurm" in text
+
+
+def test_extract_job_asks_for_a_gpu_on_the_gpu_partition(submitted):
+    argv = submitted["jobs"]["extract"]
+    assert _opt(argv, "-p") == "gpu"
+    assert _opt(argv, "--gpus") == "1"  # the rule's resources: gpu=extract.gpus_per_job
+    assert _opt(argv, "-A") == "myproj"  # $EAGLE3_SLURM_ACCOUNT, checked with sacctmgr
+    assert _opt(argv, "-t") == "480" and _opt(argv, "--mem") == "128000"
+    assert _opt(argv, "--cpus-per-task") == "8"
+    assert not any(a.startswith("--gres") for a in argv)
+    wrap = _opt(argv, "--wrap")
+    assert "--target-jobs 'extract:k=000'" in wrap and "--executor slurm-jobstep" in wrap
+
+
+def test_generate_job_is_a_long_cpu_job(submitted):
+    argv = submitted["jobs"]["generate"]
+    assert _opt(argv, "-p") == "cpu"
+    assert _opt(argv, "--gpus") is None
+    assert _opt(argv, "-A") == "myproj"
+    assert _opt(argv, "-t") == "2880" and _opt(argv, "--mem") == "16000"
+    assert _opt(argv, "--cpus-per-task") == "4"
+    assert "--target-jobs 'generate:ds=sharegpt_demo,shard=000'" in _opt(argv, "--wrap")
+
+
+def test_plugin_checked_the_account_and_polled_sacct(submitted):
+    record = submitted["record"]
+    (acct,) = {tuple(c) for c in _calls(record, "sacctmgr")}
+    assert acct[:4] == ("-n", "-s", "list", "user")
+    polls = [c for c in _calls(record, "sacct") if "--parsable2" in c]
+    assert polls, "the plugin never polled sacct"
+    # the stand-in said FAILED, so the run fails quickly and says so
+    assert submitted["proc"].returncode != 0
+    assert "SLURM status is: 'FAILED'" in submitted["proc"].stdout + submitted["proc"].stderr
+    print(" ".join(shlex.quote(a) for a in submitted["jobs"]["extract"][:20]))
