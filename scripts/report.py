@@ -14,8 +14,6 @@ write_reports(
     datasets_config=snakemake.params.datasets,
     backends=snakemake.params.backends,
     generation=snakemake.params.generation,
-    # generate's per-shard summary JSON: the declared input when the rule has one, else those found beside
-    # the responses files
-    summary_paths=list(snakemake.input.summaries) if hasattr(snakemake.input, "summaries") else None,
+    summary_paths=list(snakemake.input.summaries),  # generate's per-shard summaries: which limit ended each dataset
 )
 write_plots(*inputs, out_dir)
