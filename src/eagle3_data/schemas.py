@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 import pandera.pandas as pa_pd
 import pyarrow as pa
@@ -128,10 +129,10 @@ def _lists_ok(s: pd.Series, low: int, high: int | None = None) -> pd.Series:
     def ok(v) -> bool:
         if v is None:
             return False
-        seq = list(v)
-        if not seq:
+        a = np.asarray(v)  # list cells arrive as numpy arrays from to_pandas: no per-element Python loop
+        if not a.size:
             return False
-        return all((x >= low) and (high is None or x <= high) for x in seq)
+        return bool(a.min() >= low and (high is None or a.max() <= high))
 
     return s.map(ok)
 

@@ -1,140 +1,215 @@
 """Stage 3, tokenize: exact target token ids and loss mask for every generated response.
 
 ``input_ids = prompt_ids + completion_ids`` and ``loss_mask = [0]*len(prompt_ids) + [1]*len(completion_ids)``:
-the loss mask is 1 exactly on the generated completion, including its end-of-turn token
-(``templates.py`` gives the prompt/completion recipe and its sources).
+the loss mask is 1 exactly on the generated completion, including its end-of-turn token (``templates.py`` gives
+the prompt/completion recipe per template family and its sources).
 
 ``ids_source`` says where the completion ids came from:
-- ``exact``: the backend returned the sampled ``output_ids`` (SGLang ``/generate``); they are used as they are
-  and the response text is checked against them (a mismatch is rejected as ``exact_ids_text_mismatch``);
-- ``reconstructed``: re-tokenized from the response text (OpenRouter and other text-only APIs).
 
-Rows that can't be tokenized keep their place with ``reject_stage``/``reject_reason`` set (and empty ids);
-the validate stage moves them to the rejects file, so every sample of the shard is accounted for.
+- ``exact``: the backend returned the sampled ``output_ids`` (SGLang ``/generate``); they are used as they are
+  (plus the end-of-turn id when the backend left the stop token out) and their decoded text must equal the
+  response text in the target's completion format, else the row is rejected ``exact_ids_text_mismatch``;
+- ``reconstructed``: re-tokenized from the response text (OpenRouter and other text-only APIs); the ids must decode
+  back to exactly that text (text -> ids -> text), else the row is rejected ``round_trip`` (a tokenizer whose
+  normalizer or unknown-token handling loses text can't give the target's ids).
+
+Speed: prompts are rendered once each (Jinja), then every prompt and completion text piece of the shard is encoded
+in ONE batched tokenizer call (parallel in Rust for a fast tokenizer) and the decode check is one batched decode;
+no per-token Python loops. Rows that can't be tokenized keep their place with ``reject_stage``/``reject_reason``
+set (and empty ids); the validate stage moves them to the rejects file, so every sample is accounted for.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
 from collections import Counter
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas
-from .templates import TargetTokens, TemplateError, load_target_tokens
+from .templates import TargetTokens, TemplateError, count_tool_calls, load_target_tokens
 
 log = logging.getLogger("eagle3_data.tokenize")
 
+_RESPONSE_COLUMNS = ("sample_id", "dataset", "turn", "messages", "tools", "status", "error", "reasoning", "content",
+                     "tool_calls", "finish_reason", "completion_tokens", "backend", "provider", "cost_usd",
+                     "output_ids")
 
-def _reject_row(base: dict, stage: str, reason: str, detail: str) -> dict:
+
+def _base(r: dict, sid: str) -> dict:
     return {
-        **base,
-        "input_ids": [],
-        "loss_mask": [],
-        "num_tokens": 0,
-        "num_prompt_tokens": 0,
-        "num_completion_tokens": 0,
-        "ids_source": None,
-        "reject_stage": stage,
-        "reject_reason": reason,
-        "reject_detail": detail[:500],
+        "sample_id": sid,
+        "dataset": r["dataset"],
+        "billed_completion_tokens": r.get("completion_tokens"),
+        "finish_reason": r.get("finish_reason"),
+        "backend": r.get("backend"),
+        "provider": r.get("provider"),
+        "cost_usd": r.get("cost_usd"),
     }
+
+
+def _reject(base: dict, stage: str, reason: str, detail: str) -> dict:
+    return {**base, "ids_source": None, "reject_stage": stage, "reject_reason": reason,
+            "reject_detail": (detail or "")[:500]}
+
+
+def tokenize_batch(rows: list[dict], target: TargetTokens) -> tuple[list[dict], list[list[int] | None], list[int]]:
+    """Tokenize RESPONSES rows; the columnar core of :func:`tokenize_rows`.
+
+    Returns ``(meta, ids, prompt_lens)``, one entry per input row in order: ``meta`` is the TOKENS row without the
+    id columns (``ids_source`` and ``reject_*`` set), ``ids[i]`` the full ``input_ids`` (``None`` for a rejected
+    row) and ``prompt_lens[i]`` the prompt length (the loss mask is ``0`` before it, ``1`` from it on).
+    Never raises for a bad row.
+    """
+    turns = Counter(r["sample_id"] for r in rows)
+    meta: list[dict] = []
+    work: list[tuple] = []  # (row index, segments, exact ids, completion text)
+    texts: list[str] = []
+    generic = target.fmt.generic
+    for r in rows:
+        sid = r["sample_id"] if turns[r["sample_id"]] == 1 else f"{r['sample_id']}@{r['turn']}"
+        base = _base(r, sid)
+        if r.get("status") != "ok":
+            err = r.get("error") or "generation_failed"
+            code = err.split(":", 1)[0].strip() or "generation_failed"
+            meta.append(_reject(base, "generate", code, err))
+            continue
+        try:
+            try:
+                messages = json.loads(r["messages"])
+                tools = json.loads(r["tools"]) if r.get("tools") else None
+                tool_calls = json.loads(r["tool_calls"]) if r.get("tool_calls") else None
+            except (json.JSONDecodeError, TypeError, KeyError) as exc:
+                raise TemplateError(f"bad JSON in the response row: {exc}", "bad_response_json") from exc
+            prompt = target.render(messages, tools, True)
+            truncated = r.get("finish_reason") == "length"
+            if generic:
+                comp = target.generic_completion(messages, tools, prompt, r.get("reasoning"), r.get("content"),
+                                                 tool_calls, truncated)
+                segs = [(comp, False)]
+            else:
+                segs = target.completion_segments(
+                    r.get("reasoning"), r.get("content"), tool_calls, prompt,
+                    prior_tool_calls=count_tool_calls(messages), truncated=truncated,
+                )
+        except TemplateError as exc:
+            meta.append(_reject(base, "tokenize", exc.reason, str(exc)))
+            continue
+        meta.append({**base, "ids_source": "reconstructed", "reject_stage": None, "reject_reason": None,
+                     "reject_detail": None})
+        texts.append(prompt)
+        texts.extend(t for t, special in segs if not special)
+        exact = r.get("output_ids")
+        work.append((len(meta) - 1, segs, exact if exact is not None and len(exact) > 0 else None, truncated))
+
+    encoded = target.encode_texts(texts)  # the one batched encode of the shard
+    ids_out: list[list[int] | None] = [None] * len(meta)
+    plens = [0] * len(meta)
+    comps: list[list[int]] = []
+    want: list[str] = []
+    k = 0
+    sid = target.special_id
+    for i, segs, exact, truncated in work:
+        prompt_ids = encoded[k]
+        k += 1
+        comp: list[int] = []
+        for t, special in segs:
+            if special:
+                comp.append(sid(t))
+            else:
+                comp += encoded[k]
+                k += 1
+        if exact is not None:
+            exact = [int(x) for x in exact]
+            if not truncated and (not exact or exact[-1] not in target.end_ids):
+                exact.append(comp[-1] if comp and comp[-1] in target.end_ids else target.eot_id)
+            meta[i]["ids_source"] = "exact"
+            comp = exact
+        ids_out[i] = prompt_ids + comp
+        plens[i] = len(prompt_ids)
+        comps.append(comp)
+        want.append("".join(t for t, _ in segs))
+
+    # text -> ids -> text: one batched decode of every completion
+    got = target.decode_batch(comps)
+    for (i, *_), g, w in zip(work, got, want):
+        if g != w:
+            exact = meta[i]["ids_source"] == "exact"
+            j = next((n for n, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            meta[i] = _reject(
+                {k2: v for k2, v in meta[i].items() if not k2.startswith("reject_") and k2 != "ids_source"},
+                "tokenize", "exact_ids_text_mismatch" if exact else "round_trip",
+                f"{'backend output_ids' if exact else 'completion ids'} decode to text that differs from the "
+                f"response at char {j}: {g[j:j + 30]!r} vs {w[j:j + 30]!r}",
+            )
+            ids_out[i] = None
+    return meta, ids_out, plens
 
 
 def tokenize_rows(rows: list[dict], target: TargetTokens) -> list[dict]:
     """Turn RESPONSES rows (dicts) into TOKENS rows (dicts) for ``target``.
 
-    Each output row has ``input_ids`` (list[int], target vocabulary), ``loss_mask`` (list[int] 0/1, same length),
-    token counts, ``ids_source`` and ``billed_completion_tokens`` (the backend's ``usage.completion_tokens``).
-    A sample regenerated at several turns (generation mode ``all``) yields one row per turn with sample id
-    ``<sample_id>@<turn>``. Never raises for a bad row: it is returned with ``reject_*`` fields set.
+    Each output row has ``input_ids`` (list[int], target vocabulary), ``loss_mask`` (list[int] 0/1, same length,
+    1 exactly on the completion including its end-of-turn token), ``num_tokens``/``num_prompt_tokens``/
+    ``num_completion_tokens``, ``ids_source`` (exact | reconstructed) and ``billed_completion_tokens`` (the backend's
+    ``usage.completion_tokens``). A sample regenerated at several turns (generation mode ``all``) yields one row per
+    turn with sample id ``<sample_id>@<turn>``. Never raises for a bad row: it is returned with empty ids and
+    ``reject_stage``/``reject_reason``/``reject_detail`` set.
     """
-    turns = Counter(r["sample_id"] for r in rows)
-    out: list[dict] = []
-    pending: list[tuple] = []  # (base row, messages, (reasoning, content, tool_calls), exact output_ids)
-    prompt_texts: list[str] = []
-    for r in rows:
-        sid = r["sample_id"] if turns[r["sample_id"]] == 1 else f"{r['sample_id']}@{r['turn']}"
-        base = {
-            "sample_id": sid,
-            "dataset": r["dataset"],
-            "billed_completion_tokens": r.get("completion_tokens"),
-            "finish_reason": r.get("finish_reason"),
-            "backend": r.get("backend"),
-            "provider": r.get("provider"),
-            "cost_usd": r.get("cost_usd"),
-        }
-        if r.get("status") != "ok":
-            err = r.get("error") or "generation_failed"
-            code = err.split(":", 1)[0].strip() or "generation_failed"
-            out.append(_reject_row(base, "generate", code, err))
-            continue
-        try:
-            messages = json.loads(r["messages"])
-            tools = json.loads(r["tools"]) if r.get("tools") else None
-            tool_calls = json.loads(r["tool_calls"]) if r.get("tool_calls") else None
-            prompt_text = target.render_prompt_text(messages, tools)
-        except (TemplateError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            out.append(_reject_row(base, "tokenize", "prompt_render_failed", str(exc)))
-            continue
-        prompt_texts.append(prompt_text)
-        pending.append((base, messages, (r.get("reasoning"), r.get("content"), tool_calls), r.get("output_ids")))
-
-    prompt_ids_all = target.encode_texts(prompt_texts)
-    # completion segments need to know whether the prompt opened the think block
-    seg_lists: list[list[tuple[str, bool]] | Exception] = []
-    texts: list[str] = []
-    for (base, _messages, (reasoning, content, tool_calls), _exact), prompt_ids in zip(pending, prompt_ids_all):
-        try:
-            segs = target.completion_segments(reasoning, content, tool_calls, target.prompt_ends_open(prompt_ids))
-        except TemplateError as exc:
-            seg_lists.append(exc)
-            continue
-        seg_lists.append(segs)
-        texts.extend(t for t, special in segs if not special)
-    encoded = iter(target.encode_texts(texts))
-
-    for (base, _m, _c, exact), prompt_ids, segs in zip(pending, prompt_ids_all, seg_lists):
-        if isinstance(segs, Exception):
-            out.append(_reject_row(base, "tokenize", "completion_format", str(segs)))
-            continue
-        completion: list[int] = []
-        for text, special in segs:
-            completion.extend([target.special_id(text)] if special else next(encoded))
-        ids_source = "reconstructed"
-        if exact is not None and len(exact) > 0:
-            exact = [int(x) for x in exact]
-            if exact[-1] != target.eot_id:
-                exact = exact + [target.eot_id]
-            if exact != completion:
-                out.append(
-                    _reject_row(
-                        base,
-                        "tokenize",
-                        "exact_ids_text_mismatch",
-                        f"backend output_ids ({len(exact)}) differ from the response text's ids ({len(completion)})",
-                    )
-                )
-                continue
-            completion, ids_source = exact, "exact"
-        ids = prompt_ids + completion
-        out.append(
-            {
-                **base,
-                "input_ids": ids,
-                "loss_mask": [0] * len(prompt_ids) + [1] * len(completion),
-                "num_tokens": len(ids),
-                "num_prompt_tokens": len(prompt_ids),
-                "num_completion_tokens": len(completion),
-                "ids_source": ids_source,
-                "reject_stage": None,
-                "reject_reason": None,
-                "reject_detail": None,
-            }
-        )
+    meta, ids, plens = tokenize_batch(rows, target)
+    out = []
+    for m, x, p in zip(meta, ids, plens):
+        x = x or []
+        out.append({**m, "input_ids": x, "loss_mask": [0] * p + [1] * (len(x) - p), "num_tokens": len(x),
+                    "num_prompt_tokens": p if x else 0, "num_completion_tokens": len(x) - p if x else 0})
     return out
+
+
+def tokens_table(meta: list[dict], ids: list[list[int] | None], plens: list[int]) -> pa.Table:
+    """Build the TOKENS ``pyarrow.Table`` from :func:`tokenize_batch` output without per-token Python loops."""
+    lens = np.fromiter((len(x) if x else 0 for x in ids), dtype=np.int64, count=len(ids))
+    p = np.asarray(plens, dtype=np.int64)
+    p = np.where(lens > 0, p, 0)
+    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
+    np.cumsum(lens, out=offsets[1:])
+    total = int(offsets[-1])
+    flat = pa.array(np.fromiter(itertools.chain.from_iterable(x for x in ids if x), dtype=np.int32, count=total))
+    # loss mask: 1 from each row's prompt end to its end
+    mark = np.zeros(total + 1, dtype=np.int8)
+    np.add.at(mark, offsets[:-1][lens > 0] + p[lens > 0], 1)
+    np.add.at(mark, offsets[1:][lens > 0], -1)
+    mask = np.cumsum(mark[:-1], dtype=np.int8)
+    cols = {
+        "input_ids": pa.ListArray.from_arrays(pa.array(offsets), flat),
+        "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask, pa.int8())),
+        "num_tokens": pa.array(lens),
+        "num_prompt_tokens": pa.array(p),
+        "num_completion_tokens": pa.array(lens - p),
+    }
+    arrays = []
+    for f in schemas.TOKENS:
+        if f.name in cols:
+            arrays.append(cols[f.name].cast(f.type))
+        else:
+            arrays.append(pa.array([m.get(f.name) for m in meta], type=f.type))
+    return pa.Table.from_arrays(arrays, schema=schemas.TOKENS)
+
+
+def read_responses(path: str) -> list[dict]:
+    """RESPONSES parquet rows as dicts (only the columns this stage reads). Raises ``ValueError`` naming the file
+    and the missing columns when it is not a responses file."""
+    pf = pq.ParquetFile(path)
+    missing = [c for c in ("sample_id", "dataset", "messages", "status") if c not in pf.schema_arrow.names]
+    if missing:
+        raise ValueError(f"{path}: not a responses file (missing columns {missing})")
+    cols = [c for c in _RESPONSE_COLUMNS if c in pf.schema_arrow.names]
+    return pf.read(columns=cols).to_pylist()
 
 
 def tokenize(responses_path: str, out_path: str, *, target: dict, log_path: str | None = None) -> dict:
@@ -142,7 +217,8 @@ def tokenize(responses_path: str, out_path: str, *, target: dict, log_path: str 
 
     ``target`` is the config ``target`` slice: ``path`` (local tokenizer dir), ``template`` (family name),
     ``trust_remote_code``, ``chat_template_kwargs``. Returns counts ``{rows, tokenized, rejected: {reason: n},
-    tokens}``. Raises :class:`templates.TemplateError` if the tokenizer can't be loaded.
+    tokens, completion_tokens, seconds, tokens_per_s}``. Raises :class:`templates.TemplateError` if the tokenizer
+    can't be loaded, ``ValueError`` if ``responses_path`` is not a responses file.
     """
     t0 = time.time()
     tt = load_target_tokens(
@@ -151,17 +227,21 @@ def tokenize(responses_path: str, out_path: str, *, target: dict, log_path: str 
         trust_remote_code=bool(target.get("trust_remote_code", False)),
         chat_template_kwargs=target.get("chat_template_kwargs") or {},
     )
-    rows = pq.read_table(responses_path).to_pylist()
-    out = tokenize_rows(rows, tt)
-    table = schemas.from_rows(out, schemas.TOKENS)
+    rows = read_responses(responses_path)
+    meta, ids, plens = tokenize_batch(rows, tt)
+    table = tokens_table(meta, ids, plens)
     schemas.write_checked(table, "tokens", out_path)
-    rejected = Counter(r["reject_reason"] for r in out if r["reject_reason"])
+    rejected = Counter(m["reject_reason"] for m in meta if m["reject_reason"])
+    ntok = int(pc.sum(table["num_tokens"]).as_py() or 0)
+    secs = time.time() - t0
     summary = {
         "rows": len(rows),
-        "tokenized": len(out) - sum(rejected.values()),
+        "tokenized": len(meta) - sum(rejected.values()),
         "rejected": dict(rejected),
-        "tokens": sum(r["num_tokens"] for r in out),
-        "seconds": round(time.time() - t0, 3),
+        "tokens": ntok,
+        "completion_tokens": int(pc.sum(table["num_completion_tokens"]).as_py() or 0),
+        "seconds": round(secs, 3),
+        "tokens_per_s": round(ntok / secs) if secs > 0 else None,
     }
     log.info("tokenize %s: %s", responses_path, summary)
     return summary

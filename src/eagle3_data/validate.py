@@ -1,31 +1,50 @@
 """Stage 4, validate: named structural checks on every tokenized sample, then the pandera schema.
 
-Each check is a function ``(row, ctx) -> (reason_code, detail) | None``; the first failing check rejects the
-row. Reason codes (also the ``reason`` column of ``results/<ds>/rejected/<shard>.parquet``):
+A row is rejected with the reason code of the *first* check it fails, in this order (also the ``reason`` column of
+``results/<ds>/rejected/<shard>.parquet``):
 
 ======================== ==========================================================================================
 code                     meaning
 ======================== ==========================================================================================
-(generate/tokenize code) the sample already failed an earlier stage (``reject_stage`` says which)
+(generate/tokenize code) the sample already failed an earlier stage (``stage`` says which), e.g.
+                         ``prompt_render_failed``, ``template_not_prefix``, ``unexpected_reasoning``,
+                         ``exact_ids_text_mismatch``, ``round_trip`` (text -> ids -> text, reconstructed ids)
 empty_sequence           no token ids
-length_mismatch          ``loss_mask`` and ``input_ids`` lengths differ
-id_out_of_vocab          an id is negative or >= the target vocabulary size
+length_mismatch          ``loss_mask``/``input_ids`` lengths or the ``num_*`` counts disagree
+id_out_of_vocab          an id is negative or >= the target vocabulary size (``len(tokenizer)``)
+bad_loss_mask            a ``loss_mask`` value other than 0/1
 no_supervised_tokens     ``loss_mask`` has no 1
-missing_end_of_turn      the sequence does not end with the target's end-of-turn token, supervised
-early_end_of_turn        an end-of-turn token inside the completion before its end
+mask_not_completion      generated row: the 1s are not exactly the completion (one trailing run of
+                         ``num_completion_tokens`` positions)
 truncated                ``finish_reason == "length"`` and ``validate.keep_truncated`` is false
-reasoning_marker_count   reasoning target: not exactly one end-of-reasoning marker in the completion;
-                         non-reasoning target: any think marker in the completion
-reasoning_marker_leak    a think marker after the end of reasoning (inside the answer)
-role_marker_leak         a role marker (e.g. ``<|im_user|>``) inside the completion
-round_trip               decode -> encode of the completion's text runs does not give back the same ids
-count_mismatch           reconstructed completion tokens differ from the backend's billed
-                         ``completion_tokens`` by more than ``max(per_sample_abs, per_sample_rel * billed)``
+missing_end_of_turn      the sequence does not end with a supervised end-of-turn token of the target
+                         (kept truncated rows are exempt: the target never emitted one)
+early_end_of_turn        generated row: an end-of-turn token inside the completion before its end
+empty_completion         generated row: the completion has no text token (only markers / end-of-turn)
+reasoning_marker_count   reasoning target: the assistant turn (generation-prompt tail + completion) has no
+                         end-of-reasoning marker or no opening marker
+reasoning_marker_leak    reasoning target: more than one open/close think marker in the turn, or close before open
+                         (a marker inside the answer); non-reasoning target: any think marker in the completion
+role_marker_leak         a role marker (``<|im_user|>``, ``<|im_start|>``, ``<|assistant|>``...) at a supervised
+                         position
+round_trip               ids -> text -> ids changes the ids (pre-tokenized rows: whole sequence; rows whose
+                         ``ids_source`` is in ``Context.round_trip_sources``: the completion)
+count_mismatch           reconstructed completion tokens differ from the backend's billed ``completion_tokens``
+                         by more than ``max(count_tolerance.per_sample_abs, per_sample_rel * billed)``
 too_long                 more than ``validate.max_tokens`` tokens
 ======================== ==========================================================================================
 
-Checks follow the seed run's audit (every response ends with ``<|im_end|>``, exactly one end-of-reasoning
-marker, no markers leaking into the answer, a tokenizer round trip, counts within tolerance of the billing).
+The shard then fails (after both files are written) when its reject rate exceeds ``validate.max_reject_rate``
+(:class:`RejectRateExceeded`) or when the sum of reconstructed completion tokens of its validated rows differs
+from the sum billed by more than ``count_tolerance.aggregate_rel`` (:class:`CountAuditFailed`; the seed's audit
+held 0.04 % over 1,637 Kimi-K2.5 responses). ``validate()`` returns both sums so reports can give the audit per
+dataset.
+
+Checks follow the seed run's audit (every response ends with ``<|im_end|>``, exactly one end-of-reasoning marker,
+no markers leaking into the answer, a tokenizer round trip, counts within tolerance of the billing). Reconstructed
+ids are the tokenizer's own encoding of the response text and are checked text -> ids -> text at tokenize time, so
+the ids -> text -> ids round trip here is only needed for ids that did not come from our encoding (pre-tokenized,
+optionally exact). Every check is vectorised over the shard (numpy over the flattened id/mask arrays).
 """
 
 from __future__ import annotations
@@ -36,11 +55,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas
-from .templates import TargetTokens, load_target_tokens
+from .templates import KIMI_TOOL_TOKENS, TargetTokens, load_target_tokens
 
 log = logging.getLogger("eagle3_data.validate")
 
@@ -49,137 +70,330 @@ class RejectRateExceeded(RuntimeError):
     """A shard rejected more than ``validate.max_reject_rate`` of its samples."""
 
 
+class CountAuditFailed(RuntimeError):
+    """The shard's reconstructed completion tokens differ from the billed ones by more than ``aggregate_rel``."""
+
+
 @dataclass
 class Context:
-    """What the checks need to know: the target's special ids and the ``validate`` config slice."""
+    """What the checks need: the target's special ids and the ``validate`` config slice."""
 
     target: TargetTokens
     keep_truncated: bool = False
     per_sample_abs: int = 3
     per_sample_rel: float = 0.02
+    aggregate_rel: float | None = None
     max_tokens: int | None = None
+    round_trip_sources: tuple[str, ...] = ("pretokenized",)
 
+    def __post_init__(self):
+        t = self.target
+        self.end_ids = np.array(sorted(t.end_ids), dtype=np.int64)
+        self.role_ids = np.array(sorted(t.role_marker_ids), dtype=np.int64)
+        bound = set(t.role_marker_ids) | set(t.end_ids)
+        self.boundary_ids = np.array(sorted(bound), dtype=np.int64)
+        markers = set(bound)
+        markers |= {i for i in (t.think_open_id, t.think_close_id) if i is not None}
+        markers |= {i for i in (t.special_id(n, required=False) for n in KIMI_TOOL_TOKENS) if i is not None}
+        markers |= set(getattr(t.tok, "all_special_ids", []) or [])
+        self.marker_ids = np.array(sorted(markers), dtype=np.int64)
 
-def completion_ids(row: dict) -> list[int]:
-    """The supervised ids of ``row`` (all positions with ``loss_mask == 1``), in order."""
-    return [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
-
-
-def check_nonempty(row, ctx):
-    if not row["input_ids"]:
-        return "empty_sequence", "no token ids"
-
-
-def check_lengths(row, ctx):
-    if len(row["input_ids"]) != len(row["loss_mask"]):
-        return "length_mismatch", f"{len(row['input_ids'])} ids vs {len(row['loss_mask'])} mask values"
-
-
-def check_vocab(row, ctx):
-    lo, hi = min(row["input_ids"]), max(row["input_ids"])
-    if lo < 0 or hi >= ctx.target.vocab_size:
-        return "id_out_of_vocab", f"ids span [{lo}, {hi}], vocabulary size {ctx.target.vocab_size}"
-
-
-def check_supervised(row, ctx):
-    if not any(row["loss_mask"]):
-        return "no_supervised_tokens", "loss_mask is all zero"
-
-
-def check_end_of_turn(row, ctx):
-    if row["input_ids"][-1] != ctx.target.eot_id or not row["loss_mask"][-1]:
-        return "missing_end_of_turn", (
-            f"last id {row['input_ids'][-1]} (mask {row['loss_mask'][-1]}), expected supervised "
-            f"{ctx.target.fmt.end_of_turn} ({ctx.target.eot_id})"
+    @classmethod
+    def from_settings(cls, target: TargetTokens, settings: dict) -> "Context":
+        """Context from the config ``validate`` slice (``keep_truncated``, ``count_tolerance``, ``max_tokens``)."""
+        tol = settings.get("count_tolerance") or {}
+        agg = tol.get("aggregate_rel")
+        return cls(
+            target,
+            keep_truncated=bool(settings.get("keep_truncated", False)),
+            per_sample_abs=int(tol.get("per_sample_abs", 3)),
+            per_sample_rel=float(tol.get("per_sample_rel", 0.02)),
+            aggregate_rel=None if agg is None else float(agg),
+            max_tokens=settings.get("max_tokens"),
         )
-    comp = completion_ids(row)
-    if ctx.target.eot_id in comp[:-1]:
-        return "early_end_of_turn", f"end-of-turn at completion position {comp.index(ctx.target.eot_id)}"
 
 
-def check_truncated(row, ctx):
-    if row.get("finish_reason") == "length" and not ctx.keep_truncated:
-        return "truncated", "finish_reason=length"
+class Batch:
+    """The rows under check as flat numpy arrays (rows that passed the per-row structure checks).
+
+    ``ids``/``mask``: all rows' ``input_ids``/``loss_mask`` concatenated (int64 / int8); ``starts``/``ends``: each
+    row's slice; ``rows``: index of each row in the input table.
+    """
+
+    def __init__(self, table: pa.Table, rows: np.ndarray):
+        t = table.take(pa.array(rows, pa.int64())) if len(rows) != table.num_rows else table
+        ids = t.column("input_ids").combine_chunks()
+        mask = t.column("loss_mask").combine_chunks()
+        self.rows = rows
+        self.n = t.num_rows
+        self.ids = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        self.mask = pc.list_flatten(mask).to_numpy(zero_copy_only=False).astype(np.int8, copy=False)
+        self.lens = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+        self.ends = np.cumsum(self.lens)
+        self.starts = self.ends - self.lens
+        self.pos = np.arange(len(self.ids), dtype=np.int64)
+
+        def col(name, default=None):
+            if name in t.column_names:
+                return np.array(t.column(name).to_pylist(), dtype=object)
+            return np.full(self.n, default, dtype=object)
+
+        self.source = col("ids_source")
+        self.finish = col("finish_reason")
+        billed = col("billed_completion_tokens")
+        self.billed = np.array([np.nan if b is None else float(b) for b in billed])
+        self.num_completion = t.column("num_completion_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+        self.num_prompt = t.column("num_prompt_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+        self.num_tokens = t.column("num_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+        self.generated = self.source != "pretokenized"
+        self.supervised = np.add.reduceat(self.mask.astype(np.int64), self.starts) if self.n else np.zeros(0, np.int64)
+
+    def per_row(self, values: np.ndarray, how=np.add) -> np.ndarray:
+        """Reduce a flat per-position array to one value per row (``np.add``, ``np.maximum``, ...)."""
+        if not self.n:
+            return np.zeros(0, dtype=values.dtype)
+        return how.reduceat(values, self.starts)
+
+    def cum(self, flags: np.ndarray) -> np.ndarray:
+        """Prefix sums with a leading 0: ``c[b] - c[a]`` counts flags in ``[a, b)``."""
+        c = np.zeros(len(flags) + 1, dtype=np.int64)
+        np.cumsum(flags, out=c[1:])
+        return c
+
+    def completion(self, i: int) -> np.ndarray:
+        s, e = self.starts[i], self.ends[i]
+        return self.ids[s:e][self.mask[s:e] == 1]
 
 
-def check_reasoning_markers(row, ctx):
+# ---------------------------------------------------------------------------------------------------------------
+# the checks: each returns a boolean "fails" array over the batch rows and a detail function for one row
+
+CheckFn = Callable[[Batch, Context], tuple[np.ndarray, Callable[[int], str]]]
+CHECKS: list[tuple[str, CheckFn]] = []
+
+
+def check(reason: str):
+    """Register a check under its reason code (order of registration = order of evaluation)."""
+
+    def deco(fn: CheckFn) -> CheckFn:
+        CHECKS.append((reason, fn))
+        fn.reason = reason
+        return fn
+
+    return deco
+
+
+@check("id_out_of_vocab")
+def check_vocab(b: Batch, ctx: Context):
+    lo, hi = b.per_row(b.ids, np.minimum), b.per_row(b.ids, np.maximum)
+    v = ctx.target.vocab_size
+    return (lo < 0) | (hi >= v), lambda i: f"ids span [{lo[i]}, {hi[i]}], vocabulary size {v}"
+
+
+@check("bad_loss_mask")
+def check_mask_values(b: Batch, ctx: Context):
+    bad = b.per_row(((b.mask != 0) & (b.mask != 1)).astype(np.int64))
+    return bad > 0, lambda i: f"{bad[i]} loss_mask values are not 0/1"
+
+
+@check("no_supervised_tokens")
+def check_supervised(b: Batch, ctx: Context):
+    return b.supervised == 0, lambda i: "loss_mask is all zero"
+
+
+@check("mask_not_completion")
+def check_mask_is_completion(b: Batch, ctx: Context):
+    # a 1 -> 0 step inside a row, or the 1s not numbering num_completion_tokens, or not at the end
+    drop = np.zeros(len(b.mask), dtype=np.int64)
+    if len(b.mask) > 1:
+        drop[:-1] = (b.mask[:-1] == 1) & (b.mask[1:] == 0)
+        drop[b.ends - 1] = 0
+    drops = b.per_row(drop)
+    last = b.mask[b.ends - 1] if b.n else np.zeros(0, np.int8)
+    bad = b.generated & ((drops > 0) | (b.supervised != b.num_completion) | (last != 1))
+    return bad, lambda i: (f"{b.supervised[i]} supervised positions, {drops[i]} gaps, last mask {last[i]}; "
+                           f"expected the last {b.num_completion[i]} positions")
+
+
+@check("truncated")
+def check_truncated(b: Batch, ctx: Context):
+    bad = (b.finish == "length") & (not ctx.keep_truncated)
+    return bad.astype(bool), lambda i: "finish_reason=length (validate.keep_truncated is false)"
+
+
+@check("missing_end_of_turn")
+def check_end_of_turn(b: Batch, ctx: Context):
+    last_id = b.ids[b.ends - 1] if b.n else np.zeros(0, np.int64)
+    last_m = b.mask[b.ends - 1] if b.n else np.zeros(0, np.int8)
+    kept_cut = (b.finish == "length") & ctx.keep_truncated
+    bad = (~np.isin(last_id, ctx.end_ids) | (last_m != 1)) & ~kept_cut.astype(bool)
     t = ctx.target
-    comp = completion_ids(row)
-    opens = [i for i, x in enumerate(comp) if x == t.think_open_id]
-    closes = [i for i, x in enumerate(comp) if x == t.think_close_id]
-    if not t.fmt.reasoning:
-        if opens or closes:
-            return "reasoning_marker_count", f"{len(opens)} open / {len(closes)} close think markers, target does not reason"
-        return None
-    if len(closes) != 1:
-        return "reasoning_marker_count", f"{len(closes)} end-of-reasoning markers, expected exactly 1"
-    if any(i > closes[0] for i in opens) or len(opens) > 1:
-        return "reasoning_marker_leak", "think marker inside the answer"
+    names = sorted({t.eot_name, t.tool_eot_name})
+    return bad, lambda i: f"last id {last_id[i]} (mask {last_m[i]}); expected a supervised {names}"
 
 
-def check_role_markers(row, ctx):
-    comp = completion_ids(row)
-    leaked = [x for x in comp if x in ctx.target.role_marker_ids]
-    if leaked:
-        names = sorted({ctx.target.tok.convert_ids_to_tokens(x) for x in leaked})
-        return "role_marker_leak", f"role markers in completion: {names}"
+@check("early_end_of_turn")
+def check_early_end(b: Batch, ctx: Context):
+    n = b.per_row((np.isin(b.ids, ctx.end_ids) & (b.mask == 1)).astype(np.int64))
+    kept_cut = ((b.finish == "length") & ctx.keep_truncated).astype(bool)
+    allowed = np.where(kept_cut, 0, 1)
+    return b.generated & (n > allowed), lambda i: f"{n[i]} end-of-turn tokens in the completion, expected {allowed[i]}"
 
 
-def check_round_trip(row, ctx):
+@check("empty_completion")
+def check_empty_completion(b: Batch, ctx: Context):
+    text = b.per_row((~np.isin(b.ids, ctx.marker_ids) & (b.mask == 1)).astype(np.int64))
+    return b.generated & (text == 0), lambda i: "the completion has no text token (only markers / end-of-turn)"
+
+
+def _turn_counts(b: Batch, ctx: Context):
+    """Per row: think open/close counts in the assistant turn (after the last role/end marker of the prompt)."""
     t = ctx.target
-    comp = completion_ids(row)
-    run: list[int] = []
-    for x in comp + [None]:
-        if x is None or x in t.special_ids:
-            if run:
-                text = t.tok.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                again = t.tok.encode(text, add_special_tokens=False)
-                if list(again) != run:
-                    return "round_trip", f"{len(run)} ids -> text -> {len(again)} ids"
-            run = []
+    bound = np.isin(b.ids, ctx.boundary_ids) & (b.mask == 0)
+    last_bound = b.per_row(np.where(bound, b.pos, -1), np.maximum)
+    turn_start = np.maximum(last_bound + 1, b.starts)
+    is_open = b.ids == (t.think_open_id if t.think_open_id is not None else -1)
+    is_close = b.ids == (t.think_close_id if t.think_close_id is not None else -1)
+    co, cc = b.cum(is_open), b.cum(is_close)
+    opens = co[b.ends] - co[turn_start]
+    closes = cc[b.ends] - cc[turn_start]
+    last_open = b.per_row(np.where(is_open, b.pos, -1), np.maximum)
+    last_close = b.per_row(np.where(is_close, b.pos, -1), np.maximum)
+    in_comp = b.per_row(((is_open | is_close) & (b.mask == 1)).astype(np.int64))
+    return opens, closes, last_open, last_close, in_comp
+
+
+@check("reasoning_marker_count")
+def check_reasoning_count(b: Batch, ctx: Context):
+    if not ctx.target.fmt.reasoning or not b.n:
+        return np.zeros(b.n, bool), lambda i: ""
+    opens, closes, *_ = _turn_counts(b, ctx)
+    kept_cut = ((b.finish == "length") & ctx.keep_truncated).astype(bool)
+    bad = b.generated & ~kept_cut & ((closes == 0) | (opens == 0))
+    return bad, lambda i: f"{opens[i]} open / {closes[i]} end-of-reasoning markers in the turn, expected 1 / 1"
+
+
+@check("reasoning_marker_leak")
+def check_reasoning_leak(b: Batch, ctx: Context):
+    fmt = ctx.target.fmt
+    if fmt.reasoning is None or not b.n or ctx.target.think_open_id is None:
+        return np.zeros(b.n, bool), lambda i: ""
+    opens, closes, last_open, last_close, in_comp = _turn_counts(b, ctx)
+    if fmt.reasoning:
+        bad = b.generated & ((opens > 1) | (closes > 1) | ((closes == 1) & (opens == 1) & (last_close < last_open)))
+        return bad, lambda i: f"{opens[i]} open / {closes[i]} close think markers in the turn: a marker in the answer"
+    bad = b.generated & (in_comp > 0)
+    return bad, lambda i: f"{in_comp[i]} think markers in the completion of a non-reasoning target"
+
+
+@check("role_marker_leak")
+def check_role_markers(b: Batch, ctx: Context):
+    hit = np.isin(b.ids, ctx.role_ids) & (b.mask == 1)
+    n = b.per_row(hit.astype(np.int64))
+
+    def detail(i):
+        got = sorted({ctx.target.tok.convert_ids_to_tokens(int(x)) for x in b.completion(i) if x in ctx.role_ids})
+        return f"role markers in the completion: {got}"
+
+    return n > 0, detail
+
+
+@check("round_trip")
+def check_round_trip(b: Batch, ctx: Context):
+    whole = b.source == "pretokenized"
+    sel = np.flatnonzero(np.isin(b.source, list(ctx.round_trip_sources)))
+    bad = np.zeros(b.n, bool)
+    info: dict[int, str] = {}
+    if len(sel):
+        seqs = [(b.ids[b.starts[i]:b.ends[i]] if whole[i] else b.completion(i)).tolist() for i in sel]
+        texts = ctx.target.decode_batch(seqs)
+        again = ctx.target.encode_texts(texts)
+        for i, s, a in zip(sel, seqs, again):
+            if list(a) != s:
+                bad[i] = True
+                j = next((k for k, (x, y) in enumerate(zip(s, a)) if x != y), min(len(s), len(a)))
+                info[i] = f"{len(s)} ids -> text -> {len(a)} ids, first difference at {j}"
+    return bad, lambda i: info.get(i, "")
+
+
+@check("count_mismatch")
+def check_billed_count(b: Batch, ctx: Context):
+    has = ~np.isnan(b.billed) & b.generated
+    tol = np.maximum(ctx.per_sample_abs, ctx.per_sample_rel * np.nan_to_num(b.billed))
+    diff = np.abs(b.num_completion - np.nan_to_num(b.billed))
+    return has & (diff > tol), lambda i: (f"reconstructed {b.num_completion[i]} vs billed {int(b.billed[i])} "
+                                          f"completion tokens (tolerance {tol[i]:g})")
+
+
+@check("too_long")
+def check_length_limit(b: Batch, ctx: Context):
+    if ctx.max_tokens is None:
+        return np.zeros(b.n, bool), lambda i: ""
+    return b.num_tokens > ctx.max_tokens, lambda i: f"{b.num_tokens[i]} tokens > validate.max_tokens {ctx.max_tokens}"
+
+
+REASONS = ["empty_sequence", "length_mismatch"] + [r for r, _ in CHECKS]
+
+
+def check_table(table: pa.Table, ctx: Context) -> list[tuple[str, str, str] | None]:
+    """Run every check on a TOKENS table; per row ``None`` (valid) or ``(stage, reason, detail)`` of the first
+    failure. Rows that already failed an earlier stage keep that stage's reason."""
+    n = table.num_rows
+    verdict: list[tuple[str, str, str] | None] = [None] * n
+    cols = table.column_names
+    rs = table.column("reject_reason").to_pylist() if "reject_reason" in cols else [None] * n
+    st = table.column("reject_stage").to_pylist() if "reject_stage" in cols else [None] * n
+    dt = table.column("reject_detail").to_pylist() if "reject_detail" in cols else [None] * n
+    nid = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    nmask = pc.list_value_length(table.column("loss_mask")).to_numpy(zero_copy_only=False)
+    ntok = table.column("num_tokens").to_numpy(zero_copy_only=False)
+    npr = table.column("num_prompt_tokens").to_numpy(zero_copy_only=False)
+    nco = table.column("num_completion_tokens").to_numpy(zero_copy_only=False)
+    keep = []
+    for i in range(n):
+        if rs[i]:
+            verdict[i] = (st[i] or "validate", rs[i], dt[i] or "")
+        elif not nid[i]:
+            verdict[i] = ("validate", "empty_sequence", "no token ids")
+        elif nid[i] != nmask[i] or ntok[i] != nid[i] or npr[i] + nco[i] != ntok[i]:
+            verdict[i] = ("validate", "length_mismatch",
+                          f"{nid[i]} ids, {nmask[i]} mask values, num_tokens {ntok[i]} = prompt {npr[i]} + "
+                          f"completion {nco[i]}?")
         else:
-            run.append(x)
+            keep.append(i)
+    if not keep:
+        return verdict
+    b = Batch(table, np.array(keep, dtype=np.int64))
+    open_rows = np.ones(b.n, bool)
+    for reason, fn in CHECKS:
+        bad, detail = fn(b, ctx)
+        hit = np.flatnonzero(bad & open_rows)
+        for j in hit:
+            verdict[int(b.rows[j])] = ("validate", reason, detail(int(j)))
+        open_rows[hit] = False
+    return verdict
 
 
-def check_billed_count(row, ctx):
-    billed = row.get("billed_completion_tokens")
-    if billed is None or row.get("ids_source") == "pretokenized":
-        return None
-    got = row["num_completion_tokens"]
-    tol = max(ctx.per_sample_abs, ctx.per_sample_rel * billed)
-    if abs(got - billed) > tol:
-        return "count_mismatch", f"reconstructed {got} vs billed {billed} completion tokens (tolerance {tol:g})"
-
-
-def check_length_limit(row, ctx):
-    if ctx.max_tokens is not None and row["num_tokens"] > ctx.max_tokens:
-        return "too_long", f"{row['num_tokens']} tokens > validate.max_tokens {ctx.max_tokens}"
-
-
-CHECKS: list[Callable] = [
-    check_nonempty,
-    check_lengths,
-    check_vocab,
-    check_supervised,
-    check_end_of_turn,
-    check_truncated,
-    check_reasoning_markers,
-    check_role_markers,
-    check_round_trip,
-    check_billed_count,
-    check_length_limit,
-]
+def validate_rows(rows: list[dict], ctx: Context) -> list[tuple[str, str] | None]:
+    """Check TOKENS rows given as dicts; per row ``None`` or ``(reason, detail)`` of the first failing check."""
+    out = check_table(_rows_table(rows), ctx)
+    return [None if v is None else (v[1], v[2]) for v in out]
 
 
 def validate_row(row: dict, ctx: Context) -> tuple[str, str] | None:
-    """Run :data:`CHECKS` in order on one TOKENS row; return ``(reason, detail)`` of the first failure or None."""
-    if row.get("reject_reason"):
-        return row["reject_reason"], row.get("reject_detail") or ""
-    for check in CHECKS:
-        bad = check(row, ctx)
-        if bad:
-            return bad
-    return None
+    """:func:`validate_rows` for one row."""
+    return validate_rows([row], ctx)[0]
+
+
+def _rows_table(rows: list[dict]) -> pa.Table:
+    full = []
+    for r in rows:
+        ids = list(r.get("input_ids") or [])
+        mask = list(r.get("loss_mask") or [])
+        d = {"num_tokens": len(ids), "num_completion_tokens": int(sum(1 for m in mask if m)), **r}
+        d.setdefault("num_prompt_tokens", d["num_tokens"] - d["num_completion_tokens"])
+        full.append(d)
+    return schemas.from_rows(full, schemas.TOKENS)
 
 
 def validate(
@@ -194,11 +408,12 @@ def validate(
     """Stage entry point: TOKENS parquet -> VALIDATED + REJECTS parquet (both schema-checked, atomic).
 
     ``target``: the config ``target`` slice (tokenizer path, template family, ...). ``settings``: the config
-    ``validate`` slice (``max_reject_rate``, ``keep_truncated``, ``count_tolerance``, ``max_tokens``).
-    Returns ``{rows, validated, rejected: {reason: n}, reject_rate, billed, reconstructed}``; ``billed`` and
-    ``reconstructed`` sum the completion tokens of validated rows that carry a billed count (the aggregate
-    count audit). Raises :class:`RejectRateExceeded` after writing both files when the reject rate is above
-    ``max_reject_rate``.
+    ``validate`` slice (``max_reject_rate``, ``keep_truncated``, ``count_tolerance: {per_sample_abs, per_sample_rel,
+    aggregate_rel}``, ``max_tokens``). Returns ``{rows, validated, rejected: {reason: n}, reject_rate,
+    billed_completion_tokens, reconstructed_completion_tokens, count_rel, seconds}``; the two sums cover the
+    validated rows that carry a billed count (the aggregate count audit; ``count_rel = |recon - billed| / billed``).
+    Raises, after writing both files, :class:`RejectRateExceeded` when the reject rate is above ``max_reject_rate``
+    and :class:`CountAuditFailed` when ``count_rel`` is above ``count_tolerance.aggregate_rel`` (when set).
     """
     t0 = time.time()
     tt = load_target_tokens(
@@ -207,46 +422,36 @@ def validate(
         trust_remote_code=bool(target.get("trust_remote_code", False)),
         chat_template_kwargs=target.get("chat_template_kwargs") or {},
     )
-    tol = settings.get("count_tolerance") or {}
-    ctx = Context(
-        tt,
-        keep_truncated=bool(settings.get("keep_truncated", False)),
-        per_sample_abs=int(tol.get("per_sample_abs", 3)),
-        per_sample_rel=float(tol.get("per_sample_rel", 0.02)),
-        max_tokens=settings.get("max_tokens"),
-    )
+    ctx = Context.from_settings(tt, settings)
     table = pq.read_table(tokens_path)
-    rows = table.to_pylist()
-    good, bad = [], []
-    for row in rows:
-        verdict = validate_row(row, ctx)
-        if verdict is None:
-            good.append({k: row[k] for k in schemas.VALIDATED.names})
-        else:
-            reason, detail = verdict
-            bad.append(
-                {
-                    "sample_id": row["sample_id"],
-                    "dataset": row["dataset"],
-                    "stage": row.get("reject_stage") or "validate",
-                    "reason": reason,
-                    "detail": (detail or "")[:500],
-                    "source_row": None,
-                }
-            )
-    schemas.write_checked(schemas.from_rows(good, schemas.VALIDATED), "validated", validated_path)
+    verdict = check_table(table, ctx)
+    good = np.array([v is None for v in verdict], dtype=bool)
+    validated = table.filter(pa.array(good)).select(schemas.VALIDATED.names).cast(schemas.VALIDATED)
+    sids = table.column("sample_id").to_pylist()
+    dss = table.column("dataset").to_pylist()
+    bad = [
+        {"sample_id": sids[i], "dataset": dss[i], "stage": v[0], "reason": v[1], "detail": (v[2] or "")[:500],
+         "source_row": None}
+        for i, v in enumerate(verdict) if v is not None
+    ]
+    schemas.write_checked(validated, "validated", validated_path)
     schemas.write_checked(schemas.from_rows(bad, schemas.REJECTS), "rejects", rejected_path)
     reasons = Counter(b["reason"] for b in bad)
-    billed = sum(r["billed_completion_tokens"] for r in good if r["billed_completion_tokens"] is not None)
-    recon = sum(r["num_completion_tokens"] for r in good if r["billed_completion_tokens"] is not None)
-    rate = len(bad) / len(rows) if rows else 0.0
+    has_billed = pc.is_valid(validated.column("billed_completion_tokens"))
+    billed = int(pc.sum(pc.filter(validated.column("billed_completion_tokens"), has_billed)).as_py() or 0)
+    recon = int(pc.sum(pc.filter(validated.column("num_completion_tokens"), has_billed)).as_py() or 0)
+    count_rel = abs(recon - billed) / billed if billed else 0.0
+    n = table.num_rows
+    rate = len(bad) / n if n else 0.0
     summary = {
-        "rows": len(rows),
-        "validated": len(good),
+        "shard": shard,
+        "rows": n,
+        "validated": n - len(bad),
         "rejected": dict(reasons),
         "reject_rate": round(rate, 4),
         "billed_completion_tokens": billed,
         "reconstructed_completion_tokens": recon,
+        "count_rel": count_rel,
         "seconds": round(time.time() - t0, 3),
     }
     log.info("validate %s: %s", tokens_path, summary)
@@ -254,7 +459,13 @@ def validate(
     if rate > ceiling:
         examples = "; ".join(f"{b['sample_id']}: {b['reason']} ({b['detail'][:80]})" for b in bad[:5])
         raise RejectRateExceeded(
-            f"{tokens_path}: {len(bad)}/{len(rows)} samples rejected ({rate:.1%}) > validate.max_reject_rate "
+            f"{tokens_path}: {len(bad)}/{n} samples rejected ({rate:.1%}) > validate.max_reject_rate "
             f"{ceiling:.1%}; reasons {dict(reasons)}; e.g. {examples}"
+        )
+    if ctx.aggregate_rel is not None and count_rel > ctx.aggregate_rel:
+        raise CountAuditFailed(
+            f"{tokens_path}: reconstructed completion tokens {recon} vs billed {billed} differ by "
+            f"{count_rel:.4%} > validate.count_tolerance.aggregate_rel {ctx.aggregate_rel:.4%} (the provider may "
+            f"trim or alter the text it returns, or the template family is wrong)"
         )
     return summary

@@ -1,0 +1,387 @@
+"""Target tokenizer fixtures built locally (no download): byte-level BPE with a few merges, real special-token names
+and chat templates that mimic the real ones' quirks (``/work/shared/reference/formats.md`` §2).
+
+- :func:`kimi_k2_thinking` - Kimi K2-Thinking-like: ``tool_declare`` system message when tools are given, the default
+  system prompt when the first message is not a system message, history reasoning dropped up to and including the
+  last assistant message without tool calls (``<think></think>``), ``## Return of {id}`` tool results, tool-call
+  section tokens, generation prompt ``<|im_assistant|>assistant<|im_middle|>``.
+- :func:`kimi_k25` - same layout; the generation prompt ends in ``<think>`` (``thinking`` true, default) or
+  ``<think></think>`` (``thinking=False``).
+- :func:`kimi_k2` - K2-Instruct-like (no think blocks anywhere).
+- :func:`qwen3` - the Qwen3 template: ``<|im_start|>``, think block only after the last real user query (the last
+  turn always gets one, empty if no reasoning), ``<tool_call>`` JSON blocks with a newline before the first only when
+  content is non-empty, ``<tool_response>`` results as user turns, ``enable_thinking``.
+- :func:`glm45` - the GLM-4.5 template: ``[gMASK]<sop>``, ``<|assistant|>`` generation prompt, ``\\n<think>…</think>``
+  then ``\\n{content}``, ``<arg_key>/<arg_value>`` tool calls, no per-turn end token.
+
+Every fixture's ids: 0..255 are bytes (GPT-2 byte alphabet in byte order), then the merged tokens, then the added
+tokens in the order listed. Built in well under a second.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+#: Merges (GPT-2 byte alphabet: Ġ = space, Ċ = newline) so that tokenization is not one-byte-per-token.
+MERGES: tuple[tuple[str, str], ...] = (
+    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġ", "s"),
+    ("r", "e"), ("a", "t"), ("e", "n"), ("o", "r"), ("Ġ", "w"), ("in", "g"), ("Ġ", "c"), ("i", "s"),
+    ("Ġ", "o"), ("e", "s"), ("a", "n"), ("Ġ", "i"), ("Ġ", "f"), ("Ġ", "b"), ("e", "d"), ("l", "l"),
+    ("Ġ", "p"), ("o", "u"), ("Ġ", "m"), ("a", "r"), ("Ġ", "d"), ("i", "t"), ("Ċ", "Ċ"), ("Ġ", "Ġ"),
+    ("ĠĠ", "ĠĠ"), ("H", "e"), ("He", "ll"), ("Hell", "o"), ("Ġw", "or"), ("Ġwor", "l"), ("Ġworl", "d"),
+)
+
+KIMI_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+
+KIMI_SPECIALS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+                 "<think>", "</think>", "[UNK]", "[PAD]")
+KIMI_NON_SPECIAL = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                    "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+
+_KIMI_COMMON = r"""
+{%- macro render_content(msg) -%}
+  {%- set c = msg.get('content') -%}
+  {%- if c is string -%}{{ c }}
+  {%- elif c is not none -%}{%- for part in c -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- macro render_toolcalls(message) -%}
+  <|tool_calls_section_begin|>
+  {%- for tool_call in message['tool_calls'] -%}
+    {%- set fn = tool_call['function'] -%}
+    <|tool_call_begin|>{{ tool_call['id'] }}<|tool_call_argument_begin|>
+    {%- if fn['arguments'] is string -%}{{ fn['arguments'] }}{%- else -%}{{ fn['arguments'] | tojson }}{%- endif -%}
+    <|tool_call_end|>
+  {%- endfor -%}
+  <|tool_calls_section_end|>
+{%- endmacro -%}
+{%- macro header(message) -%}
+  {%- set role = message['role'] -%}
+  {%- if role == 'user' -%}<|im_user|>{{ message.get('name') or 'user' }}<|im_middle|>
+  {%- elif role == 'assistant' -%}<|im_assistant|>{{ message.get('name') or 'assistant' }}<|im_middle|>
+  {%- elif role == 'tool' -%}<|im_system|>{{ message.get('name') or 'tool' }}<|im_middle|>
+  {%- else -%}<|im_system|>{{ message.get('name') or role }}<|im_middle|>
+  {%- endif -%}
+{%- endmacro -%}
+{%- macro body(message, think) -%}
+  {%- if message['role'] == 'assistant' -%}
+    {%- if think is not none -%}<think>{{ think }}</think>{%- endif -%}
+    {{ render_content(message) }}
+    {%- if message.get('tool_calls') -%}{{ render_toolcalls(message) }}{%- endif -%}
+  {%- elif message['role'] == 'tool' -%}## Return of {{ message.get('tool_call_id', '') }}{{ '\n' }}{{ render_content(message) }}
+  {%- else -%}{{ render_content(message) }}
+  {%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(last_non_tool_call_assistant_msg=-1) -%}
+{%- for idx in range(messages|length - 1, -1, -1) -%}
+  {%- if messages[idx]['role'] == 'assistant' and not messages[idx].get('tool_calls') -%}
+    {%- set ns.last_non_tool_call_assistant_msg = idx -%}
+    {%- break -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- set hist_msgs = messages[:ns.last_non_tool_call_assistant_msg + 1] -%}
+{%- set suffix_msgs = messages[ns.last_non_tool_call_assistant_msg + 1:] -%}
+{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>{%- endif -%}
+{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}<|im_system|>system<|im_middle|>""" + KIMI_DEFAULT_SYSTEM + r"""<|im_end|>{%- endif -%}
+{%- for message in hist_msgs -%}{{ header(message) }}{{ body(message, HIST_THINK) }}<|im_end|>{%- endfor -%}
+{%- for message in suffix_msgs -%}{{ header(message) }}{{ body(message, SUFFIX_THINK) }}<|im_end|>{%- endfor -%}
+"""
+
+#: Kimi K2-Thinking-like template (formats.md §2.2; hist reasoning -> ``<think></think>``).
+KIMI_K2_THINKING_TEMPLATE = (
+    _KIMI_COMMON.replace("HIST_THINK", "''").replace("SUFFIX_THINK", "(message.get('reasoning_content') or '')")
+    + r"{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+#: Kimi K2.5-like: as K2-Thinking, generation prompt ends ``<think>`` / ``<think></think>`` by ``thinking``.
+KIMI_K25_TEMPLATE = (
+    _KIMI_COMMON.replace("HIST_THINK", "''").replace("SUFFIX_THINK", "(message.get('reasoning_content') or '')")
+    + r"{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    r"{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}{%- endif -%}"
+)
+#: Kimi K2-Instruct-like: no think blocks.
+KIMI_K2_TEMPLATE = (
+    _KIMI_COMMON.replace("HIST_THINK", "none").replace("SUFFIX_THINK", "none")
+    + r"{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+QWEN3_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN3_NON_SPECIAL = ("<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>")
+
+#: The Qwen3 chat template (formats.md §2.3; HF Qwen3 ``tokenizer_config.json``), tools header shortened.
+QWEN3_TEMPLATE = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object within <tool_call></tool_call> XML tags.<|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+GLM45_SPECIALS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|observation|>")
+GLM45_NON_SPECIAL = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                     "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+#: The GLM-4.5 chat template (formats.md §2.4; llama.cpp ``glm_4_5.jinja`` copy of the official one), tools header
+#: shortened. Needs tool-call ``arguments`` as a mapping (``_args.items()``).
+GLM45_TEMPLATE = r"""[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+<tools>
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+</tools>
+{%- endif -%}
+{%- macro visible_text(content) -%}
+    {%- if content is string -%}
+        {{- content }}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for item in content -%}
+            {%- if item is mapping and item.type == 'text' -%}
+                {{- item.text }}
+            {%- elif item is string -%}
+                {{- item }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{- content }}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(last_user_index=-1) %}
+{%- for m in messages %}
+    {%- if m.role == 'user' %}
+        {% set ns.last_user_index = loop.index0 -%}
+    {%- endif %}
+{%- endfor %}
+{% for m in messages %}
+{%- if m.role == 'user' -%}<|user|>
+{%- set user_content = visible_text(m.content) -%}
+{{ user_content }}
+{%- if enable_thinking is defined and not enable_thinking -%}
+{%- if not user_content.endswith("/nothink") -%}
+{{- '/nothink' -}}
+{%- endif -%}
+{%- endif -%}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{%- set reasoning_content = '' %}
+{%- set content = visible_text(m.content) %}
+{%- if m.reasoning_content is string %}
+    {%- set reasoning_content = m.reasoning_content %}
+{%- else %}
+    {%- if '</think>' in content %}
+        {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+        {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+    {%- endif %}
+{%- endif %}
+{%- if loop.index0 > ns.last_user_index and reasoning_content -%}
+{{ '\n<think>' + reasoning_content.strip() +  '</think>'}}
+{%- else -%}
+{{ '\n<think></think>' }}
+{%- endif -%}
+{%- if content.strip() -%}
+{{ '\n' + content.strip() }}
+{%- endif -%}
+{% if m.tool_calls %}
+{% for tc in m.tool_calls %}
+{%- if tc.function %}
+    {%- set tc = tc.function %}
+{%- endif %}
+{{ '\n<tool_call>' + tc.name }}
+{% set _args = tc.arguments %}
+{% for k, v in _args.items() %}
+<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
+{% endfor %}
+</tool_call>{% endfor %}
+{% endif %}
+{%- elif m.role == 'tool' -%}
+{%- if m.content is string -%}
+{%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+    {{- '<|observation|>' }}
+{%- endif %}
+{{- '\n<tool_response>\n' }}
+{{- m.content }}
+{{- '\n</tool_response>' }}
+{%- endif -%}
+{%- elif m.role == 'system' -%}
+<|system|>
+{{ visible_text(m.content) }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    <|assistant|>{{- '\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}
+{%- endif -%}"""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def build_fixture_tokenizer(specials, non_special, chat_template: str, *, eos: str, bos: str | None = None,
+                            unk: str | None = None, pad: str | None = None, merges=MERGES):
+    """A transformers fast tokenizer: byte-level BPE (ids 0..255 = bytes) + ``merges`` + added tokens.
+
+    ``specials`` are added as special tokens, ``non_special`` as ordinary added tokens (atomic, kept by
+    ``skip_special_tokens``), in the order given. No BOS/EOS is added when encoding.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = _bytes_to_unicode()
+    vocab = {alphabet[b]: b for b in range(256)}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), unk_token=None, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    order = [(n, True) for n in specials] + [(n, False) for n in non_special]
+    for name, special in order:
+        added = AddedToken(name, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
+        if special:
+            tok.add_special_tokens([added])
+        else:
+            tok.add_tokens([added])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=eos, bos_token=bos, unk_token=unk, pad_token=pad,
+        chat_template=chat_template, clean_up_tokenization_spaces=False, model_max_length=1 << 20,
+    )
+
+
+@lru_cache(maxsize=None)
+def kimi_k2_thinking():
+    """Kimi K2-Thinking-like tokenizer (family ``kimi-k2-thinking``)."""
+    return build_fixture_tokenizer(KIMI_SPECIALS, KIMI_NON_SPECIAL, KIMI_K2_THINKING_TEMPLATE, eos="<|im_end|>",
+                                   bos="[BOS]", unk="[UNK]", pad="[PAD]")
+
+
+@lru_cache(maxsize=None)
+def kimi_k25():
+    """Kimi K2.5-like tokenizer (family ``kimi-k25``; template kwarg ``thinking``, default true)."""
+    return build_fixture_tokenizer(KIMI_SPECIALS, KIMI_NON_SPECIAL, KIMI_K25_TEMPLATE, eos="<|im_end|>",
+                                   bos="[BOS]", unk="[UNK]", pad="[PAD]")
+
+
+@lru_cache(maxsize=None)
+def kimi_k2():
+    """Kimi K2-Instruct-like tokenizer (family ``kimi-k2``)."""
+    return build_fixture_tokenizer(KIMI_SPECIALS, KIMI_NON_SPECIAL, KIMI_K2_TEMPLATE, eos="<|im_end|>",
+                                   bos="[BOS]", unk="[UNK]", pad="[PAD]")
+
+
+@lru_cache(maxsize=None)
+def qwen3():
+    """Qwen3-like tokenizer (family ``qwen3``; template kwarg ``enable_thinking``)."""
+    return build_fixture_tokenizer(QWEN3_SPECIALS, QWEN3_NON_SPECIAL, QWEN3_TEMPLATE, eos="<|im_end|>",
+                                   pad="<|endoftext|>")
+
+
+@lru_cache(maxsize=None)
+def glm45():
+    """GLM-4.5-like tokenizer (family ``glm45``; template kwarg ``enable_thinking``)."""
+    return build_fixture_tokenizer(GLM45_SPECIALS, GLM45_NON_SPECIAL, GLM45_TEMPLATE, eos="<|endoftext|>",
+                                   pad="<|endoftext|>")
+
+
+FIXTURES = {"kimi-k2-thinking": kimi_k2_thinking, "kimi-k25": kimi_k25, "kimi-k2": kimi_k2, "qwen3": qwen3,
+            "glm45": glm45}
+
+
+def save_fixture(name: str, path) -> str:
+    """Save fixture ``name`` (a key of :data:`FIXTURES`) to directory ``path`` for ``load_target_tokens``."""
+    FIXTURES[name]().save_pretrained(str(path))
+    return str(path)
