@@ -16,7 +16,8 @@ from one process without extra dependencies. Endpoints:
 - ``GET /health``: 200 ``{"status": "ok"}``.
 - ``GET /stats``: counters: ``requests``, ``outcomes`` (by fault), ``completed`` (200-ok replies sent),
   ``completed_by_body`` (request-body hash -> ok replies sent; >1 means the client paid twice),
-  ``in_flight``, ``max_in_flight``.
+  ``in_flight``, ``max_in_flight``, ``cpu_s`` (the server process's CPU seconds),
+  ``connections`` (TCP connections accepted).
 - ``POST /admin/config`` (JSON: keys above), ``POST /admin/reset`` (zero counters).
 
 Run: ``python tests/fault_server.py --port 8000 [--config '{"p429": 0.1}'] [--startup-delay 1]``, or in a
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import random
 import socket
 import struct
@@ -41,6 +43,7 @@ DEFAULTS = {
     "latency_min_s": 0.0, "latency_max_s": 0.0, "min_tokens": 5, "max_tokens": 40,
     "price_in": 1e-7, "price_out": 2e-6, "provider": "FaultProvider", "reasoning_field": "reasoning",
     "reasoning_tokens": 0, "seed": 0, "model": None,
+    "latency_dist": "uniform", "latency_by_body": False,
 }
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -51,6 +54,20 @@ def body_hash(body: dict) -> str:
     """Hash of the request content that identifies 'the same request' (model excluded: backend-specific)."""
     keep = {k: v for k, v in body.items() if k not in ("model", "stream")}
     return hashlib.blake2b(json.dumps(keep, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def latency_of(config: dict, bh: str | None, rng: random.Random | None = None) -> float:
+    """Latency for a request: ``latency_dist`` uniform in ``[latency_min_s, latency_max_s]``, or lognormal with
+    its 1st..99th percentile spanning that range (clipped to it). ``bh`` (a body hash) seeds the draw when given."""
+    lo, hi = float(config["latency_min_s"]), float(config["latency_max_s"])
+    if hi <= 0:
+        return 0.0
+    r = random.Random("latency:" + bh) if bh is not None else (rng or random)
+    if config.get("latency_dist", "uniform") == "lognormal" and lo > 0:
+        mu = (math.log(lo) + math.log(hi)) / 2
+        sigma = (math.log(hi) - math.log(lo)) / (2 * 2.326)  # 2.326 = z of the 99th percentile
+        return min(hi, max(lo, r.lognormvariate(mu, sigma)))
+    return r.uniform(lo, hi)
 
 
 class FaultApp:
@@ -67,12 +84,14 @@ class FaultApp:
         self.completed_by_body: dict[str, int] = {}
         self.in_flight = 0
         self.max_in_flight = 0
+        self.connections = 0
 
     def stats(self) -> dict:
         return {
             "requests": self.requests, "outcomes": dict(self.outcomes), "completed": self.completed,
             "completed_by_body": dict(self.completed_by_body), "in_flight": self.in_flight,
-            "max_in_flight": self.max_in_flight,
+            "max_in_flight": self.max_in_flight, "cpu_s": round(time.process_time(), 3),
+            "connections": self.connections,
         }
 
     def _count(self, what: str) -> None:
@@ -89,6 +108,12 @@ class FaultApp:
                 return name
         return None
 
+    def latency(self, bh: str) -> float:
+        """Seconds to wait before answering: see :func:`latency_of` (drawn from the shared rng unless
+        ``latency_by_body``, which makes it a function of the request body, so a benchmark can compute the
+        ideal schedule)."""
+        return latency_of(self.config, bh if self.config["latency_by_body"] else None, self.rng)
+
     def completion(self, body: dict, bh: str) -> dict:
         c = self.config
         rnd = random.Random(bh)
@@ -97,12 +122,12 @@ class FaultApp:
         cap = body.get("max_tokens")
         if cap is not None and n > int(cap):
             n, finish = int(cap), "length"
-        text = " ".join(rnd.choice(WORDS) for _ in range(n))
+        text = " ".join(rnd.choices(WORDS, k=n))
         prompt_words = sum(len(str(m.get("content") or "").split()) for m in body.get("messages") or [])
         nr = int(c["reasoning_tokens"])
         msg = {"role": "assistant", "content": text}
         if nr:
-            msg[c["reasoning_field"]] = " ".join(rnd.choice(WORDS) for _ in range(nr))
+            msg[c["reasoning_field"]] = " ".join(rnd.choices(WORDS, k=nr))
         comp = n + nr
         return {
             "id": f"gen-{bh}", "object": "chat.completion", "created": int(time.time()),
@@ -132,6 +157,7 @@ class _Reset(Exception):
 
 
 async def _handle(app: FaultApp, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    app.connections += 1
     try:
         while True:
             try:
@@ -200,7 +226,8 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
     app.in_flight += 1
     app.max_in_flight = max(app.max_in_flight, app.in_flight)
     try:
-        lat = app.rng.uniform(float(c["latency_min_s"]), float(c["latency_max_s"]))
+        bh = body_hash(body)
+        lat = app.latency(bh)
         if fault == "ptimeout":
             app._count("timeout")
             await asyncio.sleep(float(c["hang_s"]))
@@ -230,7 +257,6 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
             code = int(c["fail_status"]) if fault == "fail_status" else 402
             app._count(str(code))
             return _response(code, {"error": {"code": code, "message": "Insufficient credits"}})
-        bh = body_hash(body)
         resp = app.completion(body, bh)
         app._count("ok")
         app.completed += 1

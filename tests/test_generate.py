@@ -297,3 +297,42 @@ def test_priority_overflow_and_ejection(tmp_path, fs):
     s2 = run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(30, start=50)),
              gen=gen_cfg(backends=["dead", "live"], max_retries=30), bk=bk2, out="o2.parquet")
     assert s2["ok"] == 30 and s2["by_backend"] == {"live": 30}
+
+
+def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatch):
+    """Even with httpx/httpcore/asyncio at DEBUG (they log request lines and response headers), the key or the
+    Authorization header never reaches a log record or a traceback."""
+    import logging
+
+    canary = "sk-or-CANARY-debug-91b2"
+    monkeypatch.setenv("E3D_TEST_KEY", canary)
+    fs.app.config.update({**ACCEPTANCE_FAULTS, "require_key": canary, "p5xx": 0.2, "hang_s": 1.5})
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(self.format(record))
+
+    h = Grab(level=logging.DEBUG)
+    h.setFormatter(logging.Formatter("%(name)s %(message)s"))
+    names = ("", "httpx", "httpcore", "asyncio", "eagle3_data", "hpack", "h11")
+    old = {n: logging.getLogger(n).level for n in names}
+    root = logging.getLogger()
+    root.addHandler(h)
+    try:
+        for n in names:
+            logging.getLogger(n).setLevel(logging.DEBUG)
+        s = run(tmp_path, fs, write_prompts(tmp_path / "p.parquet", simple_convs(30)), gen=gen_cfg(max_retries=1),
+                bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY", headers={"X-Title": "eagle3-data-test"}))
+        assert s["ok"] > 0 and s["failed_total"] > 0
+        monkeypatch.setenv("E3D_TEST_KEY", canary + "-wrong")   # 401: the fatal path formats an error message
+        with pytest.raises(GenerationStopped, match="401") as ei:
+            run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(3, start=100)),
+                bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), out="o2.parquet")
+        assert canary not in str(ei.value) and canary not in repr(ei.value.__context__)
+    finally:
+        root.removeHandler(h)
+        for n, lv in old.items():
+            logging.getLogger(n).setLevel(lv)
+    assert any(r.startswith("httpcore") for r in records)             # the DEBUG loggers really were on
+    assert [r for r in records if canary in r or "Bearer" in r] == []

@@ -33,6 +33,7 @@ logger = logging.getLogger("eagle3_data.backends")
 BACKEND_TYPES = ("openai", "openrouter", "sglang")
 RETRYABLE_STATUS = {408, 409, 425, 429}
 FATAL_STATUS = {401, 402, 403}
+POOL_SHARD = 32  # connections per httpx client (see Backend.__init__)
 
 
 class FatalBackendError(RuntimeError):
@@ -286,14 +287,28 @@ class Backend:
         headers = {"Content-Type": "application/json", **cfg.headers}
         if key:
             headers["Authorization"] = f"Bearer {key}"
+        # httpcore's pool scans every connection for every queued request and, for each idle connection, builds
+        # a list of all connections (O(n^2) per pool event): at 2,000 connections in one pool the client spends
+        # most of its CPU there and falls behind. Sharding the connections over several clients of at most
+        # POOL_SHARD connections keeps each scan small; a request takes the least-loaded shard, and since the
+        # backend never has more than max_concurrency requests in flight, a shard with a free connection always
+        # exists (no request ever queues inside httpx). Keep-alive outlives the longest idle gap.
         n = cfg.max_concurrency
-        self.client = httpx.AsyncClient(
-            base_url=cfg.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),
-            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-            trust_env=False,
-        )
+        k = max(1, math.ceil(n / POOL_SHARD))
+        caps = [n // k + (1 if i < n % k else 0) for i in range(k)]
+        self.clients = [
+            httpx.AsyncClient(
+                base_url=cfg.base_url,
+                headers=headers,
+                timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),
+                limits=httpx.Limits(max_connections=c, max_keepalive_connections=c,
+                                    keepalive_expiry=max(60.0, cfg.timeout_s)),
+                trust_env=False,
+            )
+            for c in caps
+        ]
+        self._load = [0] * k
+        self.client = self.clients[0]
         self.limiter = None
         if cfg.requests_per_minute:
             from aiolimiter import AsyncLimiter
@@ -323,19 +338,24 @@ class Backend:
         if self.limiter is not None:
             await self.limiter.acquire()
         t0 = time.monotonic()
+        i = self._load.index(min(self._load))
+        self._load[i] += 1
         try:
-            resp = await self.client.post("/chat/completions", content=body)
+            resp = await self.clients[i].post("/chat/completions", content=body)
         except httpx.TimeoutException as exc:
             raise RetryableError("timeout", type(exc).__name__) from None
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
                 httpx.NetworkError) as exc:
             raise RetryableError("connection_error", f"{type(exc).__name__}: {str(exc)[:200]}",
                                  backend_fault=isinstance(exc, httpx.ConnectError)) from None
+        finally:
+            self._load[i] -= 1
         check_status(self.cfg, resp)
         return parse_response(self.cfg, resp.content, time.monotonic() - t0)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        for c in self.clients:
+            await c.aclose()
 
 
 class BackendPool:
