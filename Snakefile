@@ -25,6 +25,9 @@ include: "rules/tokenize.smk"
 include: "rules/validate.smk"
 include: "rules/merge.smk"
 include: "rules/extract.smk"
+include: "rules/plan.smk"
+include: "rules/vocab.smk"
+include: "rules/export.smk"
 include: "rules/report.smk"
 
 
@@ -32,6 +35,9 @@ rule all:
     input:
         hidden_states=expand("results/hidden_states/{k}.safetensors", k=MERGED_SHARDS),
         report=rules.report.output,
+        plan=rules.plan.output.md,
+        vocab=rules.vocab.output.mapping,
+        exports=expand("results/export/{layout}/{k}.json", layout=config["export"]["layouts"], k=MERGED_SHARDS),
     default_target: True
 
 

@@ -12,4 +12,10 @@ extract(
     dtype=s.get("dtype", "float32"),
     device=s.get("device", "auto"),
     batch_tokens=s.get("batch_tokens", 8192),
+    backend=s.get("backend", "transformers"),
+    gpus=s.get("gpus_per_job", 1),
+    lock_dir=s.get("gpu_lock_dir"),
+    final_norm=s.get("final_norm", "post"),
+    final_states=s.get("final_states", "all"),
+    aux_format=s.get("aux_format", "same"),
 )

@@ -1,0 +1,152 @@
+"""Merge benchmark: eagle3_data.merge vs a plain pyarrow read + write of the same validated shards.
+
+    python benchmarks/merge.py [--tokens 20000000] [--files 8] [--shards 4]
+
+Builds synthetic VALIDATED shards (lognormal lengths, mean ~2,000 tokens, 1% duplicated samples), then in
+separate processes (so peak RSS is per run): (1) the baseline: read every file with pyarrow and write the
+rows back out as zstd parquet in ``--shards`` files; (2) merge of all the files; (3) merge of half the files
+(peak memory at two data sizes). Ends with one JSON line: seconds, tokens/s, ratio merge/baseline
+(target <= 3), peak RSS at both sizes and their ratio (target: flat, <= 1.25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def make_inputs(out_dir: Path, tokens: int, files: int, seed: int = 0) -> tuple[list[Path], int, int]:
+    from eagle3_data import schemas
+
+    rng = np.random.default_rng(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mean = 2000
+    n = max(files, int(tokens / mean))
+    lengths = np.clip(rng.lognormal(np.log(mean) - 0.32, 0.8, n), 8, 16000).astype(np.int64)
+    lengths = np.maximum(8, (lengths * tokens / lengths.sum()).astype(np.int64))
+    paths, total = [], 0
+    dup_src = None
+    for f, idx in enumerate(np.array_split(np.arange(n), files)):
+        lens = lengths[idx]
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        ids = rng.integers(0, 150_000, int(offsets[-1]), dtype=np.int32)
+        prompt = (lens * rng.uniform(0.2, 0.8, len(lens))).astype(np.int64)
+        mask = np.ones(int(offsets[-1]), dtype=np.int8)
+        starts = offsets[:-1]
+        for s, p in zip(starts, prompt):  # prompt part unsupervised
+            mask[s:s + p] = 0
+        id_lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
+        mask_lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask))
+        k = len(idx)
+        table = pa.table({
+            "sample_id": pa.array([f"s{j}" for j in idx]),
+            "dataset": pa.array([f"ds{j % 4}" for j in idx]),
+            "input_ids": id_lists, "loss_mask": mask_lists,
+            "num_tokens": pa.array(lens, pa.int64()),
+            "num_prompt_tokens": pa.array(prompt, pa.int64()),
+            "num_completion_tokens": pa.array(lens - prompt, pa.int64()),
+            "ids_source": pa.array(["reconstructed"] * k),
+            "billed_completion_tokens": pa.array(lens - prompt, pa.int64()),
+            "finish_reason": pa.array(["stop"] * k), "backend": pa.array(["b"] * k),
+            "provider": pa.array(["p"] * k), "cost_usd": pa.array(np.zeros(k)),
+        }).cast(schemas.VALIDATED)
+        if dup_src is None:
+            dup_src = table.slice(0, max(1, k // 100))
+        elif f == files - 1:  # 1% of samples repeated under other ids (dedup has work to do)
+            d = dup_src.set_column(0, "sample_id", pa.array([f"dup{j}" for j in range(dup_src.num_rows)]))
+            table = pa.concat_tables([table, d])
+        p = out_dir / f"{f:03d}.parquet"
+        pq.write_table(table, p, compression="zstd")
+        paths.append(p)
+        total += int(pc_sum(table.column("num_tokens")))
+    return paths, total, n
+
+
+def pc_sum(col) -> int:
+    import pyarrow.compute as pc
+
+    return pc.sum(col).as_py()
+
+
+def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
+    t0 = time.perf_counter()
+    if kind == "baseline":
+        rows = 0
+        tables = [pq.read_table(p) for p in inputs]
+        table = pa.concat_tables(tables)
+        for k, idx in enumerate(np.array_split(np.arange(table.num_rows), shards)):
+            pq.write_table(table.take(pa.array(idx)), Path(out_dir) / f"{k:03d}.parquet", compression="zstd")
+            rows += len(idx)
+    else:
+        from eagle3_data.merge import merge
+
+        outs = [Path(out_dir) / f"{k:03d}.parquet" for k in range(shards)]
+        man = merge(inputs, outs, Path(out_dir) / "manifest.json", max_len=8192, overflow="truncate", seed=0)
+        rows = man["totals"]["samples"]
+    seconds = time.perf_counter() - t0
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"seconds": seconds, "rows": rows, "peak_rss_mb": peak_kib / 1024}
+
+
+def run_worker(kind: str, inputs, out_dir: Path, shards: int) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, __file__, "--_worker", kind, "--_out", str(out_dir), "--shards", str(shards),
+           "--_inputs", *map(str, inputs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=20_000_000)
+    ap.add_argument("--files", type=int, default=8)
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--_worker")
+    ap.add_argument("--_out")
+    ap.add_argument("--_inputs", nargs="*")
+    a = ap.parse_args()
+    if a._worker:
+        print(json.dumps(worker(a._worker, a._inputs, a._out, a.shards)))
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-merge-") as tmp:
+        tmp = Path(tmp)
+        t0 = time.perf_counter()
+        inputs, tokens, samples = make_inputs(tmp / "validated", a.tokens, a.files)
+        gen_s = time.perf_counter() - t0
+        half = inputs[: len(inputs) // 2]
+        half_tokens = sum(pc_sum(pq.read_table(p, columns=["num_tokens"]).column("num_tokens")) for p in half)
+        base = run_worker("baseline", inputs, tmp / "base", a.shards)
+        full = run_worker("merge", inputs, tmp / "full", a.shards)
+        small = run_worker("merge", half, tmp / "half", a.shards)
+    ratio = full["seconds"] / base["seconds"]
+    mem_ratio = full["peak_rss_mb"] / small["peak_rss_mb"]
+    print(json.dumps({
+        "benchmark": "merge",
+        "input_tokens": tokens, "input_samples": samples, "files": len(inputs), "shards": a.shards,
+        "generate_s": round(gen_s, 1),
+        "baseline_pyarrow_s": round(base["seconds"], 2), "merge_s": round(full["seconds"], 2),
+        "merge_tokens_per_s": round(tokens / full["seconds"]),
+        "ratio_merge_vs_baseline": round(ratio, 2), "target_ratio_max": 3.0, "ratio_ok": ratio <= 3.0,
+        "peak_rss_mb": {"baseline": round(base["peak_rss_mb"]), "merge_half": round(small["peak_rss_mb"]),
+                        "merge_full": round(full["peak_rss_mb"])},
+        "tokens_half_vs_full": [half_tokens, tokens],
+        "merge_memory_ratio_full_vs_half": round(mem_ratio, 2), "target_memory_ratio_max": 1.25,
+        "memory_flat": mem_ratio <= 1.25, "merged_samples": full["rows"],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+# Extraction plan (before extract): storage and GPU hours per merged shard and in total for the configured
+# layout, with alternatives (cap at N tokens, drop a dataset). Throughput: plan.tokens_per_s_per_gpu, or
+# measured on the start of the first merged shard with the extract settings (then the job holds GPUs).
+
+
+rule plan:
+    input:
+        manifest="results/merged/manifest.json",
+        merged=expand("results/merged/{k}.parquet", k=MERGED_SHARDS),
+        target=target_input(),
+    output:
+        md="results/reports/plan.md",
+        json="results/reports/plan.json",
+    params:
+        model_path=TARGET["path"],
+        extract=config["extract"],
+        plan=config.get("plan") or {},
+        overflow=config["merge"].get("overflow", "truncate"),
+    resources:
+        gpu=0 if (config.get("plan") or {}).get("tokens_per_s_per_gpu") else config["extract"].get("gpus_per_job", 1),
+    log:
+        "logs/plan.log",
+    script:
+        "../scripts/plan.py"

@@ -1,0 +1,19 @@
+# Draft vocabulary: token frequencies over supervised tokens of the merged shards (DuckDB) and the
+# SpecForge-convention d2t/t2d map for vocab.draft_vocab_size (padded when the corpus has fewer ids).
+
+
+rule vocab:
+    input:
+        merged=expand("results/merged/{k}.parquet", k=MERGED_SHARDS),
+        target=target_input(),
+    output:
+        mapping="results/vocab/vocab_mapping.pt",
+        freq="results/vocab/token_frequencies.parquet",
+        summary="results/vocab/vocab.json",
+    params:
+        model_path=TARGET["path"],
+        draft_vocab_size=(config.get("vocab") or {}).get("draft_vocab_size", 32000),
+    log:
+        "logs/vocab.log",
+    script:
+        "../scripts/vocab.py"

@@ -1,0 +1,381 @@
+"""Plan stage: storage and GPU hours of hidden-state extraction, before it runs, with alternatives.
+
+Inputs: the merge manifest (tokens per merged shard), the merged shards' ``dataset``, ``num_tokens`` and
+``num_supervised`` columns (DuckDB; for the cap and drop alternatives), the target's ``config.json`` (layer
+count, hidden size) and a throughput (tokens/s per GPU: configured, or measured by :func:`measure_throughput`
+on the start of the first merged shard).
+
+Arithmetic (printed in the report with the real numbers):
+
+- bytes per token of a layout = auxiliary states ``A*H*b`` (``b`` = bytes of the dtype; fp8: ``A*H*1 + 4*A``
+  for the per-token scales) + final states ``H*b`` (times the share of stored rows under
+  ``final_states=supervised``, + 1 byte of ``final_mask``) + ids and mask (extract file: int32 + int8 = 5 bytes;
+  SpecForge ``.ckpt``: 2 x int64 = 16; speculators ``hs_*``: int64 = 8);
+- storage = tokens x bytes per token (+ 8 bytes per sample of offsets), shown in TB (1e12) and TiB (2^40);
+- GPU hours = tokens / (tokens/s per GPU) / 3600; wall hours = GPU hours / GPUs in use. Linear in tokens:
+  it ignores attention's quadratic share, which makes long samples slower per token (the throughput measured
+  on the real shard includes the real length mix).
+- alternatives: cap at N tokens (what ``merge.max_len = N`` would keep: ``least(num_tokens, N)``, and, under
+  ``overflow: truncate``, samples whose completion would be cut away entirely are dropped, assuming the
+  supervised tokens are the sample's last ones, as in ``generation.mode: last``; under ``overflow: drop``
+  samples longer than N are dropped), drop a dataset, and both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import duckdb
+
+from .io import write_json, write_text
+
+log = logging.getLogger("eagle3_data.plan")
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TB, TIB = 1e12, float(2 ** 40)
+
+
+def model_dims(model_path) -> dict:
+    """``{num_layers, hidden_size, model_type}`` from ``<model_path>/config.json`` (or a config dict).
+
+    Looks in ``text_config`` / ``language_config`` too (multimodal wrappers such as Kimi-K2.5).
+    Raises FileNotFoundError / KeyError naming the file and the missing key.
+    """
+    if isinstance(model_path, dict):
+        cfg, where = model_path, "<config dict>"
+    else:
+        path = Path(model_path)
+        path = path / "config.json" if path.is_dir() or not path.suffix else path
+        if not path.is_file():
+            raise FileNotFoundError(f"plan: target config not found: {path}")
+        cfg, where = json.loads(path.read_text()), str(path)
+    for sub in (cfg, cfg.get("text_config") or {}, cfg.get("language_config") or {}):
+        if "num_hidden_layers" in sub and "hidden_size" in sub:
+            return {"num_layers": int(sub["num_hidden_layers"]), "hidden_size": int(sub["hidden_size"]),
+                    "model_type": str(sub.get("model_type", cfg.get("model_type", "")))}
+    raise KeyError(f"plan: {where} has no num_hidden_layers/hidden_size (also looked in text_config)")
+
+
+def bytes_per_token(hidden_size: int, num_aux: int = 3, *, dtype: str = "bfloat16", aux_format: str = "same",
+                    final: str = "all", final_share: float = 1.0, ids_bytes: int = 5) -> dict:
+    """Bytes per token of one layout, by part: ``{aux, final, ids, total}`` (floats).
+
+    ``final``: ``all`` (H rows for every token), ``supervised`` (``final_share`` of the rows + a 1-byte
+    mask), ``none`` (not stored). ``ids_bytes``: 5 for the extract file (int32 ids + int8 mask), 16 for
+    SpecForge ``.ckpt`` (int64 + int64), 8 for speculators ``hs_*`` (int64 ids).
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"plan: dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    b = DTYPE_BYTES[dtype]
+    H, A = int(hidden_size), int(num_aux)
+    aux = A * H * 1 + 4 * A if aux_format == "fp8_e4m3" else A * H * b
+    if final == "all":
+        fin = H * b
+    elif final == "supervised":
+        fin = H * b * float(final_share) + 1
+    elif final == "none":
+        fin = 0
+    else:
+        raise ValueError(f"plan: final must be all, supervised or none, got {final!r}")
+    return {"aux": float(aux), "final": float(fin), "ids": float(ids_bytes), "total": float(aux + fin + ids_bytes)}
+
+
+def scenario_totals(files, *, cap: int | None = None, drop=(), overflow: str = "truncate") -> dict:
+    """Samples, tokens and supervised tokens the merged shards ``files`` would hold under an alternative.
+
+    Args: ``cap`` (tokens per sample, ``None`` = as merged), ``drop`` (dataset names left out),
+    ``overflow`` (``truncate`` | ``drop``, as ``merge.overflow``). Returns ``{samples, tokens,
+    supervised_tokens, per_dataset: {name: {samples, tokens, supervised_tokens}}}``, the same counts
+    ``merge`` with ``max_len = cap`` would produce. When the files have a ``loss_mask`` column (merged
+    shards do) the supervised tokens kept by a cut are counted exactly (``list_sum(loss_mask[1:cap])``);
+    for files with only ``num_tokens``/``num_supervised`` the supervised span is assumed to end the sample.
+    """
+    files = [str(f) for f in files]
+    if not files:
+        return {"samples": 0, "tokens": 0, "supervised_tokens": 0, "per_dataset": {}}
+    with contextlib.closing(duckdb.connect()) as con:
+        cols = {r[0] for r in con.execute("DESCRIBE SELECT * FROM read_parquet(?)", [files]).fetchall()}
+        c = int(cap) if cap else None
+        if c and "loss_mask" in cols:
+            sup_cut = "coalesce(list_sum(loss_mask[1:$cap]), 0)::BIGINT"
+        elif c:
+            sup_cut = "greatest(0, least(num_supervised, $cap - (num_tokens - num_supervised)))::BIGINT"
+        else:
+            sup_cut = "num_supervised::BIGINT"
+        con.execute(
+            f"CREATE TEMP TABLE samples AS SELECT dataset, num_tokens::BIGINT AS n, num_supervised::BIGINT AS s, "
+            f"{sup_cut} AS s_cut FROM read_parquet($files)",
+            {"files": files, **({"cap": c} if c else {})},
+        )
+        if c and overflow == "drop":
+            keep, tok, sup = f"n <= {c}", "n", "s"
+        elif c:
+            keep, tok, sup = f"(n <= {c} OR s_cut > 0)", f"least(n, {c})", f"CASE WHEN n > {c} THEN s_cut ELSE s END"
+        else:
+            keep, tok, sup = "TRUE", "n", "s"
+        rows = con.execute(
+            f"SELECT dataset, count(*)::BIGINT, coalesce(sum({tok}), 0)::BIGINT, coalesce(sum({sup}), 0)::BIGINT "
+            f"FROM samples WHERE {keep} AND s > 0 AND NOT list_contains($drop, dataset) GROUP BY dataset "
+            f"ORDER BY dataset",
+            {"drop": [str(d) for d in drop]},
+        ).fetchall()
+    per = {ds: {"samples": n, "tokens": t, "supervised_tokens": s} for ds, n, t, s in rows}
+    return {"samples": sum(v["samples"] for v in per.values()), "tokens": sum(v["tokens"] for v in per.values()),
+            "supervised_tokens": sum(v["supervised_tokens"] for v in per.values()), "per_dataset": per}
+
+
+def measure_throughput(merged_path, *, model_path, layers=None, dtype: str = "bfloat16", device: str = "auto",
+                       batch_tokens: int = 8192, max_tokens: int = 200_000, gpus: int = 1, **extract_kw) -> dict:
+    """Extract the first samples of ``merged_path`` (up to ``max_tokens`` tokens) into a temporary file and
+    return ``{tokens, seconds, tokens_per_s, tokens_per_s_per_gpu, device}`` (model time only; the model
+    load is excluded). Uses the same code and devices as the extract rule."""
+    import pyarrow.parquet as pq
+
+    from . import extract as ex
+    from . import schemas
+
+    table = pq.read_table(merged_path)
+    lengths = table.column("num_tokens").to_pylist()
+    n, acc = 0, 0
+    while n < len(lengths) and (acc < max_tokens or n == 0):
+        acc += lengths[n]
+        n += 1
+    if n == 0:
+        raise ValueError(f"plan: {merged_path} has no samples to measure throughput on")
+    with tempfile.TemporaryDirectory(prefix=".plan-measure-") as tmp:
+        part = Path(tmp) / "part.parquet"
+        schemas.write_checked(table.slice(0, n), "merged", part)
+        info = ex.extract(part, Path(tmp) / "part.safetensors", model_path=model_path, layers=layers, dtype=dtype,
+                          device=device, batch_tokens=batch_tokens, gpus=gpus, **extract_kw)
+    per_job = info["tokens_per_s"] or 0.0
+    used = max(1, len(info.get("devices") or [])) if str(info["device"]).startswith("cuda") else 1
+    return {"tokens": info["num_tokens"], "seconds": info["model_seconds"], "tokens_per_s": per_job,
+            "tokens_per_s_per_gpu": per_job / used, "device": info["device"], "samples": n}
+
+
+def _fmt_bytes(x: float) -> str:
+    return f"{x / TB:,.2f} TB ({x / TIB:,.2f} TiB)"
+
+
+def build_plan(
+    manifest,
+    merged_paths,
+    *,
+    model_path,
+    layers=None,
+    dtype: str = "bfloat16",
+    aux_format: str = "same",
+    final_states: str = "all",
+    tokens_per_s_per_gpu: float | None = None,
+    measured: dict | None = None,
+    gpus_per_job: int = 1,
+    gpus_total: int = 8,
+    caps=(),
+    drop=(),
+    overflow: str = "truncate",
+) -> dict:
+    """Compute the plan (a JSON-able dict); :func:`render_markdown` turns it into the report.
+
+    Args:
+        manifest: the merge manifest (path or dict): per-shard ``samples``, ``tokens``, ``supervised_tokens``.
+        merged_paths: the merged shards (for the alternatives; may be empty: then only "as merged").
+        model_path: target directory (or its config dict): layer count and hidden size.
+        layers: auxiliary layers (``None``: EAGLE-3 default for the layer count) -> A = len(layers).
+        dtype, aux_format, final_states: the configured extract layout.
+        tokens_per_s_per_gpu: configured throughput; or ``measured`` (from :func:`measure_throughput`).
+        gpus_per_job, gpus_total: devices per extract job and in the pool (wall hours = GPU hours / the
+            GPUs busy at once = ``gpus_per_job * floor(gpus_total / gpus_per_job)``).
+        caps: alternative per-sample token caps; drop: alternative datasets to leave out (each alone and
+            each combined with each cap).
+        overflow: ``merge.overflow`` (how a cap treats longer samples).
+
+    Raises: ValueError when no throughput is given (neither configured nor measured).
+    """
+    from .extract import default_layers
+
+    m = json.loads(Path(manifest).read_text()) if not isinstance(manifest, dict) else manifest
+    dims = model_dims(model_path)
+    H, L = dims["hidden_size"], dims["num_layers"]
+    chosen = list(layers) if layers else default_layers(L)
+    A = len(chosen)
+    if measured:
+        tps, tps_source = float(measured["tokens_per_s_per_gpu"]), "measured"
+    elif tokens_per_s_per_gpu:
+        tps, tps_source = float(tokens_per_s_per_gpu), "configured"
+    else:
+        raise ValueError("plan: no throughput: set plan.tokens_per_s_per_gpu or let the plan measure it")
+    busy = max(1, gpus_total // max(1, gpus_per_job)) * max(1, gpus_per_job)
+
+    totals = m.get("totals") or {}
+    T = int(totals.get("tokens", sum(s["tokens"] for s in m["shards"])))
+    N = int(totals.get("samples", sum(s["samples"] for s in m["shards"])))
+    S = int(totals.get("supervised_tokens", sum(s.get("supervised_tokens", 0) for s in m["shards"])))
+    # rows a supervised-only final store keeps: supervised + at most one per sample (the row after a span)
+    share = min(1.0, (S + N) / T) if T else 0.0
+
+    layouts = {
+        "configured": bytes_per_token(H, A, dtype=dtype, aux_format=aux_format, final=final_states,
+                                      final_share=share if final_states == "supervised" else 1.0),
+        "aux_only_bf16 (seed-comparable)": bytes_per_token(H, 3, dtype="bfloat16", final="none", ids_bytes=0),
+        "extract bf16, all finals": bytes_per_token(H, A, dtype="bfloat16"),
+        "extract fp8 aux + supervised finals": bytes_per_token(H, A, dtype="bfloat16", aux_format="fp8_e4m3",
+                                                               final="supervised", final_share=share),
+        "SpecForge .ckpt export": bytes_per_token(H, A, dtype=dtype, ids_bytes=16),
+        "speculators hs_*.safetensors export": bytes_per_token(H, A, dtype=dtype, ids_bytes=8),
+    }
+    bpt = layouts["configured"]["total"]
+
+    shards = []
+    for i, s in enumerate(m["shards"]):
+        t = int(s["tokens"])
+        shards.append({"shard": i, "path": s.get("path"), "samples": int(s["samples"]), "tokens": t,
+                       "bytes": t * bpt + 8 * (int(s["samples"]) + 1),
+                       "gpu_hours": t / tps / 3600.0})
+
+    def scenario(name, cap=None, drop_=()):
+        if cap is None and not drop_:
+            tot = {"samples": N, "tokens": T, "supervised_tokens": S}
+        else:
+            tot = scenario_totals(merged_paths, cap=cap, drop=drop_, overflow=overflow)
+        t = tot["tokens"]
+        gh = t / tps / 3600.0
+        return {"name": name, "cap": cap, "drop": list(drop_), "samples": tot["samples"], "tokens": t,
+                "bytes": {k: t * v["total"] for k, v in layouts.items()},
+                "gpu_hours": gh, "wall_hours": gh / busy}
+
+    scenarios = [scenario("as merged")]
+    if merged_paths:
+        for c in caps:
+            scenarios.append(scenario(f"cap {c:,}", cap=int(c)))
+        for d in drop:
+            dl = [d] if isinstance(d, str) else list(d)
+            scenarios.append(scenario(f"drop {'+'.join(dl)}", drop_=dl))
+            for c in caps:
+                scenarios.append(scenario(f"cap {c:,} and drop {'+'.join(dl)}", cap=int(c), drop_=dl))
+    return {
+        "model": {"path": str(model_path) if not isinstance(model_path, dict) else None, **dims},
+        "layers": chosen,
+        "layout": {"dtype": dtype, "aux_format": aux_format, "final_states": final_states,
+                   "final_share": share},
+        "bytes_per_token": layouts,
+        "throughput": {"tokens_per_s_per_gpu": tps, "source": tps_source, "measured": measured,
+                       "gpus_per_job": gpus_per_job, "gpus_total": gpus_total, "gpus_busy": busy},
+        "totals": {"samples": N, "tokens": T, "supervised_tokens": S, "bytes": T * bpt + 8 * (N + len(shards)),
+                   "gpu_hours": T / tps / 3600.0, "wall_hours": T / tps / 3600.0 / busy},
+        "shards": shards,
+        "scenarios": scenarios,
+    }
+
+
+def render_markdown(plan: dict) -> str:
+    """The plan as a markdown report that shows its arithmetic."""
+    H = plan["model"]["hidden_size"]
+    A = len(plan["layers"])
+    lay = plan["layout"]
+    thr = plan["throughput"]
+    tot = plan["totals"]
+    bpt = plan["bytes_per_token"]
+    cfg = bpt["configured"]
+    out = ["# Extraction plan", ""]
+    out.append(f"Target: {plan['model'].get('path') or '(config)'} ({plan['model']['model_type']}), "
+               f"{plan['model']['num_layers']} layers, hidden size H = {H:,}. Auxiliary layers {plan['layers']} "
+               f"(output of 0-based decoder layer i), A = {A}.")
+    out.append(f"Layout: dtype {lay['dtype']}, auxiliary states {lay['aux_format']}, final states "
+               f"{lay['final_states']}" + (f" (share of rows stored {lay['final_share']:.3f})"
+                                           if lay['final_states'] == 'supervised' else "") + ".")
+    out += ["", "## Bytes per token", "",
+            "| layout | auxiliary | final | ids+mask | total | x 1M tokens |", "|---|---:|---:|---:|---:|---:|"]
+    for name, v in bpt.items():
+        out.append(f"| {name} | {v['aux']:,.0f} | {v['final']:,.0f} | {v['ids']:,.0f} | {v['total']:,.0f} | "
+                   f"{v['total'] * 1e6 / 1e9:,.1f} GB |")
+    b = 2 if lay["dtype"] != "float32" else 4
+    out += ["", f"Configured: auxiliary {A} x {H:,} x {b if lay['aux_format'] == 'same' else 1} B"
+            + (" + 4 B scale per layer" if lay["aux_format"] == "fp8_e4m3" else "")
+            + f" = {cfg['aux']:,.0f} B; final {cfg['final']:,.0f} B; ids int32 + mask int8 = {cfg['ids']:.0f} B; "
+            f"total {cfg['total']:,.0f} B/token.", ""]
+    out += ["## Totals (as merged)", "",
+            f"- tokens: {tot['tokens']:,} in {tot['samples']:,} samples ({tot['supervised_tokens']:,} supervised)",
+            f"- storage: {tot['tokens']:,} x {cfg['total']:,.0f} B = {_fmt_bytes(tot['bytes'])}",
+            f"- throughput: {thr['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU ({thr['source']})",
+            f"- GPU hours: {tot['tokens']:,} / {thr['tokens_per_s_per_gpu']:,.1f} / 3600 = {tot['gpu_hours']:,.1f}",
+            f"- wall hours on {thr['gpus_busy']} GPU(s) ({thr['gpus_per_job']} per job): {tot['wall_hours']:,.1f}",
+            ""]
+    out += ["## Per merged shard", "", "| shard | samples | tokens | storage | GPU hours |", "|---:|---:|---:|---:|---:|"]
+    for s in plan["shards"]:
+        out.append(f"| {s['shard']:03d} | {s['samples']:,} | {s['tokens']:,} | {_fmt_bytes(s['bytes'])} | "
+                   f"{s['gpu_hours']:,.2f} |")
+    out += ["", "## Alternatives", "",
+            "| alternative | samples | tokens | configured layout | aux only bf16 | GPU hours | wall hours |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for sc in plan["scenarios"]:
+        out.append(f"| {sc['name']} | {sc['samples']:,} | {sc['tokens']:,} | {_fmt_bytes(sc['bytes']['configured'])} | "
+                   f"{_fmt_bytes(sc['bytes']['aux_only_bf16 (seed-comparable)'])} | {sc['gpu_hours']:,.1f} | "
+                   f"{sc['wall_hours']:,.1f} |")
+    aux_only = bpt["aux_only_bf16 (seed-comparable)"]["total"]
+    full = bpt["SpecForge .ckpt export"]["total"]
+    out += ["", "## Notes", "",
+            f"- Units: TB = 10^12 bytes, TiB = 2^40 bytes (what `df -h` / `du -h` print as T). ",
+            f"- Three auxiliary layers at bf16 alone are 3 x {H:,} x 2 = {aux_only:,.0f} B/token; with the final "
+            f"state and int64 ids/mask (SpecForge's .ckpt) {full:,.0f} B/token, {full / aux_only:.2f}x as much. "
+            "An estimate made from the auxiliary states only under-counts storage by that factor.",
+            "- GPU hours are linear in tokens: long samples cost more per token (attention), so a cap saves a "
+            "little more time than its token share; measure on the real shard for a better figure.",
+            "- Which layout an outside estimate assumed can be read off its bytes per token. The seed's 5.5 TB for "
+            "138.4M tokens of a H = 7,168 target is 5.5 x 2^40 / 138.4M = 43.7 KB/token (39.7 KB if decimal): "
+            "3 auxiliary layers at bf16 (3 x 7,168 x 2 = 43,008 B; 5.41 TiB), not 3 auxiliary + final (8H = "
+            "57,344 B; 7.22 TiB) and not 8H in decimal TB (7.94). So the seed counted the auxiliary states only, "
+            "in binary units, and its plan under-stated the disk a SpecForge-style dump needs by a third.",
+            "- Cap alternatives count exactly what merge with max_len = N keeps (supervised tokens from the loss "
+            "mask; a sample whose supervised tokens a cap would all cut away is dropped, as merge does).", ""]
+    return "\n".join(out)
+
+
+def plan(
+    manifest_path,
+    merged_paths,
+    out_md,
+    out_json,
+    *,
+    model_path,
+    layers=None,
+    dtype: str = "bfloat16",
+    aux_format: str = "same",
+    final_states: str = "all",
+    tokens_per_s_per_gpu: float | None = None,
+    measure: dict | None = None,
+    gpus_per_job: int = 1,
+    gpus_total: int = 8,
+    caps=(),
+    drop=(),
+    overflow: str = "truncate",
+) -> dict:
+    """Write the plan report (``out_md``) and its figures (``out_json``); return the plan dict.
+
+    ``tokens_per_s_per_gpu``: configured throughput; when ``None`` the throughput is measured on the first
+    merged shard with ``measure`` (keyword arguments of :func:`measure_throughput`, e.g. ``device``,
+    ``batch_tokens``, ``max_tokens``). Other arguments: see :func:`build_plan`.
+    """
+    merged_paths = [str(p) for p in merged_paths]
+    measured = None
+    if not tokens_per_s_per_gpu:
+        if not merged_paths:
+            raise ValueError("plan: no throughput configured and no merged shard to measure it on")
+        t0 = time.perf_counter()
+        kw = dict(measure or {})
+        measured = measure_throughput(merged_paths[0], model_path=model_path, layers=layers, dtype=dtype,
+                                      gpus=gpus_per_job, **kw)
+        log.info("measured %.1f tokens/s per GPU on %s (%d tokens, %.1fs)", measured["tokens_per_s_per_gpu"],
+                 merged_paths[0], measured["tokens"], time.perf_counter() - t0)
+    p = build_plan(manifest_path, merged_paths, model_path=model_path, layers=layers, dtype=dtype,
+                   aux_format=aux_format, final_states=final_states, tokens_per_s_per_gpu=tokens_per_s_per_gpu,
+                   measured=measured, gpus_per_job=gpus_per_job, gpus_total=gpus_total, caps=caps, drop=drop,
+                   overflow=overflow)
+    write_json(p, out_json)
+    write_text(render_markdown(p), out_md)
+    return p

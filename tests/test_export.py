@@ -1,0 +1,221 @@
+"""Export to SpecForge / speculators layouts, read back as those projects read them; storage savers' error."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from eagle3_data import export as exp
+from eagle3_data import extract as ex
+from eagle3_data import schemas
+
+H, L, V = 32, 8, 300
+LAYERS = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=512, initializer_range=0.2)
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return ex.load_target(tiny_model, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    rng = random.Random(4)
+    rows = []
+    for i in range(9):
+        n = rng.choice([5, 12, 33, 60])
+        p = rng.randint(1, n - 2)
+        q = rng.randint(p + 1, n)  # supervised span [p, q): not always to the end
+        rows.append({"sample_id": f"x{i}", "dataset": "d", "input_ids": [rng.randrange(V) for _ in range(n)],
+                     "loss_mask": [0] * p + [1] * (q - p) + [0] * (n - q), "num_tokens": n,
+                     "num_supervised": q - p, "truncated": False})
+    path = tmp_path_factory.mktemp("merged") / "000.parquet"
+    schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", path)
+    return path, rows
+
+
+# --- the readers, as the projects document them ----------------------------------------------------------
+
+def specforge_list_local_files(path, suffixes=(".ckpt", ".ckpt.gz")):
+    """SpecForge specforge/data/preprocessing.py::list_local_files (walks recursively, sorted)."""
+    out = []
+    for root, _dirs, files in os.walk(path):
+        out += [os.path.join(root, f) for f in files if any(f.endswith(s) for s in suffixes)]
+    return sorted(out)
+
+
+def specforge_process_data(path, max_len):
+    """SpecForge OfflineEagle3Dataset: torch.load, squeeze(0), cut to max_len, loss_mask[-1] = 0."""
+    data = torch.load(path, weights_only=False, mmap=True)
+    hidden_state = data["aux_hidden_state"].squeeze(0)[:max_len][None, :]
+    target = data["hidden_state"].squeeze(0)[:max_len][None, :]
+    input_ids = data["input_ids"][:max_len][None, :]
+    loss_mask = data["loss_mask"][:max_len][None, :].clone()
+    loss_mask[0, -1] = 0
+    return {"hidden_state": hidden_state, "target": target, "input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def speculators_get_raw(out_dir, index, arrow_row):
+    """speculators ArrowDataset._get_raw_data with FileTransfer(<datapath>/hidden_states)."""
+    from safetensors.torch import load_file
+
+    loaded_hs = load_file(os.path.join(out_dir, "hidden_states", f"hs_{index}.safetensors"))
+    assert torch.equal(loaded_hs["token_ids"], torch.tensor(arrow_row["input_ids"]))
+    return {"hidden_states": loaded_hs["hidden_states"][:, :-1].flatten(1), "input_ids": loaded_hs["token_ids"],
+            "verifier_last_hidden_states": loaded_hs["hidden_states"][:, -1],
+            "loss_mask": torch.tensor(arrow_row["loss_mask"])}
+
+
+def hf_states(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+
+
+# --- tests -------------------------------------------------------------------------------------------------
+
+def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
+    path, rows = merged
+    hs = tmp_path / "hs.safetensors"
+    ex.extract(path, hs, model_path=tiny_model, layers=LAYERS, batch_tokens=128, model=loaded)
+    out = tmp_path / "specforge"
+    man = exp.export(hs, out, layout="specforge", start_index=1998, group_size=2000,
+                     manifest_path=tmp_path / "m.json")
+    assert json.loads((tmp_path / "m.json").read_text())["end_index"] == 1998 + len(rows)
+    files = specforge_list_local_files(out)
+    assert len(files) == len(rows) == man["num_samples"]
+    assert (out / "rows_0-2000" / "data_1999.ckpt").exists() and (out / "rows_2000-4000" / "data_2000.ckpt").exists()
+    src, _ = ex.read_hidden_states(hs)
+    off = src["sample_offsets"].tolist()
+    model, _ = loaded
+    for j, r in enumerate(rows):
+        f = exp.specforge_path(out, 1998 + j)
+        raw = torch.load(f, weights_only=True)
+        assert set(raw) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+        T = len(r["input_ids"])
+        assert raw["input_ids"].dtype == torch.int64 and raw["input_ids"].shape == (T,)
+        assert raw["loss_mask"].dtype == torch.int64 and raw["loss_mask"].tolist() == r["loss_mask"]
+        assert raw["aux_hidden_state"].shape == (1, T, 3 * H) and raw["hidden_state"].shape == (1, T, H)
+        d = specforge_process_data(f, max_len=4096)
+        assert d["input_ids"][0].tolist() == r["input_ids"]
+        assert torch.equal(d["hidden_state"][0], src["aux_hidden_states"][off[j]:off[j + 1]])
+        assert torch.equal(d["target"][0], src["hidden_states"][off[j]:off[j + 1]])
+        ref = hf_states(model, r["input_ids"])
+        torch.testing.assert_close(d["hidden_state"][0, :, H:2 * H], ref[LAYERS[1] + 1][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d["target"][0], ref[-1][0], atol=1e-5, rtol=1e-5)  # post-norm
+    # rerun overwrites in place, leaves no temporary files
+    exp.export(hs, out, layout="specforge", start_index=1998)
+    assert len(specforge_list_local_files(out)) == len(rows)
+    assert not [p for p in out.rglob(".*")]
+    with pytest.raises(ValueError, match="pre-norm"):
+        exp.export(hs, tmp_path / "spec", layout="speculators")
+
+
+def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
+    import pyarrow.parquet as pq
+
+    path, rows = merged
+    hs = tmp_path / "hs_pre.safetensors"
+    ex.extract(path, hs, model_path=tiny_model, layers=LAYERS, model=loaded, final_norm="pre")
+    out = tmp_path / "speculators"
+    man = exp.export(hs, out, layout="speculators", start_index=5)
+    assert man["final_norm"] == "pre"
+    arrow = pq.read_table(out / "samples_000000005.parquet").to_pylist()
+    assert [a["index"] for a in arrow] == list(range(5, 5 + len(rows)))
+    model, decoder = loaded
+    for j, r in enumerate(rows):
+        d = speculators_get_raw(out, 5 + j, arrow[j])
+        T = len(r["input_ids"])
+        assert d["hidden_states"].shape == (T, 3 * H) and d["verifier_last_hidden_states"].shape == (T, H)
+        assert d["loss_mask"].tolist() == r["loss_mask"] and arrow[j]["seq_len"] == T
+        ref = hf_states(model, r["input_ids"])
+        for k, layer in enumerate(LAYERS):
+            torch.testing.assert_close(d["hidden_states"][:, k * H:(k + 1) * H], ref[layer + 1][0], atol=1e-5,
+                                       rtol=1e-5)
+        pre = d["verifier_last_hidden_states"]
+        # pre-norm: the trainer's verifier_norm gives back HF's (post-norm) last hidden state
+        with torch.inference_mode():
+            torch.testing.assert_close(decoder.norm(pre), ref[-1][0], atol=1e-5, rtol=1e-5)
+        assert (pre - ref[-1][0]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="post-norm"):
+        exp.export(hs, tmp_path / "sf", layout="specforge")
+
+
+def error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    a, b = a.float(), b.float()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    return (a - b).abs().max().item(), cos.min().item()
+
+
+def test_storage_savers_error_and_size(tmp_path, tiny_model, merged):
+    path, rows = merged
+    model16 = ex.load_target(tiny_model, dtype="bfloat16", device="cpu")
+    base, saved = tmp_path / "bf16.safetensors", tmp_path / "saved.safetensors"
+    ib = ex.extract(path, base, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", model=model16)
+    isv = ex.extract(path, saved, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", model=model16,
+                     final_states="supervised", aux_format="fp8_e4m3")
+    tb, _ = ex.load_states(base)
+    ts, meta = ex.load_states(saved)
+    assert meta["aux_format"] == "fp8_e4m3" and meta["final_states"] == "supervised"
+    assert torch.equal(tb["input_ids"], ts["input_ids"]) and torch.equal(tb["loss_mask"], ts["loss_mask"])
+
+    # final states: exact where stored; stored exactly where mask[p] or mask[p-1] inside a sample
+    fm = ts["final_mask"]
+    for j, r in enumerate(rows):
+        s, e = tb["sample_offsets"][j].item(), tb["sample_offsets"][j + 1].item()
+        m = r["loss_mask"]
+        want = [bool(m[p] or (p > 0 and m[p - 1])) for p in range(len(m))]
+        assert fm[s:e].tolist() == want
+    assert torch.equal(ts["hidden_states"][fm], tb["hidden_states"][fm])
+    assert (ts["hidden_states"][~fm] == 0).all()
+    assert isv["final_rows"] == int(fm.sum()) < ib["final_rows"] == ib["num_tokens"]
+
+    # fp8 e4m3 with per-token scales: 3 mantissa bits -> relative error <= 2^-4 of each row's amax
+    raw, _ = ex.read_hidden_states(saved)
+    assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn and raw["aux_scales"].shape == (ib["num_tokens"], 3)
+    ref = tb["aux_hidden_states"].float().reshape(-1, 3, H)
+    got = ts["aux_hidden_states"].float().reshape(-1, 3, H)
+    amax = ref.abs().amax(-1, keepdim=True)
+    assert ((got - ref).abs() <= amax * 2 ** -4 + 1e-6).all()
+    max_abs, min_cos = error_stats(got.reshape(-1, H), ref.reshape(-1, H))
+    assert min_cos > 0.99 and 0 < max_abs
+    # and it is smaller on disk: 3H fp8 + scales vs 3H bf16
+    assert isv["bytes"] < 0.7 * ib["bytes"]
+
+    # the quantiser round-trips exactly representable values
+    x = torch.tensor([[1.0, -2.0, 0.5, 448.0], [0.0, 0.0, 0.0, 0.0]])
+    q, sc = ex.quantize_fp8(x, 1)
+    torch.testing.assert_close(ex.dequantize_fp8(q, sc), x)
+
+    # export from the saved file: SpecForge reads full-size tensors, zeros where not stored
+    out = tmp_path / "sf"
+    exp.export(saved, out, layout="specforge")
+    d = specforge_process_data(exp.specforge_path(out, 0), 4096)
+    T0 = len(rows[0]["input_ids"])
+    assert d["hidden_state"].shape == (1, T0, 3 * H) and d["target"].shape == (1, T0, H)
+    assert d["hidden_state"].dtype == torch.bfloat16
+
+
+def test_start_indices(tmp_path):
+    man = {"shards": [{"samples": 3}, {"samples": 0}, {"samples": 5}]}
+    assert exp.start_indices(man) == [0, 3, 3]
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(man))
+    assert exp.start_indices(p) == [0, 3, 3]
+    with pytest.raises(ValueError, match="layout"):
+        exp.export(p, tmp_path, layout="eagle")

@@ -1,0 +1,163 @@
+"""Extraction plan: the seed's figures from its numbers, exact cap alternatives, measured throughput."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eagle3_data import plan as pl
+from eagle3_data import schemas
+from eagle3_data.merge import merge
+
+# The seed's table (samples, tokens) per dataset; A1: 2,800 samples, ~44.9M tokens, ~16k average.
+SEED = {
+    "B1_glaive": (9998, 17.0e6), "B2_opencodeinstruct": (2932, 11.4e6), "B3_magicoder": (3383, 10.5e6),
+    "B4_mixturethoughts": (1891, 10.2e6), "B5_openthoughts": (2112, 11.0e6), "B6_ultrachat": (5957, 11.1e6),
+    "B7_sharegpt": (5476, 10.9e6), "B8_sweagent": (3565, 8.8e6), "A1_deepswekimi": (2800, 44.9e6),
+    "A2_kimik25": (2000, 2.6e6),
+}
+KIMI_K25 = {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 61,
+                                                      "hidden_size": 7168}}
+
+
+def seed_lengths(tmp_path, shards=4):
+    """Per-sample lengths with the seed's per-dataset counts and means (lognormal spread, an assumption:
+    sigma 0.8 for the generated B sets, 0.5 for the uniformly long A1). B completions are the last half of a
+    sample; A1/A2 agent trajectories are supervised throughout (every assistant turn), modelled as
+    num_supervised = num_tokens so a cap truncates rather than drops them."""
+    rng = np.random.default_rng(0)
+    ds, n_tok, n_sup = [], [], []
+    for name, (n, tokens) in SEED.items():
+        x = rng.lognormal(0.0, 0.5 if name.startswith("A1") else 0.8, n)
+        x = np.maximum(2, np.round(x / x.mean() * tokens / n)).astype(np.int64)
+        ds += [name] * n
+        n_tok.append(x)
+        n_sup.append(x if name.startswith("A") else x // 2)
+    n_tok, n_sup = np.concatenate(n_tok), np.concatenate(n_sup)
+    order = rng.permutation(len(ds))
+    ds = np.array(ds)[order]
+    n_tok, n_sup = n_tok[order], n_sup[order]
+    paths, man_shards = [], []
+    for k, idx in enumerate(np.array_split(np.arange(len(ds)), shards)):
+        p = tmp_path / f"{k:03d}.parquet"
+        pq.write_table(pa.table({"dataset": ds[idx].tolist(), "num_tokens": n_tok[idx], "num_supervised": n_sup[idx]}), p)
+        paths.append(p)
+        man_shards.append({"path": str(p), "samples": len(idx), "tokens": int(n_tok[idx].sum()),
+                           "supervised_tokens": int(n_sup[idx].sum())})
+    manifest = {"shards": man_shards, "totals": {"samples": len(ds), "tokens": int(n_tok.sum()),
+                                                 "supervised_tokens": int(n_sup.sum())}}
+    return paths, manifest
+
+
+def within(x, target, rel=0.10):
+    return abs(x - target) <= rel * target
+
+
+def test_seed_figures(tmp_path):
+    paths, manifest = seed_lengths(tmp_path)
+    assert round(manifest["totals"]["tokens"] / 1e6, 1) == 138.4 and manifest["totals"]["samples"] == 40114
+    # throughput: what the seed's 91 h for 138.4M tokens on 8 GPUs implies (422.5 tokens/s, 52.8 per GPU)
+    tps = 138.4e6 / (91 * 3600) / 8
+    p = pl.build_plan(manifest, paths, model_path=KIMI_K25, dtype="bfloat16", tokens_per_s_per_gpu=tps,
+                      gpus_per_job=8, gpus_total=8, caps=[8192], drop=["A1_deepswekimi"])
+    assert p["layers"] == [1, 29, 57] and p["model"]["hidden_size"] == 7168
+    sc = {s["name"]: s for s in p["scenarios"]}
+    seed_key = "aux_only_bf16 (seed-comparable)"
+    assert p["bytes_per_token"][seed_key]["total"] == 3 * 7168 * 2 == 43008
+    # 5.5 TB "as is": 138.4M x 43,008 B = 5.95e12 B = 5.41 TiB  (the seed's T is binary: -1.6%)
+    as_is = sc["as merged"]["bytes"][seed_key]
+    assert within(as_is / pl.TIB, 5.5) and within(as_is / pl.TB, 5.5)  # decimal reading also within 10% (+8.2%)
+    # 3.5 TB with the cap at 8,192 and A1 dropped
+    both = sc["cap 8,192 and drop A1_deepswekimi"]
+    assert within(both["bytes"][seed_key] / pl.TIB, 3.5)
+    assert 85e6 < both["tokens"] < 93.5e6  # A1's 44.9M gone, and the cap cut some long B samples
+    # the seed's 72 h fits the cap alone (A1 capped, kept) at the throughput its 91 h implies
+    assert within(sc["as merged"]["wall_hours"], 91, 0.01)
+    assert within(sc["cap 8,192"]["wall_hours"], 72)
+    assert not within(both["wall_hours"], 72)  # ... and not the cap + drop alternative (~57 h)
+    # the configured layout (3 aux + final, bf16) is 8H+5 B/token: 7.2 TiB, not the seed's 5.5
+    assert p["bytes_per_token"]["configured"]["total"] == 8 * 7168 + 5
+    assert not within(sc["as merged"]["bytes"]["configured"] / pl.TIB, 5.5)
+    # per-shard figures add up to the totals
+    assert sum(s["tokens"] for s in p["shards"]) == p["totals"]["tokens"]
+    assert abs(sum(s["gpu_hours"] for s in p["shards"]) - p["totals"]["gpu_hours"]) < 1e-6
+    md = pl.render_markdown(p)
+    assert "3 x 7,168 x 2 = 43,008 B/token" in md
+    assert "138,4" in md and "| cap 8,192 and drop A1_deepswekimi |" in md and "TiB" in md
+
+
+def test_bytes_per_token_and_model_dims(tmp_path):
+    assert pl.bytes_per_token(4096)["total"] == 8 * 4096 + 5
+    assert pl.bytes_per_token(4096, ids_bytes=16)["total"] == 8 * 4096 + 16  # anchors.md: SpecForge 8H+16
+    fp8 = pl.bytes_per_token(4096, aux_format="fp8_e4m3", final="supervised", final_share=0.25)
+    assert fp8["aux"] == 3 * 4096 + 12 and fp8["final"] == 4096 * 2 * 0.25 + 1
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 4096}))
+    assert pl.model_dims(tmp_path)["num_layers"] == 32
+    assert pl.model_dims(KIMI_K25) == {"num_layers": 61, "hidden_size": 7168, "model_type": "kimi_k2"}
+    with pytest.raises(KeyError, match="num_hidden_layers"):
+        pl.model_dims({"foo": 1})
+    with pytest.raises(ValueError, match="throughput"):
+        pl.build_plan({"shards": []}, [], model_path=KIMI_K25)
+
+
+def _rows(n, seed=3):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        length = rng.randint(4, 120)
+        mask = [0] * length
+        for _ in range(rng.randint(1, 3)):  # one to three supervised spans anywhere
+            a = rng.randrange(length)
+            for j in range(a, min(length, a + rng.randint(1, 20))):
+                mask[j] = 1
+        rows.append({"sample_id": f"s{i}", "dataset": "ab"[i % 2], "input_ids": [rng.randrange(1000) for _ in range(length)],
+                     "loss_mask": mask, "num_tokens": length, "num_prompt_tokens": 0,
+                     "num_completion_tokens": sum(mask), "ids_source": "reconstructed",
+                     "billed_completion_tokens": None, "finish_reason": "stop", "backend": "x", "provider": None,
+                     "cost_usd": 0.0})
+    return rows
+
+
+@pytest.mark.parametrize("overflow", ["truncate", "drop"])
+def test_cap_alternative_equals_merge_with_that_max_len(tmp_path, overflow):
+    rows = _rows(300)
+    val = tmp_path / "v.parquet"
+    schemas.write_checked(schemas.from_rows(rows, schemas.VALIDATED), "validated", val)
+    full = [tmp_path / "full" / f"{i:03d}.parquet" for i in range(2)]
+    merge([val], full, tmp_path / "full.json", max_len=1000, seed=0)
+    for cap in (10, 50):
+        capped = merge([val], [tmp_path / f"c{cap}.parquet"], tmp_path / f"c{cap}.json", max_len=cap,
+                       overflow=overflow, seed=0)
+        got = pl.scenario_totals(full, cap=cap, overflow=overflow)
+        assert (got["samples"], got["tokens"], got["supervised_tokens"]) == (
+            capped["totals"]["samples"], capped["totals"]["tokens"], capped["totals"]["supervised_tokens"])
+        got_b = pl.scenario_totals(full, cap=cap, drop=["a"], overflow=overflow)
+        assert got_b["samples"] == capped["shards"][0]["datasets"].get("b", 0) and set(got_b["per_dataset"]) == {"b"}
+
+
+def test_plan_measures_throughput(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)).save_pretrained(model_dir)
+    val = tmp_path / "v.parquet"
+    schemas.write_checked(schemas.from_rows(_rows(60), schemas.VALIDATED), "validated", val)
+    merged = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(2)]
+    merge([val], merged, tmp_path / "m.json", max_len=1000, seed=0)
+    p = pl.plan(tmp_path / "m.json", merged, tmp_path / "plan.md", tmp_path / "plan.json", model_path=model_dir,
+                dtype="float32", measure={"device": "cpu", "max_tokens": 500}, gpus_total=1, caps=[32], drop=["a"])
+    assert p["throughput"]["source"] == "measured" and p["throughput"]["tokens_per_s_per_gpu"] > 0
+    assert p["throughput"]["measured"]["tokens"] >= 500
+    assert p["bytes_per_token"]["configured"]["total"] == 3 * 32 * 4 + 32 * 4 + 5
+    on_disk = json.loads((tmp_path / "plan.json").read_text())
+    assert on_disk["totals"]["tokens"] == json.loads((tmp_path / "m.json").read_text())["totals"]["tokens"]
+    assert [s["name"] for s in on_disk["scenarios"]] == ["as merged", "cap 32", "drop a", "cap 32 and drop a"]
+    assert "measured" in (tmp_path / "plan.md").read_text()
