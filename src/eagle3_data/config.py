@@ -137,3 +137,36 @@ def schema_reference(schema: dict) -> str:
     lines = ["| key | type | values / meaning |", "|---|---|---|"]
     lines += [f"| `{p}` | {t} | {n.replace('|', '/')} |" for p, t, n in rows]
     return "\n".join(lines) + "\n"
+
+
+README_START = "<!-- config-reference:start -->"
+README_END = "<!-- config-reference:end -->"
+
+
+def readme_with_reference(readme: str, schema: dict) -> str:
+    """``readme`` with the text between the config-reference markers replaced by :func:`schema_reference`.
+
+    Raises ``ValueError`` if the markers are missing.
+    """
+    if README_START not in readme or README_END not in readme:
+        raise ValueError(f"README has no {README_START} ... {README_END} section")
+    head, rest = readme.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    return f"{head}{README_START}\n{schema_reference(schema)}{README_END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m eagle3_data.config README.md [schema]``: rewrite the README's config reference."""
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    args = sys.argv[1:] if argv is None else argv
+    readme = Path(args[0] if args else "README.md")
+    schema = Path(args[1]) if len(args) > 1 else readme.parent / "schemas" / "config.schema.yaml"
+    readme.write_text(readme_with_reference(readme.read_text(), yaml.safe_load(schema.read_text())))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,528 @@
+"""Full-scale rehearsal of the seed run (issue 6, Acceptance): ten datasets, 40,114 samples, on this machine.
+
+What it does, in a scratch directory (``--workdir``, default a temp dir):
+
+1. writes synthetic source files in each seed dataset's real public format with the seed's sample counts
+   (``rehearsal_data.py``; B1 glaive JSON array ... B8 nebius SWE-agent parquet, A1/A2 pre-tokenized JSONL with
+   ~44.9M / ~2.6M tokens), plus a few unusable rows per B source that normalize must reject;
+2. writes a config that mirrors ``resources/configs/seed-kimi-k25.yaml`` (same datasets, shards, backends
+   ``sglang_local`` / ``openrouter`` and their priority per dataset, generation / validate / merge settings), with
+   ``target`` = the tiny Kimi-style target built by rule ``tiny_target`` and both backends pointing at one local
+   fault-injecting server (``rehearsal_server.py``): ``openrouter`` at the seed's 2,000 concurrency, ``sglang_local``
+   at the seed's 256 (``--local-concurrency``), so B3 overflows from local to OpenRouter ("Mixed") as in the seed;
+3. starts that server (own process, loopback): per-dataset lognormal reply lengths whose means reproduce the
+   seed's completion tokens (~90.9M in all, B1 17.0M), latency 0.5-1.5 s + 0.12 ms per token (long replies
+   arrive last), 2 % 429 + 1 % 5xx + 0.3 % errors inside a 200 body; reply text is ASCII of exactly
+   ``completion_tokens - 1`` characters (the end-of-turn token is billed), so the byte-level tiny tokenizer
+   reconstructs the billed count exactly and validation passes honestly;
+4. runs ``snakemake --cores 2`` through normalize -> generate -> tokenize -> validate -> merge (-> plan, when
+   the workflow has a ``plan`` rule; -> report with ``--with-report``), never extraction, sampling the RSS of
+   the whole process tree (snakemake, its jobs, the server) every 0.5 s;
+5. prints the seed-style table (DuckDB over the validated parquet files, + responses for backend / cost), the
+   wall time of each stage (sum of its jobs' times and its first-start..last-end span, read from snakemake's
+   log), the total, the peak memory, the merge manifest and the extraction plan if one was produced, and ends
+   with ONE JSON line (figures + targets: total < 30 min on 2 cores, peak < 8 GB).
+
+Run: ``python benchmarks/rehearsal.py`` (full scale, ~40k samples) or ``--scale 0.05`` (a 5 % rehearsal in a
+few minutes). ``--keep`` keeps the scratch directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import yaml  # noqa: E402
+
+TARGET_TOTAL_S = 30 * 60
+TARGET_PEAK_GB = 8.0
+
+# The seed's table (shared/seed): samples and completion tokens per B dataset; A datasets: samples, tokens.
+# shards / backends / max_samples mirror resources/configs/seed-kimi-k25.yaml.
+SEED_B = {
+    #  name                  format                 samples  tokens   max   shards backends
+    "B1_glaive":           ("glaive",               9_998, 17.0e6, 10_000, 8, ["sglang_local"]),
+    "B2_opencodeinstruct": ("instruction_response", 2_932, 11.4e6, 3_000, 4, ["sglang_local"]),
+    "B3_magicoder":        ("instruction_response", 3_383, 10.5e6, 3_400, 4, ["sglang_local", "openrouter"]),
+    "B4_mixturethoughts":  ("mixture_of_thoughts",  1_891, 10.2e6, 2_000, 2, None),
+    "B5_openthoughts":     ("openthoughts",         2_112, 11.0e6, 2_200, 2, None),
+    "B6_ultrachat":        ("ultrachat",            5_957, 11.1e6, 6_000, 4, None),
+    "B7_sharegpt":         ("sharegpt",             5_476, 10.9e6, 5_500, 4, None),
+    "B8_sweagent":         ("nebius_swe_agent",     3_565, 8.8e6, 3_572, 4, None),
+}
+SEED_A = {"A1_deepswekimi": (2_800, 44.9e6, 8), "A2_kimik25": (2_000, 2.6e6, 2)}
+SEED_TOTAL_SAMPLES = 40_114
+
+FILES = {
+    "B1_glaive": ("glaive-function-calling-v2.json", "write_glaive", {}),
+    "B2_opencodeinstruct": ("OpenCodeInstruct/train-00000-of-00014.parquet", "write_opencodeinstruct",
+                            {"prompt_field": "input", "response_field": "output", "id_field": "id"}),
+    "B3_magicoder": ("data-oss_instruct-decontaminated.jsonl", "write_magicoder",
+                     {"prompt_field": "problem", "response_field": "solution", "id_field": "index"}),
+    "B4_mixturethoughts": ("Mixture-of-Thoughts/code/train-00000-of-00008.parquet", "write_mixture_of_thoughts", {}),
+    "B5_openthoughts": ("OpenThoughts-114k/train-00000-of-00006.parquet", "write_openthoughts", {}),
+    "B6_ultrachat": ("ultrachat_200k/train_sft-00000-of-00003.parquet", "write_ultrachat", {}),
+    "B7_sharegpt": ("ShareGPT_V3_unfiltered_cleaned_split.json", "write_sharegpt", {}),
+    "B8_sweagent": ("SWE-agent-trajectories/train-00000-of-00012.parquet", "write_nebius_swe_agent", {}),
+}
+
+# reply-length spread (lognormal log-sd) per dataset: SWE-agent replies are short tool calls or long patches
+LENGTH_SIGMA = {"B8_sweagent": 1.0}
+MAX_REPLY = 30_000  # < generation.max_tokens (32,768): no reply is cut
+FAKE_KEY_ENV = "REHEARSAL_OPENROUTER_KEY"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def scaled(n: float, scale: float, lo: int = 1) -> int:
+    return max(lo, int(round(n * scale)))
+
+
+def write_sources(data_dir: Path, scale: float, special_ids: dict) -> dict:
+    """Write every source file; return {dataset: {path, rows, good, ...}}."""
+    import rehearsal_data as rd
+
+    out = {}
+    for i, (ds, (fmt, n, _tok, mx, _sh, _be)) in enumerate(SEED_B.items()):
+        rel, fn, _ = FILES[ds]
+        path = data_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        good = scaled(n, scale)
+        bad = max(1, math.ceil(0.001 * good))
+        t0 = time.perf_counter()
+        rows = getattr(rd, fn)(path, good, bad, seed=100 + i)
+        out[ds] = {"path": str(path), "rows": rows, "good": good, "bad": bad, "bytes": path.stat().st_size,
+                   "write_s": round(time.perf_counter() - t0, 2)}
+    for i, (ds, (n, tok, _sh)) in enumerate(SEED_A.items()):
+        path = data_dir / f"{ds}.jsonl"
+        t0 = time.perf_counter()
+        rows, tokens = rd.write_pretokenized(path, scaled(n, scale), tok / n, seed=200 + i, special_ids=special_ids)
+        out[ds] = {"path": str(path), "rows": rows, "good": rows, "bad": 0, "tokens": tokens,
+                   "bytes": path.stat().st_size, "write_s": round(time.perf_counter() - t0, 2)}
+    return out
+
+
+def build_config(sources: dict, port: int, scale: float, local_concurrency: int = 256) -> dict:
+    """The seed config (resources/configs/seed-kimi-k25.yaml) pointed at the tiny target and the local server."""
+    seed = yaml.safe_load((ROOT / "resources/configs/seed-kimi-k25.yaml").read_text())
+    demo = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg = dict(seed)
+    cfg["cache_dir"] = "cache"
+    cfg["target"] = dict(demo["target"])  # tiny Kimi-style target, build_tiny: true, template kimi-k2
+    url = f"http://127.0.0.1:{port}/v1"
+    cfg["backends"] = {
+        "openrouter": {**seed["backends"]["openrouter"], "base_url": url, "api_key_env": FAKE_KEY_ENV,
+                       "timeout_s": 300},
+        "sglang_local": {k: v for k, v in seed["backends"]["sglang_local"].items() if k != "launch"}
+        | {"base_url": url, "max_concurrency": local_concurrency, "timeout_s": 300},
+    }
+    gen = dict(seed["generation"])
+    # budgets (split per shard by generate): the seed's 10M per dataset would end B1-B7 early here because the
+    # replies are drawn to reproduce the seed's *final* counts; keep them as a safety net, 1.5x above those counts
+    gen["budget_completion_tokens"] = int(15e6 * scale)
+    gen["budget_usd"] = round(20 * scale, 4)
+    cfg["generation"] = gen
+    cfg["datasets"] = {}
+    for ds, (fmt, _n, _tok, mx, shards, backends) in SEED_B.items():
+        src = {"format": fmt, "path": sources[ds]["path"], "max_samples": scaled(mx, scale)}
+        if FILES[ds][2]:
+            src["options"] = dict(FILES[ds][2])
+        g = {"extra_body": {"user": ds}}  # the server picks this dataset's reply profile from the `user` field
+        if backends:
+            g["backends"] = backends
+        if ds == "B1_glaive":
+            g["budget_completion_tokens"] = int(25e6 * scale)
+        cfg["datasets"][ds] = {"source": src, "shards": shards, "generation": g}
+    for ds, (_n, _tok, shards) in SEED_A.items():
+        cfg["datasets"][ds] = {"source": {"format": "pretokenized", "path": sources[ds]["path"]}, "shards": shards}
+    cfg["extract"] = {**seed["extract"], "dtype": "float32", "gpus_per_job": 1}  # never run here
+    return cfg
+
+
+def server_config() -> dict:
+    profiles = {}
+    for ds, (_f, n, tok, _mx, _sh, backends) in SEED_B.items():
+        local_only = backends == ["sglang_local"]
+        profiles[ds] = {"length_mean": tok / n - 1, "length_sigma": LENGTH_SIGMA.get(ds, 0.8),
+                        **({"price_in": 0.0, "price_out": 0.0} if local_only else {})}
+    return {
+        "profile_field": "user", "profiles": profiles, "length_dist": "lognormal", "min_tokens": 16,
+        "max_tokens": MAX_REPLY, "eot_tokens": 1, "latency_min_s": 0.5, "latency_max_s": 1.5,
+        "latency_per_token_s": 1.2e-4, "p429": 0.02, "p5xx": 0.01, "perror200": 0.003, "retry_after_s": 0.5,
+        "price_in": 0.4e-6, "price_out": 0.8e-6, "provider": "Moonshot AI",
+        "seed": 0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "rehearsal_server.py"), "--port", str(port), "--config", json.dumps(server_config())],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    import httpx
+
+    for _ in range(100):
+        if proc.poll() is not None:
+            raise RuntimeError(f"rehearsal server exited: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("rehearsal server did not become ready")
+
+
+class MemSampler(threading.Thread):
+    """Peak summed RSS of a set of root processes and all their descendants, sampled every ``interval`` s."""
+
+    def __init__(self, pids: list[int], interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.pids, self.interval = pids, interval
+        self.peak = 0
+        self.peak_at = 0.0
+        self.peak_procs: list[tuple[str, int]] = []
+        self.stop_ev = threading.Event()
+        self.t0 = time.monotonic()
+
+    def sample(self) -> None:
+        import psutil
+
+        procs = {}
+        for pid in self.pids:
+            try:
+                p = psutil.Process(pid)
+                procs[p.pid] = p
+                for c in p.children(recursive=True):
+                    procs[c.pid] = c
+            except psutil.Error:
+                pass
+        total, items = 0, []
+        for p in procs.values():
+            try:
+                rss = p.memory_info().rss
+                total += rss
+                items.append((" ".join(p.cmdline()[:4])[-90:], rss))
+            except psutil.Error:
+                pass
+        if total > self.peak:
+            self.peak, self.peak_at = total, time.monotonic() - self.t0
+            self.peak_procs = sorted(items, key=lambda x: -x[1])[:4]
+
+    def run(self) -> None:
+        while not self.stop_ev.is_set():
+            self.sample()
+            self.stop_ev.wait(self.interval)
+
+
+def rule_names() -> set[str]:
+    names = set()
+    for f in (ROOT / "rules").glob("*.smk"):
+        names |= set(re.findall(r"^\s*rule\s+(\w+)\s*:", f.read_text(), re.M))
+    return names
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# measurements
+
+
+_TS = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]")
+
+
+def job_times(log_text: str) -> dict[str, list[tuple[float, float]]]:
+    """{rule: [(start, end), ...]} in epoch seconds from snakemake's console log (1 s resolution)."""
+    starts: dict[str, tuple[str, float]] = {}
+    out: dict[str, list[tuple[float, float]]] = {}
+    ts = None
+    pending_rule = None
+    for line in log_text.splitlines():
+        m = _TS.match(line)
+        if m:
+            ts = datetime.strptime(m.group(1), "%a %b %d %H:%M:%S %Y").timestamp()
+            continue
+        s = line.strip()
+        m = re.match(r"^(?:local)?(?:rule|checkpoint) (\w+):$", s)
+        if m:
+            pending_rule = (m.group(1), ts)
+            continue
+        m = re.match(r"^jobid: (\d+)$", s)
+        if m and pending_rule:
+            starts[m.group(1)] = pending_rule
+            pending_rule = None
+            continue
+        m = re.match(r"^Finished job(?:id:)? (\d+)", s)
+        if m and m.group(1) in starts and ts is not None:
+            rule, t0 = starts.pop(m.group(1))
+            out.setdefault(rule, []).append((t0, ts))
+    return out
+
+
+def stage_of(rule: str) -> str:
+    return "normalize" if rule.startswith("normalize_") else rule
+
+
+def stage_table(times: dict) -> dict[str, dict]:
+    st: dict[str, dict] = {}
+    for rule, spans in times.items():
+        s = st.setdefault(stage_of(rule), {"jobs": 0, "job_s": 0.0, "first": math.inf, "last": -math.inf})
+        for a, b in spans:
+            s["jobs"] += 1
+            s["job_s"] += b - a
+            s["first"] = min(s["first"], a)
+            s["last"] = max(s["last"], b)
+    return st
+
+
+def seed_table(work: Path, datasets: list[str]) -> list[dict]:
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute("SET threads = 2")
+    rows = []
+    for ds in datasets:
+        files = sorted(str(p) for p in (work / "results" / ds / "validated").glob("*.parquet"))
+        if not files:
+            rows.append({"dataset": ds, "samples": 0})
+            continue
+        r = con.execute(
+            "SELECT count(*), sum(num_prompt_tokens), sum(num_completion_tokens), sum(num_tokens), "
+            "sum(coalesce(cost_usd, 0)), string_agg(DISTINCT backend, '+' ORDER BY backend), "
+            "sum(billed_completion_tokens) FROM read_parquet(?)", [files]).fetchone()
+        rows.append({"dataset": ds, "samples": r[0], "prompt_tokens": int(r[1] or 0),
+                     "completion_tokens": int(r[2] or 0), "tokens": int(r[3] or 0), "cost_usd": float(r[4] or 0),
+                     "backends": r[5] or "", "billed_completion_tokens": int(r[6] or 0)})
+    return rows
+
+
+def rejects(work: Path) -> list[tuple]:
+    import duckdb
+
+    files = [str(p) for p in work.glob("results/*/rejected/*.parquet")]
+    if not files:
+        return []
+    con = duckdb.connect()
+    try:
+        return con.execute(
+            "SELECT dataset, stage, reason, count(*) FROM read_parquet(?, union_by_name=true) "
+            "GROUP BY ALL ORDER BY 1, 2, 3", [files]).fetchall()
+    except duckdb.Error as exc:
+        return [("?", "?", f"could not read rejects: {exc}"[:120], 0)]
+
+
+def human(n: float) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
+
+
+def source_label(ds: str, backends: str) -> str:
+    if ds in SEED_A:
+        return "pre-tokenized"
+    b = set(filter(None, backends.split("+")))
+    if b == {"sglang_local"}:
+        return "Local SGLang"
+    if b == {"openrouter"}:
+        return "OpenRouter"
+    return "Mixed (local + OR)" if b else "-"
+
+
+def print_table(rows: list[dict], scale: float) -> dict:
+    print(f"\n## Seed-style table (validated parquet; rehearsal at scale {scale:g}; seed figures scaled alongside)\n")
+    print("| Dataset | Samples | Prompt tok | Completion tok | Total tok | Source | Cost $ | seed samples | seed tokens |")
+    print("|---|--:|--:|--:|--:|---|--:|--:|--:|")
+    tot = {"B": [0, 0, 0, 0, 0.0], "A": [0, 0, 0, 0, 0.0]}
+    for r in rows:
+        ds = r["dataset"]
+        kind = "A" if ds in SEED_A else "B"
+        seed_n, seed_tok = (SEED_A[ds][0], SEED_A[ds][1]) if kind == "A" else (SEED_B[ds][1], SEED_B[ds][2])
+        t = tot[kind]
+        for j, k in enumerate(("samples", "prompt_tokens", "completion_tokens", "tokens")):
+            t[j] += r.get(k, 0)
+        t[4] += r.get("cost_usd", 0.0)
+        print(f"| {ds} | {r.get('samples', 0):,} | {human(r.get('prompt_tokens', 0))} | "
+              f"{human(r.get('completion_tokens', 0))} | {human(r.get('tokens', 0))} | "
+              f"{source_label(ds, r.get('backends', ''))} | {r.get('cost_usd', 0):.2f} | "
+              f"{scaled(seed_n, scale):,} | {human(seed_tok * scale)} |")
+        if ds == "B8_sweagent":
+            b = tot["B"]
+            print(f"| **Total B** | **{b[0]:,}** | {human(b[1])} | **{human(b[2])}** | {human(b[3])} | | "
+                  f"{b[4]:.2f} | {scaled(35_314, scale):,} | {human(90.9e6 * scale)} |")
+    a = tot["A"]
+    print(f"| **Total A** | **{a[0]:,}** | {human(a[1])} | {human(a[2])} | **{human(a[3])}** | | | "
+          f"{scaled(4_800, scale):,} | {human(47.5e6 * scale)} |")
+    g = [tot["A"][i] + tot["B"][i] for i in range(5)]
+    print(f"| **Grand total** | **{g[0]:,}** | | | **{human(g[3])}** | | {g[4]:.2f} | "
+          f"{scaled(SEED_TOTAL_SAMPLES, scale):,} | {human(138.4e6 * scale)} |")
+    return {"B_samples": tot["B"][0], "B_completion_tokens": tot["B"][2], "B_tokens": tot["B"][3],
+            "A_samples": tot["A"][0], "A_tokens": tot["A"][3], "samples": g[0], "tokens": g[3],
+            "cost_usd": round(g[4], 2)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of the seed's samples (default 1.0)")
+    ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a new temp dir)")
+    ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--local-concurrency", type=int, default=256,
+                    help="sglang_local's max_concurrency (seed: 256; openrouter stays at the seed's 2,000)")
+    ap.add_argument("--with-report", action="store_true", help="also run the report rule (tables, plots)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (always kept with --workdir)")
+    args = ap.parse_args(argv)
+
+    from eagle3_data.tiny_target import SPECIAL_TOKENS, build_tokenizer
+
+    tok = build_tokenizer()  # the tiny target's tokenizer: ids of its special tokens, looked up by name
+    special_ids = {name: tok.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="eagle3-rehearsal-"))
+    work = work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"rehearsal: scale {args.scale:g}, cores {args.cores}, workdir {work}", flush=True)
+
+    t_all = time.monotonic()
+    t0 = time.monotonic()
+    sources = write_sources(work / "data", args.scale, special_ids)
+    t_sources = time.monotonic() - t0
+    print(f"source files written in {t_sources:.1f} s:", flush=True)
+    for ds, s in sources.items():
+        extra = f", {human(s['tokens'])} tokens" if "tokens" in s else f" ({s['bad']} unusable)"
+        print(f"  {ds:22s} {s['rows']:>6,} rows{extra}, {s['bytes'] / 2**20:7.1f} MiB, {s['write_s']:.1f} s")
+
+    port = free_port()
+    cfg = build_config(sources, port, args.scale, args.local_concurrency)
+    cfg_path = work / "rehearsal.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False, width=120))
+
+    names = rule_names()
+    until = ["merge"] + [r for r in ("plan",) if r in names] + (["report"] if args.with_report else [])
+    cmd = ["snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work), "--configfile", str(cfg_path),
+           "--cores", str(args.cores), "--until", *until, "--nolock"]
+    env = {**os.environ, FAKE_KEY_ENV: "rehearsal-not-a-secret", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    server = start_server(port, work / "server.log")
+    print(f"\nrehearsal server on 127.0.0.1:{port}; running: {' '.join(cmd)}", flush=True)
+    smk_log = work / "snakemake.console.log"
+    t0 = time.monotonic()
+    with open(smk_log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        mem = MemSampler([proc.pid, server.pid])
+        mem.start()
+        rc = proc.wait()
+    t_workflow = time.monotonic() - t0
+    mem.stop_ev.set()
+    mem.join()
+    try:
+        import httpx
+
+        stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
+        stats.pop("completed_by_body", None)
+    except Exception as exc:  # noqa: BLE001 - report, don't fail the benchmark on stats
+        stats = {"error": str(exc)}
+    server.terminate()
+    server.wait(10)
+    log_text = smk_log.read_text(errors="replace")
+    if rc != 0:
+        print(f"\nsnakemake FAILED (exit {rc}); last lines of {smk_log}:\n" + "\n".join(log_text.splitlines()[-60:]))
+
+    stages = stage_table(job_times(log_text))
+    print("\n## Stages (job wall times from snakemake's log, 1 s resolution)\n")
+    print("| Stage | Jobs | Sum of job times (s) | Span first start..last end (s) |")
+    print("|---|--:|--:|--:|")
+    order = ["tiny_target", "normalize", "generate", "tokenize", "validate", "merge", "plan", "report"]
+    for name in sorted(stages, key=lambda n: order.index(n) if n in order else 99):
+        s = stages[name]
+        print(f"| {name} | {s['jobs']} | {s['job_s']:.0f} | {s['last'] - s['first']:.0f} |")
+    print(f"| **workflow (snakemake wall)** | {sum(s['jobs'] for s in stages.values())} | | **{t_workflow:.0f}** |")
+
+    datasets = list(SEED_B) + list(SEED_A)
+    rows = seed_table(work, datasets)
+    totals = print_table(rows, args.scale)
+    billed = sum(r.get("billed_completion_tokens", 0) for r in rows)
+    comp_b = totals["B_completion_tokens"]
+    print(f"\nreconstructed vs billed completion tokens (B): {comp_b:,} vs {billed:,}")
+
+    rj = rejects(work)
+    if rj:
+        print("\n## Rejects by dataset, stage, reason\n")
+        for d, st, reason, n in rj:
+            print(f"  {d:22s} {str(st):10s} {str(reason):28s} {n:>6,}")
+
+    summaries = [json.loads(p.read_text()) for p in work.glob("results/*/responses/*.json")]
+    gen = {"sent": sum(s.get("sent", 0) for s in summaries), "retries": sum(s.get("retries", 0) for s in summaries),
+           "failed": sum(s.get("failed_total", 0) for s in summaries),
+           "not_sent": sum(s.get("not_sent", 0) for s in summaries),
+           "stopped_by": sorted({s.get("stopped_by") for s in summaries if s.get("stopped_by")})}
+    print(f"\ngeneration: {json.dumps(gen)}\nserver: {json.dumps(stats)}")
+
+    manifest_p = work / "results/merged/manifest.json"
+    manifest = json.loads(manifest_p.read_text()) if manifest_p.exists() else None
+    if manifest:
+        print("\n## Merge manifest (totals)\n")
+        print(json.dumps({k: v for k, v in manifest.items() if k not in ("shards", "inputs")}, indent=1)[:3000])
+    plan_files = sorted(p for p in work.glob("results/**/*plan*") if p.is_file())
+    if plan_files:
+        print("\n## Extraction plan\n")
+        for p in plan_files:
+            print(f"--- {p.relative_to(work)}")
+            print(p.read_text(errors="replace")[:4000])
+    else:
+        print("\n## Extraction plan: not produced (no plan rule / report output in this workflow yet)")
+    tally = work / "results/reports/tally.md"
+    if tally.exists():
+        print("\n## results/reports/tally.md\n\n" + tally.read_text())
+
+    total_s = time.monotonic() - t_all
+    peak_gb = mem.peak / 2**30
+    print(f"\ntotal wall {total_s:.0f} s (sources {t_sources:.0f} s + workflow {t_workflow:.0f} s); "
+          f"peak RSS of the process tree {peak_gb:.2f} GB at t={mem.peak_at:.0f} s: "
+          + "; ".join(f"{c} {r / 2**20:.0f} MiB" for c, r in mem.peak_procs))
+    result = {
+        "benchmark": "rehearsal", "scale": args.scale, "cores": args.cores, "snakemake_rc": rc,
+        "samples": totals["samples"], "seed_samples_scaled": scaled(SEED_TOTAL_SAMPLES, args.scale),
+        "B_completion_tokens": comp_b, "billed_completion_tokens": billed, "A_tokens": totals["A_tokens"],
+        "tokens": totals["tokens"], "cost_usd": totals["cost_usd"],
+        "stage_job_s": {k: round(v["job_s"]) for k, v in stages.items()},
+        "stage_span_s": {k: round(v["last"] - v["first"]) for k, v in stages.items()},
+        "sources_s": round(t_sources, 1), "workflow_s": round(t_workflow, 1), "total_s": round(total_s, 1),
+        "peak_rss_gb": round(peak_gb, 2), "merged_samples": (manifest or {}).get("totals", {}).get("samples"),
+        "plan_produced": bool(plan_files),
+        "target_total_s": TARGET_TOTAL_S, "target_peak_gb": TARGET_PEAK_GB,
+        "total_ratio_to_target": round(total_s / TARGET_TOTAL_S, 3),
+        "peak_ratio_to_target": round(peak_gb / TARGET_PEAK_GB, 3),
+        "meets_targets": rc == 0 and total_s < TARGET_TOTAL_S and peak_gb < TARGET_PEAK_GB,
+        "workdir": str(work),
+    }
+    if not (args.keep or args.workdir) and rc == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

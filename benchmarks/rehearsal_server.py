@@ -1,0 +1,184 @@
+"""The rehearsal's stand-in for OpenRouter / SGLang: ``tests/fault_server.py`` with per-dataset reply profiles.
+
+A thin subclass of :class:`fault_server.FaultApp` (the fault server itself is unchanged and owned elsewhere), so
+the rehearsal gets the fault server's HTTP handling, fault injection (429 with Retry-After, 5xx, errors inside
+a 200 body) and ``/stats``, plus what a full-scale rehearsal needs:
+
+- **profiles**: ``profile_field`` names a top-level request field (the rehearsal config sets
+  ``generation.extra_body.user`` = the dataset name, the OpenAI/OpenRouter ``user`` field) whose value selects
+  ``profiles[value]``, a dict of config overrides for that request (lengths, latency, prices, provider);
+- **exact-length ASCII replies**: the reply ``content`` is exactly ``n`` characters of ASCII text (words,
+  punctuation, newlines; no leading/trailing whitespace) and ``usage.completion_tokens = n + eot_tokens``, so a
+  byte-level tokenizer (1 char = 1 token, ``eagle3_data.tiny_target``) reconstructs exactly the billed count
+  once the end-of-turn token is appended;
+- **length distributions**: ``length_dist`` ``lognormal`` with mean ``length_mean`` (characters) and log-sd
+  ``length_sigma``, clipped to ``[min_tokens, max_tokens]`` (else the fault server's uniform), drawn from a hash
+  of the request body (a retry of the same request gets the same reply);
+- **latency proportional to length**: ``latency_min_s..latency_max_s`` (uniform, from the body hash) plus
+  ``n * latency_per_token_s``, so long replies arrive last (the seed's B8 pattern).
+
+Run standalone: ``python benchmarks/rehearsal_server.py --port P --config '{json}'`` (loopback only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import fault_server as fs  # noqa: E402
+
+EXTRA_DEFAULTS = {
+    "profile_field": None, "profiles": {}, "length_dist": "uniform", "length_mean": None, "length_sigma": 0.8,
+    "eot_tokens": 0, "latency_per_token_s": 0.0,
+}
+
+_CORPUS_WORDS = (
+    "the a of to in is for on with that this it as be by are from at or an not we can if you will def return "
+    "import class self value result data list index error file path test function method object string number "
+    "array count check update build parse print output input config server client request response model token "
+    "shard merge batch loss mask layer hidden state target draft reasoning completion prompt format schema"
+).split()
+
+
+def _corpus(size: int = 1 << 20, seed: int = 1234) -> str:
+    """Deterministic ASCII text (words, punctuation, newlines) of ``size`` characters."""
+    rnd = random.Random(seed)
+    parts, n = [], 0
+    while n < size:
+        words = rnd.choices(_CORPUS_WORDS, k=rnd.randint(4, 18))
+        s = " ".join(words).capitalize() + rnd.choice([". ", ". ", ", ", "; ", ":\n", ".\n\n", "? "])
+        parts.append(s)
+        n += len(s)
+    return "".join(parts)[:size]
+
+
+CORPUS = _corpus()
+
+
+def ascii_text(rnd: random.Random, n: int) -> str:
+    """Exactly ``n`` ASCII characters of text, neither starting nor ending with whitespace (n >= 1)."""
+    if n <= 0:
+        return ""
+    reps = n // len(CORPUS) + 2
+    off = rnd.randrange(len(CORPUS))
+    src = CORPUS if reps <= 2 and off + n <= len(CORPUS) else CORPUS * reps
+    t = src[off:off + n]
+    if t[0].isspace():
+        t = "A" + t[1:]
+    if t[-1].isspace():
+        t = t[:-1] + "."
+    return t
+
+
+class RehearsalApp(fs.FaultApp):
+    """FaultApp with per-request profiles, exact-length ASCII replies and length-proportional latency."""
+
+    def __init__(self, config: dict | None = None):
+        cfg = dict(EXTRA_DEFAULTS)
+        cfg.update(config or {})
+        super().__init__(cfg)
+        self._notes: dict[str, str | None] = {}  # body hash -> profile name (set before latency is drawn)
+
+    def profile_of(self, body: dict) -> str | None:
+        field = self.config.get("profile_field")
+        v = body.get(field) if field else None
+        return str(v) if v is not None else None
+
+    def cfg_for(self, profile: str | None) -> dict:
+        over = (self.config.get("profiles") or {}).get(profile) if profile is not None else None
+        return {**self.config, **over} if over else self.config
+
+    def note(self, body: dict) -> None:
+        self._notes[fs.body_hash(body)] = self.profile_of(body)
+
+    def length(self, c: dict, bh: str) -> int:
+        rnd = random.Random("len:" + bh)
+        lo, hi = int(c["min_tokens"]), int(c["max_tokens"])
+        if c.get("length_dist") == "lognormal" and c.get("length_mean"):
+            s = float(c["length_sigma"])
+            mu = math.log(float(c["length_mean"])) - s * s / 2
+            return int(min(hi, max(lo, round(rnd.lognormvariate(mu, s)))))
+        return rnd.randint(lo, hi)
+
+    def latency(self, bh: str) -> float:
+        c = self.cfg_for(self._notes.get(bh))
+        base = random.Random("lat:" + bh).uniform(float(c["latency_min_s"]), float(c["latency_max_s"]))
+        per = float(c.get("latency_per_token_s") or 0.0)
+        return base + (self.length(c, bh) * per if per else 0.0)
+
+    def completion(self, body: dict, bh: str) -> dict:
+        self._notes.pop(bh, None)
+        c = self.cfg_for(self.profile_of(body))
+        n = self.length(c, bh)
+        eot = int(c.get("eot_tokens") or 0)
+        finish = "stop"
+        cap = body.get("max_tokens")
+        if cap is not None and n + eot > int(cap):
+            n, eot, finish = int(cap), 0, "length"
+        text = ascii_text(random.Random("txt:" + bh), n)
+        prompt_words = sum(len(str(m.get("content") or "").split()) for m in body.get("messages") or [])
+        nr = int(c["reasoning_tokens"])
+        msg = {"role": "assistant", "content": text}
+        if nr:
+            msg[c["reasoning_field"]] = ascii_text(random.Random("rsn:" + bh), nr)
+        comp = n + nr + eot
+        return {
+            "id": f"gen-{bh}", "object": "chat.completion", "created": int(time.time()),
+            "model": c["model"] or body.get("model"), "provider": c["provider"],
+            "choices": [{"index": 0, "finish_reason": finish, "native_finish_reason": finish, "message": msg}],
+            "usage": {
+                "prompt_tokens": prompt_words, "completion_tokens": comp, "total_tokens": prompt_words + comp,
+                "completion_tokens_details": {"reasoning_tokens": nr},
+                "cost": round(prompt_words * c["price_in"] + comp * c["price_out"], 12),
+            },
+        }
+
+
+_orig_route = fs._route
+
+
+async def _route(app, method, path, headers, raw):
+    """Note each chat request's profile before the fault server draws its latency, then delegate."""
+    if isinstance(app, RehearsalApp) and method == "POST" and path.split("?", 1)[0].endswith("/chat/completions"):
+        try:
+            body = json.loads(raw)
+            if isinstance(body, dict):
+                app.note(body)
+        except ValueError:
+            pass
+    return await _orig_route(app, method, path, headers, raw)
+
+
+fs._route = _route  # this process serves only the rehearsal
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--config", default="{}", help="JSON object: fault_server settings + the keys above")
+    args = ap.parse_args(argv)
+    app = RehearsalApp(json.loads(args.config))
+
+    async def serve():
+        server = await asyncio.start_server(lambda r, w: fs._handle(app, r, w), "127.0.0.1", args.port,
+                                            backlog=8192, limit=2**24)
+        print(f"rehearsal server listening on 127.0.0.1:{args.port}", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
