@@ -37,7 +37,7 @@ rule all:
         report=rules.report.output,
         plan=rules.plan.output.md,
         vocab=rules.vocab.output.mapping,
-        exports=expand("results/export/{layout}/{k}.json", layout=config["export"]["layouts"], k=MERGED_SHARDS),
+        exports=expand("results/export/{layout}/{k}.json", layout=EXPORT_LAYOUTS, k=MERGED_SHARDS),
     default_target: True
 
 

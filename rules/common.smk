@@ -15,6 +15,7 @@ GENERATED = cfg.generated_datasets(config)
 PRETOKENIZED = cfg.pretokenized_datasets(config)
 MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
+EXPORT_LAYOUTS = (config.get("export") or {}).get("layouts", [])  # no export section: no export
 TARGET = config["target"]
 CACHE_DIR = config["cache_dir"]
 for _ds in GENERATED:
