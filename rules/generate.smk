@@ -18,6 +18,9 @@ rule generate:
         backends=lambda wc: cfg.backends_config(config, wc.ds),
         journal_dir=f"{CACHE_DIR}/journal",
         num_shards=lambda wc: len(shards(wc.ds)),
+        # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
+        # config is not a dependency of generation
+        target=lambda wc: TARGET if any(b.get("native_generate") for b in cfg.backends_config(config, wc.ds).values()) else None,
     resources:
         api_slots=lambda wc: sum(b.get("max_concurrency", 1) for b in cfg.backends_config(config, wc.ds).values()),
     log:

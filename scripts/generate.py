@@ -14,5 +14,6 @@ generate(
     journal_dir=snakemake.params.journal_dir,
     num_shards=snakemake.params.num_shards,
     summary_path=snakemake.output.summary,
+    target=snakemake.params.target,
     log=log,
 )

@@ -13,6 +13,18 @@ from one process without extra dependencies. Endpoints:
   "length"``). ``usage`` has prompt/completion/reasoning tokens and ``cost`` (``price_in``/``price_out`` per
   token); ``provider`` is set (OpenRouter style); ``reasoning_field`` picks ``reasoning`` (OpenRouter) or
   ``reasoning_content`` (SGLang) for a short reasoning text (``reasoning_tokens`` words; 0 = none).
+  ``omit_cost`` leaves ``usage.cost`` out (the client may then look it up by generation id).
+- ``GET /v1/generation?id=gen-...`` (OpenRouter cost lookup): ``{"data": {"id", "total_cost", ...}}`` for an id
+  this server completed, after ``cost_404s`` 404 answers per id (stats appear late); 404 for unknown ids.
+- ``POST /generate`` (SGLang native): body ``{"input_ids", "sampling_params": {"max_new_tokens", ...}}``; replies
+  ``{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop"|"length", ...},
+  "prompt_tokens", "completion_tokens"}}``. ``output_ids`` are deterministic in the request: ``gen_think``
+  ``[open_id, close_id]`` (optional) wraps ``reasoning_tokens`` ids, then ``[min_tokens, max_tokens]`` content ids,
+  all drawn from ``gen_vocab``, then ``gen_eot`` (when set and ``gen_include_stop``); cut at ``max_new_tokens``
+  (``length``). ``text`` maps ids < 256 to their byte (the tiny target's vocabulary). ``gen_abort_rate``: share
+  of ``finish_reason: abort`` replies. Faults apply as for chat.
+- Every POST body and its non-secret headers are kept (the last ``record_bodies``) in ``FaultApp.bodies`` /
+  ``FaultApp.headers`` (``GET /admin/bodies``); the ``authorization`` header is reduced to ``present``.
 - ``GET /health``: 200 ``{"status": "ok"}``.
 - ``GET /stats``: counters: ``requests``, ``outcomes`` (by fault), ``completed`` (200-ok replies sent),
   ``completed_by_body`` (request-body hash -> ok replies sent; >1 means the client paid twice),
@@ -44,6 +56,9 @@ DEFAULTS = {
     "price_in": 1e-7, "price_out": 2e-6, "provider": "FaultProvider", "reasoning_field": "reasoning",
     "reasoning_tokens": 0, "seed": 0, "model": None,
     "latency_dist": "uniform", "latency_by_body": False,
+    "record_bodies": 50, "omit_cost": False, "cost_404s": 0,
+    "gen_vocab": list(range(97, 123)) + [32], "gen_think": None, "gen_eot": None, "gen_include_stop": True,
+    "gen_abort_rate": 0.0,
 }
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -85,6 +100,44 @@ class FaultApp:
         self.in_flight = 0
         self.max_in_flight = 0
         self.connections = 0
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        self.costs: dict[str, float] = {}
+        self.cost_lookups: dict[str, int] = {}
+
+    def record(self, body: dict, headers: dict) -> None:
+        keep = int(self.config.get("record_bodies") or 0)
+        if keep:
+            self.bodies = (self.bodies + [body])[-keep:]
+            h = {k: ("present" if k == "authorization" else v) for k, v in headers.items()}
+            self.headers = (self.headers + [h])[-keep:]
+
+    def native(self, body: dict, bh: str) -> dict:
+        """SGLang ``/generate`` reply (see module docstring)."""
+        c = self.config
+        rnd = random.Random(bh)
+        vocab = list(c["gen_vocab"])
+        ids: list[int] = []
+        if c["gen_think"]:
+            o, cl = c["gen_think"]
+            ids += [o] + rnd.choices(vocab, k=int(c["reasoning_tokens"])) + [cl]
+        ids += rnd.choices(vocab, k=rnd.randint(int(c["min_tokens"]), int(c["max_tokens"])))
+        stop = None
+        if c["gen_eot"] is not None:
+            stop = int(c["gen_eot"])
+            ids.append(stop)
+        cap = (body.get("sampling_params") or {}).get("max_new_tokens", 128)
+        if len(ids) > int(cap):
+            ids, finish = ids[:int(cap)], {"type": "length", "length": int(cap)}
+        else:
+            finish = {"type": "stop", "matched": stop}
+            if stop is not None and not c["gen_include_stop"]:
+                ids = ids[:-1]
+        text = "".join(chr(i) for i in ids if i < 256)
+        n_in = len(body.get("input_ids") or [])
+        return {"text": text, "output_ids": ids, "meta_info": {
+            "id": bh, "finish_reason": finish, "prompt_tokens": n_in, "completion_tokens": len(ids),
+            "cached_tokens": 0, "e2e_latency": 0.0}}
 
     def stats(self) -> dict:
         return {
@@ -197,6 +250,7 @@ async def _handle(app: FaultApp, reader: asyncio.StreamReader, writer: asyncio.S
 
 
 async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: bytes) -> bytes | None:
+    full_path = path
     path = path.split("?", 1)[0]
     if method == "GET" and path == "/health":
         return _response(200, {"status": "ok"})
@@ -208,9 +262,21 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
     if method == "POST" and path == "/admin/reset":
         app.reset()
         return _response(200, {"ok": True})
+    if method == "GET" and path == "/admin/bodies":
+        return _response(200, {"bodies": app.bodies, "headers": app.headers})
+    if method == "GET" and path in ("/v1/generation", "/api/v1/generation"):
+        from urllib.parse import parse_qs, urlsplit
+
+        gid = (parse_qs(urlsplit(full_path).query).get("id") or [""])[0]
+        n = app.cost_lookups[gid] = app.cost_lookups.get(gid, 0) + 1
+        if gid not in app.costs or n <= int(app.config["cost_404s"]):
+            return _response(404, {"error": {"code": 404, "message": f"Generation {gid} not found"}})
+        return _response(200, {"data": {"id": gid, "total_cost": app.costs[gid], "provider_name":
+                                        app.config["provider"]}})
     if method == "GET" and path == "/v1/models":
         return _response(200, {"object": "list", "data": [{"id": app.config["model"] or "fault-model"}]})
-    if method != "POST" or path not in ("/v1/chat/completions", "/chat/completions"):
+    native = path == "/generate"
+    if method != "POST" or path not in ("/v1/chat/completions", "/chat/completions", "/generate"):
         return _response(404, {"error": {"code": 404, "message": f"no route {method} {path}"}})
     c = app.config
     app.requests += 1
@@ -222,6 +288,7 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
     except ValueError:
         app._count("400")
         return _response(400, {"error": {"code": 400, "message": "invalid JSON body"}})
+    app.record(body, headers)
     fault = app.pick_fault()
     app.in_flight += 1
     app.max_in_flight = max(app.max_in_flight, app.in_flight)
@@ -257,7 +324,17 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
             code = int(c["fail_status"]) if fault == "fail_status" else 402
             app._count(str(code))
             return _response(code, {"error": {"code": code, "message": "Insufficient credits"}})
-        resp = app.completion(body, bh)
+        if native:
+            if app.rng.random() < float(c["gen_abort_rate"]):
+                app._count("abort")
+                return _response(200, {"text": "", "output_ids": [], "meta_info": {
+                    "id": bh, "finish_reason": {"type": "abort", "message": "scheduler aborted the request"}}})
+            resp = app.native(body, bh)
+        else:
+            resp = app.completion(body, bh)
+            app.costs[resp["id"]] = resp["usage"]["cost"]
+            if c["omit_cost"]:
+                del resp["usage"]["cost"]
         app._count("ok")
         app.completed += 1
         app.completed_by_body[bh] = app.completed_by_body.get(bh, 0) + 1

@@ -68,8 +68,8 @@ def test_canary_key_is_never_written(remote_workflow, monkeypatch):
     monkeypatch.setenv("CANARY_API_KEY", CANARY + "-revoked")
     shutil.rmtree(wd / "cache/journal/ultrachat_demo")  # so the rerun must send requests
     proc = run_snakemake(wd, "--cores", "1", "--forcerun", "generate", *targets, check=False)
-    assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "401" in out
+    assert proc.returncode != 0, out[-4000:]
+    assert "401" in out, out[-4000:]
     assert CANARY not in out
     assert _files_containing(wd, CANARY) == []

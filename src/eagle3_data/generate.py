@@ -11,9 +11,13 @@ One job = one dataset shard. Flow:
 3. request key = ``io.content_hash(dataset, sample_id, turn, target_name, prompt messages, tools, sampling)``
    with sampling = ``{max_tokens, temperature, top_p, extra_body}``: independent of the backend, so a response
    from OpenRouter satisfies the same request later routed to SGLang;
-4. read the journal (:mod:`.journal`), send only missing keys; local servers (a backend's ``launch:``) start
-   only when something must be sent;
-5. write every RESPONSES row (journaled ok rows + failed rows) with ``schemas.write_checked``.
+4. read the journal (:mod:`.journal`; only the fields resume needs are kept in memory), send only missing keys;
+   local servers (a backend's ``launch:``) start only when something must be sent. A backend with
+   ``native_generate`` gets prompt ids rendered with the target's chat template (``generate(target=...)``) and
+   returns exact ``output_ids``; reasoning/content are split at the ``</think>`` id;
+5. write every RESPONSES row (journaled ok rows, streamed back from the journal in batches, + failed rows) with
+   ``schemas.CheckedParquetWriter`` (arrow-level contract checks, atomic rename): ok rows are never all held in
+   memory.
 
 Budgets (per dataset in config; a shard job gets ``1/num_shards`` of each): ``max_samples`` caps the samples
 considered (sorted by ``sample_id``), ``budget_completion_tokens`` and ``budget_usd`` stop *new* requests once
@@ -46,11 +50,13 @@ from .backends.client import (
     RetryableError,
     SampleError,
     build_body,
+    build_native_body,
+    prompt_think_state,
     retry_wait,
 )
 from .backends.server import launch_server
 from .io import content_hash, write_json
-from .journal import JournalWriter, read_journal
+from .journal import JournalWriter, iter_journal_file, read_journal
 
 logger = logging.getLogger("eagle3_data.generate")
 
@@ -130,7 +136,7 @@ def _parse_json_cell(text, what: str, row: int, path) -> object:
 
 def read_prompts(prompts_path, mode: str) -> tuple[list[Sample], list[dict]]:
     """Read a PROMPTS parquet; return (samples, bad rows as dicts with sample_id/row/reason detail)."""
-    table = pq.read_table(prompts_path)
+    table = pq.read_table(prompts_path, use_threads=False)
     missing = {"sample_id", "messages"} - set(table.column_names)
     if missing:
         raise ValueError(f"{prompts_path}: not a PROMPTS parquet, missing columns {sorted(missing)}")
@@ -235,7 +241,7 @@ def _failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reaso
 
 
 class _Runner:
-    def __init__(self, *, dataset, target_name, generation, records, journal, pool, state, sampling):
+    def __init__(self, *, dataset, target_name, generation, records, journal, pool, state, sampling, target=None):
         self.dataset = dataset
         self.target_name = target_name
         self.generation = generation
@@ -246,7 +252,10 @@ class _Runner:
         self.sampling = sampling
         self.max_attempts = int(generation.get("max_retries", 5)) + 1
         self.wait = retry_wait(float(generation.get("retry_initial_s", 1.0)), float(generation.get("retry_max_s", 60.0)))
-        self.rows: list[dict] = []
+        self.rows: list[dict] = []  # failed rows only (ok rows are written from the journal at the end)
+        self.ok_keys: list[str] = []  # request keys of every ok turn (journaled earlier or now)
+        self.target = target  # TargetTokens, for backends with native_generate
+        self.max_tokens = int(generation.get("max_tokens") or 0)
 
     def steps(self, sample: Sample):
         """Yield (turn, prompt, key, journaled record or None); the caller sends the request if None and
@@ -301,18 +310,31 @@ class _Runner:
                                                  f"{exc.message} (after {getattr(exc, 'attempts', 1)} attempt(s))"))
                     return
                 self.journal.append(rec)
-                st.new_ok += 1
                 st.completion_tokens += rec.get("completion_tokens") or 0
                 st.prompt_tokens += rec.get("prompt_tokens") or 0
                 st.cost_usd += rec.get("cost_usd") or 0.0
                 st.by_backend[rec["backend"]] = st.by_backend.get(rec["backend"], 0) + 1
-            self.rows.append({k: rec.get(k) for k in RESPONSE_FIELDS})
+                rec = {k: rec.get(k) for k in ("content", "tool_calls")}  # what the history needs; rest on disk
+                st.new_ok += 1
+            self.ok_keys.append(key)
             try:
                 item = gen.send(rec)
             except StopIteration:
                 st.ok += 1
                 st.done += 1
                 return
+
+    def native_prompt(self, prompt: list, tools) -> tuple[list[int], str]:
+        """Prompt ids from the target's chat template (+ think state) for SGLang ``/generate``."""
+        from .templates import TemplateError
+
+        if self.target is None:
+            raise SampleError("no_target", "native_generate needs the target tokenizer (generate(target=...))")
+        try:
+            ids = self.target.prompt_ids(prompt, tools)
+        except TemplateError as exc:
+            raise SampleError(exc.reason, str(exc)[:300]) from None
+        return ids, prompt_think_state(self.target, ids)
 
     async def request(self, sample: Sample, turn: int, prompt: list, key: str) -> dict:
         import tenacity
@@ -321,6 +343,7 @@ class _Runner:
         if self.pool is None or st.stopped_by:  # no network: a budget was already reached
             raise _BudgetStop()
         attempts = 0
+        native: list = []  # (input_ids, think state) rendered once, on the first native attempt
         try:
             async for attempt in tenacity.AsyncRetrying(
                 stop=tenacity.stop_after_attempt(self.max_attempts),
@@ -337,12 +360,23 @@ class _Runner:
                         # spend of everything in flight is counted
                         if attempts == 1 and st.budget_reached():
                             raise _BudgetStop()
-                        body = json.dumps(build_body(backend.cfg, prompt, sample.tools, self.sampling),
-                                          ensure_ascii=False).encode()
+                        if backend.cfg.native_generate:
+                            if not native:
+                                native.append(self.native_prompt(prompt, sample.tools))
+                            ids, think = native[0]
+                            body = json.dumps(build_native_body(backend.cfg, ids, self.sampling)).encode()
+                            est = len(ids) + self.max_tokens
+                        else:
+                            body = json.dumps(build_body(backend.cfg, prompt, sample.tools, self.sampling),
+                                              ensure_ascii=False).encode()
+                            est = len(body) // 4 + self.max_tokens
                         st.in_flight += 1
                         st.sent += 1
                         try:
-                            fields = await backend.post_chat(body)
+                            if backend.cfg.native_generate:
+                                fields = await backend.post_native(body, self.target, think, est)
+                            else:
+                                fields = await backend.post_chat(body, est)
                         except RetryableError as exc:
                             backend.record(False, exc.backend_fault)
                             st.retry_reasons[exc.reason] = st.retry_reasons.get(exc.reason, 0) + 1
@@ -353,6 +387,12 @@ class _Runner:
         except (RetryableError, SampleError) as exc:
             exc.attempts = attempts
             raise
+        if fields.get("cost_usd") is None and backend.cfg.cost_lookup and fields.get("generation_id"):
+            st.in_flight += 1  # still counted by the budgets while its cost is unknown
+            try:
+                fields["cost_usd"] = await backend.lookup_cost(fields["generation_id"])
+            finally:
+                st.in_flight -= 1
         return {
             **fields,
             "sample_id": sample.sample_id, "dataset": self.dataset, "turn": int(turn), "request_key": key,
@@ -371,9 +411,13 @@ async def _progress(state: _State, interval: float, tag: str) -> None:
 async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str) -> None:
     prog = asyncio.create_task(_progress(runner.state, interval, tag))
     try:
+        # at most 1.5 x capacity sample tasks alive (those in flight + those waiting for a slot or a retry): a
+        # 10,000-sample shard does not hold 10,000 coroutines at once
+        live = asyncio.Semaphore(runner.pool.capacity + max(64, runner.pool.capacity // 2))
         async with asyncio.TaskGroup() as tg:
             for s in samples:
-                tg.create_task(runner.run_sample(s))
+                await live.acquire()
+                tg.create_task(runner.run_sample(s)).add_done_callback(lambda _t: live.release())
     except* FatalBackendError as eg:
         raise eg.exceptions[0] from None
     finally:
@@ -449,6 +493,85 @@ def _sigterm_as_exception():
         signal.signal(signal.SIGTERM, old)
 
 
+def _load_target(target: dict | None, generation: dict, dataset: str):
+    """TargetTokens for native ``/generate`` prompts (chat_template_kwargs: target's, then the dataset's)."""
+    from .templates import load_target_tokens
+
+    if not target or not target.get("path"):
+        raise ValueError(f"dataset {dataset}: a backend has native_generate: true, which needs the target "
+                         "tokenizer: pass generate(target=config['target'])")
+    kwargs = dict(target.get("chat_template_kwargs") or {})
+    kwargs.update((generation.get("extra_body") or {}).get("chat_template_kwargs") or {})
+    return load_target_tokens(target["path"], target.get("template", "generic"),
+                              trust_remote_code=bool(target.get("trust_remote_code", False)),
+                              chat_template_kwargs=kwargs)
+
+
+def _journal_batches(path: Path, block_bytes: int):
+    """Record batches (``schemas.RESPONSES`` columns) of one journal file, parsed by pyarrow's streaming JSON
+    reader (about ``block_bytes`` of JSON per batch, extra keys ignored). Raises ``pyarrow.ArrowInvalid`` at the
+    first line it can't parse (a torn write, a record longer than a block): the caller falls back to Python."""
+    import pyarrow.json as pj
+
+    import pyarrow as pa
+
+    with pa.OSFile(str(path), "r") as fh:
+        reader = pj.open_json(fh, read_options=pj.ReadOptions(block_size=block_bytes, use_threads=False),
+                              parse_options=pj.ParseOptions(explicit_schema=schemas.RESPONSES,
+                                                            unexpected_field_behavior="ignore"))
+        yield from reader
+
+
+def _write_output(out_path, journal_dir: Path, dataset: str, ok_keys: list[str], failed_rows: list[dict],
+                  batch_rows: int, block_bytes: int = 1 << 18) -> int:
+    """Write the RESPONSES parquet: the journaled records of ``ok_keys`` (streamed from the journal files in name
+    order, first occurrence of a key wins, as in :func:`journal.read_journal`) + ``failed_rows``; return the row
+    count. Each file is read in ~``block_bytes`` batches by pyarrow's JSON reader (no Python dict per row); from a
+    line it can't parse (torn write) on, that file is read line by line in Python (``batch_rows`` rows a batch).
+
+    Raises RuntimeError if a key is missing from the journal (it was appended this run or read at start)."""
+    wanted = set(ok_keys)
+    folder = Path(journal_dir) / dataset
+    return _write_output_rows(out_path, folder, wanted, failed_rows, batch_rows, block_bytes)
+
+
+def _write_output_rows(out_path, folder: Path, wanted: set, failed_rows: list[dict], batch_rows: int,
+                       block_bytes: int) -> int:
+    import pyarrow as pa
+
+    with schemas.CheckedParquetWriter("responses", out_path) as w:
+        for path in sorted(folder.glob("*.jsonl")) if wanted else []:
+            try:
+                for rb in _journal_batches(path, block_bytes):
+                    keep = []
+                    for i, k in enumerate(rb.column("request_key").to_pylist()):
+                        if k in wanted:
+                            wanted.discard(k)
+                            keep.append(i)
+                    if keep:
+                        w.write_table(pa.Table.from_batches([rb.take(pa.array(keep, pa.int64()))]))
+                    if not wanted:
+                        break
+            except pa.ArrowInvalid as exc:  # torn line or an oversized record: the rest of this file in Python
+                logger.debug("journal %s: arrow reader stopped (%s); reading it line by line", path, exc)
+                batch: list[dict] = []
+                for rec in iter_journal_file(path):
+                    if rec["request_key"] in wanted:
+                        wanted.discard(rec["request_key"])
+                        batch.append({k: rec.get(k) for k in RESPONSE_FIELDS})
+                        if len(batch) >= batch_rows:
+                            w.write_rows(batch)
+                            batch = []
+                w.write_rows(batch)
+            if not wanted:
+                break
+        if wanted:
+            raise RuntimeError(f"{folder}: {len(wanted)} journaled response(s) vanished while the job "
+                               f"ran (e.g. request_key {sorted(wanted)[0]}); output not written")
+        w.write_rows(failed_rows)
+        return w.rows
+
+
 def generate(
     prompts_path,
     out_path,
@@ -463,6 +586,8 @@ def generate(
     num_shards: int = 1,
     progress_interval_s: float = 5.0,
     summary_path=None,
+    target: dict | None = None,
+    write_batch_rows: int = 256,
 ) -> dict:
     """Generate responses for one dataset shard; write ``out_path`` (RESPONSES parquet); return a summary.
 
@@ -484,6 +609,11 @@ def generate(
         progress_interval_s: seconds between progress lines.
         summary_path: if given, the returned summary is also written there as JSON (atomically); the report
             reads ``stopped_by`` from it.
+        target: the config ``target`` slice (``path``, ``template``, ``trust_remote_code``,
+            ``chat_template_kwargs``); needed only when a backend has ``native_generate: true`` (SGLang
+            ``/generate``: prompt ids are rendered with the target's chat template, ``chat_template_kwargs``
+            updated by ``generation.extra_body.chat_template_kwargs``, and the exact ``output_ids`` are stored).
+        write_batch_rows: rows per batch when the output is written from the journal (memory: one batch).
 
     Returns: dict with dataset, shard, samples, ok, failed (reason -> count), from_journal, sent (HTTP
         requests), retries, not_sent, completion_tokens / prompt_tokens / cost_usd (this run),
@@ -495,7 +625,29 @@ def generate(
             keeps every completed response; no output is written).
         ServerLaunchError: a local server did not start.
         ValueError: bad config or an unreadable prompts file (message names file/row/key).
+        templates.TemplateError: the target tokenizer can't be loaded (native_generate only).
+
+    Output: ok rows are not kept in memory; they are read back from the journal in batches of
+    ``write_batch_rows`` and written with :class:`schemas.CheckedParquetWriter` (arrow-level checks of the
+    RESPONSES contract, atomic rename).
     """
+    # malloc-backed arrow buffers for the job: they reuse the heap the run's Python objects free, where a
+    # mimalloc/jemalloc pool keeps its own tens of MB on top of the run's peak (generation_client benchmark)
+    import pyarrow as pa
+
+    old_pool = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        return _generate(prompts_path, out_path, dataset=dataset, shard=shard, target_name=target_name,
+                         generation=generation, backends=backends, journal_dir=journal_dir, log=log,
+                         num_shards=num_shards, progress_interval_s=progress_interval_s, summary_path=summary_path,
+                         target=target, write_batch_rows=write_batch_rows)
+    finally:
+        pa.set_memory_pool(old_pool)
+
+
+def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation, backends, journal_dir, log,
+              num_shards, progress_interval_s, summary_path, target, write_batch_rows) -> dict:
     t0 = time.monotonic()
     journal_dir = Path(journal_dir)
     if logging.getLogger("httpx").level == logging.NOTSET:
@@ -528,7 +680,9 @@ def generate(
             budget_tokens=None if bt is None else float(bt) / div,
             budget_usd=None if bu is None else float(bu) / div,
         )
-        records, jstats = read_journal(journal_dir, dataset)
+        # resume index: spend, and (mode all) what the regenerated history needs; texts stay on disk
+        keep = ("completion_tokens", "cost_usd") + (("content", "tool_calls") if mode == "all" else ())
+        records, jstats = read_journal(journal_dir, dataset, fields=keep)
         logger.info(
             "%s %d samples (%d unusable, %d over max_samples), mode %s; journal: %d responses in %d file(s), "
             "%d torn/bad line(s) skipped", tag, len(samples), len(bad), capped, mode, jstats["records"],
@@ -550,6 +704,7 @@ def generate(
         # which samples still need a request? (mode all: walk the journal through the regenerated history)
         probe = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
                         journal=None, pool=None, state=state, sampling=sampling)
+        target_tokens = None
         n_pending = sum(1 for s in samples if probe.pending(s))
         logger.info("%s %d sample(s) need requests, %d complete in the journal", tag, n_pending, len(samples) - n_pending)
 
@@ -560,6 +715,8 @@ def generate(
         try:
             with contextlib.ExitStack() as stack:
                 if network:
+                    if any(c.native_generate for c in cfgs):
+                        target_tokens = _load_target(target, generation, dataset)
                     for cfg in cfgs:
                         if "{port}" in cfg.base_url and not cfg.launch:
                             raise ValueError(f"backend {cfg.name!r}: base_url has {{port}} but no launch: config")
@@ -573,7 +730,7 @@ def generate(
                 journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
                 pool = BackendPool([Backend(c) for c in cfgs]) if network else None
                 runner = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
-                                 journal=journal, pool=pool, state=state, sampling=sampling)
+                                 journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens)
                 if pool is not None:
                     asyncio.run(_run(runner, samples, progress_interval_s, tag))
                 else:
@@ -584,6 +741,7 @@ def generate(
                         except StopIteration:
                             pass
                 rows.extend(runner.rows)
+                journal.sync()
         except FatalBackendError as exc:
             logger.error("%s STOPPED: %s", tag, exc)
             raise GenerationStopped(f"{tag} {exc}") from None
@@ -591,8 +749,8 @@ def generate(
             logger.error("%s interrupted; journal kept (%s)", tag, state.progress_line())
             raise GenerationStopped(f"{tag} interrupted (SIGTERM/KeyboardInterrupt); journal kept") from None
 
-        table = schemas.from_rows(rows, schemas.RESPONSES)
-        schemas.write_checked(table, "responses", out_path)
+        del records
+        n_rows = _write_output(out_path, journal_dir, dataset, runner.ok_keys, rows, write_batch_rows)
 
         failed_n = sum(state.failed.values())
         if state.stopped_by:
@@ -610,7 +768,7 @@ def generate(
             "cost_usd": round(state.cost_usd, 6), "total_completion_tokens": state.spent_tokens(),
             "total_cost_usd": round(state.spent_usd(), 6), "by_backend": dict(state.by_backend),
             "stopped_by": stopped_by, "servers_started": servers_started,
-            "journal_bad_lines": jstats["bad_lines"], "rows": table.num_rows,
+            "journal_bad_lines": jstats["bad_lines"], "rows": n_rows,
             "wall_s": round(time.monotonic() - t0, 3),
         }
         logger.info("%s finished: %s", tag, state.progress_line())

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 logger = logging.getLogger("eagle3_data.journal")
 
@@ -36,40 +36,68 @@ def journal_path(journal_dir: str | os.PathLike, dataset: str, shard: str) -> Pa
     return Path(journal_dir) / dataset / f"{shard}.jsonl"
 
 
-def read_journal(journal_dir: str | os.PathLike, dataset: str) -> tuple[dict[str, dict], dict]:
+def iter_journal(journal_dir: str | os.PathLike, dataset: str, stats: dict | None = None,
+                 warn: bool = True) -> Iterator[dict]:
+    """Yield every complete record of ``<journal_dir>/<dataset>/*.jsonl`` (files in name order, lines in order).
+
+    Torn/invalid lines are skipped (counted in ``stats["bad_lines"]``; a warning names file and line when
+    ``warn``); ``stats`` (if given) also gets ``files`` and ``lines``. Duplicates are *not* removed here.
+    Streams: memory is one line at a time.
+    """
+    stats = stats if stats is not None else {}
+    for k in ("files", "lines", "bad_lines"):
+        stats.setdefault(k, 0)
+    folder = Path(journal_dir) / dataset
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.glob("*.jsonl")):
+        stats["files"] += 1
+        yield from iter_journal_file(path, stats, warn)
+
+
+def iter_journal_file(path: str | os.PathLike, stats: dict | None = None, warn: bool = False) -> Iterator[dict]:
+    """Yield the complete records of one journal file in line order (torn/invalid lines skipped and counted in
+    ``stats["bad_lines"]``, complete lines in ``stats["lines"]``)."""
+    stats = stats if stats is not None else {}
+    for k in ("lines", "bad_lines"):
+        stats.setdefault(k, 0)
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            stats["lines"] += 1
+            try:
+                rec = json.loads(raw)
+                if not isinstance(rec, dict) or not isinstance(rec.get("request_key"), str):
+                    raise ValueError("no request_key")
+            except ValueError:
+                stats["bad_lines"] += 1
+                if warn:
+                    logger.warning("journal %s line %d: not a complete record (torn write?); skipped", path, lineno)
+                continue
+            yield rec
+
+
+def read_journal(journal_dir: str | os.PathLike, dataset: str,
+                 fields: Iterable[str] | None = None) -> tuple[dict[str, dict], dict]:
     """Read every ``*.jsonl`` of ``<journal_dir>/<dataset>/``.
 
     Returns ``(records, stats)``: ``records`` maps ``request_key`` -> record dict (first occurrence wins;
-    a duplicate key is counted, not an error); ``stats`` = ``{"files", "lines", "records", "bad_lines",
-    "duplicates"}``. A line that is not a JSON object with a string ``request_key`` (a torn write) is
-    skipped with a warning naming file and line number.
+    a duplicate key is counted, not an error); with ``fields``, each record keeps only those keys (the
+    resume index of a large journal without its texts); ``stats`` = ``{"files", "lines", "records",
+    "bad_lines", "duplicates"}``. A line that is not a JSON object with a string ``request_key`` (a torn
+    write) is skipped with a warning naming file and line number.
     """
     records: dict[str, dict] = {}
     stats = {"files": 0, "lines": 0, "records": 0, "bad_lines": 0, "duplicates": 0}
-    folder = Path(journal_dir) / dataset
-    if not folder.is_dir():
-        return records, stats
-    for path in sorted(folder.glob("*.jsonl")):
-        stats["files"] += 1
-        with open(path, "rb") as fh:
-            for lineno, raw in enumerate(fh, 1):
-                if not raw.strip():
-                    continue
-                stats["lines"] += 1
-                try:
-                    rec = json.loads(raw)
-                    if not isinstance(rec, dict) or not isinstance(rec.get("request_key"), str):
-                        raise ValueError("no request_key")
-                except ValueError:
-                    stats["bad_lines"] += 1
-                    logger.warning("journal %s line %d: not a complete record (torn write?); skipped", path, lineno)
-                    continue
-                key = rec["request_key"]
-                if key in records:
-                    stats["duplicates"] += 1
-                    continue
-                records[key] = rec
-                stats["records"] += 1
+    keep = None if fields is None else tuple(fields)
+    for rec in iter_journal(journal_dir, dataset, stats):
+        key = rec["request_key"]
+        if key in records:
+            stats["duplicates"] += 1
+            continue
+        records[key] = rec if keep is None else {k: rec.get(k) for k in keep}
+        stats["records"] += 1
     return records, stats
 
 

@@ -269,3 +269,110 @@ def write_checked(table: pa.Table, kind: str, path) -> None:
 
     check(table, kind, str(path))
     write_parquet(table, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# arrow-level checks and a streaming checked writer (no pandas copy; for large outputs written in batches)
+
+
+def _arrow_fail(path, kind: str, column: str, check: str, mask, table: pa.Table) -> None:
+    import pyarrow.compute as pc
+
+    n = pc.sum(pc.cast(mask, pa.int64())).as_py() or 0
+    if n:
+        idx = pc.indices_nonzero(mask).to_pylist()[:5]
+        sample = table.column(column).take(idx).to_pylist()
+        raise SchemaError(f"{path}: {kind} rows fail the schema: column {column!r} check {check}: "
+                          f"{n} row(s), e.g. rows {idx} values {sample}")
+
+
+def check_responses_arrow(table: pa.Table, path: str = "<memory>", seen_keys: set | None = None) -> pa.Table:
+    """The RESPONSES contract of :class:`ResponsesModel`, checked with pyarrow compute (no pandas copy).
+
+    Checks: the arrow schema; ``sample_id``/``dataset``/``request_key``/``status`` not null; ``status`` in
+    ok|failed; ``turn >= 0``; ``completion_tokens``/``cost_usd`` null or ``>= 0``; ``request_key`` unique within
+    the table and, when ``seen_keys`` is given, across earlier batches (the set is updated). Raises
+    :class:`SchemaError` naming ``path``, the column and the failing check.
+    """
+    import pyarrow.compute as pc
+
+    if not table.schema.equals(RESPONSES, check_metadata=False):
+        check(table.slice(0, 0), "responses", path)  # the schema message
+    if table.num_rows == 0:
+        return table
+    for col in ("sample_id", "dataset", "request_key", "status"):
+        _arrow_fail(path, "responses", col, "not_nullable", pc.is_null(table.column(col)), table)
+    _arrow_fail(path, "responses", "status", "isin(['ok', 'failed'])",
+                pc.invert(pc.is_in(table.column("status"), value_set=pa.array(["ok", "failed"]))), table)
+    for col, low in (("turn", 0), ("completion_tokens", 0), ("cost_usd", 0)):
+        _arrow_fail(path, "responses", col, f"greater_than_or_equal_to({low})",
+                    pc.fill_null(pc.less(table.column(col), low), False), table)
+    keys = table.column("request_key")
+    if pc.count_distinct(keys).as_py() != table.num_rows:
+        counts = pc.value_counts(keys)
+        dup = [v["values"] for v in counts.to_pylist() if v["counts"] > 1][:5]
+        raise SchemaError(f"{path}: responses rows fail the schema: column 'request_key' check unique: "
+                          f"duplicates {dup}")
+    if seen_keys is not None:
+        ks = keys.to_pylist()
+        dup = [k for k in ks if k in seen_keys]
+        if dup:
+            raise SchemaError(f"{path}: responses rows fail the schema: column 'request_key' check unique: "
+                              f"duplicates across batches {dup[:5]}")
+        seen_keys.update(ks)
+    return table
+
+
+ARROW_CHECKS = {"responses": check_responses_arrow}
+
+
+class CheckedParquetWriter:
+    """Write a ``kind`` table batch by batch, each batch checked at the arrow level, atomically renamed on close.
+
+    ``with CheckedParquetWriter("responses", path) as w: w.write_rows(rows); w.write_table(t)``. Uniqueness
+    checks span all batches. On an exception inside the block (or a failed check) ``path`` is left untouched.
+    Only kinds in :data:`ARROW_CHECKS` are supported (ValueError otherwise). An empty output still gets a file
+    with the schema. Memory: one batch at a time (plus the set of unique keys).
+    """
+
+    def __init__(self, kind: str, path):
+        if kind not in ARROW_CHECKS:
+            raise ValueError(f"no arrow-level check for {kind!r}; known: {sorted(ARROW_CHECKS)}")
+        self.kind, self.path = kind, path
+        self.schema = MODELS[kind][0]
+        self.rows = 0
+        self._seen: set = set()
+        self._cm = None
+        self._writer = None
+
+    def __enter__(self) -> "CheckedParquetWriter":
+        import pyarrow.parquet as pq
+
+        from .io import atomic_path
+
+        self._cm = atomic_path(self.path)
+        tmp = self._cm.__enter__()
+        self._writer = pq.ParquetWriter(tmp, self.schema, compression="zstd")
+        return self
+
+    def write_rows(self, rows: list[dict]) -> None:
+        if rows:
+            self.write_table(from_rows(rows, self.schema))
+
+    def write_table(self, table: pa.Table) -> None:
+        ARROW_CHECKS[self.kind](table, str(self.path), self._seen)
+        if table.num_rows:
+            self._writer.write_table(table)
+            self.rows += table.num_rows
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self._writer.close()
+        except BaseException as err:
+            if exc_type is None:  # a failed close: remove the temp file, keep ``path`` untouched
+                self._cm.__exit__(type(err), err, err.__traceback__)
+                raise
+        try:
+            return bool(self._cm.__exit__(exc_type, exc, tb))
+        finally:
+            pa.default_memory_pool().release_unused()  # batch buffers back to the OS

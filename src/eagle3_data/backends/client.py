@@ -2,7 +2,18 @@
 
 Backends (config ``backends:``): ``type`` openai (any OpenAI-compatible server: vLLM, ``transformers
 serve``), openrouter, or sglang; ``base_url`` (``.../v1``), ``model``, ``api_key_env`` (the *name* of an
-environment variable, or null), ``max_concurrency``, ``timeout_s``, optional ``requests_per_minute``.
+environment variable, or null), ``max_concurrency``, ``timeout_s``, optional ``requests_per_minute`` and
+``tokens_per_minute`` (aiolimiter buckets; the token limit is charged *before* sending with the request's
+estimated prompt tokens (body bytes / 4, or the prompt ids for native) + ``max_tokens``, as OpenAI-style TPM
+limits count ``max_tokens`` up front). Backend request settings (not part of the request key):
+``extra_body`` (merged into every body, e.g. SGLang ``chat_template_kwargs``/``separate_reasoning``),
+``provider`` (OpenRouter routing: order, only, ignore, allow_fallbacks, quantizations, require_parameters,
+data_collection ...) and ``reasoning`` (effort | max_tokens, exclude, enabled) put into the body,
+``headers`` (non-secret; ``Authorization`` refused). ``native_generate: true`` (type sglang) sends
+``POST {root}/generate`` with the target-rendered ``input_ids`` and keeps the exact ``output_ids``
+(:func:`build_native_body`, :func:`parse_native_response`). ``cost_lookup: true`` (type openrouter) looks the
+cost up by generation id when ``usage.cost`` is missing (:meth:`Backend.lookup_cost`; first retry after
+``cost_lookup_delay_s``).
 
 Failure policy (``reference/formats.md`` §3.3):
 - retried with exponential backoff and jitter (tenacity), a bounded number of times: 429 (``Retry-After``
@@ -75,6 +86,13 @@ class BackendConfig:
     requests_per_minute: float | None = None
     launch: dict | None = None
     headers: dict = field(default_factory=dict)  # extra non-secret headers (e.g. X-Title)
+    tokens_per_minute: float | None = None
+    extra_body: dict = field(default_factory=dict)  # merged into every request body (backend setting)
+    provider: dict | None = None  # OpenRouter provider routing
+    reasoning: dict | None = None  # OpenRouter / SGLang reasoning settings
+    native_generate: bool = False  # SGLang: POST {root}/generate with input_ids (exact output_ids)
+    cost_lookup: bool = False  # OpenRouter: GET /generation?id= when usage.cost is missing
+    cost_lookup_delay_s: float = 1.0  # first wait before a cost lookup retry (doubles, 5 tries)
 
     @classmethod
     def from_dict(cls, name: str, cfg: dict) -> "BackendConfig":
@@ -86,6 +104,22 @@ class BackendConfig:
         conc = int(cfg.get("max_concurrency") or 8)
         if conc < 1:
             raise ValueError(f"backend {name!r}: max_concurrency must be >= 1, got {conc}")
+        for k in ("extra_body", "headers", "provider", "reasoning"):
+            if cfg.get(k) is not None and not isinstance(cfg[k], dict):
+                raise ValueError(f"backend {name!r}: {k} must be a mapping, got {type(cfg[k]).__name__}")
+        if cfg.get("provider") and cfg["type"] != "openrouter":
+            raise ValueError(f"backend {name!r}: provider routing is an OpenRouter setting (type openrouter), "
+                             f"not for type {cfg['type']!r}")
+        if cfg.get("reasoning") and cfg["type"] not in ("openrouter", "sglang"):
+            raise ValueError(f"backend {name!r}: reasoning settings need type openrouter or sglang")
+        if cfg.get("native_generate") and cfg["type"] != "sglang":
+            raise ValueError(f"backend {name!r}: native_generate needs type sglang, got {cfg['type']!r}")
+        if cfg.get("cost_lookup") and cfg["type"] != "openrouter":
+            raise ValueError(f"backend {name!r}: cost_lookup needs type openrouter, got {cfg['type']!r}")
+        bad_headers = [h for h in (cfg.get("headers") or {}) if str(h).lower() in ("authorization", "x-api-key")]
+        if bad_headers:
+            raise ValueError(f"backend {name!r}: headers must not carry credentials ({bad_headers}); "
+                             "name the key's environment variable in api_key_env")
         return cls(
             name=name,
             type=cfg["type"],
@@ -96,8 +130,20 @@ class BackendConfig:
             timeout_s=float(cfg.get("timeout_s") or 300.0),
             requests_per_minute=cfg.get("requests_per_minute"),
             launch=cfg.get("launch"),
-            headers=dict(cfg.get("headers") or {}),
+            headers={str(k): str(v) for k, v in (cfg.get("headers") or {}).items()},
+            tokens_per_minute=cfg.get("tokens_per_minute"),
+            extra_body=dict(cfg.get("extra_body") or {}),
+            provider=dict(cfg["provider"]) if cfg.get("provider") else None,
+            reasoning=dict(cfg["reasoning"]) if cfg.get("reasoning") else None,
+            native_generate=bool(cfg.get("native_generate", False)),
+            cost_lookup=bool(cfg.get("cost_lookup", False)),
+            cost_lookup_delay_s=float(cfg.get("cost_lookup_delay_s", 1.0)),
         )
+
+    @property
+    def root_url(self) -> str:
+        """``base_url`` without a trailing ``/v1`` (SGLang's native endpoints live at the server root)."""
+        return self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
 
     def api_key(self) -> str | None:
         """The key from the environment variable ``api_key_env``; error names the variable, not a value."""
@@ -112,11 +158,14 @@ class BackendConfig:
 
 
 def build_body(backend: BackendConfig, messages: list, tools: list | None, sampling: dict) -> dict:
-    """Chat-completions request body: model, messages, tools, max_tokens, temperature, top_p, + extra_body.
+    """Chat-completions request body: model, messages, tools, max_tokens, temperature, top_p, + extra fields.
 
     ``sampling`` keys: ``max_tokens``, ``temperature``, ``top_p`` (None values are left out) and
-    ``extra_body`` (merged last, e.g. OpenRouter ``reasoning``/``provider``, SGLang ``chat_template_kwargs``,
-    ``separate_reasoning``).
+    ``extra_body`` (the dataset's ``generation.extra_body``: part of the request key).
+    Merge order (later wins): sampling fields < backend ``extra_body`` (e.g. SGLang ``chat_template_kwargs``,
+    ``separate_reasoning``) < backend ``provider`` / ``reasoning`` (OpenRouter routing and reasoning; SGLang
+    accepts ``reasoning`` too) < ``sampling["extra_body"]``; ``stream`` is always false. Backend settings are
+    not part of the request key (a response is the same request whichever backend served it).
     """
     body: dict[str, Any] = {"model": backend.model, "messages": messages}
     if tools:
@@ -124,7 +173,48 @@ def build_body(backend: BackendConfig, messages: list, tools: list | None, sampl
     for k in ("max_tokens", "temperature", "top_p"):
         if sampling.get(k) is not None:
             body[k] = sampling[k]
+    body.update(backend.extra_body)
+    if backend.provider:
+        body["provider"] = backend.provider
+    if backend.reasoning:
+        body["reasoning"] = backend.reasoning
     body.update(sampling.get("extra_body") or {})
+    body["stream"] = False
+    return body
+
+
+#: ``generation.extra_body`` keys that are SGLang sampling parameters (moved into ``sampling_params`` natively)
+NATIVE_SAMPLING_KEYS = frozenset({
+    "top_k", "min_p", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_new_tokens", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
+    "json_schema", "regex", "ebnf", "seed", "sampling_seed",
+})
+
+
+def build_native_body(backend: BackendConfig, input_ids: list[int], sampling: dict) -> dict:
+    """SGLang native ``/generate`` body: ``{"input_ids", "sampling_params": {max_new_tokens, temperature,
+    top_p, ...}}`` (``formats.md`` §4.4).
+
+    ``max_tokens`` becomes ``max_new_tokens`` (SGLang's default is only 128, so it is always sent when set);
+    ``sampling["extra_body"]`` keys that are sampling parameters (:data:`NATIVE_SAMPLING_KEYS`) go into
+    ``sampling_params``, ``chat_template_kwargs`` was applied when the prompt ids were rendered, and other chat-API
+    fields (``separate_reasoning``, ``reasoning`` ...) have no meaning here and are left out. Backend
+    ``extra_body`` is merged at the top level (its ``sampling_params`` mapping into ``sampling_params``).
+    """
+    sp: dict[str, Any] = {}
+    if sampling.get("max_tokens") is not None:
+        sp["max_new_tokens"] = int(sampling["max_tokens"])
+    for k in ("temperature", "top_p"):
+        if sampling.get(k) is not None:
+            sp[k] = sampling[k]
+    extra = dict(backend.extra_body)
+    sp.update(extra.pop("sampling_params", None) or {})
+    for k, v in (sampling.get("extra_body") or {}).items():
+        if k in NATIVE_SAMPLING_KEYS:
+            sp[k] = v
+    body: dict[str, Any] = {"input_ids": list(input_ids)}
+    body.update(extra)
+    body["sampling_params"] = sp
     body["stream"] = False
     return body
 
@@ -264,7 +354,119 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
         "latency_s": float(latency_s),
         "output_ids": ids,
         "completed_at": time.time(),
+        "generation_id": str(data["id"]) if data.get("id") else None,
     }
+
+
+def prompt_think_state(target, prompt_ids: list[int]) -> str:
+    """``"none" | "open" | "closed"``: whether the prompt ids already opened (or opened and closed) the think
+    block after the last role/end-of-turn marker (id-level twin of ``TargetTokens.think_state``)."""
+    if target is None or target.think_open_id is None:
+        return "none"
+    bound = set(target.role_marker_ids) | set(target.end_ids)
+    o = c = -1
+    for i in range(len(prompt_ids) - 1, -1, -1):
+        t = prompt_ids[i]
+        if t in bound:
+            break
+        if t == target.think_open_id and o < 0:
+            o = i
+        elif t == target.think_close_id and c < 0:
+            c = i
+    if o < 0:
+        return "none"
+    return "closed" if c > o else "open"
+
+
+def split_output_ids(target, output_ids: list[int], state: str = "none") -> tuple[str | None, str]:
+    """Split a completion's ids into ``(reasoning, content)`` text at the target's ``</think>`` id.
+
+    Trailing end-of-turn ids are not text. For a reasoning target: the ids between ``<think>`` (or the prompt's
+    open think block, ``state == "open"``) and ``</think>`` are the reasoning, the ids after it the content; no
+    ``</think>`` in the output means everything is reasoning when the block was opened (truncated thinking), else
+    everything is content. A non-reasoning target: all content, reasoning None. Decoded with special tokens kept
+    and no space clean-up, so the tokenize stage's ``exact`` check sees the same text.
+    """
+    ids = list(output_ids)
+    while ids and ids[-1] in target.end_ids:
+        ids.pop()
+    close, open_ = target.think_close_id, target.think_open_id
+    r_ids: list[int] | None = None
+    if target.fmt.reasoning and close is not None:
+        if close in ids:
+            j = ids.index(close)
+            pre, ids = ids[:j], ids[j + 1:]
+            r_ids = pre[pre.index(open_) + 1:] if open_ in pre else pre
+        elif open_ in ids[:2] or state == "open":
+            r_ids = ids[ids.index(open_) + 1:] if open_ in ids[:2] else ids
+            ids = []
+    if r_ids is None:
+        return None, target.decode_batch([ids])[0] if ids else ""
+    r, c = target.decode_batch([r_ids, ids])
+    return r, c
+
+
+def parse_native_response(backend: BackendConfig, content: bytes, latency_s: float, target,
+                          think_state: str = "none") -> dict:
+    """Parse an SGLang ``/generate`` body (``{"text", "output_ids", "meta_info": {"finish_reason": {"type":
+    stop|length|abort, ...}, "prompt_tokens", "completion_tokens"}}``) into RESPONSES fields.
+
+    ``output_ids`` are stored as returned (the completion, with or without the stop id); reasoning/content are
+    decoded from them with the target tokenizer (:func:`split_output_ids`). ``finish_reason`` is ``stop`` or
+    ``length``; ``abort`` and a missing/malformed ``output_ids`` raise :class:`RetryableError`.
+    """
+    try:
+        data = json.loads(content)
+    except ValueError as exc:
+        raise RetryableError("malformed_json", f"{exc} (body starts {content[:80]!r})") from None
+    if isinstance(data, list) and len(data) == 1:  # batch of one
+        data = data[0]
+    if not isinstance(data, dict):
+        raise RetryableError("malformed_json", "body is not a JSON object")
+    if data.get("error"):
+        err = data["error"]
+        raise RetryableError("error_in_body", str(err.get("message") if isinstance(err, dict) else err)[:300])
+    meta = data.get("meta_info") or {}
+    fr = meta.get("finish_reason") or {}
+    ftype = fr.get("type") if isinstance(fr, dict) else str(fr)
+    if ftype == "abort":
+        raise RetryableError("aborted", str(fr.get("message") or "request aborted by the server")[:300])
+    ids = data.get("output_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+        raise RetryableError("empty_response", "no output_ids in the /generate reply")
+    finish = "length" if ftype == "length" else "stop"
+    state = think_state
+    reasoning, text = split_output_ids(target, ids, state)
+    rtok = None
+    if reasoning is not None and target.think_close_id in ids:
+        rtok = ids.index(target.think_close_id) + 1
+    return {
+        "reasoning": reasoning,
+        "content": text,
+        "tool_calls": None,
+        "finish_reason": finish,
+        "prompt_tokens": _int(meta.get("prompt_tokens")),
+        "completion_tokens": _int(meta.get("completion_tokens")) or len(ids),
+        "reasoning_tokens": rtok,
+        "cost_usd": None,
+        "backend": backend.name,
+        "provider": backend.name,
+        "model": backend.model,
+        "latency_s": float(latency_s),
+        "output_ids": ids,
+        "completed_at": time.time(),
+    }
+
+
+_SSL_CONTEXT = None
+
+
+def _ssl_context():
+    """The process's shared client SSL context (certifi CA bundle, httpx defaults)."""
+    global _SSL_CONTEXT
+    if _SSL_CONTEXT is None:
+        _SSL_CONTEXT = httpx.create_ssl_context()
+    return _SSL_CONTEXT
 
 
 class Backend:
@@ -296,10 +498,13 @@ class Backend:
         n = cfg.max_concurrency
         k = max(1, math.ceil(n / POOL_SHARD))
         caps = [n // k + (1 if i < n % k else 0) for i in range(k)]
+        # one SSL context for all shards: httpx builds a new one (loading the CA bundle, ~1 MB) per client otherwise
+        ctx = _ssl_context()
         self.clients = [
             httpx.AsyncClient(
                 base_url=cfg.base_url,
                 headers=headers,
+                verify=ctx,
                 timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),
                 limits=httpx.Limits(max_connections=c, max_keepalive_connections=c,
                                     keepalive_expiry=max(60.0, cfg.timeout_s)),
@@ -310,10 +515,17 @@ class Backend:
         self._load = [0] * k
         self.client = self.clients[0]
         self.limiter = None
-        if cfg.requests_per_minute:
+        self.token_limiter = None
+        self.tpm = float(cfg.tokens_per_minute) if cfg.tokens_per_minute else None
+        if cfg.requests_per_minute or cfg.tokens_per_minute:
             from aiolimiter import AsyncLimiter
 
-            self.limiter = AsyncLimiter(float(cfg.requests_per_minute), 60.0)
+            if cfg.requests_per_minute:
+                self.limiter = AsyncLimiter(float(cfg.requests_per_minute), 60.0)
+            if self.tpm:
+                self.token_limiter = AsyncLimiter(self.tpm, 60.0)
+        self.cost_lookups = 0
+        self.cost_lookup_misses = 0
 
     def available(self, now: float) -> bool:
         return self.in_flight < self.cfg.max_concurrency and now >= self.ejected_until
@@ -333,15 +545,63 @@ class Backend:
                     self.name, self.eject_after, self.eject_s,
                 )
 
-    async def post_chat(self, body: bytes) -> dict:
-        """POST one chat completion; return parsed fields or raise Retryable/Sample/FatalBackendError."""
+    async def _limits(self, est_tokens: int) -> None:
         if self.limiter is not None:
             await self.limiter.acquire()
+        if self.token_limiter is not None:
+            # charged up front (estimated prompt + max_tokens), as OpenAI-style TPM limits count max_tokens
+            await self.token_limiter.acquire(min(float(max(1, est_tokens)), self.tpm))
+
+    async def post_chat(self, body: bytes, est_tokens: int = 1) -> dict:
+        """POST one chat completion; return parsed fields or raise Retryable/Sample/FatalBackendError.
+
+        ``est_tokens``: the request's estimated prompt + max_tokens, charged to ``tokens_per_minute``."""
+        await self._limits(est_tokens)
         t0 = time.monotonic()
+        resp = await self._post("/chat/completions", body)
+        check_status(self.cfg, resp)
+        return parse_response(self.cfg, resp.content, time.monotonic() - t0)
+
+    async def post_native(self, body: bytes, target, think_state: str, est_tokens: int = 1) -> dict:
+        """POST one SGLang ``/generate`` request (at the server root); return parsed fields (see
+        :func:`parse_native_response`) or raise Retryable/Sample/FatalBackendError."""
+        await self._limits(est_tokens)
+        t0 = time.monotonic()
+        resp = await self._post(self.cfg.root_url + "/generate", body)
+        check_status(self.cfg, resp)
+        return parse_native_response(self.cfg, resp.content, time.monotonic() - t0, target, think_state)
+
+    async def lookup_cost(self, generation_id: str, attempts: int = 5) -> float | None:
+        """OpenRouter ``GET {base_url}/generation?id=...`` -> ``data.total_cost`` (USD), or None.
+
+        Stats appear only after accounting finishes, so a 404 is retried after ``cost_lookup_delay_s`` (doubling,
+        ``attempts`` tries); any other failure gives None (the response is kept without a cost)."""
+        delay = self.cfg.cost_lookup_delay_s
+        self.cost_lookups += 1
+        for n in range(attempts):
+            try:
+                resp = await self.clients[0].get("/generation", params={"id": generation_id})
+            except httpx.HTTPError as exc:
+                logger.debug("backend %s: cost lookup %s failed: %s", self.name, generation_id, type(exc).__name__)
+                resp = None
+            if resp is not None and resp.status_code == 200:
+                try:
+                    cost = (resp.json().get("data") or {}).get("total_cost")
+                    return None if cost is None else float(cost)
+                except (ValueError, AttributeError, TypeError):
+                    break
+            if resp is not None and resp.status_code not in (404, 429) and resp.status_code < 500:
+                break
+            if n + 1 < attempts:
+                await asyncio.sleep(delay * 2**n)
+        self.cost_lookup_misses += 1
+        return None
+
+    async def _post(self, url: str, body: bytes) -> httpx.Response:
         i = self._load.index(min(self._load))
         self._load[i] += 1
         try:
-            resp = await self.clients[i].post("/chat/completions", content=body)
+            return await self.clients[i].post(url, content=body)
         except httpx.TimeoutException as exc:
             raise RetryableError("timeout", type(exc).__name__) from None
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
@@ -350,8 +610,6 @@ class Backend:
                                  backend_fault=isinstance(exc, httpx.ConnectError)) from None
         finally:
             self._load[i] -= 1
-        check_status(self.cfg, resp)
-        return parse_response(self.cfg, resp.content, time.monotonic() - t0)
 
     async def aclose(self) -> None:
         for c in self.clients:

@@ -1,0 +1,313 @@
+"""Backend-level request settings, SGLang native /generate, OpenRouter cost lookup, token limits, streamed output.
+
+All against the fault server (tests/fault_server.py) on loopback; the native path uses the tiny target's real
+tokenizer so that the stored output_ids are real target ids that the tokenize stage accepts as ``exact``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_server import DEFAULTS, FaultServer  # noqa: E402
+from test_generate import backends_cfg, gen_cfg, rows_by_key, run, simple_convs, write_prompts  # noqa: E402
+
+from eagle3_data import schemas  # noqa: E402
+from eagle3_data.backends.client import Backend, BackendConfig, build_native_body  # noqa: E402
+from eagle3_data.generate import generate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FaultServer() as fs:
+        yield fs
+
+
+@pytest.fixture
+def fs(server):
+    server.app.config.clear()
+    server.app.config.update(DEFAULTS)
+    server.app.reset()
+    return server
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from eagle3_data.tiny_target import build_tiny_target
+
+    path = tmp_path_factory.mktemp("target") / "tiny"
+    facts = build_tiny_target(path, seed=0)
+    return path, facts["special_token_ids"]
+
+
+# ------------------------------------------------------------------------------------------ backend settings
+
+
+def test_backend_settings_reach_every_request_body_but_not_the_key(tmp_path, fs):
+    provider = {"order": ["deepinfra", "together"], "only": ["deepinfra", "together"], "ignore": ["x"],
+                "allow_fallbacks": False, "quantizations": ["fp8"], "require_parameters": True,
+                "data_collection": "deny"}
+    reasoning = {"effort": "high", "exclude": False}
+    bk = backends_cfg(fs, provider=provider, reasoning=reasoning, extra_body={"usage": {"include": True}},
+                      headers={"X-Title": "eagle3-data", "HTTP-Referer": "https://example.org"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(6))
+    s = run(tmp_path, fs, prompts, bk=bk, gen=gen_cfg(extra_body={"top_k": 20}))
+    assert s["ok"] == 6 and len(fs.app.bodies) == 6
+    for body, headers in zip(fs.app.bodies, fs.app.headers):
+        assert body["provider"] == provider and body["reasoning"] == reasoning
+        assert body["usage"] == {"include": True} and body["top_k"] == 20 and body["stream"] is False
+        assert body["max_tokens"] == 30 and body["model"] == "vendor/model"
+        assert headers["x-title"] == "eagle3-data" and headers["http-referer"] == "https://example.org"
+    # backend settings are not part of the request key: the same prompts on a differently-set backend resume
+    bk2 = backends_cfg(fs, provider={"order": ["other"]}, reasoning={"max_tokens": 100, "enabled": True})
+    assert run(tmp_path, fs, prompts, bk=bk2, gen=gen_cfg(extra_body={"top_k": 20}), out="b.parquet")["sent"] == 0
+    assert rows_by_key(tmp_path / "out.parquet") == rows_by_key(tmp_path / "b.parquet")
+
+
+def test_dataset_extra_body_overrides_backend_and_sglang_reasoning_content(tmp_path, fs):
+    fs.app.config.update({"reasoning_tokens": 7, "reasoning_field": "reasoning_content"})
+    bk = backends_cfg(fs, type="sglang", extra_body={"chat_template_kwargs": {"thinking": True},
+                                                     "separate_reasoning": True, "top_k": 5})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(3))
+    run(tmp_path, fs, prompts, bk=bk, gen=gen_cfg(extra_body={"top_k": 50}))
+    for body in fs.app.bodies:
+        assert body["chat_template_kwargs"] == {"thinking": True} and body["separate_reasoning"] is True
+        assert body["top_k"] == 50 and "provider" not in body            # the dataset's value wins
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert all(len(r["reasoning"].split()) == 7 and r["content"] and r["provider"] == "fault" for r in rows)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"type": "sglang", "provider": {"order": ["a"]}}, "provider routing is an OpenRouter setting"),
+    ({"type": "openai", "reasoning": {"effort": "low"}}, "reasoning settings need"),
+    ({"headers": {"Authorization": "Bearer x"}}, "must not carry credentials"),
+    ({"type": "openai", "native_generate": True}, "native_generate needs type sglang"),
+    ({"type": "sglang", "cost_lookup": True}, "cost_lookup needs type openrouter"),
+    ({"extra_body": ["not", "a", "mapping"]}, "extra_body must be a mapping"),
+])
+def test_backend_config_errors_name_backend_and_key(bad, match):
+    cfg = {"type": "openrouter", "base_url": "http://127.0.0.1:1/v1", "model": "m", **bad}
+    with pytest.raises(ValueError, match=match) as ei:
+        BackendConfig.from_dict("b1", cfg)
+    assert "'b1'" in str(ei.value)
+
+
+# ------------------------------------------------------------------------------------------ native /generate
+
+
+def native_backend(fs, **kw) -> dict:
+    return backends_cfg(fs, name="sgl", type="sglang", native_generate=True, model="local/tiny",
+                        extra_body={"sampling_params": {"top_k": 7}}, **kw)
+
+
+@pytest.mark.parametrize("include_stop", [True, False])
+def test_native_generate_exact_ids_reasoning_split_and_tokenize_exact(tmp_path, fs, tiny, include_stop):
+    from eagle3_data.templates import load_target_tokens
+    from eagle3_data.tokenize import tokenize_rows
+
+    path, sp = tiny
+    fs.app.config.update({"gen_think": [sp["<think>"], sp["</think>"]], "gen_eot": sp["<|im_end|>"],
+                          "reasoning_tokens": 9, "min_tokens": 5, "max_tokens": 12, "gen_include_stop": include_stop})
+    target = {"path": str(path), "template": "kimi-k2-thinking", "chat_template_kwargs": {}}
+    convs = simple_convs(8)
+    prompts = write_prompts(tmp_path / "p.parquet", convs)
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(backends=["sgl"], max_tokens=64, temperature=0.6, top_p=0.95, extra_body={"min_p": 0.1}),
+            bk=native_backend(fs), target=target)
+    assert s["ok"] == 8 and s["by_backend"] == {"sgl": 8}
+    tt = load_target_tokens(str(path), "kimi-k2-thinking")
+    for body in fs.app.bodies:                                          # what reached /generate
+        assert set(body) == {"input_ids", "sampling_params", "stream"}
+        assert body["sampling_params"] == {"max_new_tokens": 64, "temperature": 0.6, "top_p": 0.95, "top_k": 7,
+                                           "min_p": 0.1}
+    sent = sorted(tuple(b["input_ids"]) for b in fs.app.bodies)
+    assert sent == sorted(tuple(tt.prompt_ids(c[:1], None)) for c in convs)
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    for r in rows:
+        ids = r["output_ids"]
+        assert ids[0] == sp["<think>"] and (ids[-1] == sp["<|im_end|>"]) == include_stop
+        j = ids.index(sp["</think>"])
+        assert r["reasoning"] == bytes(ids[1:j]).decode() and len(r["reasoning"]) == 9
+        end = len(ids) - (1 if include_stop else 0)
+        assert r["content"] == bytes(ids[j + 1:end]).decode() and 5 <= len(r["content"]) <= 12
+        assert r["finish_reason"] == "stop" and r["reasoning_tokens"] == j + 1 and r["completion_tokens"] == len(ids)
+        assert r["prompt_tokens"] == len(tt.prompt_ids(json.loads(r["messages"]), None)) and r["cost_usd"] is None
+    toks = tokenize_rows(rows, tt)
+    assert [t["ids_source"] for t in toks] == ["exact"] * 8 and not any(t["reject_reason"] for t in toks)
+    for r, t in zip(rows, toks):                         # the completion ids are the server's ids, + <|im_end|>
+        comp = [x for x, m in zip(t["input_ids"], t["loss_mask"]) if m]
+        assert comp == (r["output_ids"] if include_stop else r["output_ids"] + [sp["<|im_end|>"]])
+
+
+def test_native_generate_truncated_non_reasoning_and_abort(tmp_path, fs, tiny):
+    from eagle3_data.templates import load_target_tokens
+    from eagle3_data.tokenize import tokenize_rows
+
+    path, sp = tiny
+    fs.app.config.update({"gen_eot": sp["<|im_end|>"], "min_tokens": 20, "max_tokens": 20, "gen_abort_rate": 0.3,
+                          "seed": 3})
+    fs.app.rng.seed(3)
+    target = {"path": str(path), "template": "kimi-k2"}
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(10))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(backends=["sgl"], max_tokens=12, max_retries=10), bk=native_backend(fs), target=target)
+    assert s["ok"] == 10 and s["retry_reasons"].get("aborted", 0) == fs.stats()["outcomes"]["abort"] > 0
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    for r in rows:
+        assert r["finish_reason"] == "length" and len(r["output_ids"]) == 12 and r["reasoning"] is None
+        assert r["content"] == bytes(r["output_ids"]).decode()
+    toks = tokenize_rows(rows, load_target_tokens(str(path), "kimi-k2"))
+    assert all(t["ids_source"] == "exact" and t["num_completion_tokens"] == 12 for t in toks)  # no end token added
+
+
+def test_native_generate_needs_target(tmp_path, fs):
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(2))
+    with pytest.raises(ValueError, match="native_generate.*target"):
+        run(tmp_path, fs, prompts, gen=gen_cfg(backends=["sgl"]), bk=native_backend(fs))
+
+
+def test_native_body_mapping():
+    cfg = BackendConfig.from_dict("s", {"type": "sglang", "base_url": "http://h:1/v1", "model": "m",
+                                        "native_generate": True, "extra_body": {"rid_prefix": "x"}})
+    body = build_native_body(cfg, [1, 2], {"max_tokens": 9, "temperature": 0.0, "top_p": None,
+                                           "extra_body": {"chat_template_kwargs": {"thinking": False},
+                                                          "separate_reasoning": False, "stop": ["a"]}})
+    assert body == {"input_ids": [1, 2], "rid_prefix": "x", "stream": False,
+                    "sampling_params": {"max_new_tokens": 9, "temperature": 0.0, "stop": ["a"]}}
+    assert cfg.root_url == "http://h:1"
+
+
+# ------------------------------------------------------------------------------------------ cost lookup
+
+
+def test_cost_lookup_by_generation_id_after_404s(tmp_path, fs):
+    fs.app.config.update({"omit_cost": True, "cost_404s": 2, "price_out": 0.001})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
+    s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, cost_lookup=True, cost_lookup_delay_s=0.01))
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert len(fs.app.costs) == 5
+    assert sorted(r["cost_usd"] for r in rows) == sorted(fs.app.costs.values())
+    assert all(n == 3 for n in fs.app.cost_lookups.values())          # 2 x 404, then the stats
+    assert s["cost_usd"] == pytest.approx(sum(fs.app.costs.values()), abs=1e-6)
+    # without cost_lookup the cost stays unknown (null), never guessed
+    s2 = run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(3, start=50)), out="o2.parquet")
+    assert [r["cost_usd"] for r in pq.read_table(tmp_path / "o2.parquet").to_pylist()] == [None] * 3
+    assert s2["cost_usd"] == 0
+
+
+def test_cost_lookup_gives_up_and_keeps_the_response(tmp_path, fs):
+    fs.app.config.update({"omit_cost": True, "cost_404s": 100})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(2))
+    s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, cost_lookup=True, cost_lookup_delay_s=0.005))
+    assert s["ok"] == 2
+    assert [r["cost_usd"] for r in pq.read_table(tmp_path / "out.parquet").to_pylist()] == [None, None]
+    assert all(n == 5 for n in fs.app.cost_lookups.values())
+
+
+# ------------------------------------------------------------------------------------------ token limit
+
+
+def test_tokens_per_minute_limiter_waits():
+    cfg = BackendConfig.from_dict("t", {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m",
+                                        "tokens_per_minute": 6000})
+
+    async def go():
+        b = Backend(cfg)
+        try:
+            t0 = time.monotonic()
+            await b._limits(10_000)        # over the per-minute capacity: charged as the whole minute's tokens
+            t1 = time.monotonic()
+            await b._limits(150)           # 6000/min = 100/s refill: ~1.5 s
+            return t1 - t0, time.monotonic() - t1
+        finally:
+            await b.aclose()
+
+    first, second = asyncio.run(go())
+    assert first < 0.2 and 1.2 < second < 3.0
+
+
+def test_tokens_per_minute_paces_a_run(tmp_path, fs):
+    # est per request = len(body)//4 + max_tokens ~ 2035 tokens; 60,000/min -> a burst of ~29 requests, then
+    # 1,000 tokens/s: 32 requests need ~5,000 tokens beyond the burst, i.e. several seconds
+    n, tpm, mt = 32, 60_000, 2000
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(n))
+    t0 = time.monotonic()
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=mt), bk=backends_cfg(fs, tokens_per_minute=tpm))
+    wall = time.monotonic() - t0
+    assert s["ok"] == n
+    est = sum(len(json.dumps({"model": "vendor/model", "messages": c[:1], "max_tokens": mt, "temperature": 1.0,
+                              "top_p": 1.0, "stream": False}, ensure_ascii=False).encode()) // 4 + mt
+              for c in simple_convs(n))
+    need = (est - tpm) / (tpm / 60)
+    assert need > 2 and 0.8 * need <= wall <= need + 3
+
+
+# ------------------------------------------------------------------------------------------ output writing
+
+
+def test_output_written_from_journal_in_batches(tmp_path, fs):
+    fs.app.config.update(**{"p5xx": 1.0})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(23))
+    run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=0), out="failed.parquet")
+    fs.app.config.update(**{"p5xx": 0.0})
+    run(tmp_path, fs, write_prompts(tmp_path / "p0.parquet", simple_convs(20)), out="half.parquet")
+    s = run(tmp_path, fs, prompts, out="a.parquet", write_batch_rows=4)   # 20 journaled + 3 new
+    assert s["from_journal"] == 20 and s["sent"] == 3
+    pf = pq.ParquetFile(tmp_path / "a.parquet")
+    assert pf.metadata.num_rows == 23
+    assert pf.schema_arrow.equals(schemas.RESPONSES)
+    assert sorted(r["sample_id"] for r in pf.read().to_pylist()) == [f"s{i:04d}" for i in range(23)]
+    assert rows_by_key(tmp_path / "a.parquet") == {**rows_by_key(tmp_path / "half.parquet"),
+                                                   **{k: v for k, v in rows_by_key(tmp_path / "a.parquet").items()
+                                                      if int(v["sample_id"][1:]) >= 20}}
+
+
+def test_checked_writer_rejects_bad_batches_and_leaves_path_untouched(tmp_path):
+    row = dict(sample_id="a", dataset="d", turn=1, request_key="k1", status="ok", completion_tokens=3, cost_usd=0.1)
+    out = tmp_path / "r.parquet"
+    out.write_bytes(b"previous")
+    with pytest.raises(schemas.SchemaError, match="request_key.*across batches.*k1"):
+        with schemas.CheckedParquetWriter("responses", out) as w:
+            w.write_rows([row])
+            w.write_rows([{**row, "sample_id": "b"}])
+    for bad, what in (({"status": "done"}, "status"), ({"turn": -1}, "turn"), ({"cost_usd": -1.0}, "cost_usd"),
+                      ({"request_key": None}, "request_key"), ({"dataset": None}, "dataset")):
+        with pytest.raises(schemas.SchemaError, match=f"{out}.*{what}"):
+            with schemas.CheckedParquetWriter("responses", out) as w:
+                w.write_rows([{**row, "request_key": "k0"}, {**row, **bad}])
+    assert out.read_bytes() == b"previous" and list(tmp_path.iterdir()) == [out]
+    with schemas.CheckedParquetWriter("responses", out) as w:
+        w.write_rows([row, {**row, "request_key": "k2", "completion_tokens": None, "cost_usd": None}])
+    t = pq.read_table(out)
+    assert t.num_rows == 2 and t.schema.equals(schemas.RESPONSES)
+    schemas.check(t, "responses")                        # agrees with the pandera contract
+    with schemas.CheckedParquetWriter("responses", tmp_path / "empty.parquet"):
+        pass
+    assert pq.read_table(tmp_path / "empty.parquet").num_rows == 0
+
+
+def test_output_writer_arrow_path_and_python_fallback_agree(tmp_path, fs):
+    from eagle3_data.generate import _write_output
+
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    run(tmp_path, fs, prompts, out="ref.parquet")
+    jfile = tmp_path / "journal" / "ds" / "000.jsonl"
+    lines = jfile.read_bytes().splitlines(keepends=True)
+    # a torn fragment mid-file (a crash, then a rerun appended after it) and a duplicate of an earlier record
+    jfile.write_bytes(b"".join(lines[:10]) + lines[10][:40] + b"\n" + b"".join(lines[10:]) + lines[3])
+    keys = list(rows_by_key(tmp_path / "ref.parquet"))
+    ref = rows_by_key(tmp_path / "ref.parquet")
+    for block in (1 << 20, 4096, 200):       # whole file in arrow until the torn line; several blocks; too small
+        out = tmp_path / f"o{block}.parquet"
+        n = _write_output(out, tmp_path / "journal", "ds", keys, [], batch_rows=7, block_bytes=block)
+        assert n == 30 and rows_by_key(out) == ref
+        if block == 4096:                     # ~1 KB records: written batch by batch, never as one table
+            assert pq.ParquetFile(out).metadata.num_row_groups >= 5
+    with pytest.raises(RuntimeError, match="vanished"):
+        _write_output(tmp_path / "x.parquet", tmp_path / "journal", "ds", keys + ["nope"], [], 7)
+    assert not (tmp_path / "x.parquet").exists()
