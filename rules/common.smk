@@ -10,6 +10,8 @@ validate(config, schema="../schemas/config.schema.yaml")
 
 from eagle3_data import config as cfg
 
+cfg.check_config(config)  # unknown backend/dataset names, missing source files: fail early, naming the key
+
 DATASETS = cfg.datasets(config)
 GENERATED = cfg.generated_datasets(config)
 PRETOKENIZED = cfg.pretokenized_datasets(config)
@@ -18,8 +20,6 @@ MERGED_SHARDS = cfg.merged_shard_names(config)
 EXPORT_LAYOUTS = (config.get("export") or {}).get("layouts", [])  # no export section: no export
 TARGET = config["target"]
 CACHE_DIR = config["cache_dir"]
-for _ds in GENERATED:
-    cfg.backends_config(config, _ds)  # fails early, naming the dataset, on an unknown backend
 
 
 def _alternation(names):

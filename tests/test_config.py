@@ -57,3 +57,24 @@ def test_readme_config_reference_matches_the_schema():
     assert cfg.readme_with_reference(readme, schema) == readme, "run: python -m eagle3_data.config README.md"
     for key in ("merge.max_len", "backends.<name>.api_key_env", "datasets.<name>.source.format"):
         assert f"| `{key}` |" in readme
+
+
+def test_cross_key_checks_name_the_key(tmp_path):
+    base = yaml.safe_load((ROOT / "config.yaml").read_text())
+
+    def err(mutate) -> str:
+        c = yaml.safe_load(yaml.safe_dump(base))
+        mutate(c)
+        with pytest.raises(ValueError) as info:
+            cfg.check_config(c, check_paths=False)
+        return str(info.value)
+
+    assert err(lambda c: c["generation"].__setitem__("backends", ["tiny_locl"])) == (
+        "generation.backends: unknown backend 'tiny_locl'; defined: ['tiny_local']")
+    assert err(lambda c: c["merge"].__setitem__("max_samples", {"nosuch": 3})).startswith(
+        "merge.max_samples: unknown dataset(s) ['nosuch']")
+    assert err(lambda c: c["plan"].__setitem__("drop", ["nosuch"])).startswith("plan.drop: unknown dataset(s) ['nosuch']")
+    c = yaml.safe_load(yaml.safe_dump(base))
+    c["datasets"]["ultrachat_demo"]["source"]["path"] = str(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match=r"datasets.ultrachat_demo.source.path: .*nope.jsonl does not exist"):
+        cfg.check_config(c)

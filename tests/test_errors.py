@@ -54,3 +54,13 @@ def test_malformed_input_row_names_file_and_line(tmp_path):
     assert "ultrachat.jsonl" in log and "line 5" in log, log[-2000:]
     assert not (wd / "results/ultrachat_demo/prompts/000.parquet").exists()
     assert "normalize_ultrachat_demo" in out
+
+
+def test_missing_source_file_names_the_key(tmp_path):
+    """Also after a build: Snakemake alone would keep using the old outputs of a source that went missing."""
+    wd = copy_workflow(tmp_path)
+    _write_config(wd, lambda c: c["datasets"]["ultrachat_demo"]["source"].__setitem__("path", "resources/samples/nope.jsonl"))
+    proc = run_snakemake(wd, "-n", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "datasets.ultrachat_demo.source.path: resources/samples/nope.jsonl does not exist" in out

@@ -117,17 +117,29 @@ def test_faults_every_sample_ends_once(tmp_path, fs):
 
 
 def test_failed_after_retries_has_reason_and_is_retried_on_rerun(tmp_path, fs):
-    fs.app.config.update({"p5xx": 1.0})
+    fs.app.config.update({"fail_after": 2, "fail_status": 500})  # 2 requests succeed, every later one is a 500
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
     s1 = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=2))
     rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
-    assert [r["status"] for r in rows] == ["failed"] * 5
-    assert all(r["error"].startswith("http_50") and "3 attempt" in r["error"] for r in rows)
-    assert s1["sent"] == 15 and s1["failed_total"] == 5
-    assert read_journal(tmp_path / "journal", "ds")[0] == {}          # failures are not journaled
-    fs.app.config.update({"p5xx": 0.0})
+    assert sorted(r["status"] for r in rows) == ["failed"] * 3 + ["ok"] * 2
+    assert all(r["error"].startswith("http_500") and "3 attempt" in r["error"] for r in rows if r["status"] == "failed")
+    assert s1["sent"] == 2 + 3 * 3 and s1["failed_total"] == 3
+    assert len(read_journal(tmp_path / "journal", "ds")[0]) == 2          # failures are not journaled
+    fs.app.config.update({"fail_after": None})
     s2 = run(tmp_path, fs, prompts)
-    assert s2["sent"] == 5 and s2["ok"] == 5
+    assert s2["sent"] == 3 and s2["ok"] == 5 and s2["from_journal"] == 2
+
+
+def test_every_request_failing_stops_the_job(tmp_path, fs):
+    """A backend that answers nothing but errors is a configuration problem: no output, a clear error."""
+    fs.app.config.update({"p5xx": 1.0})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
+    with pytest.raises(GenerationStopped, match=r"every request failed \({'http_50"):
+        run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=1))
+    assert not (tmp_path / "out.parquet").exists()
+    assert read_journal(tmp_path / "journal", "ds")[0] == {}
+    fs.app.config.update({"p5xx": 0.0})
+    assert run(tmp_path, fs, prompts)["ok"] == 5
 
 
 def test_resume_sends_nothing_and_output_identical(tmp_path, fs):

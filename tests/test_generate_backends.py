@@ -15,6 +15,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3_data.generate import GenerationStopped
+
 sys.path.insert(0, str(Path(__file__).parent))
 from fault_server import DEFAULTS, FaultServer  # noqa: E402
 from test_generate import backends_cfg, gen_cfg, rows_by_key, run, simple_convs, write_prompts  # noqa: E402
@@ -253,7 +255,8 @@ def test_tokens_per_minute_paces_a_run(tmp_path, fs):
 def test_output_written_from_journal_in_batches(tmp_path, fs):
     fs.app.config.update(**{"p5xx": 1.0})
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(23))
-    run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=0), out="failed.parquet")
+    with pytest.raises(GenerationStopped, match="every request failed"):   # nothing journaled, no output
+        run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=0), out="failed.parquet")
     fs.app.config.update(**{"p5xx": 0.0})
     run(tmp_path, fs, write_prompts(tmp_path / "p0.parquet", simple_convs(20)), out="half.parquet")
     s = run(tmp_path, fs, prompts, out="a.parquet", write_batch_rows=4)   # 20 journaled + 3 new

@@ -149,6 +149,14 @@ def test_truncate_cuts_ids_and_mask_and_drops_unsupervised(tmp_path):
     assert man["datasets"]["a"]["dropped"] == {"over_max_len": 2}
 
 
+def test_nothing_left_after_max_len_is_an_error_naming_the_setting(tmp_path):
+    rows = [row("a", "late", list(range(200, 220)), [0] * 15 + [1] * 5), row("a", "late2", [5] * 30, [0] * 29 + [1])]
+    outs = [tmp_path / "m" / "000.parquet", tmp_path / "m" / "001.parquet"]
+    with pytest.raises(ValueError, match=r"no sample left of 2 .*no_supervised_after_truncation.*merge.max_len=10"):
+        merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json", max_len=10, overflow="truncate", seed=0)
+    assert not any(p.exists() for p in outs) and not (tmp_path / "m.json").exists()
+
+
 def test_dataset_filter_seed_and_balance(tmp_path):
     rows = make_rows(600, ["a", "b", "c"], seed=5, max_len=80)
     inputs = write_inputs(tmp_path, rows, 4)

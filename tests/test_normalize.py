@@ -109,6 +109,19 @@ def test_empty_shards_still_written(tmp_path):
     assert all(t.schema.equals(schemas.PROMPTS) for t in tables)
 
 
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.parquet"])
+def test_empty_source_is_an_error_naming_the_file(tmp_path, name):
+    src = tmp_path / name
+    if name.endswith(".parquet"):
+        import pyarrow as pa
+
+        pq.write_table(pa.table({"id": pa.array([], pa.string()), "conversations": pa.array([], pa.string())}), src)
+    else:
+        src.write_text("")
+    with pytest.raises(SourceFormatError, match=f"{name}: the source holds no records"):
+        run(tmp_path, src, "sharegpt")
+
+
 def test_openai_tools_roundtrip_through_json(tmp_path):
     rec = {
         "id": "t1",

@@ -158,8 +158,8 @@ def test_merged_shards_and_hidden_states_match_the_tiny_target(built):
     assert manifest["totals"]["samples"] == total_samples
 
 
-def _dry_run_jobs(wd: Path) -> dict[str, int]:
-    proc = run_snakemake(wd, "-n", "--quiet", "rules")
+def _dry_run_jobs(wd: Path, *args: str) -> dict[str, int]:
+    proc = run_snakemake(wd, "-n", "--quiet", "rules", *args)
     out = proc.stdout + proc.stderr
     if "Nothing to be done" in out:
         return {}
@@ -230,8 +230,10 @@ def _set(wd: Path, mutate) -> dict:
 
 
 def test_changed_merge_max_len_reruns_merge_and_below_only(scratch):
-    cfg = _set(scratch, lambda c: c["merge"].__setitem__("max_len", 512))
-    jobs = _dry_run_jobs(scratch)
+    # as a user would override one nested key: a second config file merged over the default
+    (scratch / "overrides.yaml").write_text("merge:\n  max_len: 512\n")
+    cfg = config(scratch)
+    jobs = _dry_run_jobs(scratch, "--configfile", "config.yaml", "overrides.yaml")
     assert set(jobs) == {"merge", "extract", "export", "plan", "vocab", "all"}, jobs
     assert jobs["extract"] == cfg["merge"]["shards"]
 

@@ -7,6 +7,7 @@ Rules pass exactly these slices as ``params:``, so a change reruns only the rule
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 PRETOKENIZED_FORMATS = {"pretokenized"}
 
@@ -66,6 +67,38 @@ def backends_config(config: dict, ds: str) -> dict:
             raise KeyError(f"datasets.{ds}.generation.backends: unknown backend {name!r}; defined: {sorted(config.get('backends') or {})}")
         out[name] = config["backends"][name]
     return out
+
+
+def check_config(config: dict, *, check_paths: bool = True) -> None:
+    """Cross-key checks the JSON schema can't express; raises ``ValueError`` naming the key.
+
+    Backend names in ``generation.backends`` and every ``datasets.<name>.generation.backends`` must be defined;
+    dataset names in ``merge.datasets``, ``merge.max_samples`` and ``plan.drop`` must exist; with
+    ``check_paths``, every ``datasets.<name>.source.path`` must exist (Snakemake would otherwise keep using
+    the outputs of an earlier build when a source path is changed to a missing file).
+    """
+    defined = sorted(config.get("backends") or {})
+    for name in (config.get("generation") or {}).get("backends") or []:
+        if name not in defined:
+            raise ValueError(f"generation.backends: unknown backend {name!r}; defined: {defined}")
+    names = datasets(config)
+    for ds in names:
+        try:
+            backends_config(config, ds)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+        path = config["datasets"][ds]["source"]["path"]
+        if check_paths and not Path(path).exists():
+            raise ValueError(f"datasets.{ds}.source.path: {path} does not exist")
+    try:
+        merge_datasets(config)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
+    for key, given in (("merge.max_samples", (config.get("merge") or {}).get("max_samples") or {}),
+                       ("plan.drop", (config.get("plan") or {}).get("drop") or [])):
+        unknown = [d for d in given if d not in names]
+        if unknown:
+            raise ValueError(f"{key}: unknown dataset(s) {unknown}; defined: {names}")
 
 
 def merged_shard_names(config: dict) -> list[str]:

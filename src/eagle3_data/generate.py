@@ -750,9 +750,20 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             raise GenerationStopped(f"{tag} interrupted (SIGTERM/KeyboardInterrupt); journal kept") from None
 
         del records
+        failed_n = sum(state.failed.values())
+        failed_requests = sum(n for reason, n in state.failed.items() if reason != "bad_prompt")
+        if failed_requests and state.ok == 0:
+            # nothing generated at all: a misconfigured or unreachable backend, not data to keep
+            raise GenerationStopped(
+                f"{tag} every request failed ({dict(state.failed)}); check the backends "
+                f"{[c.name for c in cfgs]} (base_url, server running, API key)"
+            )
+        if failed_requests:
+            logger.warning(
+                "%s %d request(s) failed after retries (%s): recorded as failed; `snakemake --forcerun generate` "
+                "retries them (journaled responses are not sent again)", tag, failed_requests, dict(state.failed))
         n_rows = _write_output(out_path, journal_dir, dataset, runner.ok_keys, rows, write_batch_rows)
 
-        failed_n = sum(state.failed.values())
         if state.stopped_by:
             stopped_by = state.stopped_by
         elif capped:

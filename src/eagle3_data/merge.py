@@ -199,8 +199,15 @@ def merge(
 
     manifest = _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len, overflow, seed)
     manifest["timing_s"] = {"plan": round(t_plan, 3), "total": round(time.perf_counter() - t0, 3)}
-    write_json(manifest, manifest_path)
     tot = manifest["totals"]
+    if tot["samples"] == 0 and tot.get("input_samples", 0) > 0:
+        for p in outs:  # an empty merged set is a configuration error, not a result
+            Path(p).unlink(missing_ok=True)
+        raise ValueError(
+            f"merge: no sample left of {tot['input_samples']} (dropped {tot['dropped']}) with merge.max_len="
+            f"{max_len}, merge.overflow={overflow!r}, merge.datasets={datasets}, merge.max_samples={max_samples}"
+        )
+    write_json(manifest, manifest_path)
     log.info(
         "merged %d samples (%d tokens, %d supervised) from %d files into %d shards in %.1fs; dropped %s",
         tot["samples"], tot["tokens"], tot["supervised_tokens"], len(files), k,

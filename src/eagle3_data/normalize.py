@@ -185,7 +185,10 @@ def normalize(
         schemas.write_checked(schemas.from_rows(rejects, schemas.REJECTS), "rejects", rejects_path)
 
     if rows_read == 0:
-        log.warning("normalize %s: %s holds no records", dataset, source_path)
+        raise SourceFormatError(
+            f"{source_path}: the source holds no records (dataset {dataset}, format {source_format}); "
+            "point datasets.<name>.source.path at a non-empty file"
+        )
     counts = {
         "rows_read": rows_read,
         "kept": kept,

@@ -136,7 +136,10 @@ def launch_server(launch: dict, model: str, log_path: str | os.PathLike, *, name
     """
     port_cfg = launch.get("port", "auto")
     port = free_port() if port_cfg in (None, "auto") else int(port_cfg)
-    argv = _format_command(launch, model, port)
+    try:
+        argv = _format_command(launch, model, port)
+    except (ServerLaunchError, ValueError) as exc:
+        raise type(exc)(f"backend {name!r}: {exc}") from None
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (launch.get("env") or {}).items()})
     log_path = Path(log_path)
@@ -146,7 +149,7 @@ def launch_server(launch: dict, model: str, log_path: str | os.PathLike, *, name
     grace = float(launch.get("stop_grace_s") or 20)
     url = f"http://127.0.0.1:{port}{ready_path if ready_path.startswith('/') else '/' + ready_path}"
     logger.info("starting local server %s on 127.0.0.1:%d (log: %s): %s", name, port, log_path, shlex.join(argv))
-    with open(log_path, "ab") as logf:
+    with open(log_path, "wb") as logf:  # one log per launch: an error excerpt never shows an older run
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
