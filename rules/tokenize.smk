@@ -11,6 +11,10 @@ rule tokenize:
         ds=_alternation(GENERATED),
     params:
         target=TARGET,
+        # a dataset's chat_template_kwargs (e.g. thinking off) change the prompt the target saw
+        chat_template_kwargs=lambda wc: (cfg.generation_config(config, wc.ds).get("extra_body") or {}).get(
+            "chat_template_kwargs"
+        ),
     log:
         "logs/tokenize/{ds}/{shard}.log",
     script:

@@ -3,4 +3,9 @@ from eagle3_data.logs import setup_logging
 from eagle3_data.tokenize import tokenize
 
 setup_logging(snakemake.log[0])
-tokenize(snakemake.input.responses, snakemake.output[0], target=snakemake.params.target)
+tokenize(
+    snakemake.input.responses,
+    snakemake.output[0],
+    target=snakemake.params.target,
+    chat_template_kwargs=snakemake.params.chat_template_kwargs,
+)

@@ -89,6 +89,24 @@ def test_stage_writes_tokens_parquet(tmp_path):
         tokenize(str(out), str(tmp_path / "x.parquet"), target={"path": path, "template": "kimi-k2-thinking"})
 
 
+def test_dataset_chat_template_kwargs_change_the_rendered_prompt(tmp_path):
+    """Kimi K2.5: thinking on -> the prompt ends in <think>; a dataset that turns thinking off (its
+    generation.extra_body.chat_template_kwargs, sent with the request) gets <think></think> in the prompt."""
+    path = F.save_fixture("kimi-k25", tmp_path / "tok")
+    resp = tmp_path / "responses.parquet"
+    pq.write_table(schemas.from_rows([row(MULTI, content="plain answer", completion_tokens=3)], schemas.RESPONSES), resp)
+    target = {"path": path, "template": "kimi-k25", "chat_template_kwargs": {"thinking": True}}
+    tokenize(str(resp), str(tmp_path / "on.parquet"), target=target)
+    tokenize(str(resp), str(tmp_path / "off.parquet"), target=target, chat_template_kwargs={"thinking": False})
+    tok = F.FIXTURES["kimi-k25"]()
+    on, off = (pq.read_table(tmp_path / f).to_pylist()[0] for f in ("on.parquet", "off.parquet"))
+    prompt_on = tok.decode(on["input_ids"][: on["num_prompt_tokens"]], skip_special_tokens=False)
+    prompt_off = tok.decode(off["input_ids"][: off["num_prompt_tokens"]], skip_special_tokens=False)
+    assert prompt_on.endswith("<|im_middle|><think>") and prompt_off.endswith("<|im_middle|><think></think>")
+    comp_off = tok.decode(off["input_ids"][off["num_prompt_tokens"]:], skip_special_tokens=False)
+    assert comp_off == "plain answer<|im_end|>" and off["reject_reason"] is None
+
+
 REMOTE_CODE = '''
 from transformers import PreTrainedTokenizerFast
 

@@ -495,16 +495,12 @@ def _sigterm_as_exception():
 
 def _load_target(target: dict | None, generation: dict, dataset: str):
     """TargetTokens for native ``/generate`` prompts (chat_template_kwargs: target's, then the dataset's)."""
-    from .templates import load_target_tokens
+    from .templates import target_tokens
 
     if not target or not target.get("path"):
         raise ValueError(f"dataset {dataset}: a backend has native_generate: true, which needs the target "
                          "tokenizer: pass generate(target=config['target'])")
-    kwargs = dict(target.get("chat_template_kwargs") or {})
-    kwargs.update((generation.get("extra_body") or {}).get("chat_template_kwargs") or {})
-    return load_target_tokens(target["path"], target.get("template", "generic"),
-                              trust_remote_code=bool(target.get("trust_remote_code", False)),
-                              chat_template_kwargs=kwargs)
+    return target_tokens(target, (generation.get("extra_body") or {}).get("chat_template_kwargs"))
 
 
 def _journal_batches(path: Path, block_bytes: int):

@@ -514,3 +514,18 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
     if not getattr(tok, "chat_template", None):
         raise TemplateError(f"{path}: the target tokenizer has no chat template")
     return TargetTokens(tok, fmt, chat_template_kwargs)
+
+
+def target_tokens(target: dict, chat_template_kwargs: dict | None = None) -> TargetTokens:
+    """:func:`load_target_tokens` from the config ``target`` slice (path, template, trust_remote_code,
+    chat_template_kwargs); ``chat_template_kwargs`` given here update the target's (a dataset's
+    ``generation.extra_body.chat_template_kwargs``, so generation and tokenize render the same prompt).
+    """
+    kwargs = dict(target.get("chat_template_kwargs") or {})
+    kwargs.update(chat_template_kwargs or {})
+    return load_target_tokens(
+        target["path"],
+        target.get("template", "generic"),
+        trust_remote_code=bool(target.get("trust_remote_code", False)),
+        chat_template_kwargs=kwargs,
+    )

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas
-from .templates import TargetTokens, TemplateError, count_tool_calls, load_target_tokens
+from .templates import TargetTokens, TemplateError, count_tool_calls, target_tokens
 
 log = logging.getLogger("eagle3_data.tokenize")
 
@@ -212,21 +212,18 @@ def read_responses(path: str) -> list[dict]:
     return pf.read(columns=cols).to_pylist()
 
 
-def tokenize(responses_path: str, out_path: str, *, target: dict, log_path: str | None = None) -> dict:
+def tokenize(responses_path: str, out_path: str, *, target: dict, chat_template_kwargs: dict | None = None,
+             log_path: str | None = None) -> dict:
     """Stage entry point: RESPONSES parquet -> TOKENS parquet (schema-checked, written atomically).
 
     ``target`` is the config ``target`` slice: ``path`` (local tokenizer dir), ``template`` (family name),
-    ``trust_remote_code``, ``chat_template_kwargs``. Returns counts ``{rows, tokenized, rejected: {reason: n},
+    ``trust_remote_code``, ``chat_template_kwargs``; ``chat_template_kwargs`` here (the dataset's
+    ``generation.extra_body.chat_template_kwargs``) update the target's, as they did for the request. Returns counts ``{rows, tokenized, rejected: {reason: n},
     tokens, completion_tokens, seconds, tokens_per_s}``. Raises :class:`templates.TemplateError` if the tokenizer
     can't be loaded, ``ValueError`` if ``responses_path`` is not a responses file.
     """
     t0 = time.time()
-    tt = load_target_tokens(
-        target["path"],
-        target.get("template", "generic"),
-        trust_remote_code=bool(target.get("trust_remote_code", False)),
-        chat_template_kwargs=target.get("chat_template_kwargs") or {},
-    )
+    tt = target_tokens(target, chat_template_kwargs)
     rows = read_responses(responses_path)
     meta, ids, plens = tokenize_batch(rows, tt)
     table = tokens_table(meta, ids, plens)

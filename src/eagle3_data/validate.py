@@ -61,7 +61,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas
-from .templates import KIMI_TOOL_TOKENS, TargetTokens, load_target_tokens
+from .templates import KIMI_TOOL_TOKENS, TargetTokens, target_tokens
 
 log = logging.getLogger("eagle3_data.validate")
 
@@ -416,12 +416,7 @@ def validate(
     and :class:`CountAuditFailed` when ``count_rel`` is above ``count_tolerance.aggregate_rel`` (when set).
     """
     t0 = time.time()
-    tt = load_target_tokens(
-        target["path"],
-        target.get("template", "generic"),
-        trust_remote_code=bool(target.get("trust_remote_code", False)),
-        chat_template_kwargs=target.get("chat_template_kwargs") or {},
-    )
+    tt = target_tokens(target)
     ctx = Context.from_settings(tt, settings)
     table = pq.read_table(tokens_path)
     verdict = check_table(table, ctx)
