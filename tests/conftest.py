@@ -44,6 +44,19 @@ def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 
     return proc
 
 
+def save_tiny_llama(path: Path, *, hidden_size: int, num_layers: int, vocab_size: int, seed: int) -> Path:
+    """A random-weight Llama target (4 heads, 2 KV heads, fp32) saved to ``path``, for extraction tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
+                      max_position_embeddings=512, initializer_range=0.2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT

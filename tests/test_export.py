@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from conftest import save_tiny_llama
 from eagle3_data import export as exp
 from eagle3_data import extract as ex
 from eagle3_data import schemas
@@ -19,14 +20,8 @@ LAYERS = [1, 3, 4]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    cfg = LlamaConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=512, initializer_range=0.2)
-    path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L,
+                           vocab_size=V, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import save_tiny_llama
 from eagle3_data import schemas
 from eagle3_data import extract as ex
 
@@ -18,17 +19,8 @@ H, L, V = 32, 6, 300
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=V, max_position_embeddings=512, initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(cfg)
-    path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    model.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L,
+                           vocab_size=V, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from eagle3_data.tiny_target import bytes_to_unicode
+
 #: Merges (GPT-2 byte alphabet: Ġ = space, Ċ = newline) so that tokenization is not one-byte-per-token.
 MERGES: tuple[tuple[str, str], ...] = (
     ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġ", "s"),
@@ -300,18 +302,6 @@ GLM45_TEMPLATE = r"""[gMASK]<sop>
 {%- endif -%}"""
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
 def build_fixture_tokenizer(specials, non_special, chat_template: str, *, eos: str, bos: str | None = None,
                             unk: str | None = None, pad: str | None = None, merges=MERGES):
     """A transformers fast tokenizer: byte-level BPE (ids 0..255 = bytes) + ``merges`` + added tokens.
@@ -322,7 +312,7 @@ def build_fixture_tokenizer(specials, non_special, chat_template: str, *, eos: s
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = _bytes_to_unicode()
+    alphabet = bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)}
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))

@@ -57,6 +57,7 @@ __all__ = [
     "ALLOWED_COMPLETION_BYTES",
     "build_tiny_target",
     "build_tokenizer",
+    "bytes_to_unicode",
 ]
 
 #: Kimi K2 special tokens by their real names, in the order they get ids 256, 257, ... in the tiny vocabulary.
@@ -208,7 +209,7 @@ def build_tokenizer():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = _bytes_to_unicode()
+    alphabet = bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -424,7 +425,7 @@ def _calibrate_end_of_turn(model, tok, im_end: int, mean_tokens: float, seed: in
     return c, achieved
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode map (the ByteLevel alphabet), keyed by byte value."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
