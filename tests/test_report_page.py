@@ -21,7 +21,7 @@ from conftest import run_snakemake
 from eagle3_data.plots import PLOT_FILES
 from eagle3_data.report import REPORT_FILES
 
-REPORTED = sorted([f for f in REPORT_FILES if f.endswith(".csv")] + PLOT_FILES)  # flagged with report()
+REPORTED = sorted([f for f in REPORT_FILES if f.endswith(".csv")] + PLOT_FILES + ["plan.md"])  # flagged with report()
 
 
 @pytest.fixture(scope="module")

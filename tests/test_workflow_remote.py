@@ -67,7 +67,8 @@ def test_canary_key_is_never_written(remote_workflow, monkeypatch):
     # a wrong key: 401 stops the job at once with a clear message that does not carry the key either
     monkeypatch.setenv("CANARY_API_KEY", CANARY + "-revoked")
     shutil.rmtree(wd / "cache/journal/ultrachat_demo")  # so the rerun must send requests
-    proc = run_snakemake(wd, "--cores", "1", "--forcerun", "generate", *targets, check=False)
+    # targets first: --forcerun takes every word after it as a rule name
+    proc = run_snakemake(wd, "--cores", "1", *targets, "--forcerun", "generate", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "401" in out, out[-4000:]
