@@ -35,7 +35,8 @@ Model
     with similar means across prompts; P(length > 256) is about 0.2 % at mean 40).
 
 Generation config
-    ``do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=<|im_end|>``, and ``suppress_tokens`` =
+    ``do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=<|im_end|>``, ``min_new_tokens=2`` (no
+    empty answers), and ``suppress_tokens`` =
     every id except printable ASCII (32..126), ``\\n`` (10) and ``<|im_end|>``. A sampled completion is therefore
     plain ASCII text followed by ``<|im_end|>`` (or cut at ``max_new_tokens``).
 """
@@ -324,6 +325,9 @@ def build_tiny_target(
         eos_token_id=im_end,
         pad_token_id=ids["[PAD]"],
         suppress_tokens=[i for i in range(vocab_size) if i not in allowed],
+        # no empty answers: the end-of-turn token is masked for the first sampled token (validation rejects
+        # a completion that is nothing but the end-of-turn token as `empty_completion`)
+        min_new_tokens=2,
     )
     model.generation_config = gen
 
