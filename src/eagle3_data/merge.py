@@ -219,7 +219,7 @@ def merge(
 def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> pa.Table:
     """Check a batch of merged rows against the MERGED contract with arrow compute (no pandas); return it.
 
-    The same rules as ``schemas.MergedModel`` (which converts to pandas and is ~10x slower on token lists),
+    The same rules as ``schema_models.MergedModel`` (which converts to pandas and is ~10x slower on token lists),
     plus ``num_supervised == sum(loss_mask)``: schema equal to ``schemas.MERGED``; no null ``sample_id``,
     ``dataset``, ids, masks, counts or flags; ``sample_id`` unique in the batch; ``input_ids`` non-empty with
     every id >= 0; ``loss_mask`` values 0/1; both lists ``num_tokens`` long; ``num_tokens`` > 0;

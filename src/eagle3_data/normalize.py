@@ -44,7 +44,7 @@ class _ShardWriter:
     def __init__(self, path: str | os.PathLike, kind: str, stack: contextlib.ExitStack, batch_rows: int):
         self.path = str(path)
         self.kind = kind
-        self.schema = schemas.MODELS[kind][0]
+        self.schema = schemas.ARROW_SCHEMAS[kind]
         self.batch_rows = batch_rows
         tmp = stack.enter_context(atomic_path(path))
         self.writer = pq.ParquetWriter(tmp, self.schema, compression="zstd")

@@ -1,4 +1,5 @@
-"""Column contracts of every stage's parquet files, as pyarrow schemas and pandera DataFrameModels.
+"""Column contracts of every stage's parquet files: pyarrow schemas here, pandera DataFrameModels in
+``schema_models.py`` (loaded when values are checked).
 
 Each stage builds its output as a ``pyarrow.Table`` with the schema here and calls :func:`check` before
 writing, so a wrong dtype, a null id or a malformed list fails at the stage that made it, naming the file.
@@ -13,13 +14,7 @@ Conventions
 
 from __future__ import annotations
 
-from typing import Optional
-
-import numpy as np
-import pandas as pd
-import pandera.pandas as pa_pd
 import pyarrow as pa
-from pandera.typing import Series
 
 IDS = pa.list_(pa.int32())
 MASK = pa.list_(pa.int8())
@@ -121,110 +116,13 @@ def from_rows(rows: list[dict], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=schema)
 
 
-# ---------------------------------------------------------------------------------------------------
-# pandera models: value checks beyond the arrow types.
-
-
-def _lists_ok(s: pd.Series, low: int, high: int | None = None) -> pd.Series:
-    def ok(v) -> bool:
-        if v is None:
-            return False
-        a = np.asarray(v)  # list cells arrive as numpy arrays from to_pandas: no per-element Python loop
-        if not a.size:
-            return False
-        return bool(a.min() >= low and (high is None or a.max() <= high))
-
-    return s.map(ok)
-
-
-class PromptsModel(pa_pd.DataFrameModel):
-    sample_id: Series[str] = pa_pd.Field(nullable=False, str_length={"min_value": 1})
-    dataset: Series[str] = pa_pd.Field(nullable=False)
-    messages: Series[str] = pa_pd.Field(nullable=False, str_startswith="[")
-    tools: Series[str] = pa_pd.Field(nullable=True)
-    source_format: Series[str] = pa_pd.Field(nullable=False)
-    source_row: Series[int] = pa_pd.Field(ge=0)
-
-    class Config:
-        unique = ["sample_id"]
-        strict = True
-
-
-class RejectsModel(pa_pd.DataFrameModel):
-    sample_id: Series[str] = pa_pd.Field(nullable=True)
-    dataset: Series[str] = pa_pd.Field(nullable=False)
-    stage: Series[str] = pa_pd.Field(isin=["normalize", "generate", "tokenize", "validate"])
-    reason: Series[str] = pa_pd.Field(nullable=False, str_length={"min_value": 1})
-    detail: Series[str] = pa_pd.Field(nullable=True)
-    source_row: Series[float] = pa_pd.Field(nullable=True, coerce=True)
-
-    class Config:
-        strict = True
-
-
-class ResponsesModel(pa_pd.DataFrameModel):
-    sample_id: Series[str] = pa_pd.Field(nullable=False)
-    dataset: Series[str] = pa_pd.Field(nullable=False)
-    turn: Series[int] = pa_pd.Field(ge=0, coerce=True)  # arrow int32
-    request_key: Series[str] = pa_pd.Field(nullable=False)
-    status: Series[str] = pa_pd.Field(isin=["ok", "failed"])
-    completion_tokens: Series[float] = pa_pd.Field(nullable=True, ge=0, coerce=True)
-    cost_usd: Series[float] = pa_pd.Field(nullable=True, ge=0)
-
-    class Config:
-        unique = ["request_key"]
-
-
-class TokensModel(pa_pd.DataFrameModel):
-    sample_id: Series[str] = pa_pd.Field(nullable=False)
-    dataset: Series[str] = pa_pd.Field(nullable=False)
-    num_tokens: Series[int] = pa_pd.Field(ge=0)
-    ids_source: Series[str] = pa_pd.Field(isin=["exact", "reconstructed", "pretokenized"], nullable=True)
-
-    class Config:
-        unique = ["sample_id"]
-
-
-class ValidatedModel(pa_pd.DataFrameModel):
-    sample_id: Series[str] = pa_pd.Field(nullable=False)
-    dataset: Series[str] = pa_pd.Field(nullable=False)
-    input_ids: Series[object] = pa_pd.Field(nullable=False)
-    loss_mask: Series[object] = pa_pd.Field(nullable=False)
-    num_tokens: Series[int] = pa_pd.Field(gt=0)
-    num_completion_tokens: Series[int] = pa_pd.Field(gt=0)
-    ids_source: Series[str] = pa_pd.Field(isin=["exact", "reconstructed", "pretokenized"])
-
-    @pa_pd.check("input_ids")
-    def ids_non_negative(cls, s: pd.Series) -> pd.Series:
-        return _lists_ok(s, 0)
-
-    @pa_pd.check("loss_mask")
-    def mask_binary(cls, s: pd.Series) -> pd.Series:
-        return _lists_ok(s, 0, 1)
-
-    @pa_pd.dataframe_check
-    def lengths_agree(cls, df: pd.DataFrame) -> pd.Series:
-        return (df["input_ids"].map(len) == df["num_tokens"]) & (df["loss_mask"].map(len) == df["num_tokens"])
-
-    class Config:
-        unique = ["sample_id"]
-
-
-class MergedModel(ValidatedModel):
-    num_supervised: Series[int] = pa_pd.Field(gt=0)
-    truncated: Series[bool]
-    # merged rows carry no ids_source/num_completion_tokens columns
-    ids_source: Optional[Series[str]]
-    num_completion_tokens: Optional[Series[int]]
-
-
-MODELS = {
-    "prompts": (PROMPTS, PromptsModel),
-    "rejects": (REJECTS, RejectsModel),
-    "responses": (RESPONSES, ResponsesModel),
-    "tokens": (TOKENS, TokensModel),
-    "validated": (VALIDATED, ValidatedModel),
-    "merged": (MERGED, MergedModel),
+ARROW_SCHEMAS = {
+    "prompts": PROMPTS,
+    "rejects": REJECTS,
+    "responses": RESPONSES,
+    "tokens": TOKENS,
+    "validated": VALIDATED,
+    "merged": MERGED,
 }
 
 
@@ -238,7 +136,11 @@ def check(table: pa.Table, kind: str, path: str = "<memory>") -> pa.Table:
     Raises :class:`SchemaError` naming ``path``, the column and the failing check.
     ``kind`` is one of ``prompts, rejects, responses, tokens, validated, merged``.
     """
-    schema, model = MODELS[kind]
+    from pandera import errors as pandera_errors
+
+    from .schema_models import MODELS  # pandas + pandera load only when values are checked
+
+    schema, model = ARROW_SCHEMAS[kind], MODELS[kind]
     if not table.schema.equals(schema, check_metadata=False):
         missing = set(schema.names) - set(table.schema.names)
         extra = set(table.schema.names) - set(schema.names)
@@ -256,7 +158,7 @@ def check(table: pa.Table, kind: str, path: str = "<memory>") -> pa.Table:
     df = table.to_pandas(types_mapper=None)
     try:
         model.validate(df, lazy=True)
-    except (pa_pd.errors.SchemaErrors, pa_pd.errors.SchemaError) as exc:
+    except (pandera_errors.SchemaErrors, pandera_errors.SchemaError) as exc:
         cases = getattr(exc, "failure_cases", None)
         summary = cases.head(10).to_string() if cases is not None else str(exc)
         raise SchemaError(f"{path}: {kind} rows fail the schema:\n{summary}") from exc
@@ -287,7 +189,7 @@ def _arrow_fail(path, kind: str, column: str, check: str, mask, table: pa.Table)
 
 
 def check_responses_arrow(table: pa.Table, path: str = "<memory>", seen_keys: set | None = None) -> pa.Table:
-    """The RESPONSES contract of :class:`ResponsesModel`, checked with pyarrow compute (no pandas copy).
+    """The RESPONSES contract of ``schema_models.ResponsesModel``, checked with pyarrow compute (no pandas copy).
 
     Checks: the arrow schema; ``sample_id``/``dataset``/``request_key``/``status`` not null; ``status`` in
     ok|failed; ``turn >= 0``; ``completion_tokens``/``cost_usd`` null or ``>= 0``; ``request_key`` unique within
@@ -339,7 +241,7 @@ class CheckedParquetWriter:
         if kind not in ARROW_CHECKS:
             raise ValueError(f"no arrow-level check for {kind!r}; known: {sorted(ARROW_CHECKS)}")
         self.kind, self.path = kind, path
-        self.schema = MODELS[kind][0]
+        self.schema = ARROW_SCHEMAS[kind]
         self.rows = 0
         self._seen: set = set()
         self._cm = None
