@@ -137,7 +137,7 @@ def main(argv=None):
     rows = synth_rows(args.tokens, args.seed)
 
     # the same text, rendered once outside any timing: prompt + completion per sample
-    full_texts, billed = [], []
+    full_texts = []
     for r in rows:
         p = tt.render(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None)
         segs = tt.completion_segments(r["reasoning"], r["content"], json.loads(r["tool_calls"]) if r["tool_calls"]

@@ -57,6 +57,26 @@ def save_tiny_llama(path: Path, *, hidden_size: int, num_layers: int, vocab_size
     return path
 
 
+@pytest.fixture(scope="module")
+def server():
+    """A fault-injecting OpenAI/OpenRouter-compatible server on loopback (tests/fault_server.py)."""
+    from fault_server import FaultServer
+
+    with FaultServer() as fs:
+        yield fs
+
+
+@pytest.fixture
+def fs(server):
+    """The module's fault server with its default config and zeroed counters."""
+    from fault_server import DEFAULTS
+
+    server.app.config.clear()
+    server.app.config.update(DEFAULTS)
+    server.app.reset()
+    return server
+
+
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT

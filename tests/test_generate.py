@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fault_server import FaultServer, body_hash  # noqa: E402
+from fault_server import body_hash  # noqa: E402
 
 from eagle3_data import schemas  # noqa: E402
 from eagle3_data.generate import GenerationStopped, assistant_turns, generate, request_key  # noqa: E402
@@ -20,22 +19,6 @@ from eagle3_data.journal import read_journal  # noqa: E402
 
 ACCEPTANCE_FAULTS = {"p429": 0.10, "p5xx": 0.05, "ptimeout": 0.02, "preset": 0.02, "perror200": 0.01,
                      "pmalformed": 0.01, "hang_s": 3.0, "retry_after_s": 0.01}
-
-
-@pytest.fixture(scope="module")
-def server():
-    with FaultServer() as fs:
-        yield fs
-
-
-@pytest.fixture
-def fs(server):
-    from fault_server import DEFAULTS
-
-    server.app.config.clear()
-    server.app.config.update(DEFAULTS)
-    server.app.reset()
-    return server
 
 
 def write_prompts(path: Path, convs: list[list[dict]], tools=None, ids=None) -> Path:

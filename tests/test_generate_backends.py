@@ -18,26 +18,10 @@ import pytest
 from eagle3_data.generate import GenerationStopped
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fault_server import DEFAULTS, FaultServer  # noqa: E402
 from test_generate import backends_cfg, gen_cfg, rows_by_key, run, simple_convs, write_prompts  # noqa: E402
 
 from eagle3_data import schemas  # noqa: E402
 from eagle3_data.backends.client import Backend, BackendConfig, build_native_body  # noqa: E402
-from eagle3_data.generate import generate  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def server():
-    with FaultServer() as fs:
-        yield fs
-
-
-@pytest.fixture
-def fs(server):
-    server.app.config.clear()
-    server.app.config.update(DEFAULTS)
-    server.app.reset()
-    return server
 
 
 @pytest.fixture(scope="module")

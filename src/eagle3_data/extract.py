@@ -538,7 +538,7 @@ def _extract(merged_path, out_path, *, model_path, layers, dtype, batch_tokens, 
 
     t0 = time.perf_counter()
     shard = MergedShard(merged_path)
-    n, T, lengths, offsets = shard.n, shard.T, shard.lengths, shard.offsets
+    n, T, lengths = shard.n, shard.T, shard.lengths
 
     model, decoder = model
     dev = model.get_input_embeddings().weight.device

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import tempfile
 import time
 from pathlib import Path
