@@ -23,7 +23,6 @@ Run standalone: ``python benchmarks/rehearsal_server.py --port P --config '{json
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import random
@@ -165,19 +164,7 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--config", default="{}", help="JSON object: fault_server settings + the keys above")
     args = ap.parse_args(argv)
-    app = RehearsalApp(json.loads(args.config))
-
-    async def serve():
-        server = await asyncio.start_server(lambda r, w: fs._handle(app, r, w), "127.0.0.1", args.port,
-                                            backlog=8192, limit=2**24)
-        print(f"rehearsal server listening on 127.0.0.1:{args.port}", flush=True)
-        async with server:
-            await server.serve_forever()
-
-    try:
-        asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
+    fs.serve_forever(RehearsalApp(json.loads(args.config)), "127.0.0.1", args.port, "rehearsal server")
 
 
 if __name__ == "__main__":

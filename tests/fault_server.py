@@ -422,12 +422,15 @@ def main(argv=None) -> None:
         print("simulated startup failure", flush=True)
         raise SystemExit(3)
     time.sleep(args.startup_delay)
-    app = FaultApp(json.loads(args.config))
+    serve_forever(FaultApp(json.loads(args.config)), args.host, args.port, "fault server")
+
+
+def serve_forever(app: FaultApp, host: str, port: int, name: str) -> None:
+    """Serve ``app`` on ``host:port`` until interrupted (the standalone entry points use this)."""
 
     async def serve():
-        server = await asyncio.start_server(lambda r, w: _handle(app, r, w), args.host, args.port,
-                                            backlog=8192, limit=2**24)
-        print(f"fault server listening on {args.host}:{args.port}", flush=True)
+        server = await asyncio.start_server(lambda r, w: _handle(app, r, w), host, port, backlog=8192, limit=2**24)
+        print(f"{name} listening on {host}:{port}", flush=True)
         async with server:
             await server.serve_forever()
 

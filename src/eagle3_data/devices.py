@@ -134,16 +134,9 @@ def gpu_devices(
             f"gpu_devices: this job needs {n} GPU(s) but the pool has {len(pool)} ({source}: {pool}); "
             "lower extract.gpus_per_job or run where more devices are visible"
         )
-    old = env.get("CUDA_VISIBLE_DEVICES")
     if source == "slurm":  # the scheduler already isolated this job's devices
-        chosen = pool[:n]
-        if set_env:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
-        try:
-            yield chosen
-        finally:
-            if set_env:
-                env["CUDA_VISIBLE_DEVICES"] = old
+        with _visible(env, pool[:n], set_env):
+            yield pool[:n]
         return
 
     ldir = Path(lock_dir or env.get("EAGLE3_GPU_LOCK_DIR") or DEFAULT_LOCK_DIR)
@@ -180,17 +173,28 @@ def gpu_devices(
     chosen = sorted((d for d, _ in held), key=lambda d: pool.index(d))
     fds = [fd for _, fd in held]
     log.info("holding GPU(s) %s (%s pool %s)", chosen, source, pool)
-    if set_env:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
     try:
-        yield chosen
+        with _visible(env, chosen, set_env):
+            yield chosen
     finally:
-        if set_env:
-            if old is None:
-                env.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                env["CUDA_VISIBLE_DEVICES"] = old
         _release(fds)
+
+
+@contextlib.contextmanager
+def _visible(env: dict, devices: list[str], set_env: bool):
+    """``env["CUDA_VISIBLE_DEVICES"] = devices`` for the block (if ``set_env``), then the previous value back."""
+    if not set_env:
+        yield
+        return
+    old = env.get("CUDA_VISIBLE_DEVICES")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    try:
+        yield
+    finally:
+        if old is None:
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = old
 
 
 def cuda_initialized() -> bool:
