@@ -298,3 +298,75 @@ def test_output_writer_arrow_path_and_python_fallback_agree(tmp_path, fs):
     with pytest.raises(RuntimeError, match="vanished"):
         _write_output(tmp_path / "x.parquet", tmp_path / "journal", "ds", keys + ["nope"], [], 7)
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_wanted_runs_takes_each_key_once_as_contiguous_slices():
+    from eagle3_data.generate import _wanted_runs
+
+    wanted = {"a", "b", "c", "e"}
+    assert _wanted_runs(["a", "x", "b", "c", "b", "e"], wanted) == [(0, 1), (2, 4), (5, 6)]  # 2nd "b": taken
+    assert wanted == set()
+    assert _wanted_runs(["p", "q"], {"z"}) == [] and _wanted_runs([], {"a"}) == []
+    assert _wanted_runs(["a", "b"], {"a", "b", "c"}) == [(0, 2)]
+
+
+def test_json_lines_batches_match_from_rows_and_checks_catch_duplicates_within_a_batch(tmp_path):
+    rows = [dict(sample_id="s1", dataset="d", turn=1, request_key="k1", status="ok", content="héllo \"q\"\n",
+                 completion_tokens=3, cost_usd=0.25, output_ids=[1, 2, 70000], latency_s=1.5, extra_field="x"),
+            dict(sample_id="s2", dataset="d", turn=0, request_key="k2", status="failed", error="http_400: bad")]
+    ref = schemas.from_rows([{k: v for k, v in r.items() if k != "extra_field"} for r in rows], schemas.RESPONSES)
+    t = schemas.table_from_json_lines(b"".join(json.dumps(r).encode() + b"\n" for r in rows), schemas.RESPONSES)
+    assert t.schema.equals(schemas.RESPONSES) and t.to_pylist() == ref.to_pylist()
+    assert t.to_pylist()[1]["content"] is None and t.to_pylist()[0]["output_ids"] == [1, 2, 70000]
+    out = tmp_path / "r.parquet"
+    with pytest.raises(schemas.SchemaError, match="request_key.*check unique.*k1"):
+        with schemas.CheckedParquetWriter("responses", out) as w:
+            w.write_rows([rows[0], {**rows[1], "request_key": "k1"}])
+    assert not out.exists()
+    with schemas.CheckedParquetWriter("responses", out) as w:
+        w.write_json_lines(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+        w.write_json_lines(b"\n")                                  # nothing: no empty row group
+    assert pq.read_table(out).to_pylist() == ref.to_pylist() and pq.ParquetFile(out).metadata.num_row_groups == 1
+
+
+def test_new_responses_are_streamed_into_the_output_and_stale_partials_removed(tmp_path, fs):
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(23))
+    stale = tmp_path / ".out.parquet.abc123.tmp"                      # a killed job's partial output
+    stale.write_bytes(b"partial")
+    s = run(tmp_path, fs, prompts, write_batch_rows=5)
+    assert s["ok"] == 23 and not stale.exists()
+    meta = pq.ParquetFile(tmp_path / "out.parquet").metadata
+    # written while the job ran: one row group per 5 responses as they arrived (+ the last partial batch)
+    assert meta.num_row_groups == 5 and meta.num_rows == 23
+    assert [meta.row_group(i).num_rows for i in range(5)] == [5, 5, 5, 5, 3]
+
+
+def test_generate_job_imports_neither_pandas_nor_pyarrow_compute_or_dataset(tmp_path, fs):
+    """Each costs ~50 MB of RSS per job (generation_client benchmark); the job reads PROMPTS, writes new, journaled
+    and failed rows, and resumes, without them. Run in a subprocess: pytest itself has pandas loaded."""
+    import subprocess
+
+    fs.app.config.update({"p5xx": 0.3, "seed": 3})
+    convs = simple_convs(40) + [[{"role": "system", "content": "nothing to answer"}]]  # a bad_prompt failed row
+    prompts = write_prompts(tmp_path / "p.parquet", convs)
+    code = """
+import json, sys
+from eagle3_data.generate import generate
+gen, bk, prompts, work = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+runs = [generate(prompts, f"{work}/{out}", dataset="ds", shard="000", target_name="t", generation=gen, backends=bk,
+                 journal_dir=f"{work}/journal") for out in ("a.parquet", "b.parquet")]
+mods = sorted(m for m in sys.modules if m.split(".")[0] == "pandas" or m in ("pyarrow.compute", "pyarrow.dataset"))
+print(json.dumps({"mods": mods, "runs": runs}))
+"""
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(gen_cfg(max_retries=0)), json.dumps(backends_cfg(fs)),
+                        str(prompts), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    first, second = res["runs"]
+    assert res["mods"] == []
+    assert first["failed"]["bad_prompt"] == 1 and first["failed_total"] > 1 and first["ok"] >= 20
+    assert second["from_journal"] == first["ok"] and second["sent"] == first["failed_total"] - 1
+    b = rows_by_key(tmp_path / "b.parquet")
+    assert len(b) == 41 and sum(r["status"] == "ok" for r in b.values()) == second["ok"]
+    a = rows_by_key(tmp_path / "a.parquet")
+    assert all(b[k] == r for k, r in a.items() if r["status"] == "ok")  # journaled rows come back unchanged

@@ -15,9 +15,11 @@ One job = one dataset shard. Flow:
    local servers (a backend's ``launch:``) start only when something must be sent. A backend with
    ``native_generate`` gets prompt ids rendered with the target's chat template (``generate(target=...)``) and
    returns exact ``output_ids``; reasoning/content are split at the ``</think>`` id;
-5. write every RESPONSES row (journaled ok rows, streamed back from the journal in batches, + failed rows) with
-   ``schemas.CheckedParquetWriter`` (arrow-level contract checks, atomic rename): ok rows are never all held in
-   memory.
+5. write every RESPONSES row with ``schemas.CheckedParquetWriter`` (arrow-level contract checks, atomic rename
+   when the job succeeds): each new response is journaled, and its journal line goes into the output batch by
+   batch while the job runs; responses of earlier runs are streamed back from the journal at the end, then the
+   failed rows. Ok rows are never all held in memory. The job imports neither pandas nor ``pyarrow.compute`` /
+   ``pyarrow.dataset`` (each ~50 MB of RSS; see :func:`schemas.table_from_json_lines`).
 
 Budgets (per dataset in config; a shard job gets ``1/num_shards`` of each): ``max_samples`` caps the samples
 considered (sorted by ``sample_id``), ``budget_completion_tokens`` and ``budget_usd`` stop *new* requests once
@@ -83,11 +85,23 @@ class _BudgetStop(Exception):
 
 @dataclass
 class Sample:
+    """One prompt row. ``messages_json``/``tools_json`` stay the JSON text of the PROMPTS cells (validated when
+    read): a shard's prompts held as text take a fraction of the memory of parsed dicts; ``messages``/``tools``
+    parse on access."""
+
     sample_id: str
-    messages: list
-    tools: list | None
+    messages_json: str
+    tools_json: str | None
     turns: list[int]  # assistant indices to regenerate, in order (len(messages) = append a new turn)
     source_row: int = -1
+
+    @property
+    def messages(self) -> list:
+        return json.loads(self.messages_json)
+
+    @property
+    def tools(self) -> list | None:
+        return json.loads(self.tools_json) if self.tools_json else None
 
 
 def assistant_turns(messages: list, mode: str) -> list[int]:
@@ -136,7 +150,8 @@ def _parse_json_cell(text, what: str, row: int, path) -> object:
 
 def read_prompts(prompts_path, mode: str) -> tuple[list[Sample], list[dict]]:
     """Read a PROMPTS parquet; return (samples, bad rows as dicts with sample_id/row/reason detail)."""
-    table = pq.read_table(prompts_path, use_threads=False)
+    # ParquetFile, not pq.read_table: the latter loads pyarrow.dataset (~50 MB RSS) for a file read once
+    table = pq.ParquetFile(prompts_path).read(use_threads=False)
     missing = {"sample_id", "messages"} - set(table.column_names)
     if missing:
         raise ValueError(f"{prompts_path}: not a PROMPTS parquet, missing columns {sorted(missing)}")
@@ -168,7 +183,8 @@ def read_prompts(prompts_path, mode: str) -> tuple[list[Sample], list[dict]]:
             bad.append({"sample_id": sid, "row": i, "detail": str(exc), "raw": cols["messages"][i],
                         "tools": tools_col[i]})
             continue
-        samples.append(Sample(sid, messages, tools or None, turns, int(rows_col[i] if rows_col[i] is not None else i)))
+        samples.append(Sample(sid, cols["messages"][i], tools_col[i] if tools else None, turns,
+                              int(rows_col[i] if rows_col[i] is not None else i)))
     return samples, bad
 
 
@@ -241,7 +257,8 @@ def _failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reaso
 
 
 class _Runner:
-    def __init__(self, *, dataset, target_name, generation, records, journal, pool, state, sampling, target=None):
+    def __init__(self, *, dataset, target_name, generation, records, journal, pool, state, sampling, target=None,
+                 writer=None, write_batch_rows: int = 256):
         self.dataset = dataset
         self.target_name = target_name
         self.generation = generation
@@ -252,19 +269,24 @@ class _Runner:
         self.sampling = sampling
         self.max_attempts = int(generation.get("max_retries", 5)) + 1
         self.wait = retry_wait(float(generation.get("retry_initial_s", 1.0)), float(generation.get("retry_max_s", 60.0)))
-        self.rows: list[dict] = []  # failed rows only (ok rows are written from the journal at the end)
-        self.ok_keys: list[str] = []  # request keys of every ok turn (journaled earlier or now)
+        self.rows: list[dict] = []  # failed rows, written at the end
+        self.journal_keys: list[str] = []  # ok turns answered by the journal: written from it at the end
+        # new ok records go to the output as they arrive, ``write_batch_rows`` at a time (a row group each)
+        self.writer = writer
+        self.write_batch_rows = max(1, int(write_batch_rows))
+        self.out_lines: list[bytes] = []
         self.target = target  # TargetTokens, for backends with native_generate
         self.max_tokens = int(generation.get("max_tokens") or 0)
 
     def steps(self, sample: Sample):
-        """Yield (turn, prompt, key, journaled record or None); the caller sends the request if None and
+        """Yield (turn, prompt, tools, key, journaled record or None); the caller sends the request if None and
         passes the new record back via ``send``-style generator protocol."""
-        history = list(sample.messages)
+        history = sample.messages
+        tools = sample.tools
         for turn in sample.turns:
             prompt = history[:turn]
-            key = request_key(self.dataset, sample.sample_id, turn, self.target_name, prompt, sample.tools, self.sampling)
-            rec = yield turn, prompt, key, self.records.get(key)
+            key = request_key(self.dataset, sample.sample_id, turn, self.target_name, prompt, tools, self.sampling)
+            rec = yield turn, prompt, tools, key, self.records.get(key)
             if rec is None:
                 return
             if turn < len(history):
@@ -278,7 +300,7 @@ class _Runner:
         gen = self.steps(sample)
         item = next(gen)
         while True:
-            _, _, _, rec = item
+            rec = item[-1]
             if rec is None:
                 return True
             self.state.journal_completion_tokens += rec.get("completion_tokens") or 0
@@ -293,12 +315,13 @@ class _Runner:
         item = next(gen)
         st = self.state
         while True:
-            turn, prompt, key, rec = item
+            turn, prompt, tools, key, rec = item
             if rec is not None:
                 st.from_journal += 1
+                self.journal_keys.append(key)
             else:
                 try:
-                    rec = await self.request(sample, turn, prompt, key)
+                    rec = await self.request(sample, turn, prompt, tools, key)
                 except _BudgetStop:
                     st.not_sent += 1
                     st.done += 1
@@ -309,14 +332,13 @@ class _Runner:
                     self.rows.append(_failed_row(sample, self.dataset, turn, key, prompt, exc.reason,
                                                  f"{exc.message} (after {getattr(exc, 'attempts', 1)} attempt(s))"))
                     return
-                self.journal.append(rec)
+                self.write(self.journal.append(rec))
                 st.completion_tokens += rec.get("completion_tokens") or 0
                 st.prompt_tokens += rec.get("prompt_tokens") or 0
                 st.cost_usd += rec.get("cost_usd") or 0.0
                 st.by_backend[rec["backend"]] = st.by_backend.get(rec["backend"], 0) + 1
                 rec = {k: rec.get(k) for k in ("content", "tool_calls")}  # what the history needs; rest on disk
                 st.new_ok += 1
-            self.ok_keys.append(key)
             try:
                 item = gen.send(rec)
             except StopIteration:
@@ -336,7 +358,20 @@ class _Runner:
             raise SampleError(exc.reason, str(exc)[:300]) from None
         return ids, prompt_think_state(self.target, ids)
 
-    async def request(self, sample: Sample, turn: int, prompt: list, key: str) -> dict:
+    def write(self, line: bytes) -> None:
+        """Queue a new ok record (its journal line) for the output; a full batch goes to the writer (a row group)."""
+        if self.writer is None:
+            return
+        self.out_lines.append(line)
+        if len(self.out_lines) >= self.write_batch_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.writer is not None and self.out_lines:
+            self.writer.write_json_lines(b"".join(self.out_lines))
+        self.out_lines = []
+
+    async def request(self, sample: Sample, turn: int, prompt: list, tools: list | None, key: str) -> dict:
         import tenacity
 
         st = self.state
@@ -362,12 +397,12 @@ class _Runner:
                             raise _BudgetStop()
                         if backend.cfg.native_generate:
                             if not native:
-                                native.append(self.native_prompt(prompt, sample.tools))
+                                native.append(self.native_prompt(prompt, tools))
                             ids, think = native[0]
                             body = json.dumps(build_native_body(backend.cfg, ids, self.sampling)).encode()
                             est = len(ids) + self.max_tokens
                         else:
-                            body = json.dumps(build_body(backend.cfg, prompt, sample.tools, self.sampling),
+                            body = json.dumps(build_body(backend.cfg, prompt, tools, self.sampling),
                                               ensure_ascii=False).encode()
                             est = len(body) // 4 + self.max_tokens
                         st.in_flight += 1
@@ -397,7 +432,7 @@ class _Runner:
             **fields,
             "sample_id": sample.sample_id, "dataset": self.dataset, "turn": int(turn), "request_key": key,
             "messages": json.dumps(prompt, ensure_ascii=False),
-            "tools": json.dumps(sample.tools, ensure_ascii=False) if sample.tools else None,
+            "tools": json.dumps(tools, ensure_ascii=False) if tools else None,
             "status": "ok", "error": None,
         }
 
@@ -411,9 +446,10 @@ async def _progress(state: _State, interval: float, tag: str) -> None:
 async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str) -> None:
     prog = asyncio.create_task(_progress(runner.state, interval, tag))
     try:
-        # at most 1.5 x capacity sample tasks alive (those in flight + those waiting for a slot or a retry): a
-        # 10,000-sample shard does not hold 10,000 coroutines at once
-        live = asyncio.Semaphore(runner.pool.capacity + max(64, runner.pool.capacity // 2))
+        # at most capacity + 1/8 sample tasks alive (those in flight + those waiting for a slot or sleeping before a
+        # retry): a 10,000-sample shard does not hold 10,000 coroutines at once (each costs a few KB), a freed
+        # slot always has a task waiting for it, and requests backing off (429s) leave little capacity idle
+        live = asyncio.Semaphore(runner.pool.capacity + max(64, runner.pool.capacity // 8))
         async with asyncio.TaskGroup() as tg:
             for s in samples:
                 await live.acquire()
@@ -507,9 +543,8 @@ def _journal_batches(path: Path, block_bytes: int):
     """Record batches (``schemas.RESPONSES`` columns) of one journal file, parsed by pyarrow's streaming JSON
     reader (about ``block_bytes`` of JSON per batch, extra keys ignored). Raises ``pyarrow.ArrowInvalid`` at the
     first line it can't parse (a torn write, a record longer than a block): the caller falls back to Python."""
-    import pyarrow.json as pj
-
     import pyarrow as pa
+    import pyarrow.json as pj
 
     with pa.OSFile(str(path), "r") as fh:
         reader = pj.open_json(fh, read_options=pj.ReadOptions(block_size=block_bytes, use_threads=False),
@@ -520,52 +555,71 @@ def _journal_batches(path: Path, block_bytes: int):
 
 def _write_output(out_path, journal_dir: Path, dataset: str, ok_keys: list[str], failed_rows: list[dict],
                   batch_rows: int, block_bytes: int = 1 << 18) -> int:
-    """Write the RESPONSES parquet: the journaled records of ``ok_keys`` (streamed from the journal files in name
-    order, first occurrence of a key wins, as in :func:`journal.read_journal`) + ``failed_rows``; return the row
-    count. Each file is read in ~``block_bytes`` batches by pyarrow's JSON reader (no Python dict per row); from a
-    line it can't parse (torn write) on, that file is read line by line in Python (``batch_rows`` rows a batch).
+    """Write a RESPONSES parquet from the journal: the journaled records of ``ok_keys`` (see
+    :func:`_write_journaled`) + ``failed_rows``; return the row count. (The stage itself streams its new
+    responses into the writer as they arrive and reads only earlier runs' responses back from the journal.)
 
-    Raises RuntimeError if a key is missing from the journal (it was appended this run or read at start)."""
-    wanted = set(ok_keys)
-    folder = Path(journal_dir) / dataset
-    return _write_output_rows(out_path, folder, wanted, failed_rows, batch_rows, block_bytes)
-
-
-def _write_output_rows(out_path, folder: Path, wanted: set, failed_rows: list[dict], batch_rows: int,
-                       block_bytes: int) -> int:
-    import pyarrow as pa
-
+    Raises RuntimeError if a key is missing from the journal."""
     with schemas.CheckedParquetWriter("responses", out_path) as w:
-        for path in sorted(folder.glob("*.jsonl")) if wanted else []:
-            try:
-                for rb in _journal_batches(path, block_bytes):
-                    keep = []
-                    for i, k in enumerate(rb.column("request_key").to_pylist()):
-                        if k in wanted:
-                            wanted.discard(k)
-                            keep.append(i)
-                    if keep:
-                        w.write_table(pa.Table.from_batches([rb.take(pa.array(keep, pa.int64()))]))
-                    if not wanted:
-                        break
-            except pa.ArrowInvalid as exc:  # torn line or an oversized record: the rest of this file in Python
-                logger.debug("journal %s: arrow reader stopped (%s); reading it line by line", path, exc)
-                batch: list[dict] = []
-                for rec in iter_journal_file(path):
-                    if rec["request_key"] in wanted:
-                        wanted.discard(rec["request_key"])
-                        batch.append({k: rec.get(k) for k in RESPONSE_FIELDS})
-                        if len(batch) >= batch_rows:
-                            w.write_rows(batch)
-                            batch = []
-                w.write_rows(batch)
-            if not wanted:
-                break
-        if wanted:
-            raise RuntimeError(f"{folder}: {len(wanted)} journaled response(s) vanished while the job "
-                               f"ran (e.g. request_key {sorted(wanted)[0]}); output not written")
+        _write_journaled(w, Path(journal_dir) / dataset, set(ok_keys), batch_rows, block_bytes)
         w.write_rows(failed_rows)
         return w.rows
+
+
+def _wanted_runs(keys: list, wanted: set) -> list[tuple[int, int]]:
+    """Maximal runs ``[start, end)`` of positions whose key is in ``wanted`` (each key taken once: removed from
+    ``wanted``, so a later duplicate is skipped). ``["a", "x", "b", "c"]`` with wanted {a, b, c} -> [(0, 1), (2, 4)]."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, k in enumerate(keys):
+        if k in wanted:
+            wanted.discard(k)
+            if start is None:
+                start = i
+        elif start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(keys)))
+    return runs
+
+
+def _write_journaled(w: schemas.CheckedParquetWriter, folder: Path, wanted: set, batch_rows: int,
+                     block_bytes: int = 1 << 18) -> None:
+    """Write the journaled records whose ``request_key`` is in ``wanted`` (emptied as they are found) to ``w``.
+
+    The ``*.jsonl`` files of ``folder`` are streamed in name order, first occurrence of a key wins (as in
+    :func:`journal.read_journal`). Each file is read in ~``block_bytes`` batches by pyarrow's JSON reader (no
+    Python dict per row, zero-copy slices of the wanted rows); from a line it can't parse (torn write) on, that
+    file is read line by line in Python (``batch_rows`` rows a batch).
+
+    Raises RuntimeError if a key is missing from the journal (it was appended this run or read at start)."""
+    import pyarrow as pa
+
+    for path in sorted(folder.glob("*.jsonl")) if wanted else []:
+        try:
+            for rb in _journal_batches(path, block_bytes):
+                runs = _wanted_runs(rb.column("request_key").to_pylist(), wanted)
+                if runs:  # zero-copy slices: no pyarrow.compute (its kernel registry is ~50 MB RSS)
+                    w.write_table(pa.Table.from_batches([rb.slice(a, b - a) for a, b in runs]))
+                if not wanted:
+                    break
+        except pa.ArrowInvalid as exc:  # torn line or an oversized record: the rest of this file in Python
+            logger.debug("journal %s: arrow reader stopped (%s); reading it line by line", path, exc)
+            batch: list[dict] = []
+            for rec in iter_journal_file(path):
+                if rec["request_key"] in wanted:
+                    wanted.discard(rec["request_key"])
+                    batch.append({k: rec.get(k) for k in RESPONSE_FIELDS})
+                    if len(batch) >= batch_rows:
+                        w.write_rows(batch)
+                        batch = []
+            w.write_rows(batch)
+        if not wanted:
+            break
+    if wanted:
+        raise RuntimeError(f"{folder}: {len(wanted)} journaled response(s) vanished while the job "
+                           f"ran (e.g. request_key {sorted(wanted)[0]}); output not written")
 
 
 def generate(
@@ -609,7 +663,7 @@ def generate(
             ``chat_template_kwargs``); needed only when a backend has ``native_generate: true`` (SGLang
             ``/generate``: prompt ids are rendered with the target's chat template, ``chat_template_kwargs``
             updated by ``generation.extra_body.chat_template_kwargs``, and the exact ``output_ids`` are stored).
-        write_batch_rows: rows per batch when the output is written from the journal (memory: one batch).
+        write_batch_rows: rows per output batch (a parquet row group; memory: one batch of JSON lines).
 
     Returns: dict with dataset, shard, samples, ok, failed (reason -> count), from_journal, sent (HTTP
         requests), retries, not_sent, completion_tokens / prompt_tokens / cost_usd (this run),
@@ -623,9 +677,9 @@ def generate(
         ValueError: bad config or an unreadable prompts file (message names file/row/key).
         templates.TemplateError: the target tokenizer can't be loaded (native_generate only).
 
-    Output: ok rows are not kept in memory; they are read back from the journal in batches of
-    ``write_batch_rows`` and written with :class:`schemas.CheckedParquetWriter` (arrow-level checks of the
-    RESPONSES contract, atomic rename).
+    Output: ok rows are not kept in memory; new ones are written as they arrive and earlier runs' are read back
+    from the journal, in batches of ``write_batch_rows``, with :class:`schemas.CheckedParquetWriter` (arrow-level
+    checks of the RESPONSES contract, atomic rename).
     """
     # malloc-backed arrow buffers for the job: they reuse the heap the run's Python objects free, where a
     # mimalloc/jemalloc pool keeps its own tens of MB on top of the run's peak (generation_client benchmark)
@@ -646,6 +700,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
               num_shards, progress_interval_s, summary_path, target, write_batch_rows) -> dict:
     t0 = time.monotonic()
     journal_dir = Path(journal_dir)
+    out_path = Path(out_path)
     if logging.getLogger("httpx").level == logging.NOTSET:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     tag = f"[{dataset}/{shard}]"
@@ -689,7 +744,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             if b.get("dup"):
                 logger.warning("%s row %d: duplicate sample_id %s skipped", tag, b["row"], b["sample_id"])
                 continue
-            s = Sample(b["sample_id"], [], None, [])
+            s = Sample(b["sample_id"], "[]", None, [])
             key = content_hash(dataset, b["sample_id"], "bad_prompt")
             r = _failed_row(s, dataset, 0, key, b.get("raw") or "[]", "bad_prompt", b["detail"])
             r["tools"] = b.get("tools")
@@ -708,57 +763,68 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         network = bool(n_pending) and not state.budget_reached()
         if n_pending and not network:
             logger.info("%s %s already reached by journaled responses: nothing sent", tag, state.stopped_by)
-        try:
-            with contextlib.ExitStack() as stack:
-                if network:
-                    if any(c.native_generate for c in cfgs):
-                        target_tokens = _load_target(target, generation, dataset)
-                    for cfg in cfgs:
-                        if "{port}" in cfg.base_url and not cfg.launch:
-                            raise ValueError(f"backend {cfg.name!r}: base_url has {{port}} but no launch: config")
-                    for cfg in cfgs:
-                        if cfg.launch:
-                            srv = stack.enter_context(launch_server(
-                                cfg.launch, cfg.model,
-                                _server_log_path(log, journal_dir, dataset, shard, cfg.name), name=cfg.name))
-                            cfg.base_url = cfg.base_url.replace("{port}", str(srv.port))
-                            servers_started.append(cfg.name)
-                journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
-                pool = BackendPool([Backend(c) for c in cfgs]) if network else None
-                runner = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
-                                 journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens)
-                if pool is not None:
-                    asyncio.run(_run(runner, samples, progress_interval_s, tag))
-                else:
-                    for s in samples:  # everything is journaled: no network, no event loop
-                        coro = runner.run_sample(s)
-                        try:
-                            coro.send(None)
-                        except StopIteration:
-                            pass
-                rows.extend(runner.rows)
-                journal.sync()
-        except FatalBackendError as exc:
-            logger.error("%s STOPPED: %s", tag, exc)
-            raise GenerationStopped(f"{tag} {exc}") from None
-        except (_Terminated, KeyboardInterrupt):
-            logger.error("%s interrupted; journal kept (%s)", tag, state.progress_line())
-            raise GenerationStopped(f"{tag} interrupted (SIGTERM/KeyboardInterrupt); journal kept") from None
+        # the output is written while the job runs (new responses as they arrive); it appears at out_path only
+        # when the job succeeds (atomic rename); a partial file left by a killed job is removed here
+        for stale in out_path.parent.glob(f".{out_path.name}.*.tmp"):
+            logger.info("%s removing %s (partial output of an interrupted job)", tag, stale)
+            stale.unlink(missing_ok=True)
+        with schemas.CheckedParquetWriter("responses", out_path) as writer:
+            try:
+                with contextlib.ExitStack() as stack:
+                    if network:
+                        if any(c.native_generate for c in cfgs):
+                            target_tokens = _load_target(target, generation, dataset)
+                        for cfg in cfgs:
+                            if "{port}" in cfg.base_url and not cfg.launch:
+                                raise ValueError(f"backend {cfg.name!r}: base_url has {{port}} but no launch: config")
+                        for cfg in cfgs:
+                            if cfg.launch:
+                                srv = stack.enter_context(launch_server(
+                                    cfg.launch, cfg.model,
+                                    _server_log_path(log, journal_dir, dataset, shard, cfg.name), name=cfg.name))
+                                cfg.base_url = cfg.base_url.replace("{port}", str(srv.port))
+                                servers_started.append(cfg.name)
+                    journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
+                    pool = BackendPool([Backend(c) for c in cfgs]) if network else None
+                    runner = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
+                                     journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
+                                     writer=writer, write_batch_rows=write_batch_rows)
+                    if pool is not None:
+                        asyncio.run(_run(runner, samples, progress_interval_s, tag))
+                    else:
+                        for s in samples:  # everything is journaled: no network, no event loop
+                            coro = runner.run_sample(s)
+                            try:
+                                coro.send(None)
+                            except StopIteration:
+                                pass
+                    rows.extend(runner.rows)
+                    journal.sync()
+            except FatalBackendError as exc:
+                logger.error("%s STOPPED: %s", tag, exc)
+                raise GenerationStopped(f"{tag} {exc}") from None
+            except (_Terminated, KeyboardInterrupt):
+                logger.error("%s interrupted; journal kept (%s)", tag, state.progress_line())
+                raise GenerationStopped(f"{tag} interrupted (SIGTERM/KeyboardInterrupt); journal kept") from None
 
-        del records
-        failed_n = sum(state.failed.values())
-        failed_requests = sum(n for reason, n in state.failed.items() if reason != "bad_prompt")
-        if failed_requests and state.ok == 0:
-            # nothing generated at all: a misconfigured or unreachable backend, not data to keep
-            raise GenerationStopped(
-                f"{tag} every request failed ({dict(state.failed)}); check the backends "
-                f"{[c.name for c in cfgs]} (base_url, server running, API key)"
-            )
-        if failed_requests:
-            logger.warning(
-                "%s %d request(s) failed after retries (%s): recorded as failed; `snakemake --forcerun generate` "
-                "retries them (journaled responses are not sent again)", tag, failed_requests, dict(state.failed))
-        n_rows = _write_output(out_path, journal_dir, dataset, runner.ok_keys, rows, write_batch_rows)
+            del records
+            failed_n = sum(state.failed.values())
+            failed_requests = sum(n for reason, n in state.failed.items() if reason != "bad_prompt")
+            if failed_requests and state.ok == 0:
+                # nothing generated at all: a misconfigured or unreachable backend, not data to keep
+                raise GenerationStopped(
+                    f"{tag} every request failed ({dict(state.failed)}); check the backends "
+                    f"{[c.name for c in cfgs]} (base_url, server running, API key)"
+                )
+            if failed_requests:
+                logger.warning(
+                    "%s %d request(s) failed after retries (%s): recorded as failed; `snakemake --forcerun generate` "
+                    "retries them (journaled responses are not sent again)", tag, failed_requests, dict(state.failed))
+            runner.flush()  # new responses: streamed into the writer during the run
+            # responses of earlier runs: read back from the journal
+            _write_journaled(writer, journal_dir / dataset, set(runner.journal_keys), write_batch_rows)
+            writer.write_rows(rows)
+            n_rows = writer.rows
 
         if state.stopped_by:
             stopped_by = state.stopped_by

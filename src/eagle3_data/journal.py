@@ -140,8 +140,9 @@ class JournalWriter:
         self._last_sync = time.monotonic()
         self.written = 0
 
-    def append(self, record: dict) -> None:
-        """Write one record now (one ``os.write``); fsync when the batch is full or old enough."""
+    def append(self, record: dict) -> bytes:
+        """Write one record now (one ``os.write``); fsync when the batch is full or old enough. Returns the line
+        written (UTF-8 JSON + newline)."""
         if self._fd is None:
             raise JournalError(f"{self.path}: journal already closed")
         if not isinstance(record.get("request_key"), str):
@@ -155,6 +156,7 @@ class JournalWriter:
         self._unsynced += 1
         if self._unsynced >= self.sync_every or time.monotonic() - self._last_sync >= self.sync_interval_s:
             self.sync()
+        return line
 
     def extend(self, records: Iterable[dict]) -> None:
         for r in records:

@@ -14,6 +14,8 @@ Conventions
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 
 IDS = pa.list_(pa.int32())
@@ -116,6 +118,23 @@ def from_rows(rows: list[dict], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=schema)
 
 
+def table_from_json_lines(data: bytes, schema: pa.Schema) -> pa.Table:
+    """Parse JSON lines (one object per line) into a table of ``schema`` with pyarrow's JSON reader: keys missing
+    from a line are null, keys not in ``schema`` are ignored. Raises ``pyarrow.ArrowInvalid`` naming the bad value.
+
+    Unlike ``pa.Table.from_pylist`` (``pa.array`` on a Python list imports pandas, ~50 MB of RSS, to check
+    for pandas objects), this never imports pandas: the generate stage writes its output with it."""
+    import io
+
+    import pyarrow.json as pj
+
+    return pj.read_json(
+        io.BytesIO(data),
+        read_options=pj.ReadOptions(use_threads=False, block_size=max(1 << 20, len(data) + 1)),
+        parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
+    )
+
+
 ARROW_SCHEMAS = {
     "prompts": PROMPTS,
     "rejects": REJECTS,
@@ -138,7 +157,9 @@ def check(table: pa.Table, kind: str, path: str = "<memory>") -> pa.Table:
     """
     from pandera import errors as pandera_errors
 
-    from .schema_models import MODELS  # pandas + pandera load only when values are checked
+    from .schema_models import (
+        MODELS,  # pandas + pandera load only when values are checked
+    )
 
     schema, model = ARROW_SCHEMAS[kind], MODELS[kind]
     if not table.schema.equals(schema, check_metadata=False):
@@ -177,51 +198,51 @@ def write_checked(table: pa.Table, kind: str, path) -> None:
 # arrow-level checks and a streaming checked writer (no pandas copy; for large outputs written in batches)
 
 
-def _arrow_fail(path, kind: str, column: str, check: str, mask, table: pa.Table) -> None:
-    import pyarrow.compute as pc
-
-    n = pc.sum(pc.cast(mask, pa.int64())).as_py() or 0
-    if n:
-        idx = pc.indices_nonzero(mask).to_pylist()[:5]
-        sample = table.column(column).take(idx).to_pylist()
+def _rows_fail(path, kind: str, column: str, check: str, bad: list[int], values: list) -> None:
+    if bad:
         raise SchemaError(f"{path}: {kind} rows fail the schema: column {column!r} check {check}: "
-                          f"{n} row(s), e.g. rows {idx} values {sample}")
+                          f"{len(bad)} row(s), e.g. rows {bad[:5]} values {[values[i] for i in bad[:5]]}")
 
 
 def check_responses_arrow(table: pa.Table, path: str = "<memory>", seen_keys: set | None = None) -> pa.Table:
-    """The RESPONSES contract of ``schema_models.ResponsesModel``, checked with pyarrow compute (no pandas copy).
+    """The RESPONSES contract of ``schema_models.ResponsesModel``, checked on the arrow table (no pandas copy).
 
     Checks: the arrow schema; ``sample_id``/``dataset``/``request_key``/``status`` not null; ``status`` in
     ok|failed; ``turn >= 0``; ``completion_tokens``/``cost_usd`` null or ``>= 0``; ``request_key`` unique within
     the table and, when ``seen_keys`` is given, across earlier batches (the set is updated). Raises
     :class:`SchemaError` naming ``path``, the column and the failing check.
-    """
-    import pyarrow.compute as pc
 
+    Only the seven small columns are converted to Python (never the texts), and ``pyarrow.compute`` is not used:
+    loading its kernel registry costs ~50 MB of RSS, more than the generate stage's whole output batch.
+    """
     if not table.schema.equals(RESPONSES, check_metadata=False):
         check(table.slice(0, 0), "responses", path)  # the schema message
     if table.num_rows == 0:
         return table
     for col in ("sample_id", "dataset", "request_key", "status"):
-        _arrow_fail(path, "responses", col, "not_nullable", pc.is_null(table.column(col)), table)
-    _arrow_fail(path, "responses", "status", "isin(['ok', 'failed'])",
-                pc.invert(pc.is_in(table.column("status"), value_set=pa.array(["ok", "failed"]))), table)
+        if table.column(col).null_count:
+            vals = table.column(col).to_pylist()
+            _rows_fail(path, "responses", col, "not_nullable", [i for i, v in enumerate(vals) if v is None], vals)
+    status = table.column("status").to_pylist()
+    _rows_fail(path, "responses", "status", "isin(['ok', 'failed'])",
+               [i for i, v in enumerate(status) if v not in ("ok", "failed")], status)
     for col, low in (("turn", 0), ("completion_tokens", 0), ("cost_usd", 0)):
-        _arrow_fail(path, "responses", col, f"greater_than_or_equal_to({low})",
-                    pc.fill_null(pc.less(table.column(col), low), False), table)
-    keys = table.column("request_key")
-    if pc.count_distinct(keys).as_py() != table.num_rows:
-        counts = pc.value_counts(keys)
-        dup = [v["values"] for v in counts.to_pylist() if v["counts"] > 1][:5]
+        vals = table.column(col).to_pylist()
+        _rows_fail(path, "responses", col, f"greater_than_or_equal_to({low})",
+                   [i for i, v in enumerate(vals) if v is not None and v < low], vals)
+    keys = table.column("request_key").to_pylist()
+    distinct = set(keys)
+    if len(distinct) != len(keys):
+        seen: set = set()
+        dup = [k for k in keys if k in seen or seen.add(k)]
         raise SchemaError(f"{path}: responses rows fail the schema: column 'request_key' check unique: "
-                          f"duplicates {dup}")
+                          f"duplicates {sorted(set(dup))[:5]}")
     if seen_keys is not None:
-        ks = keys.to_pylist()
-        dup = [k for k in ks if k in seen_keys]
+        dup = distinct & seen_keys
         if dup:
             raise SchemaError(f"{path}: responses rows fail the schema: column 'request_key' check unique: "
-                              f"duplicates across batches {dup[:5]}")
-        seen_keys.update(ks)
+                              f"duplicates across batches {sorted(dup)[:5]}")
+        seen_keys.update(distinct)
     return table
 
 
@@ -247,7 +268,7 @@ class CheckedParquetWriter:
         self._cm = None
         self._writer = None
 
-    def __enter__(self) -> "CheckedParquetWriter":
+    def __enter__(self) -> CheckedParquetWriter:
         import pyarrow.parquet as pq
 
         from .io import atomic_path
@@ -258,8 +279,15 @@ class CheckedParquetWriter:
         return self
 
     def write_rows(self, rows: list[dict]) -> None:
+        """Write row dicts (JSON-serialisable values; missing keys null) as one checked batch."""
         if rows:
-            self.write_table(from_rows(rows, self.schema))
+            self.write_json_lines(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows))
+
+    def write_json_lines(self, data: bytes) -> None:
+        """Write JSON lines (one row object per line, e.g. journal lines) as one checked batch; see
+        :func:`table_from_json_lines`."""
+        if data.strip():
+            self.write_table(table_from_json_lines(data, self.schema))
 
     def write_table(self, table: pa.Table) -> None:
         ARROW_CHECKS[self.kind](table, str(self.path), self._seen)

@@ -657,22 +657,29 @@ class BackendPool:
             b.in_flight -= 1
             self._cond.notify(1)
 
-    def slot(self):
-        pool = self
-
-        class _Slot:
-            async def __aenter__(self_inner):
-                self_inner.b = await pool.acquire()
-                return self_inner.b
-
-            async def __aexit__(self_inner, *exc):
-                await pool.release(self_inner.b)
-
-        return _Slot()
+    def slot(self) -> "_Slot":
+        return _Slot(self)
 
     async def aclose(self) -> None:
         for b in self.backends:
             await b.aclose()
+
+
+class _Slot:
+    """``async with pool.slot() as backend``: a backend slot held for the block (one small object per request)."""
+
+    __slots__ = ("pool", "backend")
+
+    def __init__(self, pool: BackendPool):
+        self.pool = pool
+        self.backend: Backend | None = None
+
+    async def __aenter__(self) -> Backend:
+        self.backend = await self.pool.acquire()
+        return self.backend
+
+    async def __aexit__(self, *exc) -> None:
+        await self.pool.release(self.backend)
 
 
 def retry_wait(initial_s: float, max_s: float):
