@@ -6,7 +6,9 @@ from one process without extra dependencies. Endpoints:
 - ``POST /v1/chat/completions``: a deterministic reply (text derived from a hash of the request body), with
   faults drawn at the configured rates: ``p429`` (with ``Retry-After``), ``p5xx`` (500/502/503), ``ptimeout``
   (hangs ``hang_s`` then closes), ``preset`` (TCP reset), ``perror200`` (200 with ``choices[0].error`` +
-  ``finish_reason: "error"``), ``pmalformed`` (200 with a truncated JSON body), ``p402``; ``fail_after``
+  ``finish_reason: "error"``), ``pmalformed`` (200 with a truncated JSON body), ``p402``, ``psurrogate`` (200
+  whose content ends in an unpaired ``\\ud800``), ``pbadusage`` (200 with a NaN cost, a 1e30 prompt count, a
+  negative reasoning count and an out-of-range token id; counted as completed); ``fail_after``
   (every request after that many gets HTTP ``fail_status``, e.g. 402); ``require_key`` (401 unless the
   Bearer token matches). Latency: uniform in ``[latency_min_s, latency_max_s]``. Reply length: uniform in
   ``[min_tokens, max_tokens]`` words, capped by the request's ``max_tokens`` (then ``finish_reason:
@@ -51,6 +53,7 @@ import time
 
 DEFAULTS = {
     "p429": 0.0, "p5xx": 0.0, "ptimeout": 0.0, "preset": 0.0, "perror200": 0.0, "pmalformed": 0.0, "p402": 0.0,
+    "psurrogate": 0.0, "pbadusage": 0.0,
     "retry_after_s": 0.05, "hang_s": 30.0, "fail_after": None, "fail_status": 402, "require_key": None,
     "latency_min_s": 0.0, "latency_max_s": 0.0, "min_tokens": 5, "max_tokens": 40,
     "price_in": 1e-7, "price_out": 2e-6, "provider": "FaultProvider", "reasoning_field": "reasoning",
@@ -155,7 +158,8 @@ class FaultApp:
         if c["fail_after"] is not None and self.requests > int(c["fail_after"]):
             return "fail_status"
         r = self.rng.random()
-        for name in ("p429", "p5xx", "ptimeout", "preset", "perror200", "pmalformed", "p402"):
+        for name in ("p429", "p5xx", "ptimeout", "preset", "perror200", "pmalformed", "p402", "psurrogate",
+                     "pbadusage"):
             r -= float(c[name])
             if r < 0:
                 return name
@@ -320,6 +324,11 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
         if fault == "pmalformed":
             app._count("malformed")
             return _response(200, b'{"id": "gen-x", "choices": [{"message": {"content": "trunc')
+        if fault == "psurrogate":  # a reply whose text can't be stored (the client must retry it)
+            app._count("surrogate")
+            resp = app.completion(body, bh)
+            resp["choices"][0]["message"]["content"] += " \ud800"
+            return _response(200, resp)
         if fault in ("p402", "fail_status"):
             code = int(c["fail_status"]) if fault == "fail_status" else 402
             app._count(str(code))
@@ -335,6 +344,11 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
             app.costs[resp["id"]] = resp["usage"]["cost"]
             if c["omit_cost"]:
                 del resp["usage"]["cost"]
+            if fault == "pbadusage":  # values no column can hold: the client stores nulls, keeps the reply
+                app._count("badusage")
+                resp["usage"].update({"cost": float("nan"), "prompt_tokens": 1e30, "completion_tokens_details":
+                                      {"reasoning_tokens": -3}})
+                resp["choices"][0]["token_ids"] = [1, 2**40]
         app._count("ok")
         app.completed += 1
         app.completed_by_body[bh] = app.completed_by_body.get(bh, 0) + 1

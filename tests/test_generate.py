@@ -72,6 +72,55 @@ def test_assistant_turns_rules():
     assert assistant_turns([a, u], "last") == [2]              # a leading assistant turn is never a target
 
 
+def test_replies_with_unstorable_values_are_retried_or_stored_as_nulls(tmp_path, fs):
+    """An unpaired surrogate in the text can't be journaled (UTF-8) or tokenized: retried. A NaN cost, a 1e30 or
+    negative count, an out-of-range token id would break the output mid-run: stored as nulls, the reply kept."""
+    fs.app.config.update({"psurrogate": 0.3, "pbadusage": 0.3, "seed": 5})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(60))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=8))
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    out = fs.app.outcomes
+    assert s["ok"] == 60 and len(rows) == 60 and out["surrogate"] > 5 and out["badusage"] > 5
+    assert s["retry_reasons"] == {"invalid_unicode": out["surrogate"]}
+    assert all("\ud800" not in r["content"] for r in rows)
+    nulls = [r for r in rows if r["prompt_tokens"] is None]
+    assert len(nulls) == out["badusage"]
+    assert all(r["cost_usd"] is None and r["reasoning_tokens"] is None and r["output_ids"] is None for r in nulls)
+    good = [r for r in rows if r["prompt_tokens"] is not None]
+    assert all(r["cost_usd"] > 0 and r["reasoning_tokens"] == 0 for r in good)
+
+
+def test_reply_values_are_checked_one_by_one():
+    from eagle3_data.backends.client import (BackendConfig, RetryableError, _cost, _int, _token_ids,
+                                             parse_native_response, parse_response)
+
+    assert [_int(v) for v in (5, 5.9, "7", None, True, -1, 1e30, float("inf"), float("nan"), "x", 2**63)] == \
+        [5, 5, 7, None, None, None, None, None, None, None, None]
+    assert [_cost(v) for v in (0.5, "0.25", 0, -0.1, float("nan"), float("inf"), None, False, "x")] == \
+        [0.5, 0.25, 0.0, None, None, None, None, None, None]
+    assert _token_ids([0, 5, 2**31 - 1]) == [0, 5, 2**31 - 1]
+    assert [_token_ids(v) for v in ([1, 2**31], [-1], [1, True], [1.0], [], None)] == [None] * 6
+    be = BackendConfig.from_dict("b", {"type": "openrouter", "base_url": "http://x/v1", "model": "m"})
+    body = {"id": "gen-1", "provider": "P", "choices": [{"finish_reason": "stop", "message": {"content": "hi"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.001}}
+    f = parse_response(be, json.dumps(body).encode(), 0.5)
+    assert (f["content"], f["prompt_tokens"], f["cost_usd"], f["provider"]) == ("hi", 3, 0.001, "P")
+    for path, value in ((("choices", 0, "message", "content"), "ok \ud800"), (("provider",), "P\udfff"),
+                        (("choices", 0, "message", "reasoning"), "\ud83d")):
+        b = json.loads(json.dumps(body))
+        node = b
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        with pytest.raises(RetryableError, match=f"{path[-1]} has an unpaired surrogate") as ei:
+            parse_response(be, json.dumps(b).encode(), 0.5)
+        assert ei.value.reason == "invalid_unicode"
+    ok_pair = json.loads(json.dumps({**body, "choices": [{"message": {"content": "emoji \ud83d\ude00"}}]}))
+    assert parse_response(be, json.dumps(ok_pair).encode(), 0.5)["content"] == "emoji \U0001f600"
+    with pytest.raises(RetryableError, match="no output_ids"):
+        parse_native_response(be, json.dumps({"output_ids": [5, 2**31], "meta_info": {}}).encode(), 0.1, None)
+
+
 def test_faults_every_sample_ends_once(tmp_path, fs):
     fs.app.config.update(ACCEPTANCE_FAULTS)
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(300))

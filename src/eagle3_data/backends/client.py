@@ -276,10 +276,43 @@ def check_status(backend: BackendConfig, resp: httpx.Response) -> None:
 
 
 def _int(v) -> int | None:
-    try:
-        return None if v is None else int(v)
-    except (TypeError, ValueError):
+    """A usage count: an int in [0, 2**63), else None (null, bool, text, NaN/inf, negative, out of int64)."""
+    if v is None or isinstance(v, bool):
         return None
+    try:
+        n = int(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return n if 0 <= n < 2**63 else None
+
+
+def _cost(v) -> float | None:
+    """``usage.cost``: a finite float >= 0, else None (never NaN: it would not survive JSON -> arrow)."""
+    try:
+        c = None if v is None or isinstance(v, bool) else float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return c if c is not None and math.isfinite(c) and c >= 0 else None
+
+
+def _text(field: str, v) -> str | None:
+    """A text field of a reply: the string, or None if not a string. A string that is not valid Unicode (an
+    unpaired surrogate from a ``\\ud800`` escape) can be neither journaled as UTF-8 nor tokenized: the reply is
+    retried (reason ``invalid_unicode``) instead of crashing the job."""
+    if not isinstance(v, str):
+        return None
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RetryableError("invalid_unicode", f"{field} has an unpaired surrogate at character {exc.start}") from None
+    return v
+
+
+def _token_ids(v) -> list[int] | None:
+    """Token ids as returned (a non-empty list of ints in [0, 2**31), the RESPONSES int32 ids), else None."""
+    if isinstance(v, list) and v and all(type(i) is int and 0 <= i < 2**31 for i in v):
+        return v
+    return None
 
 
 def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> dict:
@@ -330,31 +363,24 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     reasoning_tokens = _int(details.get("reasoning_tokens"))
     if reasoning_tokens is None:
         reasoning_tokens = _int(usage.get("reasoning_tokens"))  # SGLang: top-level
-    cost = usage.get("cost")
-    try:
-        cost = None if cost is None else float(cost)
-    except (TypeError, ValueError):
-        cost = None
-    ids = choice.get("token_ids") or choice.get("output_ids")
-    if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
-        ids = None
     provider = data.get("provider") if backend.type == "openrouter" else None
+    # every value is checked to be what the journal (UTF-8 JSON) and the RESPONSES parquet can hold
     return {
-        "reasoning": reasoning if isinstance(reasoning, str) else None,
-        "content": content_text if isinstance(content_text, str) else None,
-        "tool_calls": json.dumps(tool_calls, ensure_ascii=False) if tool_calls else None,
-        "finish_reason": finish,
+        "reasoning": _text("reasoning", reasoning),
+        "content": _text("content", content_text),
+        "tool_calls": _text("tool_calls", json.dumps(tool_calls, ensure_ascii=False)) if tool_calls else None,
+        "finish_reason": _text("finish_reason", finish),
         "prompt_tokens": _int(usage.get("prompt_tokens")),
         "completion_tokens": completion_tokens,
         "reasoning_tokens": reasoning_tokens,
-        "cost_usd": cost,
+        "cost_usd": _cost(usage.get("cost")),
         "backend": backend.name,
-        "provider": str(provider) if provider else backend.name,
-        "model": str(data.get("model") or backend.model),
+        "provider": _text("provider", str(provider)) if provider else backend.name,
+        "model": _text("model", str(data.get("model") or backend.model)),
         "latency_s": float(latency_s),
-        "output_ids": ids,
+        "output_ids": _token_ids(choice.get("token_ids") or choice.get("output_ids")),
         "completed_at": time.time(),
-        "generation_id": str(data["id"]) if data.get("id") else None,
+        "generation_id": _text("generation_id", str(data["id"])) if data.get("id") else None,
     }
 
 
@@ -431,9 +457,10 @@ def parse_native_response(backend: BackendConfig, content: bytes, latency_s: flo
     ftype = fr.get("type") if isinstance(fr, dict) else str(fr)
     if ftype == "abort":
         raise RetryableError("aborted", str(fr.get("message") or "request aborted by the server")[:300])
-    ids = data.get("output_ids")
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
-        raise RetryableError("empty_response", "no output_ids in the /generate reply")
+    ids = _token_ids(data.get("output_ids"))
+    if ids is None:
+        raise RetryableError("empty_response", "no output_ids (non-empty list of ids in [0, 2**31)) in the "
+                                               "/generate reply")
     finish = "length" if ftype == "length" else "stop"
     state = think_state
     reasoning, text = split_output_ids(target, ids, state)
