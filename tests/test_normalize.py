@@ -138,6 +138,26 @@ def test_openai_tools_roundtrip_through_json(tmp_path):
     assert json.loads(row["messages"])[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c"}
 
 
+def test_unpaired_surrogates_are_replaced_and_counted_not_written_as_question_marks(tmp_path):
+    # JSONL escapes: a broken emoji (lone high surrogate) in a prompt and in a tool description, a valid pair
+    src = tmp_path / "s.jsonl"
+    src.write_text(
+        '{"id": "a", "messages": [{"role": "user", "content": "hi \\ud83d there"}, {"role": "assistant", '
+        '"content": "ok \\ud83d\\ude00"}], "tools": [{"type": "function", "function": {"name": "w", '
+        '"description": "x\\udc00"}}]}\n'
+        '{"messages": [{"role": "user", "content": "no id \\udfff"}, {"role": "assistant", "content": "a"}]}\n'
+        '{"id": "c", "messages": [{"role": "user", "content": "fine"}, {"role": "assistant", "content": "b"}]}\n')
+    counts, tables, _ = run(tmp_path, src, "openai_messages", shards=1)
+    assert counts["kept"] == 3 and counts["repaired"] == {"replaced_unpaired_surrogates": 2}
+    rows = {r["sample_id"]: r for r in tables[0].to_pylist()}
+    a = json.loads(rows["a"]["messages"])
+    assert a[0]["content"] == "hi \ufffd there" and a[1]["content"] == "ok \U0001f600"
+    assert json.loads(rows["a"]["tools"])[0]["function"]["description"] == "x\ufffd"
+    no_id = [r for sid, r in rows.items() if sid not in ("a", "c")][0]
+    fixed = [{"role": "user", "content": "no id \ufffd"}, {"role": "assistant", "content": "a"}]
+    assert json.loads(no_id["messages"]) == fixed and no_id["sample_id"] == content_hash(fixed, None)
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 

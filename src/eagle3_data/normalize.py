@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import logging
 import os
 import time
@@ -78,6 +79,35 @@ def _tokens_row(sample_id: str, dataset: str, ids: list[int], mask: list[int]) -
         "num_completion_tokens": sum(mask),
         "ids_source": "pretokenized",
     }
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _replace_surrogates(obj):
+    """``obj`` (JSON-like) with every unpaired surrogate in its strings replaced by U+FFFD."""
+    if isinstance(obj, str):
+        return _SURROGATE.sub("\ufffd", obj)
+    if isinstance(obj, list):
+        return [_replace_surrogates(v) for v in obj]
+    if isinstance(obj, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in obj.items()}
+    return obj
+
+
+def _prompt_json(sample) -> tuple[str, str | None]:
+    """The PROMPTS ``messages``/``tools`` JSON text of ``sample``. Text with an unpaired surrogate (a broken emoji
+    from a ``\\ud83d`` escape, common in scraped ShareGPT dumps) is not valid Unicode: it can't be sent as UTF-8
+    or tokenized, and pyarrow would silently write ``?``. Such strings get U+FFFD instead, noted on the sample
+    (``replaced_unpaired_surrogates``, counted in ``repaired``)."""
+    messages = json.dumps(sample.messages, ensure_ascii=False)
+    tools = json.dumps(sample.tools, ensure_ascii=False) if sample.tools else None
+    if _SURROGATE.search(messages) or (tools and _SURROGATE.search(tools)):
+        sample.messages = _replace_surrogates(sample.messages)
+        sample.tools = _replace_surrogates(sample.tools)
+        sample.notes.append("replaced_unpaired_surrogates")
+        return _prompt_json(sample)
+    return messages, tools
 
 
 def normalize(
@@ -154,6 +184,7 @@ def normalize(
             if kind == "tokens":
                 sid = sample.sample_id or content_hash(sample.input_ids, sample.loss_mask)
             else:
+                messages_json, tools_json = _prompt_json(sample)
                 sid = sample.sample_id or content_hash(sample.messages, sample.tools)
             if sid in seen:
                 reject("duplicate_id", f"{where}: sample_id {sid!r} already used by an earlier row", sid, index)
@@ -165,8 +196,8 @@ def normalize(
                 row = {
                     "sample_id": sid,
                     "dataset": dataset,
-                    "messages": json.dumps(sample.messages, ensure_ascii=False),
-                    "tools": json.dumps(sample.tools, ensure_ascii=False) if sample.tools else None,
+                    "messages": messages_json,
+                    "tools": tools_json,
                     "source_format": source_format,
                     "source_row": index,
                 }
