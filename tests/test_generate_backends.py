@@ -370,3 +370,25 @@ print(json.dumps({"mods": mods, "runs": runs}))
     assert len(b) == 41 and sum(r["status"] == "ok" for r in b.values()) == second["ok"]
     a = rows_by_key(tmp_path / "a.parquet")
     assert all(b[k] == r for k, r in a.items() if r["status"] == "ok")  # journaled rows come back unchanged
+
+
+def test_a_task_backing_off_gives_its_live_permit_back_while_it_sleeps():
+    from eagle3_data.generate import _Runner
+
+    runner = _Runner(dataset="d", target_name="t", generation={}, records={}, journal=None, pool=None, state=None,
+                     sampling={})
+
+    async def scenario():
+        runner.live = live = asyncio.Semaphore(1)
+        await live.acquire()                                  # the retrying task's permit
+        sleeper = asyncio.create_task(runner.backoff_sleep(0.1))
+        await asyncio.sleep(0.02)
+        await asyncio.wait_for(live.acquire(), 0.05)          # a new task gets the permit during the backoff
+        await asyncio.sleep(0.2)
+        assert not sleeper.done()                             # slept; now waits for a permit again
+        live.release()
+        await asyncio.wait_for(sleeper, 1.0)
+        assert live.locked()                                  # ... and holds it once it wakes up
+        return True
+
+    assert asyncio.run(scenario())

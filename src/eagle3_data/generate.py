@@ -275,6 +275,7 @@ class _Runner:
         self.writer = writer
         self.write_batch_rows = max(1, int(write_batch_rows))
         self.out_lines: list[bytes] = []
+        self.live: asyncio.Semaphore | None = None  # set by _run
         self.target = target  # TargetTokens, for backends with native_generate
         self.max_tokens = int(generation.get("max_tokens") or 0)
 
@@ -371,6 +372,18 @@ class _Runner:
             self.writer.write_json_lines(b"".join(self.out_lines))
         self.out_lines = []
 
+    async def backoff_sleep(self, seconds: float) -> None:
+        """Sleep before a retry without holding a ``live`` permit (see :func:`_run`): a burst of 429s with
+        ``Retry-After`` leaves tasks waiting for the free slots, not the slots idle."""
+        if self.live is None:
+            await asyncio.sleep(seconds)
+            return
+        self.live.release()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await self.live.acquire()
+
     async def request(self, sample: Sample, turn: int, prompt: list, tools: list | None, key: str) -> dict:
         import tenacity
 
@@ -385,6 +398,7 @@ class _Runner:
                 wait=self.wait,
                 retry=tenacity.retry_if_exception_type(RetryableError),
                 reraise=True,
+                sleep=self.backoff_sleep,
             ):
                 with attempt:
                     attempts += 1
@@ -446,10 +460,11 @@ async def _progress(state: _State, interval: float, tag: str) -> None:
 async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str) -> None:
     prog = asyncio.create_task(_progress(runner.state, interval, tag))
     try:
-        # at most capacity + 1/8 sample tasks alive (those in flight + those waiting for a slot or sleeping before a
-        # retry): a 10,000-sample shard does not hold 10,000 coroutines at once (each costs a few KB), a freed
-        # slot always has a task waiting for it, and requests backing off (429s) leave little capacity idle
-        live = asyncio.Semaphore(runner.pool.capacity + max(64, runner.pool.capacity // 8))
+        # a permit per sample task in flight or waiting for a slot, at most capacity + 1/8: a 10,000-sample shard
+        # does not hold 10,000 coroutines at once (each costs a few KB) and a freed slot always has a task waiting
+        # for it. A task sleeping before a retry gives its permit back meanwhile (Runner.backoff_sleep), so
+        # requests backing off after 429s never leave slots idle.
+        live = runner.live = asyncio.Semaphore(runner.pool.capacity + max(64, runner.pool.capacity // 8))
         async with asyncio.TaskGroup() as tg:
             for s in samples:
                 await live.acquire()
