@@ -20,6 +20,8 @@ rule report:
         throughput_csv=report("results/reports/throughput.csv", caption="../report/throughput.rst", category="1. Tables", labels={"table": "throughput"}),
         limits_md="results/reports/limits.md",
         limits_csv=report("results/reports/limits.csv", caption="../report/limits.rst", category="1. Tables", labels={"table": "limits"}),
+        audit_md="results/reports/audit.md",
+        audit_csv=report("results/reports/audit.csv", caption="../report/audit.rst", category="1. Tables", labels={"table": "audit"}),
         lengths_png=report("results/reports/lengths.png", caption="../report/lengths.rst", category="2. Plots", labels={"plot": "lengths"}),
         completion_vs_time_png=report("results/reports/completion_vs_time.png", caption="../report/completion_vs_time.rst", category="2. Plots", labels={"plot": "completion vs time"}),
         cost_over_time_png=report("results/reports/cost_over_time.png", caption="../report/cost_over_time.rst", category="2. Plots", labels={"plot": "cost over time"}),

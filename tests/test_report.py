@@ -240,3 +240,49 @@ def test_limits_mixed_and_partial_summaries(tmp_path):
     (row,) = res["limits"]
     assert row["evidence"] == "partial summary" and row["shards_reported"] == 2
     assert row["ended_by"] == "all samples done (1 of 3 shards); max_samples (1 of 3 shards)"
+
+
+def test_audit_report_compares_billed_and_own_counts_per_dataset_and_ids_source(tmp_path):
+    from eagle3_data.report import AUDIT_COLUMNS, write_reports
+
+    rng = random.Random(11)
+    rows = []
+    for i in range(12):  # ds_x: reconstructed rows whose server billed 2 extra prompt tokens on every 3rd sample
+        r = vrow(rng, "ds_x", i, "openrouter")
+        r["billed_prompt_tokens"] = r["num_prompt_tokens"] + (2 if i % 3 == 0 else 0)
+        r["billed_completion_tokens"] = r["num_completion_tokens"] + (1 if i % 4 == 0 else 0)
+        rows.append(r)
+    for i in range(5):  # ds_x: exact ids from /generate: equal by construction
+        r = vrow(rng, "ds_x", 100 + i, "local_sglang", "exact")
+        r["billed_prompt_tokens"] = r["num_prompt_tokens"]
+        rows.append(r)
+    for i in range(4):  # ds_y: no billed prompt counts (null)
+        rows.append(vrow(rng, "ds_y", i, "tiny_local"))
+    pre = [vrow(rng, "pre", i, None, "pretokenized") for i in range(3)]  # no billing: not audited
+    vp = tmp_path / "v.parquet"
+    schemas.write_checked(schemas.from_rows(rows + pre, schemas.VALIDATED), "validated", vp)
+    out = tmp_path / "reports"
+    audit = write_reports([vp], [], [], out)["audit"]
+    by = {(a["dataset"], a["ids_source"]): a for a in audit}
+    assert [(a["dataset"], a["ids_source"], a["level"]) for a in audit] == [
+        ("ds_x", "exact", "detail"), ("ds_x", "reconstructed", "detail"), ("ds_x", "(all)", "dataset"),
+        ("ds_y", "reconstructed", "detail"), ("ds_y", "(all)", "dataset"), ("(all)", "(all)", "total")]
+    rec = by[("ds_x", "reconstructed")]
+    mine = [r for r in rows if r["dataset"] == "ds_x" and r["ids_source"] == "reconstructed"]
+    assert rec["samples"] == 12 and rec["prompt_billed_samples"] == 12 and rec["prompt_equal_samples"] == 8
+    assert rec["prompt_tokens"] == sum(r["num_prompt_tokens"] for r in mine)
+    assert rec["billed_prompt_tokens"] == rec["prompt_tokens"] + 8
+    assert rec["prompt_rel"] == pytest.approx(8 / rec["prompt_tokens"])
+    assert (rec["prompt_diff_median"], rec["prompt_diff_min"], rec["prompt_diff_max"]) == (0.0, 0, 2)
+    assert rec["billed_completion_tokens"] - rec["completion_tokens"] == 3 and rec["completion_equal_samples"] == 9
+    ex = by[("ds_x", "exact")]
+    assert ex["prompt_equal_samples"] == ex["samples"] == 5 and ex["prompt_rel"] == 0.0
+    y = by[("ds_y", "(all)")]
+    assert y["samples"] == 4 and y["prompt_billed_samples"] == 0 and y["prompt_rel"] is None
+    total = by[("(all)", "(all)")]
+    assert total["samples"] == 21 and total["billed_prompt_tokens"] == rec["billed_prompt_tokens"] + ex[
+        "billed_prompt_tokens"]
+    csv_head = (out / "audit.csv").read_text().splitlines()[0]
+    assert csv_head == ",".join(AUDIT_COLUMNS)
+    md = (out / "audit.md").read_text()
+    assert f"{100 * rec['prompt_rel']:+.2f}%" in md and "| **ds_x** | **(all)** |" in md

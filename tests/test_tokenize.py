@@ -75,8 +75,8 @@ def test_tokens_table_equals_row_dicts_and_passes_schema():
 
 def test_stage_writes_tokens_parquet(tmp_path):
     path = F.save_fixture("kimi-k2-thinking", tmp_path / "tok")
-    rows = [dict(row(MULTI, reasoning="r", content=f"answer {i}"), sample_id=f"s{i}", completion_tokens=9)
-            for i in range(4)]
+    rows = [dict(row(MULTI, reasoning="r", content=f"answer {i}"), sample_id=f"s{i}", completion_tokens=9,
+                 prompt_tokens=None if i == 3 else 40 + i) for i in range(4)]
     resp = tmp_path / "responses.parquet"
     pq.write_table(schemas.from_rows(rows, schemas.RESPONSES), resp)
     out = tmp_path / "tokens.parquet"
@@ -85,6 +85,8 @@ def test_stage_writes_tokens_parquet(tmp_path):
     got = pq.read_table(out)
     assert got.schema.equals(schemas.TOKENS) and got.num_rows == 4
     assert got.column("loss_mask").to_pylist()[0][-1] == 1
+    assert got.column("billed_prompt_tokens").to_pylist() == [40, 41, 42, None]  # usage.prompt_tokens, for the audit
+    assert got.column("billed_completion_tokens").to_pylist() == [9] * 4
     with pytest.raises(ValueError, match="not a responses file"):
         tokenize(str(out), str(tmp_path / "x.parquet"), target={"path": path, "template": "kimi-k2-thinking"})
 

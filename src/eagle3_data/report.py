@@ -10,7 +10,10 @@ Reports (file stem: what, named query in ``sql/``):
 - ``throughput``: completion tokens per minute, cost and the running mean completion length over the
   responses' ``completed_at`` (``throughput.sql``);
 - ``limits``: which limit ended each generated dataset, from generate's per-shard summary JSON when present
-  (``limits.sql``).
+  (``limits.sql``);
+- ``audit``: billed against the target's own token counts per dataset and ids source: completion tokens, and
+  the prompt as the target template renders it vs the billed prompt (a gap = the server saw another prompt)
+  (``audit.sql``).
 
 Every query reads the views of ``sql/report_views.sql``, so a user can run it by hand in the ``duckdb`` CLI
 (see each file's header). :func:`write_reports` writes them all; :func:`tally` only the first two.
@@ -53,9 +56,15 @@ LIMIT_COLUMNS = [
     "dataset", "ended_by", "evidence", "shards", "shards_reported", "samples_ok", "responses_failed", "not_sent",
     "over_max_samples", "max_samples", "completion_tokens", "budget_completion_tokens", "cost_usd", "budget_usd",
 ]
+AUDIT_COLUMNS = [
+    "dataset", "ids_source", "level", "samples", "completion_billed_samples", "completion_tokens",
+    "billed_completion_tokens", "completion_rel", "completion_equal_samples", "prompt_billed_samples",
+    "prompt_tokens", "billed_prompt_tokens", "prompt_rel", "prompt_equal_samples", "prompt_diff_median",
+    "prompt_diff_min", "prompt_diff_max",
+]
 #: every file :func:`write_reports` writes into its ``out_dir``
 REPORT_FILES = [
-    f"{stem}.{ext}" for stem in ("tally", "rejects", "cost", "throughput", "limits") for ext in ("md", "csv")
+    f"{stem}.{ext}" for stem in ("tally", "rejects", "cost", "throughput", "limits", "audit") for ext in ("md", "csv")
 ]
 #: bucket lengths (seconds) the Markdown throughput table may use; the smallest giving <= MAX_MD_BUCKETS rows
 MD_BUCKETS_S = [60, 300, 600, 900, 1800, 3600, 7200, 4 * 3600, 6 * 3600, 12 * 3600, 86400]
@@ -340,8 +349,9 @@ def write_reports(
             parquet where it exists.
 
     Returns: ``{"tally": rows, "rejects": rows, "cost": rows, "throughput": rows (60 s buckets),
-        "limits": rows}``, each row a dict with the columns of the CSV (:data:`TALLY_COLUMNS`,
-        :data:`REJECT_COLUMNS`, :data:`COST_COLUMNS`, :data:`THROUGHPUT_COLUMNS`, :data:`LIMIT_COLUMNS`).
+        "limits": rows, "audit": rows}``, each row a dict with the columns of the CSV (:data:`TALLY_COLUMNS`,
+        :data:`REJECT_COLUMNS`, :data:`COST_COLUMNS`, :data:`THROUGHPUT_COLUMNS`, :data:`LIMIT_COLUMNS`,
+        :data:`AUDIT_COLUMNS`).
         Throughput times are UTC; dollars as the backends reported them (0 for local servers).
 
     Raises: ``FileNotFoundError`` naming missing input files.
@@ -358,6 +368,7 @@ def write_reports(
         bucket = md_bucket_s(con)
         throughput_md = throughput if bucket == 60 else query(con, "throughput", bucket_s=bucket)
         limits = query(con, "limits")
+        audit = query(con, "audit")
     _write_tally(rows, rejects, out_dir)
     write_text("# Rejects by dataset, stage and reason\n\n" + format_rejects(rejects) + "\n", out_dir / "rejects.md")
     write_text(_csv(cost, COST_COLUMNS), out_dir / "cost.csv")
@@ -368,11 +379,21 @@ def write_reports(
                + format_throughput(throughput_md, bucket) + "\n", out_dir / "throughput.md")
     write_text(_csv(limits, LIMIT_COLUMNS), out_dir / "limits.csv")
     write_text("# Which limit ended each dataset\n\n" + format_limits(limits) + "\n", out_dir / "limits.md")
+    write_text(_csv(audit, AUDIT_COLUMNS), out_dir / "audit.csv")
+    write_text("# Token audit: billed counts vs the target's own\n\n" + format_audit(audit) + "\n", out_dir / "audit.md")
+    total_audit = audit[-1] if audit else {}
+    if total_audit.get("prompt_billed_samples") and \
+            total_audit["prompt_equal_samples"] < total_audit["prompt_billed_samples"]:
+        log.warning("audit: %d of %d generated samples' rendered prompts differ in length from the billed prompt "
+                    "(rendered %d vs billed %d tokens); see %s", total_audit["prompt_billed_samples"]
+                    - total_audit["prompt_equal_samples"], total_audit["prompt_billed_samples"],
+                    total_audit["prompt_tokens"], total_audit["billed_prompt_tokens"], out_dir / "audit.md")
     total = cost[-1] if cost else {}
     log.info("reports: %d datasets, %d responses, $%.4f, %d throughput buckets, written to %s", len(rows) - 3,
              (total.get("responses_ok") or 0) + (total.get("responses_failed") or 0), total.get("cost_usd") or 0.0,
              len(throughput), out_dir)
-    return {"tally": rows, "rejects": rejects, "cost": cost, "throughput": throughput, "limits": limits}
+    return {"tally": rows, "rejects": rejects, "cost": cost, "throughput": throughput, "limits": limits,
+            "audit": audit}
 
 
 def _csv(rows: list[dict], columns: list[str]) -> str:
@@ -429,6 +450,8 @@ def _fmt(v, kind: str = "") -> str:
         return f"{v:,.4f}" if abs(v) < 100 else f"{v:,.2f}"
     if kind == "tok":
         return human_tokens(int(v))
+    if kind == "pct":
+        return f"{100 * v:+.2f}%"
     if isinstance(v, float):
         return f"{v:,.1f}"
     if isinstance(v, int):
@@ -438,7 +461,8 @@ def _fmt(v, kind: str = "") -> str:
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]], *, bold=lambda r: False) -> str:
     """Markdown table of ``rows``; ``columns`` = (key, header, kind) with kind ``""`` (plain), ``"tok"``
-    (:func:`human_tokens`), ``"usd"``, ``"text"`` (left-aligned); ``bold(row)`` marks summary rows."""
+    (:func:`human_tokens`), ``"usd"``, ``"pct"`` (a ratio as a signed percentage), ``"text"`` (left-aligned);
+    ``bold(row)`` marks summary rows."""
     head = "| " + " | ".join(h for _, h, _ in columns) + " |"
     align = "|" + "|".join("---" if k == "text" else "--:" for _, _, k in columns) + "|"
     lines = [head, align]
@@ -457,6 +481,18 @@ def format_cost(rows: list[dict]) -> str:
             ("completion_tokens", "Completion tokens", "tok"), ("total_tokens", "Tokens", "tok"),
             ("cost_usd", "Cost $", "usd"), ("usd_per_m_completion_tokens", "$/M completion", "usd"),
             ("usd_per_m_tokens", "$/M tokens", "usd")]
+    return markdown_table(rows, cols, bold=lambda r: r["level"] != "detail")
+
+
+def format_audit(rows: list[dict]) -> str:
+    """Markdown table of ``audit.sql`` rows; dataset subtotals and the total in bold. Relative gaps in percent."""
+    cols = [("dataset", "Dataset", "text"), ("ids_source", "Ids", "text"), ("samples", "Samples", ""),
+            ("completion_tokens", "Completion (ours)", "tok"), ("billed_completion_tokens", "Completion (billed)", "tok"),
+            ("completion_rel", "Completion gap", "pct"), ("completion_equal_samples", "Equal", ""),
+            ("prompt_tokens", "Prompt (ours)", "tok"), ("billed_prompt_tokens", "Prompt (billed)", "tok"),
+            ("prompt_rel", "Prompt gap", "pct"), ("prompt_equal_samples", "Equal", ""),
+            ("prompt_diff_median", "Median prompt diff", ""), ("prompt_diff_min", "Min", ""),
+            ("prompt_diff_max", "Max", "")]
     return markdown_table(rows, cols, bold=lambda r: r["level"] != "detail")
 
 

@@ -81,6 +81,7 @@ TOKENS = pa.schema(
         ("num_completion_tokens", pa.int64()),
         ("ids_source", pa.string()),  # exact | reconstructed | pretokenized
         ("billed_completion_tokens", pa.int64()),  # backend's usage.completion_tokens, null if none
+        ("billed_prompt_tokens", pa.int64()),  # backend's usage.prompt_tokens, null if none (report audit.sql)
         ("finish_reason", pa.string()),
         ("backend", pa.string()),
         ("provider", pa.string()),

@@ -38,7 +38,8 @@ from .templates import TargetTokens, TemplateError, count_tool_calls, target_tok
 log = logging.getLogger("eagle3_data.tokenize")
 
 _RESPONSE_COLUMNS = ("sample_id", "dataset", "turn", "messages", "tools", "status", "error", "reasoning", "content",
-                     "tool_calls", "finish_reason", "completion_tokens", "backend", "provider", "cost_usd",
+                     "tool_calls", "finish_reason", "completion_tokens", "prompt_tokens", "backend", "provider",
+                     "cost_usd",
                      "output_ids")
 
 
@@ -47,6 +48,7 @@ def _base(r: dict, sid: str) -> dict:
         "sample_id": sid,
         "dataset": r["dataset"],
         "billed_completion_tokens": r.get("completion_tokens"),
+        "billed_prompt_tokens": r.get("prompt_tokens"),
         "finish_reason": r.get("finish_reason"),
         "backend": r.get("backend"),
         "provider": r.get("provider"),
@@ -157,8 +159,8 @@ def tokenize_rows(rows: list[dict], target: TargetTokens) -> list[dict]:
 
     Each output row has ``input_ids`` (list[int], target vocabulary), ``loss_mask`` (list[int] 0/1, same length,
     1 exactly on the completion including its end-of-turn token), ``num_tokens``/``num_prompt_tokens``/
-    ``num_completion_tokens``, ``ids_source`` (exact | reconstructed) and ``billed_completion_tokens`` (the backend's
-    ``usage.completion_tokens``). A sample regenerated at several turns (generation mode ``all``) yields one row per
+    ``num_completion_tokens``, ``ids_source`` (exact | reconstructed) and ``billed_completion_tokens`` /
+    ``billed_prompt_tokens`` (the backend's ``usage`` counts). A sample regenerated at several turns (generation mode ``all``) yields one row per
     turn with sample id ``<sample_id>@<turn>``. Never raises for a bad row: it is returned with empty ids and
     ``reject_stage``/``reject_reason``/``reject_detail`` set.
     """

@@ -410,8 +410,10 @@ def validate(
     ``target``: the config ``target`` slice (tokenizer path, template family, ...). ``settings``: the config
     ``validate`` slice (``max_reject_rate``, ``keep_truncated``, ``count_tolerance: {per_sample_abs, per_sample_rel,
     aggregate_rel}``, ``max_tokens``). Returns ``{rows, validated, rejected: {reason: n}, reject_rate,
-    billed_completion_tokens, reconstructed_completion_tokens, count_rel, seconds}``; the two sums cover the
-    validated rows that carry a billed count (the aggregate count audit; ``count_rel = |recon - billed| / billed``).
+    billed_completion_tokens, reconstructed_completion_tokens, count_rel, billed_prompt_tokens,
+    rendered_prompt_tokens, prompt_samples_billed, prompt_samples_differ, seconds}``; the completion sums cover the
+    validated rows that carry a billed count (the aggregate count audit; ``count_rel = |recon - billed| / billed``),
+    the prompt ones the rows with a billed prompt count (the prompt audit: logged as a warning, never a reject).
     Raises, after writing both files, :class:`RejectRateExceeded` when the reject rate is above ``max_reject_rate``
     and :class:`CountAuditFailed` when ``count_rel`` is above ``count_tolerance.aggregate_rel`` (when set).
     """
@@ -419,6 +421,9 @@ def validate(
     tt = target_tokens(target)
     ctx = Context.from_settings(tt, settings)
     table = pq.read_table(tokens_path)
+    if "billed_prompt_tokens" not in table.column_names:  # a tokens file written before the column existed
+        table = table.append_column(pa.field("billed_prompt_tokens", pa.int64()),
+                                    pa.nulls(table.num_rows, pa.int64()))
     verdict = check_table(table, ctx)
     good = np.array([v is None for v in verdict], dtype=bool)
     validated = table.filter(pa.array(good)).select(schemas.VALIDATED.names).cast(schemas.VALIDATED)
@@ -436,6 +441,15 @@ def validate(
     billed = int(pc.sum(pc.filter(validated.column("billed_completion_tokens"), has_billed)).as_py() or 0)
     recon = int(pc.sum(pc.filter(validated.column("num_completion_tokens"), has_billed)).as_py() or 0)
     count_rel = abs(recon - billed) / billed if billed else 0.0
+    # prompt audit (reported, never a reject): the prompt as the target template renders it vs what the backend
+    # billed; a gap means the server saw another prompt than the one the hidden states will be computed on
+    bp = validated.column("billed_prompt_tokens")
+    has_bp = pc.is_valid(bp)
+    billed_p = int(pc.sum(pc.filter(bp, has_bp)).as_py() or 0)
+    rendered_p = int(pc.sum(pc.filter(validated.column("num_prompt_tokens"), has_bp)).as_py() or 0)
+    n_bp = int(pc.sum(pc.cast(has_bp, pa.int64())).as_py() or 0)
+    p_differ = int(pc.sum(pc.cast(pc.fill_null(pc.not_equal(bp, validated.column("num_prompt_tokens")), False),
+                                  pa.int64())).as_py() or 0)
     n = table.num_rows
     rate = len(bad) / n if n else 0.0
     summary = {
@@ -447,9 +461,19 @@ def validate(
         "billed_completion_tokens": billed,
         "reconstructed_completion_tokens": recon,
         "count_rel": count_rel,
+        "billed_prompt_tokens": billed_p,
+        "rendered_prompt_tokens": rendered_p,
+        "prompt_samples_billed": n_bp,
+        "prompt_samples_differ": p_differ,
         "seconds": round(time.time() - t0, 3),
     }
     log.info("validate %s: %s", tokens_path, summary)
+    if p_differ:
+        log.warning("validate %s: prompt audit: %d of %d samples' prompts as the target template renders them "
+                    "differ in length from the backend's billed prompt_tokens (%d rendered vs %d billed in all): "
+                    "the server may render another prompt (a default system prompt, another template version, "
+                    "tools rendered differently); see results/reports/audit.md", tokens_path, p_differ, n_bp,
+                    rendered_p, billed_p)
     ceiling = float(settings.get("max_reject_rate", 1.0))
     if rate > ceiling:
         examples = "; ".join(f"{b['sample_id']}: {b['reason']} ({b['detail'][:80]})" for b in bad[:5])
