@@ -155,3 +155,31 @@ def test_kill9_three_points_then_rerun(tmp_path, fs):
     # a body completed twice was in flight (served, not journaled) at one of the kills, once per such kill
     for b, n in counts.items():
         assert n == 1 + sum(b in k["lost"] for k in kills), (b, n)
+
+
+def test_sigterm_mid_run_stops_cleanly_and_the_rerun_completes(tmp_path, fs):
+    """SIGTERM while requests are in flight (snakemake's way to stop a job) ends in GenerationStopped, not an
+    ExceptionGroup traceback; the journal keeps what arrived and a rerun sends only the rest."""
+    write_prompts(tmp_path / "p.parquet")
+    jfile = journal_path(tmp_path / "journal", "ds", "000")
+    args = job_args(tmp_path, fs, "journal", "out.parquet")
+    proc = start_job(args)
+    deadline = time.monotonic() + 30
+    while journal_lines(jfile) < 40:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode == 1, out[-2000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("eagle3_data.generate.GenerationStopped: [ds/000] interrupted"), out[-2000:]
+    assert "ExceptionGroup" not in out and not (tmp_path / "out.parquet").exists()
+    assert not list(tmp_path.glob(".out.parquet.*.tmp"))           # the partial output was removed
+    recs, st = read_journal(tmp_path / "journal", "ds")
+    assert 40 <= len(recs) < N and st["bad_lines"] == 0
+    rerun = start_job(args)
+    assert rerun.wait(60) == 0, rerun.stdout.read().decode()[-2000:]
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert len(rows) == N and len({r["request_key"] for r in rows}) == N
+    assert all(rows_r["content"] == recs[rows_r["request_key"]]["content"]
+               for rows_r in rows if rows_r["request_key"] in recs)  # journaled responses come back unchanged

@@ -457,6 +457,26 @@ async def _progress(state: _State, interval: float, tag: str) -> None:
         logger.info("%s %s", tag, state.progress_line())
 
 
+def _first_leaf(eg: BaseExceptionGroup) -> BaseException:
+    """The exception a TaskGroup's failure stands for: a FatalBackendError, else an interrupt (SIGTERM as
+    ``_Terminated``, KeyboardInterrupt), else the first task's exception."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            leaves.append(e)
+
+    walk(eg)
+    for kinds in (FatalBackendError, (_Terminated, KeyboardInterrupt)):
+        for e in leaves:
+            if isinstance(e, kinds):
+                return e
+    return leaves[0]
+
+
 async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str) -> None:
     prog = asyncio.create_task(_progress(runner.state, interval, tag))
     try:
@@ -469,8 +489,8 @@ async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str
             for s in samples:
                 await live.acquire()
                 tg.create_task(runner.run_sample(s)).add_done_callback(lambda _t: live.release())
-    except* FatalBackendError as eg:
-        raise eg.exceptions[0] from None
+    except BaseExceptionGroup as eg:  # a task's exception, unwrapped: a stop before an interrupt before a bug
+        raise _first_leaf(eg) from None
     finally:
         prog.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -707,6 +727,8 @@ def generate(
                          generation=generation, backends=backends, journal_dir=journal_dir, log=log,
                          num_shards=num_shards, progress_interval_s=progress_interval_s, summary_path=summary_path,
                          target=target, write_batch_rows=write_batch_rows)
+    except (_Terminated, KeyboardInterrupt):  # outside the request phase (reading prompts, the final write)
+        raise GenerationStopped(f"[{dataset}/{shard}] interrupted (SIGTERM/KeyboardInterrupt); journal kept") from None
     finally:
         pa.set_memory_pool(old_pool)
 
