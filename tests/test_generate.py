@@ -380,3 +380,15 @@ def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatc
             logging.getLogger(n).setLevel(lv)
     assert any(r.startswith("httpcore") for r in records)             # the DEBUG loggers really were on
     assert [r for r in records if canary in r or "Bearer" in r] == []
+
+
+def test_prompt_with_an_escaped_unpaired_surrogate_is_a_bad_prompt_row(tmp_path, fs):
+    convs = simple_convs(5)
+    convs[2][0]["content"] = "broken emoji \ud83d here"            # json.dumps escapes it: valid UTF-8 text
+    convs[3][0]["content"] = "valid pair \ud83d\ude00 here"          # a real emoji: fine
+    prompts = write_prompts(tmp_path / "p.parquet", convs)
+    s = run(tmp_path, fs, prompts)
+    assert s["ok"] == 4 and s["failed"] == {"bad_prompt": 1} and s["sent"] == 4
+    rows = {r["sample_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+    bad = [r for r in rows.values() if r["status"] == "failed"]
+    assert len(bad) == 1 and "unpaired surrogate" in bad[0]["error"] and "row 2" in bad[0]["error"]

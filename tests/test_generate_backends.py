@@ -186,13 +186,17 @@ def test_cost_lookup_by_generation_id_after_404s(tmp_path, fs):
     assert s2["cost_usd"] == 0
 
 
-def test_cost_lookup_gives_up_and_keeps_the_response(tmp_path, fs):
+def test_cost_lookup_gives_up_and_keeps_the_response(tmp_path, fs, caplog):
     fs.app.config.update({"omit_cost": True, "cost_404s": 100})
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(2))
-    s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, cost_lookup=True, cost_lookup_delay_s=0.005))
+    with caplog.at_level("WARNING", logger="eagle3_data.generate"):
+        s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, cost_lookup=True, cost_lookup_delay_s=0.005),
+                gen=gen_cfg(budget_usd=5.0))
     assert s["ok"] == 2
     assert [r["cost_usd"] for r in pq.read_table(tmp_path / "out.parquet").to_pylist()] == [None, None]
     assert all(n == 5 for n in fs.app.cost_lookups.values())
+    # a dollar budget can only count known costs: said once, not per response
+    assert caplog.text.count("budget_usd is set but backend fault returned a response without a usable cost") == 1
 
 
 # ------------------------------------------------------------------------------------------ token limit
@@ -392,3 +396,141 @@ def test_a_task_backing_off_gives_its_live_permit_back_while_it_sleeps():
         return True
 
     assert asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------------------ hostile replies
+
+
+def mock_backend(handler, monkeypatch=None, timeout_s=5.0, **cfg):
+    """A Backend whose HTTP goes to ``handler`` (an httpx.MockTransport handler) instead of the network."""
+    import httpx
+
+    be = Backend(BackendConfig.from_dict("m", {"type": "openrouter", "base_url": "http://mock/v1", "model": "m",
+                                               "timeout_s": timeout_s, **cfg}))
+    be.clients = [httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://mock/v1",
+                                    headers=be.clients[0].headers)]  # Authorization as the backend sets it
+    be._load = [0]
+    return be
+
+
+def post(be, body=b"{}"):
+    async def go():
+        try:
+            return await be.post_chat(body)
+        finally:
+            await be.aclose()
+    return asyncio.run(go())
+
+
+def reply(**over):
+    body = {"id": "gen-1", "choices": [{"finish_reason": "stop", "message": {"content": "fine"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.001}}
+    body.update(over)
+    return body
+
+
+def test_odd_reply_shapes_are_parsed_or_retried_never_crash():
+    import httpx
+
+    from eagle3_data.backends.client import RetryableError
+
+    def serve(body):
+        return mock_backend(lambda req: httpx.Response(200, json=body))
+
+    f = post(serve(reply(usage=[1, 2])))                             # usage not an object: counts unknown
+    assert f["content"] == "fine" and f["completion_tokens"] is None and f["cost_usd"] is None
+    f = post(serve(reply(usage={"completion_tokens": 2, "completion_tokens_details": [1]})))
+    assert f["completion_tokens"] == 2 and f["reasoning_tokens"] is None
+    parts = [{"type": "text", "text": "hello "}, {"type": "image_url"}, {"type": "text", "text": "world"}]
+    f = post(serve(reply(choices=[{"finish_reason": "stop", "message": {"content": parts, "reasoning": [
+        {"type": "text", "text": "think"}]}}])))
+    assert (f["content"], f["reasoning"]) == ("hello world", "think")  # content parts are joined, not dropped
+    for bad, reason in (({"content": [{"type": "image_url"}]}, "empty_response"),   # no text part, no usage
+                        ({"content": "x", "tool_calls": "not a list"}, "malformed_json"),
+                        ({"content": "x", "tool_calls": {"name": "f"}}, "malformed_json")):
+        with pytest.raises(RetryableError) as ei:
+            post(serve(reply(choices=[{"message": bad}], usage=None)))
+        assert ei.value.reason == reason
+
+
+def test_transport_failures_and_trickling_replies_are_retryable_timeouts():
+    import httpx
+
+    from eagle3_data.backends.client import RetryableError
+
+    bad_gzip = mock_backend(lambda req: httpx.Response(200, content=b"not gzip at all",
+                                                       headers={"Content-Encoding": "gzip"}))
+    with pytest.raises(RetryableError) as ei:
+        post(bad_gzip)
+    assert ei.value.reason == "http_error" and "DecodingError" in ei.value.message
+
+    class Trickle(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for _ in range(100):                        # a byte every 0.1 s: each read is quick, the whole is not
+                await asyncio.sleep(0.1)
+                yield b" "
+
+    t0 = time.monotonic()
+    with pytest.raises(RetryableError) as ei:
+        post(mock_backend(lambda req: httpx.Response(200, stream=Trickle()), timeout_s=0.5))
+    assert ei.value.reason == "timeout" and time.monotonic() - t0 < 2.0
+
+
+def test_error_texts_are_scrubbed_of_the_api_key_and_of_surrogates(monkeypatch):
+    import httpx
+
+    from eagle3_data.backends.client import FatalBackendError, RetryableError, SampleError
+
+    monkeypatch.setenv("MOCK_KEY", "sk-or-v1-0123456789abcdef\n")  # pasted with its newline: stripped, works
+    seen = []
+
+    def echo(req):
+        seen.append(req.headers["authorization"])
+        body = json.dumps({"error": {"message": f"bad header {req.headers['authorization']} \ud800"}})  # escaped
+        return httpx.Response(400, content=body.encode())
+
+    with pytest.raises(SampleError) as ei:
+        post(mock_backend(echo, api_key_env="MOCK_KEY"))
+    assert seen == ["Bearer sk-or-v1-0123456789abcdef"]
+    assert "0123456789abcdef" not in str(ei.value) and "[api key]" in ei.value.message
+    assert str(ei.value).encode("utf-8")                                  # the lone surrogate became "?"
+    with pytest.raises(RetryableError) as ei:                             # errors inside a 200 body too
+        post(mock_backend(lambda r: httpx.Response(200, json={"error": {"message": r.headers["authorization"]}}),
+                          api_key_env="MOCK_KEY"))
+    assert "0123456789abcdef" not in str(ei.value)
+    monkeypatch.setenv("MOCK_KEY", "sk-or v1\u00e9")                        # can't be a header: stop, name the variable
+    with pytest.raises(FatalBackendError, match="MOCK_KEY.*characters an HTTP header can't carry") as ei:
+        mock_backend(echo, api_key_env="MOCK_KEY")
+    assert "sk-or" not in str(ei.value)
+
+
+def test_looked_up_costs_that_are_not_a_price_count_as_misses():
+    import httpx
+
+    for value in (float("nan"), -0.5, True, "abc", None):
+        be = mock_backend(lambda req, v=value: httpx.Response(200, content=json.dumps(
+            {"data": {"total_cost": v}}).encode()), cost_lookup=True, cost_lookup_delay_s=0.01)
+
+        async def go():
+            try:
+                return await be.lookup_cost("gen-1")
+            finally:
+                await be.aclose()
+
+        assert asyncio.run(go()) is None and be.cost_lookup_misses == 1, value
+
+
+def test_native_reply_with_odd_meta_info_is_retried_or_parsed(tiny):
+    from eagle3_data.backends.client import RetryableError, parse_native_response
+    from eagle3_data.templates import target_tokens
+
+    tt = target_tokens({"path": str(tiny[0]), "template": "kimi-k2"})
+    be = BackendConfig.from_dict("s", {"type": "sglang", "base_url": "http://x/v1", "model": "m",
+                                       "native_generate": True})
+    ids = [104, 105, tt.eot_ids[0]] if getattr(tt, "eot_ids", None) else [104, 105]
+    f = parse_native_response(be, json.dumps({"output_ids": ids, "meta_info": [1, 2]}).encode(), 0.1, tt)
+    assert f["output_ids"] == ids and f["finish_reason"] == "stop" and f["prompt_tokens"] is None
+    with pytest.raises(RetryableError) as ei:
+        parse_native_response(be, json.dumps({"output_ids": ids, "meta_info": {"finish_reason": "abort"}}).encode(),
+                              0.1, tt)
+    assert ei.value.reason == "aborted"

@@ -76,3 +76,36 @@ def test_non_record_lines_are_bad(tmp_path):
 def test_record_without_key_rejected(tmp_path):
     with JournalWriter(tmp_path, "ds", "000") as j, pytest.raises(JournalError, match="request_key"):
         j.append({"content": "x"})
+
+
+def test_records_with_values_no_responses_row_can_hold_are_bad_lines(tmp_path, caplog):
+    p = journal_path(tmp_path, "ds", "000")
+    p.parent.mkdir(parents=True)
+    bad = [rec("a", completion_tokens="12"), rec("b", cost_usd=float("nan")), rec("c", output_ids=[1, 2.0]),
+           rec("d", turn="1"), rec("e", content=7), rec("f", cost_usd=-0.5), rec("g", prompt_tokens=-1),
+           rec("h", output_ids=[1, 2**31]), rec("i", turn=True), rec("j", latency_s=float("inf"))]
+    good = [rec("ok1", completion_tokens=3, cost_usd=0.0, output_ids=[0, 5], turn=1, latency_s=1),
+            rec("ok2", prompt_tokens=2**40, completed_at=1.7e9)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in bad[:5] + good + bad[5:]))
+    with caplog.at_level("WARNING", logger="eagle3_data.journal"):
+        recs, stats = read_journal(tmp_path, "ds")
+    assert sorted(recs) == ["ok1", "ok2"] and stats["bad_lines"] == len(bad) == 10
+    assert "line 1: field 'completion_tokens' is '12', not a count" in caplog.text
+    assert "line 2: field 'cost_usd' is nan, not a finite number" in caplog.text
+    assert "line 5: field 'content' is int, not text" in caplog.text
+
+
+def test_stale_partial_outputs_are_removed_but_a_live_writers_is_not(tmp_path):
+    from eagle3_data.io import atomic_path, remove_stale_partials
+
+    out = tmp_path / "out[1].parquet"                                  # glob characters in the name
+    dead = tmp_path / ".out[1].parquet.dead1234.tmp"                   # left by a kill -9: no lock held
+    dead.write_bytes(b"partial")
+    other = tmp_path / ".other.parquet.x.tmp"
+    other.write_bytes(b"not ours")
+    with atomic_path(out, lock=True) as live:
+        live.write_bytes(b"in progress")
+        assert remove_stale_partials(out) == [dead]
+        assert live.exists() and other.exists() and not dead.exists()
+    assert out.read_bytes() == b"in progress" and not live.exists()
+    assert remove_stale_partials(out) == []

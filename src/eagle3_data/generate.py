@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -57,7 +58,7 @@ from .backends.client import (
     retry_wait,
 )
 from .backends.server import launch_server
-from .io import content_hash, write_json
+from .io import content_hash, remove_stale_partials, write_json
 from .journal import JournalWriter, iter_journal_file, read_journal
 
 logger = logging.getLogger("eagle3_data.generate")
@@ -139,6 +140,9 @@ def request_key(dataset: str, sample_id: str, turn: int, target_name: str, messa
     return content_hash(dataset, sample_id, int(turn), target_name, messages, tools, sampling, length=16)
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def _parse_json_cell(text, what: str, row: int, path) -> object:
     if text is None:
         return None
@@ -171,6 +175,13 @@ def read_prompts(prompts_path, mode: str) -> tuple[list[Sample], list[dict]]:
         try:
             messages = _parse_json_cell(cols["messages"][i], "messages", i, prompts_path)
             tools = _parse_json_cell(tools_col[i], "tools", i, prompts_path)
+            for what, text, value in (("messages", cols["messages"][i], messages), ("tools", tools_col[i], tools)):
+                if text and _SURROGATE_ESCAPE.search(text):  # a \udXXX escape: a valid pair, or a broken emoji?
+                    try:
+                        json.dumps(value, ensure_ascii=False).encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ValueError(f"{prompts_path} row {i}: {what} hold an unpaired surrogate (a \\udXXX "
+                                         "escape, e.g. a broken emoji): not valid Unicode, can't be sent") from None
             if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
                 raise ValueError(f"{prompts_path} row {i}: messages must be a JSON list of objects with 'role'")
             if tools is not None and not isinstance(tools, list):
@@ -212,6 +223,7 @@ class _State:
     journal_cost_usd: float = 0.0
     new_ok: int = 0
     stopped_by: str | None = None
+    warned_unknown_cost: bool = False
     by_backend: dict = field(default_factory=dict)
     retry_reasons: dict = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
@@ -252,7 +264,7 @@ def _failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reaso
         "sample_id": sample.sample_id, "dataset": dataset, "turn": int(turn), "request_key": key,
         "messages": json.dumps(prompt, ensure_ascii=False) if not isinstance(prompt, str) else prompt,
         "tools": json.dumps(sample.tools, ensure_ascii=False) if sample.tools else None,
-        "status": "failed", "error": f"{reason}: {detail}"[:2000],
+        "status": "failed", "error": f"{reason}: {detail}"[:2000].encode("utf-8", "replace").decode("utf-8"),
     }
 
 
@@ -337,6 +349,11 @@ class _Runner:
                 st.completion_tokens += rec.get("completion_tokens") or 0
                 st.prompt_tokens += rec.get("prompt_tokens") or 0
                 st.cost_usd += rec.get("cost_usd") or 0.0
+                if rec.get("cost_usd") is None and st.budget_usd is not None and not st.warned_unknown_cost:
+                    st.warned_unknown_cost = True
+                    logger.warning("[%s] budget_usd is set but backend %s returned a response without a usable "
+                                   "cost (no usage.cost, a failed cost lookup): the dollar budget counts known "
+                                   "costs only", self.dataset, rec.get("backend"))
                 st.by_backend[rec["backend"]] = st.by_backend.get(rec["backend"], 0) + 1
                 rec = {k: rec.get(k) for k in ("content", "tool_calls")}  # what the history needs; rest on disk
                 st.new_ok += 1
@@ -802,9 +819,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             logger.info("%s %s already reached by journaled responses: nothing sent", tag, state.stopped_by)
         # the output is written while the job runs (new responses as they arrive); it appears at out_path only
         # when the job succeeds (atomic rename); a partial file left by a killed job is removed here
-        for stale in out_path.parent.glob(f".{out_path.name}.*.tmp"):
-            logger.info("%s removing %s (partial output of an interrupted job)", tag, stale)
-            stale.unlink(missing_ok=True)
+        for stale in remove_stale_partials(out_path):
+            logger.info("%s removed %s (partial output of an interrupted job)", tag, stale)
         with schemas.CheckedParquetWriter("responses", out_path) as writer:
             try:
                 with contextlib.ExitStack() as stack:

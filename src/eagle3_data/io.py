@@ -7,6 +7,8 @@ never leaves a truncated file that a rerun would take as done.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -23,16 +25,23 @@ os.umask(_UMASK)
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds.
+def atomic_path(path: str | os.PathLike, *, lock: bool = False) -> Iterator[Path]:
+    """Yield a temporary path (``.<name>.XXXX.tmp``) next to ``path``; rename it onto ``path`` only if the block
+    succeeds.
 
     The temporary file lives in the same directory (same filesystem) so ``os.replace`` is atomic.
-    On an exception the temporary file is removed and ``path`` is left untouched.
+    On an exception the temporary file is removed and ``path`` is left untouched. ``lock``: hold an exclusive
+    ``flock`` on the temporary file while the block runs (a long-running writer), so that
+    :func:`remove_stale_partials` removes it only once its writer is gone (killed with ``kill -9``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    if lock:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the OS when the process dies
+    else:
+        os.close(fd)
+        fd = None
     tmp_path = Path(tmp)
     try:
         yield tmp_path
@@ -44,6 +53,32 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def remove_stale_partials(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files (``.<name>.*.tmp``) that dead writers of ``path`` left (a job killed with
+    ``kill -9`` never runs its cleanup); a file whose writer still holds its lock (``atomic_path(lock=True)``,
+    e.g. another job writing the same output) is left alone. Returns the removed paths."""
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live writer
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+            removed.append(tmp)
+    return removed
 
 
 def write_parquet(table: pa.Table, path: str | os.PathLike) -> None:

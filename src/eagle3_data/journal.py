@@ -55,6 +55,35 @@ def iter_journal(journal_dir: str | os.PathLike, dataset: str, stats: dict | Non
         yield from iter_journal_file(path, stats, warn)
 
 
+_TEXT_FIELDS = ("sample_id", "dataset", "messages", "tools", "status", "error", "reasoning", "content", "tool_calls",
+                "finish_reason", "backend", "provider", "model")
+_COUNT_FIELDS = ("turn", "prompt_tokens", "completion_tokens", "reasoning_tokens")
+_NUMBER_FIELDS = ("cost_usd", "latency_s", "completed_at")
+
+
+def record_problem(rec: dict) -> str | None:
+    """Why ``rec`` can't be a RESPONSES row (a field of the wrong type, a NaN cost, a negative count, an id out of
+    int32 ...), or None. A hand-edited or foreign line that fails this is skipped like a torn one."""
+    import math
+
+    for k in _TEXT_FIELDS:
+        v = rec.get(k)
+        if v is not None and not isinstance(v, str):
+            return f"field {k!r} is {type(v).__name__}, not text"
+    for k in _COUNT_FIELDS:
+        v = rec.get(k)
+        if v is not None and (type(v) is not int or not 0 <= v < (2**31 if k == "turn" else 2**63)):
+            return f"field {k!r} is {v!r}, not a count"
+    for k in _NUMBER_FIELDS:
+        v = rec.get(k)
+        if v is not None and (type(v) not in (int, float) or not math.isfinite(v) or (k == "cost_usd" and v < 0)):
+            return f"field {k!r} is {v!r}, not a finite number"
+    ids = rec.get("output_ids")
+    if ids is not None and not (isinstance(ids, list) and all(type(i) is int and 0 <= i < 2**31 for i in ids)):
+        return "field 'output_ids' is not a list of token ids"
+    return None
+
+
 def iter_journal_file(path: str | os.PathLike, stats: dict | None = None, warn: bool = False) -> Iterator[dict]:
     """Yield the complete records of one journal file in line order (torn/invalid lines skipped and counted in
     ``stats["bad_lines"]``, complete lines in ``stats["lines"]``)."""
@@ -69,11 +98,15 @@ def iter_journal_file(path: str | os.PathLike, stats: dict | None = None, warn: 
             try:
                 rec = json.loads(raw)
                 if not isinstance(rec, dict) or not isinstance(rec.get("request_key"), str):
-                    raise ValueError("no request_key")
-            except ValueError:
+                    raise ValueError("not a record with a request_key (torn write?)")
+                problem = record_problem(rec)
+                if problem:
+                    raise ValueError(problem)
+            except ValueError as exc:
                 stats["bad_lines"] += 1
                 if warn:
-                    logger.warning("journal %s line %d: not a complete record (torn write?); skipped", path, lineno)
+                    logger.warning("journal %s line %d: %s; skipped (its request is sent again)", path, lineno,
+                                   str(exc)[:200])
                 continue
             yield rec
 

@@ -274,7 +274,7 @@ class CheckedParquetWriter:
 
         from .io import atomic_path
 
-        self._cm = atomic_path(self.path)
+        self._cm = atomic_path(self.path, lock=True)  # a live writer's temp file is never taken for stale
         tmp = self._cm.__enter__()
         self._writer = pq.ParquetWriter(tmp, self.schema, compression="zstd")
         return self

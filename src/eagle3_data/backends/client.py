@@ -149,12 +149,25 @@ class BackendConfig:
         """The key from the environment variable ``api_key_env``; error names the variable, not a value."""
         if not self.api_key_env:
             return None
-        key = os.environ.get(self.api_key_env)
+        key = (os.environ.get(self.api_key_env) or "").strip()  # a key pasted with its newline still works
         if not key:
             raise FatalBackendError(
                 f"backend {self.name!r}: environment variable {self.api_key_env} (api_key_env) is not set or empty"
             )
+        if not all("!" <= ch <= "~" for ch in key):
+            raise FatalBackendError(
+                f"backend {self.name!r}: environment variable {self.api_key_env} (api_key_env) holds characters an "
+                "HTTP header can't carry (whitespace inside the key, non-ASCII or control characters)"
+            )
         return key
+
+    def scrub(self, text: str) -> str:
+        """``text`` (from a server: error messages end up in logs and in failed rows) with this backend's API key
+        replaced by ``[api key]`` (a server may echo the Authorization header) and unpaired surrogates by ``?``."""
+        key = (os.environ.get(self.api_key_env) or "").strip() if self.api_key_env else ""
+        if len(key) >= 8:
+            text = text.replace(key, "[api key]")
+        return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def build_body(backend: BackendConfig, messages: list, tools: list | None, sampling: dict) -> dict:
@@ -261,7 +274,7 @@ def check_status(backend: BackendConfig, resp: httpx.Response) -> None:
     code = resp.status_code
     if code == 200:
         return
-    text = _error_text(resp)
+    text = backend.scrub(_error_text(resp))
     if code in FATAL_STATUS:
         if code == 403 and _is_moderation(resp):
             raise SampleError("moderation", text)
@@ -308,6 +321,15 @@ def _text(field: str, v) -> str | None:
     return v
 
 
+def _parts_text(v):
+    """A message field as text: a string as is; a list of content parts (``[{"type": "text", "text": ...}]``, as
+    some providers send) joined; anything else unchanged (then dropped by :func:`_text`)."""
+    if isinstance(v, list):
+        parts = [p["text"] for p in v if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return "".join(parts) if parts else None
+    return v
+
+
 def _token_ids(v) -> list[int] | None:
     """Token ids as returned (a non-empty list of ints in [0, 2**31), the RESPONSES int32 ids), else None."""
     if isinstance(v, list) and v and all(type(i) is int and 0 <= i < 2**31 for i in v):
@@ -350,16 +372,19 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     msg = choice.get("message")
     if not isinstance(msg, dict):
         raise RetryableError("malformed_json", "choices[0].message missing")
-    content_text = msg.get("content")
-    reasoning = msg.get("reasoning")
+    content_text = _parts_text(msg.get("content"))
+    reasoning = _parts_text(msg.get("reasoning"))
     if reasoning is None:
-        reasoning = msg.get("reasoning_content")
+        reasoning = _parts_text(msg.get("reasoning_content"))
     tool_calls = msg.get("tool_calls") or None
-    usage = data.get("usage") or {}
+    if tool_calls is not None and not (isinstance(tool_calls, list) and all(isinstance(t, dict) for t in tool_calls)):
+        raise RetryableError("malformed_json", f"tool_calls is not a list of objects: {str(tool_calls)[:100]}")
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
     completion_tokens = _int(usage.get("completion_tokens"))
     if not content_text and not reasoning and not tool_calls and not completion_tokens:
         raise RetryableError("empty_response", "no content, reasoning or tool calls")
-    details = usage.get("completion_tokens_details") or {}
+    details = usage.get("completion_tokens_details")
+    details = details if isinstance(details, dict) else {}
     reasoning_tokens = _int(details.get("reasoning_tokens"))
     if reasoning_tokens is None:
         reasoning_tokens = _int(usage.get("reasoning_tokens"))  # SGLang: top-level
@@ -452,11 +477,12 @@ def parse_native_response(backend: BackendConfig, content: bytes, latency_s: flo
     if data.get("error"):
         err = data["error"]
         raise RetryableError("error_in_body", str(err.get("message") if isinstance(err, dict) else err)[:300])
-    meta = data.get("meta_info") or {}
-    fr = meta.get("finish_reason") or {}
-    ftype = fr.get("type") if isinstance(fr, dict) else str(fr)
+    meta = data.get("meta_info") if isinstance(data.get("meta_info"), dict) else {}
+    fr = meta.get("finish_reason")
+    ftype = fr.get("type") if isinstance(fr, dict) else fr
     if ftype == "abort":
-        raise RetryableError("aborted", str(fr.get("message") or "request aborted by the server")[:300])
+        msg = fr.get("message") if isinstance(fr, dict) else None
+        raise RetryableError("aborted", str(msg or "request aborted by the server")[:300])
     ids = _token_ids(data.get("output_ids"))
     if ids is None:
         raise RetryableError("empty_response", "no output_ids (non-empty list of ids in [0, 2**31)) in the "
@@ -585,18 +611,33 @@ class Backend:
         ``est_tokens``: the request's estimated prompt + max_tokens, charged to ``tokens_per_minute``."""
         await self._limits(est_tokens)
         t0 = time.monotonic()
-        resp = await self._post("/chat/completions", body)
-        check_status(self.cfg, resp)
-        return parse_response(self.cfg, resp.content, time.monotonic() - t0)
+        try:
+            resp = await self._post("/chat/completions", body)
+            check_status(self.cfg, resp)
+            return parse_response(self.cfg, resp.content, time.monotonic() - t0)
+        except (RetryableError, SampleError, FatalBackendError) as exc:
+            raise self._scrubbed(exc) from None
 
     async def post_native(self, body: bytes, target, think_state: str, est_tokens: int = 1) -> dict:
         """POST one SGLang ``/generate`` request (at the server root); return parsed fields (see
         :func:`parse_native_response`) or raise Retryable/Sample/FatalBackendError."""
         await self._limits(est_tokens)
         t0 = time.monotonic()
-        resp = await self._post(self.cfg.root_url + "/generate", body)
-        check_status(self.cfg, resp)
-        return parse_native_response(self.cfg, resp.content, time.monotonic() - t0, target, think_state)
+        try:
+            resp = await self._post(self.cfg.root_url + "/generate", body)
+            check_status(self.cfg, resp)
+            return parse_native_response(self.cfg, resp.content, time.monotonic() - t0, target, think_state)
+        except (RetryableError, SampleError, FatalBackendError) as exc:
+            raise self._scrubbed(exc) from None
+
+    def _scrubbed(self, exc: Exception) -> Exception:
+        """``exc`` with its message scrubbed (:meth:`BackendConfig.scrub`): it reaches logs and failed rows."""
+        if isinstance(exc, (RetryableError, SampleError)):
+            exc.message = self.cfg.scrub(exc.message)
+            exc.args = (f"{exc.reason}: {exc.message}" if exc.message else exc.reason,)
+        else:
+            exc.args = tuple(self.cfg.scrub(str(a)) for a in exc.args)
+        return exc
 
     async def lookup_cost(self, generation_id: str, attempts: int = 5) -> float | None:
         """OpenRouter ``GET {base_url}/generation?id=...`` -> ``data.total_cost`` (USD), or None.
@@ -613,8 +654,11 @@ class Backend:
                 resp = None
             if resp is not None and resp.status_code == 200:
                 try:
-                    cost = (resp.json().get("data") or {}).get("total_cost")
-                    return None if cost is None else float(cost)
+                    data = resp.json().get("data")
+                    cost = _cost(data.get("total_cost")) if isinstance(data, dict) else None
+                    if cost is not None:
+                        return cost
+                    break  # no usable cost in the stats
                 except (ValueError, AttributeError, TypeError):
                     break
             if resp is not None and resp.status_code not in (404, 429) and resp.status_code < 500:
@@ -628,13 +672,18 @@ class Backend:
         i = self._load.index(min(self._load))
         self._load[i] += 1
         try:
-            return await self.clients[i].post(url, content=body)
-        except httpx.TimeoutException as exc:
-            raise RetryableError("timeout", type(exc).__name__) from None
+            # httpx's timeouts are per read: a reply trickling a byte at a time would never end without a
+            # deadline for the whole request
+            async with asyncio.timeout(self.cfg.timeout_s):
+                return await self.clients[i].post(url, content=body)
+        except (httpx.TimeoutException, TimeoutError) as exc:
+            raise RetryableError("timeout", f"{type(exc).__name__} (timeout_s {self.cfg.timeout_s:g})") from None
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
                 httpx.NetworkError) as exc:
             raise RetryableError("connection_error", f"{type(exc).__name__}: {str(exc)[:200]}",
                                  backend_fault=isinstance(exc, httpx.ConnectError)) from None
+        except httpx.HTTPError as exc:  # a body that fails to decode (Content-Encoding), another protocol error
+            raise RetryableError("http_error", f"{type(exc).__name__}: {str(exc)[:200]}") from None
         finally:
             self._load[i] -= 1
 
