@@ -88,6 +88,27 @@ def test_generated_pass_rate_is_at_least_90_percent(built):
     assert ok / (ok + bad) >= 0.90, (ok, bad)
 
 
+def test_audit_shows_our_prompts_and_completions_are_what_the_server_counted(built):
+    """The demo's server (`transformers serve` on the tiny target) renders prompts with the target's own chat
+    template and counts the ids it generated: every validated generated sample must agree with it exactly, the
+    tool-calling SWE-agent prompts included (a gap here = a template or tokenization drift)."""
+    import csv
+
+    with open(built / "results/reports/audit.csv") as fh:
+        audit = {(r["dataset"], r["ids_source"]): r for r in csv.DictReader(fh)}
+    total = audit[("(all)", "(all)")]
+    cfg = config(built)
+    generated = [ds for ds, d in cfg["datasets"].items() if d["source"]["format"] != "pretokenized"]
+    validated = rows([built / f"results/{ds}/validated/{s:03d}.parquet" for ds in generated
+                      for s in range(cfg["datasets"][ds].get("shards", 1))])
+    assert int(total["samples"]) == len(validated) > 50
+    assert int(total["prompt_billed_samples"]) == int(total["prompt_equal_samples"]) == len(validated)
+    assert int(total["completion_billed_samples"]) == int(total["completion_equal_samples"]) == len(validated)
+    assert int(total["prompt_tokens"]) == sum(r["num_prompt_tokens"] for r in validated)
+    assert {ds for ds, src in audit if src != "(all)"} == set(generated)
+    assert int(audit[("sweagent_demo", "(all)")]["prompt_equal_samples"]) > 10
+
+
 def test_token_ids_and_loss_mask_cover_exactly_the_completion(built):
     from transformers import AutoTokenizer
 
