@@ -534,3 +534,27 @@ def test_native_reply_with_odd_meta_info_is_retried_or_parsed(tiny):
         parse_native_response(be, json.dumps({"output_ids": ids, "meta_info": {"finish_reason": "abort"}}).encode(),
                               0.1, tt)
     assert ei.value.reason == "aborted"
+
+
+def test_journal_read_back_agrees_with_the_resume_index_on_rejected_records(tmp_path, fs):
+    """A record the resume index skips (a negative cost, written by hand or a foreign tool) must not reach the
+    output through the arrow path either: its valid duplicate later in the journal is the one used."""
+    from eagle3_data.generate import _write_output
+    from eagle3_data.journal import read_journal
+
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(12))
+    run(tmp_path, fs, prompts, out="ref.parquet")
+    jfile = tmp_path / "journal" / "ds" / "000.jsonl"
+    lines = jfile.read_bytes().splitlines(keepends=True)
+    poisoned = json.loads(lines[4])
+    poisoned.update(cost_usd=-1.0, content="POISON")
+    jfile.write_bytes(b"".join(lines[:4]) + json.dumps(poisoned).encode() + b"\n" + b"".join(lines[4:]))
+    recs, st = read_journal(tmp_path / "journal", "ds")
+    assert st["bad_lines"] == 1 and recs[poisoned["request_key"]]["content"] != "POISON"
+    keys = list(rows_by_key(tmp_path / "ref.parquet"))
+    for block in (1 << 20, 2048):
+        out = tmp_path / f"o{block}.parquet"
+        assert _write_output(out, tmp_path / "journal", "ds", keys, [], batch_rows=5, block_bytes=block) == 12
+        assert rows_by_key(out) == rows_by_key(tmp_path / "ref.parquet")
+    s = run(tmp_path, fs, prompts, out="rerun.parquet")                # the stage itself: nothing sent again
+    assert s["sent"] == 0 and rows_by_key(tmp_path / "rerun.parquet") == rows_by_key(tmp_path / "ref.parquet")
