@@ -158,9 +158,7 @@ def check(table: pa.Table, kind: str, path: str = "<memory>") -> pa.Table:
     """
     from pandera import errors as pandera_errors
 
-    from .schema_models import (
-        MODELS,  # pandas + pandera load only when values are checked
-    )
+    from .schema_models import MODELS  # pandas + pandera load only when values are checked
 
     schema, model = ARROW_SCHEMAS[kind], MODELS[kind]
     if not table.schema.equals(schema, check_metadata=False):
@@ -213,7 +211,7 @@ def check_responses_arrow(table: pa.Table, path: str = "<memory>", seen_keys: se
     the table and, when ``seen_keys`` is given, across earlier batches (the set is updated). Raises
     :class:`SchemaError` naming ``path``, the column and the failing check.
 
-    Only the seven small columns are converted to Python (never the texts), and ``pyarrow.compute`` is not used:
+    Only the small columns are converted to Python (never the texts), and ``pyarrow.compute`` is not used:
     loading its kernel registry costs ~50 MB of RSS, more than the generate stage's whole output batch.
     """
     if not table.schema.equals(RESPONSES, check_metadata=False):

@@ -648,8 +648,9 @@ class Backend:
         self.cost_lookups += 1
         for n in range(attempts):
             try:
-                resp = await self.clients[0].get("/generation", params={"id": generation_id})
-            except httpx.HTTPError as exc:
+                async with asyncio.timeout(self.cfg.timeout_s):  # a whole-request deadline, as in _post
+                    resp = await self.clients[0].get("/generation", params={"id": generation_id})
+            except (httpx.HTTPError, TimeoutError) as exc:
                 logger.debug("backend %s: cost lookup %s failed: %s", self.name, generation_id, type(exc).__name__)
                 resp = None
             if resp is not None and resp.status_code == 200:
