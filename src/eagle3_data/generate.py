@@ -647,8 +647,12 @@ def _batch_suspect(rb) -> bool:
         if any(v is not None and (not math.isfinite(v) or (name == "cost_usd" and v < 0))
                for v in rb.column(name).to_pylist()):
             return True
-    ids = rb.column("output_ids").flatten()
-    return len(ids) > 0 and int(ids.to_numpy(zero_copy_only=False).min()) < 0
+    ids = rb.column("output_ids").values  # the int32 child (a freshly parsed batch: no slicing offsets)
+    if not len(ids):
+        return False
+    import numpy as np  # already loaded by pyarrow; np.frombuffer, unlike to_numpy, loads no pyarrow.compute
+
+    return int(np.frombuffer(ids.buffers()[1], dtype=np.int32, count=len(ids), offset=4 * ids.offset).min()) < 0
 
 
 def _write_journaled(w: schemas.CheckedParquetWriter, folder: Path, wanted: set, batch_rows: int,
