@@ -313,6 +313,19 @@ def test_completion_token_budget_overshoot_bounded(tmp_path, fs):
     assert run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=40, budget_completion_tokens=400), out="b.parquet")["sent"] == 0
 
 
+def test_budget_holds_when_most_attempts_get_429(tmp_path, fs):
+    """Requests backing off after 429s give their task permit back; every retry is gated by the budget like a
+    new request, so a 429 storm can't admit a crowd of requests that all complete after the budget is spent."""
+    fs.app.config.update({"p429": 0.7, "retry_after_s": 0.01, "min_tokens": 10, "max_tokens": 10, "seed": 2})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(120))
+    conc = 2
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=10, budget_completion_tokens=50, max_retries=30),
+            bk=backends_cfg(fs, max_concurrency=conc))
+    assert s["stopped_by"] == "budget_completion_tokens" and s["retries"] > 5
+    assert 50 <= s["total_completion_tokens"] <= 50 + conc * 10
+    assert s["ok"] + s["not_sent"] == 120 and s["failed"] == {}
+
+
 def test_usd_budget_and_sample_cap(tmp_path, fs):
     fs.app.config.update({"min_tokens": 30, "max_tokens": 30, "price_out": 0.001, "price_in": 0.0,
                           "latency_min_s": 0.01, "latency_max_s": 0.02})
@@ -341,6 +354,10 @@ def test_priority_overflow_and_ejection(tmp_path, fs):
     s2 = run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(30, start=50)),
              gen=gen_cfg(backends=["dead", "live"], max_retries=30), bk=bk2, out="o2.parquet")
     assert s2["ok"] == 30 and s2["by_backend"] == {"live": 30}
+    # a single retry is enough: a retry after a backend fault waits for another backend rather than the same one
+    s3 = run(tmp_path, fs, write_prompts(tmp_path / "p3.parquet", simple_convs(40, start=100)),
+             gen=gen_cfg(backends=["dead", "live"], max_retries=1), bk=bk2, out="o3.parquet")
+    assert s3["ok"] == 40 and s3["failed"] == {} and s3["by_backend"] == {"live": 40}
 
 
 def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatch):

@@ -384,6 +384,7 @@ def test_a_task_backing_off_gives_its_live_permit_back_while_it_sleeps():
 
     async def scenario():
         runner.live = live = asyncio.Semaphore(1)
+        runner.max_backing_off = 1
         await live.acquire()                                  # the retrying task's permit
         sleeper = asyncio.create_task(runner.backoff_sleep(0.1))
         await asyncio.sleep(0.02)

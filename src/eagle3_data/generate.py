@@ -235,19 +235,23 @@ class _State:
         return self.cost_usd + self.journal_cost_usd
 
     def budget_reached(self) -> str | None:
-        """Name of the budget that forbids a new request now (counting in-flight at the running mean)."""
-        if self.stopped_by:
-            return self.stopped_by
+        """Name of the budget that forbids a request now, counting what is in flight at the running mean per
+        completed request; None if none does. Evaluated afresh at every attempt (not sticky): when requests in
+        flight fail (a 429), the room they held is given back. ``stopped_by`` keeps the last budget that refused
+        a request (the summary's "which limit ended the dataset")."""
         n = max(1, self.new_ok)
+        reached = None
         if self.budget_tokens is not None:
             est = self.completion_tokens / n if self.new_ok else 0.0
             if self.spent_tokens() + self.in_flight * est >= self.budget_tokens:
-                self.stopped_by = "budget_completion_tokens"
-        if self.budget_usd is not None and not self.stopped_by:
+                reached = "budget_completion_tokens"
+        if self.budget_usd is not None and reached is None:
             est = self.cost_usd / n if self.new_ok else 0.0
             if self.spent_usd() + self.in_flight * est >= self.budget_usd:
-                self.stopped_by = "budget_usd"
-        return self.stopped_by
+                reached = "budget_usd"
+        if reached:
+            self.stopped_by = reached
+        return reached
 
     def progress_line(self) -> str:
         el = max(1e-9, time.monotonic() - self.t0)
@@ -288,6 +292,8 @@ class _Runner:
         self.write_batch_rows = max(1, int(write_batch_rows))
         self.out_lines: list[bytes] = []
         self.live: asyncio.Semaphore | None = None  # set by _run
+        self.backing_off = 0  # tasks sleeping before a retry without a live permit
+        self.max_backing_off = 0  # how many may (set by _run: the pool's capacity)
         self.target = target  # TargetTokens, for backends with native_generate
         self.max_tokens = int(generation.get("max_tokens") or 0)
 
@@ -391,23 +397,27 @@ class _Runner:
 
     async def backoff_sleep(self, seconds: float) -> None:
         """Sleep before a retry without holding a ``live`` permit (see :func:`_run`): a burst of 429s with
-        ``Retry-After`` leaves tasks waiting for the free slots, not the slots idle."""
-        if self.live is None:
+        ``Retry-After`` leaves tasks waiting for the free slots, not the slots idle. At most ``max_backing_off``
+        tasks do so at once (then they sleep holding their permit), so the tasks alive stay bounded."""
+        if self.live is None or self.backing_off >= self.max_backing_off:
             await asyncio.sleep(seconds)
             return
+        self.backing_off += 1
         self.live.release()
         try:
             await asyncio.sleep(seconds)
         finally:
+            self.backing_off -= 1
             await self.live.acquire()
 
     async def request(self, sample: Sample, turn: int, prompt: list, tools: list | None, key: str) -> dict:
         import tenacity
 
         st = self.state
-        if self.pool is None or st.stopped_by:  # no network: a budget was already reached
+        if self.pool is None:  # no network: a budget was already reached by journaled responses
             raise _BudgetStop()
         attempts = 0
+        avoid = None  # the backend whose fault (refused connection, 5xx) ended the last attempt
         native: list = []  # (input_ids, think state) rendered once, on the first native attempt
         try:
             async for attempt in tenacity.AsyncRetrying(
@@ -421,10 +431,11 @@ class _Runner:
                     attempts += 1
                     if attempts > 1:
                         st.retries += 1
-                    async with self.pool.slot() as backend:
-                        # budgets gate new requests (not retries), checked when a slot is free so that the
-                        # spend of everything in flight is counted
-                        if attempts == 1 and st.budget_reached():
+                    async with self.pool.slot(avoid=avoid) as backend:
+                        # budgets gate every attempt (a retry after a 429 costs as much as a new request),
+                        # checked when a slot is free so that the spend of everything in flight is counted: the
+                        # overshoot is at most what was in flight
+                        if st.budget_reached():
                             raise _BudgetStop()
                         if backend.cfg.native_generate:
                             if not native:
@@ -445,6 +456,7 @@ class _Runner:
                                 fields = await backend.post_chat(body, est)
                         except RetryableError as exc:
                             backend.record(False, exc.backend_fault)
+                            avoid = backend if exc.backend_fault else None  # retry elsewhere if possible
                             st.retry_reasons[exc.reason] = st.retry_reasons.get(exc.reason, 0) + 1
                             raise
                         finally:
@@ -502,6 +514,7 @@ async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str
         # for it. A task sleeping before a retry gives its permit back meanwhile (Runner.backoff_sleep), so
         # requests backing off after 429s never leave slots idle.
         live = runner.live = asyncio.Semaphore(runner.pool.capacity + max(64, runner.pool.capacity // 8))
+        runner.max_backing_off = runner.pool.capacity
         async with asyncio.TaskGroup() as tg:
             for s in samples:
                 await live.acquire()

@@ -713,11 +713,17 @@ class BackendPool:
     def in_flight(self) -> int:
         return sum(b.in_flight for b in self.backends)
 
-    async def acquire(self) -> Backend:
+    async def acquire(self, avoid: Backend | None = None) -> Backend:
+        """The first backend in priority order with a free slot. ``avoid`` (the backend whose fault ended a
+        request's last attempt) is skipped, waiting for another one's slot, while another backend is in rotation
+        (not ejected); it is used only when it is the only one left."""
         async with self._cond:
             while True:
                 now = time.monotonic()
-                for b in self.backends:
+                choices = self.backends
+                if avoid is not None and any(b is not avoid and now >= b.ejected_until for b in self.backends):
+                    choices = [b for b in self.backends if b is not avoid]
+                for b in choices:
                     if b.available(now):
                         b.in_flight += 1
                         return b
@@ -734,8 +740,8 @@ class BackendPool:
             b.in_flight -= 1
             self._cond.notify(1)
 
-    def slot(self) -> "_Slot":
-        return _Slot(self)
+    def slot(self, avoid: Backend | None = None) -> "_Slot":
+        return _Slot(self, avoid)
 
     async def aclose(self) -> None:
         for b in self.backends:
@@ -745,14 +751,15 @@ class BackendPool:
 class _Slot:
     """``async with pool.slot() as backend``: a backend slot held for the block (one small object per request)."""
 
-    __slots__ = ("pool", "backend")
+    __slots__ = ("avoid", "backend", "pool")
 
-    def __init__(self, pool: BackendPool):
+    def __init__(self, pool: BackendPool, avoid: Backend | None = None):
         self.pool = pool
+        self.avoid = avoid
         self.backend: Backend | None = None
 
     async def __aenter__(self) -> Backend:
-        self.backend = await self.pool.acquire()
+        self.backend = await self.pool.acquire(self.avoid)
         return self.backend
 
     async def __aexit__(self, *exc) -> None:
