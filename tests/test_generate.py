@@ -94,8 +94,8 @@ def test_reply_values_are_checked_one_by_one():
     from eagle3_data.backends.client import (BackendConfig, RetryableError, _cost, _int, _token_ids,
                                              parse_native_response, parse_response)
 
-    assert [_int(v) for v in (5, 5.9, "7", None, True, -1, 1e30, float("inf"), float("nan"), "x", 2**63)] == \
-        [5, 5, 7, None, None, None, None, None, None, None, None]
+    assert [_int(v) for v in (5, 5.9, "7", None, True, -1, 1e30, float("inf"), float("nan"), "x", 2**31, 2**31 - 1)] \
+        == [5, 5, 7, None, None, None, None, None, None, None, None, 2**31 - 1]
     assert [_cost(v) for v in (0.5, "0.25", 0, -0.1, float("nan"), float("inf"), None, False, "x")] == \
         [0.5, 0.25, 0.0, None, None, None, None, None, None]
     assert _token_ids([0, 5, 2**31 - 1]) == [0, 5, 2**31 - 1]
@@ -409,3 +409,12 @@ def test_prompt_with_an_escaped_unpaired_surrogate_is_a_bad_prompt_row(tmp_path,
     rows = {r["sample_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
     bad = [r for r in rows.values() if r["status"] == "failed"]
     assert len(bad) == 1 and "unpaired surrogate" in bad[0]["error"] and "row 2" in bad[0]["error"]
+
+
+def test_max_samples_parts_add_up_to_the_cap_across_shards():
+    from eagle3_data.generate import shard_share
+
+    for cap, n in ((2, 4), (10, 3), (7, 7), (0, 2), (5, 1), (1000, 64)):
+        parts = [shard_share(cap, n, f"{i:03d}") for i in range(n)]
+        assert sum(parts) == cap and max(parts) - min(parts) <= 1, (cap, n, parts)
+    assert shard_share(10, 3, "custom") == 4

@@ -83,13 +83,14 @@ def test_records_with_values_no_responses_row_can_hold_are_bad_lines(tmp_path, c
     p.parent.mkdir(parents=True)
     bad = [rec("a", completion_tokens="12"), rec("b", cost_usd=float("nan")), rec("c", output_ids=[1, 2.0]),
            rec("d", turn="1"), rec("e", content=7), rec("f", cost_usd=-0.5), rec("g", prompt_tokens=-1),
-           rec("h", output_ids=[1, 2**31]), rec("i", turn=True), rec("j", latency_s=float("inf"))]
+           rec("h", output_ids=[1, 2**31]), rec("i", turn=True), rec("j", latency_s=float("inf")),
+           rec("k", prompt_tokens=2**40)]
     good = [rec("ok1", completion_tokens=3, cost_usd=0.0, output_ids=[0, 5], turn=1, latency_s=1),
-            rec("ok2", prompt_tokens=2**40, completed_at=1.7e9)]
+            rec("ok2", prompt_tokens=2**31 - 1, completed_at=1.7e9)]
     p.write_text("".join(json.dumps(r) + "\n" for r in bad[:5] + good + bad[5:]))
     with caplog.at_level("WARNING", logger="eagle3_data.journal"):
         recs, stats = read_journal(tmp_path, "ds")
-    assert sorted(recs) == ["ok1", "ok2"] and stats["bad_lines"] == len(bad) == 10
+    assert sorted(recs) == ["ok1", "ok2"] and stats["bad_lines"] == len(bad) == 11
     assert "line 1: field 'completion_tokens' is '12', not a count" in caplog.text
     assert "line 2: field 'cost_usd' is nan, not a finite number" in caplog.text
     assert "line 5: field 'content' is int, not text" in caplog.text

@@ -286,3 +286,17 @@ def test_audit_report_compares_billed_and_own_counts_per_dataset_and_ids_source(
     assert csv_head == ",".join(AUDIT_COLUMNS)
     md = (out / "audit.md").read_text()
     assert f"{100 * rec['prompt_rel']:+.2f}%" in md and "| **ds_x** | **(all)** |" in md
+
+
+def test_reports_run_on_validated_files_from_before_the_billed_prompt_column(tmp_path):
+    from eagle3_data.report import write_reports
+
+    rng = random.Random(3)
+    rows = [vrow(rng, "old", i, "openrouter") for i in range(4)]
+    p = tmp_path / "v.parquet"
+    pq.write_table(schemas.from_rows(rows, schemas.VALIDATED).drop_columns(["billed_prompt_tokens"]), p)
+    res = write_reports([p], [], [], tmp_path / "reports")
+    total = res["audit"][-1]
+    assert total["samples"] == 4 and total["prompt_billed_samples"] == 0 and total["prompt_rel"] is None
+    assert total["billed_completion_tokens"] == sum(r["num_completion_tokens"] for r in rows)
+    assert res["tally"][0]["samples"] == 4

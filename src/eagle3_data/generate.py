@@ -143,6 +143,16 @@ def request_key(dataset: str, sample_id: str, turn: int, target_name: str, messa
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
+def shard_share(cap: int, num_shards: int, shard: str) -> int:
+    """Shard ``shard``'s part of a dataset's ``max_samples``: ``cap // n``, plus one for the first ``cap % n``
+    shards, so the parts add up to ``cap`` exactly (shard names are their index, ``"000"``...; a name that is
+    not a number gets ``ceil(cap / n)``)."""
+    n = max(1, num_shards)
+    if not shard.isdigit():
+        return math.ceil(cap / n)
+    return cap // n + (1 if int(shard) < cap % n else 0)
+
+
 def _parse_json_cell(text, what: str, row: int, path) -> object:
     if text is None:
         return None
@@ -808,7 +818,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         cap = generation.get("max_samples")
         capped = 0
         if cap is not None:
-            per_shard = math.ceil(int(cap) / max(1, num_shards))
+            per_shard = shard_share(int(cap), num_shards, shard)
             capped = max(0, len(samples) - per_shard)
             samples = samples[:per_shard]
         div = max(1, num_shards)

@@ -72,7 +72,7 @@ def record_problem(rec: dict) -> str | None:
             return f"field {k!r} is {type(v).__name__}, not text"
     for k in _COUNT_FIELDS:
         v = rec.get(k)
-        if v is not None and (type(v) is not int or not 0 <= v < (2**31 if k == "turn" else 2**63)):
+        if v is not None and (type(v) is not int or not 0 <= v < 2**31):
             return f"field {k!r} is {v!r}, not a count"
     for k in _NUMBER_FIELDS:
         v = rec.get(k)

@@ -143,12 +143,29 @@ def _register(con, name: str, files: list[str], schema, *, statements: dict[str,
         var = {"shard_summaries": "summary_files"}.get(name, f"{name}_files")
         sql.set_variables(con, **{var: files})
         con.execute((statements or _view_statements())[name])
+        if not isinstance(schema, dict):
+            _add_missing_columns(con, name, schema)
     elif isinstance(schema, dict):
         cols = ", ".join(f"NULL::{t} AS {c}" for c, t in schema.items())
         con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT {cols} WHERE false")
     else:
         con.register(f"_{name}_empty", schemas.empty(schema))
         con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM _{name}_empty")
+
+
+_DUCKDB_TYPES = {"int64": "BIGINT", "int32": "INTEGER", "int8": "TINYINT", "double": "DOUBLE", "string": "VARCHAR",
+                 "bool": "BOOLEAN"}
+
+
+def _add_missing_columns(con, name: str, schema) -> None:
+    """Files written before a column joined the stage's schema (e.g. ``billed_prompt_tokens``) lack it: view
+    ``name`` gets it as NULL so every query runs on an older build's files too."""
+    have = {r[0] for r in con.execute(f"DESCRIBE {name}").fetchall()}
+    add = [f"NULL::{_DUCKDB_TYPES[str(f.type)]} AS {f.name}" for f in schema
+           if f.name not in have and str(f.type) in _DUCKDB_TYPES]
+    if add:
+        con.execute(f"ALTER VIEW {name} RENAME TO _{name}_files")
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT *, {', '.join(add)} FROM _{name}_files")
 
 
 def _limits_of(datasets_config: dict, generation: dict | None) -> list[tuple]:

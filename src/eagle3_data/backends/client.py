@@ -289,14 +289,15 @@ def check_status(backend: BackendConfig, resp: httpx.Response) -> None:
 
 
 def _int(v) -> int | None:
-    """A usage count: an int in [0, 2**63), else None (null, bool, text, NaN/inf, negative, out of int64)."""
+    """A usage count: an int in [0, 2**31), else None (null, bool, text, NaN/inf, negative, absurd: a count past
+    int32 is no real token count, and sums of real ones never overflow int64)."""
     if v is None or isinstance(v, bool):
         return None
     try:
         n = int(v)
     except (TypeError, ValueError, OverflowError):
         return None
-    return n if 0 <= n < 2**63 else None
+    return n if 0 <= n < 2**31 else None
 
 
 def _cost(v) -> float | None:
