@@ -158,6 +158,31 @@ def test_unpaired_surrogates_are_replaced_and_counted_not_written_as_question_ma
     assert json.loads(no_id["messages"]) == fixed and no_id["sample_id"] == content_hash(fixed, None)
 
 
+def test_json_array_and_jsonl_sources_agree_on_broken_unicode(tmp_path):
+    # the same records as a JSON array and as JSONL: lone high/low surrogates, a reversed pair, one in the id
+    recs = ['{"id": "a", "messages": [{"role": "user", "content": "hi \\ud83d"}, {"role": "assistant", "content": "x"}]}',
+            '{"id": "b", "messages": [{"role": "user", "content": "lo \\ude00 rev \\ude00\\ud83d"}, '
+            '{"role": "assistant", "content": "y"}]}',
+            '{"id": "c\\ud800", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "z"}]}',
+            '{"id": "d", "messages": [{"role": "user", "content": "ok \\ud83d\\ude00"}, {"role": "assistant", "content": "w"}]}']
+    arr = tmp_path / "s.json"
+    arr.write_text("[" + ",\n".join(recs) + "]")
+    lines = tmp_path / "s.jsonl"
+    lines.write_text("\n".join(recs) + "\n")
+    got = {}
+    for src in (arr, lines):
+        counts, tables, rejects = run(tmp_path / src.suffix[1:], src, "openai_messages", shards=1)
+        got[src.suffix] = (counts, sorted(tables[0].to_pylist(), key=lambda r: r["sample_id"]),
+                           [(r["reason"], r["sample_id"]) for r in rejects])
+    counts, rows, rejects = got[".json"]
+    assert (counts, [dict(r, source_format=None) for r in rows], rejects) == (
+        got[".jsonl"][0], [dict(r, source_format=None) for r in got[".jsonl"][1]], got[".jsonl"][2])
+    assert counts["kept"] == 3 and counts["repaired"] == {"replaced_unpaired_surrogates": 2}
+    assert rejects == [("invalid_id", None)]
+    msgs = {r["sample_id"]: json.loads(r["messages"])[0]["content"] for r in rows}
+    assert msgs == {"a": "hi \ufffd", "b": "lo \ufffd rev \ufffd\ufffd", "d": "ok \U0001f600"}
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 

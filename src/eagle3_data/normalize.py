@@ -186,6 +186,10 @@ def normalize(
             else:
                 messages_json, tools_json = _prompt_json(sample)
                 sid = sample.sample_id or content_hash(sample.messages, sample.tools)
+            if _SURROGATE.search(sid):  # an id must be stable and exact: not repaired
+                reject("invalid_id", f"{where}: sample id {sid!r} is not valid Unicode (unpaired surrogate)", None,
+                       index)
+                continue
             if sid in seen:
                 reject("duplicate_id", f"{where}: sample_id {sid!r} already used by an earlier row", sid, index)
                 continue

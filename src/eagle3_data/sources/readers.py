@@ -1,7 +1,7 @@
 """Streaming record readers for source files: JSONL, JSON array and parquet, chosen by file extension.
 
 Real sources are 0.2-7 GB, so nothing here loads a whole file: JSONL is read line by line, a JSON array is
-parsed incrementally (``ijson`` when installed, else a small ``json.JSONDecoder.raw_decode`` loop), parquet by
+parsed incrementally (a small ``json.JSONDecoder.raw_decode`` loop; ``ijson`` on request), parquet by
 record batch (``pyarrow.parquet.ParquetFile.iter_batches``). A ``.gz`` suffix on the JSON formats is
 decompressed on the fly.
 """
@@ -57,7 +57,9 @@ def iter_records(path: str | os.PathLike, *, batch_rows: int = 1024, use_ijson: 
     ``index``: 0-based record number (blank JSONL lines are skipped and not counted); ``where``: a location
     for messages, ``"line N"`` (1-based) for JSONL, ``"record N"`` otherwise. Records are whatever the file
     holds (dicts for well-formed sources; parquet rows are dicts of Python values).
-    ``use_ijson``: None = use ijson when installed; False forces the built-in incremental decoder.
+    ``use_ijson``: True reads JSON arrays with ijson; False/None (default) with the built-in incremental
+    decoder (``json``'s C scanner: as fast here, and it decodes ``\\uXXXX`` escapes exactly as the JSONL reader
+    does, where ijson's yajl backend turns an unpaired surrogate into ``?`` or fails).
 
     Raises SourceFormatError naming the file and the line/record on invalid JSON, a JSON file that is not an
     array, or an unreadable parquet file.
@@ -69,8 +71,6 @@ def iter_records(path: str | os.PathLike, *, batch_rows: int = 1024, use_ijson: 
     if kind == "jsonl":
         yield from _iter_jsonl(path)
     elif kind == "json":
-        if use_ijson is None:
-            use_ijson = ijson is not None
         yield from (_iter_json_array_ijson(path) if use_ijson else _iter_json_array_plain(path))
     else:
         yield from _iter_parquet(path, batch_rows)
@@ -118,7 +118,7 @@ def _iter_json_array_ijson(path: Path) -> Iterator[tuple[int, Any, str]]:
             for record in ijson.items(fh, "item", use_float=True):
                 yield index, record, f"record {index}"
                 index += 1
-        except ijson.JSONError as exc:
+        except (ijson.JSONError, UnicodeDecodeError) as exc:
             detail = " ".join(str(exc).split())
             raise SourceFormatError(
                 f"{path} record {index}: invalid JSON after {index} complete record(s) ({detail[:300]})"
