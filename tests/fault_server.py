@@ -96,6 +96,9 @@ class FaultApp:
         self.reset()
 
     def reset(self) -> None:
+        """Zero the counters and restart the fault draws from ``config["seed"]`` (a test's faults do not depend
+        on the tests before it)."""
+        self.rng = random.Random(self.config["seed"])
         self.requests = 0
         self.outcomes: dict[str, int] = {}
         self.completed = 0

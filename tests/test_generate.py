@@ -76,6 +76,7 @@ def test_replies_with_unstorable_values_are_retried_or_stored_as_nulls(tmp_path,
     """An unpaired surrogate in the text can't be journaled (UTF-8) or tokenized: retried. A NaN cost, a 1e30 or
     negative count, an out-of-range token id would break the output mid-run: stored as nulls, the reply kept."""
     fs.app.config.update({"psurrogate": 0.3, "pbadusage": 0.3, "seed": 5})
+    fs.app.reset()
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(60))
     s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=8))
     rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
@@ -317,6 +318,7 @@ def test_budget_holds_when_most_attempts_get_429(tmp_path, fs):
     """Requests backing off after 429s give their task permit back; every retry is gated by the budget like a
     new request, so a 429 storm can't admit a crowd of requests that all complete after the budget is spent."""
     fs.app.config.update({"p429": 0.7, "retry_after_s": 0.01, "min_tokens": 10, "max_tokens": 10, "seed": 2})
+    fs.app.reset()
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(120))
     conc = 2
     s = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=10, budget_completion_tokens=50, max_retries=30),

@@ -351,6 +351,7 @@ def test_generate_job_imports_neither_pandas_nor_pyarrow_compute_or_dataset(tmp_
     import subprocess
 
     fs.app.config.update({"p5xx": 0.3, "seed": 3})
+    fs.app.reset()
     convs = simple_convs(40) + [[{"role": "system", "content": "nothing to answer"}]]  # a bad_prompt failed row
     prompts = write_prompts(tmp_path / "p.parquet", convs)
     code = """
