@@ -27,7 +27,6 @@ import json
 import math
 import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -123,22 +122,10 @@ class RehearsalApp(fs.FaultApp):
         if cap is not None and n + eot > int(cap):
             n, eot, finish = int(cap), 0, "length"
         text = ascii_text(random.Random("txt:" + bh), n)
-        prompt_words = sum(len(str(m.get("content") or "").split()) for m in body.get("messages") or [])
         nr = int(c["reasoning_tokens"])
-        msg = {"role": "assistant", "content": text}
-        if nr:
-            msg[c["reasoning_field"]] = ascii_text(random.Random("rsn:" + bh), nr)
-        comp = n + nr + eot
-        return {
-            "id": f"gen-{bh}", "object": "chat.completion", "created": int(time.time()),
-            "model": c["model"] or body.get("model"), "provider": c["provider"],
-            "choices": [{"index": 0, "finish_reason": finish, "native_finish_reason": finish, "message": msg}],
-            "usage": {
-                "prompt_tokens": prompt_words, "completion_tokens": comp, "total_tokens": prompt_words + comp,
-                "completion_tokens_details": {"reasoning_tokens": nr},
-                "cost": round(prompt_words * c["price_in"] + comp * c["price_out"], 12),
-            },
-        }
+        reasoning = ascii_text(random.Random("rsn:" + bh), nr) if nr else None
+        return fs.chat_completion(c, body, bh, text, reasoning, finish, completion_tokens=n + nr + eot,
+                                  reasoning_tokens=nr)
 
 
 _orig_route = fs._route

@@ -183,22 +183,31 @@ class FaultApp:
         if cap is not None and n > int(cap):
             n, finish = int(cap), "length"
         text = " ".join(rnd.choices(WORDS, k=n))
-        prompt_words = sum(len(str(m.get("content") or "").split()) for m in body.get("messages") or [])
         nr = int(c["reasoning_tokens"])
-        msg = {"role": "assistant", "content": text}
-        if nr:
-            msg[c["reasoning_field"]] = " ".join(rnd.choices(WORDS, k=nr))
-        comp = n + nr
-        return {
-            "id": f"gen-{bh}", "object": "chat.completion", "created": int(time.time()),
-            "model": c["model"] or body.get("model"), "provider": c["provider"],
-            "choices": [{"index": 0, "finish_reason": finish, "native_finish_reason": finish, "message": msg}],
-            "usage": {
-                "prompt_tokens": prompt_words, "completion_tokens": comp, "total_tokens": prompt_words + comp,
-                "completion_tokens_details": {"reasoning_tokens": nr},
-                "cost": round(prompt_words * c["price_in"] + comp * c["price_out"], 12),
-            },
-        }
+        reasoning = " ".join(rnd.choices(WORDS, k=nr)) if nr else None
+        return chat_completion(c, body, bh, text, reasoning, finish, completion_tokens=n + nr, reasoning_tokens=nr)
+
+
+def chat_completion(c: dict, body: dict, bh: str, text: str, reasoning: str | None, finish: str, *,
+                    completion_tokens: int, reasoning_tokens: int) -> dict:
+    """An OpenRouter-style ``chat.completion`` reply for request ``body`` (hash ``bh``) under config ``c``: the
+    prompt's word count as ``prompt_tokens``, a ``cost`` from ``price_in``/``price_out``, the reasoning (if any)
+    under ``reasoning_field``. Shared with ``benchmarks/rehearsal_server.py``."""
+    prompt_words = sum(len(str(m.get("content") or "").split()) for m in body.get("messages") or [])
+    msg = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        msg[c["reasoning_field"]] = reasoning
+    comp = completion_tokens
+    return {
+        "id": f"gen-{bh}", "object": "chat.completion", "created": int(time.time()),
+        "model": c["model"] or body.get("model"), "provider": c["provider"],
+        "choices": [{"index": 0, "finish_reason": finish, "native_finish_reason": finish, "message": msg}],
+        "usage": {
+            "prompt_tokens": prompt_words, "completion_tokens": comp, "total_tokens": prompt_words + comp,
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "cost": round(prompt_words * c["price_in"] + comp * c["price_out"], 12),
+        },
+    }
 
 
 def _response(status: int, payload, headers: dict | None = None) -> bytes:

@@ -332,25 +332,28 @@ def build_fixture_tokenizer(specials, non_special, chat_template: str, *, eos: s
     )
 
 
+def _kimi(template: str):
+    """A Kimi-family tokenizer (Kimi's special tokens and vocabulary) with ``template``."""
+    return build_fixture_tokenizer(KIMI_SPECIALS, KIMI_NON_SPECIAL, template, eos="<|im_end|>", bos="[BOS]",
+                                   unk="[UNK]", pad="[PAD]")
+
+
 @lru_cache(maxsize=None)
 def kimi_k2_thinking():
     """Kimi K2-Thinking-like tokenizer (family ``kimi-k2-thinking``)."""
-    return build_fixture_tokenizer(KIMI_SPECIALS, KIMI_NON_SPECIAL, KIMI_K2_THINKING_TEMPLATE, eos="<|im_end|>",
-                                   bos="[BOS]", unk="[UNK]", pad="[PAD]")
+    return _kimi(KIMI_K2_THINKING_TEMPLATE)
 
 
 @lru_cache(maxsize=None)
 def kimi_k25():
     """Kimi K2.5-like tokenizer (family ``kimi-k25``; template kwarg ``thinking``, default true)."""
-    return build_fixture_tokenizer(KIMI_SPECIALS, KIMI_NON_SPECIAL, KIMI_K25_TEMPLATE, eos="<|im_end|>",
-                                   bos="[BOS]", unk="[UNK]", pad="[PAD]")
+    return _kimi(KIMI_K25_TEMPLATE)
 
 
 @lru_cache(maxsize=None)
 def kimi_k2():
     """Kimi K2-Instruct-like tokenizer (family ``kimi-k2``)."""
-    return build_fixture_tokenizer(KIMI_SPECIALS, KIMI_NON_SPECIAL, KIMI_K2_TEMPLATE, eos="<|im_end|>",
-                                   bos="[BOS]", unk="[UNK]", pad="[PAD]")
+    return _kimi(KIMI_K2_TEMPLATE)
 
 
 @lru_cache(maxsize=None)

@@ -319,7 +319,7 @@ def render_markdown(plan: dict) -> str:
     aux_only = bpt["aux_only_bf16 (seed-comparable)"]["total"]
     full = bpt["SpecForge .ckpt export"]["total"]
     out += ["", "## Notes", "",
-            f"- Units: TB = 10^12 bytes, TiB = 2^40 bytes (what `df -h` / `du -h` print as T). ",
+            "- Units: TB = 10^12 bytes, TiB = 2^40 bytes (what `df -h` / `du -h` print as T). ",
             f"- Three auxiliary layers at bf16 alone are 3 x {H:,} x 2 = {aux_only:,.0f} B/token; with the final "
             f"state and int64 ids/mask (SpecForge's .ckpt) {full:,.0f} B/token, {full / aux_only:.2f}x as much. "
             "An estimate made from the auxiliary states only under-counts storage by that factor.",
