@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .schemas import INT32_END, is_token_ids
+
 logger = logging.getLogger("eagle3_data.journal")
 
 
@@ -72,14 +74,14 @@ def record_problem(rec: dict) -> str | None:
             return f"field {k!r} is {type(v).__name__}, not text"
     for k in _COUNT_FIELDS:
         v = rec.get(k)
-        if v is not None and (type(v) is not int or not 0 <= v < 2**31):
+        if v is not None and (type(v) is not int or not 0 <= v < INT32_END):
             return f"field {k!r} is {v!r}, not a count"
     for k in _NUMBER_FIELDS:
         v = rec.get(k)
         if v is not None and (type(v) not in (int, float) or not math.isfinite(v) or (k == "cost_usd" and v < 0)):
             return f"field {k!r} is {v!r}, not a finite number"
     ids = rec.get("output_ids")
-    if ids is not None and not (isinstance(ids, list) and all(type(i) is int and 0 <= i < 2**31 for i in ids)):
+    if ids is not None and not is_token_ids(ids):
         return "field 'output_ids' is not a list of token ids"
     return None
 

@@ -19,6 +19,15 @@ import json
 import pyarrow as pa
 
 IDS = pa.list_(pa.int32())
+#: RESPONSES token ids and usage counts lie in [0, INT32_END): ids are int32, a count past it is no real token
+#: count, and sums of real ones never overflow int64 (checked by the generate client and the journal reader)
+INT32_END = 2**31
+
+
+def is_token_ids(v) -> bool:
+    """``v`` is a list of token ids: ints (not bools) in ``[0, INT32_END)``."""
+    return isinstance(v, list) and all(type(i) is int and 0 <= i < INT32_END for i in v)
+
 MASK = pa.list_(pa.int8())
 
 PROMPTS = pa.schema(

@@ -39,6 +39,8 @@ from typing import Any
 
 import httpx
 
+from ..schemas import INT32_END, is_token_ids
+
 logger = logging.getLogger("eagle3_data.backends")
 
 BACKEND_TYPES = ("openai", "openrouter", "sglang")
@@ -289,7 +291,7 @@ def check_status(backend: BackendConfig, resp: httpx.Response) -> None:
 
 
 def _int(v) -> int | None:
-    """A usage count: an int in [0, 2**31), else None (null, bool, text, NaN/inf, negative, absurd: a count past
+    """A usage count: an int in [0, INT32_END), else None (null, bool, text, NaN/inf, negative, absurd: a count past
     int32 is no real token count, and sums of real ones never overflow int64)."""
     if v is None or isinstance(v, bool):
         return None
@@ -297,7 +299,7 @@ def _int(v) -> int | None:
         n = int(v)
     except (TypeError, ValueError, OverflowError):
         return None
-    return n if 0 <= n < 2**31 else None
+    return n if 0 <= n < INT32_END else None
 
 
 def _cost(v) -> float | None:
@@ -332,10 +334,8 @@ def _parts_text(v):
 
 
 def _token_ids(v) -> list[int] | None:
-    """Token ids as returned (a non-empty list of ints in [0, 2**31), the RESPONSES int32 ids), else None."""
-    if isinstance(v, list) and v and all(type(i) is int and 0 <= i < 2**31 for i in v):
-        return v
-    return None
+    """Token ids as returned (a non-empty :func:`schemas.is_token_ids` list), else None."""
+    return v if v and is_token_ids(v) else None
 
 
 def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> dict:
