@@ -216,6 +216,12 @@ def source_data_settings(config: dict, ds: str) -> dict:
     return {k: src.get(k) for k in SOURCE_DATA_KEYS}
 
 
+def datasets_data_settings(config: dict) -> dict:
+    """Every dataset's source keys (:data:`SOURCE_DATA_KEYS`) and shard count: what the reports depend on."""
+    return {ds: {"source": source_data_settings(config, ds), "shards": int(config["datasets"][ds].get("shards", 1))}
+            for ds in datasets(config)}
+
+
 def normalize_reject_ceiling(config: dict, ds: str) -> float:
     """The share of a dataset's source rows normalize may reject: ``datasets.<ds>.source.max_reject_rate``, else
     ``normalize.max_reject_rate``."""
