@@ -100,6 +100,15 @@ KIMI_TOOL_TOKENS = (
     "<|tool_call_end|>",
 )
 
+#: why family ``deepseek-r1`` rejects tool calls (reason ``tool_calls_unsupported``)
+DEEPSEEK_R1_NO_TOOLS = (
+    "family deepseek-r1 has no tool-call format: DeepSeek-R1's own chat template renders a call only for an "
+    "assistant message whose content is null and leaves a single call's section unclosed (no "
+    "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>), so no completion can be checked against it; R1-0528 and V3.1 "
+    "write calls in other layouts (function<｜tool▁sep｜>name + a ```json block; name<｜tool▁sep｜>arguments), "
+    "which would need their own families"
+)
+
 FORMATS: dict[str, CompletionFormat] = {
     "kimi-k2": CompletionFormat("kimi-k2", "<|im_end|>", "<think>", "</think>", False, "kimi", "kimi",
                                 KIMI_ROLE_MARKERS),
@@ -112,8 +121,9 @@ FORMATS: dict[str, CompletionFormat] = {
     "glm45": CompletionFormat("glm45", "<|user|>", "<think>", "</think>", True, "glm", "glm",
                               ("[gMASK]", "<sop>", "<|system|>", "<|assistant|>"),
                               tool_end_of_turn="<|observation|>", tool_args_mapping=True),
-    "deepseek-r1": CompletionFormat("deepseek-r1", "<｜end▁of▁sentence｜>", "<think>", "</think>", True, "plain",
-                                    "none", ("<｜User｜>", "<｜Assistant｜>")),
+    "deepseek-r1": CompletionFormat("deepseek-r1", "<｜end▁of▁sentence｜>", "<think>", "</think>", True, "qwen",
+                                    "none", ("<｜User｜>", "<｜Assistant｜>"),
+                                    extra={"tool_calls_unsupported": DEEPSEEK_R1_NO_TOOLS}),
     "generic": CompletionFormat("generic", None, None, None, None, "plain", "none", (), generic=True),
 }
 
@@ -186,6 +196,141 @@ def count_tool_calls(messages: Sequence[dict]) -> int:
     return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
 
 
+#: The closed set of finish reasons every response is normalised to (:func:`normalize_finish_reason`).
+FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
+
+#: Finish-reason spellings of the APIs this project talks to (OpenAI / OpenRouter ``finish_reason``, OpenRouter
+#: ``native_finish_reason`` of Anthropic and Google providers, SGLang, vLLM, ``transformers serve``), lower-cased.
+FINISH_ALIASES = {
+    "stop": "stop", "eos": "stop", "eos_token": "stop", "end_turn": "stop", "stop_sequence": "stop",
+    "finish_reason_stop": "stop",
+    "length": "length", "max_tokens": "length", "max_output_tokens": "length", "max_new_tokens": "length",
+    "model_length": "length", "max_length": "length",
+    "tool_calls": "tool_calls", "function_call": "tool_calls", "tool_use": "tool_calls",
+    "content_filter": "content_filter", "safety": "content_filter", "recitation": "content_filter",
+    "prohibited_content": "content_filter", "blocklist": "content_filter", "spii": "content_filter",
+    "refusal": "content_filter", "image_safety": "content_filter",
+}
+
+
+def normalize_finish_reason(raw: Any, billed_completion_tokens: int | None = None, max_tokens: int | None = None,
+                            *, emitted_end_of_turn: bool = False) -> str:
+    """The finish reason of a response as one of :data:`FINISH_REASONS`.
+
+    ``raw`` is the backend's string (any case; spellings in :data:`FINISH_ALIASES`) or None. A billed completion
+    count at (or above) the request's ``max_tokens`` means the reply was cut, whatever the string says (providers
+    report ``stop``, ``MAX_TOKENS`` or nothing for a reply that ran out of tokens), unless the backend's exact ids
+    end in the target's end-of-turn token (``emitted_end_of_turn``: the target stopped by itself on its last
+    allowed token). ``content_filter`` wins over everything (the provider cut or replaced the text).
+
+    Raises :class:`TemplateError` with reason ``unknown_finish_reason`` for a value outside the aliases (named in
+    the message, e.g. ``abort``) and for a null finish reason that no count or end-of-turn id explains.
+    """
+    key = raw.strip().lower() if isinstance(raw, str) and raw.strip() else None
+    kind = FINISH_ALIASES.get(key) if key is not None else None
+    if key is not None and kind is None:
+        raise TemplateError(f"unknown finish_reason {raw!r} (known: {sorted(set(FINISH_ALIASES))})",
+                            "unknown_finish_reason")
+    if kind == "content_filter":
+        return kind
+    at_max = (billed_completion_tokens is not None and max_tokens is not None and int(max_tokens) > 0
+              and int(billed_completion_tokens) >= int(max_tokens))
+    if at_max and not emitted_end_of_turn:
+        return "length"
+    if kind is None:
+        if emitted_end_of_turn:
+            return "stop"
+        raise TemplateError("finish_reason is null and the billed completion count "
+                            f"({billed_completion_tokens}) is below max_tokens ({max_tokens}): whether the reply is "
+                            "complete is unknown", "unknown_finish_reason")
+    return kind
+
+
+def rewrite_kimi_tool_call_ids(messages: Sequence[dict]) -> list[dict]:
+    """History tool-call ids in Kimi's own ``functions.<name>:<index>`` form (``index``: the call's position among
+    every tool call of the conversation, counted from 0, as Kimi and SGLang's kimi_k2 tool parser number them).
+
+    Kimi's templates print a history call's ``id`` verbatim, so an OpenAI-style id (``call_0``, ``toolu_...``)
+    leaves the prompt without the called function's name. Ids already in Kimi form are kept; every other id is
+    rewritten, and so is the ``tool_call_id`` of the tool messages answering it (a tool message without one gets
+    the id of the next call not yet answered). Returns a new list (changed messages copied, the input untouched).
+    """
+    out: list[dict] = []
+    mapping: dict[str, str] = {}
+    pending: list[str] = []
+    index = 0
+    for m in messages:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            changed = False
+            for call in m["tool_calls"]:
+                old = call.get("id")
+                name = str((call.get("function") or {}).get("name", ""))
+                new = old if isinstance(old, str) and _KIMI_CALL_ID.match(old) else f"functions.{name}:{index}"
+                index += 1
+                if new != old:
+                    call = {**call, "id": new}
+                    changed = True
+                if old is not None:
+                    mapping[str(old)] = new
+                pending.append(new)
+                calls.append(call)
+            out.append({**m, "tool_calls": calls} if changed else m)
+            continue
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            new = mapping.get(str(tid)) if tid is not None else (pending[0] if pending else None)
+            if new is not None and new in pending:
+                pending.remove(new)
+            if new is not None and new != tid:
+                m = {**m, "tool_call_id": new}
+        out.append(m)
+    return out
+
+
+def split_reasoning_from_content(fmt: CompletionFormat, content: str | None) -> tuple[str, str] | None:
+    """``(reasoning, content)`` from a reply whose think block came back inside ``content`` (a server without a
+    reasoning parser, or ``separate_reasoning: false``), or None when ``content`` holds no end-of-reasoning marker.
+
+    The split is the one the target family's own template applies to such a message and SGLang's reasoning
+    parsers apply to raw output: the reasoning is the text before the first ``</think>`` (after an opening
+    ``<think>`` when present: the K2.5/R1/Qwen3-2507 prompts already hold it), the content the text after it.
+    Whitespace is returned as written: the family's layout rebuilds its canonical separators. Text before the
+    opening marker other than whitespace is not a think block: None (validation then rejects the marker).
+    """
+    close, open_ = fmt.think_close, fmt.think_open
+    if not fmt.reasoning or not close or not content or close not in content:
+        return None
+    pre, post = content.split(close, 1)
+    if open_ and open_ in pre:
+        before, pre = pre.split(open_, 1)
+        if before.strip():
+            return None
+    if open_ and open_ in pre:
+        return None
+    return pre, post
+
+
+def thinking_enabled(template: str | None, chat_template_kwargs: dict | None = None) -> bool:
+    """True when target family ``template`` reasons after a generation prompt rendered with
+    ``chat_template_kwargs``: a reasoning family whose ``thinking`` / ``enable_thinking`` is not false (SGLang's
+    rule for the kimi_k2, qwen3 and glm45 reasoning parsers). Unknown families: False."""
+    fmt = FORMATS.get(template or "")
+    kw = chat_template_kwargs or {}
+    return bool(fmt and fmt.reasoning) and kw.get("thinking") is not False and kw.get("enable_thinking") is not False
+
+
+def request_messages(messages: Sequence[dict], template: str | None) -> list[dict]:
+    """The prompt messages of a request to a target of family ``template``, as sent and as later rendered by the
+    tokenize stage: Kimi families get their history tool-call ids rewritten (:func:`rewrite_kimi_tool_call_ids`),
+    so the prompt the server sees names every called function; other families unchanged."""
+    fmt = FORMATS.get(template or "")
+    if fmt is not None and fmt.tool_format == "kimi":
+        return rewrite_kimi_tool_call_ids(messages)
+    return list(messages)
+
+
 class TargetTokens:
     """A loaded target tokenizer plus the ids of its completion format's special tokens.
 
@@ -245,6 +390,11 @@ class TargetTokens:
 
     # -- prompt ------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[dict]) -> list[dict]:
+        """``messages`` as the template must see them: Kimi history tool-call ids rewritten
+        (:func:`rewrite_kimi_tool_call_ids`, the same rewrite the generate stage applies to what it sends), tool-call
+        arguments as mappings for templates that iterate them (GLM)."""
+        if self.fmt.tool_format == "kimi":
+            messages = rewrite_kimi_tool_call_ids(messages)
         if not self.fmt.tool_args_mapping:
             return messages
         out = []
@@ -358,28 +508,52 @@ class TargetTokens:
         """The completion as ``[(text, is_token_name), ...]`` in the target's exact format (adjacent texts merged).
 
         ``prompt_text`` is the rendered generation prompt (its think state decides what the completion still
-        holds); ``prior_tool_calls`` numbers Kimi call ids; ``truncated`` (``finish_reason == "length"``) leaves out
-        the end-of-turn token the target never emitted. Raises :class:`TemplateError` with reason
+        holds); ``prior_tool_calls`` numbers Kimi call ids; ``truncated`` (normalised finish reason ``length``)
+        builds the prefix the target emitted before it was cut: no end-of-turn token, and no end-of-reasoning
+        marker when the cut fell inside the reasoning (no content yet). Raises :class:`TemplateError` with reason
         ``unexpected_reasoning`` (reasoning for a non-reasoning target or a prompt that closed the think block),
-        ``bad_tool_call`` or ``template_mismatch``.
+        ``missing_reasoning`` (a thinking prompt but no reasoning: it was hidden, or returned inside the content
+        without markers, where it can't be told from the answer), ``truncated_tool_call``,
+        ``tool_calls_unsupported``, ``bad_tool_call`` or ``template_mismatch``.
         """
         f = self.fmt
         r = reasoning or ""
         c = content or ""
         state, trailing = self.think_state(prompt_text) if f.reasoning else ("none", "")
+        thinking = bool(f.reasoning) and state != "closed"
+        if tool_calls and f.extra.get("tool_calls_unsupported"):
+            raise TemplateError(f.extra["tool_calls_unsupported"], "tool_calls_unsupported")
+        if tool_calls and truncated:
+            raise TemplateError("a cut reply (finish_reason length) with parsed tool calls: where the target stopped "
+                                "inside its tool-call section is unknown", "truncated_tool_call")
         segs: list[tuple[str, bool]] = []
         if f.reasoning:
             if state == "closed" and r.strip():
                 raise TemplateError("response has reasoning but the prompt closed the think block (thinking off)",
                                     "unexpected_reasoning")
-            if f.layout == "qwen":
-                segs += [(f.think_open, True), ("\n" + r.strip("\n") + "\n", False), (f.think_close, True),
-                         ("\n\n" + c.lstrip("\n"), False)]
+            if thinking and not r.strip():
+                raise TemplateError(
+                    f"target family {f.name!r} thinks after this prompt but the reply has no reasoning: it was hidden "
+                    "(e.g. OpenRouter reasoning.exclude) or returned inside the content without its markers, where "
+                    "it can't be told from the answer", "missing_reasoning")
+            cut_in_reasoning = truncated and thinking and not c
+            if f.layout == "qwen":  # Qwen3 template / DeepSeek-R1 output: <think>\n r \n</think>\n\n c
+                if cut_in_reasoning:
+                    segs += [(f.think_open, True), ("\n" + r.lstrip("\n"), False)]
+                else:
+                    segs += [(f.think_open, True), ("\n" + r.strip("\n") + "\n", False), (f.think_close, True),
+                             ("\n\n" + c.lstrip("\n"), False)]
             elif f.layout == "glm":
-                segs += [("\n", False), (f.think_open, True), (r.strip(), False), (f.think_close, True),
-                         (("\n" + c.strip()) if c.strip() else "", False)]
+                if cut_in_reasoning:
+                    segs += [("\n", False), (f.think_open, True), (r.lstrip(), False)]
+                else:
+                    body = c.lstrip() if truncated else c.strip()
+                    segs += [("\n", False), (f.think_open, True), (r.strip(), False), (f.think_close, True),
+                             (("\n" + body) if body else "", False)]
             else:
-                segs += [(f.think_open, True), (r, False), (f.think_close, True), (c, False)]
+                segs += [(f.think_open, True), (r, False)]
+                if not cut_in_reasoning:
+                    segs += [(f.think_close, True), (c, False)]
         else:
             if r.strip():
                 raise TemplateError(f"response has reasoning but target family {f.name!r} does not reason",
