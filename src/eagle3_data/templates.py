@@ -685,9 +685,46 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
         if not trust_remote_code and ("trust_remote_code" in str(exc) or "custom code" in str(exc)):
             hint = " (this tokenizer ships its own code: set target.trust_remote_code: true)"
         raise TemplateError(f"{path}: cannot load the target tokenizer: {exc}{hint}") from exc
+    tok = _as_shipped(tok, path)
     if not getattr(tok, "chat_template", None):
         raise TemplateError(f"{path}: the target tokenizer has no chat template")
     return TargetTokens(tok, fmt, chat_template_kwargs)
+
+
+#: text whose encoding tells a tokenizer pipeline that keeps spaces, newlines, digits and CJK from one that does not
+_PROBE = "Hello world, 2 + 2 = 4.\n\n  indented line\t東京 café"
+
+
+def _as_shipped(tok, path: str):
+    """``tok``, or the directory's ``tokenizer.json`` loaded as it is when ``tok`` encodes differently from it.
+
+    A directory declaring a class whose transformers implementation rebuilds the pipeline (DeepSeek-R1/V3 declare
+    ``LlamaTokenizerFast`` over a byte-level BPE) loads under transformers 5.0-5.19 with a Llama pre-tokenizer
+    that drops every space, so every completion fails ``round_trip``. The shipped ``tokenizer.json`` is what the
+    target's server tokenizes with: when the loaded tokenizer's ids for a probe text differ from that file's, the
+    file is loaded as it is (``PreTrainedTokenizerFast``, chat template and special tokens from the directory's
+    config). Raises :class:`TemplateError` when even that differs."""
+    import logging
+    import os
+
+    file = os.path.join(path, "tokenizer.json")
+    backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if backend is None or not os.path.isfile(file):
+        return tok
+    from tokenizers import Tokenizer
+
+    want = Tokenizer.from_file(file).encode(_PROBE, add_special_tokens=False).ids
+    if backend.encode(_PROBE, add_special_tokens=False).ids == want:
+        return tok
+    from transformers import PreTrainedTokenizerFast
+
+    logging.getLogger("eagle3_data.templates").warning(
+        "%s: transformers loads this tokenizer as %s, which encodes differently from the tokenizer.json it ships "
+        "(e.g. spaces dropped); using tokenizer.json as it is", path, type(tok).__name__)
+    fixed = PreTrainedTokenizerFast.from_pretrained(path)
+    if fixed.backend_tokenizer.encode(_PROBE, add_special_tokens=False).ids != want:
+        raise TemplateError(f"{path}: the tokenizer loads with another encoding than its tokenizer.json")
+    return fixed
 
 
 def target_tokens(target: dict, chat_template_kwargs: dict | None = None) -> TargetTokens:
