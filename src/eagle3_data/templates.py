@@ -10,10 +10,34 @@ The training sequence of a sample is ``prompt_ids + completion_ids`` where
   target family's completion format (think block, content, tool-call section, end-of-turn token).
 
 Rendering the *finished* conversation instead is wrong for reasoning targets: Kimi K2-Thinking/K2.5 render the
-final answer with an empty ``<think></think>``, Qwen3 and GLM drop reasoning before the last user turn
-(``/work/shared/reference/formats.md`` §0, §2; anchors.md §6 items 4-6).
+final answer with an empty ``<think></think>``, Qwen3 and GLM drop reasoning before the last user turn, DeepSeek-R1
+drops it everywhere (their templates under ``tests/chat_templates/``; SpecForge issues #296 and PR #419 on the
+"vanishing thought"). Where a template keeps the final turn's reasoning (Qwen3, GLM-4.5, a Kimi tool-calling turn,
+K2.6 ``preserve_thinking``) the product's ids equal its render of the finished conversation; elsewhere they follow
+SGLang's reasoning-parser convention (``tests/test_real_vocab.py``).
 
-Completion formats (formats.md §2.2-§2.4; the real templates' assistant branches; SGLang reasoning parsers):
+What is supervised for each kind of reply (R reasoning, C content; the loss mask covers exactly the text shown,
+after the generation prompt). Every reply's finish reason is first normalised once into the closed set
+:data:`FINISH_REASONS` (:func:`normalize_finish_reason`: unknown values rejected ``unknown_finish_reason`` by
+name; a billed completion count at the request's ``max_tokens`` means cut whatever the string says). Cut replies
+are kept only with ``validate.keep_truncated`` (else rejected ``truncated``) and end where the target stopped: no
+end-of-reasoning marker when cut inside the reasoning, never an end-of-turn token; a cut reply with tool calls is
+rejected ``truncated_tool_call``. A think block returned inside the content (a server without a reasoning parser)
+is split the way the family's template and SGLang's parsers split it, kept, and counted
+(``reasoning_split_from_content`` in the tokenize summary); reasoning prose in the content with no markers, on a
+prompt that leaves thinking on, can't be told from the answer and is rejected ``missing_reasoning``.
+
+| family | complete | cut (normalised `length`) | filtered (`content_filter`) | empty answer (reasoning, then nothing) | tool calls | reasoning in content |
+|---|---|---|---|---|---|---|
+| `kimi-k2` | `C<\\|im_end\\|>` | `C` as emitted, no `<\\|im_end\\|>` | rejected `content_filter` | whitespace-only `C`: `empty_answer`; any reasoning: `unexpected_reasoning` | `C<\\|tool_calls_section_begin\\|>…<\\|tool_calls_section_end\\|><\\|im_end\\|>`, ids `functions.<name>:<n>` | a think block: `reasoning_marker_leak` |
+| `kimi-k2-thinking` | `<think>R</think>C<\\|im_end\\|>` | in R: `<think>R`; in C: `<think>R</think>C` | rejected `content_filter` | rejected `empty_answer` | `<think>R</think>C` + Kimi section + `<\\|im_end\\|>` | `<think>R</think>C`: split, kept, counted; prose without markers: `missing_reasoning` |
+| `kimi-k25` (K2.5, K2.6) | thinking: `R</think>C<\\|im_end\\|>` (`<think>` is a prompt token); `thinking=False`: `C<\\|im_end\\|>` | thinking: `R` / `R</think>C`; off: `C` | rejected `content_filter` | rejected `empty_answer` | as complete + Kimi section before `<\\|im_end\\|>` | `R</think>C`: split; prose: `missing_reasoning` (thinking on) |
+| `qwen3` (Qwen3, Qwen3-2507 thinking) | `<think>\\nR\\n</think>\\n\\nC<\\|im_end\\|>` (2507: `<think>\\n` in the prompt); `enable_thinking=False`: `C<\\|im_end\\|>` | `<think>\\nR` / `<think>\\nR\\n</think>\\n\\nC` | rejected `content_filter` | rejected `empty_answer` | `…</think>\\n\\n[C\\n]<tool_call>\\n{"name": n, "arguments": a}\\n</tool_call><\\|im_end\\|>` | `<think>…</think>` split; prose: `missing_reasoning` (thinking on) |
+| `glm45` | `\\n<think>R</think>\\nC<\\|user\\|>` (no end token: the next role token); `enable_thinking=False`: `\\nC<\\|user\\|>` | `\\n<think>R` / `\\n<think>R</think>\\nC` | rejected `content_filter` | rejected `empty_answer` | `…\\n<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call><\\|observation\\|>` | split; prose: `missing_reasoning` (thinking on) |
+| `deepseek-r1` | `R\\n</think>\\n\\nC<｜end▁of▁sentence｜>` (`<think>\\n` is a prompt token; R1's separators rebuilt) | `R` / `R\\n</think>\\n\\nC` | rejected `content_filter` | rejected `empty_answer` | rejected `tool_calls_unsupported` (R1's template has no usable call layout) | split; prose: `missing_reasoning` |
+| `generic` | the template's render of the finished conversation minus the prompt render | the same without the end-of-turn token | rejected `content_filter` | rejected `empty_answer` | as the template renders them | rejected `reasoning_dropped_by_template` when the template drops it |
+
+Completion formats (the real templates' assistant branches; SGLang reasoning parsers):
 
 ================ =============================================================================== ======================
 family           completion text after the generation prompt                                     end-of-turn token
@@ -28,7 +52,7 @@ qwen3            ``<think>`` ``\\n{r.strip('\\n')}\\n`` ``</think>`` ``\\n\\n{c.
 glm45            ``\\n`` ``<think>`` ``{r.strip()}`` ``</think>`` [``\\n{c.strip()}``]                 ``<|user|>``, or
                  [``\\n<tool_call>{name}\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``]  ``<|observation|>``
                  (no per-turn end token: the turn ends at the next role token)                  after tool calls
-deepseek-r1      ``<think>`` reasoning ``</think>`` content (prompt usually ends ``<think>\\n``)     ``<｜end▁of▁sentence｜>``
+deepseek-r1      as qwen3, without tool calls (the prompt ends ``<think>\\n``)                    ``<｜end▁of▁sentence｜>``
 generic          derived: render the conversation with the final assistant message               tokenizer eos token
                  (``add_generation_prompt=False``) and without it (``=True``); the completion is the
                  difference, which must extend the prompt render (else reject ``template_not_prefix``)
@@ -143,7 +167,7 @@ def normalize_ids(out: Any) -> list[int]:
     """Token ids from whatever ``apply_chat_template(tokenize=True)`` or a tokenizer call returned, as ``list[int]``.
 
     transformers 5 may return a ``BatchEncoding``/dict (``len()`` of it is the number of keys, not tokens: the
-    Model-Optimizer bug of anchors.md §6 item 9), a torch/numpy tensor of shape ``(n,)`` or ``(1, n)``, a nested
+    bug NVIDIA Model-Optimizer PR #2172 fixed), a torch/numpy tensor of shape ``(n,)`` or ``(1, n)``, a nested
     ``[[...]]`` list or a plain list. Raises :class:`TemplateError` on a batch of more than one sequence or on an
     object with no ids.
     """
@@ -416,7 +440,7 @@ class TargetTokens:
         """Chat-template text of ``messages`` (tools and ``chat_template_kwargs`` passed through).
 
         Raises :class:`TemplateError` (reason ``prompt_render_failed``) for any template failure, e.g. a template's
-        ``raise_exception`` on bad role order (anchors.md §6 item 14: one bad row must not kill the stage).
+        ``raise_exception`` on bad role order (vllm-project/speculators PR #801: one bad row must not kill the stage).
         """
         try:
             out = self.tok.apply_chat_template(
@@ -695,6 +719,10 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
 _PROBE = "Hello world, 2 + 2 = 4.\n\n  indented line\t東京 café"
 
 
+#: tokenizer classes that load tokenizer.json as it is (nothing to check)
+_AS_FILE = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def _as_shipped(tok, path: str):
     """``tok``, or the directory's ``tokenizer.json`` loaded as it is when ``tok`` encodes differently from it.
 
@@ -709,8 +737,8 @@ def _as_shipped(tok, path: str):
 
     file = os.path.join(path, "tokenizer.json")
     backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
-    if backend is None or not os.path.isfile(file):
-        return tok
+    if backend is None or not os.path.isfile(file) or type(tok).__name__ in _AS_FILE:
+        return tok  # the generic classes take tokenizer.json as it is
     from tokenizers import Tokenizer
 
     want = Tokenizer.from_file(file).encode(_PROBE, add_special_tokens=False).ids
