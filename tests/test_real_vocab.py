@@ -245,7 +245,7 @@ VERIFIED_TRANSFORMERS_FLOOR = (5, 19, 0)
 
 
 def test_deepseek_dir_declaring_llama_tokenizer_fast_loads_with_its_spaces(tmp_path, caplog):
-    """DeepSeek-R1/V3 ship tokenizer.json + a config declaring LlamaTokenizerFast; transformers 5.0-5.19 load it
+    """DeepSeek-R1/V3 ship tokenizer.json + a config declaring LlamaTokenizerFast; transformers 5.0-5.21 load it
     as a Llama tokenizer that drops the spaces (every row then fails round_trip): the loader then takes the
     tokenizer.json as shipped."""
     d = F.save_deepseek_dir(tmp_path / "ds")
@@ -280,8 +280,14 @@ def test_a_tokenizer_that_encodes_unlike_its_tokenizer_json_is_replaced_by_the_f
     tokenizer.json (here: another vocabulary standing in for a rebuilt pipeline) is replaced by the file."""
     from eagle3_data.templates import _as_shipped
 
+    from transformers import PreTrainedTokenizerFast
+
+    class RebuildsThePipeline(PreTrainedTokenizerFast):
+        """Stands in for a class (LlamaTokenizerFast under transformers 5.0-5.21) that rebuilds the pipeline."""
+
     d = F.save_deepseek_dir(tmp_path / "ds")
-    wrong = F.kimi_k2_thinking()
+    wrong = RebuildsThePipeline(tokenizer_object=F.kimi_k2_thinking().backend_tokenizer)
+    assert _as_shipped(F.kimi_k2_thinking(), d) is F.kimi_k2_thinking()  # generic classes are taken as they are
     fixed = _as_shipped(wrong, d)
     assert fixed is not wrong and "using tokenizer.json as it is" in caplog.text
     assert fixed.decode(fixed("Hello  world", add_special_tokens=False)["input_ids"]) == "Hello  world"

@@ -727,7 +727,7 @@ def _as_shipped(tok, path: str):
     """``tok``, or the directory's ``tokenizer.json`` loaded as it is when ``tok`` encodes differently from it.
 
     A directory declaring a class whose transformers implementation rebuilds the pipeline (DeepSeek-R1/V3 declare
-    ``LlamaTokenizerFast`` over a byte-level BPE) loads under transformers 5.0-5.19 with a Llama pre-tokenizer
+    ``LlamaTokenizerFast`` over a byte-level BPE) loads under transformers 5.0-5.21 with a Llama pre-tokenizer
     that drops every space, so every completion fails ``round_trip``. The shipped ``tokenizer.json`` is what the
     target's server tokenizes with: when the loaded tokenizer's ids for a probe text differ from that file's, the
     file is loaded as it is (``PreTrainedTokenizerFast``, chat template and special tokens from the directory's
