@@ -22,7 +22,7 @@ figures are per core; the stage scales by running shards in parallel). Prints ON
 ``{"benchmark", "fixtures": {name: figures}, "pass"}``.
 
 Usage: ``python benchmarks/tokenize_validate.py [--tokens 20000000] [--shards 8] [--rerender-frac 0.05]
-[--fixtures kimi-k2-thinking,qwen3-real]``
+[--fixtures kimi-k2-thinking,qwen3-real] [--toy]``
 """
 
 from __future__ import annotations
@@ -235,7 +235,11 @@ def main(argv=None):
     ap.add_argument("--rerender-frac", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixtures", default=",".join(FIXTURES), help=f"comma-separated, of {sorted(FIXTURES)}")
+    ap.add_argument("--toy", action="store_true", help="seconds-long run (CI: the script must not rot); figures "
+                                                       "dominated by fixed costs, not comparable to the targets")
     args = ap.parse_args(argv)
+    if args.toy:
+        args.tokens, args.shards, args.rerender_frac = 40_000, 2, 0.2
 
     rows = synth_rows(args.tokens, args.seed)
     figures = {name: run_fixture(name, rows, args) for name in args.fixtures.split(",")}
