@@ -23,8 +23,17 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    log), the total, the peak memory, the merge manifest and the extraction plan if one was produced, and ends
    with ONE JSON line (figures + targets: total < 30 min on 2 cores, peak < 8 GB).
 
+6. then the incremental scenario (issue 11; ``--no-incremental`` skips it): 10 validated samples' journal lines
+   are removed, as if their requests had failed, and a small new dataset is added (a ShareGPT file, one shard);
+   ``snakemake --forcerun generate`` (how a user retries failed requests) sends exactly those 10 requests and
+   the new dataset's; it reports the jobs rerun per stage, the selection files and rows rewritten, and the tokens
+   that extraction would forward (rows of a new or changed selection that the earlier states file cannot give
+   byte for byte, by sample id, token ids and loss mask, as ``eagle3_data.extract.stage`` reuses them) against
+   the tokens a full build forwards.
+
 Run: ``python benchmarks/rehearsal.py`` (full scale, ~40k samples) or ``--scale 0.05`` (a 5 % rehearsal in a
-few minutes). ``--keep`` keeps the scratch directory.
+few minutes); ``--toy`` is the CI size (0.2 % of the samples, one shard per dataset, a few minutes).
+``--keep`` keeps the scratch directory.
 """
 
 from __future__ import annotations
@@ -96,6 +105,11 @@ def scaled(n: float, scale: float, lo: int = 1) -> int:
     return max(lo, int(round(n * scale)))
 
 
+#: the dataset the incremental scenario adds: (format, samples at scale 1, shards), replies drawn like B7's
+NEW_DATASET = ("C1_sharegpt_extra", "sharegpt", 400, 1)
+RETRIED_REQUESTS = 10
+
+
 def write_sources(data_dir: Path, scale: float, special_ids: dict) -> dict:
     """Write every source file; return {dataset: {path, rows, good, ...}}."""
     import rehearsal_data as rd
@@ -120,7 +134,8 @@ def write_sources(data_dir: Path, scale: float, special_ids: dict) -> dict:
     return out
 
 
-def build_config(sources: dict, port: int, scale: float, local_concurrency: int = 256) -> dict:
+def build_config(sources: dict, port: int, scale: float, local_concurrency: int = 256,
+                 max_shards: int | None = None) -> dict:
     """The seed config (resources/configs/seed-kimi-k25.yaml) pointed at the tiny target and the local server."""
     seed = yaml.safe_load((ROOT / "resources/configs/seed-kimi-k25.yaml").read_text())
     demo = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -150,9 +165,10 @@ def build_config(sources: dict, port: int, scale: float, local_concurrency: int 
             g["backends"] = backends
         if ds == "B1_glaive":
             g["budget_completion_tokens"] = int(25e6 * scale)
-        cfg["datasets"][ds] = {"source": src, "shards": shards, "generation": g}
+        cfg["datasets"][ds] = {"source": src, "shards": min(shards, max_shards or shards), "generation": g}
     for ds, (_n, _tok, shards) in SEED_A.items():
-        cfg["datasets"][ds] = {"source": {"format": "pretokenized", "path": sources[ds]["path"]}, "shards": shards}
+        cfg["datasets"][ds] = {"source": {"format": "pretokenized", "path": sources[ds]["path"]},
+                               "shards": min(shards, max_shards or shards)}
     cfg["extract"] = {**seed["extract"], "dtype": "float32", "gpus_per_job": 1}  # never run here
     # the plan's throughput: the seed's own (138.4M tokens in its 91 h estimate on 8 GPUs = 52.8 tokens/s per
     # GPU for Kimi-K2.5), not a measurement of the tiny CPU target, which would say nothing about the real run
@@ -389,6 +405,133 @@ def print_table(rows: list[dict], scale: float) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def run_workflow(cmd: list[str], env: dict, log_path: Path, server_pid: int) -> tuple[int, float, MemSampler]:
+    """Run snakemake to completion, its console output in ``log_path``: (exit code, wall s, memory sampler)."""
+    t0 = time.monotonic()
+    with open(log_path, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        mem = MemSampler([proc.pid, server_pid])
+        mem.start()
+        rc = proc.wait()
+    elapsed = time.monotonic() - t0
+    mem.stop_ev.set()
+    mem.join()
+    return rc, elapsed, mem
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# incremental scenario (issue 11)
+
+
+def drop_journal_lines(work: Path, n: int, seed: int = 7) -> list[str]:
+    """Remove ``n`` validated samples' lines from the generation journals (spread over the shards, seeded), as if
+    their requests had failed; return their sample ids."""
+    import random
+
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    candidates = []
+    for sel in sorted((work / "results/merged/selection").glob("*/*.parquet")):
+        journal = work / "cache/journal" / sel.parent.name / f"{sel.stem}.jsonl"
+        if journal.exists():
+            ids = pq.read_table(sel, columns=["sample_id"]).column("sample_id").to_pylist()
+            candidates += [(journal, sid) for sid in ids]
+    picked = rng.sample(candidates, min(n, len(candidates)))
+    by_journal: dict[Path, set[str]] = {}
+    for journal, sid in picked:
+        by_journal.setdefault(journal, set()).add(sid)
+    for journal, sids in by_journal.items():
+        lines = journal.read_text().splitlines()
+        kept = [ln for ln in lines if json.loads(ln).get("sample_id") not in sids]
+        journal.write_text("".join(ln + "\n" for ln in kept))
+    return sorted(sid for _j, sid in picked)
+
+
+def selection_rows(sel_dir: Path) -> dict[str, dict[str, tuple[int, str]]]:
+    """``{"<ds>/<shard>": {sample_id: (num_tokens, digest of token ids + loss mask)}}`` of every selection file."""
+    import duckdb
+
+    out: dict[str, dict[str, tuple[int, str]]] = {}
+    con = duckdb.connect()
+    con.execute("SET threads = 2")
+    for p in sorted(sel_dir.glob("*/*.parquet")):
+        rows = con.execute("SELECT sample_id, num_tokens, md5(input_ids::VARCHAR || '|' || loss_mask::VARCHAR) "
+                           "FROM read_parquet(?)", [str(p)]).fetchall()
+        out[f"{p.parent.name}/{p.stem}"] = {sid: (int(n), h) for sid, n, h in rows}
+    return out
+
+
+def forwarded_tokens(before: dict, after: dict) -> dict:
+    """What extraction would forward after the change, given the states of ``before``: rows of a selection whose
+    (sample id, token ids, loss mask) its earlier states file does not hold. Prefix reuse of a truncated row
+    (``extract_states`` reuses those too) is not counted, so this is an upper bound."""
+    changed, fwd_rows, fwd_tokens = [], 0, 0
+    for key, rows in after.items():
+        old = before.get(key, {})
+        new = {sid: v for sid, v in rows.items() if old.get(sid) != v}
+        if rows != old:
+            changed.append(key)
+        fwd_rows += len(new)
+        fwd_tokens += sum(n for n, _h in new.values())
+    return {"selections": len(after), "selections_changed": sorted(changed), "rows_forwarded": fwd_rows,
+            "tokens_forwarded": fwd_tokens, "rows_total": sum(len(r) for r in after.values()),
+            "tokens_total": sum(n for r in after.values() for n, _h in r.values())}
+
+
+def incremental(work: Path, cfg: dict, scale: float, cmd: list[str], env: dict, server_pid: int) -> dict:
+    """Retry 10 failed requests and add one small dataset after the full build; measure what reruns.
+
+    A failed request is simulated by removing a validated sample's journal line; the states the build would hold
+    then are its selection without that sample, so the retried samples count as forwarded even when the server
+    answers them as before."""
+    import rehearsal_data as rd
+
+    sel_dir = work / "results/merged/selection"
+    merged_before = {p.name: p.stat().st_mtime_ns for p in (work / "results/merged").glob("*.parquet")}
+    dropped = set(drop_journal_lines(work, RETRIED_REQUESTS))
+    # the states a build with those requests failed would hold: their selections without the dropped samples
+    before = {k: {sid: v for sid, v in rows.items() if sid not in dropped}
+              for k, rows in selection_rows(sel_dir).items()}
+    name, fmt, n, shards = NEW_DATASET
+    path = work / "data" / f"{name}.json"
+    good = scaled(n, scale)
+    rd.write_sharegpt(path, good, 1, seed=300)
+    cfg = {**cfg, "datasets": {**cfg["datasets"], name: {
+        "source": {"format": fmt, "path": str(path)}, "shards": shards,
+        "generation": {"extra_body": {"user": "B7_sharegpt"}}}}}
+    cfg_path = work / "rehearsal-incremental.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False, width=120))
+    i = cmd.index("--configfile")
+    cmd = cmd[:i + 1] + [str(cfg_path)] + cmd[i + 2:] + ["--forcerun", "generate"]
+    log = work / "snakemake.incremental.log"
+    rc, wall, _mem = run_workflow(cmd, env, log, server_pid)
+    if rc != 0:
+        print(f"\nincremental snakemake FAILED (exit {rc}); last lines of {log}:\n"
+              + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+    after = selection_rows(sel_dir)
+    fwd = forwarded_tokens(before, after)
+    jobs = {k: v["jobs"] for k, v in stage_table(job_times(log.read_text(errors="replace"))).items()}
+    sent = sum(json.loads(p.read_text()).get("sent", 0) for p in work.glob("results/*/responses/*.json")
+               if p.stat().st_mtime > time.time() - wall - 5)
+    merged_rewritten = sum(1 for p in (work / "results/merged").glob("*.parquet")
+                           if merged_before.get(p.name) != p.stat().st_mtime_ns)
+    out = {"snakemake_rc": rc, "wall_s": round(wall, 1), "retried_requests": len(dropped),
+           "new_dataset": name, "new_dataset_samples": good, "requests_sent": sent, "jobs_rerun": jobs,
+           "merged_shards_rewritten": merged_rewritten, **fwd,
+           "tokens_forwarded_ratio": round(fwd["tokens_forwarded"] / max(1, fwd["tokens_total"]), 5)}
+    print("\n## Incremental: retry 10 failed requests + add a small dataset (--forcerun generate)\n")
+    print("| Stage | Jobs rerun |\n|---|--:|")
+    for k in sorted(jobs):
+        print(f"| {k} | {jobs[k]} |")
+    print(f"\nrequests sent {sent}; selections changed {len(fwd['selections_changed'])} of {fwd['selections']} "
+          f"({', '.join(fwd['selections_changed'])}); rows forwarded {fwd['rows_forwarded']:,} of "
+          f"{fwd['rows_total']:,}; tokens forwarded {fwd['tokens_forwarded']:,} of {fwd['tokens_total']:,} "
+          f"({100 * out['tokens_forwarded_ratio']:.3f} % of a full build's); merged shards rewritten "
+          f"{merged_rewritten} (an index over the states: no extraction)")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the seed's samples (default 1.0)")
@@ -398,7 +541,12 @@ def main(argv=None) -> int:
                     help="sglang_local's max_concurrency (seed: 256; openrouter stays at the seed's 2,000)")
     ap.add_argument("--with-report", action="store_true", help="also run the report rule (tables, plots)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (always kept with --workdir)")
+    ap.add_argument("--max-shards", type=int, default=None, help="cap every dataset's shard count")
+    ap.add_argument("--no-incremental", action="store_true", help="skip the incremental scenario")
+    ap.add_argument("--toy", action="store_true", help="CI size: --scale 0.002 --max-shards 1")
     args = ap.parse_args(argv)
+    if args.toy:
+        args.scale, args.max_shards = 0.002, 1
 
     from eagle3_data.tiny_target import SPECIAL_TOKENS, build_tokenizer
 
@@ -419,7 +567,7 @@ def main(argv=None) -> int:
         print(f"  {ds:22s} {s['rows']:>6,} rows{extra}, {s['bytes'] / 2**20:7.1f} MiB, {s['write_s']:.1f} s")
 
     port = free_port()
-    cfg = build_config(sources, port, args.scale, args.local_concurrency)
+    cfg = build_config(sources, port, args.scale, args.local_concurrency, args.max_shards)
     cfg_path = work / "rehearsal.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False, width=120))
 
@@ -433,15 +581,7 @@ def main(argv=None) -> int:
     server = start_server(port, work / "server.log")
     print(f"\nrehearsal server on 127.0.0.1:{port}; running: {' '.join(cmd)}", flush=True)
     smk_log = work / "snakemake.console.log"
-    t0 = time.monotonic()
-    with open(smk_log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
-        mem = MemSampler([proc.pid, server.pid])
-        mem.start()
-        rc = proc.wait()
-    t_workflow = time.monotonic() - t0
-    mem.stop_ev.set()
-    mem.join()
+    rc, t_workflow, mem = run_workflow(cmd, env, smk_log, server.pid)
     try:
         import httpx
 
@@ -449,8 +589,6 @@ def main(argv=None) -> int:
         stats.pop("completed_by_body", None)
     except Exception as exc:  # noqa: BLE001 - report, don't fail the benchmark on stats
         stats = {"error": str(exc)}
-    server.terminate()
-    server.wait(10)
     log_text = smk_log.read_text(errors="replace")
     if rc != 0:
         print(f"\nsnakemake FAILED (exit {rc}); last lines of {smk_log}:\n" + "\n".join(log_text.splitlines()[-60:]))
@@ -489,7 +627,7 @@ def main(argv=None) -> int:
     manifest = json.loads(manifest_p.read_text()) if manifest_p.exists() else None
     if manifest:
         print("\n## Merge manifest (totals)\n")
-        print(json.dumps({k: v for k, v in manifest.items() if k not in ("shards", "inputs")}, indent=1)[:3000])
+        print(json.dumps({k: v for k, v in manifest.items() if k not in ("shards", "inputs", "selections")}, indent=1)[:3000])
     plan_files = sorted(p for p in work.glob("results/**/*plan*") if p.is_file())
     if plan_files:
         print("\n## Extraction plan\n")
@@ -502,7 +640,12 @@ def main(argv=None) -> int:
     if tally.exists():
         print("\n## results/reports/tally.md\n\n" + tally.read_text())
 
-    total_s = time.monotonic() - t_all
+    total_s = time.monotonic() - t_all  # the full build's figures; the incremental run is timed on its own
+    inc = None
+    if rc == 0 and not args.no_incremental:
+        inc = incremental(work, cfg, args.scale, cmd, env, server.pid)
+    server.terminate()
+    server.wait(10)
     peak_gb = mem.peak / 2**30
     print(f"\ntotal wall {total_s:.0f} s (sources {t_sources:.0f} s + workflow {t_workflow:.0f} s); "
           f"peak RSS of the process tree {peak_gb:.2f} GB at t={mem.peak_at:.0f} s: "
@@ -523,6 +666,10 @@ def main(argv=None) -> int:
         "meets_targets": rc == 0 and total_s < TARGET_TOTAL_S and peak_gb < TARGET_PEAK_GB,
         "workdir": str(work),
     }
+    if inc is not None:
+        result["incremental"] = {k: v for k, v in inc.items() if k != "selections_changed"} | {
+            "selections_changed": len(inc["selections_changed"])}
+        rc = rc or inc["snakemake_rc"]
     if not (args.keep or args.workdir) and rc == 0:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result))
