@@ -32,5 +32,7 @@ rule report:
         generation={ds: cfg.generation_config(config, ds) for ds in GENERATED},
     log:
         "logs/report.log",
+    conda:
+        "../envs/cpu.yaml",
     script:
         "../scripts/report.py"
