@@ -1,5 +1,5 @@
 """Target tokenizer fixtures built locally (no download): byte-level BPE with a few merges, real special-token names
-and chat templates that mimic the real ones' quirks (``/work/shared/reference/formats.md`` §2).
+and chat templates that mimic the real ones' quirks (the published templates of Kimi K2, Qwen3 and GLM-4.5).
 
 - :func:`kimi_k2_thinking` - Kimi K2-Thinking-like: ``tool_declare`` system message when tools are given, the default
   system prompt when the first message is not a system message, history reasoning dropped up to and including the
@@ -89,7 +89,7 @@ _KIMI_COMMON = r"""
 {%- for message in suffix_msgs -%}{{ header(message) }}{{ body(message, SUFFIX_THINK) }}<|im_end|>{%- endfor -%}
 """
 
-#: Kimi K2-Thinking-like template (formats.md §2.2; hist reasoning -> ``<think></think>``).
+#: Kimi K2-Thinking-like template (hist reasoning -> ``<think></think>``).
 KIMI_K2_THINKING_TEMPLATE = (
     _KIMI_COMMON.replace("HIST_THINK", "''").replace("SUFFIX_THINK", "(message.get('reasoning_content') or '')")
     + r"{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
@@ -109,7 +109,7 @@ KIMI_K2_TEMPLATE = (
 QWEN3_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN3_NON_SPECIAL = ("<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>")
 
-#: The Qwen3 chat template (formats.md §2.3; HF Qwen3 ``tokenizer_config.json``), tools header shortened.
+#: The Qwen3 chat template (HF Qwen3 ``tokenizer_config.json``), tools header shortened.
 QWEN3_TEMPLATE = r"""
 {%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -207,7 +207,7 @@ GLM45_SPECIALS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eo
 GLM45_NON_SPECIAL = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
                      "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
-#: The GLM-4.5 chat template (formats.md §2.4; llama.cpp ``glm_4_5.jinja`` copy of the official one), tools header
+#: The GLM-4.5 chat template (llama.cpp ``glm_4_5.jinja`` copy of the official one), tools header
 #: shortened. Needs tool-call ``arguments`` as a mapping (``_args.items()``).
 GLM45_TEMPLATE = r"""[gMASK]<sop>
 {%- if tools -%}

@@ -3,7 +3,7 @@
 Layouts (each file written to a temporary name and renamed; file names use the GLOBAL sample index, i.e.
 ``start_index`` + the sample's row in the shard, so shards export independently into one directory):
 
-``specforge`` (SpecForge offline EAGLE-3 trainer, ``OfflineEagle3Dataset``; anchors.md section 1(f)):
+``specforge`` (SpecForge offline EAGLE-3 trainer, ``OfflineEagle3Dataset``):
     ``<out_dir>/rows_{g}-{g+group_size}/data_{i}.ckpt`` written with ``torch.save`` holding
     ``input_ids`` [T] int64, ``loss_mask`` [T] int64, ``aux_hidden_state`` [1, T, A*H] and ``hidden_state``
     [1, T, H] (post-norm final state) in the extract dtype. SpecForge finds ``*.ckpt`` recursively, so

@@ -2,7 +2,7 @@
 
 Importable without SGLang: every ``sglang`` import is inside the functions that need it. Install the GPU env
 (``envs/sglang-gpu.yaml``) to run it. The approach is SpecForge's offline capture
-(``specforge/offline_capture/sglang_backend``, anchors.md section 1(f)): an in-process SGLang ``ModelRunner``
+(SpecForge's ``specforge/offline_capture/sglang_backend``): an in-process SGLang ``ModelRunner``
 per tensor-parallel rank (``sglang.bench_one_batch.load_model``), ``set_eagle3_layers_to_capture(layers)``
 (SGLang captures the OUTPUT of 0-based decoder layer i, our convention) and the logits processor wrapped so
 a prefill returns both the auxiliary states (``hidden_states`` under ``CaptureHiddenMode.FULL``) and the

@@ -11,9 +11,9 @@ The training sequence of a sample is ``prompt_ids + completion_ids`` where
 
 Rendering the *finished* conversation instead is wrong for reasoning targets: Kimi K2-Thinking/K2.5 render the
 final answer with an empty ``<think></think>``, Qwen3 and GLM drop reasoning before the last user turn
-(``/work/shared/reference/formats.md`` §0, §2; anchors.md §6 items 4-6).
+(the published chat templates of those models).
 
-Completion formats (formats.md §2.2-§2.4; the real templates' assistant branches; SGLang reasoning parsers):
+Completion formats (the real templates' assistant branches; SGLang reasoning parsers):
 
 ================ =============================================================================== ======================
 family           completion text after the generation prompt                                     end-of-turn token
@@ -132,8 +132,8 @@ def completion_format(name: str) -> CompletionFormat:
 def normalize_ids(out: Any) -> list[int]:
     """Token ids from whatever ``apply_chat_template(tokenize=True)`` or a tokenizer call returned, as ``list[int]``.
 
-    transformers 5 may return a ``BatchEncoding``/dict (``len()`` of it is the number of keys, not tokens: the
-    Model-Optimizer bug of anchors.md §6 item 9), a torch/numpy tensor of shape ``(n,)`` or ``(1, n)``, a nested
+    transformers 5 may return a ``BatchEncoding``/dict (``len()`` of it is the number of keys, not tokens: a bug
+    once seen in NVIDIA Model-Optimizer's data preparation), a torch/numpy tensor of shape ``(n,)`` or ``(1, n)``, a nested
     ``[[...]]`` list or a plain list. Raises :class:`TemplateError` on a batch of more than one sequence or on an
     object with no ids.
     """
@@ -266,7 +266,7 @@ class TargetTokens:
         """Chat-template text of ``messages`` (tools and ``chat_template_kwargs`` passed through).
 
         Raises :class:`TemplateError` (reason ``prompt_render_failed``) for any template failure, e.g. a template's
-        ``raise_exception`` on bad role order (anchors.md §6 item 14: one bad row must not kill the stage).
+        ``raise_exception`` on bad role order (one bad row must not kill the stage).
         """
         try:
             out = self.tok.apply_chat_template(
