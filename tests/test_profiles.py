@@ -2,7 +2,7 @@
 
 The stand-ins (sbatch, sacct, squeue, sacctmgr, scontrol, scancel, sinfo, sshare) record their argv and answer
 like SLURM: sbatch prints a job id, sacctmgr the account, scontrol a MinJobAge, sacct reports every job FAILED
-so the run ends at once. Only one extract and one generate job are submitted (forced targets on a scratch
+so the run ends at once. Only one extract, one plan and one generate job are submitted (forced targets on a scratch
 copy whose inputs exist as placeholders); the test checks the sbatch lines.
 """
 
@@ -42,6 +42,7 @@ ANSWERS = {
 
 EXTRACT = "results/hidden_states/000.safetensors"
 GENERATE = "results/sharegpt_demo/responses/000.parquet"
+PLAN = "results/reports/plan.md"
 
 
 def _standins(bin_dir: Path) -> None:
@@ -74,8 +75,9 @@ def submitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm")
     work = copy_workflow(tmp / "w")
     # placeholder inputs: with --allowed-rules nothing upstream is scheduled, and the jobs never run
-    for f in ("results/merged/000.parquet", "results/sharegpt_demo/prompts/000.parquet",
-              "results/target/tiny-kimi/config.json"):
+    for f in ("results/merged/000.parquet", "results/merged/001.parquet", "results/merged/manifest.json",
+              "results/sharegpt_demo/prompts/000.parquet", "results/target/tiny-kimi/config.json",
+              "results/target/tiny-kimi/tiny_target.json"):
         (work / f).parent.mkdir(parents=True, exist_ok=True)
         (work / f).touch()
     record = tmp / "record"
@@ -86,15 +88,15 @@ def submitted(tmp_path_factory):
     env["SLURM_STANDIN_DIR"] = str(record)
     env["EAGLE3_SLURM_ACCOUNT"] = "myproj"
     cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", "profiles/slurm", "--force",
-           "--allowed-rules", "extract", "generate", "--slurm-init-seconds-before-status-checks", "1",
-           "--latency-wait", "1", "--retries", "0", "--", EXTRACT, GENERATE]
+           "--allowed-rules", "extract", "generate", "plan", "--slurm-init-seconds-before-status-checks", "1",
+           "--latency-wait", "1", "--retries", "0", "--", EXTRACT, GENERATE, PLAN]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
     sb = _calls(record, "sbatch")
-    assert len(sb) == 2, f"expected 2 sbatch calls, got {len(sb)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert len(sb) == 3, f"expected 3 sbatch calls, got {len(sb)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     jobs = {}
     for argv in sb:
         wrap = _opt(argv, "--wrap") or ""
-        rule = "extract" if "--target-jobs 'extract:" in wrap else "generate" if "--target-jobs 'generate:" in wrap else "?"
+        rule = next((r for r in ("extract", "generate", "plan") if f"--target-jobs '{r}:" in wrap), "?")
         jobs[rule] = argv
     return {"jobs": jobs, "proc": proc, "record": record}
 
@@ -119,6 +121,14 @@ def test_extract_job_asks_for_a_gpu_on_the_gpu_partition(submitted):
     assert not any(a.startswith("--gres") for a in argv)
     wrap = _opt(argv, "--wrap")
     assert "--target-jobs 'extract:k=000'" in wrap and "--executor slurm-jobstep" in wrap
+
+
+def test_plan_job_measuring_throughput_asks_for_a_gpu_on_the_gpu_partition(submitted):
+    """plan.tokens_per_s_per_gpu is null in the demo: the plan measures on a GPU, so it must not go to the cpu
+    partition with --gpus (a job no cpu partition can run)."""
+    argv = submitted["jobs"]["plan"]
+    assert (_opt(argv, "-p"), _opt(argv, "--gpus")) == ("gpu", "1")
+    assert _opt(argv, "-t") == "60" and _opt(argv, "--mem") == "128000"
 
 
 def test_generate_job_is_a_long_cpu_job(submitted):
