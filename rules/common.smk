@@ -82,4 +82,4 @@ def responses_files(datasets):
 def print_tally(path):
     p = Path(path)
     if p.exists():
-        print("\n" + p.read_text(), file=sys.stderr)
+        print(f"\n{p.read_text()}", file=sys.stderr)
