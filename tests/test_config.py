@@ -50,7 +50,8 @@ def test_defaults_fill_every_section_and_match_the_documented_values():
     assert c["validate"] == {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
                              "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}}
     assert c["merge"] == {"datasets": None, "max_samples": {}, "max_len": 32768, "overflow": "truncate", "seed": 0,
-                          "shards": 1}
+                          "shards": 1, "memory_mb": 4000, "threads": 2}
+    assert c["normalize"] == {"max_reject_rate": 0.5}
     assert c["extract"]["dtype"] == "bfloat16" and c["extract"]["gpus_per_job"] == 1
     assert c["export"]["layouts"] == [] and c["plan"]["tokens_per_s_per_gpu"] is None
     assert c["vocab"]["draft_vocab_size"] == 32000
@@ -243,3 +244,62 @@ def test_pending_generation_lists_datasets_with_responses_to_generate(tmp_path):
         (tmp_path / f"results/sharegpt_demo/responses").mkdir(parents=True, exist_ok=True)
         (tmp_path / f"results/sharegpt_demo/responses/{s}.parquet").touch()
     assert cfg.pending_generation(c, tmp_path) == ["ultrachat_demo", "sweagent_demo"]
+
+
+def _schema_keys() -> list[str]:
+    rows = cfg.schema_reference(yaml.safe_load(SCHEMA.read_text())).splitlines()[2:]
+    return [r.split("|")[1].strip().strip("`") for r in rows]
+
+
+def test_every_config_key_says_what_its_change_reruns():
+    """RERUNS covers every leaf key of the schema (objects are covered through their keys), and names no key
+    the schema doesn't have; the README's table is rendered from it."""
+    keys = _schema_keys()
+    parents = {k.rsplit(".", 1)[0] for k in keys if "." in k}
+    leaves = [k for k in keys if k not in parents]
+    missing = [k for k in leaves if cfg.reruns_of(k) is None]
+    assert missing == [], f"add these to config.RERUNS: {missing}"
+    for entry, _ in cfg.RERUNS:
+        prefix = entry[:-2] if entry.endswith(".*") else entry
+        assert prefix in keys, f"config.RERUNS names {entry!r}, which the schema doesn't have"
+    # transport settings rerun nothing; data settings name the stages
+    assert cfg.reruns_of("backends.<name>.max_concurrency") == cfg.NOTHING
+    assert cfg.reruns_of("backends.<name>.launch.command") .startswith(cfg.NOTHING)
+    assert cfg.reruns_of("datasets.<name>.generation.max_retries") == cfg.NOTHING
+    assert cfg.reruns_of("datasets.<name>.generation.temperature") == "as generation.<key>, for that dataset only"
+    assert "extract" in cfg.reruns_of("merge.max_len")
+    readme = (ROOT / "README.md").read_text()
+    assert cfg.reruns_table() in readme, "run: python -m eagle3_data.config README.md"
+
+
+def test_rule_params_leave_out_transport_settings():
+    """The slices the rules pass as params don't move when a transport setting does."""
+    c = yaml.safe_load((ROOT / "config.yaml").read_text())
+    before = {ds: (cfg.generation_data_settings(c, ds), cfg.backends_data_settings(c, ds))
+              for ds in cfg.generated_datasets(c)}
+    other = yaml.safe_load(yaml.safe_dump(c))
+    b = other["backends"]["tiny_local"]
+    b.update(max_concurrency=99, timeout_s=1, requests_per_minute=5, tokens_per_minute=9, api_key_env="X",
+             headers={"X-Title": "t"})
+    b["launch"]["command"] += " --verbose"
+    other["generation"].update(max_retries=0, retry_initial_s=9.0)
+    after = {ds: (cfg.generation_data_settings(other, ds), cfg.backends_data_settings(other, ds))
+             for ds in cfg.generated_datasets(other)}
+    assert after == before
+    other["backends"]["tiny_local"]["extra_body"] = {"top_k": 3}  # shapes requests: a data setting
+    assert cfg.backends_data_settings(other, "sharegpt_demo") != before["sharegpt_demo"][1]
+    e = yaml.safe_load(yaml.safe_dump(c))
+    e["extract"].update(device="cpu", batch_tokens=7, gpu_lock_dir="/x")
+    assert cfg.extract_state_settings(e) == cfg.extract_state_settings(c)
+    e["merge"].update(memory_mb=999, threads=7)
+    assert cfg.merge_data_settings(e) == cfg.merge_data_settings(c)
+
+
+def test_code_defaults_agree_with_the_schema_defaults():
+    """config.DEFAULTS (what cfg.section() falls back to) is what the schema fills in: one set of defaults."""
+    c = {"target": {"name": "t", "path": "p", "template": "kimi-k25"},
+         "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}}}
+    cfg.validate_config(c, cfg.load_schema(SCHEMA))
+    for name, defaults in cfg.DEFAULTS.items():
+        assert cfg.deep_merge(c[name], defaults) == c[name], name
+        assert cfg.section(c, name) == c[name]

@@ -75,7 +75,7 @@ def _check_build(wd, ds: str, shipped: dict) -> list[dict]:
     assert not rejected, [(r["sample_id"], r["reason"], r["detail"]) for r in rejected]
     assert len(validated) == prompts
     assert all(len(r["reasoning"]) == 12 and r["content"] for r in responses)
-    assert (wd / "results/hidden_states/000.safetensors").exists()
+    assert (wd / f"results/hidden_states/{ds}/000.safetensors").exists()
     assert (wd / "results/reports/tally.md").read_text().count(ds) >= 1
     manifest = json.loads((wd / "results/merged/manifest.json").read_text())
     assert manifest["totals"]["samples"] == len(validated)

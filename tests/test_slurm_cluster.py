@@ -40,7 +40,7 @@ exec {real} "$@"
 GPU_RULES = {"extract", "plan"}
 EXPECTED_JOBS = {"tiny_target": 1, "normalize_sharegpt_demo": 1, "normalize_ultrachat_demo": 1,
                  "normalize_sweagent_demo": 1, "normalize_pretokenized_demo": 1, "generate": 4, "tokenize": 4,
-                 "validate": 5, "merge": 1, "extract": 2, "plan": 1, "vocab": 1, "export": 2, "report": 1}
+                 "validate": 5, "merge": 1, "extract": 5, "plan": 1, "vocab": 1, "export": 2, "report": 1}
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_every_rule_ran_on_the_partition_it_needs(slurm_run, cluster):
     assert len(mine) == sum(EXPECTED_JOBS.values()), jobs
     assert {j["state"] for j in mine} == {"COMPLETED"}, jobs
     gpu_jobs = [j for j in mine if j["partition"] == "gpu"]
-    assert len(gpu_jobs) == 3 and all("gres/gpu=1" in j["tres"] for j in gpu_jobs), gpu_jobs
+    assert len(gpu_jobs) == 6 and all("gres/gpu=1" in j["tres"] for j in gpu_jobs), gpu_jobs
 
 
 def _parquet_rows(path: Path) -> list[dict]:
@@ -143,8 +143,8 @@ def test_outputs_equal_the_local_run(slurm_run, demo_run):
         rel = local.relative_to(demo_run)
         assert _parquet_rows(wd / rel) == _parquet_rows(local), rel
         compared += 1
-    states = sorted(demo_run.glob("results/hidden_states/*.safetensors"))
-    assert len(states) == 2
+    states = sorted(demo_run.glob("results/hidden_states/*/*.safetensors"))
+    assert len(states) == 5  # one per validated shard
     for local in states:
         rel = local.relative_to(demo_run)
         with safe_open(str(local), "pt") as a, safe_open(str(wd / rel), "pt") as b:
