@@ -206,13 +206,18 @@ def test_layering_a_config_with_its_own_datasets_on_another_is_refused():
     with pytest.raises(cfg.ConfigError) as info:
         cfg.check_layering([("config.yaml", demo), ("my.yaml", mine)])
     msg = str(info.value)
-    assert msg.startswith("Config error: my.yaml brings its own datasets (sharegpt), so the datasets of config.yaml "
-                          "(sharegpt_demo, ultrachat_demo, sweagent_demo, pretokenized_demo) would be built too")
+    assert msg.startswith("Config error: my.yaml is a config of its own (target or backends, and datasets), so the "
+                          "datasets of config.yaml (sharegpt_demo, ultrachat_demo, sweagent_demo, pretokenized_demo) "
+                          "would be built too, with its target and backends")
     assert "Use my.yaml alone" in msg and "`sharegpt_demo: {}`" in msg
-    # an override file changing keys (also of a dataset defined earlier) layers fine, and so does naming the
-    # earlier datasets to keep them
+    # an override file changing keys (also of a dataset defined earlier) or adding a dataset layers fine, and so
+    # does a config of one's own naming the earlier datasets to keep them
     cfg.check_layering([("config.yaml", demo), ("o.yaml", {"merge": {"max_len": 512},
                                                            "datasets": {"sharegpt_demo": {"shards": 4}}})])
+    more = {"datasets": {"more": {"source": {"format": "ultrachat", "path": "x.jsonl"}}}}
+    cfg.check_layering([("config.yaml", demo), ("more.yaml", more)])
+    with pytest.raises(cfg.ConfigError, match="b.yaml is a config of its own"):
+        cfg.check_layering([("config.yaml", demo), ("b.yaml", {**more, "backends": mine["backends"]})])
     keep = copy.deepcopy(mine)
     keep["datasets"].update({ds: {} for ds in demo["datasets"]})
     cfg.check_layering([("config.yaml", demo), ("my.yaml", keep)])

@@ -74,9 +74,9 @@ def test_layering_a_config_of_ones_own_on_the_demo_is_refused(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
     (line,) = _lines(out)
-    assert line.startswith("Config error: resources/configs/openrouter.yaml brings its own datasets (sharegpt), so "
-                           "the datasets of config.yaml (sharegpt_demo, ultrachat_demo, sweagent_demo, "
-                           "pretokenized_demo) would be built too")
+    assert line.startswith("Config error: resources/configs/openrouter.yaml is a config of its own (target or "
+                           "backends, and datasets), so the datasets of config.yaml (sharegpt_demo, ultrachat_demo, "
+                           "sweagent_demo, pretokenized_demo) would be built too, with its target and backends")
 
 
 def test_unknown_backend_names_the_dataset(tmp_path):

@@ -559,10 +559,11 @@ def check_layering(files: Sequence[tuple[str, dict]]) -> None:
     """Refuse a merge of several config files that would build datasets the user did not mean to.
 
     Snakemake merges ``--configfile a.yaml b.yaml`` key by key, so the datasets of ``a.yaml`` are kept next to
-    ``b.yaml``'s and get ``b.yaml``'s backends and generation settings (e.g. the demo's datasets sent to a paid
-    endpoint). Rule: a file that defines datasets of its own (an entry with a ``source``) must name every
-    dataset defined by the files before it; naming one (``name: {}`` keeps it as it is) is how to keep it.
-    Files that only change keys of datasets defined earlier (``datasets.x.shards: 4``) are always fine.
+    ``b.yaml``'s and get ``b.yaml``'s target and backends (e.g. the demo's datasets sent to a paid endpoint).
+    Rule: a file that is a config of its own (it sets ``target`` or ``backends``, and defines datasets of its
+    own: entries with a ``source``) must name every dataset defined by the files before it; naming one
+    (``name: {}`` keeps it as it is) is how to keep it. Files that only add datasets or change keys
+    (``merge.max_len: 512``, ``datasets.x.shards: 4``) layer as usual.
     Raises :class:`ConfigError` naming both files and the datasets.
     """
     defined_by: dict[str, str] = {}
@@ -570,11 +571,11 @@ def check_layering(files: Sequence[tuple[str, dict]]) -> None:
         entries = tree.get("datasets") if isinstance(tree.get("datasets"), dict) else {}
         own = [ds for ds, e in entries.items() if isinstance(e, dict) and "source" in e and ds not in defined_by]
         earlier = [ds for ds in defined_by if ds not in entries]
-        if own and earlier:
+        if own and earlier and ({"target", "backends"} & set(tree)):
             origins = sorted({defined_by[ds] for ds in earlier})
             raise ConfigError(
-                f"Config error: {name} brings its own datasets ({', '.join(own)}), so the datasets of "
-                f"{', '.join(origins)} ({', '.join(earlier)}) would be built too, with {name}'s settings "
+                f"Config error: {name} is a config of its own (target or backends, and datasets), so the datasets "
+                f"of {', '.join(origins)} ({', '.join(earlier)}) would be built too, with its target and backends "
                 f"(--configfile files are merged key by key). Use {name} alone (keys it leaves out take their "
                 f"defaults), or name in it each dataset to keep (e.g. `{earlier[0]}: {{}}`)."
             )
