@@ -97,6 +97,6 @@ def demo_run(tmp_path_factory) -> Path:
     Tests must not modify it: copy it (``shutil.copytree(demo_run, dest, symlinks=True)``) first.
     """
     wd = copy_workflow(tmp_path_factory.mktemp("demo"))
-    proc = run_snakemake(wd, "--cores", "2")
+    proc = run_snakemake(wd, "--cores", "2", timeout=1800)  # minutes on a busy 2-core machine
     (wd / "run.out").write_text(proc.stdout + proc.stderr)
     return wd
