@@ -1,4 +1,5 @@
-"""Full-scale rehearsal of the seed run (issue 6, Acceptance): ten datasets, 40,114 samples, on this machine.
+"""Full-scale rehearsal of the seed run, the production run ``resources/configs/seed-kimi-k25.yaml`` describes: ten
+datasets, 40,114 samples, on this machine.
 
 What it does, in a scratch directory (``--workdir``, default a temp dir):
 
@@ -18,7 +19,7 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
 4. runs ``snakemake --cores 2`` through normalize -> generate -> tokenize -> validate -> merge (-> plan, when
    the workflow has a ``plan`` rule; -> report with ``--with-report``), never extraction, sampling the RSS of
    the whole process tree (snakemake, its jobs, the server) every 0.5 s;
-5. prints the seed-style table (DuckDB over the validated parquet files, + responses for backend / cost), the
+5. prints the per-dataset table (DuckDB over the validated parquet files, + responses for backend / cost), the
    wall time of each stage (sum of its jobs' times and its first-start..last-end span, read from snakemake's
    log), the total, the peak memory, the merge manifest and the extraction plan if one was produced, and ends
    with ONE JSON line (figures + targets: total < 30 min on 2 cores, peak < 8 GB).
@@ -62,7 +63,7 @@ import yaml  # noqa: E402
 TARGET_TOTAL_S = 30 * 60
 TARGET_PEAK_GB = 8.0
 
-# The seed's table (shared/seed): samples and completion tokens per B dataset; A datasets: samples, tokens.
+# The seed run's figures: samples and completion tokens per B dataset; A datasets: samples, tokens.
 # shards / backends / max_samples mirror resources/configs/seed-kimi-k25.yaml.
 SEED_B = {
     #  name                  format                 samples  tokens   max   shards backends
@@ -141,7 +142,9 @@ def build_config(sources: dict, port: int, scale: float, local_concurrency: int 
     demo = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg = dict(seed)
     cfg["cache_dir"] = "cache"
-    cfg["target"] = dict(demo["target"])  # tiny Kimi-style target, build_tiny: true, template kimi-k2
+    # the tiny Kimi-style target (build_tiny: true), thinking off: the replies and the A-type rows carry no
+    # reasoning (the demo's own target thinks, in the Kimi K2.5 format)
+    cfg["target"] = {**demo["target"], "template": "kimi-k2", "chat_template_kwargs": {"thinking": False}}
     url = f"http://127.0.0.1:{port}/v1"
     cfg["backends"] = {
         "openrouter": {**seed["backends"]["openrouter"], "base_url": url, "api_key_env": FAKE_KEY_ENV,
@@ -371,7 +374,7 @@ def source_label(ds: str, backends: str) -> str:
 
 
 def print_table(rows: list[dict], scale: float) -> dict:
-    print(f"\n## Seed-style table (validated parquet; rehearsal at scale {scale:g}; seed figures scaled alongside)\n")
+    print(f"\n## Per-dataset table (validated parquet; rehearsal at scale {scale:g}; seed figures scaled alongside)\n")
     print("| Dataset | Samples | Prompt tok | Completion tok | Total tok | Source | Cost $ | seed samples | seed tokens |")
     print("|---|--:|--:|--:|--:|---|--:|--:|--:|")
     tot = {"B": [0, 0, 0, 0, 0.0], "A": [0, 0, 0, 0, 0.0]}

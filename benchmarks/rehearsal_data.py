@@ -1,4 +1,4 @@
-"""Synthetic source files for the rehearsal, in each seed dataset's real public format, written fast.
+"""Synthetic source files for the rehearsal, in each dataset's real public format, written fast.
 
 Texts are slices of one deterministic ASCII corpus (so the tiny byte-level target tokenizes 1 char = 1 token and
 every character count below is a token count); lengths are lognormal around realistic per-dataset means.
@@ -6,7 +6,7 @@ Parquet via pyarrow, JSON / JSONL via DuckDB ``COPY ... (FORMAT JSON)`` from Arr
 JSON encoding of the big files). Each B source also holds a few unusable rows (an empty or assistant-first
 conversation), which normalize rejects with a reason, so the seed's sample counts come out of normalize.
 
-Public layouts (``/work/shared/reference/formats.md`` §1):
+Public layouts (the datasets' own files):
 glaive-function-calling-v2 JSON array ``{system, chat}``; nvidia/OpenCodeInstruct parquet ``{id, input, output,
 domain, generation_algorithm, llm_judgement, unit_tests, tests_execution_status, average_test_score}``;
 Magicoder OSS-Instruct JSONL ``{lang, raw_index, index, seed, openai_fingerprint, problem, solution}``;

@@ -15,7 +15,7 @@ a 200 body) and ``/stats``, plus what a full-scale rehearsal needs:
   ``length_sigma``, clipped to ``[min_tokens, max_tokens]`` (else the fault server's uniform), drawn from a hash
   of the request body (a retry of the same request gets the same reply);
 - **latency proportional to length**: ``latency_min_s..latency_max_s`` (uniform, from the body hash) plus
-  ``n * latency_per_token_s``, so long replies arrive last (the seed's B8 pattern).
+  ``n * latency_per_token_s``, so long replies arrive last (as long SWE-agent trajectories do).
 
 Run standalone: ``python benchmarks/rehearsal_server.py --port P --config '{json}'`` (loopback only).
 """

@@ -6,9 +6,10 @@ Dev script, not part of the workflow. Usage (from the repository root)::
 
 Format: JSON Lines, one object per row: ``{"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]}``, token
 ids of the tiny Kimi-style target (``eagle3_data.tiny_target.build_tokenizer()``, vocab size 272). A clean row is
-the prompt rendered with the target's chat template (``add_generation_prompt=True``) followed by a short printable
-ASCII completion and ``<|im_end|>``; ``loss_mask`` is 1 exactly on the completion tokens including ``<|im_end|>``
-and 0 on the prompt. Output is deterministic in ``--seed``.
+the prompt rendered with the target's chat template (``add_generation_prompt=True``, thinking on: it ends in
+``<think>``) followed by the completion in the Kimi K2.5 thinking format: a short reasoning text, ``</think>``, a
+short printable ASCII answer and ``<|im_end|>``; ``loss_mask`` is 1 exactly on the completion tokens including
+``<|im_end|>`` and 0 on the prompt. Output is deterministic in ``--seed``.
 
 Rows 0..22 (ids ``pt-000`` .. ``pt-022``) are clean. Rows 23..29 are deliberately messy, as real files are; a
 validator must reject each of them with a reason, never silently drop or accept them:
@@ -79,6 +80,11 @@ def _completion_text(rng: random.Random) -> str:
     return text
 
 
+def _reasoning_text(rng: random.Random) -> str:
+    words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 10))]
+    return "the user asks " + " ".join(words) + rng.choice([".", ", so answer briefly.", ".\nkeep it short."])
+
+
 def make_rows(seed: int = 0) -> list[dict]:
     """Return the 30 rows described in the module docstring (23 clean, then 7 messy), deterministic in ``seed``."""
     tok = build_tokenizer()
@@ -92,7 +98,8 @@ def make_rows(seed: int = 0) -> list[dict]:
             msgs, tools = _PROMPTS[i % 6], None
         prompt = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
         prompt_ids = tok.encode(prompt, add_special_tokens=False)
-        completion_ids = tok.encode(_completion_text(rng), add_special_tokens=False) + [im_end]
+        completion = _reasoning_text(rng) + "</think>" + _completion_text(rng)
+        completion_ids = tok.encode(completion, add_special_tokens=False) + [im_end]
         rows.append(
             {
                 "id": f"pt-{i:03d}",

@@ -1,16 +1,41 @@
 # Config validation, dataset lists, input functions and wildcard constraints shared by every stage.
 
+import os
 import re
 import sys
 from pathlib import Path
 
-from snakemake.utils import validate
-
-validate(config, schema="../schemas/config.schema.yaml")
-
 from eagle3_data import config as cfg
 
-cfg.check_config(config)  # unknown backend/dataset names, missing source files: fail early, naming the key
+
+def _check_config():
+    """Schema (filling in defaults), layering, cross-key and API-key checks, before any job runs.
+
+    A problem ends the run with a few lines naming the file and key (no traceback, no schema dump). The API
+    key variables are checked for the datasets that still have responses to generate; a dry run (-n) only
+    warns about them, so `snakemake -n` works before the key is exported.
+    """
+    main = workflow.is_main_process
+    embedded = os.path.relpath(Path(workflow.basedir) / "config.yaml")
+    files = cfg.config_sources(workflow.overwrite_configfiles, default=embedded)
+    try:
+        if main:
+            cfg.check_layering(files)
+        cfg.validate_config(config, cfg.load_schema(Path(workflow.basedir) / "schemas/config.schema.yaml"), files=files)
+        cfg.check_config(config)
+        if main and getattr(workflow, "check_envvars", True):  # not for --lint
+            try:
+                cfg.check_api_keys(config, cfg.pending_generation(config))
+            except cfg.ConfigError as exc:
+                if not getattr(getattr(workflow, "output_settings", None), "dryrun", False):
+                    raise
+                print(f"Warning (dry run): {exc}", file=sys.stderr)
+    except cfg.ConfigError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(1)
+
+
+_check_config()
 
 DATASETS = cfg.datasets(config)
 GENERATED = cfg.generated_datasets(config)
@@ -83,4 +108,4 @@ def responses_files(datasets):
 def print_tally(path):
     p = Path(path)
     if p.exists():
-        print("\n" + p.read_text(), file=sys.stderr)
+        print(f"\n{p.read_text()}", file=sys.stderr)

@@ -21,5 +21,7 @@ for _ds in DATASETS:
             num_shards=len(shards(_ds)),
         log:
             f"logs/normalize/{_ds}.log",
+        conda:
+            "../envs/cpu.yaml",
         script:
             "../scripts/normalize.py"

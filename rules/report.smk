@@ -33,5 +33,7 @@ rule report:
         generation={ds: cfg.generation_data_settings(config, ds) for ds in GENERATED},
     log:
         "logs/report.log",
+    conda:
+        "../envs/cpu.yaml",
     script:
         "../scripts/report.py"

@@ -9,5 +9,7 @@ if TARGET.get("build_tiny"):
             tiny=TARGET.get("tiny", {}),
         log:
             "logs/tiny_target.log",
+        conda:
+            "../envs/cpu.yaml",
         script:
             "../scripts/tiny_target.py"

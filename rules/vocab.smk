@@ -15,5 +15,7 @@ rule vocab:
         draft_vocab_size=(config.get("vocab") or {}).get("draft_vocab_size", 32000),
     log:
         "logs/vocab.log",
+    conda:
+        "../envs/cpu.yaml",
     script:
         "../scripts/vocab.py"

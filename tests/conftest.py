@@ -26,19 +26,26 @@ def copy_workflow(dest: Path) -> Path:
     return dest
 
 
-def snakemake_env() -> dict:
-    """Environment for a snakemake subprocess: this interpreter's bin dir first on PATH (for CLIs)."""
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env["HF_HUB_OFFLINE"] = "1"
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
+def snakemake_env(env: dict | None = None, unset: list[str] | tuple = ()) -> dict:
+    """Environment for a snakemake subprocess: this interpreter's bin dir first on PATH (for CLIs), ``env``
+    added, the ``unset`` names removed."""
+    out = dict(os.environ)
+    out["PATH"] = str(Path(sys.executable).parent) + os.pathsep + out.get("PATH", "")
+    out["HF_HUB_OFFLINE"] = "1"
+    out.setdefault("TOKENIZERS_PARALLELISM", "false")
+    out.update(env or {})
+    for name in unset:
+        out.pop(name, None)
+    return out
 
 
-def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run ``python -m snakemake <args>`` in ``workdir``; on ``check`` assert rc 0 showing the output."""
+def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 900, env: dict | None = None,
+                  unset: list[str] | tuple = ()) -> subprocess.CompletedProcess:
+    """Run ``python -m snakemake <args>`` in ``workdir`` (environment: :func:`snakemake_env` of ``env`` and
+    ``unset``); on ``check`` assert rc 0 showing the output."""
     cmd = [sys.executable, "-m", "snakemake", *args]
-    proc = subprocess.run(cmd, cwd=workdir, env=snakemake_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=workdir, env=snakemake_env(env, unset), capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -90,6 +97,6 @@ def demo_run(tmp_path_factory) -> Path:
     Tests must not modify it: copy it (``shutil.copytree(demo_run, dest, symlinks=True)``) first.
     """
     wd = copy_workflow(tmp_path_factory.mktemp("demo"))
-    proc = run_snakemake(wd, "--cores", "2", timeout=2400)  # ~2 min on an idle 2-core machine
+    proc = run_snakemake(wd, "--cores", "2", timeout=2400)  # minutes on a busy 2-core machine
     (wd / "run.out").write_text(proc.stdout + proc.stderr)
     return wd

@@ -24,7 +24,7 @@ from one process without extra dependencies. Endpoints:
 - ``POST /generate`` (SGLang native): body ``{"input_ids", "sampling_params": {"max_new_tokens", ...}}``; replies
   ``{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop"|"length", ...},
   "prompt_tokens", "completion_tokens"}}``. ``output_ids`` are deterministic in the request: ``gen_think``
-  ``[open_id, close_id]`` (optional) wraps ``reasoning_tokens`` ids, then ``[min_tokens, max_tokens]`` content ids,
+  ``[open_id, close_id]`` (optional; ``open_id`` null when the prompt opens the block) wraps ``reasoning_tokens`` ids, then ``[min_tokens, max_tokens]`` content ids,
   all drawn from ``gen_vocab``, then ``gen_eot`` (when set and ``gen_include_stop``); cut at ``max_new_tokens``
   (``length``). ``text`` maps ids < 256 to their byte (the tiny target's vocabulary). ``gen_abort_rate``: share
   of ``finish_reason: abort`` replies. Faults apply as for chat.
@@ -128,8 +128,8 @@ class FaultApp:
         vocab = list(c["gen_vocab"])
         ids: list[int] = []
         if c["gen_think"]:
-            o, cl = c["gen_think"]
-            ids += [o] + rnd.choices(vocab, k=int(c["reasoning_tokens"])) + [cl]
+            o, cl = c["gen_think"]  # o null: the prompt already opened the think block (Kimi K2.5, thinking on)
+            ids += ([] if o is None else [o]) + rnd.choices(vocab, k=int(c["reasoning_tokens"])) + [cl]
         ids += rnd.choices(vocab, k=rnd.randint(int(c["min_tokens"]), int(c["max_tokens"])))
         stop = None
         if c["gen_eot"] is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import yaml
 from snakemake.exceptions import WorkflowError
@@ -13,9 +15,109 @@ from eagle3_data import config as cfg
 SCHEMA = ROOT / "schemas" / "config.schema.yaml"
 
 
-@pytest.mark.parametrize("path", ["config.yaml", "resources/configs/seed-kimi-k25.yaml"])
+SHIPPED = ["config.yaml", "resources/configs/seed-kimi-k25.yaml", "resources/configs/openrouter.yaml",
+           "resources/configs/sglang-local.yaml"]
+
+
+@pytest.mark.parametrize("path", SHIPPED)
 def test_shipped_configs_validate(path):
-    validate(yaml.safe_load((ROOT / path).read_text()), str(SCHEMA))
+    c = yaml.safe_load((ROOT / path).read_text())
+    validate(copy.deepcopy(c), str(SCHEMA))  # Snakemake's own validator agrees with ours
+    cfg.validate_config(c, cfg.load_schema(SCHEMA))
+    cfg.check_config(c, check_paths=False)
+
+
+@pytest.mark.parametrize("path", ["resources/configs/openrouter.yaml", "resources/configs/sglang-local.yaml"])
+def test_minimal_configs_are_one_dataset_on_the_bundled_samples(path):
+    c = yaml.safe_load((ROOT / path).read_text())
+    assert len(c["datasets"]) == 1
+    (ds,) = c["datasets"].values()
+    assert (ROOT / ds["source"]["path"]).exists() and ds["source"]["path"].startswith("resources/samples/")
+    assert "CHANGE" in (ROOT / path).read_text()
+    assert not {"cache_dir", "validate", "plan", "vocab", "export"} & set(c), "defaults are left out"
+
+
+def test_defaults_fill_every_section_and_match_the_documented_values():
+    schema = cfg.load_schema(SCHEMA)
+    c = {"target": {"name": "t", "path": "p", "template": "kimi-k25"},
+         "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}}}
+    cfg.validate_config(c, schema)
+    assert c["cache_dir"] == "cache" and c["backends"] == {}
+    assert c["datasets"]["d"]["shards"] == 1
+    assert c["generation"] == {"mode": "last", "extra_body": {}, "max_retries": 5, "retry_initial_s": 1.0,
+                               "retry_max_s": 60.0, "max_samples": None, "budget_completion_tokens": None,
+                               "budget_usd": None}
+    assert c["validate"] == {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
+                             "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}}
+    assert c["merge"] == {"datasets": None, "max_samples": {}, "max_len": 32768, "overflow": "truncate", "seed": 0,
+                          "shards": 1, "memory_mb": 4000, "threads": 2}
+    assert c["normalize"] == {"max_reject_rate": 0.5}
+    assert c["extract"]["dtype"] == "bfloat16" and c["extract"]["gpus_per_job"] == 1
+    assert c["export"]["layouts"] == [] and c["plan"]["tokens_per_s_per_gpu"] is None
+    assert c["vocab"]["draft_vocab_size"] == 32000
+    assert "tiny" not in c["target"]
+    # a dataset's own generation section gets no defaults: it must not mask the top-level values
+    c2 = {"target": {"name": "t", "path": "p", "template": "kimi-k25"}, "backends": {"b": {
+          "type": "openai", "base_url": "http://h/v1", "model": "m", "launch": {"command": "serve"}}},
+          "generation": {"backends": ["b"], "max_retries": 9, "mode": "all"},
+          "datasets": {"d": {"source": {"format": "sharegpt", "path": "x"}, "generation": {"max_tokens": 5}}}}
+    cfg.validate_config(c2, schema)
+    assert c2["datasets"]["d"]["generation"] == {"max_tokens": 5}
+    assert cfg.generation_config(c2, "d")["max_retries"] == 9 and cfg.generation_config(c2, "d")["mode"] == "all"
+    assert c2["backends"]["b"]["max_concurrency"] == 8 and c2["backends"]["b"]["launch"]["port"] == "auto"
+    # defaults are copies: filling two configs never shares a mutable default
+    a = copy.deepcopy(c)
+    cfg.validate_config(a, schema)
+    a["merge"]["max_samples"]["d"] = 1
+    assert c["merge"]["max_samples"] == {}
+
+
+def _error(mutate, files=None) -> str:
+    c = yaml.safe_load((ROOT / "config.yaml").read_text())
+    mutate(c)
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.validate_config(c, cfg.load_schema(SCHEMA), files=files if files is not None else [("config.yaml", c)])
+    return str(info.value)
+
+
+def test_config_errors_are_short_and_say_did_you_mean():
+    def typo(c):
+        c["generation"]["max_token"] = c["generation"].pop("max_tokens")
+
+    assert _error(typo) == ("Config error in config.yaml: generation.max_token: unknown key; "
+                            "did you mean generation.max_tokens?")
+    assert _error(lambda c: c["merge"].__setitem__("max_len", "long")) == (
+        "Config error in config.yaml: merge.max_len: 'long' is not of type 'integer'")
+
+    def source_typo(c):
+        c["datasets"]["sharegpt_demo"]["sources"] = c["datasets"]["sharegpt_demo"].pop("source")
+
+    # the misspelt key is one problem, not also "missing key source"
+    assert _error(source_typo) == ("Config error in config.yaml: datasets.sharegpt_demo.sources: unknown key; "
+                                   "did you mean datasets.sharegpt_demo.source?")
+    assert _error(lambda c: c["target"].__setitem__("template", "kimi-k2.5")).endswith(
+        "target.template: 'kimi-k2.5' is not one of kimi-k2, kimi-k2-thinking, kimi-k25, qwen3, glm45, "
+        "deepseek-r1, generic; did you mean kimi-k25?")
+    assert _error(lambda c: c["generation"].__setitem__("shards", 2)).endswith(
+        "generation.shards: unknown key here; shards is a key of datasets.<name>, merge")
+    assert _error(lambda c: c.pop("target")) == (
+        "Config error in config.yaml: missing top-level key target (it has no default)")
+    several = _error(lambda c: (typo(c), c["merge"].__setitem__("max_len", "x")))
+    assert several.splitlines() == [
+        "Config error in config.yaml:",
+        "  generation.max_token: unknown key; did you mean generation.max_tokens?",
+        "  merge.max_len: 'x' is not of type 'integer'",
+    ]
+
+
+def test_config_error_names_the_file_that_set_the_key_and_never_a_key_value():
+    over = {"merge": {"max_len": "long"}}
+    base = yaml.safe_load((ROOT / "config.yaml").read_text())
+    msg = _error(lambda c: c["merge"].__setitem__("max_len", "long"), files=[("config.yaml", base), ("my.yaml", over)])
+    assert msg.startswith("Config error in my.yaml: merge.max_len")
+    secret = "sk-or-v1-0123456789abcdef"
+    msg = _error(lambda c: c["backends"]["tiny_local"].__setitem__("api_key_env", secret))
+    assert secret not in msg and "backends.tiny_local.api_key_env" in msg and "NAME of an environment variable" in msg
 
 
 def test_seed_config_has_the_seed_datasets():
@@ -80,6 +182,75 @@ def test_cross_key_checks_name_the_key(tmp_path):
         cfg.check_config(c)
 
 
+def test_generated_dataset_without_a_backend_and_build_tiny_over_a_real_model(tmp_path):
+    c = yaml.safe_load((ROOT / "config.yaml").read_text())
+    del c["generation"]["backends"]
+    with pytest.raises(cfg.ConfigError, match=r"datasets.sharegpt_demo: no backend to generate its responses with"):
+        cfg.check_config(c, check_paths=False)
+    c = yaml.safe_load((ROOT / "config.yaml").read_text())
+    for ds in c["datasets"].values():
+        ds["source"]["path"] = str(ROOT / ds["source"]["path"])
+    real = tmp_path / "Kimi-K2.5"
+    real.mkdir()
+    (real / "config.json").write_text("{}")
+    c["target"]["path"] = str(real)
+    with pytest.raises(cfg.ConfigError, match=r"target.path: .*Kimi-K2.5 exists and is not a tiny target"):
+        cfg.check_config(c)
+    (real / "tiny_target.json").write_text("{}")  # one this build made earlier: rebuilt as usual
+    cfg.check_config(c)
+
+
+def test_layering_a_config_with_its_own_datasets_on_another_is_refused():
+    demo = yaml.safe_load((ROOT / "config.yaml").read_text())
+    mine = yaml.safe_load((ROOT / "resources/configs/openrouter.yaml").read_text())
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.check_layering([("config.yaml", demo), ("my.yaml", mine)])
+    msg = str(info.value)
+    assert msg.startswith("Config error: my.yaml is a config of its own (target or backends, and datasets), so the "
+                          "datasets of config.yaml (sharegpt_demo, ultrachat_demo, sweagent_demo, pretokenized_demo) "
+                          "would be built too, with its target and backends")
+    assert "Use my.yaml alone" in msg and "`sharegpt_demo: {}`" in msg
+    # an override file changing keys (also of a dataset defined earlier) or adding a dataset layers fine, and so
+    # does a config of one's own naming the earlier datasets to keep them
+    cfg.check_layering([("config.yaml", demo), ("o.yaml", {"merge": {"max_len": 512},
+                                                           "datasets": {"sharegpt_demo": {"shards": 4}}})])
+    more = {"datasets": {"more": {"source": {"format": "ultrachat", "path": "x.jsonl"}}}}
+    cfg.check_layering([("config.yaml", demo), ("more.yaml", more)])
+    with pytest.raises(cfg.ConfigError, match="b.yaml is a config of its own"):
+        cfg.check_layering([("config.yaml", demo), ("b.yaml", {**more, "backends": mine["backends"]})])
+    keep = copy.deepcopy(mine)
+    keep["datasets"].update({ds: {} for ds in demo["datasets"]})
+    cfg.check_layering([("config.yaml", demo), ("my.yaml", keep)])
+    cfg.check_layering([("my.yaml", mine)])
+
+
+def test_api_key_check_names_the_variable_and_close_names_never_values():
+    c = yaml.safe_load((ROOT / "resources/configs/openrouter.yaml").read_text())
+    env = {"OPENROUTER_KEY": "sk-secret-1", "OPENROUTER_API_KEY_OLD": "sk-secret-2", "HOME": "/root",
+           "PATH": "/bin", "OPENROUTER_API_KEy": ""}
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.check_api_keys(c, ["sharegpt"], env)
+    msg = str(info.value)
+    assert msg == ("Config error: OPENROUTER_API_KEY is not set (backends.openrouter.api_key_env, used by sharegpt); "
+                   "set, with a close name: OPENROUTER_API_KEY_OLD, OPENROUTER_KEY. Export the key under the name "
+                   "the config gives (or correct api_key_env), then run again.")
+    assert "sk-secret" not in msg
+    cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "k"})
+    cfg.check_api_keys(c, [], {})  # nothing to generate: no key needed
+    # backends without a key variable (a local server) need nothing
+    demo = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg.check_api_keys(demo, cfg.generated_datasets(demo), {})
+
+
+def test_pending_generation_lists_datasets_with_responses_to_generate(tmp_path):
+    c = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert cfg.pending_generation(c, tmp_path) == ["sharegpt_demo", "ultrachat_demo", "sweagent_demo"]
+    for s in ("000", "001"):
+        (tmp_path / f"results/sharegpt_demo/responses").mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"results/sharegpt_demo/responses/{s}.parquet").touch()
+    assert cfg.pending_generation(c, tmp_path) == ["ultrachat_demo", "sweagent_demo"]
+
+
 def _schema_keys() -> list[str]:
     rows = cfg.schema_reference(yaml.safe_load(SCHEMA.read_text())).splitlines()[2:]
     return [r.split("|")[1].strip().strip("`") for r in rows]
@@ -127,3 +298,13 @@ def test_rule_params_leave_out_transport_settings():
     assert cfg.extract_state_settings(e) == cfg.extract_state_settings(c)
     e["merge"].update(memory_mb=999, threads=7)
     assert cfg.merge_data_settings(e) == cfg.merge_data_settings(c)
+
+
+def test_code_defaults_agree_with_the_schema_defaults():
+    """config.DEFAULTS (what cfg.section() falls back to) is what the schema fills in: one set of defaults."""
+    c = {"target": {"name": "t", "path": "p", "template": "kimi-k25"},
+         "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}}}
+    cfg.validate_config(c, cfg.load_schema(SCHEMA))
+    for name, defaults in cfg.DEFAULTS.items():
+        assert cfg.deep_merge(c[name], defaults) == c[name], name
+        assert cfg.section(c, name) == c[name]

@@ -13,14 +13,32 @@ def _write_config(wd, mutate):
     (wd / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
+def _lines(out: str) -> list[str]:
+    """Output lines other than Snakemake's own profile notice."""
+    return [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("Using workflow specific profile")]
+
+
 def test_bad_config_value_names_the_key(tmp_path):
     wd = copy_workflow(tmp_path)
     _write_config(wd, lambda c: c["merge"].__setitem__("max_len", "long"))
     proc = run_snakemake(wd, "-n", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "'long' is not of type 'integer'" in out
-    assert "['merge']['max_len']" in out
+    assert _lines(out) == ["Config error in config.yaml: merge.max_len: 'long' is not of type 'integer'"], out
+
+
+def test_config_typo_is_one_line_with_did_you_mean(tmp_path):
+    """A typo in a config of one's own: one line naming the file and key, the closest valid key, no schema dump."""
+    wd = copy_workflow(tmp_path)
+    mine = yaml.safe_load((wd / "resources/configs/sglang-local.yaml").read_text())
+    mine["generation"]["max_token"] = mine["generation"].pop("max_tokens")
+    (wd / "my.yaml").write_text(yaml.safe_dump(mine, sort_keys=False))
+    proc = run_snakemake(wd, "-n", "--configfile", "my.yaml", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert _lines(out) == ["Config error in my.yaml: generation.max_token: unknown key; did you mean "
+                           "generation.max_tokens?"], out
+    assert "Traceback" not in out and "additionalProperties" not in out
 
 
 def test_unknown_config_key_is_rejected(tmp_path):
@@ -29,7 +47,36 @@ def test_unknown_config_key_is_rejected(tmp_path):
     proc = run_snakemake(wd, "-n", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "max_lenght" in out and "Additional properties are not allowed" in out
+    assert "merge.max_lenght: unknown key; did you mean merge.max_len?" in out
+
+
+def test_missing_key_variable_stops_before_any_job_and_a_dry_run_only_warns(tmp_path):
+    wd = copy_workflow(tmp_path)
+    env = {"OPENROUTER_KEY": "sk-or-v1-NOT-TO-BE-PRINTED"}
+    cmd = ["--configfile", "resources/configs/openrouter.yaml"]
+    proc = run_snakemake(wd, "--cores", "1", *cmd, check=False, env=env, unset=["OPENROUTER_API_KEY"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert _lines(out) == [
+        "Config error: OPENROUTER_API_KEY is not set (backends.openrouter.api_key_env, used by sharegpt); set, with "
+        "a close name: OPENROUTER_KEY. Export the key under the name the config gives (or correct api_key_env), "
+        "then run again."], out
+    assert "NOT-TO-BE-PRINTED" not in out
+    assert not (wd / "results").exists() and not (wd / "logs").exists(), "no job ran"
+    dry = run_snakemake(wd, "-n", *cmd, check=False, unset=["OPENROUTER_API_KEY"])
+    assert dry.returncode == 0, dry.stdout[-3000:] + dry.stderr[-3000:]
+    assert "Warning (dry run): Config error: OPENROUTER_API_KEY is not set" in dry.stdout + dry.stderr
+
+
+def test_layering_a_config_of_ones_own_on_the_demo_is_refused(tmp_path):
+    wd = copy_workflow(tmp_path)
+    proc = run_snakemake(wd, "-n", "--configfile", "config.yaml", "resources/configs/openrouter.yaml", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    (line,) = _lines(out)
+    assert line.startswith("Config error: resources/configs/openrouter.yaml is a config of its own (target or "
+                           "backends, and datasets), so the datasets of config.yaml (sharegpt_demo, ultrachat_demo, "
+                           "sweagent_demo, pretokenized_demo) would be built too, with its target and backends")
 
 
 def test_unknown_backend_names_the_dataset(tmp_path):

@@ -99,15 +99,16 @@ def test_native_generate_exact_ids_reasoning_split_and_tokenize_exact(tmp_path, 
     from eagle3_data.tokenize import tokenize_rows
 
     path, sp = tiny
-    fs.app.config.update({"gen_think": [sp["<think>"], sp["</think>"]], "gen_eot": sp["<|im_end|>"],
+    # the tiny target is Kimi K2.5-like: its prompt ends in <think>, the server's ids start with the reasoning
+    fs.app.config.update({"gen_think": [None, sp["</think>"]], "gen_eot": sp["<|im_end|>"],
                           "reasoning_tokens": 9, "min_tokens": 5, "max_tokens": 12, "gen_include_stop": include_stop})
-    target = {"path": str(path), "template": "kimi-k2-thinking", "chat_template_kwargs": {}}
+    target = {"path": str(path), "template": "kimi-k25", "chat_template_kwargs": {}}
     convs = simple_convs(8)
     prompts = write_prompts(tmp_path / "p.parquet", convs)
     s = run(tmp_path, fs, prompts, gen=gen_cfg(backends=["sgl"], max_tokens=64, temperature=0.6, top_p=0.95, extra_body={"min_p": 0.1}),
             bk=native_backend(fs), target=target)
     assert s["ok"] == 8 and s["by_backend"] == {"sgl": 8}
-    tt = load_target_tokens(str(path), "kimi-k2-thinking")
+    tt = load_target_tokens(str(path), "kimi-k25")
     for body in fs.app.bodies:                                          # what reached /generate
         assert set(body) == {"input_ids", "sampling_params", "stream"}
         assert body["sampling_params"] == {"max_new_tokens": 64, "temperature": 0.6, "top_p": 0.95, "top_k": 7,
@@ -117,9 +118,9 @@ def test_native_generate_exact_ids_reasoning_split_and_tokenize_exact(tmp_path, 
     rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
     for r in rows:
         ids = r["output_ids"]
-        assert ids[0] == sp["<think>"] and (ids[-1] == sp["<|im_end|>"]) == include_stop
+        assert sp["<think>"] not in ids and (ids[-1] == sp["<|im_end|>"]) == include_stop
         j = ids.index(sp["</think>"])
-        assert r["reasoning"] == bytes(ids[1:j]).decode() and len(r["reasoning"]) == 9
+        assert r["reasoning"] == bytes(ids[:j]).decode() and len(r["reasoning"]) == 9
         end = len(ids) - (1 if include_stop else 0)
         assert r["content"] == bytes(ids[j + 1:end]).decode() and 5 <= len(r["content"]) <= 12
         assert r["finish_reason"] == "stop" and r["reasoning_tokens"] == j + 1 and r["completion_tokens"] == len(ids)

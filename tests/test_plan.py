@@ -67,7 +67,7 @@ def test_seed_figures(tmp_path):
                       gpus_per_job=8, gpus_total=8, caps=[8192], drop=["A1_deepswekimi"])
     assert p["layers"] == [1, 29, 57] and p["model"]["hidden_size"] == 7168
     sc = {s["name"]: s for s in p["scenarios"]}
-    seed_key = "aux_only_bf16 (seed-comparable)"
+    seed_key = "aux_only_bf16"
     assert p["bytes_per_token"][seed_key]["total"] == 3 * 7168 * 2 == 43008
     # 5.5 TB "as is": 138.4M x 43,008 B = 5.95e12 B = 5.41 TiB  (the seed's T is binary: -1.6%)
     as_is = sc["as merged"]["bytes"][seed_key]
@@ -93,7 +93,7 @@ def test_seed_figures(tmp_path):
 
 def test_bytes_per_token_and_model_dims(tmp_path):
     assert pl.bytes_per_token(4096)["total"] == 8 * 4096 + 5
-    assert pl.bytes_per_token(4096, ids_bytes=16)["total"] == 8 * 4096 + 16  # anchors.md: SpecForge 8H+16
+    assert pl.bytes_per_token(4096, ids_bytes=16)["total"] == 8 * 4096 + 16  # SpecForge's .ckpt: 8H+16
     fp8 = pl.bytes_per_token(4096, aux_format="fp8_e4m3", final="supervised", final_share=0.25)
     assert fp8["aux"] == 3 * 4096 + 12 and fp8["final"] == 4096 * 2 * 0.25 + 1
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 4096}))

@@ -2,7 +2,7 @@
 
 The stand-ins (sbatch, sacct, squeue, sacctmgr, scontrol, scancel, sinfo, sshare) record their argv and answer
 like SLURM: sbatch prints a job id, sacctmgr the account, scontrol a MinJobAge, sacct reports every job FAILED
-so the run ends at once. Only one extract and one generate job are submitted (forced targets on a scratch
+so the run ends at once. Only one extract, one plan and one generate job are submitted (forced targets on a scratch
 copy whose inputs exist as placeholders); the test checks the sbatch lines.
 """
 
@@ -43,6 +43,7 @@ ANSWERS = {
 
 EXTRACT = "results/hidden_states/sharegpt_demo/000.safetensors"
 GENERATE = "results/sharegpt_demo/responses/000.parquet"
+PLAN = "results/reports/plan.md"
 
 
 def _standins(bin_dir: Path) -> None:
@@ -78,7 +79,7 @@ def submitted(tmp_path_factory):
     # upstream is scheduled and the jobs never run; the manifest gives the extract job its selection digest
     cfg = yaml.safe_load((work / "config.yaml").read_text())
     shards = [(ds, f"{s:03d}") for ds, d in cfg["datasets"].items() for s in range(d.get("shards", 1))]
-    placeholders = ["results/target/tiny-kimi/config.json"]
+    placeholders = ["results/target/tiny-kimi/config.json", "results/target/tiny-kimi/tiny_target.json"]
     placeholders += [f"results/{ds}/rejected/normalize.parquet" for ds in cfg["datasets"]]
     for stage in ("prompts", "responses", "tokens", "validated", "rejected"):
         placeholders += [f"results/{ds}/{stage}/{s}.parquet" for ds, s in shards]
@@ -98,17 +99,17 @@ def submitted(tmp_path_factory):
     env["SLURM_STANDIN_DIR"] = str(record)
     env["EAGLE3_SLURM_ACCOUNT"] = "myproj"
     # one run per target: a forced generate would otherwise hold back the extract job behind the merge checkpoint
-    for rule, target in (("extract", EXTRACT), ("generate", GENERATE)):
+    for rule, target in (("extract", EXTRACT), ("generate", GENERATE), ("plan", PLAN)):
         cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", "profiles/slurm", "--force",
                "--allowed-rules", rule, "--slurm-init-seconds-before-status-checks", "1",
                "--latency-wait", "1", "--retries", "0", "--", target]
         proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
     sb = _calls(record, "sbatch")
-    assert len(sb) == 2, f"expected 2 sbatch calls, got {len(sb)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert len(sb) == 3, f"expected 3 sbatch calls, got {len(sb)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     jobs = {}
     for argv in sb:
         wrap = _opt(argv, "--wrap") or ""
-        rule = "extract" if "--target-jobs 'extract:" in wrap else "generate" if "--target-jobs 'generate:" in wrap else "?"
+        rule = next((r for r in ("extract", "generate", "plan") if f"--target-jobs '{r}:" in wrap), "?")
         jobs[rule] = argv
     return {"jobs": jobs, "proc": proc, "record": record}
 
@@ -133,6 +134,14 @@ def test_extract_job_asks_for_a_gpu_on_the_gpu_partition(submitted):
     assert not any(a.startswith("--gres") for a in argv)
     wrap = _opt(argv, "--wrap")
     assert "--target-jobs 'extract:ds=sharegpt_demo,shard=000'" in wrap and "--executor slurm-jobstep" in wrap
+
+
+def test_plan_job_measuring_throughput_asks_for_a_gpu_on_the_gpu_partition(submitted):
+    """plan.tokens_per_s_per_gpu is null in the demo: the plan measures on a GPU, so it must not go to the cpu
+    partition with --gpus (a job no cpu partition can run)."""
+    argv = submitted["jobs"]["plan"]
+    assert (_opt(argv, "-p"), _opt(argv, "--gpus")) == ("gpu", "1")
+    assert _opt(argv, "-t") == "60" and _opt(argv, "--mem") == "128000"
 
 
 def test_generate_job_is_a_long_cpu_job(submitted):

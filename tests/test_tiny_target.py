@@ -19,10 +19,14 @@ from safetensors.torch import load_file
 
 from eagle3_data.tiny_target import (
     ALLOWED_COMPLETION_BYTES,
+    CONTENT_BYTES,
     DEFAULT_SYSTEM_PROMPT,
+    REASONING_BYTES,
     SPECIAL_TOKENS,
     build_tiny_target,
 )
+
+THINK, END_THINK, IM_END = 268, 269, 258
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,8 +81,12 @@ def test_build_replaces_existing_dir_atomically(tmp_path):
 def test_build_rejects_bad_sizes(tmp_path):
     with pytest.raises(ValueError, match="num_heads"):
         build_tiny_target(tmp_path / "x", hidden_size=64, num_heads=5)
-    with pytest.raises(ValueError, match="mean_completion_tokens"):
-        build_tiny_target(tmp_path / "x", mean_completion_tokens=1)
+    with pytest.raises(ValueError, match="mean_completion_tokens must be > 2"):
+        build_tiny_target(tmp_path / "x", mean_completion_tokens=2)
+    with pytest.raises(ValueError, match="mean_reasoning_tokens must be > 2"):
+        build_tiny_target(tmp_path / "x", mean_reasoning_tokens=1)
+    with pytest.raises(ValueError, match="hidden_size must be at least 12"):
+        build_tiny_target(tmp_path / "x", hidden_size=8, num_heads=2, num_kv_heads=1)
     assert not (tmp_path / "x").exists()
 
 
@@ -98,7 +106,12 @@ def test_facts_and_configs(built):
     assert gen["do_sample"] is True and gen["temperature"] == 1.0 and gen["top_k"] == 0 and gen["top_p"] == 1.0
     assert gen["eos_token_id"] == ids["<|im_end|>"]
     allowed = set(range(272)) - set(gen["suppress_tokens"])
-    assert allowed == set(range(32, 127)) | {10, ids["<|im_end|>"]}
+    assert allowed == set(REASONING_BYTES) | set(CONTENT_BYTES) | {ids["<|im_end|>"], ids["</think>"]}
+    assert not set(REASONING_BYTES) & set(CONTENT_BYTES) and set(ALLOWED_COMPLETION_BYTES) <= set(range(10, 127))
+    assert (ids["<think>"], ids["</think>"]) == (THINK, END_THINK)
+    tcfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert tcfg["response_template"]["fields"]["reasoning_content"] == {"open": "<think>", "close": "</think>",
+                                                                       "content": "text"}
     assert json.loads((out / "tiny_target.json").read_text()) == json.loads(json.dumps(facts))
 
 
@@ -116,12 +129,33 @@ def test_chat_template_default_system_and_generation_prompt(tok):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert text == (
         f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM_PROMPT}<|im_end|>"
-        "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
+        "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
     )
     no_gen = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
-    assert no_gen == text[: -len("<|im_assistant|>assistant<|im_middle|>")]
+    assert no_gen == text[: -len("<|im_assistant|>assistant<|im_middle|><think>")]
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)["input_ids"]
-    assert ids == tok.encode(text, add_special_tokens=False) and ids[-1] == 262 and ids[0] == 261
+    assert ids == tok.encode(text, add_special_tokens=False) and ids[-1] == THINK and ids[0] == 261
+    # Kimi K2.5: thinking=False closes the think block in the prompt; thinking=True is the default
+    off = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False,
+                                  thinking=False)
+    assert off == text + "</think>"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False,
+                                   thinking=True) == text
+
+
+def test_chat_template_drops_history_reasoning_up_to_the_last_plain_answer(tok):
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "A", "reasoning_content": "r1"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "", "reasoning_content": "r2", "tool_calls": [
+            {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "functions.f:0", "content": "R"},
+    ]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert "<|im_assistant|>assistant<|im_middle|><think></think>A<|im_end|>" in text  # reasoning dropped
+    assert "<|im_assistant|>assistant<|im_middle|><think>r2</think><|tool_calls_section_begin|>" in text  # kept
+    assert "r1" not in text and text.endswith("<|im_assistant|>assistant<|im_middle|><think>")
 
 
 def test_chat_template_tools_names_and_tool_turns(tok):
@@ -146,13 +180,13 @@ def test_chat_template_tools_names_and_tool_turns(tok):
         '{"type":"object"}}}]<|im_end|>'
         "<|im_system|>system<|im_middle|>S<|im_end|>"
         "<|im_user|>bob<|im_middle|>q<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|>ok<|tool_calls_section_begin|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>ok<|tool_calls_section_begin|>"
         '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a":1}<|tool_call_end|>'
         '<|tool_call_begin|>functions.f:1<|tool_call_argument_begin|>{"b": 2}<|tool_call_end|>'
         "<|tool_calls_section_end|><|im_end|>"
         "<|im_system|>tool<|im_middle|>## Return of functions.f:0\nR0<|im_end|>"
         "<|im_system|>tool<|im_middle|>## Return of functions.f:1\nR1<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|>"
+        "<|im_assistant|>assistant<|im_middle|><think>"
     )
     assert DEFAULT_SYSTEM_PROMPT not in text  # a system message is present
 
@@ -170,9 +204,21 @@ def test_decode_encode_round_trip_on_random_ascii(tok):
     assert tok.encode(" \n~A", add_special_tokens=False) == [32, 10, 126, 65]
 
 
-def test_forward_and_sampling_end_turns(built, tok, model):
-    _, facts = built
-    im_end = facts["eos_token_id"]
+def _check_grammar(seq: list[int]) -> tuple[int, int]:
+    """Assert ``seq`` (sampled after a prompt ending in <think>) is reasoning, </think>, answer, <|im_end|>, with no
+    whitespace at the ends of either part; return (reasoning, answer) lengths, end markers included."""
+    assert seq.count(END_THINK) == 1 and seq[-1] == IM_END and seq.count(IM_END) == 1, seq
+    k = seq.index(END_THINK)
+    reasoning, answer = seq[:k], seq[k + 1:-1]
+    assert reasoning and answer
+    assert set(reasoning) <= set(REASONING_BYTES) and set(answer) <= set(CONTENT_BYTES)
+    for part in (reasoning, answer):
+        assert part[0] not in (10, 32) and part[-1] not in (10, 32)
+        assert all(not (a in (10, 32) and b in (10, 32)) for a, b in zip(part, part[1:]))
+    return k + 1, len(seq) - k - 1
+
+
+def test_forward_and_sampling_follow_the_thinking_format(built, tok, model):
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "Tell me something."}], add_generation_prompt=True, return_tensors="pt",
         return_dict=True,
@@ -182,30 +228,34 @@ def test_forward_and_sampling_end_turns(built, tok, model):
     n = prompt["input_ids"].shape[1]
     assert out.logits.shape == (1, n, 272) and len(out.hidden_states) == 9
     torch.manual_seed(0)
-    lengths, ended = [], 0
-    for _ in range(30):
-        seq = model.generate(**prompt, max_new_tokens=256)[0, n:].tolist()
-        lengths.append(len(seq))
-        ended += seq[-1] == im_end
-        assert set(seq[:-1]) <= set(ALLOWED_COMPLETION_BYTES)  # plain ASCII text before the end token
-        assert im_end not in seq[:-1]
-    assert ended >= 28
-    mean = sum(lengths) / len(lengths)
-    assert 15 <= mean <= 90, lengths
-    assert len(set(lengths)) > 10  # varied lengths, not a fixed cut
+    seqs = model.generate(**prompt, max_new_tokens=256, num_return_sequences=60)[:, n:].tolist()
+    lengths = [_check_grammar(s[: s.index(IM_END) + 1] if IM_END in s else s) for s in seqs]
+    mean_r = sum(r for r, _ in lengths) / len(lengths)
+    mean_a = sum(a for _, a in lengths) / len(lengths)
+    assert 10 <= mean_r <= 24 and 10 <= mean_a <= 24, lengths  # built with means 16 and 16
+    assert len({r + a for r, a in lengths}) > 15  # varied lengths, not a fixed cut
+    # thinking off: the prompt closed the think block, the target answers at once
+    off = tok.apply_chat_template([{"role": "user", "content": "Hi."}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True, thinking=False)
+    m = off["input_ids"].shape[1]
+    for s in model.generate(**off, max_new_tokens=256, num_return_sequences=10)[:, m:].tolist():
+        s = s[: s.index(IM_END) + 1]
+        assert END_THINK not in s and set(s[:-1]) <= set(CONTENT_BYTES) and s[0] != 32 and s[-2] != 32
 
 
-def test_mean_completion_tokens_changes_length(tmp_path, tok):
+def test_mean_lengths_change_with_the_settings(tmp_path, tok):
     from transformers import AutoModelForCausalLM
 
-    build_tiny_target(tmp_path / "short", mean_completion_tokens=8, num_layers=2)
+    build_tiny_target(tmp_path / "short", mean_reasoning_tokens=40, mean_completion_tokens=6, num_layers=2)
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "short").eval()
     prompt = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)
     torch.manual_seed(1)
-    out = m.generate(**prompt, max_new_tokens=256, num_return_sequences=40)[:, prompt["input_ids"].shape[1]:]
-    lengths = [(row == 258).nonzero()[0].item() + 1 if (row == 258).any() else 256 for row in out]
-    assert 4 <= sum(lengths) / len(lengths) <= 16, lengths
+    out = m.generate(**prompt, max_new_tokens=400, num_return_sequences=40)[:, prompt["input_ids"].shape[1]:]
+    lengths = [_check_grammar(s[: s.index(IM_END) + 1]) for s in out.tolist() if IM_END in s]
+    assert len(lengths) >= 38
+    assert 25 <= sum(r for r, _ in lengths) / len(lengths) <= 60, lengths
+    assert 3 <= sum(a for _, a in lengths) / len(lengths) <= 10, lengths
 
 
 # ---------------------------------------------------------------- the bundled pre-tokenized (A-type) sample
@@ -222,13 +272,14 @@ def test_pretokenized_sample_is_current_and_as_documented(tok):
     assert rows == _load_sample_script().make_rows(0)  # the file is what the script makes
     assert len(rows) == 30
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    gen_prompt = tok.encode("<|im_assistant|>assistant<|im_middle|>", add_special_tokens=False)
+    gen_prompt = tok.encode("<|im_assistant|>assistant<|im_middle|><think>", add_special_tokens=False)
     for r in rows[:23]:
         ids, mask = r["input_ids"], r["loss_mask"]
         assert len(ids) == len(mask) and ids[-1] == im_end and max(ids) < 272
         start = mask.index(1)
         assert all(mask[start:]) and not any(mask[:start])  # 1 exactly on the completion
         assert ids[start - len(gen_prompt):start] == gen_prompt
+        assert ids[start:].count(END_THINK) == 1 and ids[start] != END_THINK  # reasoning, </think>, answer
         assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
     messy = rows[23:]
     assert len(messy[0]["loss_mask"]) == len(messy[0]["input_ids"]) + 1
@@ -250,7 +301,7 @@ def _free_port() -> int:
 
 @pytest.mark.skipif(shutil.which("transformers", path=os.path.dirname(sys.executable)) is None,
                     reason="transformers CLI not installed")
-def test_transformers_serve_returns_exact_completions(built, tok):
+def test_transformers_serve_returns_reasoning_and_content_exactly(built, tok):
     import httpx
 
     out, facts = built
@@ -292,11 +343,13 @@ def test_transformers_serve_returns_exact_completions(built, tok):
             assert r.status_code == 200, r.text
             j = r.json()
             choice, usage = j["choices"][0], j["usage"]
-            content = choice["message"]["content"]
+            content, reasoning = choice["message"]["content"], choice["message"]["reasoning_content"]
             stop = choice["finish_reason"] == "stop"
             stops += stop
-            assert len(tok.encode(content, add_special_tokens=False)) + stop == usage["completion_tokens"]
-            assert set(content.encode()) <= set(ALLOWED_COMPLETION_BYTES)
+            # split by the tokenizer's response template: reasoning</think>content<|im_end|>, counted exactly
+            completion = reasoning + "</think>" + content + "<|im_end|>" * stop
+            assert len(tok.encode(completion, add_special_tokens=False)) == usage["completion_tokens"]
+            assert set(reasoning.encode()) <= set(REASONING_BYTES) and set(content.encode()) <= set(CONTENT_BYTES)
             prompt_ids = tok.apply_chat_template(msgs, tools=tl, add_generation_prompt=True)["input_ids"]
             assert usage["prompt_tokens"] == len(prompt_ids)
         assert stops >= 11

@@ -202,7 +202,7 @@ def build_plan(
     layouts = {
         "configured": bytes_per_token(H, A, dtype=dtype, aux_format=aux_format, final=final_states,
                                       final_share=share if final_states == "supervised" else 1.0),
-        "aux_only_bf16 (seed-comparable)": bytes_per_token(H, 3, dtype="bfloat16", final="none", ids_bytes=0),
+        "aux_only_bf16": bytes_per_token(H, 3, dtype="bfloat16", final="none", ids_bytes=0),
         "extract bf16, all finals": bytes_per_token(H, A, dtype="bfloat16"),
         "extract fp8 aux + supervised finals": bytes_per_token(H, A, dtype="bfloat16", aux_format="fp8_e4m3",
                                                                final="supervised", final_share=share),
@@ -299,9 +299,9 @@ def render_markdown(plan: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|"]
     for sc in plan["scenarios"]:
         out.append(f"| {sc['name']} | {sc['samples']:,} | {sc['tokens']:,} | {_fmt_bytes(sc['bytes']['configured'])} | "
-                   f"{_fmt_bytes(sc['bytes']['aux_only_bf16 (seed-comparable)'])} | {sc['gpu_hours']:,.1f} | "
+                   f"{_fmt_bytes(sc['bytes']['aux_only_bf16'])} | {sc['gpu_hours']:,.1f} | "
                    f"{sc['wall_hours']:,.1f} |")
-    aux_only = bpt["aux_only_bf16 (seed-comparable)"]["total"]
+    aux_only = bpt["aux_only_bf16"]["total"]
     full = bpt["SpecForge .ckpt export"]["total"]
     out += ["", "## Notes", "",
             "- Units: TB = 10^12 bytes, TiB = 2^40 bytes (what `df -h` / `du -h` print as T). ",
@@ -310,11 +310,11 @@ def render_markdown(plan: dict) -> str:
             "An estimate made from the auxiliary states only under-counts storage by that factor.",
             "- GPU hours are linear in tokens: long samples cost more per token (attention), so a cap saves a "
             "little more time than its token share; measure on the real shard for a better figure.",
-            "- Which layout an outside estimate assumed can be read off its bytes per token. The seed's 5.5 TB for "
+            "- Which layout an outside estimate assumed can be read off its bytes per token. E.g. 5.5 TB for "
             "138.4M tokens of a H = 7,168 target is 5.5 x 2^40 / 138.4M = 43.7 KB/token (39.7 KB if decimal): "
             "3 auxiliary layers at bf16 (3 x 7,168 x 2 = 43,008 B; 5.41 TiB), not 3 auxiliary + final (8H = "
-            "57,344 B; 7.22 TiB) and not 8H in decimal TB (7.94). So the seed counted the auxiliary states only, "
-            "in binary units, and its plan under-stated the disk a SpecForge-style dump needs by a third.",
+            "57,344 B; 7.22 TiB) and not 8H in decimal TB (7.94). So that estimate counted the auxiliary states "
+            "only, in binary units, and under-stated the disk a SpecForge-style dump needs by a third.",
             "- Cap alternatives count exactly what merge with max_len = N keeps (supervised tokens from the loss "
             "mask; a sample whose supervised tokens a cap would all cut away is dropped, as merge does).", ""]
     return "\n".join(out)

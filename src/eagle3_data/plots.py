@@ -6,8 +6,8 @@ Plots (file: what; data from the named query in ``sql/``):
   validated sample, prompt = loss mask 0, completion = loss mask 1);
 - ``completion_vs_time.png``: completion length of every response against its completion time, with each
   dataset's running mean completion length (``timeline.sql``). Short completions finish first, so the running
-  mean climbs as the long requests come in (the seed's B8 pattern: a budget reached early keeps the short
-  ones);
+  mean climbs as the long requests come in (a budget reached early keeps the short ones, e.g. a SWE-agent
+  dataset with long trajectories);
 - ``cost_over_time.png``: cumulative dollars per dataset and in total, and completion tokens per minute
   (``timeline.sql``);
 - ``rejects.png``: rejected samples by reason, stacked by stage (``rejects_by_reason.sql``).

@@ -2,7 +2,7 @@
 
 Reports (file stem: what, named query in ``sql/``):
 
-- ``tally``: the seed-style per-dataset table: samples, prompt/completion/total tokens, source
+- ``tally``: the per-dataset table: samples, prompt/completion/total tokens, source
   (local/remote/mixed), pre-tokenized datasets listed apart, totals (``tally.sql``);
 - ``rejects``: rejected samples by dataset, stage and reason (``rejects_by_reason.sql``);
 - ``cost``: responses, billed tokens and dollars by dataset, backend and provider, $ per million tokens
@@ -427,7 +427,7 @@ def human_tokens(n: int) -> str:
 
 
 def format_tally(rows: list[dict]) -> str:
-    """Markdown table of :func:`tally` rows (seed style: dataset, samples, tokens, source), with prompt,
+    """Markdown table of :func:`tally` rows (dataset, samples, tokens, source), with prompt,
     completion, rejects and cost; totals in bold."""
     head = ["Dataset", "Samples", "Prompt tokens", "Completion tokens", "Tokens", "Source", "Rejected", "Cost $"]
     align = ["---", "--:", "--:", "--:", "--:", "---", "--:", "--:"]

@@ -3,11 +3,14 @@
 The demo needs a *target model* that behaves like a real one at the interfaces the workflow touches, yet is built
 locally in seconds from a seed, never downloaded:
 
-* a **tokenizer** with Kimi K2's special tokens under their real names, and a **chat template** in the Kimi
-  K2-Instruct (non-thinking) layout (``/work/shared/reference/formats.md`` §2.2);
+* a **tokenizer** with Kimi K2's special tokens under their real names, and a **chat template** in the Kimi K2.5
+  thinking layout that the ``kimi-k25`` completion family of :mod:`eagle3_data.templates` describes (the generation
+  prompt ends in ``<think>``, or ``<think></think>`` with ``thinking=False``);
 * a random-weight **causal LM** (Llama architecture, fp32) that `transformers serve` can serve over the
-  OpenAI-compatible HTTP API, and whose sampled completions are printable ASCII text that *ends its turn* with
-  ``<|im_end|>`` after about ``mean_completion_tokens`` tokens;
+  OpenAI-compatible HTTP API, whose sampled completions are a *reasoning* text, ``</think>``, an *answer* text and
+  ``<|im_end|>`` (about ``mean_reasoning_tokens`` and ``mean_completion_tokens`` tokens long), and which
+  `transformers serve` returns split into ``reasoning_content`` and ``content`` (the tokenizer carries a
+  ``response_template``);
 * a ``generation_config.json`` that makes those sampled completions valid training data.
 
 Tokenizer
@@ -26,19 +29,25 @@ Chat template
 
 Model
     ``LlamaForCausalLM`` with untied embeddings. Llama is chosen over Qwen3 because `transformers serve` applies a
-    built-in Qwen response parser to ``qwen2``/``qwen3`` model types (anchored on ``<|im_start|>assistant\\n``)
-    that leaks prompt text into ``content`` under a Kimi template; for ``llama`` it applies none and returns
-    ``decode(generated_ids, skip_special_tokens=True)``, i.e. exactly the sampled text. The ``lm_head`` row of
-    ``<|im_end|>`` is fitted (ridge least squares over typical completion states) so that the end-of-turn log-odds
-    ``h @ w - logsumexp(allowed logits)`` is nearly the same constant ``k`` in every context, and ``k`` is solved by
-    bisection so the expected completion length is ``mean_completion_tokens`` (lengths are then roughly geometric,
-    with similar means across prompts; P(length > 256) is about 0.2 % at mean 40).
+    built-in Qwen response parser to ``qwen2``/``qwen3`` model types; for ``llama`` it uses the tokenizer's own
+    ``response_template`` (:data:`RESPONSE_TEMPLATE`). The weights are random except for a small grammar
+    written into them, so that every sampled completion has the shape the Kimi K2.5 format requires:
+
+    - :data:`STATE_DIMS` residual dimensions (the last ones) carry a one-hot *state* of the current token (see
+      :func:`token_state`): set by the token embedding, written by no layer (those rows of every ``o_proj`` and
+      ``down_proj`` are zero), so the final hidden state holds the state of the last token exactly;
+    - the ``lm_head`` columns of those dimensions give every token not allowed after that state a large negative
+      logit (:data:`NEXT` lists what may follow what): the reasoning uses :data:`REASONING_BYTES`, the answer
+      :data:`CONTENT_BYTES` (disjoint, so the last token says which part the model is in), ``</think>`` and
+      ``<|im_end|>`` only follow a non-space character and neither part starts with a space (`transformers
+      serve` strips the ends of both parts), and after ``</think>`` only the answer may follow;
+    - the ``</think>`` and ``<|im_end|>`` logits after a character are raised by a constant solved so the mean
+      reasoning and answer lengths (end marker included) are ``mean_reasoning_tokens`` and
+      ``mean_completion_tokens``; lengths are then roughly geometric.
 
 Generation config
-    ``do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=<|im_end|>``, ``min_new_tokens=2`` (no
-    empty answers), and ``suppress_tokens`` =
-    every id except printable ASCII (32..126), ``\\n`` (10) and ``<|im_end|>``. A sampled completion is therefore
-    plain ASCII text followed by ``<|im_end|>`` (or cut at ``max_new_tokens``).
+    ``do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=<|im_end|>``, ``min_new_tokens=2``, and
+    ``suppress_tokens`` = every id except :data:`ALLOWED_COMPLETION_BYTES`, ``</think>`` and ``<|im_end|>``.
 """
 
 from __future__ import annotations
@@ -55,10 +64,14 @@ __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "CHAT_TEMPLATE",
     "RESPONSE_TEMPLATE",
+    "REASONING_BYTES",
+    "CONTENT_BYTES",
     "ALLOWED_COMPLETION_BYTES",
+    "NEXT",
     "build_tiny_target",
     "build_tokenizer",
     "bytes_to_unicode",
+    "token_state",
 ]
 
 #: Kimi K2 special tokens by their real names, in the order they get ids 256, 257, ... in the tiny vocabulary.
@@ -94,14 +107,53 @@ NON_SPECIAL_ADDED_TOKENS: frozenset[str] = frozenset(
 
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
-#: Byte values a completion may contain: ``\n`` and printable ASCII 32..126.
-ALLOWED_COMPLETION_BYTES: tuple[int, ...] = (10, *range(32, 127))
+#: Bytes of a sampled reasoning text: lowercase letters, ``\n`` (its only whitespace), ``,`` ``.`` ``-``.
+REASONING_BYTES: tuple[int, ...] = (10, 44, 45, 46, *range(97, 123))
+#: Bytes of a sampled answer: uppercase letters, digits, space (its only whitespace) and ``!`` ``(`` ``)`` ``:`` ``;``
+#: ``?``. Disjoint from :data:`REASONING_BYTES`.
+CONTENT_BYTES: tuple[int, ...] = (32, 33, 40, 41, *range(48, 60), 63, *range(65, 91))
+#: Byte values a completion may contain (reasoning or answer).
+ALLOWED_COMPLETION_BYTES: tuple[int, ...] = tuple(sorted(REASONING_BYTES + CONTENT_BYTES))
 
-#: Kimi K2-Instruct style (non-thinking) chat template; layout of formats.md §2.2, no newlines between turns.
-#: Header ``<|im_{user|assistant|system}|>{name or role}<|im_middle|>``; tool/system/other roles use
-#: ``<|im_system|>``; tool results ``## Return of {tool_call_id}\n{content}``; assistant tool calls as a
-#: ``<|tool_calls_section_begin|>`` section carrying each call's ``id`` and JSON arguments (a string is emitted
-#: as-is, a mapping via ``tojson``); the default system prompt is inserted when no message has role system.
+#: Token states (see :func:`token_state`) and what may follow each: a set of byte values and/or token names.
+#: ``reasoning_start``: ``<think>``; ``answer_start``: ``</think>`` and every other token (the end of any prompt
+#: that does not open a think block).
+_R_CHARS = frozenset(b for b in REASONING_BYTES if b != 10)
+_C_CHARS = frozenset(b for b in CONTENT_BYTES if b != 32)
+NEXT: dict[str, frozenset] = {
+    "reasoning_start": _R_CHARS,
+    "reasoning_char": frozenset(REASONING_BYTES) | {"</think>"},
+    "reasoning_space": _R_CHARS,
+    "answer_start": _C_CHARS,
+    "answer_char": frozenset(CONTENT_BYTES) | {"<|im_end|>"},
+    "answer_space": _C_CHARS,
+}
+#: Residual dimensions holding the one-hot token state (the last ``len(NEXT)`` of the hidden size).
+STATE_DIMS = len(NEXT)
+
+
+def token_state(token: int | str) -> str:
+    """The grammar state after ``token`` (a byte value or a special-token name): which :data:`NEXT` set applies."""
+    if token == "<think>":
+        return "reasoning_start"
+    if token == 10:
+        return "reasoning_space"
+    if token in _R_CHARS:
+        return "reasoning_char"
+    if token == 32:
+        return "answer_space"
+    if token in _C_CHARS:
+        return "answer_char"
+    return "answer_start"
+
+
+#: Kimi K2.5 style (thinking) chat template, no newlines between turns. Header
+#: ``<|im_{user|assistant|system}|>{name or role}<|im_middle|>``; tool/system/other roles use ``<|im_system|>``; tool
+#: results ``## Return of {tool_call_id}\n{content}``; assistant tool calls as a ``<|tool_calls_section_begin|>``
+#: section carrying each call's ``id`` and JSON arguments (a string as-is, a mapping via ``tojson``); the default
+#: system prompt when no message has role system. Assistant turns up to the last one without tool calls render an
+#: empty think block (their reasoning is dropped), later ones ``<think>{reasoning_content}</think>``; the
+#: generation prompt ends ``<think>`` (``thinking`` true or not given) or ``<think></think>`` (``thinking=False``).
 CHAT_TEMPLATE = (
     "{%- macro render_content(content) -%}"
     "{%- if content is string -%}{{ content }}"
@@ -112,9 +164,10 @@ CHAT_TEMPLATE = (
     "{%- if tools -%}"
     "<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
     "{%- endif -%}"
-    "{%- set ns = namespace(has_system=false) -%}"
+    "{%- set ns = namespace(has_system=false, last_plain=-1) -%}"
     "{%- for message in messages -%}{%- if message['role'] == 'system' -%}{%- set ns.has_system = true -%}"
-    "{%- endif -%}{%- endfor -%}"
+    "{%- endif -%}{%- if message['role'] == 'assistant' and not message.get('tool_calls') -%}"
+    "{%- set ns.last_plain = loop.index0 -%}{%- endif -%}{%- endfor -%}"
     "{%- if not ns.has_system -%}"
     "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
     "{%- endif -%}"
@@ -124,6 +177,10 @@ CHAT_TEMPLATE = (
     "{%- if role == 'user' -%}<|im_user|>{{ label }}<|im_middle|>"
     "{%- elif role == 'assistant' -%}<|im_assistant|>{{ label }}<|im_middle|>"
     "{%- else -%}<|im_system|>{{ label }}<|im_middle|>"
+    "{%- endif -%}"
+    "{%- if role == 'assistant' -%}"
+    "{%- if loop.index0 <= ns.last_plain -%}<think></think>"
+    "{%- else -%}<think>{{ message.get('reasoning_content') or '' }}</think>{%- endif -%}"
     "{%- endif -%}"
     "{%- if role == 'tool' -%}"
     "## Return of {{ message.get('tool_call_id', '') }}\n{{ render_content(message.get('content')) }}"
@@ -142,11 +199,14 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "<|im_end|>"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
 )
 
-#: Response template for ``tokenizer.parse_response`` (and `transformers serve`'s parser if one is ever used).
-#: Not saved on the tokenizer by default: with the llama architecture serve then returns the plain decode.
+#: Response template (``tokenizer.parse_response``), saved on the tokenizer: `transformers serve` splits a sampled
+#: completion into ``reasoning_content`` and ``content`` with it (the prompt's open ``<think>`` is read from the
+#: prefix). Both parts come back stripped of surrounding whitespace, so the model never samples any there.
 RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},
     "start_anchor": "<|im_assistant|>assistant<|im_middle|>",
@@ -250,7 +310,8 @@ def build_tiny_target(
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
     max_position_embeddings: int = 8192,
-    mean_completion_tokens: float = 40,
+    mean_reasoning_tokens: float = 16,
+    mean_completion_tokens: float = 16,
 ) -> dict:
     """Write the tiny Kimi-style target (tokenizer + random-weight Llama causal LM + generation config) to ``out_dir``.
 
@@ -263,20 +324,22 @@ def build_tiny_target(
             ``.from_pretrained(out_dir)`` and servable with ``transformers serve out_dir``.
         seed: seed of the weight initialization and of the calibration text.
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings:
-            Llama config values (``head_dim = hidden_size // num_heads``).
-        mean_completion_tokens: target mean completion length in tokens (including ``<|im_end|>``); the
-            ``<|im_end|>`` ``lm_head`` row is calibrated so the expected length on typical states is this.
+            Llama config values (``head_dim = hidden_size // num_heads``); ``hidden_size`` must leave room for the
+            :data:`STATE_DIMS` state dimensions (at least 2 x as many).
+        mean_reasoning_tokens: mean sampled reasoning length in tokens, ``</think>`` included (> 2).
+        mean_completion_tokens: mean sampled answer length in tokens, ``<|im_end|>`` included (> 2).
 
     Returns:
         ``{"vocab_size": int, "special_token_ids": {name: id}, "eos_token_id": int, "pad_token_id": int,
-        "num_layers": int, "hidden_size": int, "model_type": "llama", "end_of_turn_scale": float,
-        "mean_p_end": float, "seed": int, "mean_completion_tokens": float}`` (``end_of_turn_scale`` is the
-        calibrated end-of-turn log-odds ``k``; ``mean_p_end`` the achieved mean per-step end probability on the
-        calibration states). The same dict is written to ``out_dir/tiny_target.json``.
+        "num_layers": int, "hidden_size": int, "model_type": "llama", "state_scale": float,
+        "end_logits": {"</think>": float, "<|im_end|>": float}, "seed": int, "mean_reasoning_tokens": float,
+        "mean_completion_tokens": float}`` (``state_scale``: the embedding value of the state dimensions;
+        ``end_logits``: the solved logit offsets of the two end markers after a character). The same dict is
+        written to ``out_dir/tiny_target.json``.
 
     Raises:
         ValueError: on inconsistent sizes (``hidden_size`` not divisible by ``num_heads``, ``num_heads`` by
-            ``num_kv_heads``) or ``mean_completion_tokens <= 1``.
+            ``num_kv_heads``, or too small for the state dimensions) or a mean length ``<= 2``.
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -286,8 +349,12 @@ def build_tiny_target(
             f"tiny target: hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) and "
             f"num_heads by num_kv_heads ({num_kv_heads})"
         )
-    if not mean_completion_tokens > 1:
-        raise ValueError(f"tiny target: mean_completion_tokens must be > 1, got {mean_completion_tokens}")
+    if hidden_size < 2 * STATE_DIMS:
+        raise ValueError(f"tiny target: hidden_size must be at least {2 * STATE_DIMS}, got {hidden_size}")
+    for name, value in (("mean_reasoning_tokens", mean_reasoning_tokens),
+                        ("mean_completion_tokens", mean_completion_tokens)):
+        if not value > 2:
+            raise ValueError(f"tiny target: {name} must be > 2 (a character and the end marker), got {value}")
 
     out_dir = Path(out_dir)
     tok = build_tokenizer()
@@ -313,9 +380,10 @@ def build_tiny_target(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32).eval()
-        scale, mean_p = _calibrate_end_of_turn(model, tok, im_end, float(mean_completion_tokens), seed)
+        scale, end_logits = _write_grammar(model, tok, ids, float(mean_reasoning_tokens),
+                                           float(mean_completion_tokens), seed)
 
-    allowed = set(ALLOWED_COMPLETION_BYTES) | {im_end}
+    allowed = set(ALLOWED_COMPLETION_BYTES) | {im_end, ids["</think>"]}
     gen = GenerationConfig(
         do_sample=True,
         temperature=1.0,
@@ -325,11 +393,10 @@ def build_tiny_target(
         eos_token_id=im_end,
         pad_token_id=ids["[PAD]"],
         suppress_tokens=[i for i in range(vocab_size) if i not in allowed],
-        # no empty answers: the end-of-turn token is masked for the first sampled token (validation rejects
-        # a completion that is nothing but the end-of-turn token as `empty_completion`)
         min_new_tokens=2,
     )
     model.generation_config = gen
+    tok.response_template = RESPONSE_TEMPLATE
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -344,9 +411,10 @@ def build_tiny_target(
             "num_layers": num_layers,
             "hidden_size": hidden_size,
             "model_type": config.model_type,
-            "end_of_turn_scale": scale,
-            "mean_p_end": mean_p,
+            "state_scale": scale,
+            "end_logits": end_logits,
             "seed": seed,
+            "mean_reasoning_tokens": mean_reasoning_tokens,
             "mean_completion_tokens": mean_completion_tokens,
         }
         (tmp / "tiny_target.json").write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
@@ -367,66 +435,128 @@ def build_tiny_target(
     return facts
 
 
-def _calibrate_end_of_turn(model, tok, im_end: int, mean_tokens: float, seed: int) -> tuple[float, float]:
-    """Set ``lm_head.weight[im_end]`` so the expected completion length is ``mean_tokens`` in every context.
+#: Logit penalty (in units of the normed state value) of a token not allowed after the current state.
+_PENALTY = 12.0
 
-    Typical states: the final (post-norm) hidden states at the completion positions of :data:`_CALIBRATION_PROMPTS`
-    (rendered with the chat template, generation prompt added) followed by ``6 * mean_tokens`` uniformly random
-    allowed bytes (what this random model samples is close to uniform over them). The row is ``w = a + k * b`` with
-    ``a``, ``b`` the ridge least-squares solutions of ``H a ~ other`` and ``H b ~ 1`` (``other`` = logsumexp of the
-    allowed tokens' logits), so the end-of-turn log-odds ``H w - other`` is close to ``k`` everywhere. With per-step
-    end probability ``p_t = sigmoid(h_t @ w - other_t)`` the expected length (incl. ``<|im_end|>``) of sequence j is
-    ``sum_t prod_{s<t} (1 - p_s)``; ``k`` is solved by bisection so its mean over the prompts is ``mean_tokens``.
-    ``k`` is rounded to 4 significant digits and the row to 1e-5 so the saved weights do not depend on float
-    summation order (thread count). Returns ``(k, mean per-step P(end) on the calibration states)``.
+
+def _stop_probability(mean_tokens: float, n_allowed: int, n_space: int) -> float:
+    """Per-step end probability after a character that gives a part of mean length ``mean_tokens`` (end marker
+    included), under the grammar: the first token is a character, after a character comes the end marker
+    (probability ``p``) or one of ``n_allowed`` characters (``n_space`` of them whitespace, which a character
+    must follow). Expected length ``2 + (1 - p)(1 + q) / p`` with ``q = n_space / n_allowed``."""
+    q = n_space / n_allowed
+    return (1 + q) / (mean_tokens - 1 + q)
+
+
+def _write_grammar(model, tok, ids: dict, mean_reasoning: float, mean_answer: float, seed: int):
+    """Write the state dimensions and the grammar into the random weights (see the module docstring).
+
+    State dimension ``j`` (residual index ``H - STATE_DIMS + j``) of token ``t`` is ``scale`` when ``t``'s state is
+    the ``j``-th key of :data:`NEXT`, else 0; no layer writes there. ``scale`` is 4 x the largest norm the rest of
+    the residual reaches on calibration text, so after the final RMSNorm the state value is within ~3 % of
+    ``sqrt(H)`` and the random part of the logits is small. The ``lm_head`` column of state ``j`` is ``-PENALTY``
+    for tokens not in ``NEXT[j]``; the end markers' columns of the two ``*_char`` states hold the solved offset
+    (rounded to 4 significant digits, so weights do not depend on float summation order). Returns
+    ``(scale, {"</think>": offset, "<|im_end|>": offset})``.
     """
     import torch
 
-    gen = torch.Generator().manual_seed(seed + 1)
-    allowed = torch.tensor(ALLOWED_COMPLETION_BYTES)
-    n = int(6 * mean_tokens)
-    states = []
+    H = model.config.hidden_size
+    states = list(NEXT)
+    base = H - STATE_DIMS
+    vocab = model.config.vocab_size
+    name_of = {v: k for k, v in ids.items()}
+    token_states = [token_state(name_of.get(i, i)) for i in range(vocab)]
+
+    def token_id(t) -> int:
+        return ids[t] if isinstance(t, str) else t
+
     with torch.no_grad():
-        model.lm_head.weight[im_end].zero_()
-        for msgs, tools in _CALIBRATION_PROMPTS:
-            prompt_ids = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
-            prompt_ids = tok.encode(prompt_ids, add_special_tokens=False)
-            completion = allowed[torch.randint(len(allowed), (n,), generator=gen)]
-            ids = torch.tensor(prompt_ids + completion.tolist()).unsqueeze(0)
-            out = model.model(input_ids=ids)
-            # the state at position p predicts token p+1: the last prompt position, then the completion ones
-            states.append(out.last_hidden_state[0, len(prompt_ids) - 1 :])
-        h = torch.stack(states).double()  # (prompts, n + 1, hidden)
-        other = torch.logsumexp(h @ model.lm_head.weight[allowed].double().T, dim=-1)  # (prompts, n + 1)
-        # the end-of-turn log-odds is h @ w - other; fit w = a + k * b so it is close to the constant k everywhere
-        flat = h.reshape(-1, h.shape[-1])
-        ridge = 1e-3 * torch.eye(flat.shape[-1], dtype=flat.dtype)
-        gram = flat.T @ flat + ridge
-        a_vec = torch.linalg.solve(gram, flat.T @ other.reshape(-1))
-        b_vec = torch.linalg.solve(gram, flat.T @ torch.ones(flat.shape[0], dtype=flat.dtype))
+        emb = model.model.embed_tokens.weight
+        emb[:, base:] = 0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[base:, :] = 0
+            layer.mlp.down_proj.weight[base:, :] = 0
 
-        def expected_len(k: float) -> float:
-            p_end = torch.sigmoid(h @ (a_vec + k * b_vec) - other)
-            survive = torch.cumprod(1 - p_end, dim=-1)
-            return (1 + survive[:, :-1].sum(-1)).mean().item()
+        gen = torch.Generator().manual_seed(seed + 1)
+        samples = _calibration_sequences(tok, ids, gen)
 
-        lo, hi = -1.0, 1.0
-        while expected_len(lo) < mean_tokens:
-            lo *= 2.0
-            if lo < -1e6:  # pragma: no cover - cannot happen with a normed hidden state
-                raise RuntimeError("tiny target: could not calibrate the end-of-turn logit")
-        while expected_len(hi) > mean_tokens:
-            hi *= 2.0
-            if hi > 1e6:  # pragma: no cover
-                raise RuntimeError("tiny target: could not calibrate the end-of-turn logit")
-        for _ in range(100):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if expected_len(mid) > mean_tokens else (lo, mid)
-        c = float(f"{(lo + hi) / 2:.4g}")
-        row = torch.round((a_vec + c * b_vec) * 1e5) / 1e5
-        model.lm_head.weight[im_end] = row.to(model.lm_head.weight.dtype)
-        achieved = torch.sigmoid(h @ row - other).mean().item()
-    return c, achieved
+        def rest_norm_max() -> float:
+            seen = []
+            hook = model.model.norm.register_forward_hook(lambda mod, args, out: seen.append(args[0][0]))
+            try:
+                for _, seq in samples:
+                    model.model(input_ids=torch.tensor([seq]))
+            finally:
+                hook.remove()
+            return max(x[:, :base].norm(dim=-1).max().item() for x in seen)  # the residual before the final norm
+
+        scale = 1.0
+        for _ in range(3):  # the layers see the normed residual, so the rest barely moves with the scale
+            for i in range(vocab):
+                emb[i, base:] = 0
+                emb[i, base + states.index(token_states[i])] = scale
+            scale = float(f"{4 * rest_norm_max():.4g}")
+        for i in range(vocab):
+            emb[i, base:] = 0
+            emb[i, base + states.index(token_states[i])] = scale
+
+        head = model.lm_head.weight
+        head[:, base:] = 0
+        for j, st in enumerate(states):
+            allowed = {token_id(t) for t in NEXT[st]}
+            for v in range(vocab):
+                if v not in allowed:
+                    head[v, base + j] = -_PENALTY
+
+        # solve the end-marker offsets on the calibration states (final normed hidden states)
+        offsets = {}
+        for marker, st, mean in (("</think>", "reasoning_char", mean_reasoning),
+                                 ("<|im_end|>", "answer_char", mean_answer)):
+            chars = [b for b in NEXT[st] if not isinstance(b, str)]
+            spaces = [b for b in chars if token_state(b).endswith("_space")]
+            p = _stop_probability(mean, len(chars), len(spaces))
+            h = []
+            for n_prompt, seq in samples:
+                out = model.model(input_ids=torch.tensor([seq])).last_hidden_state[0]
+                keep = [k for k, t in enumerate(seq) if k >= n_prompt and token_states[t] == st]
+                h.append(out[keep])
+            h = torch.cat(h).double()
+            logits = h @ head.double().T
+            other = torch.logsumexp(logits[:, chars], dim=-1)
+            raw = logits[:, ids[marker]]
+            sv = h[:, base + states.index(st)]
+            lo, hi = -50.0, 50.0
+            for _ in range(100):
+                mid = (lo + hi) / 2
+                mean_p = torch.sigmoid(raw + mid * sv - other).mean().item()
+                lo, hi = (mid, hi) if mean_p < p else (lo, mid)
+            offsets[marker] = float(f"{(lo + hi) / 2:.4g}")
+            head[ids[marker], base + states.index(st)] = offsets[marker]
+    return scale, offsets
+
+
+def _calibration_sequences(tok, ids: dict, gen) -> list[tuple[int, list[int]]]:
+    """``(prompt length, ids)``: the prompts of :data:`_CALIBRATION_PROMPTS` (thinking on) followed by a
+    grammatical random completion: reasoning characters, ``</think>``, answer characters, ``<|im_end|>`` (40
+    characters each part)."""
+    import torch
+
+    def part(chars: tuple[int, ...], n: int) -> list[int]:
+        nonspace = [b for b in chars if b not in (10, 32)]
+        out = []
+        for k in range(n):
+            pool = nonspace if k in (0, n - 1) or (out and out[-1] in (10, 32)) else chars
+            out.append(pool[int(torch.randint(len(pool), (1,), generator=gen))])
+        return out
+
+    seqs = []
+    for msgs, tools in _CALIBRATION_PROMPTS:
+        prompt = tok.encode(tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
+        seqs.append((len(prompt), prompt + part(REASONING_BYTES, 40) + [ids["</think>"]] + part(CONTENT_BYTES, 40)
+                    + [ids["<|im_end|>"]]))
+    return seqs
 
 
 def bytes_to_unicode() -> dict[int, str]:

@@ -41,11 +41,10 @@ too_long                 more than ``validate.max_tokens`` tokens
 
 The shard then fails (after both files are written) when its reject rate exceeds ``validate.max_reject_rate``
 (:class:`RejectRateExceeded`) or when the sum of reconstructed completion tokens of its validated rows differs
-from the sum billed by more than ``count_tolerance.aggregate_rel`` (:class:`CountAuditFailed`; the seed's audit
-held 0.04 % over 1,637 Kimi-K2.5 responses). ``validate()`` returns both sums so reports can give the audit per
-dataset.
+from the sum billed by more than ``count_tolerance.aggregate_rel`` (:class:`CountAuditFailed`). ``validate()``
+returns both sums so reports can give the audit per dataset.
 
-Checks follow the seed run's audit (every response ends with ``<|im_end|>``, exactly one end-of-reasoning marker,
+Checks (every response ends with ``<|im_end|>``, exactly one end-of-reasoning marker,
 no markers leaking into the answer, a tokenizer round trip, counts within tolerance of the billing). Reconstructed
 ids are the tokenizer's own encoding of the response text and are checked text -> ids -> text at tokenize time, so
 the ids -> text -> ids round trip here is only needed for ids that did not come from our encoding (pre-tokenized,

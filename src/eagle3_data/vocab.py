@@ -1,7 +1,7 @@
 """Draft vocabulary: token frequencies over supervised tokens and the ``d2t``/``t2d`` maps of an EAGLE-3 draft.
 
 Convention (SpecForge ``process_token_dict_to_mappings``, read by its trainer and by SGLang's EAGLE-3 draft
-loading; anchors.md section 1(d)):
+loading):
 
 - the draft vocabulary is the ``draft_vocab_size`` most frequent target ids over tokens with ``loss_mask == 1``
   (ties: lower id first, so the result does not depend on input order), sorted by target id;

@@ -15,7 +15,7 @@ data_collection ...) and ``reasoning`` (effort | max_tokens, exclude, enabled) p
 cost up by generation id when ``usage.cost`` is missing (:meth:`Backend.lookup_cost`; first retry after
 ``cost_lookup_delay_s``).
 
-Failure policy (``reference/formats.md`` §3.3):
+Failure policy (OpenRouter's and SGLang's documented error codes):
 - retried with exponential backoff and jitter (tenacity), a bounded number of times: 429 (``Retry-After``
   honoured), 408/409/425/5xx, timeouts, connection errors/resets, malformed JSON, and errors inside an HTTP
   200 body (top-level ``error``, ``choices[].error``, ``finish_reason == "error"``, no choices, empty reply);
@@ -243,7 +243,7 @@ NATIVE_SAMPLING_KEYS = frozenset({
 
 def build_native_body(backend: BackendConfig, input_ids: list[int], sampling: dict) -> dict:
     """SGLang native ``/generate`` body: ``{"input_ids", "sampling_params": {max_new_tokens, temperature,
-    top_p, ...}}`` (``formats.md`` §4.4).
+    top_p, ...}}`` (SGLang's native API).
 
     ``max_tokens`` becomes ``max_new_tokens`` (SGLang's default is only 128, so it is always sent when set);
     ``sampling["extra_body"]`` keys that are sampling parameters (:data:`NATIVE_SAMPLING_KEYS`) go into

@@ -8,7 +8,7 @@ separated by blank lines, assistant turns ending in `` <|endoftext|>``. A call
 ``<functioncall> {"name": "fn", "arguments": '{...}'}`` (arguments single-quoted, so not JSON) becomes an
 assistant ``tool_calls`` entry with id ``call_<k>`` (k counts calls in the record); a FUNCTION RESPONSE
 becomes ``{role: tool, tool_call_id: <the preceding call's id>, name: fn}``. Turn parsing after anyscale
-``fc_utils`` (formats.md §1.1). No id: content hash.
+``fc_utils``. No id: content hash.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
--- tally: the seed-style per-dataset table (needs the views of report_views.sql and backend_kinds).
+-- tally: the per-dataset table (needs the views of report_views.sql and backend_kinds).
 -- samples, prompt_tokens (unsupervised: prompt and context), completion_tokens (supervised: loss mask 1),
 -- total_tokens over the VALIDATED rows; the backends that produced them and where they run
 -- (backend_kinds.location: local | remote); how many samples were rejected (any stage); responses and
