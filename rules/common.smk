@@ -1,5 +1,6 @@
 # Config validation, dataset lists, input functions and wildcard constraints shared by every stage.
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -20,6 +21,14 @@ MERGED_SHARDS = cfg.merged_shard_names(config)
 EXPORT_LAYOUTS = (config.get("export") or {}).get("layouts", [])  # no export section: no export
 TARGET = config["target"]
 CACHE_DIR = config["cache_dir"]
+
+# The run's state (launched servers, shared request slots) lives under CACHE_DIR/runs/ and reaches the jobs through
+# the environment; the Snakefile's onsuccess/onerror hooks end it (eagle3_data.run).
+from eagle3_data import run as run_state
+
+run_state.begin(CACHE_DIR, main_process=workflow.is_main_process)
+if workflow.remote_exec:  # a cluster job: the backends' max_concurrency is split over the jobs that use them
+    os.environ.setdefault("EAGLE3_CONCURRENCY", "split")
 
 
 def _alternation(names):

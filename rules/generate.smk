@@ -1,6 +1,10 @@
 # Stage 2: prompts shard -> responses shard, through the dataset's backends (OpenAI-compatible HTTP).
 # Completed responses are journaled under cache/ (outside results/), keyed by a hash of the request, so a
 # failed, killed or deleted target never pays for the same response twice.
+# Backend settings (max_concurrency, timeouts, keys, launch) are read by the script from the config at run time,
+# not passed as params: changing them reruns nothing. A backend's max_concurrency holds over all generate jobs of a
+# run on one machine (shared request slots), so every shard can be in flight at once; a launched server is started
+# once per run and shared (eagle3_data.run, eagle3_data.backends.server).
 
 
 rule generate:
@@ -15,14 +19,15 @@ rule generate:
     params:
         target_name=TARGET["name"],
         generation=lambda wc: cfg.generation_config(config, wc.ds),
-        backends=lambda wc: cfg.backends_config(config, wc.ds),
         journal_dir=f"{CACHE_DIR}/journal",
         num_shards=lambda wc: len(shards(wc.ds)),
         # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
         # config is not a dependency of generation
         target=lambda wc: TARGET if any(b.get("native_generate") for b in cfg.backends_config(config, wc.ds).values()) else None,
     resources:
-        api_slots=lambda wc: sum(b.get("max_concurrency", 1) for b in cfg.backends_config(config, wc.ds).values()),
+        # a cluster job starts its own server for a launched backend: it asks for the server's GPUs (sbatch --gpus).
+        # Locally the run's one server holds its GPUs through the per-GPU locks (eagle3_data.devices) instead.
+        gpu=lambda wc: cfg.launch_gpus(config, wc.ds) if workflow.non_local_exec else 0,
     log:
         "logs/generate/{ds}/{shard}.log",
     script:

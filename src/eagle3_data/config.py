@@ -69,6 +69,11 @@ def backends_config(config: dict, ds: str) -> dict:
     return out
 
 
+def launch_gpus(config: dict, ds: str) -> int:
+    """GPUs of the servers the build launches for dataset ``ds`` (``launch.gpus`` of its backends, summed)."""
+    return sum(int((b.get("launch") or {}).get("gpus") or 0) for b in backends_config(config, ds).values())
+
+
 def check_config(config: dict, *, check_paths: bool = True) -> None:
     """Cross-key checks the JSON schema can't express; raises ``ValueError`` naming the key.
 
