@@ -580,6 +580,8 @@ class Backend:
         self.in_flight = 0
         self.cap = int(cap or cfg.max_concurrency)
         self.slots = slots  # HostSlots or None
+        if slots is not None:
+            slots.register()
         self.held = 0  # host slots this job holds (in use: in_flight of them; the rest kept for waiting requests)
         self.host_blocked = False  # the last try found this job under its cap but no host slot free
         self.eject_after = eject_after
@@ -640,19 +642,33 @@ class Backend:
             return False
         if self.slots is None or self.held > self.in_flight:
             return True
+        if self.held >= self.slots.fair_share() and self.slots.starving():
+            self.host_blocked = False  # yielding to a job that waits: our own released slots wake us
+            return False
         if self.slots.try_take():
             self.held += 1
             self.host_blocked = False
+            self.slots.starving(False)
             return True
         self.host_blocked = True
+        self.slots.starving(True)
         return False
 
     def put_back(self, keep: bool) -> None:
-        """A request ended: keep its host slot for a waiting request of this job (``keep``), else return the slots
-        this job holds beyond those in use."""
-        if self.slots is not None and not keep and self.held > self.in_flight:
-            self.slots.give(self.held - self.in_flight)
-            self.held = self.in_flight
+        """A request ended: keep its host slot for a waiting request of this job (``keep``) unless this job holds more
+        than its fair share while another job waits; return the slots held beyond those in use otherwise."""
+        if self.slots is None or self.held <= self.in_flight:
+            return
+        spare = self.held - self.in_flight
+        if keep:
+            over = self.held - self.slots.fair_share()
+            if over <= 0 or not self.slots.starving():
+                return
+            spare = min(spare, over)
+        else:
+            self.slots.starving(False)
+        self.slots.give(spare)
+        self.held -= spare
 
     def record(self, ok: bool, backend_fault: bool = False, error: str | None = None) -> None:
         """Count a request's outcome. ``backend_fault`` (refused connection, 5xx) with ``error`` (reason: text)
@@ -690,8 +706,6 @@ class Backend:
                     else "answered only HTTP 5xx" if err.startswith("http_5") else "failed")
             self.down = (f"{what} for {now - self.fault_since:.0f} s ({self.fault_count} attempts, none succeeded; "
                          f"backends.{self.name}.down_after_s is {self.cfg.down_after_s:g})")
-            logger.warning("backend %s (%s) is out for this job: it %s; last error: %s", self.name,
-                           self.cfg.base_url, self.down, self.last_error)
         return bool(self.down)
 
     async def _limits(self, est_tokens: int) -> None:
@@ -788,9 +802,11 @@ class Backend:
             self._load[i] -= 1
 
     async def aclose(self) -> None:
-        if self.slots is not None and self.held:
+        if self.slots is not None:
             self.slots.give(self.held)
             self.held = 0
+            self.slots.starving(False)
+            self.slots.register(False)
         for c in self.clients:
             await c.aclose()
 
@@ -833,6 +849,7 @@ class BackendPool:
         """Every ``interval_s``: mark backends down whose faults have lasted ``down_after_s`` (even while no request
         is being tried: all backing off or the backend ejected), wake the waiters, and raise :class:`BackendDown`
         when every backend is down (run it beside the requests; cancel it when they are done)."""
+        logged: set[str] = set()
         while True:
             await asyncio.sleep(interval_s)
             now = time.monotonic()
@@ -841,6 +858,11 @@ class BackendPool:
                 async with self._cond:
                     self._cond.notify_all()
             self.check_down()
+            for b in self.backends:  # (when all are down, BackendDown above says it all)
+                if b.down and b.name not in logged:
+                    logged.add(b.name)
+                    logger.warning("backend %s (%s) is out for this job: it %s; last error: %s; its requests go to "
+                                   "the other backends", b.name, b.cfg.base_url, b.down, b.last_error)
 
     async def acquire(self, avoid: Backend | None = None) -> Backend:
         """The first backend in priority order with a free slot. ``avoid`` (the backend whose fault ended a

@@ -5,11 +5,12 @@ limit, not one job's share of it. How the limit is shared depends on where the j
 
 - ``host`` (the jobs of a workflow run on one machine, :mod:`eagle3_data.run`): one counting semaphore per backend
   and run, a System V semaphore created with the backend's ``max_concurrency`` (:class:`HostSlots`). A job takes
-  a slot for each request it sends (``semop -1``, never blocking; a job that finds none polls) and gives it back
-  when the request ends; it keeps a slot for its own next request while it has requests waiting, and gives it
-  back otherwise, so the slots follow the demand and the backend stays at its limit until the last tail. Every
-  operation is ``SEM_UNDO``: the kernel returns the slots of a job that dies, however it dies. The end of the run
-  removes the semaphores.
+  a slot for each request it sends (``semop -1``, never blocking; a job that finds none marks itself waiting and
+  polls) and, when the request ends, keeps the slot for its own next request while it has requests waiting and
+  holds no more than its fair share (``limit / jobs``) or nobody else waits; otherwise it gives the slot back. So
+  the slots follow the demand: the backend stays at its limit until the last tail, and every job gets its share
+  while others run. Every operation is ``SEM_UNDO``: the kernel returns the slots of a job that dies, however it
+  dies. The end of the run removes the semaphores.
 - ``split`` (a cluster job: the Snakefile sets ``EAGLE3_CONCURRENCY=split`` in jobs a cluster executor runs): the
   limit is split evenly over the generate jobs that use the backend (the shards of every dataset naming it), so
   that all of them may run at once, on any nodes, without exceeding it together.
@@ -48,8 +49,8 @@ def _c():
     return _libc
 
 
-def _semop(semid: int, op: int, flags: int) -> bool:
-    b = _SemBuf(0, op, flags)
+def _semop(semid: int, op: int, flags: int, num: int = 0) -> bool:
+    b = _SemBuf(num, op, flags)
     if _c().semop(semid, ctypes.byref(b), 1) == 0:
         return True
     err = ctypes.get_errno()
@@ -59,14 +60,18 @@ def _semop(semid: int, op: int, flags: int) -> bool:
 
 
 class HostSlots:
-    """``limit`` request slots of one backend, shared by the processes of one machine (a System V semaphore whose id
-    is kept in ``path``, a small JSON file, created under a ``flock`` by the first job that needs it).
+    """``limit`` request slots of one backend, shared by the processes of one machine: a System V semaphore set whose
+    id is kept in ``path`` (a small JSON file, written under a ``flock`` by the first job that needs it). Its three
+    values: the free slots, the jobs using the slots (:meth:`register`), the jobs waiting for a slot
+    (:meth:`starving`).
 
-    ``try_take()`` takes a slot if one is free (never blocks); ``give()`` returns one. Every operation is
-    ``SEM_UNDO``, so the slots of a process that exits without giving them back are returned by the kernel.
+    ``try_take()`` takes a slot if one is free (never blocks); ``give()`` returns slots. Every operation is
+    ``SEM_UNDO``: what a process that exits without undoing it took or counted is undone by the kernel.
 
     Raises ValueError for ``limit`` outside ``1..32767`` (SEMVMX).
     """
+
+    NSEMS = 3  # free slots, registered jobs, starving jobs
 
     def __init__(self, path: str | os.PathLike, limit: int):
         if not 1 <= int(limit) <= SEM_MAX:
@@ -74,6 +79,8 @@ class HostSlots:
         self.path = Path(path)
         self.limit = int(limit)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._registered = False
+        self._starving = False
         fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -85,11 +92,11 @@ class HostSlots:
         try:
             rec = json.loads(self.path.read_text())
             semid = int(rec["semid"])
-            if _c().semctl(semid, 0, _GETVAL) >= 0 and int(rec["limit"]) == self.limit:
+            if _c().semctl(semid, self.NSEMS - 1, _GETVAL) >= 0 and int(rec["limit"]) == self.limit:
                 return semid
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        semid = _c().semget(0, 1, _IPC_CREAT | 0o600)  # IPC_PRIVATE: a new set, found through the file
+        semid = _c().semget(0, self.NSEMS, _IPC_CREAT | 0o600)  # IPC_PRIVATE: a new set, found through the file
         if semid < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"semget: {os.strerror(err)}")
@@ -111,6 +118,23 @@ class HostSlots:
     def free(self) -> int:
         """Slots free right now over all processes (-1 if the semaphore is gone)."""
         return _c().semctl(self.semid, 0, _GETVAL)
+
+    def register(self, on: bool = True) -> None:
+        """Count this process among the jobs using the slots (``on``) or not any more."""
+        if on != self._registered:
+            _semop(self.semid, 1 if on else -1, _SEM_UNDO | _IPC_NOWAIT, num=1)
+            self._registered = on
+
+    def starving(self, on: bool | None = None) -> int:
+        """Mark this process as waiting for a slot (``on``) or not; return how many OTHER processes wait."""
+        if on is not None and on != self._starving:
+            _semop(self.semid, 1 if on else -1, _SEM_UNDO | _IPC_NOWAIT, num=2)
+            self._starving = on
+        return max(0, _c().semctl(self.semid, 2, _GETVAL) - (1 if self._starving else 0))
+
+    def fair_share(self) -> int:
+        """``ceil(limit / jobs using the slots)``: what a job may keep while others wait."""
+        return math.ceil(self.limit / max(1, _c().semctl(self.semid, 1, _GETVAL)))
 
     @staticmethod
     def remove_all(folder: str | os.PathLike) -> int:
