@@ -304,3 +304,26 @@ def test_host_slots_come_back_after_an_interrupted_job(tmp_path, fs, sig):
     assert p.wait(30) == 130
     sem = next((tmp_path / "run" / "limits").glob("*.sem"))
     assert HostSlots(sem, 5).free() == 5
+
+
+def test_rejects_report_shows_the_error_text(tmp_path):
+    """A request's error text (here OpenRouter's raw provider message) reaches the rejects report."""
+    import csv
+
+    from eagle3_data import schemas
+    from eagle3_data.io import write_parquet
+    from eagle3_data.report import tally
+
+    text = ("http_400: Provider returned error; provider Moonshot AI; raw: {\"error\": \"not a valid model ID\"} "
+            "(backend openrouter, after 1 attempt(s))")
+    rows = [dict(sample_id=f"s{i}", dataset="ds", stage="generate", reason="http_400", detail=text, source_row=i)
+            for i in range(3)] + [dict(sample_id="t", dataset="ds", stage="validate", reason="truncated",
+                                       detail=None, source_row=9)]
+    write_parquet(schemas.from_rows(rows, schemas.REJECTS), tmp_path / "rej.parquet")
+    tally([], [tmp_path / "rej.parquet"], [], tmp_path / "r", datasets_config={"ds": {}}, backends={})
+    with open(tmp_path / "r" / "rejects.csv") as fh:
+        rej = {r["reason"]: r for r in csv.DictReader(fh)}
+    assert rej["http_400"]["count"] == "3" and rej["http_400"]["example"] == text
+    assert rej["truncated"]["example"] == ""
+    md = (tmp_path / "r" / "tally.md").read_text()
+    assert "| ds | generate | http_400 | 3 | http_400: Provider returned error; provider Moonshot AI; raw:" in md
