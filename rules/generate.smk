@@ -24,7 +24,12 @@ rule generate:
         # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
         # config is not a dependency of generation
         target=lambda wc: TARGET if any(b.get("native_generate") for b in cfg.backends_config(config, wc.ds).values()) else None,
+    # an HTTP client waiting on its backends: it takes no core from --cores, so CPU stages keep running beside
+    # it; how many run at once is the `generate_jobs` resource (profiles/default: 5, the local executor's spare
+    # workers for jobs without threads)
+    threads: 0
     resources:
+        generate_jobs=1,
         # a cluster job starts its own server for a launched backend: it asks for the server's GPUs (sbatch --gpus).
         # Locally the run's one server holds its GPUs through the per-GPU locks (eagle3_data.devices) instead.
         gpu=lambda wc: cfg.launch_gpus(config, wc.ds) if workflow.non_local_exec else 0,

@@ -436,7 +436,8 @@ class _Runner:
             await asyncio.sleep(seconds)
         finally:
             self.backing_off -= 1
-            await self.live.acquire()
+        # not in the finally: a task cancelled while it sleeps (the job stopping) must not wait for a permit
+        await self.live.acquire()
 
     async def request(self, sample: Sample, turn: int, prompt: list, tools: list | None, key: str) -> dict:
         import tenacity

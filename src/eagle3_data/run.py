@@ -162,9 +162,11 @@ def on_start(cache_dir: str | os.PathLike) -> None:
         if not pid.isdigit() or (me is not None and d.resolve() == me.dir.resolve()):
             continue
         if not Owner(socket.gethostname(), int(pid), start).alive():
+            from .backends.limits import HostSlots
             from .backends.server import stop_run_servers
 
             stop_run_servers(d)
+            HostSlots.remove_all(d / "limits")
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -194,8 +196,11 @@ def end(cache_dir: str | os.PathLike, *, ok: bool, out=None) -> None:
     if run is not None and run.dir.exists():
         from .backends.server import stop_run_servers
 
+        from .backends.limits import HostSlots
+
         t0 = time.monotonic()
         stopped = stop_run_servers(run.dir)
+        HostSlots.remove_all(run.limits_dir)
         if stopped and ok:  # after a failure the run prints only what went wrong
             print(f"Stopped the launched server(s) {', '.join(stopped)} ({time.monotonic() - t0:.0f} s).", file=out)
         shutil.rmtree(run.dir, ignore_errors=True)
