@@ -1,10 +1,9 @@
 # Stage 2: prompts shard -> responses shard, through the dataset's backends (OpenAI-compatible HTTP).
 # Completed responses are journaled under cache/ (outside results/), keyed by a hash of the request, so a
 # failed, killed or deleted target never pays for the same response twice.
-# Backend settings (max_concurrency, timeouts, keys, launch) are read by the script from the config at run time,
-# not passed as params: changing them reruns nothing. A backend's max_concurrency holds over all generate jobs of a
-# run on one machine (shared request slots), so every shard can be in flight at once; a launched server is started
-# once per run and shared (eagle3_data.run, eagle3_data.backends.server).
+# A backend's max_concurrency holds over all generate jobs of a run on one machine (shared request slots), so
+# every shard can be in flight at once; a launched server is started once per run and shared by every job that
+# needs it (eagle3_data.run, eagle3_data.backends.server).
 
 
 rule generate:
@@ -16,14 +15,17 @@ rule generate:
         summary="results/{ds}/responses/{shard}.json",
     wildcard_constraints:
         ds=_alternation(GENERATED),
+    # params: what the responses depend on (cfg.generation_data_settings / backends_data_settings); the
+    # script reads the rest (concurrency, timeouts, rate limits, headers, key variables, launch, retries)
+    # from the config at run time, so changing those reruns nothing
     params:
         target_name=TARGET["name"],
-        generation=lambda wc: cfg.generation_config(config, wc.ds),
-        journal_dir=f"{CACHE_DIR}/journal",
+        generation=lambda wc: cfg.generation_data_settings(config, wc.ds),
+        backends=lambda wc: cfg.backends_data_settings(config, wc.ds),
         num_shards=lambda wc: len(shards(wc.ds)),
         # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
         # config is not a dependency of generation
-        target=lambda wc: TARGET if any(b.get("native_generate") for b in cfg.backends_config(config, wc.ds).values()) else None,
+        target=lambda wc: cfg.target_data_settings(config) if any(b.get("native_generate") for b in cfg.backends_config(config, wc.ds).values()) else None,
     # an HTTP client waiting on its backends: it takes no core from --cores, so CPU stages keep running beside
     # it; how many run at once is the `generate_jobs` resource (profiles/default: 5, the local executor's spare
     # workers for jobs without threads)

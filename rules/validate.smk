@@ -9,8 +9,8 @@ rule validate:
         validated="results/{ds}/validated/{shard}.parquet",
         rejected="results/{ds}/rejected/{shard}.parquet",
     params:
-        target=TARGET,
-        settings=config["validate"],
+        target=cfg.target_data_settings(config),
+        settings=cfg.validate_data_settings(config),  # the rest (reject ceilings) is read from the config
     log:
         "logs/validate/{ds}/{shard}.log",
     script:

@@ -6,19 +6,20 @@ from eagle3_data.generate import generate
 from eagle3_data.logs import setup_logging
 
 log = setup_logging(snakemake.log[0])
-# Backend settings (concurrency, timeouts, rate limits, headers, key variables, launch) come from the config at run
-# time, not from rule params: changing them reruns nothing.
-backends = cfg.backends_config(snakemake.config, snakemake.wildcards.ds)
+ds = snakemake.wildcards.ds
+# the whole settings from the config at run time (rule params carry only the part the responses depend on, as
+# rerun triggers): concurrency, timeouts, rate limits, headers, key variables, launch and retries rerun nothing
+backends = cfg.backends_config(snakemake.config, ds)
 run_stage(lambda: generate(
     snakemake.input.prompts,
     snakemake.output.responses,
-    dataset=snakemake.wildcards.ds,
+    dataset=ds,
     shard=snakemake.wildcards.shard,
     target_name=snakemake.params.target_name,
-    generation=snakemake.params.generation,
+    generation=cfg.generation_config(snakemake.config, ds),
     backends=backends,
     backend_jobs={name: jobs_using(snakemake.config, name) for name in backends},
-    journal_dir=snakemake.params.journal_dir,
+    journal_dir=f"{snakemake.config.get('cache_dir', 'cache')}/journal",
     num_shards=snakemake.params.num_shards,
     summary_path=snakemake.output.summary,
     target=snakemake.params.target,
