@@ -916,7 +916,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         n_pending = sum(1 for s in samples if probe.pending(s))
         logger.info("%s %d sample(s) need requests, %d complete in the journal", tag, n_pending, len(samples) - n_pending)
 
-        servers_started, servers_attached = [], []
+        servers_started, servers_attached, server_logs = [], [], {}
         network = bool(n_pending) and not state.budget_reached()
         if n_pending and not network:
             logger.info("%s %s already reached by journaled responses: nothing sent", tag, state.stopped_by)
@@ -955,6 +955,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                                         _server_log_path(log, journal_dir, dataset, shard, cfg.name), name=cfg.name))
                                 cfg.base_url = cfg.base_url.replace("{port}", str(srv.port))
                                 (servers_started if srv.started else servers_attached).append(cfg.name)
+                                server_logs[cfg.name] = srv.log_path
                         pool = stack.enter_context(_backend_pool(cfgs, run, backend_jobs, tag))
                     journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
                     jw.append(journal)
@@ -975,9 +976,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             except FatalBackendError as exc:
                 hint = exc.hint or "rerun the same command"
                 if isinstance(exc, BackendDown):
-                    launched = [c for c in cfgs if c.launch]
-                    hint = ("the server the build launched stopped answering: see its log in logs/servers/, "
-                            "then rerun the same command" if launched else
+                    logs = ", ".join(str(p) for p in server_logs.values())
+                    hint = (f"the server the build launched stopped answering: see its log ({logs}), then rerun "
+                            "the same command" if server_logs else
                             "start the server or fix the backend's base_url, then rerun the same command")
                 raise GenerationStopped(f"{tag} {exc.message}", hint=f"{hint}; {journaled()}") from None
             except (_Terminated, KeyboardInterrupt):

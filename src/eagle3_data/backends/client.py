@@ -899,6 +899,10 @@ class BackendPool:
                         pass
             finally:
                 self._waiting -= 1
+                if not self._waiting:  # nobody here waits for a slot any more (they took one, maybe elsewhere)
+                    for b in self.backends:
+                        if b.slots is not None:
+                            b.slots.starving(False)
                 if self._poller is me:
                     self._poller = None
                     self._cond.notify(1)  # another waiter takes over the polling
