@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import run_snakemake, snakemake_env
+from conftest import copy_workflow, run_snakemake, snakemake_env
 from test_server_launch import gone
 
 pytestmark = pytest.mark.slow
@@ -31,13 +31,17 @@ def server_pids(wd: Path) -> list[int]:
     return [int(p) for p in re.findall(r"Started server process \[(\d+)\]", log.read_text())] if log.exists() else []
 
 
-def fresh_copy(demo_run: Path, dest: Path, datasets: list[str]) -> Path:
-    """A copy of the built demo whose ``datasets`` must be generated again (their responses and the journal gone)."""
-    shutil.copytree(demo_run, dest, symlinks=True)
-    shutil.rmtree(dest / "cache")
-    shutil.rmtree(dest / "logs" / "servers", ignore_errors=True)
-    for ds in datasets:
-        shutil.rmtree(dest / "results" / ds / "responses")
+@pytest.fixture(scope="module")
+def prompts_built(tmp_path_factory) -> Path:
+    """A scratch workflow with the tiny target and the prompts of the generated datasets built (nothing generated)."""
+    wd = copy_workflow(tmp_path_factory.mktemp("servers"))
+    run_snakemake(wd, "--cores", "2", "results/target/tiny-kimi",
+                  *[f"results/{s.split('/')[0]}/prompts/{s.split('/')[1]}.parquet" for s in GENERATED])
+    return wd
+
+
+def fresh_copy(built: Path, dest: Path) -> Path:
+    shutil.copytree(built, dest, symlinks=True)
     return dest
 
 
@@ -66,10 +70,10 @@ def test_transport_settings_rerun_nothing(demo_run, tmp_path):
     assert "Nothing to be done" in out, out[-3000:]
 
 
-def test_failed_run_stops_the_server_and_says_why_once(demo_run, tmp_path):
+def test_failed_run_stops_the_server_and_says_why_once(prompts_built, tmp_path):
     from eagle3_data.backends import free_port
 
-    wd = fresh_copy(demo_run, tmp_path / "wd", ["sharegpt_demo", "ultrachat_demo"])
+    wd = fresh_copy(prompts_built, tmp_path / "wd")
     cfg = yaml.safe_load((wd / "config.yaml").read_text())
     url = f"http://127.0.0.1:{free_port()}/v1"
     cfg["backends"]["dead"] = {"type": "openai", "base_url": url, "model": "m", "api_key_env": None,
@@ -91,8 +95,8 @@ def test_failed_run_stops_the_server_and_says_why_once(demo_run, tmp_path):
     assert not (wd / "cache" / "runs").exists()
 
 
-def test_ctrl_c_stops_the_server_and_prints_how_to_resume_once(demo_run, tmp_path):
-    wd = fresh_copy(demo_run, tmp_path / "wd", ["sharegpt_demo"])
+def test_ctrl_c_stops_the_server_and_prints_how_to_resume_once(prompts_built, tmp_path):
+    wd = fresh_copy(prompts_built, tmp_path / "wd")
     targets = ["results/sharegpt_demo/responses/000.parquet", "results/sharegpt_demo/responses/001.parquet"]
     out_path = tmp_path / "out.txt"
     with open(out_path, "w") as out:
