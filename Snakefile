@@ -43,5 +43,14 @@ rule all:
     default_target: True
 
 
+onstart:
+    run_state.on_start(CACHE_DIR)
+
+
 onsuccess:
+    run_state.end(CACHE_DIR, ok=True)
     print_tally("results/reports/tally.md")
+
+
+onerror:
+    run_state.end(CACHE_DIR, ok=False)

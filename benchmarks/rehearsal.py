@@ -20,7 +20,10 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    the workflow has a ``plan`` rule; -> report with ``--with-report``), never extraction, sampling the RSS of
    the whole process tree (snakemake, its jobs, the server) every 0.5 s;
 5. prints the per-dataset table (DuckDB over the validated parquet files, + responses for backend / cost), the
-   wall time of each stage (sum of its jobs' times and its first-start..last-end span, read from snakemake's
+   requests in flight per backend (the server's request log: max, and the mean from the first request to the last
+   new one against ``max_concurrency``; targets: mean >= 90 % of the limit, generation span <= 1.1 x (the longest
+   generate job + the backend's work at its limit)), the wall time of each stage (sum of its jobs' times and its
+   first-start..last-end span, read from snakemake's
    log), the total, the peak memory, the merge manifest and the extraction plan if one was produced, and ends
    with ONE JSON line (figures + targets: total < 30 min on 2 cores, peak < 8 GB).
 
@@ -358,6 +361,41 @@ def rejects(work: Path) -> list[tuple]:
         return [("?", "?", f"could not read rejects: {exc}"[:120], 0)]
 
 
+def in_flight(intervals: list, models: dict[str, str], limits: dict[str, int]) -> dict[str, dict]:
+    """Requests in flight per backend from the server's ``[model, arrival, reply, first]`` intervals.
+
+    For each backend (``models``: request ``model`` -> backend name): ``max`` in flight over the run, the time-
+    weighted ``mean`` from its first request to its last *new* request (first attempt of a body: after it, no new
+    work arrives and the backend drains its tail), ``mean_ratio`` = mean / ``limits[backend]``, ``work_s`` (sum of
+    request durations, request-seconds) and ``ideal_s`` = work_s / limit (the time the work takes at the limit)."""
+    out: dict[str, dict] = {}
+    for model, backend in models.items():
+        iv = [(a, b, f) for m, a, b, f in intervals if m == model]
+        if not iv:
+            out[backend] = {"requests": 0}
+            continue
+        t_start = min(a for a, _, _ in iv)
+        t_tail = max((a for a, _, f in iv if f), default=t_start)
+        events = sorted([(a, 1) for a, _, _ in iv] + [(b, -1) for _, b, _ in iv], key=lambda e: (e[0], e[1]))
+        n = peak = 0
+        area, last = 0.0, t_start
+        for t, d in events:
+            lo, hi = max(last, t_start), min(t, t_tail)
+            if hi > lo:
+                area += n * (hi - lo)
+            last = t
+            n += d
+            peak = max(peak, n)
+        mean = area / (t_tail - t_start) if t_tail > t_start else float(n)
+        work = sum(b - a for a, b, _ in iv)
+        lim = limits[backend]
+        out[backend] = {"requests": len(iv), "limit": lim, "max": peak, "mean": round(mean, 1),
+                        "mean_ratio": round(mean / lim, 3), "until_tail_s": round(t_tail - t_start, 1),
+                        "span_s": round(max(b for _, b, _ in iv) - t_start, 1), "work_s": round(work, 1),
+                        "ideal_s": round(work / lim, 1)}
+    return out
+
+
 def human(n: float) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
 
@@ -590,8 +628,10 @@ def main(argv=None) -> int:
 
         stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
         stats.pop("completed_by_body", None)
+        intervals = httpx.get(f"http://127.0.0.1:{port}/admin/intervals", timeout=60).json()["intervals"]
     except Exception as exc:  # noqa: BLE001 - report, don't fail the benchmark on stats
         stats = {"error": str(exc)}
+        intervals = []
     log_text = smk_log.read_text(errors="replace")
     if rc != 0:
         print(f"\nsnakemake FAILED (exit {rc}); last lines of {smk_log}:\n" + "\n".join(log_text.splitlines()[-60:]))
@@ -605,6 +645,23 @@ def main(argv=None) -> int:
         s = stages[name]
         print(f"| {name} | {s['jobs']} | {s['job_s']:.0f} | {s['last'] - s['first']:.0f} |")
     print(f"| **workflow (snakemake wall)** | {sum(s['jobs'] for s in stages.values())} | | **{t_workflow:.0f}** |")
+
+    be = cfg["backends"]
+    flight = in_flight(intervals, {be[b]["model"]: b for b in be}, {b: be[b]["max_concurrency"] for b in be})
+    gen_jobs = job_times(log_text).get("generate", [])
+    longest_shard = max((b - a for a, b in gen_jobs), default=0.0)
+    gen_span = stages["generate"]["last"] - stages["generate"]["first"] if "generate" in stages else 0.0
+    ideal = max((f.get("ideal_s", 0.0) for f in flight.values()), default=0.0)
+    print("\n## Requests in flight per backend (server side; mean from the first request to the last new one)\n")
+    print("| Backend | Limit | Requests | Max | Mean | Mean / limit | Work (req-s) | Work / limit (s) |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|")
+    for b, f in flight.items():
+        if f.get("requests"):
+            print(f"| {b} | {f['limit']:,} | {f['requests']:,} | {f['max']:,} | {f['mean']:,} | {f['mean_ratio']:.2f} | "
+                  f"{f['work_s']:,.0f} | {f['ideal_s']:,.1f} |")
+    print(f"\ngeneration span {gen_span:.0f} s; longest generate job {longest_shard:.0f} s; the work at the limit "
+          f"{ideal:.0f} s; span / (longest job + work at the limit) = "
+          f"{gen_span / max(1e-9, longest_shard + ideal):.2f} (target <= 1.1)")
 
     datasets = list(SEED_B) + list(SEED_A)
     rows = seed_table(work, datasets)
@@ -662,6 +719,10 @@ def main(argv=None) -> int:
         "stage_span_s": {k: round(v["last"] - v["first"]) for k, v in stages.items()},
         "sources_s": round(t_sources, 1), "workflow_s": round(t_workflow, 1), "total_s": round(total_s, 1),
         "peak_rss_gb": round(peak_gb, 2), "merged_samples": (manifest or {}).get("totals", {}).get("samples"),
+        "in_flight": flight, "generate_span_s": round(gen_span), "longest_generate_job_s": round(longest_shard),
+        "generate_jobs": len(gen_jobs), "work_at_limit_s": round(ideal, 1),
+        "generate_span_ratio": round(gen_span / max(1e-9, longest_shard + ideal), 3), "target_generate_span_ratio": 1.1,
+        "target_in_flight_ratio": 0.9,
         "plan_produced": bool(plan_files),
         "target_total_s": TARGET_TOTAL_S, "target_peak_gb": TARGET_PEAK_GB,
         "total_ratio_to_target": round(total_s / TARGET_TOTAL_S, 3),

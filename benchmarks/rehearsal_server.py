@@ -15,7 +15,9 @@ a 200 body) and ``/stats``, plus what a full-scale rehearsal needs:
   ``length_sigma``, clipped to ``[min_tokens, max_tokens]`` (else the fault server's uniform), drawn from a hash
   of the request body (a retry of the same request gets the same reply);
 - **latency proportional to length**: ``latency_min_s..latency_max_s`` (uniform, from the body hash) plus
-  ``n * latency_per_token_s``, so long replies arrive last (as long SWE-agent trajectories do).
+  ``n * latency_per_token_s``, so long replies arrive last (as long SWE-agent trajectories do);
+- **request intervals**: ``GET /admin/intervals`` lists ``[model, arrival, reply, first]`` per chat request, from
+  which the rehearsal computes the requests in flight per backend over the run.
 
 Run standalone: ``python benchmarks/rehearsal_server.py --port P --config '{json}'`` (loopback only).
 """
@@ -27,6 +29,7 @@ import json
 import math
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -84,6 +87,8 @@ class RehearsalApp(fs.FaultApp):
         cfg.update(config or {})
         super().__init__(cfg)
         self._notes: dict[str, str | None] = {}  # body hash -> profile name (set before latency is drawn)
+        self.intervals: list[list] = []  # [model, arrival, reply, first attempt of its body] per chat request
+        self.seen: set[str] = set()
 
     def profile_of(self, body: dict) -> str | None:
         field = self.config.get("profile_field")
@@ -132,15 +137,31 @@ _orig_route = fs._route
 
 
 async def _route(app, method, path, headers, raw):
-    """Note each chat request's profile before the fault server draws its latency, then delegate."""
-    if isinstance(app, RehearsalApp) and method == "POST" and path.split("?", 1)[0].endswith("/chat/completions"):
-        try:
-            body = json.loads(raw)
-            if isinstance(body, dict):
-                app.note(body)
-        except ValueError:
-            pass
-    return await _orig_route(app, method, path, headers, raw)
+    """Note each chat request's profile before the fault server draws its latency, then delegate; record each chat
+    request's ``[model, arrival, reply, first]`` (monotonic seconds; ``first``: its body was not seen before) for
+    ``GET /admin/intervals`` (requests in flight per backend over time)."""
+    if not isinstance(app, RehearsalApp):
+        return await _orig_route(app, method, path, headers, raw)
+    if method == "GET" and path == "/admin/intervals":
+        return fs._response(200, {"intervals": app.intervals})
+    if method != "POST" or not path.split("?", 1)[0].endswith("/chat/completions"):
+        return await _orig_route(app, method, path, headers, raw)
+    model, first = None, False
+    try:
+        body = json.loads(raw)
+        if isinstance(body, dict):
+            app.note(body)
+            model = str(body.get("model"))
+            bh = fs.body_hash(body)
+            first = bh not in app.seen
+            app.seen.add(bh)
+    except ValueError:
+        pass
+    t0 = time.monotonic()
+    try:
+        return await _orig_route(app, method, path, headers, raw)
+    finally:
+        app.intervals.append([model, round(t0, 4), round(time.monotonic(), 4), first])
 
 
 fs._route = _route  # this process serves only the rehearsal

@@ -46,6 +46,14 @@ EXPORT_LAYOUTS = (config.get("export") or {}).get("layouts", [])  # no export se
 TARGET = config["target"]
 CACHE_DIR = config["cache_dir"]
 
+# The run's state (launched servers, shared request slots) lives under CACHE_DIR/runs/ and reaches the jobs through
+# the environment; the Snakefile's onsuccess/onerror hooks end it (eagle3_data.run).
+from eagle3_data import run as run_state
+
+run_state.begin(CACHE_DIR, main_process=workflow.is_main_process)
+if workflow.remote_exec:  # a cluster job: the backends' max_concurrency is split over the jobs that use them
+    os.environ.setdefault("EAGLE3_CONCURRENCY", "split")
+
 
 def _alternation(names):
     return "|".join(re.escape(n) for n in names) if names else "(?!x)x"

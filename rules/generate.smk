@@ -1,6 +1,9 @@
 # Stage 2: prompts shard -> responses shard, through the dataset's backends (OpenAI-compatible HTTP).
 # Completed responses are journaled under cache/ (outside results/), keyed by a hash of the request, so a
 # failed, killed or deleted target never pays for the same response twice.
+# A backend's max_concurrency holds over all generate jobs of a run on one machine (shared request slots), so
+# every shard can be in flight at once; a launched server is started once per run and shared by every job that
+# needs it (eagle3_data.run, eagle3_data.backends.server).
 
 
 rule generate:
@@ -26,8 +29,15 @@ rule generate:
         # the target's family: Kimi history tool-call ids, empty reasoning on tool-call turns of thinking targets
         target_format={"template": TARGET.get("template", "generic"),
                        "chat_template_kwargs": TARGET.get("chat_template_kwargs") or {}},
+    # an HTTP client waiting on its backends: it takes no core from --cores, so CPU stages keep running beside
+    # it; how many run at once is the `generate_jobs` resource (profiles/default: 5, the local executor's spare
+    # workers for jobs without threads)
+    threads: 0
     resources:
-        api_slots=lambda wc: sum(b.get("max_concurrency", 1) for b in cfg.backends_config(config, wc.ds).values()),
+        generate_jobs=1,
+        # a cluster job starts its own server for a launched backend: it asks for the server's GPUs (sbatch --gpus).
+        # Locally the run's one server holds its GPUs through the per-GPU locks (eagle3_data.devices) instead.
+        gpu=lambda wc: cfg.launch_gpus(config, wc.ds) if workflow.non_local_exec else 0,
     log:
         "logs/generate/{ds}/{shard}.log",
     script:

@@ -9,7 +9,8 @@ from one process without extra dependencies. Endpoints:
   ``finish_reason: "error"``), ``pmalformed`` (200 with a truncated JSON body), ``p402``, ``psurrogate`` (200
   whose content ends in an unpaired ``\\ud800``), ``pbadusage`` (200 with a NaN cost, a 1e30 prompt count, a
   negative reasoning count and an out-of-range token id; counted as completed); ``fail_after``
-  (every request after that many gets HTTP ``fail_status``, e.g. 402); ``require_key`` (401 unless the
+  (every request after that many gets HTTP ``fail_status``, e.g. 402, with body ``fail_body`` when set);
+  ``require_key`` (401 unless the
   Bearer token matches). Latency: uniform in ``[latency_min_s, latency_max_s]``. Reply length: uniform in
   ``[min_tokens, max_tokens]`` words, capped by the request's ``max_tokens`` (then ``finish_reason:
   "length"``). ``usage`` has prompt/completion/reasoning tokens and ``cost`` (``price_in``/``price_out`` per
@@ -57,7 +58,8 @@ import time
 DEFAULTS = {
     "p429": 0.0, "p5xx": 0.0, "ptimeout": 0.0, "preset": 0.0, "perror200": 0.0, "pmalformed": 0.0, "p402": 0.0,
     "psurrogate": 0.0, "pbadusage": 0.0,
-    "retry_after_s": 0.05, "hang_s": 30.0, "fail_after": None, "fail_status": 402, "require_key": None,
+    "retry_after_s": 0.05, "hang_s": 30.0, "fail_after": None, "fail_status": 402, "fail_body": None,
+    "require_key": None,
     "latency_min_s": 0.0, "latency_max_s": 0.0, "min_tokens": 5, "max_tokens": 40,
     "price_in": 1e-7, "price_out": 2e-6, "provider": "FaultProvider", "reasoning_field": "reasoning",
     "reasoning_tokens": 0, "seed": 0, "model": None,
@@ -354,7 +356,8 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
         if fault in ("p402", "fail_status"):
             code = int(c["fail_status"]) if fault == "fail_status" else 402
             app._count(str(code))
-            return _response(code, {"error": {"code": code, "message": "Insufficient credits"}})
+            return _response(code, (fault == "fail_status" and c["fail_body"]) or
+                             {"error": {"code": code, "message": "Insufficient credits"}})
         if native:
             if app.rng.random() < float(c["gen_abort_rate"]):
                 app._count("abort")

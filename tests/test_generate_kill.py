@@ -35,10 +35,14 @@ SAMPLING = {"max_tokens": 30, "temperature": 1.0, "top_p": 1.0}
 
 CHILD = r"""
 import json, sys
+from eagle3_data.errors import run_stage
 from eagle3_data.generate import generate
+from eagle3_data.logs import setup_logging
 a = json.loads(sys.argv[1])
-generate(a["prompts"], a["out"], dataset="ds", shard="000", target_name="tiny-target", generation=a["generation"],
-         backends=a["backends"], journal_dir=a["journal"], progress_interval_s=0.5)
+log = setup_logging(None)
+run_stage(lambda: generate(a["prompts"], a["out"], dataset="ds", shard="000", target_name="tiny-target",
+                           generation=a["generation"], backends=a["backends"], journal_dir=a["journal"],
+                           progress_interval_s=0.5), log=log)
 """
 
 
@@ -158,8 +162,9 @@ def test_kill9_three_points_then_rerun(tmp_path, fs):
 
 
 def test_sigterm_mid_run_stops_cleanly_and_the_rerun_completes(tmp_path, fs):
-    """SIGTERM while requests are in flight (snakemake's way to stop a job) ends in GenerationStopped, not an
-    ExceptionGroup traceback; the journal keeps what arrived and a rerun sends only the rest."""
+    """SIGTERM while requests are in flight (snakemake's way to stop a job) ends in one line saying how to resume
+    (GenerationInterrupted through errors.run_stage: exit code 130, no traceback, no ExceptionGroup); the journal
+    keeps what arrived and a rerun sends only the rest."""
     write_prompts(tmp_path / "p.parquet")
     jfile = journal_path(tmp_path / "journal", "ds", "000")
     args = job_args(tmp_path, fs, "journal", "out.parquet")
@@ -170,12 +175,13 @@ def test_sigterm_mid_run_stops_cleanly_and_the_rerun_completes(tmp_path, fs):
         time.sleep(0.002)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=30)[0].decode()
-    assert proc.returncode == 1, out[-2000:]
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("eagle3_data.generate.GenerationStopped: [ds/000] interrupted"), out[-2000:]
-    assert "ExceptionGroup" not in out and not (tmp_path / "out.parquet").exists()
-    assert not list(tmp_path.glob(".out.parquet.*.tmp"))           # the partial output was removed
+    assert proc.returncode == 130, out[-2000:]
     recs, st = read_journal(tmp_path / "journal", "ds")
+    last = out.strip().splitlines()[-1]
+    assert last.endswith(f"ERROR eagle3_data: [ds/000] interrupted. Rerun the same command to resume; {len(recs)} "
+                         "responses of ds are journaled and will not be requested again"), out[-2000:]
+    assert "Traceback" not in out and "ExceptionGroup" not in out and not (tmp_path / "out.parquet").exists()
+    assert not list(tmp_path.glob(".out.parquet.*.tmp"))           # the partial output was removed
     assert 40 <= len(recs) < N and st["bad_lines"] == 0
     rerun = start_job(args)
     assert rerun.wait(60) == 0, rerun.stdout.read().decode()[-2000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,9 +96,10 @@ def test_placeholders_and_env(tmp_path):
 JOB = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {tests!r})
+    from eagle3_data.errors import run_stage
     from eagle3_data.generate import generate
-    generate({prompts!r}, {out!r}, dataset="ds", shard="000", target_name="t", generation={gen!r},
-             backends={backends!r}, journal_dir={journal!r}, log={log!r})
+    run_stage(lambda: generate({prompts!r}, {out!r}, dataset="ds", shard="000", target_name="t", generation={gen!r},
+                               backends={backends!r}, journal_dir={journal!r}, log={log!r}))
 """)
 
 
@@ -162,3 +164,163 @@ def test_generate_starts_server_only_when_needed(tmp_path):
     s2 = generate(prompts, tmp_path / "b.parquet", **kw)
     assert s2["servers_started"] == [] and s2["sent"] == 0 and s2["ok"] == 6
     assert (tmp_path / "logs" / "job.server-local.log").stat().st_size == size
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the server's own environment and GPUs
+
+ENV_SERVER = textwrap.dedent("""
+    import os, sys, http.server
+    print("EXE=" + sys.executable, "PATH0=" + os.environ["PATH"].split(os.pathsep)[0],
+          "CONDA_PREFIX=" + os.environ.get("CONDA_PREFIX", ""),
+          "CVD=" + os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"), flush=True)
+    http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()
+""")
+
+
+def fake_env(tmp_path: Path) -> Path:
+    """A conda-style environment directory whose bin/python is this interpreter (a symlink)."""
+    env = tmp_path / "gpu-env"
+    (env / "bin").mkdir(parents=True)
+    (env / "conda-meta").mkdir()
+    (env / "bin" / "python").symlink_to(sys.executable)
+    return env
+
+
+def test_launch_runs_in_its_own_environment(tmp_path):
+    env = fake_env(tmp_path)
+    script = tmp_path / "srv.py"
+    script.write_text(ENV_SERVER)
+    launch = {"command": f"python {script} {{port}}", "ready_path": "/", "python": str(env)}
+    with launch_server(launch, "m", tmp_path / "s.log") as srv:
+        assert srv.command[0] == str(env / "bin" / "python")       # `python` is the environment's interpreter
+    text = (tmp_path / "s.log").read_text()
+    assert f"EXE={env / 'bin' / 'python'}" in text and f"PATH0={env / 'bin'}" in text and f"CONDA_PREFIX={env}" in text
+    with pytest.raises(ServerLaunchError, match=r"launch.python: /nonexistent/env does not exist") as ei:
+        with launch_server({**launch, "python": "/nonexistent/env"}, "m", tmp_path / "s2.log"):
+            pass
+    assert "README" in str(ei.value)
+
+
+def _devices(log: Path) -> list[str]:
+    for line in log.read_text().splitlines():
+        if "CVD=" in line:
+            return line.split("CVD=")[1].split()[0].split(",")
+    raise AssertionError(f"no CVD line in {log}")
+
+
+def test_launched_servers_and_extraction_get_distinct_gpus(tmp_path, monkeypatch):
+    """Devices through the per-GPU lock pool (the one extraction uses): two workflow-scoped servers of 2 GPUs each
+    on a 4-GPU machine get disjoint devices, an extraction job finds none free while they run, all after they stop."""
+    from eagle3_data.backends.server import shared_server, stop_run_servers
+    from eagle3_data.devices import gpu_devices
+    from eagle3_data.run import Owner, Run
+
+    monkeypatch.setenv("EAGLE3_NUM_GPUS", "4")
+    monkeypatch.setenv("EAGLE3_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    script = tmp_path / "srv.py"
+    script.write_text(ENV_SERVER)
+    run = Run(tmp_path / "run", Owner.me())
+    launch = {"command": f"python {script} {{port}}", "ready_path": "/", "gpus": 2}
+    with shared_server(launch, "m", name="a", run=run, log_path=tmp_path / "a.log") as a, \
+            shared_server(launch, "m2", name="b", run=run, log_path=tmp_path / "b.log") as b:
+        da, db = _devices(tmp_path / "a.log"), _devices(tmp_path / "b.log")
+        assert sorted(da) == sorted(a.devices) and sorted(db) == sorted(b.devices)
+        assert len(da) == len(db) == 2 and sorted(da + db) == ["0", "1", "2", "3"]
+        with pytest.raises(TimeoutError):
+            with gpu_devices(1, timeout_s=1.0, set_env=False):
+                pass
+    assert sorted(stop_run_servers(run.dir)) == ["a", "b"]
+    with gpu_devices(4, timeout_s=10.0, set_env=False) as devs:
+        assert devs == ["0", "1", "2", "3"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one server per run
+
+ATTACH = textwrap.dedent("""
+    import json, sys
+    from eagle3_data.backends.server import shared_server
+    from eagle3_data.run import Owner, Run
+    a = json.loads(sys.argv[1])
+    run = Run(__import__("pathlib").Path(a["run"]), Owner.parse(a["owner"]))
+    with shared_server(a["launch"], "m", name="local", run=run, log_path=a["log"]) as srv:
+        print(json.dumps({"port": srv.port, "started": srv.started, "pid": srv.pid}), flush=True)
+        sys.stdin.readline()   # hold the lease until told
+""")
+
+
+def _attach(tmp_path, launch, owner):
+    arg = json.dumps({"run": str(tmp_path / "run"), "owner": str(owner), "launch": launch,
+                      "log": str(tmp_path / "logs" / "local.log")})
+    return subprocess.Popen([sys.executable, "-c", ATTACH, arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_concurrent_jobs_attach_to_one_server_which_the_run_end_stops(tmp_path):
+    from eagle3_data.backends.server import stop_run_servers
+    from eagle3_data.run import Owner
+
+    launch = {"command": FAULT + " --startup-delay 1.5", "ready_path": "/health", "ready_timeout_s": 60}
+    jobs = [_attach(tmp_path, launch, Owner.me()) for _ in range(4)]
+    try:
+        seen = [json.loads(j.stdout.readline()) for j in jobs]
+        assert len({s["port"] for s in seen}) == 1 and sum(s["started"] for s in seen) == 1
+        log = (tmp_path / "logs" / "local.log").read_text()
+        assert log.count("fault server listening on") == 1                 # one start for four jobs
+        sup = seen[0]["pid"]
+        server = int(re.search(r"ready in [0-9.]+ s on port \d+ \(pid (\d+)\)", log).group(1))
+        for j in jobs:
+            j.stdin.write("\n")
+            j.stdin.flush()
+            assert j.wait(30) == 0
+        assert not gone(server, within=1.0)                                 # no lease: still up (idle timeout)
+        assert stop_run_servers(tmp_path / "run") == ["local"]
+        assert gone(server, within=0.5) and gone(sup, within=0.5)
+        entries = [p for p in (tmp_path / "run" / "servers").glob("*.json") if not p.name.endswith(".spec.json")]
+        assert entries == []                                                # the registry entry is gone
+    finally:
+        for j in jobs:
+            j.kill()
+
+
+def test_server_stops_when_the_run_owner_dies_or_idles(tmp_path):
+    from eagle3_data.backends.server import shared_server
+    from eagle3_data.run import Owner, Run, process_start
+
+    owner_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        owner = Owner(Owner.me().host, owner_proc.pid, process_start(owner_proc.pid))
+        run = Run(tmp_path / "run", owner)
+        with shared_server({"command": FAULT}, "m", name="local", run=run, log_path=tmp_path / "l.log") as srv:
+            entry = json.loads(next(p for p in (tmp_path / "run" / "servers").glob("*.json")
+                                    if not p.name.endswith(".spec.json")).read_text())
+            owner_proc.kill()                                  # the snakemake process is killed (SIGKILL)
+            assert gone(entry["server_pid"], within=5.0) and gone(srv.pid, within=5.0)
+        assert "the workflow run ended (its snakemake process is gone)" in (tmp_path / "l.log").read_text()
+    finally:
+        owner_proc.kill()
+    run = Run(tmp_path / "run2", Owner.me())
+    launch = {"command": FAULT, "idle_timeout_s": 1}
+    with shared_server(launch, "m", name="local", run=run, log_path=tmp_path / "i.log") as first:
+        pass
+    assert gone(first.pid, within=8.0)                         # no job for 1 s: stopped
+    assert "no job used it for 1 s" in (tmp_path / "i.log").read_text()
+    with shared_server(launch, "m", name="local", run=run, log_path=tmp_path / "i.log") as again:
+        assert again.started and again.pid != first.pid        # the next job starts it again
+    assert gone(again.pid, within=8.0)
+
+
+def test_shared_server_that_fails_to_start_says_why(tmp_path):
+    from eagle3_data.backends.server import shared_server
+    from eagle3_data.run import Owner, Run
+
+    run = Run(tmp_path / "run", Owner.me())
+    with pytest.raises(ServerLaunchError, match="exited with code 3 before it was ready") as ei:
+        with shared_server({"command": FAULT + " --fail-startup"}, "m", name="local", run=run,
+                           log_path=tmp_path / "l.log"):
+            pass
+    assert "simulated startup failure" in str(ei.value)
+    out = subprocess.run(["pgrep", "-f", "fail-startup"], capture_output=True, text=True).stdout.split()
+    assert [p for p in out if int(p) != os.getpid()] == []

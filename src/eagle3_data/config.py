@@ -309,6 +309,7 @@ RERUNS: list[tuple[str, str]] = [
     ("backends.<name>.tokens_per_minute", NOTHING),
     ("backends.<name>.headers", NOTHING),
     ("backends.<name>.cost_lookup_delay_s", NOTHING),
+    ("backends.<name>.down_after_s", NOTHING),
     ("backends.<name>.launch.*", NOTHING + " (adding or removing launch: as base_url)"),
     ("generation.backends", "generate of the datasets that don't set their own (only requests the journal lacks "
                             "are sent), then as backends.<name>.type"),
@@ -497,6 +498,11 @@ def backends_config(config: dict, ds: str) -> dict:
             raise KeyError(f"datasets.{ds}.generation.backends: unknown backend {name!r}; defined: {sorted(config.get('backends') or {})}")
         out[name] = config["backends"][name]
     return out
+
+
+def launch_gpus(config: dict, ds: str) -> int:
+    """GPUs of the servers the build launches for dataset ``ds`` (``launch.gpus`` of its backends, summed)."""
+    return sum(int((b.get("launch") or {}).get("gpus") or 0) for b in backends_config(config, ds).values())
 
 
 def check_config(config: dict, *, check_paths: bool = True) -> None:

@@ -45,9 +45,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from . import schemas
+from . import run as run_mod
+from .backends import limits
 from .backends.client import (
     Backend,
     BackendConfig,
+    BackendDown,
     BackendPool,
     FatalBackendError,
     RetryableError,
@@ -57,7 +60,8 @@ from .backends.client import (
     prompt_think_state,
     retry_wait,
 )
-from .backends.server import launch_server
+from .backends.server import launch_server, shared_server
+from .errors import ExpectedFailure, Interrupted, log_to_file
 from .io import content_hash, remove_stale_partials, write_json
 from .journal import JournalWriter, iter_journal_file, read_journal
 from .templates import request_messages, thinking_enabled
@@ -69,8 +73,14 @@ RESPONSE_FIELDS = [f.name for f in schemas.RESPONSES]
 PROMPT_ROLES = ("user", "tool")
 
 
-class GenerationStopped(RuntimeError):
-    """The job stopped early (credentials/credits rejected, SIGTERM); the journal keeps every response."""
+class GenerationStopped(ExpectedFailure):
+    """The job stopped early (credentials/credits rejected, a missing key variable, every backend down, every
+    request failed); the journal keeps every response. ``message`` names the shard, backend and URL, ``hint`` what
+    to do next."""
+
+
+class GenerationInterrupted(GenerationStopped, Interrupted):
+    """SIGTERM or Ctrl-C stopped the job; the journal keeps every response, a rerun resumes."""
 
 
 class _Terminated(BaseException):
@@ -241,6 +251,8 @@ class _State:
     warned_unknown_cost: bool = False
     by_backend: dict = field(default_factory=dict)
     retry_reasons: dict = field(default_factory=dict)
+    last_error: str | None = None  # "<reason>: <text> (backend <name>)" of the last failed request
+    logged_errors: dict = field(default_factory=dict)  # reason -> failures logged with their text so far
     t0: float = field(default_factory=time.monotonic)
 
     def spent_tokens(self) -> int:
@@ -367,8 +379,14 @@ class _Runner:
                 except (RetryableError, SampleError) as exc:
                     st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
                     st.done += 1
-                    self.rows.append(_failed_row(sample, self.dataset, turn, key, prompt, exc.reason,
-                                                 f"{exc.message} (after {getattr(exc, 'attempts', 1)} attempt(s))"))
+                    where = f"backend {exc.backend}, " if getattr(exc, "backend", None) else ""
+                    detail = f"{exc.message} ({where}after {getattr(exc, 'attempts', 1)} attempt(s))"
+                    st.last_error = f"{exc.reason}: {detail}"
+                    n = st.logged_errors[exc.reason] = st.logged_errors.get(exc.reason, 0) + 1
+                    if n <= 3:  # the text of the first failures of each kind (all are in the failed rows)
+                        logger.warning("[%s] sample %s failed: %s%s", self.dataset, sample.sample_id, st.last_error,
+                                       " (further failures of this kind: in the failed rows only)" if n == 3 else "")
+                    self.rows.append(_failed_row(sample, self.dataset, turn, key, prompt, exc.reason, detail))
                     return
                 self.write(self.journal.append(rec))
                 st.completion_tokens += rec.get("completion_tokens") or 0
@@ -427,7 +445,8 @@ class _Runner:
             await asyncio.sleep(seconds)
         finally:
             self.backing_off -= 1
-            await self.live.acquire()
+        # not in the finally: a task cancelled while it sleeps (the job stopping) must not wait for a permit
+        await self.live.acquire()
 
     async def request(self, sample: Sample, turn: int, prompt: list, tools: list | None, key: str) -> dict:
         import tenacity
@@ -436,6 +455,7 @@ class _Runner:
         if self.pool is None:  # no network: a budget was already reached by journaled responses
             raise _BudgetStop()
         attempts = 0
+        backend = None
         avoid = None  # the backend whose fault (refused connection, 5xx) ended the last attempt
         native: list = []  # (input_ids, think state) rendered once, on the first native attempt
         try:
@@ -474,7 +494,7 @@ class _Runner:
                             else:
                                 fields = await backend.post_chat(body, est)
                         except RetryableError as exc:
-                            backend.record(False, exc.backend_fault)
+                            backend.record(False, exc.backend_fault, f"{exc.reason}: {exc.message}")
                             avoid = backend if exc.backend_fault else None  # retry elsewhere if possible
                             st.retry_reasons[exc.reason] = st.retry_reasons.get(exc.reason, 0) + 1
                             raise
@@ -483,6 +503,7 @@ class _Runner:
                         backend.record(True)
         except (RetryableError, SampleError) as exc:
             exc.attempts = attempts
+            exc.backend = backend.name if backend is not None else None
             raise
         if fields.get("cost_usd") is None and backend.cfg.cost_lookup and fields.get("generation_id"):
             st.in_flight += 1  # still counted by the budgets while its cost is unknown
@@ -534,10 +555,22 @@ async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str
         # requests backing off after 429s never leave slots idle.
         live = runner.live = asyncio.Semaphore(runner.pool.capacity + max(64, runner.pool.capacity // 8))
         runner.max_backing_off = runner.pool.capacity
+        pending: set[asyncio.Task] = set()
+
+        def finished(t: asyncio.Task) -> None:
+            live.release()
+            pending.discard(t)
+
         async with asyncio.TaskGroup() as tg:
+            watcher = tg.create_task(runner.pool.watch())  # raises BackendDown when every backend is down
             for s in samples:
                 await live.acquire()
-                tg.create_task(runner.run_sample(s)).add_done_callback(lambda _t: live.release())
+                t = tg.create_task(runner.run_sample(s))
+                pending.add(t)
+                t.add_done_callback(finished)
+            if pending:
+                await asyncio.wait(set(pending))
+            watcher.cancel()
     except BaseExceptionGroup as eg:  # a task's exception, unwrapped: a stop before an interrupt before a bug
         raise _first_leaf(eg) from None
     finally:
@@ -549,6 +582,23 @@ async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str
 
 # ---------------------------------------------------------------------------------------------------
 # the stage
+
+
+@contextlib.contextmanager
+def _backend_pool(cfgs: list[BackendConfig], run, backend_jobs: dict | None, tag: str):
+    """The job's :class:`BackendPool`: each backend capped at this job's share of its ``max_concurrency``
+    (:func:`.limits.job_limit`), with the run's host slots when the limit is shared on this machine."""
+    mode = limits.sharing_mode(run)
+    backends = []
+    for c in cfgs:
+        n_jobs = (backend_jobs or {}).get(c.name, 1)
+        cap = limits.job_limit(c.max_concurrency, mode, n_jobs)
+        slots = limits.host_slots(run, c.name, c.max_concurrency) if mode == "host" else None
+        backends.append(Backend(c, cap=cap, slots=slots))
+        logger.info("%s backend %s: at most %d request(s) in flight from this job%s", tag, c.name, cap,
+                    f", {c.max_concurrency} over all jobs on this machine" if slots else
+                    f" ({c.max_concurrency} split over {n_jobs} jobs)" if mode == "split" else "")
+    yield BackendPool(backends)
 
 
 def _log_file(log) -> Path | None:
@@ -744,6 +794,7 @@ def generate(
     target: dict | None = None,
     write_batch_rows: int = 256,
     target_format: dict | None = None,
+    backend_jobs: dict | None = None,
 ) -> dict:
     """Generate responses for one dataset shard; write ``out_path`` (RESPONSES parquet); return a summary.
 
@@ -776,15 +827,22 @@ def generate(
             ``extra_body.chat_template_kwargs`` included) gets an empty reasoning on history tool-call turns that
             have none (:func:`backends.client.history_reasoning`). Regenerated reasoning (mode ``all``) always goes
             back in the field the backend reads.
+        backend_jobs: backend name -> generate jobs using it in the whole workflow (:func:`.limits.jobs_using`):
+            cluster jobs split a backend's ``max_concurrency`` over them (:mod:`.backends.limits`).
+
+    Runtime (not arguments, so that none of it reruns anything): inside a workflow run (:mod:`.run`) a backend's
+    ``max_concurrency`` is shared with the run's other generate jobs on this machine and a launched server is the
+    run's (:func:`.backends.server.shared_server`); otherwise this job has the whole limit and its own server.
 
     Returns: dict with dataset, shard, samples, ok, failed (reason -> count), from_journal, sent (HTTP
         requests), retries, not_sent, completion_tokens / prompt_tokens / cost_usd (this run),
-        total_completion_tokens / total_cost_usd (incl. journal), by_backend, stopped_by, servers_started,
-        wall_s.
+        total_completion_tokens / total_cost_usd (incl. journal), by_backend, stopped_by, servers_started
+        (launched servers this job started), servers_attached (run servers it used), wall_s.
 
     Raises:
-        GenerationStopped: 401/402/403 from a backend, a missing API key variable, or SIGTERM (the journal
-            keeps every completed response; no output is written).
+        GenerationStopped: 401/402/403 from a backend, a missing API key variable, every backend down (refused
+            connections or only 5xx for ``down_after_s``), every request failed; :class:`GenerationInterrupted`
+            (a subclass) for SIGTERM / Ctrl-C. The journal keeps every completed response; no output is written.
         ServerLaunchError: a local server did not start.
         ValueError: bad config or an unreadable prompts file (message names file/row/key).
         templates.TemplateError: the target tokenizer can't be loaded (native_generate only).
@@ -803,15 +861,18 @@ def generate(
         return _generate(prompts_path, out_path, dataset=dataset, shard=shard, target_name=target_name,
                          generation=generation, backends=backends, journal_dir=journal_dir, log=log,
                          num_shards=num_shards, progress_interval_s=progress_interval_s, summary_path=summary_path,
-                         target=target, write_batch_rows=write_batch_rows, target_format=target_format)
+                         target=target, write_batch_rows=write_batch_rows, target_format=target_format,
+                         backend_jobs=backend_jobs)
     except (_Terminated, KeyboardInterrupt):  # outside the request phase (reading prompts, the final write)
-        raise GenerationStopped(f"[{dataset}/{shard}] interrupted (SIGTERM/KeyboardInterrupt); journal kept") from None
+        raise GenerationInterrupted(f"[{dataset}/{shard}] interrupted", hint="rerun the same command to resume; "
+                                    "every response received so far is journaled") from None
     finally:
         pa.set_memory_pool(old_pool)
 
 
 def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation, backends, journal_dir, log,
-              num_shards, progress_interval_s, summary_path, target, write_batch_rows, target_format=None) -> dict:
+              num_shards, progress_interval_s, summary_path, target, write_batch_rows, backend_jobs,
+              target_format=None) -> dict:
     t0 = time.monotonic()
     journal_dir = Path(journal_dir)
     out_path = Path(out_path)
@@ -873,10 +934,17 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         n_pending = sum(1 for s in samples if probe.pending(s))
         logger.info("%s %d sample(s) need requests, %d complete in the journal", tag, n_pending, len(samples) - n_pending)
 
-        servers_started = []
+        servers_started, servers_attached, server_logs = [], [], {}
         network = bool(n_pending) and not state.budget_reached()
         if n_pending and not network:
             logger.info("%s %s already reached by journaled responses: nothing sent", tag, state.stopped_by)
+
+        jw: list[JournalWriter] = []
+
+        def journaled() -> str:
+            n = jstats["records"] + (jw[0].written if jw else 0)
+            return f"{n:,} response{'s' if n != 1 else ''} of {dataset} are journaled and will not be requested again"
+
         # the output is written while the job runs (new responses as they arrive); it appears at out_path only
         # when the job succeeds (atomic rename); a partial file left by a killed job is removed here
         for stale in remove_stale_partials(out_path):
@@ -884,21 +952,31 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         with schemas.CheckedParquetWriter("responses", out_path) as writer:
             try:
                 with contextlib.ExitStack() as stack:
+                    pool = None
                     if network:
-                        if any(c.native_generate for c in cfgs):
-                            target_tokens = _load_target(target, generation, dataset)
                         for cfg in cfgs:
+                            cfg.api_key()  # a missing key variable stops the job before any server starts
                             if "{port}" in cfg.base_url and not cfg.launch:
                                 raise ValueError(f"backend {cfg.name!r}: base_url has {{port}} but no launch: config")
+                        if any(c.native_generate for c in cfgs):
+                            target_tokens = _load_target(target, generation, dataset)
+                        run = run_mod.current()
                         for cfg in cfgs:
                             if cfg.launch:
-                                srv = stack.enter_context(launch_server(
-                                    cfg.launch, cfg.model,
-                                    _server_log_path(log, journal_dir, dataset, shard, cfg.name), name=cfg.name))
+                                if run is not None:  # one server per backend for the whole workflow run
+                                    srv = stack.enter_context(shared_server(
+                                        cfg.launch, cfg.model, name=cfg.name, run=run,
+                                        log_path=Path("logs") / "servers" / f"{cfg.name}.log"))
+                                else:  # the Python API, a cluster job: this job's own server
+                                    srv = stack.enter_context(launch_server(
+                                        cfg.launch, cfg.model,
+                                        _server_log_path(log, journal_dir, dataset, shard, cfg.name), name=cfg.name))
                                 cfg.base_url = cfg.base_url.replace("{port}", str(srv.port))
-                                servers_started.append(cfg.name)
+                                (servers_started if srv.started else servers_attached).append(cfg.name)
+                                server_logs[cfg.name] = srv.log_path
+                        pool = stack.enter_context(_backend_pool(cfgs, run, backend_jobs, tag))
                     journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
-                    pool = BackendPool([Backend(c) for c in cfgs]) if network else None
+                    jw.append(journal)
                     runner = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
                                      journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
                                      writer=writer, write_batch_rows=write_batch_rows, target_format=target_format)
@@ -914,11 +992,18 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                     rows.extend(runner.rows)
                     journal.sync()
             except FatalBackendError as exc:
-                logger.error("%s STOPPED: %s", tag, exc)
-                raise GenerationStopped(f"{tag} {exc}") from None
+                hint = exc.hint or "rerun the same command"
+                if isinstance(exc, BackendDown):
+                    logs = ", ".join(str(p) for p in server_logs.values())
+                    hint = (f"the server the build launched stopped answering: see its log ({logs}), then rerun "
+                            "the same command" if server_logs else
+                            "start the server or fix the backend's base_url, then rerun the same command")
+                raise GenerationStopped(f"{tag} {exc.message}", hint=f"{hint}; {journaled()}") from None
             except (_Terminated, KeyboardInterrupt):
-                logger.error("%s interrupted; journal kept (%s)", tag, state.progress_line())
-                raise GenerationStopped(f"{tag} interrupted (SIGTERM/KeyboardInterrupt); journal kept") from None
+                log_to_file(logging.getLogger("eagle3_data"), logging.INFO, "%s interrupted (%s)", tag,
+                            state.progress_line())
+                raise GenerationInterrupted(f"{tag} interrupted",
+                                            hint=f"rerun the same command to resume; {journaled()}") from None
 
             del records
             failed_n = sum(state.failed.values())
@@ -927,10 +1012,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             if failed_requests and answered == 0:
                 # not one request answered: a misconfigured or unreachable backend, not data to keep
                 raise GenerationStopped(
-                    f"{tag} every request failed ({failed_requests} of {failed_requests} requests: "
-                    f"{dict(state.failed)}); check the backends {[c.name for c in cfgs]} (base_url, server running, "
-                    "API key)"
-                )
+                    f"{tag} every request failed ({dict(state.failed)}); last error: {state.last_error}",
+                    hint=f"check the backends {[c.name for c in cfgs]} (model, base_url, server running, API key), "
+                         "then rerun the same command")
             if failed_requests:
                 logger.warning(
                     "%s %d request(s) failed after retries (%s): recorded as failed; `snakemake --forcerun generate` "
@@ -955,7 +1039,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             "prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,
             "cost_usd": round(state.cost_usd, 6), "total_completion_tokens": state.spent_tokens(),
             "total_cost_usd": round(state.spent_usd(), 6), "by_backend": dict(state.by_backend),
-            "stopped_by": stopped_by, "servers_started": servers_started,
+            "stopped_by": stopped_by, "servers_started": servers_started, "servers_attached": servers_attached,
             "journal_bad_lines": jstats["bad_lines"], "rows": n_rows,
             "wall_s": round(time.monotonic() - t0, 3),
         }

@@ -42,7 +42,7 @@ TALLY_COLUMNS = [
     "dataset", "kind", "samples", "prompt_tokens", "completion_tokens", "total_tokens", "source", "backends",
     "rejected", "responses_ok", "responses_failed", "cost_usd",
 ]
-REJECT_COLUMNS = ["dataset", "stage", "reason", "count"]
+REJECT_COLUMNS = ["dataset", "stage", "reason", "count", "example"]
 COST_COLUMNS = [
     "dataset", "backend", "provider", "level", "responses_ok", "responses_failed", "prompt_tokens",
     "completion_tokens", "total_tokens", "cost_usd", "usd_per_m_completion_tokens", "usd_per_m_tokens",
@@ -446,11 +446,16 @@ def format_tally(rows: list[dict]) -> str:
 
 
 def format_rejects(rejects: list[dict]) -> str:
-    """Markdown table of rejects by dataset, stage and reason (``"none"`` when there are none)."""
+    """Markdown table of rejects by dataset, stage and reason, with an example detail (``"none"`` when there are
+    none)."""
     if not rejects:
         return "none"
-    lines = ["| Dataset | Stage | Reason | Count |", "|---|---|---|--:|"]
-    lines += [f"| {r['dataset']} | {r['stage']} | {r['reason']} | {r['count']:,} |" for r in rejects]
+    def cell(text) -> str:
+        return " ".join(str(text or "").split()).replace("|", "/")
+
+    lines = ["| Dataset | Stage | Reason | Count | Example |", "|---|---|---|--:|---|"]
+    lines += [f"| {r['dataset']} | {r['stage']} | {r['reason']} | {r['count']:,} | {cell(r.get('example'))} |"
+              for r in rejects]
     return "\n".join(lines)
 
 

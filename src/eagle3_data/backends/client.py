@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from ..errors import ExpectedFailure
 from ..schemas import INT32_END, is_token_ids
 
 logger = logging.getLogger("eagle3_data.backends")
@@ -49,8 +50,13 @@ FATAL_STATUS = {401, 402, 403}
 POOL_SHARD = 32  # connections per httpx client (see Backend.__init__)
 
 
-class FatalBackendError(RuntimeError):
-    """Credentials rejected (401/403) or credits exhausted (402): stop the whole job, keep the journal."""
+class FatalBackendError(ExpectedFailure):
+    """Credentials rejected (401/403), credits exhausted (402), a missing key variable, or every backend down:
+    stop the whole job, keep the journal."""
+
+
+class BackendDown(FatalBackendError):
+    """Every backend of the job refused connections or answered only 5xx for ``down_after_s``."""
 
 
 class RetryableError(Exception):
@@ -95,6 +101,7 @@ class BackendConfig:
     native_generate: bool = False  # SGLang: POST {root}/generate with input_ids (exact output_ids)
     cost_lookup: bool = False  # OpenRouter: GET /generation?id= when usage.cost is missing
     cost_lookup_delay_s: float = 1.0  # first wait before a cost lookup retry (doubles, 5 tries)
+    down_after_s: float = 30.0  # refused connections / only 5xx for this long: the backend is out for the job
 
     @classmethod
     def from_dict(cls, name: str, cfg: dict) -> "BackendConfig":
@@ -140,6 +147,7 @@ class BackendConfig:
             native_generate=bool(cfg.get("native_generate", False)),
             cost_lookup=bool(cfg.get("cost_lookup", False)),
             cost_lookup_delay_s=float(cfg.get("cost_lookup_delay_s", 1.0)),
+            down_after_s=float(cfg.get("down_after_s") or 30.0),
         )
 
     @property
@@ -154,13 +162,13 @@ class BackendConfig:
         key = (os.environ.get(self.api_key_env) or "").strip()  # a key pasted with its newline still works
         if not key:
             raise FatalBackendError(
-                f"backend {self.name!r}: environment variable {self.api_key_env} (api_key_env) is not set or empty"
-            )
+                f"backend {self.name!r}: environment variable {self.api_key_env} (api_key_env) is not set or empty",
+                hint=f"export {self.api_key_env}=<your key> and rerun the same command")
         if not all("!" <= ch <= "~" for ch in key):
             raise FatalBackendError(
                 f"backend {self.name!r}: environment variable {self.api_key_env} (api_key_env) holds characters an "
-                "HTTP header can't carry (whitespace inside the key, non-ASCII or control characters)"
-            )
+                "HTTP header can't carry (whitespace inside the key, non-ASCII or control characters)",
+                hint=f"set {self.api_key_env} to the key alone and rerun the same command")
         return key
 
     def scrub(self, text: str) -> str:
@@ -284,17 +292,30 @@ def _retry_after(resp: httpx.Response) -> float | None:
             return None
 
 
-def _error_text(resp: httpx.Response, limit: int = 300) -> str:
+def _error_text(resp: httpx.Response, limit: int = 1000) -> str:
+    """The error a non-200 body carries: ``error.message`` plus OpenRouter's ``error.metadata.provider_name`` and
+    ``error.metadata.raw`` (the provider's own words, often the only useful part), FastAPI's ``detail``, or the
+    body itself; at most ``limit`` characters (scrub the key before it goes anywhere: :meth:`BackendConfig.scrub`)."""
     try:
         data = resp.json()
-        err = data.get("error") if isinstance(data, dict) else None
-        if isinstance(err, dict):
-            return str(err.get("message") or err)[:limit]
-        if err:
-            return str(err)[:limit]
-        return json.dumps(data)[:limit]
     except ValueError:
-        return resp.text[:limit]
+        return resp.text.strip()[:limit] or f"HTTP {resp.status_code} with an empty body"
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        parts = [str(err.get("message") or json.dumps(err, ensure_ascii=False))]
+        meta = err.get("metadata") if isinstance(err.get("metadata"), dict) else {}
+        if meta.get("provider_name"):
+            parts.append(f"provider {meta['provider_name']}")
+        raw = meta.get("raw")
+        if raw:
+            parts.append(f"raw: {raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)}")
+        return "; ".join(parts)[:limit]
+    if err:
+        return str(err)[:limit]
+    if isinstance(data, dict) and data.get("detail"):
+        d = data["detail"]
+        return (d if isinstance(d, str) else json.dumps(d, ensure_ascii=False))[:limit]
+    return json.dumps(data, ensure_ascii=False)[:limit]
 
 
 def _is_moderation(resp: httpx.Response) -> bool:
@@ -316,10 +337,10 @@ def check_status(backend: BackendConfig, resp: httpx.Response) -> None:
         if code == 403 and _is_moderation(resp):
             raise SampleError("moderation", text)
         what = {401: "credentials rejected", 402: "insufficient credits", 403: "forbidden"}[code]
-        raise FatalBackendError(
-            f"backend {backend.name!r} ({backend.base_url}) answered HTTP {code} ({what}): {text}. "
-            "Stopping the job; every response already received is kept in the journal."
-        )
+        todo = {401: f"check the key in {backend.api_key_env or 'the api_key_env variable'}",
+                402: "add credits or raise the key's limit", 403: "check the key's permissions and the model name"}
+        raise FatalBackendError(f"backend {backend.name!r} ({backend.base_url}) answered HTTP {code} ({what}): {text}",
+                                hint=f"{todo[code]}, then rerun the same command")
     if code in RETRYABLE_STATUS or code >= 500:
         raise RetryableError(f"http_{code}", text, retry_after=_retry_after(resp), backend_fault=code >= 500)
     raise SampleError(f"http_{code}", text)
@@ -393,7 +414,8 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
         code = err.get("code") if isinstance(err, dict) else None
         msg = (err.get("message") if isinstance(err, dict) else str(err)) or str(err)
         if code in (401, 402) or str(code) in ("401", "402"):
-            raise FatalBackendError(f"backend {backend.name!r}: error {code} inside a 200 body: {msg[:300]}")
+            raise FatalBackendError(f"backend {backend.name!r} ({backend.base_url}): error {code} inside a 200 body: "
+                                    f"{msg[:300]}", hint="check the key and its credits, then rerun the same command")
         raise RetryableError("error_in_body", str(msg)[:300])
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -547,6 +569,20 @@ def parse_native_response(backend: BackendConfig, content: bytes, latency_s: flo
     }
 
 
+def _cause_text(exc: BaseException) -> str:
+    """An httpx error's text with the operating system's reason when there is one ("All connection attempts
+    failed" -> "... (Connection refused)")."""
+    text = str(exc) or type(exc).__name__
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            reason = os.strerror(e.errno)
+            return text if reason in text else f"{text} ({reason})"
+        e = e.__cause__ or e.__context__
+    return text
+
+
 _SSL_CONTEXT = None
 
 
@@ -559,21 +595,39 @@ def _ssl_context():
 
 
 class Backend:
-    """A live backend: config + httpx.AsyncClient (pool sized to ``max_concurrency``) + in-flight count.
+    """A live backend: config + httpx.AsyncClient (pool sized to this job's cap) + in-flight count.
+
+    Concurrency: at most ``cap`` requests in flight from this job (default ``max_concurrency``); with ``slots`` (a
+    :class:`.limits.HostSlots` shared by the jobs of a run on this machine) each request also holds one of the
+    backend's ``max_concurrency`` slots, so the limit holds over all jobs together (see :class:`BackendPool`).
 
     Health: ``eject_after`` consecutive backend faults (connection refused, 5xx) take it out of rotation for
-    ``eject_s`` seconds; its requests go to the other backends meanwhile.
+    ``eject_s`` seconds; its requests go to the other backends meanwhile. A backend whose every attempt ended in such
+    a fault for ``cfg.down_after_s`` seconds (no success in between) is *down*: out for the rest of the job, and when
+    every backend of the job is down the job stops (:class:`BackendDown`, naming the backend, its URL and the last
+    error).
     """
 
-    def __init__(self, cfg: BackendConfig, *, eject_after: int = 20, eject_s: float = 30.0):
+    def __init__(self, cfg: BackendConfig, *, eject_after: int = 20, eject_s: float = 30.0, cap: int | None = None,
+                 slots=None):
         self.cfg = cfg
         self.name = cfg.name
         self.in_flight = 0
+        self.cap = int(cap or cfg.max_concurrency)
+        self.slots = slots  # HostSlots or None
+        if slots is not None:
+            slots.register()
+        self.held = 0  # host slots this job holds (in use: in_flight of them; the rest kept for waiting requests)
+        self.host_blocked = False  # the last try found this job under its cap but no host slot free
         self.eject_after = eject_after
-        self.eject_s = eject_s
+        self.eject_s = min(eject_s, max(1.0, cfg.down_after_s / 3))  # ejections never hide a dead backend for long
         self.consecutive_faults = 0
         self.ejected_until = 0.0
         self.ejections = 0
+        self.fault_since: float | None = None  # first backend fault since the last success
+        self.fault_count = 0
+        self.last_error: str | None = None
+        self.down: str | None = None  # why the backend is out for good
         key = cfg.api_key()
         headers = {"Content-Type": "application/json", **cfg.headers}
         if key:
@@ -584,7 +638,7 @@ class Backend:
         # POOL_SHARD connections keeps each scan small; a request takes the least-loaded shard, and since the
         # backend never has more than max_concurrency requests in flight, a shard with a free connection always
         # exists (no request ever queues inside httpx). Keep-alive outlives the longest idle gap.
-        n = cfg.max_concurrency
+        n = self.cap
         k = max(1, math.ceil(n / POOL_SHARD))
         caps = [n // k + (1 if i < n % k else 0) for i in range(k)]
         # one SSL context for all shards: httpx builds a new one (loading the CA bundle, ~1 MB) per client otherwise
@@ -617,14 +671,57 @@ class Backend:
         self.cost_lookup_misses = 0
 
     def available(self, now: float) -> bool:
-        return self.in_flight < self.cfg.max_concurrency and now >= self.ejected_until
+        """True if a request may be sent now (takes a host slot for it when slots are shared: the caller then
+        counts it in ``in_flight``)."""
+        if self.down or self.in_flight >= self.cap or now < self.ejected_until:
+            return False
+        if self.slots is None or self.held > self.in_flight:
+            return True
+        if self.held >= self.slots.fair_share() and self.slots.starving():
+            self.host_blocked = False  # yielding to a job that waits: our own released slots wake us
+            return False
+        if self.slots.try_take():
+            self.held += 1
+            self.host_blocked = False
+            self.slots.starving(False)
+            return True
+        self.host_blocked = True
+        self.slots.starving(True)
+        return False
 
-    def record(self, ok: bool, backend_fault: bool = False) -> None:
+    def put_back(self, keep: bool) -> None:
+        """A request ended: keep its host slot for a waiting request of this job (``keep``) unless this job holds more
+        than its fair share while another job waits; return the slots held beyond those in use otherwise."""
+        if self.slots is None or self.held <= self.in_flight:
+            return
+        spare = self.held - self.in_flight
+        if keep:
+            over = self.held - self.slots.fair_share()
+            if over <= 0 or not self.slots.starving():
+                return
+            spare = min(spare, over)
+        else:
+            self.slots.starving(False)
+        self.slots.give(spare)
+        self.held -= spare
+
+    def record(self, ok: bool, backend_fault: bool = False, error: str | None = None) -> None:
+        """Count a request's outcome. ``backend_fault`` (refused connection, 5xx) with ``error`` (reason: text)
+        counts toward an ejection and toward being down (see the class docstring)."""
         if ok:
             self.consecutive_faults = 0
+            self.fault_since = None
+            self.fault_count = 0
             return
         if backend_fault:
+            now = time.monotonic()
+            self.last_error = error or self.last_error
+            if self.fault_since is None:
+                self.fault_since = now
+            self.fault_count += 1
             self.consecutive_faults += 1
+            if self.check_down(now):
+                return
             if self.consecutive_faults >= self.eject_after:
                 self.ejected_until = time.monotonic() + self.eject_s
                 self.ejections += 1
@@ -633,6 +730,18 @@ class Backend:
                     "backend %s: %d consecutive failures, out of rotation for %.0f s",
                     self.name, self.eject_after, self.eject_s,
                 )
+
+    def check_down(self, now: float) -> bool:
+        """Whether the backend is down: every attempt (at least 3) since ``fault_since`` ended in a backend fault and
+        ``down_after_s`` have passed since the first (checked at each fault and by :meth:`BackendPool.watch`)."""
+        if not self.down and self.fault_since is not None and self.fault_count >= 3 \
+                and now - self.fault_since >= self.cfg.down_after_s:
+            err = self.last_error or ""
+            what = ("refused connections" if err.startswith("connection_error")
+                    else "answered only HTTP 5xx" if err.startswith("http_5") else "failed")
+            self.down = (f"{what} for {now - self.fault_since:.0f} s ({self.fault_count} attempts, none succeeded; "
+                         f"backends.{self.name}.down_after_s is {self.cfg.down_after_s:g})")
+        return bool(self.down)
 
     async def _limits(self, est_tokens: int) -> None:
         if self.limiter is not None:
@@ -671,6 +780,9 @@ class Backend:
         if isinstance(exc, (RetryableError, SampleError)):
             exc.message = self.cfg.scrub(exc.message)
             exc.args = (f"{exc.reason}: {exc.message}" if exc.message else exc.reason,)
+        elif isinstance(exc, ExpectedFailure):
+            exc.message = self.cfg.scrub(exc.message)
+            exc.args = (exc.message,)
         else:
             exc.args = tuple(self.cfg.scrub(str(a)) for a in exc.args)
         return exc
@@ -717,7 +829,7 @@ class Backend:
             raise RetryableError("timeout", f"{type(exc).__name__} (timeout_s {self.cfg.timeout_s:g})") from None
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
                 httpx.NetworkError) as exc:
-            raise RetryableError("connection_error", f"{type(exc).__name__}: {str(exc)[:200]}",
+            raise RetryableError("connection_error", f"{type(exc).__name__}: {_cause_text(exc)[:200]}",
                                  backend_fault=isinstance(exc, httpx.ConnectError)) from None
         except httpx.HTTPError as exc:  # a body that fails to decode (Content-Encoding), another protocol error
             raise RetryableError("http_error", f"{type(exc).__name__}: {str(exc)[:200]}") from None
@@ -725,6 +837,11 @@ class Backend:
             self._load[i] -= 1
 
     async def aclose(self) -> None:
+        if self.slots is not None:
+            self.slots.give(self.held)
+            self.held = 0
+            self.slots.starving(False)
+            self.slots.register(False)
         for c in self.clients:
             await c.aclose()
 
@@ -732,48 +849,103 @@ class Backend:
 class BackendPool:
     """Backends in priority order: a request takes the first backend with a free slot (overflow goes on).
 
-    ``async with pool.slot() as backend:`` waits until some backend in rotation has capacity.
+    ``async with pool.slot() as backend:`` waits until some backend in rotation has capacity. With host slots
+    (:class:`.limits.HostSlots`), a request that ends hands its slot to a request of this job waiting for one, else
+    gives it back to the other jobs; while requests wait only because other jobs hold every slot, one of them polls
+    for a freed slot every ``poll_s`` (doubling to ``poll_max_s``). Raises :class:`BackendDown` when every backend
+    is down.
     """
 
-    def __init__(self, backends: list[Backend]):
+    def __init__(self, backends: list[Backend], *, poll_s: float = 0.02, poll_max_s: float = 0.25):
         if not backends:
             raise ValueError("BackendPool needs at least one backend")
         self.backends = backends
         self._cond = asyncio.Condition()
+        self._waiting = 0
+        self._poller: asyncio.Task | None = None
+        self.poll_s, self.poll_max_s = poll_s, poll_max_s
+        self._poll = poll_s
 
     @property
     def capacity(self) -> int:
-        return sum(b.cfg.max_concurrency for b in self.backends)
+        return sum(b.cap for b in self.backends)
 
     @property
     def in_flight(self) -> int:
         return sum(b.in_flight for b in self.backends)
 
+    def check_down(self) -> None:
+        """Raise :class:`BackendDown` if every backend is down (naming each, its URL and its last error)."""
+        if all(b.down for b in self.backends):
+            raise BackendDown("; ".join(f"backend {b.name!r} ({b.cfg.base_url}) {b.down}; last error: {b.last_error}"
+                                        for b in self.backends))
+
+    async def watch(self, interval_s: float = 1.0) -> None:
+        """Every ``interval_s``: mark backends down whose faults have lasted ``down_after_s`` (even while no request
+        is being tried: all backing off or the backend ejected), wake the waiters, and raise :class:`BackendDown`
+        when every backend is down (run it beside the requests; cancel it when they are done)."""
+        logged: set[str] = set()
+        while True:
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            changed = [b for b in self.backends if not b.down and b.check_down(now)]
+            if changed:
+                async with self._cond:
+                    self._cond.notify_all()
+            self.check_down()
+            for b in self.backends:  # (when all are down, BackendDown above says it all)
+                if b.down and b.name not in logged:
+                    logged.add(b.name)
+                    logger.warning("backend %s (%s) is out for this job: it %s; last error: %s; its requests go to "
+                                   "the other backends", b.name, b.cfg.base_url, b.down, b.last_error)
+
     async def acquire(self, avoid: Backend | None = None) -> Backend:
         """The first backend in priority order with a free slot. ``avoid`` (the backend whose fault ended a
         request's last attempt) is skipped, waiting for another one's slot, while another backend is in rotation
         (not ejected); it is used only when it is the only one left."""
+        me = asyncio.current_task()
         async with self._cond:
-            while True:
-                now = time.monotonic()
-                choices = self.backends
-                if avoid is not None and any(b is not avoid and now >= b.ejected_until for b in self.backends):
-                    choices = [b for b in self.backends if b is not avoid]
-                for b in choices:
-                    if b.available(now):
-                        b.in_flight += 1
-                        return b
-                # all busy or ejected: wake on release, or when the earliest ejection ends
-                wake = [b.ejected_until - now for b in self.backends if b.ejected_until > now]
-                timeout = max(0.05, min(wake)) if wake else None
-                try:
-                    await asyncio.wait_for(self._cond.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
+            self._waiting += 1
+            try:
+                while True:
+                    self.check_down()
+                    now = time.monotonic()
+                    choices = self.backends
+                    if avoid is not None and any(b is not avoid and not b.down and now >= b.ejected_until
+                                                 for b in self.backends):
+                        choices = [b for b in self.backends if b is not avoid]
+                    for b in choices:
+                        if b.available(now):
+                            b.in_flight += 1
+                            self._poll = self.poll_s
+                            return b
+                    # all busy or ejected: wake on release, when the earliest ejection ends, or (one waiter) to poll
+                    # for a host slot another job gave back
+                    wake = [b.ejected_until - now for b in self.backends if b.ejected_until > now and not b.down]
+                    if any(b.host_blocked and not b.down for b in choices) and self._poller in (None, me):
+                        self._poller = me
+                        wake.append(self._poll)
+                        self._poll = min(self.poll_max_s, self._poll * 2)
+                    timeout = max(0.01, min(wake)) if wake else None
+                    try:  # asyncio.timeout, not wait_for: the wait (and its lock) stays in this task when cancelled
+                        async with asyncio.timeout(timeout):
+                            await self._cond.wait()
+                    except TimeoutError:
+                        pass
+            finally:
+                self._waiting -= 1
+                if not self._waiting:  # nobody here waits for a slot any more (they took one, maybe elsewhere)
+                    for b in self.backends:
+                        if b.slots is not None:
+                            b.slots.starving(False)
+                if self._poller is me:
+                    self._poller = None
+                    self._cond.notify(1)  # another waiter takes over the polling
 
     async def release(self, b: Backend) -> None:
         async with self._cond:
             b.in_flight -= 1
+            b.put_back(keep=self._waiting > 0)
             self._cond.notify(1)
 
     def slot(self, avoid: Backend | None = None) -> "_Slot":

@@ -1,0 +1,213 @@
+"""The workflow run: state shared by the jobs of one ``snakemake`` invocation on one machine, and its end.
+
+The Snakefile calls :func:`begin` when it is parsed in the main ``snakemake`` process: the run is named after that
+process (host, pid, start time) and its directory ``<cache_dir>/runs/<host>/<pid>-<start>/`` is passed to every job
+through the environment (``EAGLE3_RUN_DIR``, ``EAGLE3_RUN_OWNER``), never through rule ``params`` (so nothing
+reruns because of it). Jobs keep there what the run shares:
+
+- ``servers/``: the registry of launched servers (:func:`eagle3_data.backends.server.shared_server`): one per
+  launched backend for the whole run, attached to by every generate job that needs it;
+- ``limits/``: the per-backend request slots shared by the generate jobs on one machine
+  (:mod:`eagle3_data.backends.limits`).
+
+The Snakefile's ``onsuccess`` / ``onerror`` hooks call :func:`end`: it stops the run's servers, prints one line
+for an interrupted run (Ctrl-C, SIGTERM) saying how to resume, and removes the run directory. Snakemake calls
+``onerror`` after Ctrl-C and SIGTERM too; if the ``snakemake`` process itself is killed (SIGKILL), each server's
+supervisor sees its owner gone and stops the server within a second. A job on another host than the main process
+(a cluster job) is not part of the machine-local run: :func:`current` returns None there, and the job starts its
+own server and splits the request limit (see :mod:`eagle3_data.backends.limits`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_DIR_ENV = "EAGLE3_RUN_DIR"
+RUN_OWNER_ENV = "EAGLE3_RUN_OWNER"
+
+_signals: dict[str, bool] = {}  # main process: which interrupt ended the run ("SIGINT" / "SIGTERM")
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or None if there
+    is no such process: with the pid it names one process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields and fields[0] == "Z":  # a zombie has exited
+        return None
+    return fields[19] if len(fields) > 19 else None
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The process a run (or a server) lives for: ``host``, ``pid`` and its ``start`` time (see
+    :func:`process_start`)."""
+
+    host: str
+    pid: int
+    start: str
+
+    @classmethod
+    def me(cls) -> "Owner":
+        return cls(socket.gethostname(), os.getpid(), process_start(os.getpid()) or "0")
+
+    @classmethod
+    def parse(cls, text: str) -> "Owner | None":
+        """``"host:pid:start"`` -> Owner (None if malformed)."""
+        try:
+            host, pid, start = text.rsplit(":", 2)
+            return cls(host, int(pid), start)
+        except ValueError:
+            return None
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}:{self.start}"
+
+    def local(self) -> bool:
+        return self.host == socket.gethostname()
+
+    def alive(self) -> bool:
+        """True if this process still runs (on this host; a process on another host counts as alive)."""
+        if not self.local():
+            return True
+        return process_start(self.pid) == self.start
+
+
+@dataclass(frozen=True)
+class Run:
+    """A workflow run as seen from one of its jobs: its directory and the process it lives for."""
+
+    dir: Path
+    owner: Owner
+
+    @property
+    def servers_dir(self) -> Path:
+        return self.dir / "servers"
+
+    @property
+    def limits_dir(self) -> Path:
+        return self.dir / "limits"
+
+
+def current(env: dict | None = None) -> Run | None:
+    """The run this process belongs to, from ``EAGLE3_RUN_DIR`` / ``EAGLE3_RUN_OWNER``; None outside a workflow run,
+    or on another host than the run's main process (a cluster job)."""
+    env = os.environ if env is None else env
+    d, o = env.get(RUN_DIR_ENV), env.get(RUN_OWNER_ENV)
+    owner = Owner.parse(o) if o else None
+    if not d or owner is None or not owner.local():
+        return None
+    return Run(Path(d), owner)
+
+
+def begin(cache_dir: str | os.PathLike, *, main_process: bool = True) -> Run | None:
+    """Name the run after this (the main ``snakemake``) process and export it to the jobs; record Ctrl-C.
+
+    Called by the Snakefile at parse time. In a job process (``main_process`` False: a cluster job or a spawned
+    job re-parsing the Snakefile), an inherited run is kept as it is and nothing is installed. Creates nothing on
+    disk (a dry run leaves no trace); the directory appears when a job needs it.
+    """
+    if not main_process:
+        return current()
+    owner = Owner.me()
+    run = Run(Path(cache_dir).resolve() / "runs" / owner.host / f"{owner.pid}-{owner.start}", owner)
+    os.environ[RUN_DIR_ENV] = str(run.dir)
+    os.environ[RUN_OWNER_ENV] = str(owner)
+    _chain_signal(signal.SIGINT, "SIGINT")
+    return run
+
+
+def _chain_signal(sig: int, name: str) -> None:
+    """Record that ``sig`` arrived, then do what was done before (raise KeyboardInterrupt, snakemake's handler)."""
+    try:
+        prev = signal.getsignal(sig)
+    except ValueError:
+        return
+    if getattr(prev, "_eagle3_chained", False):
+        return
+
+    def handler(signum, frame):
+        _signals[name] = True
+        if callable(prev):
+            return prev(signum, frame)
+        if prev == signal.SIG_IGN:
+            return None
+        raise KeyboardInterrupt
+
+    handler._eagle3_chained = True  # type: ignore[attr-defined]
+    with contextlib.suppress(ValueError):  # not the main thread: nothing recorded, nothing changed
+        signal.signal(sig, handler)
+
+
+def on_start(cache_dir: str | os.PathLike) -> None:
+    """Snakefile ``onstart``: record SIGTERM too (snakemake's own handler is installed by then) and remove the
+    directories of earlier runs on this host whose ``snakemake`` process is gone (their servers stopped
+    themselves)."""
+    _chain_signal(signal.SIGTERM, "SIGTERM")
+    root = Path(cache_dir) / "runs" / socket.gethostname()
+    me = current()
+    for d in root.glob("*-*") if root.is_dir() else []:
+        pid, _, start = d.name.partition("-")
+        if not pid.isdigit() or (me is not None and d.resolve() == me.dir.resolve()):
+            continue
+        if not Owner(socket.gethostname(), int(pid), start).alive():
+            from .backends.limits import HostSlots
+            from .backends.server import stop_run_servers
+
+            stop_run_servers(d)
+            HostSlots.remove_all(d / "limits")
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def journaled_responses(journal_dir: str | os.PathLike) -> int:
+    """Responses in the journals under ``journal_dir`` (complete lines of ``*.jsonl``; counted, not parsed)."""
+    n = 0
+    for p in Path(journal_dir).glob("*/*.jsonl"):
+        with contextlib.suppress(OSError), open(p, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                n += chunk.count(b"\n")
+    return n
+
+
+def interrupt_message(journal_dir: str | os.PathLike, signame: str = "SIGINT") -> str:
+    """The one line printed when a run is interrupted: what happened and how to resume."""
+    what = "Interrupted (Ctrl-C)" if signame == "SIGINT" else f"Stopped ({signame})"
+    n = journaled_responses(journal_dir)
+    return (f"{what}. Rerun the same command to resume; {n:,} response{'s' if n != 1 else ''} are journaled in "
+            f"{journal_dir}/ and will not be requested again.")
+
+
+def end(cache_dir: str | os.PathLike, *, ok: bool, out=None) -> None:
+    """Snakefile ``onsuccess`` / ``onerror``: stop the run's launched servers (waiting until they are gone), print
+    one line if the run was interrupted, remove the run directory."""
+    out = out or sys.stderr
+    run = current()
+    if run is not None and run.dir.exists():
+        from .backends.server import stop_run_servers
+
+        from .backends.limits import HostSlots
+
+        t0 = time.monotonic()
+        stopped = stop_run_servers(run.dir)
+        HostSlots.remove_all(run.limits_dir)
+        if stopped and ok:  # after a failure the run prints only what went wrong
+            print(f"Stopped the launched server(s) {', '.join(stopped)} ({time.monotonic() - t0:.0f} s).", file=out)
+        shutil.rmtree(run.dir, ignore_errors=True)
+        for d in (run.dir.parent, run.dir.parent.parent):  # runs/<host>/, runs/: removed when empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    if not ok:
+        sig = "SIGINT" if _signals.get("SIGINT") else "SIGTERM" if _signals.get("SIGTERM") else None
+        if sig:
+            print(interrupt_message(Path(cache_dir) / "journal", sig), file=out)
