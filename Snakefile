@@ -1,5 +1,6 @@
 # EAGLE-3 training-data build. Stages (one rule file each in rules/):
-#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> report
+#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> report (+ view: loss-mask
+#   examples for the report)
 # `snakemake --cores N` rebuilds only stale targets; see README.md.
 
 from snakemake.utils import min_version
@@ -29,12 +30,14 @@ include: "rules/plan.smk"
 include: "rules/vocab.smk"
 include: "rules/export.smk"
 include: "rules/report.smk"
+include: "rules/view.smk"
 
 
 rule all:
     input:
         hidden_states=expand("results/hidden_states/{k}.safetensors", k=MERGED_SHARDS),
         report=rules.report.output,
+        views=rules.view.output,
         plan=rules.plan.output.md,
         vocab=rules.vocab.output.mapping,
         exports=expand("results/export/{layout}/{k}.json", layout=EXPORT_LAYOUTS, k=MERGED_SHARDS),

@@ -44,6 +44,18 @@ def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 
     return proc
 
 
+def md_rows(text: str) -> list[list[str]]:
+    """The body rows of the Markdown pipe tables in ``text``, as lists of stripped cells (header and
+    alignment rows left out)."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        if i + 1 < len(lines) and lines[i + 1].startswith("|") and set(lines[i + 1]) <= set("|-: "):
+            continue  # a header row
+        out.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return out
+
 def save_tiny_llama(path: Path, *, hidden_size: int, num_layers: int, vocab_size: int, seed: int) -> Path:
     """A random-weight Llama target (4 heads, 2 KV heads, fp32) saved to ``path``, for extraction tests."""
     import torch
