@@ -11,7 +11,8 @@ Arithmetic (printed in the report with the real numbers):
   for the per-token scales) + final states ``H*b`` (times the share of stored rows under
   ``final_states=supervised``, + 1 byte of ``final_mask``) + ids and mask (extract file: int32 + int8 = 5 bytes;
   SpecForge ``.ckpt``: 2 x int64 = 16; speculators ``hs_*``: int64 = 8);
-- storage = tokens x bytes per token (+ 8 bytes per sample of offsets), shown in TB (1e12) and TiB (2^40);
+- storage = tokens x bytes per token (+ 8 bytes per sample of offsets), shown in decimal and binary units
+  (B, KB = 1e3 ... TB = 1e12; KiB = 2^10 ... TiB = 2^40), the largest that keeps the number >= 1;
 - GPU hours = tokens / (tokens/s per GPU) / 3600; wall hours = GPU hours / GPUs in use. Linear in tokens:
   it ignores attention's quadratic share, which makes long samples slower per token (the throughput measured
   on the real shard includes the real length mix).

@@ -424,8 +424,8 @@ def write_examples(paths, out_html, *, dataset: str, tokenizer, n: int = 3, cont
     for path, sid in pick_examples(paths, n):
         row, idx, kind = load_row(path, sample_id=sid)
         views.append(sample_view(row, tokenizer, where=f"{path} row {idx} ({kind})"))
-    intro = (f"{len(views)} validated samples of {dataset}, spread over its length distribution (shortest to "
-             "longest), as the draft model is trained on them. Any sample: python -m eagle3_data.view "
+    intro = (f"{len(views)} validated samples of {dataset}, spread over its length distribution (shorter to "
+             "longer), as the draft model is trained on them. Any sample: python -m eagle3_data.view "
              "<parquet> --sample ID [--html out.html].") if views else f"{dataset} has no validated sample."
     write_text(html_page(views, title=f"Loss mask: {dataset}", context=context, intro=intro), out_html)
     return [v.sample_id for v in views]
