@@ -1,6 +1,8 @@
 # EAGLE-3 training-data build. Stages (one rule file each in rules/):
-#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> report (+ view: loss-mask
-#   examples for the report)
+#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> export, report (+ view:
+#   loss-mask examples for the report)
+# merge is a checkpoint: extraction runs per validated shard and reruns only where the merge's selection
+# of that shard changed.
 # `snakemake --cores N` rebuilds only stale targets; see README.md.
 
 from snakemake.utils import min_version
@@ -35,7 +37,7 @@ include: "rules/view.smk"
 
 rule all:
     input:
-        hidden_states=expand("results/hidden_states/{k}.safetensors", k=MERGED_SHARDS),
+        hidden_states=states_files(MERGE_DATASETS),
         report=rules.report.output,
         views=rules.view.output,
         plan=rules.plan.output.md,

@@ -1,6 +1,7 @@
 """Extraction benchmark (CPU): eagle3_data.extract vs a batch-1 ``output_hidden_states=True`` dumper.
 
     python benchmarks/extract.py [--samples 160] [--hidden 256] [--layers 8]
+    python benchmarks/extract.py --toy    # seconds: 16 samples of a hidden-64 model (what CI runs)
 
 Same tiny random Llama (built locally), same mixed-length samples (lognormal, 8..1,024 tokens), same dtype
 (float32 for speed; CPU bf16 matmuls are emulated). Baseline = the Model-Optimizer HF dumper
@@ -95,10 +96,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--toy", action="store_true", help="16 samples, hidden 64: seconds (CI runs it)")
     a = ap.parse_args()
+    if a.toy:
+        a.samples, a.hidden, a.vocab = 16, 64, 512
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
     from eagle3_data import extract as ex
+    from eagle3_data.extract.transformers_backend import load_target
     from eagle3_data import schemas
 
     with tempfile.TemporaryDirectory(prefix="bench-extract-") as tmp:
@@ -111,24 +116,24 @@ def main() -> None:
         schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", merged)
         layers = ex.default_layers(a.layers)
 
-        loaded = ex.load_target(model_dir, dtype="float32", device="cpu")
+        loaded = load_target(model_dir, dtype="float32", device="cpu")
         # warm-up both paths once on a few samples (allocator, kernels)
         baseline_dump(loaded[0], rows[:4], layers, tmp / "warm")
-        ex.extract(merged, tmp / "warm.safetensors", model_path=model_dir, layers=layers, model=loaded,
+        ex.extract_states(merged, tmp / "warm.safetensors", model_path=model_dir, layers=layers, model=loaded,
                    batch_tokens=a.batch_tokens)
 
         base_s = baseline_dump(loaded[0], rows, layers, tmp / "baseline")
         t0 = time.perf_counter()
-        info = ex.extract(merged, tmp / "ours.safetensors", model_path=model_dir, layers=layers, model=loaded,
+        info = ex.extract_states(merged, tmp / "ours.safetensors", model_path=model_dir, layers=layers, model=loaded,
                           batch_tokens=a.batch_tokens)
         ours_s = time.perf_counter() - t0
         base_bytes32 = sum(p.stat().st_size for p in (tmp / "baseline").iterdir())
 
         # storage at bf16
-        loaded16 = ex.load_target(model_dir, dtype="bfloat16", device="cpu")
-        i16 = ex.extract(merged, tmp / "ours16.safetensors", model_path=model_dir, layers=layers, model=loaded16,
+        loaded16 = load_target(model_dir, dtype="bfloat16", device="cpu")
+        i16 = ex.extract_states(merged, tmp / "ours16.safetensors", model_path=model_dir, layers=layers, model=loaded16,
                          dtype="bfloat16", batch_tokens=a.batch_tokens)
-        isv = ex.extract(merged, tmp / "saved16.safetensors", model_path=model_dir, layers=layers, model=loaded16,
+        isv = ex.extract_states(merged, tmp / "saved16.safetensors", model_path=model_dir, layers=layers, model=loaded16,
                          dtype="bfloat16", batch_tokens=a.batch_tokens, final_states="supervised",
                          aux_format="fp8_e4m3")
         sf_bytes = specforge_padded_bytes(rows, a.hidden, tmp / "specforge")
@@ -145,7 +150,7 @@ def main() -> None:
 
     speed = (T / ours_s) / (T / base_s)
     print(json.dumps({
-        "benchmark": "extract",
+        "benchmark": "extract", "toy": a.toy,
         "model": {"hidden": a.hidden, "layers": a.layers, "vocab": a.vocab, "aux_layers": layers},
         "samples": len(rows), "tokens": T,
         "lengths": {"min": min(r["num_tokens"] for r in rows), "max": max(r["num_tokens"] for r in rows)},

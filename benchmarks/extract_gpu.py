@@ -88,6 +88,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from eagle3_data import extract as ex
+    from eagle3_data.extract.transformers_backend import load_target
 
     cfg_dict = TINY if a.tiny else LLAMA_31_8B
     device = "cpu" if a.tiny else "cuda"
@@ -118,7 +119,7 @@ def main() -> None:
 
         warm = tmp / "warm.parquet"
         make_shard(warm, max(batch_tokens, tokens // 20), cfg_dict["vocab_size"], max_len, seed=1)
-        ex.extract(warm, tmp / "warm.safetensors", model_path=model_dir, layers=layers, dtype=dtype,
+        ex.extract_states(warm, tmp / "warm.safetensors", model_path=model_dir, layers=layers, dtype=dtype,
                    batch_tokens=batch_tokens, model=loaded)
         (tmp / "warm.safetensors").unlink()
 
@@ -128,7 +129,7 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        info = ex.extract(shard, tmp / "000.safetensors", model_path=model_dir, layers=layers, dtype=dtype,
+        info = ex.extract_states(shard, tmp / "000.safetensors", model_path=model_dir, layers=layers, dtype=dtype,
                           batch_tokens=batch_tokens, model=loaded)
         if device == "cuda":
             torch.cuda.synchronize()

@@ -208,10 +208,13 @@ def main() -> None:
     ap.add_argument("--dist", choices=["uniform", "lognormal"], default="uniform")
     ap.add_argument("--words", type=int, default=1500, help="reply length in words (~tokens); ~5 bytes each")
     ap.add_argument("--clients", default="ours,openai,openai_io")
+    ap.add_argument("--toy", action="store_true", help="200 requests, 50 in flight, 0.05-0.3 s: seconds (CI runs it)")
     ap.add_argument("--child", choices=["ours", "openai", "openai_io"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.toy and not a.child:
+        a.requests, a.concurrency, a.lat_min, a.lat_max, a.words = 200, 50, 0.05, 0.3, 50
 
     if a.child:
         out = run_ours(a) if a.child == "ours" else run_openai(a, same_io=a.child == "openai_io")
@@ -264,7 +267,7 @@ def main() -> None:
         server.terminate()
         server.wait(10)
 
-    out = {"benchmark": "generation_client", "requests": a.requests, "concurrency": a.concurrency,
+    out = {"benchmark": "generation_client", "toy": a.toy, "requests": a.requests, "concurrency": a.concurrency,
            "latency": f"{a.dist} {a.lat_min}-{a.lat_max} s", "mean_latency_s": round(mean, 3),
            "reply_words": a.words, "ideal_formula_s": round(ideal_formula, 2),
            "ideal_schedule_s": round(ideal_sched, 2), "clients": results,

@@ -1,11 +1,13 @@
 """Merge benchmark: eagle3_data.merge vs a plain pyarrow read + write of the same validated shards.
 
     python benchmarks/merge.py [--tokens 20000000] [--files 8] [--shards 4]
+    python benchmarks/merge.py --toy      # seconds: the same code at 200k tokens (what CI runs)
 
 Builds synthetic VALIDATED shards (lognormal lengths, mean ~2,000 tokens, 1% duplicated samples), then in
 separate processes (so peak RSS is per run): (1) the baseline: read every file with pyarrow and write the
 rows back out as zstd parquet in ``--shards`` files; (2) merge of all the files; (3) merge of half the files
-(peak memory at two data sizes). Ends with one JSON line: seconds, tokens/s, ratio merge/baseline
+(peak memory at two data sizes). The merge writes the merged shards AND one selection per input file (what
+extraction reads), as the workflow's merge does. Ends with one JSON line: seconds, tokens/s, ratio merge/baseline
 (target <= 3), peak RSS at both sizes and their ratio (target: flat, <= 1.25).
 """
 
@@ -48,7 +50,7 @@ def make_inputs(out_dir: Path, tokens: int, files: int, seed: int = 0) -> tuple[
         id_lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
         mask_lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask))
         k = len(idx)
-        table = pa.table({
+        cols = {
             "sample_id": pa.array([f"s{j}" for j in idx]),
             "dataset": pa.array([f"ds{j % 4}" for j in idx]),
             "input_ids": id_lists, "loss_mask": mask_lists,
@@ -59,7 +61,10 @@ def make_inputs(out_dir: Path, tokens: int, files: int, seed: int = 0) -> tuple[
             "billed_completion_tokens": pa.array(lens - prompt, pa.int64()),
             "finish_reason": pa.array(["stop"] * k), "backend": pa.array(["b"] * k),
             "provider": pa.array(["p"] * k), "cost_usd": pa.array(np.zeros(k)),
-        }).cast(schemas.VALIDATED)
+        }
+        # every VALIDATED column, in its order (columns the stage added later, e.g. billed_prompt_tokens: null)
+        table = pa.table({f.name: cols.get(f.name, pa.nulls(k, f.type)) for f in schemas.VALIDATED}).cast(
+            schemas.VALIDATED)
         if dup_src is None:
             dup_src = table.slice(0, max(1, k // 100))
         elif f == files - 1:  # 1% of samples repeated under other ids (dedup has work to do)
@@ -91,7 +96,9 @@ def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
         from eagle3_data.merge import merge
 
         outs = [Path(out_dir) / f"{k:03d}.parquet" for k in range(shards)]
-        man = merge(inputs, outs, Path(out_dir) / "manifest.json", max_len=8192, overflow="truncate", seed=0)
+        sels = [Path(out_dir) / "selection" / Path(p).name for p in inputs]
+        man = merge(inputs, outs, Path(out_dir) / "manifest.json", selections=sels, max_len=8192,
+                    overflow="truncate", seed=0)
         rows = man["totals"]["samples"]
     seconds = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -113,6 +120,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20_000_000)
     ap.add_argument("--files", type=int, default=8)
     ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--toy", action="store_true", help="200k tokens in 4 files: seconds (CI runs it)")
     ap.add_argument("--_worker")
     ap.add_argument("--_out")
     ap.add_argument("--_inputs", nargs="*")
@@ -120,6 +128,8 @@ def main() -> None:
     if a._worker:
         print(json.dumps(worker(a._worker, a._inputs, a._out, a.shards)))
         return
+    if a.toy:
+        a.tokens, a.files, a.shards = 200_000, 4, 2
     with tempfile.TemporaryDirectory(prefix="bench-merge-") as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
@@ -133,7 +143,7 @@ def main() -> None:
     ratio = full["seconds"] / base["seconds"]
     mem_ratio = full["peak_rss_mb"] / small["peak_rss_mb"]
     print(json.dumps({
-        "benchmark": "merge",
+        "benchmark": "merge", "toy": a.toy,
         "input_tokens": tokens, "input_samples": samples, "files": len(inputs), "shards": a.shards,
         "generate_s": round(gen_s, 1),
         "baseline_pyarrow_s": round(base["seconds"], 2), "merge_s": round(full["seconds"], 2),

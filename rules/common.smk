@@ -50,6 +50,32 @@ def rejected_files(datasets):
     return out + [f"results/{ds}/rejected/{s}.parquet" for ds in datasets for s in shards(ds)]
 
 
+def selection_path(ds, shard):
+    return f"results/merged/selection/{ds}/{shard}.parquet"
+
+
+def selection_files(datasets):
+    """Merge selections, one per validated shard, in validated_files() order."""
+    return [selection_path(ds, s) for ds in datasets for s in shards(ds)]
+
+
+def states_files(datasets):
+    return [f"results/hidden_states/{ds}/{s}.safetensors" for ds in datasets for s in shards(ds)]
+
+
+def extract_input(wildcards):
+    """The selection to forward, once the merge checkpoint has run. ancient(): a merge that rewrites the file
+    with the same rows must not rerun the job; a changed selection does, through its digest in params."""
+    checkpoints.merge.get()
+    return {"selection": ancient(selection_path(wildcards.ds, wildcards.shard)), "target": target_input()}
+
+
+def selection_digest(wildcards):
+    """The merge's digest of this selection (manifest.json), so a changed selection reruns its extract job."""
+    manifest = checkpoints.merge.get().output.manifest
+    return cfg.selection_digest(manifest, f"{wildcards.ds}/{wildcards.shard}")
+
+
 def responses_files(datasets):
     return [f"results/{ds}/responses/{s}.parquet" for ds in datasets if ds in GENERATED for s in shards(ds)]
 

@@ -1,16 +1,18 @@
-# Export: one extract file -> the per-sample files a trainer reads (SpecForge data_{i}.ckpt, speculators
-# hs_{i}.safetensors), named by the sample's global index in the merged set. The per-shard JSON (written
-# last) is the rule's output; the sample files go to results/export/<layout>/.
+# Export: one merged shard (the shuffled order) -> the per-sample files a trainer reads (SpecForge
+# data_{i}.ckpt, speculators hs_{i}.safetensors), named by the sample's global index in the merged set and
+# read from the hidden-states files of the selections the shard's rows came from. The per-shard JSON
+# (written last) is the rule's output; the sample files go to results/export/<layout>/.
 
 
 rule export:
     input:
-        hidden="results/hidden_states/{k}.safetensors",
+        merged="results/merged/{k}.parquet",
         manifest="results/merged/manifest.json",
+        states=states_files(MERGE_DATASETS),
     output:
         "results/export/{layout}/{k}.json",
     params:
-        settings=config.get("export") or {},
+        group_size=(config.get("export") or {}).get("group_size", 2000),
         out_dir=lambda wc: f"results/export/{wc.layout}",
     wildcard_constraints:
         layout="specforge|speculators",

@@ -1,19 +1,23 @@
-# Stage 6: merged shard -> target auxiliary + final hidden states (safetensors, no padding stored).
-# `resources: gpu` caps concurrent extraction: `--resources gpu=8` keeps at most 8 devices busy.
+# Stage 6: one merge selection (the kept samples of one validated shard) -> the target's auxiliary + final
+# hidden states (safetensors, no padding stored). The job re-runs only when the merge's digest of its
+# selection changes (params), and then forwards only the samples it cannot reuse (see
+# src/eagle3_data/extract/stage.py). `resources: gpu` caps concurrent extraction: `--resources gpu=8` keeps at
+# most 8 devices busy.
 
 
 rule extract:
     input:
-        merged="results/merged/{k}.parquet",
-        target=target_input(),
+        unpack(extract_input),
     output:
-        "results/hidden_states/{k}.safetensors",
+        states="results/hidden_states/{ds}/{shard}.safetensors",
+        summary="results/hidden_states/{ds}/{shard}.json",
     params:
+        selection=selection_digest,
         model_path=TARGET["path"],
-        settings=config["extract"],
+        states=cfg.extract_state_settings(config),
     resources:
-        gpu=config["extract"].get("gpus_per_job", 1),
+        gpu=cfg.section(config, "extract")["gpus_per_job"],
     log:
-        "logs/extract/{k}.log",
+        "logs/extract/{ds}/{shard}.log",
     script:
         "../scripts/extract.py"

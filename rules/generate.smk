@@ -12,15 +12,17 @@ rule generate:
         summary="results/{ds}/responses/{shard}.json",
     wildcard_constraints:
         ds=_alternation(GENERATED),
+    # params: what the responses depend on (cfg.generation_data_settings / backends_data_settings); the
+    # script reads the rest (concurrency, timeouts, rate limits, headers, key variables, launch, retries)
+    # from the config at run time, so changing those reruns nothing
     params:
         target_name=TARGET["name"],
-        generation=lambda wc: cfg.generation_config(config, wc.ds),
-        backends=lambda wc: cfg.backends_config(config, wc.ds),
-        journal_dir=f"{CACHE_DIR}/journal",
+        generation=lambda wc: cfg.generation_data_settings(config, wc.ds),
+        backends=lambda wc: cfg.backends_data_settings(config, wc.ds),
         num_shards=lambda wc: len(shards(wc.ds)),
         # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
         # config is not a dependency of generation
-        target=lambda wc: TARGET if any(b.get("native_generate") for b in cfg.backends_config(config, wc.ds).values()) else None,
+        target=lambda wc: cfg.target_data_settings(config) if any(b.get("native_generate") for b in cfg.backends_config(config, wc.ds).values()) else None,
     resources:
         api_slots=lambda wc: sum(b.get("max_concurrency", 1) for b in cfg.backends_config(config, wc.ds).values()),
     log:

@@ -1,14 +1,20 @@
-# Stage 5: chosen datasets -> deduplicated, length-capped, seeded-shuffled merged shards balanced by tokens.
+# Stage 5: chosen datasets -> deduplicated, length-capped, seeded-shuffled merged shards balanced by tokens,
+# plus one selection per validated shard (its kept rows) for extraction. A checkpoint: after it runs, the
+# extract jobs are re-evaluated and only those whose selection digest changed run again.
 
 
-rule merge:
+checkpoint merge:
     input:
         validated_files(MERGE_DATASETS),
     output:
         shards=expand("results/merged/{k}.parquet", k=MERGED_SHARDS),
+        selections=selection_files(MERGE_DATASETS),
         manifest="results/merged/manifest.json",
     params:
-        settings=config["merge"],
+        settings=cfg.merge_data_settings(config),
+    threads: cfg.section(config, "merge")["threads"]
+    resources:
+        mem_mb=cfg.section(config, "merge")["memory_mb"],
     log:
         "logs/merge.log",
     script:

@@ -14,11 +14,11 @@ rule plan:
         json="results/reports/plan.json",
     params:
         model_path=TARGET["path"],
-        extract=config["extract"],
+        extract=cfg.plan_extract_settings(config),
         plan=config.get("plan") or {},
         overflow=config["merge"].get("overflow", "truncate"),
     resources:
-        gpu=0 if (config.get("plan") or {}).get("tokens_per_s_per_gpu") else config["extract"].get("gpus_per_job", 1),
+        gpu=0 if (config.get("plan") or {}).get("tokens_per_s_per_gpu") else cfg.section(config, "extract")["gpus_per_job"],
     log:
         "logs/plan.log",
     script:

@@ -34,9 +34,10 @@ rule report:
         cost_over_time_png=report("results/reports/cost_over_time.png", caption="../report/cost_over_time.rst", category="2. Plots", labels={"plot": "cost over time"}),
         rejects_png=report("results/reports/rejects.png", caption="../report/rejects_plot.rst", category="2. Plots", labels={"plot": "rejects"}),
     params:
-        backends=config["backends"],
+        backends={n: {"type": b.get("type"), "base_url": b.get("base_url"), "launch": bool(b.get("launch"))}
+                  for n, b in config["backends"].items()},
         datasets=config["datasets"],
-        generation={ds: cfg.generation_config(config, ds) for ds in GENERATED},
+        generation={ds: cfg.generation_data_settings(config, ds) for ds in GENERATED},
     log:
         "logs/report.log",
     script:

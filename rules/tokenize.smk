@@ -10,7 +10,7 @@ rule tokenize:
     wildcard_constraints:
         ds=_alternation(GENERATED),
     params:
-        target=TARGET,
+        target=cfg.target_data_settings(config),
         # a dataset's chat_template_kwargs (e.g. thinking off) change the prompt the target saw
         chat_template_kwargs=lambda wc: (cfg.generation_config(config, wc.ds).get("extra_body") or {}).get(
             "chat_template_kwargs"

@@ -11,8 +11,8 @@ rule validate:
     wildcard_constraints:
         ds=_alternation(GENERATED),
     params:
-        target=TARGET,
-        settings=config["validate"],
+        target=cfg.target_data_settings(config),
+        settings=cfg.validate_data_settings(config),  # the rest (reject ceilings) is read from the config
     log:
         "logs/validate/{ds}/{shard}.log",
     script:

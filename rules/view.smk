@@ -19,7 +19,7 @@ rule view:
         ],
     params:
         validated={ds: validated_files([ds]) for ds in DATASETS},
-        target=TARGET,
+        target={"path": TARGET["path"], "trust_remote_code": bool(TARGET.get("trust_remote_code", False))},
         examples=3,
         context=256,  # context runs longer than 2 x 256 tokens are shortened to their first and last 256
     log:

@@ -1,4 +1,5 @@
 """Rule normalize_<dataset>: source file -> prompts (or pre-tokenized tokens) shards + rejects."""
+from eagle3_data import config as cfg
 from eagle3_data.logs import setup_logging
 from eagle3_data.normalize import normalize
 
@@ -14,4 +15,6 @@ normalize(
     max_samples=src.get("max_samples"),
     options=src.get("options") or {},
     log=log,
+    # a check, not a rerun trigger: read from the config (a dataset's own ceiling, else normalize.max_reject_rate)
+    max_reject_rate=cfg.normalize_reject_ceiling(snakemake.config, snakemake.params.dataset),
 )

@@ -13,6 +13,7 @@ from conftest import save_tiny_llama
 from eagle3_data import export as exp
 from eagle3_data import extract as ex
 from eagle3_data import schemas
+from eagle3_data.extract.transformers_backend import load_target
 
 H, L, V = 32, 8, 300
 LAYERS = [1, 3, 4]
@@ -26,7 +27,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model):
-    return ex.load_target(tiny_model, dtype="float32", device="cpu")
+    return load_target(tiny_model, dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +40,24 @@ def merged(tmp_path_factory):
         q = rng.randint(p + 1, n)  # supervised span [p, q): not always to the end
         rows.append({"sample_id": f"x{i}", "dataset": "d", "input_ids": [rng.randrange(V) for _ in range(n)],
                      "loss_mask": [0] * p + [1] * (q - p) + [0] * (n - q), "num_tokens": n,
-                     "num_supervised": q - p, "truncated": False})
+                     "num_supervised": q - p, "truncated": False, "source": f"d/{i % 2:03d}"})
     path = tmp_path_factory.mktemp("merged") / "000.parquet"
     schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", path)
     return path, rows
+
+
+def extract_selections(tmp_path, rows, **kw) -> tuple:
+    """The extract stage's files for ``rows``: one selection per ``source`` (rows in another order than the
+    merged shard, as merge writes them), extracted into ``<tmp>/states/<source>.safetensors``; returns the
+    states dir and the selections mapping a merge manifest would hold."""
+    states, selections = tmp_path / "states", {}
+    for src in sorted({r["source"] for r in rows}):
+        part = sorted((r for r in rows if r["source"] == src), key=lambda r: r["sample_id"], reverse=True)
+        sel = tmp_path / "selection" / f"{src}.parquet"
+        schemas.write_checked(schemas.from_rows(part, schemas.MERGED), "merged", sel)
+        ex.extract_states(sel, states / f"{src}.safetensors", selection_digest=f"digest-{src}", **kw)
+        selections[src] = {"digest": f"digest-{src}"}
+    return states, {"shards": [{"samples": len(rows)}], "selections": selections}
 
 
 # --- the readers, as the projects document them ----------------------------------------------------------
@@ -86,19 +101,17 @@ def hf_states(model, ids):
 
 def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     path, rows = merged
-    hs = tmp_path / "hs.safetensors"
-    ex.extract(path, hs, model_path=tiny_model, layers=LAYERS, batch_tokens=128, model=loaded)
+    states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, batch_tokens=128,
+                                     model=loaded)
     out = tmp_path / "specforge"
-    man = exp.export(hs, out, layout="specforge", start_index=1998, group_size=2000,
-                     manifest_path=tmp_path / "m.json")
+    got = exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=man, start_index=1998,
+                     group_size=2000, manifest_path=tmp_path / "m.json")
     assert json.loads((tmp_path / "m.json").read_text())["end_index"] == 1998 + len(rows)
     files = specforge_list_local_files(out)
-    assert len(files) == len(rows) == man["num_samples"]
+    assert len(files) == len(rows) == got["num_samples"]
     assert (out / "rows_0-2000" / "data_1999.ckpt").exists() and (out / "rows_2000-4000" / "data_2000.ckpt").exists()
-    src, _ = ex.read_hidden_states(hs)
-    off = src["sample_offsets"].tolist()
     model, _ = loaded
-    for j, r in enumerate(rows):
+    for j, r in enumerate(rows):  # the merged shard's order, whatever order the selections hold the samples in
         f = exp.specforge_path(out, 1998 + j)
         raw = torch.load(f, weights_only=True)
         assert set(raw) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
@@ -108,30 +121,38 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
         assert raw["aux_hidden_state"].shape == (1, T, 3 * H) and raw["hidden_state"].shape == (1, T, H)
         d = specforge_process_data(f, max_len=4096)
         assert d["input_ids"][0].tolist() == r["input_ids"]
-        assert torch.equal(d["hidden_state"][0], src["aux_hidden_states"][off[j]:off[j + 1]])
-        assert torch.equal(d["target"][0], src["hidden_states"][off[j]:off[j + 1]])
+        with ex.StatesFile(states / f"{r['source']}.safetensors") as sf:
+            stored = sf.sample(sf.index[r["sample_id"]])
+        assert torch.equal(d["hidden_state"][0], stored["aux_hidden_states"])
+        assert torch.equal(d["target"][0], stored["hidden_states"])
         ref = hf_states(model, r["input_ids"])
         torch.testing.assert_close(d["hidden_state"][0, :, H:2 * H], ref[LAYERS[1] + 1][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(d["target"][0], ref[-1][0], atol=1e-5, rtol=1e-5)  # post-norm
-    # rerun overwrites in place, leaves no temporary files
-    exp.export(hs, out, layout="specforge", start_index=1998)
-    assert len(specforge_list_local_files(out)) == len(rows)
+    # rerun overwrites in place, byte for byte, and leaves no temporary files
+    before = {f: open(f, "rb").read() for f in files}
+    exp.export(path, out, layout="specforge", states_dir=states, start_index=1998)
+    assert {f: open(f, "rb").read() for f in specforge_list_local_files(out)} == before
     assert not [p for p in out.rglob(".*")]
     with pytest.raises(ValueError, match="pre-norm"):
-        exp.export(hs, tmp_path / "spec", layout="speculators")
+        exp.export(path, tmp_path / "spec", layout="speculators", states_dir=states)
+    # states computed for another selection (the merge's digest moved on) are refused by name
+    stale = dict(man, selections={k: {"digest": "newer"} for k in man["selections"]})
+    with pytest.raises(ValueError, match="another selection"):
+        exp.export(path, tmp_path / "stale", layout="specforge", states_dir=states, merge_manifest=stale)
 
 
 def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     import pyarrow.parquet as pq
 
     path, rows = merged
-    hs = tmp_path / "hs_pre.safetensors"
-    ex.extract(path, hs, model_path=tiny_model, layers=LAYERS, model=loaded, final_norm="pre")
+    states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
+                                     final_norm="pre")
     out = tmp_path / "speculators"
-    man = exp.export(hs, out, layout="speculators", start_index=5)
-    assert man["final_norm"] == "pre"
+    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=5)
+    assert got["final_norm"] == "pre"
     arrow = pq.read_table(out / "samples_000000005.parquet").to_pylist()
     assert [a["index"] for a in arrow] == list(range(5, 5 + len(rows)))
+    assert [a["sample_id"] for a in arrow] == [r["sample_id"] for r in rows]
     model, decoder = loaded
     for j, r in enumerate(rows):
         d = speculators_get_raw(out, 5 + j, arrow[j])
@@ -148,7 +169,7 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
             torch.testing.assert_close(decoder.norm(pre), ref[-1][0], atol=1e-5, rtol=1e-5)
         assert (pre - ref[-1][0]).abs().max() > 1e-2
     with pytest.raises(ValueError, match="post-norm"):
-        exp.export(hs, tmp_path / "sf", layout="specforge")
+        exp.export(path, tmp_path / "sf", layout="specforge", states_dir=states)
 
 
 def error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -159,11 +180,11 @@ def error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 def test_storage_savers_error_and_size(tmp_path, tiny_model, merged):
     path, rows = merged
-    model16 = ex.load_target(tiny_model, dtype="bfloat16", device="cpu")
-    base, saved = tmp_path / "bf16.safetensors", tmp_path / "saved.safetensors"
-    ib = ex.extract(path, base, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", model=model16)
-    isv = ex.extract(path, saved, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", model=model16,
-                     final_states="supervised", aux_format="fp8_e4m3")
+    model16 = load_target(tiny_model, dtype="bfloat16", device="cpu")
+    base, saved = tmp_path / "bf16.safetensors", tmp_path / "saved" / "d" / "all.safetensors"
+    ib = ex.extract_states(path, base, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", model=model16)
+    isv = ex.extract_states(path, saved, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", model=model16,
+                            final_states="supervised", aux_format="fp8_e4m3")
     tb, _ = ex.load_states(base)
     ts, meta = ex.load_states(saved)
     assert meta["aux_format"] == "fp8_e4m3" and meta["final_states"] == "supervised"
@@ -199,7 +220,9 @@ def test_storage_savers_error_and_size(tmp_path, tiny_model, merged):
 
     # export from the saved file: SpecForge reads full-size tensors, zeros where not stored
     out = tmp_path / "sf"
-    exp.export(saved, out, layout="specforge")
+    one = tmp_path / "one.parquet"  # a merged shard whose rows all come from selection "d/all"
+    schemas.write_checked(schemas.from_rows([dict(r, source="d/all") for r in rows], schemas.MERGED), "merged", one)
+    exp.export(one, out, layout="specforge", states_dir=tmp_path / "saved")
     d = specforge_process_data(exp.specforge_path(out, 0), 4096)
     T0 = len(rows[0]["input_ids"])
     assert d["hidden_state"].shape == (1, T0, 3 * H) and d["target"].shape == (1, T0, H)
@@ -213,4 +236,4 @@ def test_start_indices(tmp_path):
     p.write_text(json.dumps(man))
     assert exp.start_indices(p) == [0, 3, 3]
     with pytest.raises(ValueError, match="layout"):
-        exp.export(p, tmp_path, layout="eagle")
+        exp.export(p, tmp_path, layout="eagle", states_dir=tmp_path)

@@ -1,9 +1,13 @@
-"""Extraction on a tiny random Llama: stored states equal HF output_hidden_states, batched = one by one."""
+"""Extraction on a tiny random Llama: stored states equal HF output_hidden_states, batched = one by one, and a
+rerun forwards only the samples whose states are not already stored (counted at the model's input)."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,8 +15,9 @@ import torch
 from safetensors import safe_open
 
 from conftest import save_tiny_llama
-from eagle3_data import schemas
 from eagle3_data import extract as ex
+from eagle3_data import schemas
+from eagle3_data.extract import batching, transformers_backend as tb
 
 H, L, V = 32, 6, 300
 
@@ -25,22 +30,45 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model):
-    return ex.load_target(tiny_model, dtype="float32", device="cpu")
+    return tb.load_target(tiny_model, dtype="float32", device="cpu")
+
+
+def make_rows(n=13, seed=0, prefix="s"):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        k = rng.choice([3, 7, 20, 45, 64, 90])
+        p = rng.randint(1, k - 1)
+        rows.append({"sample_id": f"{prefix}{i}", "dataset": "d" if i % 2 else "e",
+                     "input_ids": [rng.randrange(V) for _ in range(k)], "loss_mask": [0] * p + [1] * (k - p),
+                     "num_tokens": k, "num_supervised": k - p, "truncated": False})
+    return rows
+
+
+def write_selection(path, rows):
+    schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory):
-    rng = random.Random(0)
-    rows = []
-    for i in range(13):
-        n = rng.choice([3, 7, 20, 45, 64, 90])
-        p = rng.randint(1, n - 1)
-        rows.append({"sample_id": f"s{i}", "dataset": "d" if i % 2 else "e",
-                     "input_ids": [rng.randrange(V) for _ in range(n)], "loss_mask": [0] * p + [1] * (n - p),
-                     "num_tokens": n, "num_supervised": n - p, "truncated": False})
-    path = tmp_path_factory.mktemp("merged") / "000.parquet"
-    schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", path)
-    return path, rows
+    rows = make_rows()
+    return write_selection(tmp_path_factory.mktemp("merged") / "000.parquet", rows), rows
+
+
+class TokenCounter:
+    """Counts the real (unpadded) tokens that enter the decoder: what 'forwarded' means, measured at the model."""
+
+    def __init__(self, decoder):
+        self.tokens = 0
+        self.handle = decoder.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        self.tokens += int(mask.sum()) if mask is not None else int(kwargs["input_ids"].numel())
+
+    def remove(self):
+        self.handle.remove()
 
 
 def reference_states(model, ids):
@@ -49,7 +77,7 @@ def reference_states(model, ids):
     return out.hidden_states
 
 
-def test_default_layers():
+def test_default_layers_and_layer_checks():
     assert ex.default_layers(32) == [1, 15, 28]
     assert ex.default_layers(61) == [1, 29, 57]  # SpecForge's DeepSeek-V3 config
     assert ex.default_layers(36) == [1, 17, 32]
@@ -60,24 +88,53 @@ def test_default_layers():
         ex.resolve_layers([0, 6], 6)
     with pytest.raises(ValueError, match="repeat"):
         ex.resolve_layers([1, 1], 6)
+    assert ex.resolve_layers([4, 1], 6) == [4, 1]  # order kept
 
 
-def test_pack_batches_respects_budget():
+def test_batch_plans_respect_budgets():
     lengths = [5, 100, 7, 30, 31, 2, 99, 400]
-    batches = ex.pack_batches(lengths, 128)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    for b in batches:
+    padded = batching.padded_batches(lengths, 128)
+    assert sorted(i for b in padded for i in b) == list(range(len(lengths)))
+    for b in padded:
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 128
-    assert [7] in batches  # longer than the budget: alone
+    assert [7] in padded  # longer than the budget: alone
+    packed = batching.packed_batches(lengths, 128, max_samples=2)
+    assert sorted(i for b in packed for i in b) == list(range(len(lengths)))
+    assert all(len(b) <= 2 and (len(b) == 1 or sum(lengths[i] for i in b) <= 128) for b in packed)
+    assert len(batching.packed_batches(lengths, 10_000)) == 1
+
+
+def test_package_imports_no_torch_and_no_cycles():
+    code = ("import sys, eagle3_data.extract, eagle3_data.plan, eagle3_data.export\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'sglang') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    # the layering: layout/model/batching import no backend and no stage; backends import no stage
+    import ast
+    from pathlib import Path
+
+    pkg = Path(ex.__file__).parent
+    imports = {}
+    for f in pkg.glob("*.py"):
+        tree = ast.parse(f.read_text())
+        imports[f.stem] = {n.module.split(".")[0] for n in ast.walk(tree)
+                           if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+    assert imports["layout"] <= set() and imports["model"] <= set() and imports["batching"] <= set()
+    assert imports["transformers_backend"] <= {"batching", "layout", "model"}
+    assert imports["sglang_backend"] <= {"batching", "layout", "model"}
+    assert "stage" not in set().union(*(v for k, v in imports.items() if k not in ("stage", "__init__")))
 
 
 def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
     path, rows = merged
     out = tmp_path / "hs" / "000.safetensors"
     layers = [0, 2, 4]
-    info = ex.extract(path, out, model_path=tiny_model, layers=layers, batch_tokens=256, model=loaded)
+    info = ex.extract_states(path, out, model_path=tiny_model, layers=layers, batch_tokens=256, model=loaded,
+                             selection_digest="abc")
     T = sum(len(r["input_ids"]) for r in rows)
     assert info["num_tokens"] == T and info["num_samples"] == len(rows) and info["batches"] > 1
+    assert info["forwarded_tokens"] == T and info["reused_tokens"] == 0
     with safe_open(str(out), framework="pt") as f:
         meta = f.metadata()
         t = {k: f.get_tensor(k) for k in f.keys()}
@@ -93,6 +150,10 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
     assert meta["final_norm"] == "post" and "output of 0-based decoder layer" in meta["layer_convention"]
     assert (meta["num_tokens"], meta["num_samples"], meta["dtype"]) == (str(T), str(len(rows)), "float32")
     assert meta["model_path"] == str(tiny_model) and meta["num_layers"] == str(L)
+    assert meta["format"] == ex.FORMAT and meta["selection_digest"] == "abc"
+    assert meta["state_settings"] == ex.settings_digest(
+        backend="transformers", fingerprint=ex.model_fingerprint(tiny_model), layers=layers, dtype="float32",
+        final_norm="post", final_states="all", aux_format="same")
 
     model, _ = loaded
     for n, r in enumerate(rows):
@@ -108,34 +169,135 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
         torch.testing.assert_close(t["hidden_states"][s:e], hs[-1][0], atol=1e-5, rtol=1e-5)
         assert (t["hidden_states"][s:e] - hs[-2][0]).abs().max() > 1e-2  # post-norm, not the last layer's raw output
 
+    # the reader gives the same per sample, memory-mapped
+    with ex.StatesFile(out) as sf:
+        assert sf.index["s3"] == 3 and sf.same_settings(meta["state_settings"])
+        one = sf.sample(3)
+        s, e = off[3].item(), off[4].item()
+        assert torch.equal(one["aux_hidden_states"], t["aux_hidden_states"][s:e])
+        assert one["input_ids"].tolist() == rows[3]["input_ids"]
+
 
 def test_batched_equals_one_at_a_time_and_default_layers(tmp_path, tiny_model, loaded, merged):
     path, rows = merged
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    ia = ex.extract(path, a, model_path=tiny_model, batch_tokens=4096, model=loaded)
-    ib = ex.extract(path, b, model_path=tiny_model, batch_tokens=1, model=loaded)
+    ia = ex.extract_states(path, a, model_path=tiny_model, batch_tokens=4096, model=loaded)
+    ib = ex.extract_states(path, b, model_path=tiny_model, batch_tokens=1, model=loaded)
     assert ia["batches"] < ib["batches"] == len(rows)
     assert ia["layers"] == [1, 2]
     ta, ma = ex.read_hidden_states(a)
-    tb, mb = ex.read_hidden_states(b)
+    tb_, mb = ex.read_hidden_states(b)
     assert ta["aux_hidden_states"].shape == (ia["num_tokens"], 2 * H)
     for k in ta:
-        torch.testing.assert_close(ta[k], tb[k], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ta[k], tb_[k], atol=1e-5, rtol=1e-5)
     assert ma == mb
+
+
+def test_rerun_forwards_only_new_or_longer_samples(tmp_path, tiny_model, loaded):
+    """The GPU-work contract of a rerun: equal samples are copied byte for byte, truncations are cut from the
+    stored rows, and only samples never computed (or now longer) pass through the model."""
+    rows = make_rows(10, seed=5)
+    sel = write_selection(tmp_path / "sel.parquet", rows)
+    out, stash = tmp_path / "hs" / "d" / "000.safetensors", tmp_path / "cache" / "d" / "000.safetensors"
+    kw = dict(model_path=tiny_model, layers=[1, 3, 4], batch_tokens=200, model=loaded)
+    counter = TokenCounter(loaded[1])
+    try:
+        first = ex.extract_states(sel, out, reuse_path=stash, **kw)
+        all_tokens = sum(r["num_tokens"] for r in rows)
+        assert counter.tokens == first["forwarded_tokens"] == all_tokens
+        # the job keeps a hard link of its output: same inode, no extra space
+        assert os.stat(out).st_ino == os.stat(stash).st_ino
+        old = {k: v.clone() for k, v in ex.read_hidden_states(out)[0].items()}
+        old_off = old["sample_offsets"].tolist()
+
+        # Snakemake deletes the output before rerunning; the selection changes: one sample dropped (cap), one
+        # cut (max_len), one new (a retried request), the rest the same
+        os.unlink(out)
+        new_row = make_rows(1, seed=99, prefix="new")[0]
+        c = max(range(len(rows)), key=lambda k: rows[k]["num_tokens"])  # cut the longest
+        n_cut = rows[c]["num_tokens"] // 2
+        cut = dict(rows[c], input_ids=rows[c]["input_ids"][:n_cut], loss_mask=rows[c]["loss_mask"][:n_cut],
+                   num_tokens=n_cut, num_supervised=sum(rows[c]["loss_mask"][:n_cut]), truncated=True)
+        if cut["num_supervised"] == 0:  # merge would drop it; give it a (different) mask: not reusable
+            cut["loss_mask"] = [0] * (n_cut - 1) + [1]
+            cut["num_supervised"] = 1
+        drop = 2 if c != 2 else 3
+        new_rows = [r for k, r in enumerate(rows) if k not in (drop, c)] + [cut, new_row]
+        sel2 = write_selection(tmp_path / "sel2.parquet", new_rows)
+        counter.tokens = 0
+        second = ex.extract_states(sel2, out, reuse_path=stash, **kw)
+        changed = new_row["num_tokens"] + (n_cut if cut["loss_mask"] != rows[c]["loss_mask"][:n_cut] else 0)
+        assert counter.tokens == second["forwarded_tokens"] == changed
+        assert second["reused_tokens"] == sum(r["num_tokens"] for r in new_rows) - changed
+        t2, _ = ex.read_hidden_states(out)
+        off2 = t2["sample_offsets"].tolist()
+        old_pos = {r["sample_id"]: k for k, r in enumerate(rows)}
+        for k, r in enumerate(new_rows):
+            s, e = off2[k], off2[k + 1]
+            if r["sample_id"] in old_pos and (r is not cut or changed == new_row["num_tokens"]):
+                j = old_pos[r["sample_id"]]  # reused (whole, or the truncation's prefix): the very same bytes
+                assert torch.equal(t2["aux_hidden_states"][s:e], old["aux_hidden_states"][old_off[j]:old_off[j] + e - s])
+                assert torch.equal(t2["hidden_states"][s:e], old["hidden_states"][old_off[j]:old_off[j] + e - s])
+            ref = reference_states(loaded[0], r["input_ids"])  # and every sample still equals a fresh forward
+            torch.testing.assert_close(t2["aux_hidden_states"][s:e, H:2 * H], ref[4][0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(t2["hidden_states"][s:e], ref[-1][0], atol=1e-5, rtol=1e-5)
+        assert os.stat(out).st_ino == os.stat(stash).st_ino  # the link follows the new file
+
+        # the same selection again, nothing stored but the link: nothing forwarded, no model needed
+        os.unlink(out)
+        counter.tokens = 0
+        third = ex.extract_states(sel2, out, reuse_path=stash, model_path=tiny_model, layers=[1, 3, 4],
+                                  batch_tokens=200)
+        assert counter.tokens == 0 and third["forwarded_tokens"] == 0 and third["device"] == "none"
+        assert torch.equal(ex.read_hidden_states(out)[0]["aux_hidden_states"], t2["aux_hidden_states"])
+
+        # other settings (layers): nothing reusable, everything forwarded
+        counter.tokens = 0
+        fourth = ex.extract_states(sel2, tmp_path / "other.safetensors", reuse_path=stash,
+                                   **dict(kw, layers=[0, 2, 4]))
+        assert fourth["reused_tokens"] == 0 and counter.tokens == sum(r["num_tokens"] for r in new_rows)
+    finally:
+        counter.remove()
+
+
+def test_reuse_keeps_storage_savers_exact(tmp_path, tiny_model):
+    """fp8 auxiliary states and supervised-only final rows are copied byte for byte, truncations included."""
+    loaded16 = tb.load_target(tiny_model, dtype="bfloat16", device="cpu")
+    rows = make_rows(6, seed=8)
+    kw = dict(model_path=tiny_model, layers=[1, 2, 3], dtype="bfloat16", model=loaded16,
+              final_states="supervised", aux_format="fp8_e4m3")
+    a = tmp_path / "a.safetensors"
+    ex.extract_states(write_selection(tmp_path / "a.parquet", rows), a, **kw)
+    longest = max(range(len(rows)), key=lambda k: rows[k]["num_tokens"])
+    r = rows[longest]
+    n = r["num_tokens"] - 2
+    cut = dict(r, input_ids=r["input_ids"][:n], loss_mask=r["loss_mask"][:n], num_tokens=n,
+               num_supervised=sum(r["loss_mask"][:n]), truncated=True)
+    ta, _ = ex.load_states(a)
+    b = tmp_path / "b.safetensors"
+    info = ex.extract_states(write_selection(tmp_path / "b.parquet", [cut]), b, reuse_path=a, **kw)
+    assert info["forwarded_tokens"] == 0 and info["reused_tokens"] == n
+    assert os.stat(a).st_ino == os.stat(b).st_ino  # reuse_path now links the new output
+    tb_, meta = ex.load_states(b)
+    s = ta["sample_offsets"][longest].item()
+    assert meta["aux_format"] == "fp8_e4m3" and meta["final_states"] == "supervised"
+    assert torch.equal(tb_["aux_hidden_states"], ta["aux_hidden_states"][s:s + n])
+    assert torch.equal(tb_["final_mask"], ta["final_mask"][s:s + n])
+    assert torch.equal(tb_["hidden_states"], ta["hidden_states"][s:s + n])
 
 
 def test_bf16_and_crash_leaves_no_file(tmp_path, tiny_model, merged, monkeypatch):
     path, rows = merged
-    loaded16 = ex.load_target(tiny_model, dtype="bfloat16", device="cpu")
+    loaded16 = tb.load_target(tiny_model, dtype="bfloat16", device="cpu")
     out = tmp_path / "bf.safetensors"
-    ex.extract(path, out, model_path=tiny_model, layers=[1, 2, 3], dtype="bfloat16", model=loaded16)
+    ex.extract_states(path, out, model_path=tiny_model, layers=[1, 2, 3], dtype="bfloat16", model=loaded16)
     t, meta = ex.read_hidden_states(out)
     assert t["aux_hidden_states"].dtype == torch.bfloat16 and meta["dtype"] == "bfloat16"
     assert torch.isfinite(t["aux_hidden_states"].float()).all()
 
     # a crash mid-shard: no output, no leftover temporary file
     calls = {"n": 0}
-    real = ex._Capture._hook
+    real = tb.Capture._hook
 
     def flaky(self, key):
         fn = real(self, key)
@@ -149,27 +311,43 @@ def test_bf16_and_crash_leaves_no_file(tmp_path, tiny_model, merged, monkeypatch
 
         return wrapped
 
-    monkeypatch.setattr(ex._Capture, "_hook", flaky)
+    monkeypatch.setattr(tb.Capture, "_hook", flaky)
     crash = tmp_path / "crash" / "000.safetensors"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        ex.extract(path, crash, model_path=tiny_model, batch_tokens=128, model=loaded16)
+        ex.extract_states(path, crash, model_path=tiny_model, batch_tokens=128, model=loaded16, dtype="bfloat16")
     assert not crash.exists()
     assert list(crash.parent.iterdir()) == []
 
 
-def test_empty_shard_and_bad_ids(tmp_path, tiny_model, loaded):
-    empty = tmp_path / "empty.parquet"
-    schemas.write_checked(schemas.empty(schemas.MERGED), "merged", empty)
+def test_empty_selection_and_bad_ids(tmp_path, tiny_model, loaded):
+    empty = write_selection(tmp_path / "empty.parquet", [])
     out = tmp_path / "empty.safetensors"
-    info = ex.extract(empty, out, model_path=tiny_model, model=loaded)
+    info = ex.extract_states(empty, out, model_path=tiny_model, model=loaded)
     t, meta = ex.read_hidden_states(out)
     assert info["num_tokens"] == 0 and t["aux_hidden_states"].shape == (0, 2 * H)
     assert t["sample_offsets"].tolist() == [0] and meta["num_samples"] == "0"
 
-    bad = tmp_path / "bad.parquet"
-    schemas.write_checked(schemas.from_rows([{"sample_id": "x", "dataset": "d", "input_ids": [1, V + 5],
-                                              "loss_mask": [0, 1], "num_tokens": 2, "num_supervised": 1,
-                                              "truncated": False}], schemas.MERGED), "merged", bad)
+    bad = write_selection(tmp_path / "bad.parquet", [{"sample_id": "x", "dataset": "d", "input_ids": [1, V + 5],
+                                                      "loss_mask": [0, 1], "num_tokens": 2, "num_supervised": 1,
+                                                      "truncated": False}])
     with pytest.raises(ValueError, match="vocabulary"):
-        ex.extract(bad, tmp_path / "bad.safetensors", model_path=tiny_model, model=loaded)
+        ex.extract_states(bad, tmp_path / "bad.safetensors", model_path=tiny_model, model=loaded)
     assert not (tmp_path / "bad.safetensors").exists()
+    with pytest.raises(ValueError, match="backend"):
+        ex.extract_states(empty, out, model_path=tiny_model, backend="vllm")
+
+
+def test_keep_link_across_filesystems_turns_reuse_off(tmp_path, monkeypatch):
+    from eagle3_data.extract import stage
+
+    out, link = tmp_path / "out.bin", tmp_path / "cache" / "out.bin"
+    out.write_bytes(b"new")
+    link.parent.mkdir()
+    link.write_bytes(b"old")  # an older link must not keep its disk space when no new link can be made
+
+    def exdev(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(stage.os, "link", exdev)
+    assert stage.keep_link(out, link) is False
+    assert not link.exists() and out.read_bytes() == b"new"

@@ -12,8 +12,10 @@ import torch
 
 from conftest import save_tiny_llama
 from eagle3_data import extract as ex
-from eagle3_data import extract_sglang as sx
 from eagle3_data import schemas
+from eagle3_data.extract import batching
+from eagle3_data.extract import sglang_backend as sx
+from eagle3_data.extract.transformers_backend import load_target
 
 H, L, V = 32, 8, 300
 LAYERS = [1, 3, 4]
@@ -59,7 +61,7 @@ def hf_capture(model, layers, short_by=0):
 
 def test_importable_without_sglang_and_server_args():
     code = ("import sys; sys.modules['sglang'] = None\n"
-            "import eagle3_data.extract_sglang as m; print(m.sglang_available())")
+            "import eagle3_data.extract.sglang_backend as m; print(m.sglang_available())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     args = sx.server_args("/m", tp_size=8, max_len=4096, batch_tokens=1000)
@@ -72,7 +74,7 @@ def test_importable_without_sglang_and_server_args():
 
 def test_token_batches_and_check_capture():
     lengths = [5, 100, 7, 30, 31, 2, 99, 400]
-    batches = sx.token_batches(lengths, 128)
+    batches = batching.packed_batches(lengths, 128)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     assert all(len(b) == 1 or sum(lengths[i] for i in b) <= 128 for b in batches)
     ok = [torch.zeros(3, 2 * 4)], [torch.zeros(3, 4)]
@@ -85,27 +87,28 @@ def test_token_batches_and_check_capture():
 
 def test_fake_capture_writes_the_transformers_file(tmp_path, tiny_model, merged):
     path, rows = merged
-    loaded = ex.load_target(tiny_model, dtype="float32", device="cpu")
+    loaded = load_target(tiny_model, dtype="float32", device="cpu")
     ref = tmp_path / "hf.safetensors"
-    ex.extract(path, ref, model_path=tiny_model, layers=LAYERS, model=loaded)
+    ex.extract_states(path, ref, model_path=tiny_model, layers=LAYERS, model=loaded)
     out = tmp_path / "sg.safetensors"
-    info = sx.extract_sglang(path, out, model_path=tiny_model, layers=LAYERS, dtype="float32", batch_tokens=100,
-                             capture=hf_capture(loaded[0], LAYERS))
+    info = ex.extract_states(path, out, model_path=tiny_model, layers=LAYERS, dtype="float32", batch_tokens=100,
+                             backend="sglang", capture=hf_capture(loaded[0], LAYERS))
     assert info["backend"] == "sglang" and info["batches"] > 1
     ta, ma = ex.read_hidden_states(ref)
     tb, mb = ex.read_hidden_states(out)
     for k in ta:
         torch.testing.assert_close(ta[k], tb[k], atol=1e-5, rtol=1e-5)
     assert mb["backend"] == "sglang" and mb["layers"] == ma["layers"] and mb["sample_ids"] == ma["sample_ids"]
+    assert mb["state_settings"] != ma["state_settings"]  # rows of one backend are never reused for the other
 
     # a short capture (prefix-cache symptom) fails the shard and leaves no file
     bad = tmp_path / "bad" / "000.safetensors"
     with pytest.raises(RuntimeError, match="capture length must equal input length"):
-        sx.extract_sglang(path, bad, model_path=tiny_model, layers=LAYERS, dtype="float32",
+        ex.extract_states(path, bad, model_path=tiny_model, layers=LAYERS, dtype="float32", backend="sglang",
                           capture=hf_capture(loaded[0], LAYERS, short_by=1))
     assert not bad.exists() and list(bad.parent.iterdir()) == []
     with pytest.raises(ValueError, match="post-norm"):
-        ex.extract(path, bad, model_path=tiny_model, backend="sglang", final_norm="pre")
+        ex.extract_states(path, bad, model_path=tiny_model, backend="sglang", final_norm="pre")
 
 
 @pytest.mark.gpu
@@ -114,10 +117,10 @@ def test_sglang_matches_transformers_on_gpu(tmp_path, tiny_model, merged):
         pytest.skip("needs a CUDA device and sglang (envs/sglang-gpu.yaml)")
     path, rows = merged
     ref = tmp_path / "hf.safetensors"
-    ex.extract(path, ref, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", device="cuda", gpus=1)
+    ex.extract_states(path, ref, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", device="cuda", gpus=1)
     out = tmp_path / "sg.safetensors"
-    info = ex.extract(path, out, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", device="cuda", gpus=1,
-                      backend="sglang")
+    info = ex.extract_states(path, out, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", device="cuda",
+                             gpus=1, backend="sglang")
     assert info["num_tokens"] == sum(len(r["input_ids"]) for r in rows)
     ta, _ = ex.read_hidden_states(ref)
     tb, mb = ex.read_hidden_states(out)

@@ -98,8 +98,13 @@ def reference_merge(rows, *, k, datasets=None, max_samples=None, max_len, overfl
     return shards
 
 
-def read_shards(paths):
-    return [pq.read_table(p).to_pylist() for p in paths]
+def read_shards(paths, keep_source=False):
+    """Rows of each merged shard; ``source`` (the key of the validated file a row came from, which names the
+    input files) dropped unless asked for."""
+    shards = [pq.read_table(p).to_pylist() for p in paths]
+    if not keep_source:
+        shards = [[{k: v for k, v in r.items() if k != "source"} for r in s] for s in shards]
+    return shards
 
 
 def test_matches_reference_and_is_independent_of_input_sharding(tmp_path):
@@ -115,6 +120,12 @@ def test_matches_reference_and_is_independent_of_input_sharding(tmp_path):
 
     got1, got7 = read_shards(outs1), read_shards(outs7)
     assert got1 == got7
+    # each row names the validated file it came from (its selection key: the path without .parquet)
+    where = {}
+    for p in sorted((tmp_path / "seven").glob("*.parquet")):
+        for r in pq.read_table(p, columns=["sample_id"]).to_pylist():
+            where[r["sample_id"]] = str(p.with_suffix(""))
+    assert all(r["source"] == where[r["sample_id"]] for s in read_shards(outs7, keep_source=True) for r in s)
     expected = reference_merge(rows, k=3, **settings)
     assert got1 == expected
     assert man1["shards"] == [dict(s, path=str(o)) for s, o in zip(man7["shards"], outs1)]

@@ -98,7 +98,8 @@ def test_bytes_per_token_and_model_dims(tmp_path):
     assert fp8["aux"] == 3 * 4096 + 12 and fp8["final"] == 4096 * 2 * 0.25 + 1
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 4096}))
     assert pl.model_dims(tmp_path)["num_layers"] == 32
-    assert pl.model_dims(KIMI_K25) == {"num_layers": 61, "hidden_size": 7168, "model_type": "kimi_k2"}
+    assert pl.model_dims(KIMI_K25) == {"num_layers": 61, "hidden_size": 7168, "model_type": "kimi_k2",
+                                       "vocab_size": KIMI_K25["text_config"].get("vocab_size", 0)}
     with pytest.raises(KeyError, match="num_hidden_layers"):
         pl.model_dims({"foo": 1})
     with pytest.raises(ValueError, match="throughput"):

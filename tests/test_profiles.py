@@ -8,6 +8,7 @@ copy whose inputs exist as placeholders); the test checks the sbatch lines.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import stat
@@ -40,7 +41,7 @@ ANSWERS = {
     "sshare": "echo myproj",
 }
 
-EXTRACT = "results/hidden_states/000.safetensors"
+EXTRACT = "results/hidden_states/sharegpt_demo/000.safetensors"
 GENERATE = "results/sharegpt_demo/responses/000.parquet"
 
 
@@ -73,11 +74,22 @@ def _opt(argv: list[str], flag: str) -> str | None:
 def submitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm")
     work = copy_workflow(tmp / "w")
-    # placeholder inputs: with --allowed-rules nothing upstream is scheduled, and the jobs never run
-    for f in ("results/merged/000.parquet", "results/sharegpt_demo/prompts/000.parquet",
-              "results/target/tiny-kimi/config.json"):
+    # placeholder files for every stage up to the merge checkpoint, oldest first: with --allowed-rules nothing
+    # upstream is scheduled and the jobs never run; the manifest gives the extract job its selection digest
+    cfg = yaml.safe_load((work / "config.yaml").read_text())
+    shards = [(ds, f"{s:03d}") for ds, d in cfg["datasets"].items() for s in range(d.get("shards", 1))]
+    placeholders = ["results/target/tiny-kimi/config.json"]
+    placeholders += [f"results/{ds}/rejected/normalize.parquet" for ds in cfg["datasets"]]
+    for stage in ("prompts", "responses", "tokens", "validated", "rejected"):
+        placeholders += [f"results/{ds}/{stage}/{s}.parquet" for ds, s in shards]
+    placeholders += [f"results/{ds}/responses/{s}.json" for ds, s in shards]
+    placeholders += [f"results/merged/{k:03d}.parquet" for k in range(cfg["merge"]["shards"])]
+    placeholders += [f"results/merged/selection/{ds}/{s}.parquet" for ds, s in shards]
+    for f in placeholders:
         (work / f).parent.mkdir(parents=True, exist_ok=True)
         (work / f).touch()
+    (work / "results/merged/manifest.json").write_text(
+        json.dumps({"selections": {f"{ds}/{s}": {"digest": f"{ds}/{s}"} for ds, s in shards}}))
     record = tmp / "record"
     record.mkdir()
     _standins(tmp / "bin")
@@ -85,10 +97,12 @@ def submitted(tmp_path_factory):
     env["PATH"] = f"{tmp / 'bin'}{os.pathsep}{env['PATH']}"
     env["SLURM_STANDIN_DIR"] = str(record)
     env["EAGLE3_SLURM_ACCOUNT"] = "myproj"
-    cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", "profiles/slurm", "--force",
-           "--allowed-rules", "extract", "generate", "--slurm-init-seconds-before-status-checks", "1",
-           "--latency-wait", "1", "--retries", "0", "--", EXTRACT, GENERATE]
-    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    # one run per target: a forced generate would otherwise hold back the extract job behind the merge checkpoint
+    for rule, target in (("extract", EXTRACT), ("generate", GENERATE)):
+        cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", "profiles/slurm", "--force",
+               "--allowed-rules", rule, "--slurm-init-seconds-before-status-checks", "1",
+               "--latency-wait", "1", "--retries", "0", "--", target]
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
     sb = _calls(record, "sbatch")
     assert len(sb) == 2, f"expected 2 sbatch calls, got {len(sb)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     jobs = {}
@@ -118,7 +132,7 @@ def test_extract_job_asks_for_a_gpu_on_the_gpu_partition(submitted):
     assert _opt(argv, "--cpus-per-task") == "8"
     assert not any(a.startswith("--gres") for a in argv)
     wrap = _opt(argv, "--wrap")
-    assert "--target-jobs 'extract:k=000'" in wrap and "--executor slurm-jobstep" in wrap
+    assert "--target-jobs 'extract:ds=sharegpt_demo,shard=000'" in wrap and "--executor slurm-jobstep" in wrap
 
 
 def test_generate_job_is_a_long_cpu_job(submitted):

@@ -21,6 +21,8 @@ def test_plan_vocab_and_export_outputs_of_the_demo(demo_run: Path):
     )
     plan = json.loads((wd / "results/reports/plan.json").read_text())
     assert plan["totals"]["tokens"] == man["totals"]["tokens"] == merged_tokens
+    assert {s["job"] for s in plan["shards"]} == set(man["selections"])  # one row per extraction job
+    assert sum(s["tokens"] for s in plan["shards"]) == merged_tokens
     assert plan["throughput"]["source"] == "measured" and plan["throughput"]["tokens_per_s_per_gpu"] > 0
     assert [s["name"] for s in plan["scenarios"]][:2] == ["as merged", "cap 1,024"]
 

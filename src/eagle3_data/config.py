@@ -1,7 +1,12 @@
 """Config slices: what each rule gets from ``config.yaml`` (after schema validation).
 
-Rules pass exactly these slices as ``params:``, so a change reruns only the rules that depend on it
-(e.g. ``merge.max_len`` reruns merge and below, never generation).
+Rules pass exactly these slices as ``params:`` — the settings a stage's OUTPUT depends on — so a change
+reruns only the rules whose output it changes (e.g. ``merge.max_len`` reruns merge and below, never
+generation). Settings that change how a stage runs but not what it writes (concurrency, timeouts, rate
+limits, headers, key variable names, launch commands, retries, devices, batch sizes, memory, reject
+ceilings) are never params: the stage's script reads them from ``snakemake.config`` at run time, so
+changing them reruns nothing. :data:`RERUNS` lists, for every config key, what its change reruns; the
+README's table is generated from it and a test checks both against the schema and dry runs.
 """
 
 from __future__ import annotations
@@ -53,6 +58,239 @@ def shard_names(config: dict, ds: str) -> list[str]:
 def generation_config(config: dict, ds: str) -> dict:
     """The generation settings of ``ds``: the global ``generation`` defaults overridden by the dataset's."""
     return deep_merge(config.get("generation") or {}, config["datasets"][ds].get("generation"))
+
+
+#: generation keys that shape the requests and which samples are sent (the rest: retries, transport)
+GENERATION_DATA_KEYS = ("backends", "mode", "max_tokens", "temperature", "top_p", "extra_body", "max_samples",
+                        "budget_completion_tokens", "budget_usd")
+#: backend keys that say which endpoint answers and how a request body is shaped (the rest: transport)
+BACKEND_DATA_KEYS = ("type", "base_url", "model", "extra_body", "provider", "reasoning", "native_generate",
+                     "cost_lookup")
+#: target keys the prompt rendering and reconstruction depend on (``tiny`` is rule tiny_target's)
+TARGET_DATA_KEYS = ("name", "path", "trust_remote_code", "template", "chat_template_kwargs", "build_tiny")
+#: validate keys that decide which rows are rejected (``max_reject_rate`` and ``aggregate_rel`` only decide
+#: whether the job fails)
+VALIDATE_DATA_KEYS = ("keep_truncated", "max_tokens")
+#: merge keys that decide the merged rows (``memory_mb``, ``threads``: resources)
+MERGE_DATA_KEYS = ("datasets", "max_samples", "max_len", "overflow", "seed", "shards")
+#: extract keys the stored values depend on (the rest: devices, batch size, attention path, locks)
+EXTRACT_STATE_KEYS = ("backend", "layers", "dtype", "final_norm", "final_states", "aux_format")
+
+DEFAULTS = {
+    "validate": {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
+                 "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}},
+    "merge": {"datasets": None, "max_samples": {}, "overflow": "truncate", "memory_mb": 4000, "threads": 2},
+    "extract": {"backend": "transformers", "layers": None, "dtype": "bfloat16", "device": "auto",
+                "gpus_per_job": 1, "batch_tokens": 8192, "final_norm": "post", "final_states": "all",
+                "aux_format": "same", "gpu_lock_dir": None},
+    "normalize": {"max_reject_rate": 0.5},
+}
+
+
+_BELOW_MERGE = "merge; extract where a selection's samples change; export, plan, vocab"
+_GEN_CHAIN = ("generate of the datasets using it (only requests the journal lacks are sent), then their tokenize "
+              "and validate, report, view, " + _BELOW_MERGE)
+_DS_CHAIN = "the dataset's own chain (normalize or generate onward), report, view, " + _BELOW_MERGE
+NOTHING = "nothing"
+
+#: For every config key, what changing it reruns (leaves: the key; ``*`` covers every key under a prefix). The
+#: README's table is rendered from this; tests/test_config.py checks every schema key has an entry and
+#: tests/test_workflow.py checks the claims with dry runs of the demo build.
+RERUNS: list[tuple[str, str]] = [
+    ("cache_dir", NOTHING + " (move the directory with it: it holds the journals and the extraction links)"),
+    ("target.name", "generate of every generated dataset (the journal is keyed by the target: new requests), "
+                    "tokenize, validate, report, view, " + _BELOW_MERGE),
+    ("target.path", "tokenize, validate (the tokenizer), report, view, " + _BELOW_MERGE + " (every selection: another "
+                    "checkpoint; rows are reused only if its weights are the same); generate only for "
+                    "native_generate backends"),
+    ("target.build_tiny", "tiny_target, then as target.path"),
+    ("target.trust_remote_code", "tokenize, validate, report, view, " + _BELOW_MERGE),
+    ("target.template", "tokenize, validate, report, view, " + _BELOW_MERGE),
+    ("target.chat_template_kwargs", "tokenize, validate, report, view, " + _BELOW_MERGE),
+    ("target.tiny.*", "tiny_target (the demo's target), then everything that reads it"),
+    ("backends.<name>.type", _GEN_CHAIN),
+    ("backends.<name>.base_url", "as backends.<name>.type"),
+    ("backends.<name>.model", "as backends.<name>.type"),
+    ("backends.<name>.extra_body", "as backends.<name>.type"),
+    ("backends.<name>.provider", "as backends.<name>.type"),
+    ("backends.<name>.reasoning", "as backends.<name>.type"),
+    ("backends.<name>.native_generate", "as backends.<name>.type"),
+    ("backends.<name>.cost_lookup", "as backends.<name>.type"),
+    ("backends.<name>.api_key_env", NOTHING),
+    ("backends.<name>.max_concurrency", NOTHING),
+    ("backends.<name>.timeout_s", NOTHING),
+    ("backends.<name>.requests_per_minute", NOTHING),
+    ("backends.<name>.tokens_per_minute", NOTHING),
+    ("backends.<name>.headers", NOTHING),
+    ("backends.<name>.cost_lookup_delay_s", NOTHING),
+    ("backends.<name>.launch.*", NOTHING + " (adding or removing launch: as base_url)"),
+    ("generation.backends", "generate of the datasets that don't set their own (only requests the journal lacks "
+                            "are sent), then as backends.<name>.type"),
+    ("generation.mode", "generate of the datasets that don't set their own (new requests), then " + _DS_CHAIN),
+    ("generation.max_tokens", "as generation.mode"),
+    ("generation.temperature", "as generation.mode"),
+    ("generation.top_p", "as generation.mode"),
+    ("generation.extra_body", "as generation.mode"),
+    ("generation.max_samples", "generate of the datasets that don't set their own (a larger cap sends only the "
+                               "new requests), then " + _DS_CHAIN),
+    ("generation.budget_completion_tokens", "as generation.max_samples"),
+    ("generation.budget_usd", "as generation.max_samples"),
+    ("generation.max_retries", NOTHING + " (`snakemake --forcerun generate` retries failed requests)"),
+    ("generation.retry_initial_s", NOTHING),
+    ("generation.retry_max_s", NOTHING),
+    ("datasets.<name>.source.format", _DS_CHAIN),
+    ("datasets.<name>.source.path", _DS_CHAIN),
+    ("datasets.<name>.source.max_samples", _DS_CHAIN),
+    ("datasets.<name>.source.options", _DS_CHAIN),
+    ("datasets.<name>.source.max_reject_rate", NOTHING),
+    ("datasets.<name>.shards", _DS_CHAIN + " (every selection of the dataset is new: its states are recomputed)"),
+    ("datasets.<name>.generation.max_retries", NOTHING),
+    ("datasets.<name>.generation.retry_initial_s", NOTHING),
+    ("datasets.<name>.generation.retry_max_s", NOTHING),
+    ("datasets.<name>.generation.*", "as generation.<key>, for that dataset only"),
+    ("normalize.max_reject_rate", NOTHING),
+    ("validate.max_reject_rate", NOTHING),
+    ("validate.count_tolerance.aggregate_rel", NOTHING),
+    ("validate.keep_truncated", "validate of every shard, report, view, " + _BELOW_MERGE),
+    ("validate.count_tolerance.per_sample_abs", "as validate.keep_truncated"),
+    ("validate.count_tolerance.per_sample_rel", "as validate.keep_truncated"),
+    ("validate.max_tokens", "as validate.keep_truncated"),
+    ("merge.datasets", _BELOW_MERGE),
+    ("merge.max_samples", _BELOW_MERGE + " (a lower cap forwards nothing; a higher one only the samples added)"),
+    ("merge.max_len", _BELOW_MERGE + " (a lower cap forwards nothing: a truncation's states are a prefix of the "
+                      "stored ones)"),
+    ("merge.overflow", _BELOW_MERGE),
+    ("merge.seed", "merge, export, plan, vocab (no extraction: the selections are the same)"),
+    ("merge.shards", "merge, export, plan, vocab (no extraction)"),
+    ("merge.memory_mb", NOTHING),
+    ("merge.threads", NOTHING),
+    ("extract.backend", "extract (every selection; nothing reusable), export, plan"),
+    ("extract.layers", "as extract.backend"),
+    ("extract.dtype", "as extract.backend"),
+    ("extract.final_norm", "as extract.backend"),
+    ("extract.final_states", "as extract.backend"),
+    ("extract.aux_format", "as extract.backend"),
+    ("extract.gpus_per_job", "plan (wall hours)"),
+    ("extract.device", NOTHING + " (plan, when it measures the throughput)"),
+    ("extract.batch_tokens", NOTHING + " (plan, when it measures the throughput)"),
+    ("extract.gpu_lock_dir", NOTHING),
+    ("export.layouts", "export of the layouts added"),
+    ("export.group_size", "export"),
+    ("export.allow_norm_mismatch", NOTHING),
+    ("plan.*", "plan"),
+    ("vocab.draft_vocab_size", "vocab"),
+]
+
+
+def reruns_of(key: str) -> str | None:
+    """What changing config key ``key`` (a schema path such as ``backends.<name>.timeout_s``) reruns, from
+    :data:`RERUNS` (exact entries before ``prefix.*`` ones); None when no entry covers it."""
+    for k, v in RERUNS:
+        if k == key:
+            return v
+    for k, v in RERUNS:
+        if k.endswith(".*") and key.startswith(k[:-1]):
+            return v
+    return None
+
+
+def reruns_table() -> str:
+    """:data:`RERUNS` as a markdown table (the README's "What a config change reruns")."""
+    lines = ["| config key | a change reruns |", "|---|---|"]
+    lines += [f"| `{k}` | {v} |" for k, v in RERUNS]
+    return "\n".join(lines) + "\n"
+
+
+def section(config: dict, name: str) -> dict:
+    """``config[name]`` over :data:`DEFAULTS` (a missing or null section gives the defaults)."""
+    return deep_merge(DEFAULTS.get(name, {}), config.get(name) or {})
+
+
+#: source keys the prompts depend on (``max_reject_rate`` only decides whether the job fails)
+SOURCE_DATA_KEYS = ("format", "path", "max_samples", "options")
+
+
+def source_data_settings(config: dict, ds: str) -> dict:
+    """The source keys of ``ds`` its normalized rows depend on (:data:`SOURCE_DATA_KEYS`)."""
+    src = config["datasets"][ds]["source"]
+    return {k: src.get(k) for k in SOURCE_DATA_KEYS}
+
+
+def normalize_reject_ceiling(config: dict, ds: str) -> float:
+    """The share of a dataset's source rows normalize may reject: ``datasets.<ds>.source.max_reject_rate``, else
+    ``normalize.max_reject_rate``."""
+    own = config["datasets"][ds]["source"].get("max_reject_rate")
+    return float(own if own is not None else section(config, "normalize")["max_reject_rate"])
+
+
+def generation_data_settings(config: dict, ds: str) -> dict:
+    """The generation settings of ``ds`` its responses depend on (:data:`GENERATION_DATA_KEYS`)."""
+    gen = generation_config(config, ds)
+    return {k: gen.get(k) for k in GENERATION_DATA_KEYS}
+
+
+def backends_data_settings(config: dict, ds: str) -> dict:
+    """Per backend ``ds`` uses (priority order): the keys that say which endpoint answers and how requests
+    are shaped (:data:`BACKEND_DATA_KEYS`); ``launch`` counts only as present or not."""
+    return {name: {**{k: b.get(k) for k in BACKEND_DATA_KEYS}, "launched": bool(b.get("launch"))}
+            for name, b in backends_config(config, ds).items()}
+
+
+def target_data_settings(config: dict) -> dict:
+    """The target keys prompt rendering and token reconstruction depend on (:data:`TARGET_DATA_KEYS`)."""
+    t = config["target"]
+    return {k: t.get(k) for k in TARGET_DATA_KEYS}
+
+
+def validate_data_settings(config: dict) -> dict:
+    """The validate keys that decide rejects: :data:`VALIDATE_DATA_KEYS` and the per-sample count tolerance."""
+    v = section(config, "validate")
+    tol = v.get("count_tolerance") or {}
+    return {**{k: v.get(k) for k in VALIDATE_DATA_KEYS},
+            "count_tolerance": {k: tol.get(k) for k in ("per_sample_abs", "per_sample_rel")}}
+
+
+def merge_data_settings(config: dict) -> dict:
+    """The merge keys the merged rows depend on (:data:`MERGE_DATA_KEYS`)."""
+    m = section(config, "merge")
+    return {k: m.get(k) for k in MERGE_DATA_KEYS}
+
+
+def plan_extract_settings(config: dict) -> dict:
+    """The extract keys the plan depends on: the stored layout (:data:`EXTRACT_STATE_KEYS`), ``gpus_per_job``
+    (wall hours) and, only when the plan measures the throughput itself (no ``plan.tokens_per_s_per_gpu``),
+    ``device`` and ``batch_tokens``."""
+    e = section(config, "extract")
+    keys = EXTRACT_STATE_KEYS + ("gpus_per_job",)
+    if not (config.get("plan") or {}).get("tokens_per_s_per_gpu"):
+        keys += ("device", "batch_tokens")
+    return {k: e.get(k) for k in keys}
+
+
+def extract_state_settings(config: dict) -> dict:
+    """The extract keys the stored hidden states depend on (:data:`EXTRACT_STATE_KEYS`)."""
+    e = section(config, "extract")
+    return {k: e.get(k) for k in EXTRACT_STATE_KEYS}
+
+
+_MANIFESTS: dict = {}
+
+
+def selection_digest(manifest_path, key: str) -> str:
+    """The digest of selection ``key`` (``"<dataset>/<shard>"``) in the merge manifest (read once per change of
+    the file). Raises KeyError naming the key and the manifest when the merge did not write that selection."""
+    p = Path(manifest_path)
+    st = p.stat()
+    cached = _MANIFESTS.get(str(p))
+    if cached is None or cached[0] != (st.st_mtime_ns, st.st_size):
+        import json
+
+        cached = ((st.st_mtime_ns, st.st_size), json.loads(p.read_text()).get("selections") or {})
+        _MANIFESTS[str(p)] = cached
+    try:
+        return cached[1][key]["digest"]
+    except KeyError:
+        raise KeyError(f"{manifest_path}: no selection {key!r} (rerun the merge)") from None
 
 
 def backends_config(config: dict, ds: str) -> dict:
@@ -174,18 +412,28 @@ def schema_reference(schema: dict) -> str:
 
 README_START = "<!-- config-reference:start -->"
 README_END = "<!-- config-reference:end -->"
+RERUNS_START = "<!-- reruns:start -->"
+RERUNS_END = "<!-- reruns:end -->"
+
+
+def _replace_between(text: str, start: str, end: str, body: str) -> str:
+    if start not in text or end not in text:
+        raise ValueError(f"README has no {start} ... {end} section")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}{end}{tail}"
 
 
 def readme_with_reference(readme: str, schema: dict) -> str:
-    """``readme`` with the text between the config-reference markers replaced by :func:`schema_reference`.
+    """``readme`` with the text between the config-reference markers replaced by :func:`schema_reference`, and
+    the text between the reruns markers (if present) by :func:`reruns_table`.
 
-    Raises ``ValueError`` if the markers are missing.
+    Raises ``ValueError`` if the config-reference markers are missing.
     """
-    if README_START not in readme or README_END not in readme:
-        raise ValueError(f"README has no {README_START} ... {README_END} section")
-    head, rest = readme.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    return f"{head}{README_START}\n{schema_reference(schema)}{README_END}{tail}"
+    text = _replace_between(readme, README_START, README_END, schema_reference(schema))
+    if RERUNS_START in text:
+        text = _replace_between(text, RERUNS_START, RERUNS_END, reruns_table())
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:

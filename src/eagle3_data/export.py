@@ -1,16 +1,22 @@
-"""Export stage: one extract file (a merged shard's hidden states) -> the per-sample files trainers read.
+"""Export stage: one merged shard (the shuffled order) -> the per-sample files trainers read.
+
+The hidden states live in one file per merge selection (``results/hidden_states/<dataset>/<shard>.safetensors``,
+written by the extract stage); a merged shard's ``source`` column names, for each row, the selection holding
+its states. Export walks the merged shard in order and reads each sample's rows from its selection's file
+(memory-mapped: a sample costs its own bytes), so the merged, shuffled set is an index over the extracted
+states and a reshuffle never re-extracts anything.
 
 Layouts (each file written to a temporary name and renamed; file names use the GLOBAL sample index, i.e.
-``start_index`` + the sample's row in the shard, so shards export independently into one directory):
+``start_index`` + the sample's row in the merged shard, so shards export independently into one directory):
 
-``specforge`` (SpecForge offline EAGLE-3 trainer, ``OfflineEagle3Dataset``; anchors.md section 1(f)):
+``specforge`` (SpecForge offline EAGLE-3 trainer, ``OfflineEagle3Dataset``):
     ``<out_dir>/rows_{g}-{g+group_size}/data_{i}.ckpt`` written with ``torch.save`` holding
     ``input_ids`` [T] int64, ``loss_mask`` [T] int64, ``aux_hidden_state`` [1, T, A*H] and ``hidden_state``
     [1, T, H] (post-norm final state) in the extract dtype. SpecForge finds ``*.ckpt`` recursively, so
     ``<out_dir>`` is its ``--train-hidden-states-path``. Needs ``final_norm == "post"`` (SpecForge applies the
     target lm_head to ``hidden_state`` directly).
 
-``speculators`` (vllm-project/speculators offline data, ``ArrowDataset`` + ``FileTransfer``; section 2(f)):
+``speculators`` (vllm-project/speculators offline data, ``ArrowDataset`` + ``FileTransfer``):
     ``<out_dir>/hidden_states/hs_{i}.safetensors`` holding ``token_ids`` [T] int64 and ``hidden_states``
     [T, A+1, H] (the A auxiliary layers then the final state; the trainer reads ``[:, :-1].flatten(1)`` and
     ``[:, -1]``). speculators takes ``loss_mask`` from its own arrow dataset, not from this file: each shard
@@ -19,7 +25,11 @@ Layouts (each file written to a temporary name and renamed; file names use the G
     target's norm before its lm_head); pass ``allow_norm_mismatch=True`` to export anyway.
 
 Storage savers are undone on export (fp8 auxiliary states dequantised to the extract dtype; final-state rows
-not stored are written as zeros: they are never read by the loss, see ``extract.supervised_final_mask``).
+not stored are written as zeros: they are never read by the loss, see ``extract.layout``).
+
+Staleness: with ``merge_manifest``, every hidden-states file read must carry the manifest's digest of its
+selection (the workflow reruns an extract job when that digest changes; a file computed for another
+selection, e.g. after ``--rerun-triggers mtime`` skipped the rerun, is refused by name).
 """
 
 from __future__ import annotations
@@ -29,9 +39,11 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from .extract import load_states
+from .extract.layout import StatesFile
 from .io import atomic_path, write_json, write_parquet
 
 log = logging.getLogger("eagle3_data.export")
@@ -51,32 +63,82 @@ def speculators_path(out_dir, index: int) -> Path:
     return Path(out_dir) / "hidden_states" / f"hs_{index}.safetensors"
 
 
+class StatesIndex:
+    """The hidden-states files of a merged set, opened on first use: ``get(source, sample_id)`` -> the sample's
+    tensors (``StatesFile.sample``). ``states_dir/<source>.safetensors`` holds selection ``source``.
+
+    With ``selections`` (the merge manifest's ``selections`` mapping) each file's ``selection_digest`` must
+    equal the manifest's, else ValueError naming the file (stale states)."""
+
+    def __init__(self, states_dir, selections: dict | None = None):
+        self.dir = Path(states_dir)
+        self.selections = selections
+        self.files: dict[str, StatesFile] = {}
+
+    def file(self, source: str) -> StatesFile:
+        f = self.files.get(source)
+        if f is None:
+            path = self.dir / f"{source}.safetensors"
+            if not path.is_file():
+                raise FileNotFoundError(f"export: no hidden states for selection {source!r}: {path} is missing")
+            f = StatesFile(path)
+            if self.selections is not None:
+                want = (self.selections.get(source) or {}).get("digest")
+                got = f.meta.get("selection_digest")
+                if want != got:
+                    raise ValueError(
+                        f"export: {path} holds the states of another selection (digest {got!r}, the merge says "
+                        f"{want!r}): re-extract it (snakemake --forcerun {path}); the extract rule reruns by itself "
+                        "unless --rerun-triggers leaves out params"
+                    )
+            self.files[source] = f
+        return f
+
+    def get(self, source: str, sample_id: str) -> tuple[dict, StatesFile]:
+        f = self.file(source)
+        j = f.index.get(sample_id)
+        if j is None:
+            raise KeyError(f"export: sample {sample_id!r} is not in {f.path}")
+        return f.sample(j), f
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+
+
 def export(
-    hidden_path,
+    merged_path,
     out_dir,
     *,
     layout: str,
+    states_dir,
+    merge_manifest=None,
     start_index: int = 0,
     group_size: int = 2000,
     manifest_path=None,
     allow_norm_mismatch: bool = False,
 ) -> dict:
-    """Write the samples of one extract file in a trainer's per-sample layout (module docstring).
+    """Write the samples of one merged shard, in its order, in a trainer's per-sample layout (module docstring).
 
     Args:
-        hidden_path: an extract safetensors file (``eagle3_data.extract`` layout, any storage saver).
+        merged_path: a MERGED parquet shard (``sample_id``, ``dataset``, ``input_ids``, ``source``).
         out_dir: the layout's root directory (shared by all shards).
         layout: ``specforge`` | ``speculators``.
+        states_dir: directory of the hidden-states files (``<states_dir>/<source>.safetensors``).
+        merge_manifest: the merge manifest (path or dict), to refuse stale hidden-states files.
         start_index: global index of this shard's first sample (samples of the merged shards before it;
             :func:`start_indices` computes it from the merge manifest).
         group_size: SpecForge's ``--file-group-size`` (files per ``rows_*`` directory).
         manifest_path: optional JSON written last (atomically): layout, source, start/end index, files,
             tokens, seconds. Snakemake uses it as the rule's output.
-        allow_norm_mismatch: export even when the file's ``final_norm`` is not what the trainer expects.
+        allow_norm_mismatch: export even when the files' ``final_norm`` is not what the trainer expects.
 
     Returns: the manifest dict.
 
-    Raises: ValueError (unknown layout, wrong final-norm convention, not an eagle3-data file).
+    Raises: ValueError (unknown layout, wrong final-norm convention, a stale or foreign hidden-states file, a
+        sample whose stored ids differ from the merged row's), FileNotFoundError / KeyError (a selection's file
+        or a sample missing).
     """
     import torch
 
@@ -85,73 +147,91 @@ def export(
     if start_index < 0 or group_size < 1:
         raise ValueError(f"export: start_index must be >= 0 and group_size >= 1, got {start_index}, {group_size}")
     t0 = time.perf_counter()
-    t, meta = load_states(hidden_path)
-    if not meta.get("format", "").startswith("eagle3-data/hidden-states"):
-        raise ValueError(f"{hidden_path}: not an eagle3-data hidden-states file (format={meta.get('format')!r})")
-    norm = meta.get("final_norm", "post")
-    if norm != REQUIRED_NORM[layout] and not allow_norm_mismatch:
-        raise ValueError(
-            f"{hidden_path}: final hidden state is {norm}-norm but {layout} expects {REQUIRED_NORM[layout]}-norm; "
-            f"extract with extract.final_norm: {REQUIRED_NORM[layout]} (or pass allow_norm_mismatch)"
-        )
-    H = int(meta["hidden_size"])
-    A = len(json.loads(meta["layers"]))
-    off = t["sample_offsets"].tolist()
-    n = len(off) - 1
-    sample_ids = json.loads(meta["sample_ids"])
-    datasets = json.loads(meta["datasets"])
+    table = pq.read_table(merged_path, columns=["sample_id", "dataset", "input_ids", "loss_mask", "source"])
+    sample_ids = table.column("sample_id").to_pylist()
+    datasets = table.column("dataset").to_pylist()
+    sources = table.column("source").to_pylist()
+    ids_col = table.column("input_ids").combine_chunks()
+    offs = ids_col.offsets.to_numpy()
+    flat_ids = ids_col.values.to_numpy(zero_copy_only=False)
+    selections = None
+    if merge_manifest is not None:
+        m = json.loads(Path(merge_manifest).read_text()) if not isinstance(merge_manifest, dict) else merge_manifest
+        selections = m.get("selections") or {}
+    index = StatesIndex(states_dir, selections)
     out_dir = Path(out_dir)
-    files = []
-    for j in range(n):
-        s, e = off[j], off[j + 1]
-        idx = start_index + j
-        ids = t["input_ids"][s:e].clone()
-        mask = t["loss_mask"][s:e].clone()
-        aux = t["aux_hidden_states"][s:e].clone()
-        fin = t["hidden_states"][s:e].clone()
-        if layout == "specforge":
-            path = specforge_path(out_dir, idx, group_size)
-            record = {"input_ids": ids, "loss_mask": mask, "aux_hidden_state": aux.unsqueeze(0),
-                      "hidden_state": fin.unsqueeze(0)}
-            with atomic_path(path) as tmp:
-                torch.save(record, tmp)
-        else:
-            from safetensors.torch import save_file
+    n = len(sample_ids)
+    files, tokens, norms, spec_rows = [], 0, set(), {"ids": [], "mask": []}
+    try:
+        for j in range(n):
+            if sources[j] is None:
+                raise ValueError(f"{merged_path}: row {j} ({sample_ids[j]!r}) has no source selection")
+            t, sf = index.get(sources[j], sample_ids[j])
+            norm = sf.meta.get("final_norm", "post")
+            if norm not in norms:
+                norms.add(norm)
+                if norm != REQUIRED_NORM[layout] and not allow_norm_mismatch:
+                    raise ValueError(
+                        f"{sf.path}: final hidden state is {norm}-norm but {layout} expects "
+                        f"{REQUIRED_NORM[layout]}-norm; extract with extract.final_norm: {REQUIRED_NORM[layout]} "
+                        "(or pass allow_norm_mismatch)"
+                    )
+            want = flat_ids[offs[j]:offs[j + 1]]
+            if not np.array_equal(t["input_ids"].numpy(), want):
+                raise ValueError(f"{sf.path}: sample {sample_ids[j]!r} holds other token ids than {merged_path} row {j}")
+            idx = start_index + j
+            L = len(want)
+            tokens += L
+            if layout == "specforge":
+                path = specforge_path(out_dir, idx, group_size)
+                record = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
+                          "aux_hidden_state": t["aux_hidden_states"].unsqueeze(0),
+                          "hidden_state": t["hidden_states"].unsqueeze(0)}
+                # through a file object: torch.save names the archive inside after a path's file name, which
+                # is a random temporary name here; "archive" keeps two exports of the same states byte-identical
+                with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+                    torch.save(record, fh)
+            else:
+                from safetensors.torch import save_file
 
-            path = speculators_path(out_dir, idx)
-            stacked = torch.cat([aux.reshape(e - s, A, H), fin.unsqueeze(1)], dim=1).contiguous()
-            with atomic_path(path) as tmp:
-                save_file({"token_ids": ids, "hidden_states": stacked}, str(tmp),
-                          metadata={"sample_id": sample_ids[j], "source": str(hidden_path)})
-        files.append(str(path))
+                H = int(sf.meta["hidden_size"])
+                A = len(json.loads(sf.meta["layers"]))
+                path = speculators_path(out_dir, idx)
+                stacked = torch.cat([t["aux_hidden_states"].reshape(L, A, H), t["hidden_states"].unsqueeze(1)],
+                                    dim=1).contiguous()
+                with atomic_path(path) as tmp:
+                    save_file({"token_ids": t["input_ids"], "hidden_states": stacked}, str(tmp),
+                              metadata={"sample_id": sample_ids[j], "source": str(sf.path)})
+                spec_rows["ids"].append(t["input_ids"].tolist())
+                spec_rows["mask"].append(t["loss_mask"].tolist())
+            files.append(str(path))
+    finally:
+        index.close()
     if layout == "speculators":
         table = pa.table({
             "index": pa.array(range(start_index, start_index + n), pa.int64()),
             "sample_id": pa.array(sample_ids, pa.string()),
             "dataset": pa.array(datasets, pa.string()),
-            "input_ids": pa.array([t["input_ids"][off[j]:off[j + 1]].tolist() for j in range(n)], pa.list_(pa.int64())),
-            "loss_mask": pa.array([t["loss_mask"][off[j]:off[j + 1]].tolist() for j in range(n)], pa.list_(pa.int64())),
-            "seq_len": pa.array([off[j + 1] - off[j] for j in range(n)], pa.int64()),
+            "input_ids": pa.array(spec_rows["ids"], pa.list_(pa.int64())),
+            "loss_mask": pa.array(spec_rows["mask"], pa.list_(pa.int64())),
+            "seq_len": pa.array([len(x) for x in spec_rows["ids"]], pa.int64()),
         })
         write_parquet(table, out_dir / f"samples_{start_index:09d}.parquet")
     manifest = {
         "layout": layout,
-        "source": str(hidden_path),
+        "source": str(merged_path),
         "out_dir": str(out_dir),
         "start_index": start_index,
         "end_index": start_index + n,
         "num_samples": n,
-        "num_tokens": int(off[-1]),
-        "final_norm": norm,
-        "aux_format_in_source": meta.get("aux_format", "same"),
-        "final_states_in_source": meta.get("final_states", "all"),
+        "num_tokens": tokens,
+        "final_norm": sorted(norms)[0] if len(norms) == 1 else sorted(norms),
         "files": files,
         "seconds": round(time.perf_counter() - t0, 3),
     }
     if manifest_path is not None:
         write_json(manifest, manifest_path)
-    log.info("exported %d samples (%d tokens) of %s as %s into %s", n, manifest["num_tokens"], hidden_path,
-             layout, out_dir)
+    log.info("exported %d samples (%d tokens) of %s as %s into %s", n, tokens, merged_path, layout, out_dir)
     return manifest
 
 

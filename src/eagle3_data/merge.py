@@ -1,14 +1,22 @@
-"""Merge stage: validated dataset shards -> deduplicated, length-capped, shuffled merged shards + manifest.
+"""Merge stage: validated dataset shards -> deduplicated, length-capped, shuffled merged shards, one selection
+per validated shard, and a manifest.
 
 Out of core: DuckDB plans the merge over the validated parquet files reading only ids, lengths and hashes
 (``sql/merge_plan.sql``), then streams the kept rows in shard order (``sql/merge_rows.sql``, an external
-sort that spills to disk past ``memory_limit``) into one parquet writer per merged shard. Python never
+sort that spills to disk past ``memory_limit``) into one parquet writer per merged shard, and again in
+validated-file order (``sql/merge_selection_rows.sql``) into one selection per validated file. Python never
 holds more than one record batch of token ids.
+
+Selections are what extraction forwards: one job per validated shard, re-run only when the manifest's digest
+of its selection (``sql/merge_selections.sql``) changes, so adding a dataset or retrying a request costs the
+GPU only the samples it changed, while the shuffle stays global. The merged shards are the shuffled order
+(the exports follow it); their ``source`` column says which selection, hence which hidden-states file, holds
+each row.
 
 Determinism: a sample's place depends only on ``(seed, dataset, sample_id)`` (shuffle key
 ``md5(seed, dataset, sample_id)``) and dedup keeps the first of equal ``input_ids`` in
-``(dataset, sample_id)`` order, so the merged shards are byte-for-byte the same whatever the number, names
-or order of the input files.
+``(dataset, sample_id)`` order, so the merged shards hold the same rows in the same order whatever the number
+or order of the input files (only ``source`` names them).
 """
 
 from __future__ import annotations
@@ -40,11 +48,22 @@ def _paths(paths) -> list[str]:
     return [str(Path(p)) for p in paths]
 
 
+def source_key(path) -> str:
+    """The selection key of a validated file: ``<dataset>/<shard>`` for the workflow's
+    ``results/<dataset>/validated/<shard>.parquet``, else the path without its suffix."""
+    p = Path(path)
+    if p.parent.name == "validated" and p.parent.parent.name:
+        return f"{p.parent.parent.name}/{p.stem}"
+    return str(p.with_suffix(""))
+
+
 def merge(
     validated_paths,
     out_paths,
     manifest_path,
     *,
+    selections=None,
+    sources=None,
     datasets=None,
     max_samples=None,
     max_len: int,
@@ -56,17 +75,26 @@ def merge(
     batch_rows: int = 1024,
     check: bool = True,
 ) -> dict:
-    """Merge VALIDATED parquet files into ``len(out_paths)`` MERGED shards balanced by token count.
+    """Merge VALIDATED parquet files into ``len(out_paths)`` MERGED shards balanced by token count, and write
+    each input file's selection (its kept rows, in its own row order) for extraction.
 
     Args:
         validated_paths: VALIDATED parquet files (``schemas.VALIDATED``; ``input_ids`` list<int32>,
             ``loss_mask`` list<int8>), any number, any order.
         out_paths: merged shard paths, one per shard (K = len). Each gets ``schemas.MERGED`` rows
-            (``num_tokens`` and ``num_supervised`` after truncation, ``truncated`` flag), written to a
-            temporary name and renamed; a shard with no rows is still written (empty table).
+            (``num_tokens`` and ``num_supervised`` after truncation, ``truncated`` flag, ``source``: the key of
+            the validated file the row came from), written to a temporary name and renamed; a shard with no
+            rows is still written (empty table).
         manifest_path: JSON manifest: ``shards`` (path, samples, tokens, supervised_tokens, truncated,
-            datasets {name: samples}), ``totals``, ``datasets`` (per dataset: input samples/tokens and
-            kept/dropped counts by reason), ``inputs`` (files), ``settings``.
+            datasets {name: samples}), ``selections`` ({source: path, samples, tokens, digest}),
+            ``totals``, ``datasets`` (per dataset: input samples/tokens and kept/dropped counts by reason),
+            ``inputs`` (files), ``settings``.
+        selections: one output path per validated file (same order), or ``None`` for none: the file's kept
+            rows (``schemas.MERGED``), truncated like the merged shards, in the validated file's row order.
+            Extraction forwards one selection per job; its ``digest`` in the manifest changes only when the
+            kept samples of that file, their ids or masks, or their truncation change.
+        sources: one key per validated file (same order; default :func:`source_key`): the ``source`` column
+            and the manifest's ``selections`` keys.
         datasets: names to keep (``None`` = all). A name with no rows in the inputs is logged and listed
             in the manifest under ``missing_datasets``.
         max_samples: ``{dataset: n}`` caps; the first n of the dataset in the seeded shuffle order are kept
@@ -96,6 +124,14 @@ def merge(
         raise ValueError("merge: out_paths is empty; need at least one merged shard")
     if len(set(outs)) != len(outs):
         raise ValueError(f"merge: out_paths has duplicates: {outs}")
+    if len(set(files)) != len(files):
+        raise ValueError(f"merge: validated_paths has duplicates: {sorted(f for f in files if files.count(f) > 1)[:3]}")
+    sel_outs = _paths(selections) if selections is not None else None
+    if sel_outs is not None and len(sel_outs) != len(files):
+        raise ValueError(f"merge: {len(sel_outs)} selection paths for {len(files)} validated files")
+    keys = [str(k) for k in sources] if sources is not None else [source_key(f) for f in files]
+    if len(keys) != len(files) or len(set(keys)) != len(keys):
+        raise ValueError(f"merge: need one distinct source key per validated file, got {keys[:5]}...")
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"merge: overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
@@ -113,7 +149,7 @@ def merge(
     t0 = time.perf_counter()
     k = len(outs)
     with contextlib.ExitStack() as stack:
-        for o in outs:
+        for o in outs + (sel_outs or []):
             Path(o).parent.mkdir(parents=True, exist_ok=True)
         spill = temp_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix=".merge-spill-", dir=Path(outs[0]).parent)
@@ -129,6 +165,8 @@ def merge(
         con.execute("SET VARIABLE num_shards = ?::BIGINT", [k])
         con.execute("SET VARIABLE overflow = ?::VARCHAR", [overflow])
         con.execute("SET VARIABLE seed = ?::VARCHAR", [str(seed)])
+        con.execute("CREATE TEMP TABLE merge_sources (filename VARCHAR, source VARCHAR, idx BIGINT)")
+        con.executemany("INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, key, i] for i, (f, key) in enumerate(zip(files, keys))])
 
         con.execute(sql.load("merge_plan"))
         conflicts = con.sql(sql.load("merge_conflicts")).fetchall()
@@ -141,67 +179,28 @@ def merge(
 
         stats = con.sql(sql.load("merge_stats")).fetchall()
         drops = con.sql(sql.load("merge_drops")).fetchall()
+        sel_stats = con.sql(sql.load("merge_selections")).fetchall()
 
-        # Stream rows in (shard, shuffle_key) order into one writer per shard.
-        reader = con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows)
-        written = {i: 0 for i in range(k)}
-        state: dict = {"shard": None, "stack": None, "writer": None}
-
-        def open_shard(i: int) -> None:
-            s = contextlib.ExitStack()
-            tmp = s.enter_context(atomic_path(outs[i]))
-            state.update(shard=i, stack=s, writer=pq.ParquetWriter(tmp, schemas.MERGED, compression="zstd"))
-
-        def close_shard() -> None:
-            if state["writer"] is not None:
-                state["writer"].close()
-                state["stack"].close()  # renames the temporary file into place
-            state.update(shard=None, stack=None, writer=None)
-
-        def abort() -> None:
-            if state["writer"] is not None:
-                with contextlib.suppress(Exception):
-                    state["writer"].close()
-                with contextlib.suppress(BaseException):
-                    err = RuntimeError("merge aborted")
-                    state["stack"].__exit__(RuntimeError, err, None)
-            state.update(shard=None, stack=None, writer=None)
-
-        next_empty = 0
-        try:
-            for batch in reader:
-                shard_col = batch.column("shard").to_pylist()
-                tbl = pa.Table.from_batches([batch]).drop_columns(["shard"])
-                start = 0
-                while start < len(shard_col):
-                    i = shard_col[start]
-                    end = start
-                    while end < len(shard_col) and shard_col[end] == i:
-                        end += 1
-                    if state["shard"] != i:
-                        close_shard()
-                        for j in range(next_empty, i):  # shards that got no rows
-                            schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
-                        next_empty = i + 1
-                        open_shard(i)
-                    part = tbl.slice(start, end - start).cast(schemas.MERGED)
-                    if check:
-                        check_merged_batch(part, outs[i], first_row=written[i])
-                    state["writer"].write_table(part)
-                    written[i] += part.num_rows
-                    start = end
-            close_shard()
-            for j in range(next_empty, k):
-                schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
-        except BaseException:
-            abort()
-            raise
+        # Stream rows in (shard, shuffle_key) order into one writer per merged shard, then (if asked) rows in
+        # (validated file, row) order into one writer per selection.
+        written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), outs, check)
+        if sel_outs is not None:
+            sel_written = _write_groups(con.sql(sql.load("merge_selection_rows")).to_arrow_reader(batch_rows),
+                                        sel_outs, check)
+            for (idx, key, n, _tok, _dig) in sel_stats:
+                if sel_written[idx] != n:
+                    raise RuntimeError(f"merge: selection {sel_outs[idx]} has {sel_written[idx]} rows, plan says {n}")
 
     manifest = _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len, overflow, seed)
+    manifest["selections"] = {
+        key: {"path": sel_outs[idx] if sel_outs is not None else None, "input": files[idx], "samples": n,
+              "tokens": tok, "digest": dig}
+        for idx, key, n, tok, dig in sel_stats
+    }
     manifest["timing_s"] = {"plan": round(t_plan, 3), "total": round(time.perf_counter() - t0, 3)}
     tot = manifest["totals"]
     if tot["samples"] == 0 and tot.get("input_samples", 0) > 0:
-        for p in outs:  # an empty merged set is a configuration error, not a result
+        for p in outs + (sel_outs or []):  # an empty merged set is a configuration error, not a result
             Path(p).unlink(missing_ok=True)
         raise ValueError(
             f"merge: no sample left of {tot['input_samples']} (dropped {tot['dropped']}) with merge.max_len="
@@ -214,6 +213,66 @@ def merge(
         manifest["timing_s"]["total"], tot["dropped"],
     )
     return manifest
+
+
+def _write_groups(reader, outs: list[str], check: bool) -> dict[int, int]:
+    """Write a stream of MERGED rows carrying a ``shard`` column (non-decreasing) into one parquet file per
+    group: ``outs[shard]``. Every file is written (an empty table for a group without rows), each under a
+    temporary name renamed when complete; on an error none of the unfinished files is left. Returns rows
+    written per group."""
+    written = {i: 0 for i in range(len(outs))}
+    state: dict = {"shard": None, "stack": None, "writer": None}
+
+    def open_shard(i: int) -> None:
+        s = contextlib.ExitStack()
+        tmp = s.enter_context(atomic_path(outs[i]))
+        state.update(shard=i, stack=s, writer=pq.ParquetWriter(tmp, schemas.MERGED, compression="zstd"))
+
+    def close_shard() -> None:
+        if state["writer"] is not None:
+            state["writer"].close()
+            state["stack"].close()  # renames the temporary file into place
+        state.update(shard=None, stack=None, writer=None)
+
+    def abort() -> None:
+        if state["writer"] is not None:
+            with contextlib.suppress(Exception):
+                state["writer"].close()
+            with contextlib.suppress(BaseException):
+                err = RuntimeError("merge aborted")
+                state["stack"].__exit__(RuntimeError, err, None)
+        state.update(shard=None, stack=None, writer=None)
+
+    next_empty = 0
+    try:
+        for batch in reader:
+            shard_col = batch.column("shard").to_pylist()
+            tbl = pa.Table.from_batches([batch]).drop_columns(["shard"])
+            start = 0
+            while start < len(shard_col):
+                i = shard_col[start]
+                end = start
+                while end < len(shard_col) and shard_col[end] == i:
+                    end += 1
+                if state["shard"] != i:
+                    close_shard()
+                    for j in range(next_empty, i):  # groups that got no rows
+                        schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
+                    next_empty = i + 1
+                    open_shard(i)
+                part = tbl.slice(start, end - start).cast(schemas.MERGED)
+                if check:
+                    check_merged_batch(part, outs[i], first_row=written[i])
+                state["writer"].write_table(part)
+                written[i] += part.num_rows
+                start = end
+        close_shard()
+        for j in range(next_empty, len(outs)):
+            schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
+    except BaseException:
+        abort()
+        raise
+    return written
 
 
 def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> pa.Table:
@@ -240,7 +299,7 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
         for r in np.flatnonzero(arr)[:5]:
             bad.append((int(r), rule))
 
-    for name in ("sample_id", "dataset", "input_ids", "loss_mask", "num_tokens", "num_supervised", "truncated"):
+    for name in ("sample_id", "dataset", "input_ids", "loss_mask", "num_tokens", "num_supervised", "truncated"):  # source may be null
         col = table.column(name)
         if col.null_count:
             flag(pc.is_null(col).to_numpy(zero_copy_only=False), f"{name} is null")

@@ -39,6 +39,24 @@ from .sources import FORMAT_PROBE_RECORDS, RowReject, SourceFormatError, get_ada
 PROGRESS_EVERY_S = 10.0
 
 
+class RejectCeilingError(ValueError):
+    """Normalize rejected more than ``max_reject_rate`` of a source's rows: almost always the wrong ``format``
+    (or options) for the file. Nothing is written."""
+
+
+def reject_ceiling_message(dataset: str, source_format: str, source_path, rows_read: int, rejected: Counter,
+                           examples: dict, ceiling: float) -> str:
+    """The message of :class:`RejectCeilingError`: the dataset, its format and file, the share rejected and the
+    top reasons, each with one example."""
+    n = sum(rejected.values())
+    top = "\n".join(f"  {reason}: {k} (e.g. {examples.get(reason, '')[:160]})"
+                     for reason, k in rejected.most_common(3))
+    return (f"normalize {dataset}: {n} of {rows_read} rows of {source_path} rejected ({n / rows_read:.0%}, more than "
+            f"max_reject_rate {ceiling:.0%}) reading it as format {source_format!r}; top reasons:\n{top}\n"
+            f"Check datasets.{dataset}.source.format (and its options), or raise "
+            f"datasets.{dataset}.source.max_reject_rate / normalize.max_reject_rate if these rows are really unusable.")
+
+
 class _ShardWriter:
     """Streams checked batches of one shard into a temporary parquet file; renamed into place on success."""
 
@@ -122,6 +140,7 @@ def normalize(
     options: dict | None = None,
     log: logging.Logger | None = None,
     batch_rows: int = 2048,
+    max_reject_rate: float = 1.0,
 ) -> dict:
     """Normalize one source file into ``num_shards`` shard files and one rejects file.
 
@@ -130,15 +149,17 @@ def normalize(
     ``out_paths[i]``: shard ``i``'s file — PROMPTS rows, or TOKENS rows (``ids_source="pretokenized"``) for the
     ``pretokenized`` format. Every shard file is written (an empty table when the shard has no rows), and
     ``rejects_path`` (REJECTS rows, stage ``normalize``), all atomically and checked against ``schemas``.
-    ``max_samples``: keep the first N usable rows, then stop reading.
+    ``max_samples``: keep the first N usable rows, then stop reading. ``max_reject_rate``: the largest share of
+    the rows read that may be rejected; above it nothing is written and :class:`RejectCeilingError` names the
+    format, the file and the top reasons (a wrong ``format`` rejects nearly every row).
 
     Returns ``{"rows_read": int, "kept": int, "rejected": {reason: n}, "per_shard": [n, ...],
     "repaired": {note: n}, "output": "prompts"|"tokens"}``; ``repaired`` counts kept rows that were fixed up
     (e.g. ``merged_consecutive_turns``).
 
     Raises SourceFormatError (file not the named format: invalid JSON anywhere, naming the line/record; a
-    record without the format's required field among the first 10), ValueError (unknown format/option,
-    ``len(out_paths) != num_shards``), FileNotFoundError.
+    record without the format's required field among the first 10), RejectCeilingError (too many rows
+    rejected), ValueError (unknown format/option, ``len(out_paths) != num_shards``), FileNotFoundError.
     """
     log = log or logging.getLogger("eagle3_data.normalize")
     if len(out_paths) != num_shards:
@@ -151,6 +172,7 @@ def normalize(
 
     rejects: list[dict] = []
     rejected: Counter = Counter()
+    examples: dict[str, str] = {}
     repaired: Counter = Counter()
     seen: set[str] = set()
     rows_read = kept = 0
@@ -158,6 +180,7 @@ def normalize(
 
     def reject(reason: str, detail: str, sid: str | None, index: int) -> None:
         rejected[reason] += 1
+        examples.setdefault(reason, detail)
         rejects.append(
             {"sample_id": sid, "dataset": dataset, "stage": "normalize", "reason": reason, "detail": detail[:2000], "source_row": index}
         )
@@ -215,6 +238,9 @@ def normalize(
                     "normalize %s: %d read, %d kept, %d rejected (%.0f rows/s)",
                     dataset, rows_read, kept, sum(rejected.values()), rows_read / max(now - t0, 1e-9),
                 )
+        if rows_read and sum(rejected.values()) > max_reject_rate * rows_read:
+            raise RejectCeilingError(reject_ceiling_message(dataset, source_format, source_path, rows_read, rejected,
+                                                            examples, max_reject_rate))
         for s in shards:
             s.flush()
         schemas.write_checked(schemas.from_rows(rejects, schemas.REJECTS), "rejects", rejects_path)

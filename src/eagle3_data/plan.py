@@ -1,9 +1,9 @@
 """Plan stage: storage and GPU hours of hidden-state extraction, before it runs, with alternatives.
 
-Inputs: the merge manifest (tokens per merged shard), the merged shards' ``dataset``, ``num_tokens`` and
-``num_supervised`` columns (DuckDB; for the cap and drop alternatives), the target's ``config.json`` (layer
-count, hidden size) and a throughput (tokens/s per GPU: configured, or measured by :func:`measure_throughput`
-on the start of the first merged shard).
+Inputs: the merge manifest (tokens per extraction job, i.e. per merge selection), the merged shards'
+``dataset``, ``num_tokens`` and ``num_supervised`` columns (DuckDB; for the cap and drop alternatives), the
+target's ``config.json`` (layer count, hidden size) and a throughput (tokens/s per GPU: configured, or
+measured by :func:`measure_throughput` on the start of the first merged shard).
 
 Arithmetic (printed in the report with the real numbers):
 
@@ -33,33 +33,16 @@ from pathlib import Path
 
 import duckdb
 
+from .extract.model import default_layers, model_dims
 from .io import write_json, write_text
+
+__all__ = ["model_dims", "bytes_per_token", "scenario_totals", "measure_throughput", "build_plan", "render_markdown",
+           "plan"]
 
 log = logging.getLogger("eagle3_data.plan")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TB, TIB = 1e12, float(2 ** 40)
-
-
-def model_dims(model_path) -> dict:
-    """``{num_layers, hidden_size, model_type}`` from ``<model_path>/config.json`` (or a config dict).
-
-    Looks in ``text_config`` / ``language_config`` too (multimodal wrappers such as Kimi-K2.5).
-    Raises FileNotFoundError / KeyError naming the file and the missing key.
-    """
-    if isinstance(model_path, dict):
-        cfg, where = model_path, "<config dict>"
-    else:
-        path = Path(model_path)
-        path = path / "config.json" if path.is_dir() or not path.suffix else path
-        if not path.is_file():
-            raise FileNotFoundError(f"plan: target config not found: {path}")
-        cfg, where = json.loads(path.read_text()), str(path)
-    for sub in (cfg, cfg.get("text_config") or {}, cfg.get("language_config") or {}):
-        if "num_hidden_layers" in sub and "hidden_size" in sub:
-            return {"num_layers": int(sub["num_hidden_layers"]), "hidden_size": int(sub["hidden_size"]),
-                    "model_type": str(sub.get("model_type", cfg.get("model_type", "")))}
-    raise KeyError(f"plan: {where} has no num_hidden_layers/hidden_size (also looked in text_config)")
 
 
 def bytes_per_token(hidden_size: int, num_aux: int = 3, *, dtype: str = "bfloat16", aux_format: str = "same",
@@ -133,12 +116,12 @@ def scenario_totals(files, *, cap: int | None = None, drop=(), overflow: str = "
 def measure_throughput(merged_path, *, model_path, layers=None, dtype: str = "bfloat16", device: str = "auto",
                        batch_tokens: int = 8192, max_tokens: int = 200_000, gpus: int = 1, **extract_kw) -> dict:
     """Extract the first samples of ``merged_path`` (up to ``max_tokens`` tokens) into a temporary file and
-    return ``{tokens, seconds, tokens_per_s, tokens_per_s_per_gpu, device}`` (model time only; the model
-    load is excluded). Uses the same code and devices as the extract rule."""
+    return ``{tokens, seconds, tokens_per_s, tokens_per_s_per_gpu, device, samples}`` (model time only; the
+    model load is excluded). Uses the extract stage's code (``extract.extract_states``) and devices."""
     import pyarrow.parquet as pq
 
-    from . import extract as ex
     from . import schemas
+    from .extract import extract_states
 
     table = pq.read_table(merged_path)
     lengths = table.column("num_tokens").to_pylist()
@@ -150,9 +133,9 @@ def measure_throughput(merged_path, *, model_path, layers=None, dtype: str = "bf
         raise ValueError(f"plan: {merged_path} has no samples to measure throughput on")
     with tempfile.TemporaryDirectory(prefix=".plan-measure-") as tmp:
         part = Path(tmp) / "part.parquet"
-        schemas.write_checked(table.slice(0, n), "merged", part)
-        info = ex.extract(part, Path(tmp) / "part.safetensors", model_path=model_path, layers=layers, dtype=dtype,
-                          device=device, batch_tokens=batch_tokens, gpus=gpus, **extract_kw)
+        schemas.write_checked(table.slice(0, n).select(schemas.MERGED.names).cast(schemas.MERGED), "merged", part)
+        info = extract_states(part, Path(tmp) / "part.safetensors", model_path=model_path, layers=layers,
+                              dtype=dtype, device=device, batch_tokens=batch_tokens, gpus=gpus, **extract_kw)
     per_job = info["tokens_per_s"] or 0.0
     used = max(1, len(info.get("devices") or [])) if str(info["device"]).startswith("cuda") else 1
     return {"tokens": info["num_tokens"], "seconds": info["model_seconds"], "tokens_per_s": per_job,
@@ -217,8 +200,6 @@ def build_plan(
 
     Raises: ValueError when no throughput is given (neither configured nor measured).
     """
-    from .extract import default_layers
-
     m = json.loads(Path(manifest).read_text()) if not isinstance(manifest, dict) else manifest
     dims = model_dims(model_path)
     H, L = dims["hidden_size"], dims["num_layers"]
@@ -251,10 +232,13 @@ def build_plan(
     }
     bpt = layouts["configured"]["total"]
 
+    # one extraction job per merge selection (per merged shard for a manifest without selections)
+    units = ([(key, sel) for key, sel in sorted((m.get("selections") or {}).items())]
+             or [(f"{i:03d}", s) for i, s in enumerate(m["shards"])])
     shards = []
-    for i, s in enumerate(m["shards"]):
+    for key, s in units:
         t = int(s["tokens"])
-        shards.append({"shard": i, "path": s.get("path"), "samples": int(s["samples"]), "tokens": t,
+        shards.append({"job": key, "path": s.get("path"), "samples": int(s["samples"]), "tokens": t,
                        "bytes": t * bpt + 8 * (int(s["samples"]) + 1),
                        "gpu_hours": t / tps / 3600.0})
 
@@ -327,9 +311,10 @@ def render_markdown(plan: dict) -> str:
             f"hours ({_fmt_hours(tot['gpu_hours'])})",
             f"- wall time on {thr['gpus_busy']} GPU(s) ({thr['gpus_per_job']} per job): {_fmt_hours(tot['wall_hours'])}",
             ""]
-    out += ["## Per merged shard", "", "| shard | samples | tokens | storage | GPU time |", "|---:|---:|---:|---:|---:|"]
+    out += ["## Per extraction job (one per validated dataset shard)", "",
+            "| job | samples | tokens | storage | GPU time |", "|---|---:|---:|---:|---:|"]
     for s in plan["shards"]:
-        out.append(f"| {s['shard']:03d} | {s['samples']:,} | {s['tokens']:,} | {_fmt_bytes(s['bytes'])} | "
+        out.append(f"| {s['job']} | {s['samples']:,} | {s['tokens']:,} | {_fmt_bytes(s['bytes'])} | "
                    f"{_fmt_hours(s['gpu_hours'])} |")
     out += ["", "## Alternatives", "",
             "| alternative | samples | tokens | configured layout | aux only bf16 | GPU time | wall time |",

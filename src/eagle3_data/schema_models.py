@@ -106,6 +106,7 @@ class ValidatedModel(pa_pd.DataFrameModel):
 class MergedModel(ValidatedModel):
     num_supervised: Series[int] = pa_pd.Field(gt=0)
     truncated: Series[bool]
+    source: Optional[Series[str]] = pa_pd.Field(nullable=True)
     # merged rows carry no ids_source/num_completion_tokens columns
     ids_source: Optional[Series[str]]
     num_completion_tokens: Optional[Series[int]]

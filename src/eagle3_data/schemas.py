@@ -112,6 +112,7 @@ MERGED = pa.schema(
         ("num_tokens", pa.int64()),
         ("num_supervised", pa.int64()),
         ("truncated", pa.bool_()),
+        ("source", pa.string()),  # key of the validated shard the row came from ("<dataset>/<shard>"), or null
     ]
 )
 

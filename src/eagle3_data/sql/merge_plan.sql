@@ -29,6 +29,7 @@ SELECT
     sample_id,
     md5(getvariable('seed')::VARCHAR || chr(31) || dataset || chr(31) || sample_id) AS shuffle_key,
     md5(input_ids::VARCHAR) AS content_key,
+    md5(loss_mask::VARCHAR) AS mask_key,
     len(input_ids)::BIGINT AS num_tokens,
     coalesce(list_sum(loss_mask), 0)::BIGINT AS num_supervised,
     coalesce(list_sum(loss_mask[1:getvariable('max_len')]), 0)::BIGINT AS num_supervised_cut
@@ -56,7 +57,7 @@ WITH ranked AS (
     FROM decided
 ), final AS (
     SELECT
-        filename, file_row_number, dataset, sample_id, shuffle_key, content_key, num_tokens, num_supervised,
+        filename, file_row_number, dataset, sample_id, shuffle_key, content_key, mask_key, num_tokens, num_supervised,
         CASE
             WHEN reason0 IS NOT NULL THEN reason0
             WHEN ds_rank > coalesce(getvariable('max_samples')[dataset], 9223372036854775807) THEN 'over_max_samples'

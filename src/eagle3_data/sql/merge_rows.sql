@@ -1,5 +1,9 @@
--- merge_rows: the kept rows in merged-shard order (shard, then shuffle_key), truncated to max_len.
--- Needs the merge_plan table (run merge_plan.sql first with the same variables), e.g. by hand:
+-- merge_rows: the kept rows in merged-shard order (shard, then shuffle_key), truncated to max_len, with the
+-- key of the validated shard each came from (its selection, whose hidden states hold the row's states).
+-- Needs the merge_plan table (run merge_plan.sql first with the same variables) and a merge_sources table
+-- (filename VARCHAR, source VARCHAR, idx BIGINT) naming each validated file's selection, e.g. by hand:
+--   CREATE TEMP TABLE merge_sources AS SELECT * FROM (VALUES
+--     ('results/ds_a/validated/000.parquet', 'ds_a/000', 0)) t(filename, source, idx);
 --   COPY (SELECT * EXCLUDE (shard) FROM (<this query>) WHERE shard = 0) TO 'merged_000.parquet';
 SELECT
     v.sample_id,
@@ -9,8 +13,10 @@ SELECT
     p.out_tokens AS num_tokens,
     p.out_supervised AS num_supervised,
     p.truncated,
+    s.source,
     p.shard
 FROM read_parquet(getvariable('validated_files'), filename = true, file_row_number = true) AS v
 JOIN (SELECT * FROM merge_plan WHERE drop_reason IS NULL) AS p
   ON v.filename = p.filename AND v.file_row_number = p.file_row_number
+JOIN merge_sources AS s ON s.filename = v.filename
 ORDER BY p.shard, p.shuffle_key

@@ -1,40 +1,27 @@
-"""Extract stage, SGLang backend: large targets (tensor parallel over the job's GPUs), same output file.
+"""SGLang extraction backend: large targets, tensor parallel over the job's GPUs; same file as transformers.
 
 Importable without SGLang: every ``sglang`` import is inside the functions that need it. Install the GPU env
-(``envs/sglang-gpu.yaml``) to run it. The approach is SpecForge's offline capture
-(``specforge/offline_capture/sglang_backend``, anchors.md section 1(f)): an in-process SGLang ``ModelRunner``
-per tensor-parallel rank (``sglang.bench_one_batch.load_model``), ``set_eagle3_layers_to_capture(layers)``
-(SGLang captures the OUTPUT of 0-based decoder layer i, our convention) and the logits processor wrapped so
-a prefill returns both the auxiliary states (``hidden_states`` under ``CaptureHiddenMode.FULL``) and the
-post-norm final state (the logits processor's input), without sampling anything.
+(``envs/sglang-gpu.yaml``) to run it. An in-process SGLang ``ModelRunner`` per tensor-parallel rank captures
+the auxiliary layers (``hidden_states`` under ``CaptureHiddenMode.FULL``) and the post-norm final state in one
+prefill per batch, without sampling anything.
 
-Correctness guards (the anchors' bugs):
+Correctness guards:
 
-- no prefix / radix cache: requests are built with ``tree_cache=None`` and the server args set
-  ``disable_radix_cache`` (a cached prefix makes the capture come back short, SpecForge commit c7fc438e);
-- no chunked prefill (``chunked_prefill_size=-1``) and no speculative decoding (it truncates captures,
-  sglang #26163);
+- no prefix / radix cache (a cached prefix makes the capture come back short) and no chunked prefill;
 - every capture's length is checked against its input length before anything is written
-  (:func:`check_capture`), and the file is written under a temporary name and renamed when complete.
-
-The version-specific part (building a ``ScheduleBatch`` and running one prefill) is isolated in
-:class:`SglangRunner`; it follows sglang 0.5 internals and is exercised only by the GPU test
-(``tests/test_extract_sglang.py``, ``@pytest.mark.gpu``).
+  (:func:`check_capture`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
-from pathlib import Path
 
 import numpy as np
 
-from .extract import (FORMAT, LAYER_CONVENTION, HiddenStateWriter, MergedShard, resolve_layers)
+from .batching import packed_batches
+from .model import model_dims, resolve_layers
 
-log = logging.getLogger("eagle3_data.extract_sglang")
+log = logging.getLogger("eagle3_data.extract")
 
 
 def sglang_available() -> bool:
@@ -51,7 +38,7 @@ def server_args(model_path, *, tp_size: int = 1, dtype: str = "bfloat16", batch_
 
     Radix/prefix cache off, chunked prefill off, CUDA graphs off (prefill only), hidden states returned,
     no tokenizer (ids go in as they are), context at least ``max_len`` + 1, KV pool sized for one batch of
-    ``batch_tokens`` tokens.
+    ``batch_tokens`` tokens. Raises ValueError when ``tp_size < 1``.
     """
     if tp_size < 1:
         raise ValueError(f"sglang tp_size must be >= 1, got {tp_size}")
@@ -71,24 +58,6 @@ def server_args(model_path, *, tp_size: int = 1, dtype: str = "bfloat16", batch_
         "mem_fraction_static": float(mem_fraction_static),
         "speculative_algorithm": None,
     }
-
-
-def token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Sample indices in batches of at most ``batch_tokens`` REAL tokens (SGLang packs ragged sequences,
-    so no padding is computed); a longer sample goes alone. Longest first, like the transformers backend."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    out: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i in order:
-        if cur and used + lengths[i] > batch_tokens:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += lengths[i]
-    if cur:
-        out.append(cur)
-    return out
 
 
 def check_capture(sample_ids: list[str], input_lens: list[int], aux_list, final_list, num_aux: int,
@@ -187,86 +156,6 @@ class SglangRunner:
         return list(aux), list(fin)
 
 
-def extract_sglang(
-    merged_path,
-    out_path,
-    *,
-    model_path,
-    layers=None,
-    dtype: str = "bfloat16",
-    batch_tokens: int = 16384,
-    tp_size: int = 1,
-    final_states: str = "all",
-    aux_format: str = "same",
-    mem_fraction_static: float = 0.8,
-    trust_remote_code: bool = False,
-    capture=None,
-) -> dict:
-    """Run the target under SGLang over one merged shard; write the extract file (``extract`` layout).
-
-    Args: as :func:`eagle3_data.extract.extract`, plus ``tp_size`` (tensor-parallel ranks = the job's GPUs;
-    ranks 1.. run in spawned processes), ``mem_fraction_static``, ``trust_remote_code``; ``capture``: a
-    callable ``capture(id_lists) -> (aux_list, final_list)`` replacing the SGLang runner (tests). The final
-    state is post-norm (the logits processor's input).
-
-    Returns: the same summary dict as ``extract`` (``backend: sglang``).
-
-    Raises: ImportError (no sglang and no ``capture``), RuntimeError (a capture shorter or longer than its
-    input: no file is written), ValueError (bad layers / ids).
-    """
-    from .plan import model_dims
-
-    t0 = time.perf_counter()
-    shard = MergedShard(merged_path)
-    dims = model_dims(model_path)
-    L, H = dims["num_layers"], dims["hidden_size"]
-    chosen = resolve_layers(layers, L)
-    procs = []
-    if capture is None:
-        if not sglang_available():
-            raise ImportError("extract backend sglang needs the sglang package (envs/sglang-gpu.yaml)")
-        args = server_args(model_path, tp_size=tp_size, dtype=dtype, batch_tokens=batch_tokens,
-                           max_len=max(shard.lengths or [1]), mem_fraction_static=mem_fraction_static,
-                           trust_remote_code=trust_remote_code)
-        runner, procs = _start_ranks(args, chosen, tp_size, shard, batch_tokens)
-        capture = runner.capture
-    metadata = {
-        "format": FORMAT, "backend": "sglang", "model_path": str(model_path), "model_name": Path(model_path).name,
-        "model_type": dims["model_type"], "num_layers": str(L), "layers": json.dumps(chosen),
-        "layer_convention": LAYER_CONVENTION, "final_norm": "post", "sample_ids": json.dumps(shard.sample_ids),
-        "datasets": json.dumps(shard.datasets), "source": str(merged_path), "tp_size": str(tp_size),
-    }
-    batches = token_batches(shard.lengths, batch_tokens)
-    t_model = time.perf_counter()
-    done = 0
-    try:
-        with HiddenStateWriter(out_path, shard, hidden_size=H, num_aux=len(chosen), dtype=dtype,
-                               final_states=final_states, aux_format=aux_format, metadata=metadata) as writer:
-            for b, idx in enumerate(batches):
-                id_lists = [shard.sample_ids_of(i).astype(np.int64).tolist() for i in idx]
-                aux_list, fin_list = capture(id_lists)
-                check_capture([shard.sample_ids[i] for i in idx], [shard.lengths[i] for i in idx], aux_list,
-                              fin_list, len(chosen), H, str(merged_path))
-                for i, a, f in zip(idx, aux_list, fin_list):
-                    writer.write(i, a.cpu(), f.cpu())
-                    done += shard.lengths[i]
-                log.info("extract[sglang] %s: batch %d/%d, %d/%d tokens", Path(out_path).name, b + 1, len(batches),
-                         done, shard.T)
-    finally:
-        for p in procs:
-            p.terminate()
-            p.join(timeout=30)
-    model_s = time.perf_counter() - t_model
-    return {
-        "path": str(out_path), "num_samples": shard.n, "num_tokens": shard.T, "layers": chosen, "hidden_size": H,
-        "dtype": dtype, "device": "cuda", "devices": os.environ.get("CUDA_VISIBLE_DEVICES", "").split(","),
-        "batches": len(batches), "seconds": round(time.perf_counter() - t0, 3), "model_seconds": round(model_s, 3),
-        "tokens_per_s": round(shard.T / model_s, 1) if model_s > 0 else None, "bytes": os.path.getsize(out_path),
-        "final_rows": writer.S, "final_states": final_states, "aux_format": aux_format, "final_norm": "post",
-        "backend": "sglang",
-    }
-
-
 def _rank_worker(args: dict, layers: list[int], tp_rank: int, port_args, batches: list[list[list[int]]]) -> None:
     """Ranks 1..tp-1: load their model shard and run the same prefills as rank 0 (results discarded)."""
     runner = SglangRunner(args, layers, tp_rank, port_args)
@@ -274,20 +163,72 @@ def _rank_worker(args: dict, layers: list[int], tp_rank: int, port_args, batches
         runner.capture(id_lists)
 
 
-def _start_ranks(args: dict, layers: list[int], tp_size: int, shard: MergedShard, batch_tokens: int):
-    """Rank 0 in this process, ranks 1.. in spawned processes fed the same batches in the same order."""
-    import multiprocessing as mp
+class SglangBackend:
+    """The target under SGLang (GPU), behind the same interface as ``TransformersBackend``.
 
-    from sglang.srt.server_args import PortArgs, ServerArgs
+    Args: ``model_path``, ``layers``, ``dtype``, ``tp_size`` (tensor-parallel ranks = the job's GPUs; ranks
+    1.. run in spawned processes), ``batch_tokens``, ``max_len`` (longest sample), ``trust_remote_code``,
+    ``mem_fraction_static``; ``capture``: a callable ``capture(id_lists) -> (aux_list, final_list)`` replacing
+    the SGLang runner (tests on CPU). Final states are post-norm only.
 
-    port_args = PortArgs.init_new(ServerArgs(**{k: v for k, v in args.items() if v is not None}))
-    procs = []
-    if tp_size > 1:
-        batches = [[shard.sample_ids_of(i).astype(np.int64).tolist() for i in idx]
-                   for idx in token_batches(shard.lengths, batch_tokens)]
-        ctx = mp.get_context("spawn")
-        for r in range(1, tp_size):
-            p = ctx.Process(target=_rank_worker, args=(args, layers, r, port_args, batches), daemon=True)
-            p.start()
-            procs.append(p)
-    return SglangRunner(args, layers, 0, port_args), procs
+    Raises ImportError when sglang is missing and no ``capture`` is given.
+    """
+
+    name = "sglang"
+
+    def __init__(self, model_path, *, layers=None, dtype: str = "bfloat16", tp_size: int = 1,
+                 batch_tokens: int = 16384, max_len: int = 8192, trust_remote_code: bool = False,
+                 mem_fraction_static: float = 0.8, capture=None):
+        dims = model_dims(model_path)
+        self.num_layers, self.hidden_size = dims["num_layers"], dims["hidden_size"]
+        self.vocab_size, self.model_type = dims["vocab_size"], dims["model_type"]
+        self.model_name = str(model_path).rstrip("/").rsplit("/", 1)[-1]
+        self.layers = resolve_layers(layers, self.num_layers)
+        self.device = "cuda"
+        self.tp_size = int(tp_size)
+        self._capture = capture
+        self._procs = []
+        self._args = None
+        if capture is None:
+            if not sglang_available():
+                raise ImportError("extract backend sglang needs the sglang package (envs/sglang-gpu.yaml)")
+            self._args = server_args(model_path, tp_size=tp_size, dtype=dtype, batch_tokens=batch_tokens,
+                                     max_len=max_len, mem_fraction_static=mem_fraction_static,
+                                     trust_remote_code=trust_remote_code)
+
+    def batches(self, lengths: list[int], batch_tokens: int) -> list[list[int]]:
+        """Packed batches of at most ``batch_tokens`` real tokens (SGLang packs ragged sequences)."""
+        return packed_batches(lengths, batch_tokens)
+
+    def start(self, id_batches: list[list[list[int]]]) -> None:
+        """Load the runner(s); ranks 1.. are fed ``id_batches`` (the same batches, in the same order)."""
+        if self._capture is not None:
+            return
+        import multiprocessing as mp
+
+        from sglang.srt.server_args import PortArgs, ServerArgs
+
+        port_args = PortArgs.init_new(ServerArgs(**{k: v for k, v in self._args.items() if v is not None}))
+        if self.tp_size > 1:
+            ctx = mp.get_context("spawn")
+            for r in range(1, self.tp_size):
+                p = ctx.Process(target=_rank_worker, args=(self._args, self.layers, r, port_args, id_batches),
+                                daemon=True)
+                p.start()
+                self._procs.append(p)
+        self._capture = SglangRunner(self._args, self.layers, 0, port_args).capture
+
+    def capture(self, id_lists: list[np.ndarray]) -> list[tuple]:
+        """One prefill over ``id_lists``; per sample ``(aux [n, A*H], final [n, H])``. Raises RuntimeError
+        when a capture's rows differ from its input's length."""
+        lists = [np.asarray(x, dtype=np.int64).tolist() for x in id_lists]
+        aux, fin = self._capture(lists)
+        check_capture([str(k) for k in range(len(lists))], [len(x) for x in lists], aux, fin, len(self.layers),
+                      self.hidden_size)
+        return list(zip(aux, fin))
+
+    def close(self) -> None:
+        for p in self._procs:
+            p.terminate()
+            p.join(timeout=30)
+        self._procs = []

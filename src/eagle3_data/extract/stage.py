@@ -1,0 +1,344 @@
+"""The extract stage: one merge selection (the kept samples of one validated dataset shard) -> one
+hidden-states file, forwarding only the samples whose states are not already on disk.
+
+Why per validated shard: merge shuffles across every dataset, so any change rewrites every merged shard;
+the selection of one validated shard changes only when its own samples, the dedup/cap decisions about them
+or ``merge.max_len`` do. Extracting per selection (and letting the merged, shuffled set be an index over
+these files, read by the exports) makes the GPU work follow the change: the workflow re-runs a selection's
+job only when the merge's digest of that selection changes (rule ``extract``'s ``params``), and the job
+itself forwards only the samples it cannot reuse.
+
+Reuse: before forwarding, the job opens the previous states of the same selection (``reuse_path``: a hard
+link the job keeps under ``cache/hidden_states/`` because Snakemake deletes a job's outputs before rerunning
+it; or ``out_path`` itself when run by hand) and copies, byte for byte, the rows of every sample whose ids and
+loss mask are the same or a prefix of a stored sample's (a truncation by a lower ``merge.max_len``: in a
+causal model a position's states depend on the tokens up to it only), provided the file was computed with
+the same :func:`settings_digest` (backend, target checkpoint, layers, dtype, final norm, storage savers).
+The hard link shares the file's disk blocks: it costs no space while the output exists.
+
+Devices: with a CUDA device (``device`` ``auto`` on a GPU machine, or ``cuda``), the stage first takes
+``gpus`` distinct devices with :func:`eagle3_data.devices.gpu_devices` (file locks), which sets
+``CUDA_VISIBLE_DEVICES`` before torch touches CUDA; the transformers backend spreads more than one device with
+``device_map="auto"``, the SGLang backend runs one tensor-parallel rank per device. No device is taken and no
+model is loaded when every sample is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from ..io import write_json
+from .layout import (AUX_FORMATS, DTYPES, FINAL_NORMS, FINAL_STATES, FORMAT, HiddenStateWriter, StatesFile,
+                     TokenShard, reusable)
+from .model import LAYER_CONVENTION, model_dims, model_fingerprint, resolve_layers
+
+log = logging.getLogger("eagle3_data.extract")
+
+BACKENDS = ("transformers", "sglang")
+
+
+def settings_digest(*, backend: str, fingerprint: str, layers: list[int], dtype: str, final_norm: str,
+                    final_states: str, aux_format: str) -> str:
+    """Digest of everything a file's values depend on besides the token ids: two files with the same digest
+    hold interchangeable rows for equal ids. Batch size, devices and attention path are not in it: they
+    change the arithmetic's rounding, not what is computed."""
+    key = {"format": FORMAT, "backend": backend, "target": fingerprint, "layers": list(layers), "dtype": dtype,
+           "final_norm": final_norm, "final_states": final_states, "aux_format": aux_format}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def device_context(device: str = "auto", gpus: int = 1, lock_dir=None):
+    """Resolve ``device`` and, for CUDA, hold ``gpus`` distinct devices for the block (file locks).
+
+    Yields ``(device, device_ids)``: ``device`` is ``"cpu"`` or ``"cuda"`` (``cuda:N`` passed through
+    unlocked: the caller chose the device), ``device_ids`` the ``CUDA_VISIBLE_DEVICES`` entries held
+    (``[]`` on CPU). ``auto`` means cuda when the machine has a GPU (:func:`devices.visible_pool`, which
+    asks ``nvidia-smi`` without initialising CUDA) and torch is a CUDA build, else cpu. If torch already
+    initialised CUDA in this process the devices cannot be changed any more: a warning is logged and the
+    current ones are used. Raises ValueError for an unknown device string.
+    """
+    from .. import devices
+
+    if device == "cpu" or device.startswith("cuda:"):
+        yield device, []
+        return
+    if device not in ("auto", "cuda"):
+        raise ValueError(f"extract device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    import torch
+
+    pool, _ = devices.visible_pool()
+    if device == "auto" and (not pool or torch.version.cuda is None):  # no GPU, or a CPU-only torch build
+        yield "cpu", []
+        return
+    if devices.cuda_initialized():
+        log.warning("CUDA is already initialised in this process; cannot assign devices, using the current ones")
+        yield "cuda", []
+        return
+    with devices.gpu_devices(gpus, lock_dir=lock_dir) as ids:
+        yield "cuda", ids
+
+
+def _open_reusable(paths, settings: str) -> StatesFile | None:
+    """The first of ``paths`` that is a readable states file computed with ``settings``, else None."""
+    for p in paths:
+        if p is None or not Path(p).is_file():
+            continue
+        try:
+            src = StatesFile(p)
+        except (ValueError, OSError, KeyError) as exc:
+            log.warning("not reusing %s: %s", p, exc)
+            continue
+        if src.same_settings(settings):
+            return src
+        log.info("not reusing %s: computed with other settings (state_settings %s, now %s)", p,
+                 src.meta.get("state_settings"), settings)
+        src.close()
+    return None
+
+
+def keep_link(out_path, link_path) -> bool:
+    """Point ``link_path`` at ``out_path``'s data with a hard link (atomically replacing an older link).
+
+    Returns False (and removes an older link, so no stale copy holds disk space) when the filesystem cannot
+    link the two paths (different filesystems, or no hard links); reuse is then off for this selection."""
+    link_path = Path(link_path)
+    link_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link_path.parent / f".{link_path.name}.{os.getpid()}.link"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    try:
+        os.link(out_path, tmp)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EOPNOTSUPP):
+            raise
+        log.warning("cannot keep a hard link of %s at %s (%s): a rerun of this selection will forward every "
+                    "sample again; put cache_dir on the same filesystem as results/", out_path, link_path,
+                    exc.strerror)
+        with contextlib.suppress(FileNotFoundError):
+            link_path.unlink()
+        return False
+    os.replace(tmp, link_path)
+    return True
+
+
+def extract_states(
+    selection_path,
+    out_path,
+    *,
+    model_path,
+    layers=None,
+    dtype: str = "float32",
+    device: str = "auto",
+    batch_tokens: int = 8192,
+    backend: str = "transformers",
+    gpus: int = 1,
+    lock_dir=None,
+    final_states: str = "all",
+    aux_format: str = "same",
+    final_norm: str = "post",
+    trust_remote_code: bool = False,
+    reuse_path=None,
+    selection_digest: str = "",
+    summary_path=None,
+    model=None,
+    capture=None,
+) -> dict:
+    """Write the hidden states of the samples of ``selection_path`` to ``out_path``, reusing stored rows.
+
+    Args:
+        selection_path: a MERGED-schema parquet (``sample_id``, ``dataset``, ``input_ids`` list<int32>,
+            ``loss_mask`` list<int8>): a merge selection, or any merged shard. The file keeps its row order.
+        out_path: the safetensors file (layout in ``extract.layout``); written to a temporary name in the same
+            directory and renamed when complete.
+        model_path: local directory of the target (config + weights); never downloaded.
+        layers: 0-based decoder layers whose OUTPUT is stored as auxiliary states, in this order; ``None`` ->
+            EAGLE-3 defaults (``model.default_layers``).
+        dtype: ``float32`` | ``bfloat16`` | ``float16``: the compute and stored dtype.
+        device: ``auto`` (cuda if the machine has a GPU, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
+        batch_tokens: tokens per forward (padded tokens for transformers, real tokens for SGLang).
+        backend: ``transformers`` | ``sglang`` (GPU only, tensor parallel over the ``gpus`` devices held;
+            post-norm final states only).
+        gpus: devices this job holds on CUDA (the rule's ``resources: gpu``), see :func:`device_context`.
+        lock_dir: lock directory for :func:`eagle3_data.devices.gpu_devices` (default there).
+        final_states: ``all`` | ``supervised`` (final states only where the loss reads them).
+        aux_format: ``same`` (``dtype``) | ``fp8_e4m3`` (per-token, per-layer scales).
+        final_norm: ``post`` (output of the final norm; SpecForge, Model-Optimizer) | ``pre`` (its input;
+            vLLM / speculators, which apply the norm themselves).
+        trust_remote_code: load the target with its own code (Kimi).
+        reuse_path: where the job keeps a hard link of its last output (module docstring); its rows (and
+            those of an existing ``out_path``) are reused when their settings and ids match.
+        selection_digest: the merge's digest of this selection, stored in the metadata so that consumers can
+            tell a stale file.
+        summary_path: optional JSON written with the returned dict.
+        model: a ``(model, decoder)`` pair from ``transformers_backend.load_target`` to use instead of loading
+            (tests; then no device is assigned).
+        capture: SGLang backend only: a stand-in for the SGLang runner (tests on CPU).
+
+    Returns: dict with ``path, num_samples, num_tokens, forwarded_samples, forwarded_tokens, reused_samples,
+        reused_tokens, layers, hidden_size, dtype, device, devices, batches, seconds, model_seconds,
+        tokens_per_s`` (forwarded tokens per second of model time), ``bytes, final_rows, final_states,
+        aux_format, final_norm, backend``.
+
+    Raises: FileNotFoundError (model dir / selection), ValueError (bad layers, dtype, saver option, backend,
+        empty sample, ids out of the vocabulary, more GPUs than the machine has), RuntimeError (a captured
+        length differs from the input length: no file is written), TimeoutError (no free GPUs).
+    """
+    if final_states not in FINAL_STATES:
+        raise ValueError(f"extract final_states must be one of {FINAL_STATES}, got {final_states!r}")
+    if final_norm not in FINAL_NORMS:
+        raise ValueError(f"extract final_norm must be one of {FINAL_NORMS}, got {final_norm!r}")
+    if aux_format not in AUX_FORMATS:
+        raise ValueError(f"extract aux_format must be one of {AUX_FORMATS}, got {aux_format!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"extract dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if batch_tokens < 1:
+        raise ValueError(f"extract batch_tokens must be >= 1, got {batch_tokens}")
+    if backend not in BACKENDS:
+        raise ValueError(f"extract backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "sglang" and final_norm != "post":
+        raise ValueError("extract backend sglang stores post-norm final states only (final_norm: post)")
+
+    t0 = time.perf_counter()
+    shard = TokenShard(selection_path)
+    dims = model_dims(model_path)
+    L, H, vocab = dims["num_layers"], dims["hidden_size"], dims["vocab_size"]
+    chosen = resolve_layers(layers, L)
+    if vocab and shard.T and (shard.ids.min() < 0 or shard.ids.max() >= vocab):
+        raise ValueError(f"{selection_path}: token ids outside the target's vocabulary [0, {vocab})")
+    fingerprint = model_fingerprint(model_path)
+    settings = settings_digest(backend=backend, fingerprint=fingerprint, layers=chosen, dtype=dtype,
+                               final_norm=final_norm, final_states=final_states, aux_format=aux_format)
+
+    src = _open_reusable([reuse_path, out_path], settings)
+    reuse: dict[int, int] = {}
+    if src is not None:
+        for i, sid in enumerate(shard.sample_ids):
+            j = src.index.get(sid)
+            if j is not None and reusable(src, j, shard.sample_ids_of(i), shard.mask_of(i)):
+                reuse[i] = j
+    todo = [i for i in range(shard.n) if i not in reuse]
+    fwd_tokens = sum(shard.lengths[i] for i in todo)
+    metadata = {
+        "backend": backend,
+        "model_path": str(model_path),
+        "model_name": Path(str(model_path)).name,
+        "model_type": dims["model_type"],
+        "model_fingerprint": fingerprint,
+        "num_layers": str(L),
+        "layers": json.dumps(chosen),
+        "layer_convention": LAYER_CONVENTION,
+        "final_norm": final_norm,
+        "sample_ids": json.dumps(shard.sample_ids),
+        "datasets": json.dumps(shard.datasets),
+        "source": str(selection_path),
+        "selection_digest": str(selection_digest or ""),
+        "state_settings": settings,
+    }
+    log.info("extract %s: %d samples / %d tokens; reusing %d samples, forwarding %d samples / %d tokens",
+             selection_path, shard.n, shard.T, len(reuse), len(todo), fwd_tokens)
+    writer = HiddenStateWriter(out_path, shard, hidden_size=H, num_aux=len(chosen), dtype=dtype,
+                               final_states=final_states, aux_format=aux_format, metadata=metadata)
+    run = {"device": "none", "devices": [], "batches": 0, "model_seconds": 0.0}
+    try:
+        with writer:
+            for i, j in reuse.items():
+                writer.copy(i, src, j)
+            if todo:
+                _forward(shard, todo, writer, run, model_path=model_path, layers=chosen, dtype=dtype,
+                         device=device, batch_tokens=batch_tokens, backend=backend, gpus=gpus, lock_dir=lock_dir,
+                         final_norm=final_norm, trust_remote_code=trust_remote_code, model=model, capture=capture,
+                         out_name=Path(out_path).name)
+    finally:
+        if src is not None:
+            src.close()
+    if reuse_path is not None:
+        keep_link(out_path, reuse_path)
+    model_s = run["model_seconds"]
+    summary = {
+        "path": str(out_path),
+        "source": str(selection_path),
+        "num_samples": shard.n,
+        "num_tokens": shard.T,
+        "forwarded_samples": len(todo),
+        "forwarded_tokens": fwd_tokens,
+        "reused_samples": len(reuse),
+        "reused_tokens": shard.T - fwd_tokens,
+        "layers": chosen,
+        "hidden_size": H,
+        "dtype": dtype,
+        "device": run["device"],
+        "devices": list(run["devices"]),
+        "batches": run["batches"],
+        "seconds": round(time.perf_counter() - t0, 3),
+        "model_seconds": round(model_s, 3),
+        "tokens_per_s": round(fwd_tokens / model_s, 1) if model_s > 0 else None,
+        "bytes": os.path.getsize(out_path),
+        "final_rows": writer.S,
+        "final_states": final_states,
+        "aux_format": aux_format,
+        "final_norm": final_norm,
+        "backend": backend,
+        "selection_digest": str(selection_digest or ""),
+    }
+    if summary_path is not None:
+        write_json(summary, summary_path)
+    return summary
+
+
+def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run: dict, *, model_path, layers,
+             dtype, device, batch_tokens, backend, gpus, lock_dir, final_norm, trust_remote_code, model, capture,
+             out_name) -> None:
+    """Forward the samples ``todo`` of ``shard`` in batches and write their states (fills ``run``)."""
+    lengths = [shard.lengths[i] for i in todo]
+    with contextlib.ExitStack() as stack:
+        if backend == "sglang":
+            from .sglang_backend import SglangBackend
+
+            if capture is not None:
+                dev, ids = "cpu", []
+            else:
+                dev, ids = stack.enter_context(device_context("cuda" if device == "auto" else device, gpus,
+                                                              lock_dir))
+            be = SglangBackend(model_path, layers=layers, dtype=dtype, tp_size=max(1, len(ids) or gpus),
+                               batch_tokens=batch_tokens, max_len=max(lengths), trust_remote_code=trust_remote_code,
+                               capture=capture)
+        else:
+            from .transformers_backend import TransformersBackend
+
+            if model is not None:
+                dev, ids = "given", []
+            else:
+                dev, ids = stack.enter_context(device_context(device, gpus, lock_dir))
+            be = TransformersBackend(model_path, layers=layers, dtype=dtype, device=dev, final_norm=final_norm,
+                                     device_map="auto" if dev == "cuda" and len(ids) > 1 else None, loaded=model,
+                                     trust_remote_code=trust_remote_code)
+        stack.callback(be.close)
+        if be.layers != list(layers) or be.hidden_size != writer.H:
+            raise RuntimeError(f"{shard.path}: the loaded target has layers {be.layers} / hidden size "
+                               f"{be.hidden_size}, its config says {layers} / {writer.H}")
+        batches = [[todo[k] for k in b] for b in be.batches(lengths, batch_tokens)]
+        if hasattr(be, "start"):
+            be.start([[shard.sample_ids_of(i).astype("int64").tolist() for i in b] for b in batches])
+        run.update(device=str(be.device), devices=list(ids), batches=len(batches))
+        t_model = time.perf_counter()
+        last_log, done = t_model, 0
+        total = sum(lengths)
+        for b, idx in enumerate(batches):
+            states = be.capture([shard.sample_ids_of(i) for i in idx])
+            for i, (aux, fin) in zip(idx, states):
+                writer.write(i, aux, fin)
+                done += shard.lengths[i]
+            now = time.perf_counter()
+            if now - last_log > 30 or b == len(batches) - 1:
+                log.info("extract %s: batch %d/%d, %d/%d tokens forwarded, %.0f tokens/s", out_name, b + 1,
+                         len(batches), done, total, done / max(now - t_model, 1e-9))
+                last_log = now
+        run["model_seconds"] = time.perf_counter() - t_model

@@ -1,0 +1,50 @@
+"""Every benchmark runs in CI at toy size (seconds each), so none can rot: it must finish and end with its one
+JSON line holding its figures. The figures themselves are the benchmarks' business (full size, by hand)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, snakemake_env
+
+#: the toy-size arguments of each benchmark (python benchmarks/<name>.py <args>)
+TOY = {
+    "merge": ["--toy"],
+    "extract": ["--toy"],
+    "extract_gpu": ["--tiny"],
+    "generation_client": ["--toy"],
+    "tokenize_validate": ["--toy"],
+    "rehearsal": ["--toy"],
+}
+#: modules the benchmarks import, not benchmarks themselves
+HELPERS = {"rehearsal_data", "rehearsal_server"}
+#: keys each JSON line must have, beyond "benchmark"
+KEYS = {
+    "merge": ["merge_s", "baseline_pyarrow_s", "ratio_merge_vs_baseline", "merge_memory_ratio_full_vs_half"],
+    "extract": ["ours_tokens_per_s", "baseline_batch1_tokens_per_s", "speedup", "bytes_per_token_bf16"],
+    "extract_gpu": ["tokens"],
+    "generation_client": ["clients", "ideal_schedule_s"],
+    "tokenize_validate": [],
+    "rehearsal": [],
+}
+
+
+def test_every_benchmark_has_a_toy_mode():
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - HELPERS
+    assert scripts == set(TOY), f"give these a toy mode in TOY: {scripts - set(TOY)}; gone: {set(TOY) - scripts}"
+
+
+@pytest.mark.parametrize("name", sorted(TOY))
+def test_benchmark_runs_at_toy_size(name, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *TOY[name]], cwd=tmp_path,
+                          env=snakemake_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{name}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    line = proc.stdout.strip().splitlines()[-1]
+    out = json.loads(line)
+    assert out["benchmark"] == name
+    for key in KEYS[name]:
+        assert key in out, f"{name}: {key} missing from {line[:500]}"

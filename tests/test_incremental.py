@@ -1,0 +1,146 @@
+"""A change costs what it changes, down to the GPU: real reruns of the demo build (copies of ``demo_run``),
+counting the tokens that pass through the target (each extract job's summary: forwarded vs reused tokens,
+checked against the model's input in tests/test_extract.py) and which hidden-states files were rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from conftest import run_snakemake
+
+pytestmark = pytest.mark.slow
+
+
+def states(wd: Path) -> dict[str, tuple[int, bytes]]:
+    """Every hidden-states file: ``{"<ds>/<shard>": (mtime_ns, bytes)}``."""
+    out = {}
+    for p in sorted((wd / "results/hidden_states").glob("*/*.safetensors")):
+        out[f"{p.parent.name}/{p.stem}"] = (p.stat().st_mtime_ns, p.read_bytes())
+    return out
+
+
+def summaries(wd: Path) -> dict[str, dict]:
+    return {f"{p.parent.name}/{p.stem}": json.loads(p.read_text())
+            for p in sorted((wd / "results/hidden_states").glob("*/*.json"))}
+
+
+def selection_tokens(wd: Path, key: str) -> dict[str, int]:
+    t = pq.read_table(wd / f"results/merged/selection/{key}.parquet", columns=["sample_id", "num_tokens"])
+    return dict(zip(t.column("sample_id").to_pylist(), t.column("num_tokens").to_pylist()))
+
+
+def rerun_jobs(before: dict, after: dict) -> set[str]:
+    """Selections whose extract job ran: its summary was rewritten (a job always rewrites its outputs)."""
+    return {k for k in after if k not in before or after[k] != before[k]}
+
+
+def total_tokens(wd: Path) -> int:
+    return json.loads((wd / "results/merged/manifest.json").read_text())["totals"]["tokens"]
+
+
+@pytest.fixture
+def scratch(demo_run, tmp_path) -> Path:
+    wd = tmp_path / "copy"
+    shutil.copytree(demo_run, wd, symlinks=True)
+    return wd
+
+
+def _overrides(wd: Path, text: str) -> list[str]:
+    (wd / "overrides.yaml").write_text(text)
+    return ["--configfile", "config.yaml", "overrides.yaml"]
+
+
+def test_retrying_one_failed_request_forwards_only_that_sample(scratch):
+    """The journal loses one validated sample's response (as if its request had failed); `--forcerun generate`
+    sends exactly that request again; only its shard's states are recomputed, and only for that sample."""
+    key = "sharegpt_demo/000"
+    journal = scratch / "cache/journal/sharegpt_demo/000.jsonl"
+    lines = journal.read_text().splitlines()
+    sel = selection_tokens(scratch, key)
+    victim = next(i for i, ln in enumerate(lines) if json.loads(ln)["sample_id"] in sel)
+    sid = json.loads(lines[victim])["sample_id"]
+    journal.write_text("\n".join(lines[:victim] + lines[victim + 1:]) + "\n")
+    before_states, before_sum = states(scratch), summaries(scratch)
+
+    proc = run_snakemake(scratch, "--cores", "2", "--forcerun", "generate")
+    sent = [json.loads(p.read_text())["sent"] for p in (scratch / "results").glob("*/responses/*.json")]
+    assert sum(sent) == 1, sent
+    after_states, after_sum = states(scratch), summaries(scratch)
+    ran = rerun_jobs(before_sum, after_sum)
+    assert ran <= {key}, ran  # the other selections' jobs never ran
+    for k in after_states:
+        if k != key:
+            assert after_states[k] == before_states[k], f"{k} was rewritten"
+    if ran:  # the new response validated: only it went through the model
+        s = after_sum[key]
+        new_sel = selection_tokens(scratch, key)
+        assert s["forwarded_samples"] == (1 if sid in new_sel else 0)
+        assert s["forwarded_tokens"] == new_sel.get(sid, 0) <= sum(new_sel.values()) < total_tokens(scratch)
+        assert s["reused_tokens"] == sum(new_sel.values()) - s["forwarded_tokens"]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_new_dataset_forwards_only_its_tokens(scratch):
+    cfg = yaml.safe_load((scratch / "config.yaml").read_text())
+    before_states, before_sum = states(scratch), summaries(scratch)
+    args = _overrides(scratch, "datasets:\n  ultrachat_more:\n    source: {format: ultrachat, path: "
+                               "resources/samples/ultrachat.jsonl, max_samples: 5}\n    shards: 1\n")
+    run_snakemake(scratch, "--cores", "2", *args)
+    after_states, after_sum = states(scratch), summaries(scratch)
+    assert rerun_jobs(before_sum, after_sum) == {"ultrachat_more/000"}
+    for k, v in before_states.items():
+        assert after_states[k] == v, f"{k} was rewritten"  # same bytes, same mtime
+    s = after_sum["ultrachat_more/000"]
+    assert s["forwarded_tokens"] == sum(selection_tokens(scratch, "ultrachat_more/000").values()) > 0
+    assert s["reused_tokens"] == 0
+    assert len(cfg["datasets"]) + 1 == len({k.split("/")[0] for k in after_states})
+    # the exports follow the new shuffled order and hold every kept sample
+    man = json.loads((scratch / "results/merged/manifest.json").read_text())
+    assert len(list((scratch / "results/export/specforge").rglob("data_*.ckpt"))) == man["totals"]["samples"]
+
+
+def test_cap_and_max_len_changes_forward_only_the_affected_samples(scratch):
+    ds = "sharegpt_demo"
+    keys = [f"{ds}/000", f"{ds}/001"]
+    kept = {k: selection_tokens(scratch, k) for k in keys}
+    n = sum(len(v) for v in kept.values())
+
+    # lower the cap: the dataset's jobs rerun, nothing is forwarded (every kept sample is stored)
+    before_states, before_sum = states(scratch), summaries(scratch)
+    run_snakemake(scratch, "--cores", "2", *_overrides(scratch, f"merge:\n  max_samples: {{{ds}: {n - 4}}}\n"))
+    after_states, after_sum = states(scratch), summaries(scratch)
+    ran = rerun_jobs(before_sum, after_sum)
+    assert ran and ran <= set(keys)
+    assert all(after_sum[k]["forwarded_tokens"] == 0 for k in ran)
+    assert all(after_states[k] == before_states[k] for k in after_states if k not in ran)
+    assert sum(after_sum[k]["num_samples"] for k in keys) == n - 4
+
+    # raise it back: only the samples the lower cap had dropped go through the model again
+    before_sum = summaries(scratch)
+    capped = {k: selection_tokens(scratch, k) for k in keys}
+    run_snakemake(scratch, "--cores", "2", *_overrides(scratch, "merge:\n  max_samples: {}\n"))
+    after_sum = summaries(scratch)
+    back = {k: selection_tokens(scratch, k) for k in keys}
+    assert back == kept
+    readded = sum(t for k in keys for sid, t in back[k].items() if sid not in capped[k])
+    assert sum(after_sum[k]["forwarded_tokens"] for k in rerun_jobs(before_sum, after_sum)) == readded > 0
+
+    # a lower max_len: the states of a truncated sample are the prefix of the stored ones (causal model), so
+    # exactly the selections holding a longer sample rerun, and forward nothing
+    before_states, before_sum = states(scratch), summaries(scratch)
+    before_sel = {k: selection_tokens(scratch, k) for k in before_sum}
+    longest = max(t for v in before_sel.values() for t in v.values())
+    cut = max(8, longest // 2)
+    run_snakemake(scratch, "--cores", "2", *_overrides(scratch, f"merge:\n  max_len: {cut}\n"))
+    after_states, after_sum = states(scratch), summaries(scratch)
+    ran = rerun_jobs(before_sum, after_sum)
+    assert ran == {k for k, v in before_sel.items() if max(v.values(), default=0) > cut} != set()
+    assert all(after_sum[k]["forwarded_tokens"] == 0 for k in ran)
+    assert all(after_states[k] == before_states[k] for k in after_states if k not in ran)
