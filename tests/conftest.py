@@ -35,7 +35,7 @@ def snakemake_env() -> dict:
     return env
 
 
-def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 3600) -> subprocess.CompletedProcess:
     """Run ``python -m snakemake <args>`` in ``workdir``; on ``check`` assert rc 0 showing the output."""
     cmd = [sys.executable, "-m", "snakemake", *args]
     proc = subprocess.run(cmd, cwd=workdir, env=snakemake_env(), capture_output=True, text=True, timeout=timeout)
