@@ -1,5 +1,6 @@
 # EAGLE-3 training-data build. Stages (one rule file each in rules/):
-#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> export, report
+#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> export, report (+ view:
+#   loss-mask examples for the report)
 # merge is a checkpoint: extraction runs per validated shard and reruns only where the merge's selection
 # of that shard changed.
 # `snakemake --cores N` rebuilds only stale targets; see README.md.
@@ -31,12 +32,14 @@ include: "rules/plan.smk"
 include: "rules/vocab.smk"
 include: "rules/export.smk"
 include: "rules/report.smk"
+include: "rules/view.smk"
 
 
 rule all:
     input:
         hidden_states=states_files(MERGE_DATASETS),
         report=rules.report.output,
+        views=rules.view.output,
         plan=rules.plan.output.md,
         vocab=rules.vocab.output.mapping,
         exports=expand("results/export/{layout}/{k}.json", layout=EXPORT_LAYOUTS, k=MERGED_SHARDS),

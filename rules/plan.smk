@@ -9,7 +9,8 @@ rule plan:
         merged=expand("results/merged/{k}.parquet", k=MERGED_SHARDS),
         target=target_input(),
     output:
-        md=report("results/reports/plan.md", caption="../report/plan.rst", category="3. Extraction plan"),
+        md="results/reports/plan.md",
+        html=report("results/reports/plan.html", caption="../report/plan.rst", category="3. Extraction plan"),
         json="results/reports/plan.json",
     params:
         model_path=TARGET["path"],

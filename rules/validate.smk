@@ -8,6 +8,8 @@ rule validate:
     output:
         validated="results/{ds}/validated/{shard}.parquet",
         rejected="results/{ds}/rejected/{shard}.parquet",
+    wildcard_constraints:
+        ds=_alternation(GENERATED),
     params:
         target=cfg.target_data_settings(config),
         settings=cfg.validate_data_settings(config),  # the rest (reject ceilings) is read from the config
@@ -15,3 +17,11 @@ rule validate:
         "logs/validate/{ds}/{shard}.log",
     script:
         "../scripts/validate.py"
+
+
+# Pre-tokenized datasets (normalize writes their tokens shards) are validated the same way under their own rule
+# name: the report's rule graph draws one node per rule and DAG depth, and these jobs sit two levels above the
+# generated datasets' (no generate/tokenize before them), so a single rule was drawn twice.
+use rule validate as validate_pretokenized with:
+    wildcard_constraints:
+        ds=_alternation(PRETOKENIZED),

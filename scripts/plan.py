@@ -1,6 +1,11 @@
-"""Rule plan: merge manifest + merged shards + target config -> extraction storage/time plan."""
+"""Rule plan: merge manifest + merged shards + target config -> extraction storage/time plan (Markdown + JSON,
+and the Markdown as an HTML page for `snakemake --report`)."""
+from pathlib import Path
+
+from eagle3_data.io import write_text
 from eagle3_data.logs import setup_logging
 from eagle3_data.plan import plan
+from eagle3_data.report import markdown_page
 
 setup_logging(snakemake.log[0])
 e = snakemake.params.extract
@@ -24,3 +29,4 @@ plan(
     drop=p.get("drop") or [],
     overflow=snakemake.params.overflow,
 )
+write_text(markdown_page(Path(snakemake.output.md).read_text(), "Extraction plan"), snakemake.output.html)

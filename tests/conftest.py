@@ -39,7 +39,7 @@ def snakemake_env(env: dict | None = None, unset: list[str] | tuple = ()) -> dic
     return out
 
 
-def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 900, env: dict | None = None,
+def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 3600, env: dict | None = None,
                   unset: list[str] | tuple = ()) -> subprocess.CompletedProcess:
     """Run ``python -m snakemake <args>`` in ``workdir`` (environment: :func:`snakemake_env` of ``env`` and
     ``unset``); on ``check`` assert rc 0 showing the output."""
@@ -50,6 +50,18 @@ def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     return proc
 
+
+def md_rows(text: str) -> list[list[str]]:
+    """The body rows of the Markdown pipe tables in ``text``, as lists of stripped cells (header and
+    alignment rows left out)."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        if i + 1 < len(lines) and lines[i + 1].startswith("|") and set(lines[i + 1]) <= set("|-: "):
+            continue  # a header row
+        out.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return out
 
 def save_tiny_llama(path: Path, *, hidden_size: int, num_layers: int, vocab_size: int, seed: int) -> Path:
     """A random-weight Llama target (4 heads, 2 KV heads, fp32) saved to ``path``, for extraction tests."""

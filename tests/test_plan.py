@@ -162,3 +162,15 @@ def test_plan_measures_throughput(tmp_path):
     assert on_disk["totals"]["tokens"] == json.loads((tmp_path / "m.json").read_text())["totals"]["tokens"]
     assert [s["name"] for s in on_disk["scenarios"]] == ["as merged", "cap 32", "drop a", "cap 32 and drop a"]
     assert "measured" in (tmp_path / "plan.md").read_text()
+
+
+def test_units_scale_with_the_size_of_the_build():
+    # bytes: the largest decimal unit keeping the number >= 1, the binary one beside it
+    assert pl._fmt_bytes(512) == "512 B"
+    assert pl._fmt_bytes(43_818_936) == "43.82 MB (41.79 MiB)"  # the demo: 42,584 tokens x 1,029 B
+    assert pl._fmt_bytes(5_952_307_200_000) == "5.95 TB (5.41 TiB)"  # the seed: 138.4M x 43,008 B
+    assert pl._fmt_bytes(2_000) == "2.00 KB (1.95 KiB)"
+    # durations given in hours: seconds, minutes or hours
+    assert pl._fmt_hours(42_584 / 1978.1 / 3600) == "21.5 s"
+    assert pl._fmt_hours(0.5) == "30.0 min"
+    assert pl._fmt_hours(91.04) == "91.0 h"

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import csv
 import random
+import re
 from collections import Counter
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import md_rows
 from eagle3_data import schemas
-from eagle3_data.report import backend_location, format_tally, tally
+from eagle3_data.report import backend_location, format_tally, format_usd, tally
+
 
 BACKENDS = {
     "local_sglang": {"type": "sglang", "base_url": "http://127.0.0.1:30000/v1"},
@@ -225,7 +228,7 @@ def test_write_reports_cost_throughput_limits(tmp_path):
     assert lim["ds_d"]["ended_by"] == "not generated"
     assert lim["ds_b"]["cost_usd"] == pytest.approx(0.2) and lim["ds_b"]["budget_usd"] == 0.2
     md = (out / "limits.md").read_text()
-    assert "| ds_b | budget_usd | summary |" in md
+    assert ["ds_b", "budget_usd", "summary"] in [r[:3] for r in md_rows(md)]
 
 
 def test_limits_mixed_and_partial_summaries(tmp_path):
@@ -285,7 +288,7 @@ def test_audit_report_compares_billed_and_own_counts_per_dataset_and_ids_source(
     csv_head = (out / "audit.csv").read_text().splitlines()[0]
     assert csv_head == ",".join(AUDIT_COLUMNS)
     md = (out / "audit.md").read_text()
-    assert f"{100 * rec['prompt_rel']:+.2f}%" in md and "| **ds_x** | **(all)** |" in md
+    assert f"{100 * rec['prompt_rel']:+.2f}%" in md and ["**ds_x**", "**(all)**"] in [r[:2] for r in md_rows(md)]
 
 
 def test_reports_run_on_validated_files_from_before_the_billed_prompt_column(tmp_path):
@@ -300,3 +303,46 @@ def test_reports_run_on_validated_files_from_before_the_billed_prompt_column(tmp
     assert total["samples"] == 4 and total["prompt_billed_samples"] == 0 and total["prompt_rel"] is None
     assert total["billed_completion_tokens"] == sum(r["num_completion_tokens"] for r in rows)
     assert res["tally"][0]["samples"] == 4
+
+
+def test_tally_without_pretokenized_data_and_dollars_as_in_the_cost_table(tmp_path):
+    from eagle3_data.report import write_reports
+
+    rng = random.Random(5)
+    rows = [vrow(rng, "gen", i, "openrouter") for i in range(3)]
+    vp = tmp_path / "v.parquet"
+    schemas.write_checked(schemas.from_rows(rows, schemas.VALIDATED), "validated", vp)
+    resp = [_resp("gen", i, 1e9 + i, 10, 0.00007) for i in range(3)]  # $0.00021 in all
+    out = tmp_path / "reports"
+    res = write_reports([vp], [], [_responses(tmp_path, "gen", "000", resp)], out,
+                        datasets_config={"gen": {"source": {"format": "sharegpt"}}})
+    # no all-zero "Total pre-tokenized" row anywhere when there is no pre-tokenized dataset
+    assert [r["dataset"] for r in res["tally"]] == ["gen", "Total generated", "Grand total"]
+    tally_md = (out / "tally.md").read_text()
+    assert "pre-tokenized" not in tally_md and "pre-tokenized" not in (out / "tally.csv").read_text()
+    assert "pre-tokenized" not in (out / "tally.html").read_text()
+    # the same dollars, with the same meaningful precision, in the tally and the cost table
+    tally_cost = {r[0]: r[-1] for r in md_rows(tally_md)}
+    cost_rows = md_rows((out / "cost.md").read_text())
+    assert tally_cost["**Grand total**"] == "**0.00021**" == cost_rows[-1][8]
+    assert tally_cost["gen"] == "0.00021"
+    only_pre = tally([vp], [], [], tmp_path / "r2", datasets_config={"gen": {"source": {"format": "pretokenized"}}})
+    assert [r["dataset"] for r in only_pre] == ["gen", "Total pre-tokenized", "Grand total"]
+
+
+def test_dollar_format_keeps_two_significant_digits_below_a_dollar():
+    assert [format_usd(v) for v in (0, 0.0002, 0.00021, 0.01234, 0.5, 0.999, 86.04, 1234.5)] == [
+        "0.00", "0.00020", "0.00021", "0.012", "0.50", "1.00", "86.04", "1,234.50"]
+
+
+def test_html_tables_hold_the_markdown_numbers(tmp_path, build):
+    validated, rejected, responses, config = build
+    rows = tally(validated, rejected, responses, tmp_path / "r", datasets_config=config, backends=BACKENDS)
+    page = (tmp_path / "r" / "tally.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "http" not in page
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", page)
+    g = rows[-1]
+    i = cells.index("<strong>Grand total</strong>")
+    assert cells[i + 1:i + 3] == [f"<strong>{g['samples']:,}</strong>", f"<strong>{g['prompt_tokens']:,}</strong>"]
+    body_rows = md_rows((tmp_path / "r" / "tally.md").read_text())  # the tally's and the rejects' rows
+    assert len(re.findall(r"<tr>", page)) == len(body_rows) + 2  # + their header rows

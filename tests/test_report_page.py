@@ -1,4 +1,5 @@
-"""The report rule on a scratch copy of the finished demo, and `snakemake --report` rendered offline.
+"""The report rule on a scratch copy of the finished demo, and `snakemake --report` rendered offline, also in
+headless Chromium (tables and loss-mask views shown in the page; skipped without a ``chromium`` binary).
 
 Works on a copy of the session's finished demo run (``demo_run`` in conftest.py).
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import json
 import re
 import shutil
 from collections import Counter
@@ -17,11 +19,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_snakemake
+from conftest import md_rows, run_snakemake
 from eagle3_data.plots import PLOT_FILES
 from eagle3_data.report import REPORT_FILES
+from headless import Browser, find_chromium
 
-REPORTED = sorted([f for f in REPORT_FILES if f.endswith(".csv")] + PLOT_FILES + ["plan.md"])  # flagged with report()
+# flagged with report(): the tables as HTML pages, the plots, the plan, one loss-mask page per dataset
+REPORTED = sorted([f for f in REPORT_FILES if f.endswith(".html")] + PLOT_FILES + ["plan.html"])
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +48,26 @@ def test_report_page_is_self_contained_with_every_table_and_plot(demo):
     html = (demo / "report.html").read_text()
     assert len(html) > 100_000
     assert not re.findall(r"""(?:src|href)\s*=\s*["']https?://""", html), "the page loads something from the net"
-    found = re.findall(r"data:[\w/+.-]+;charset=utf8;filename=([\w.-]+);base64,([A-Za-z0-9+/=]+)", html)
-    embedded = {k: v for k, v in found if k != "logo.svg"}  # logo.svg: Snakemake's own
-    assert sorted(embedded) == REPORTED
-    for name, b64 in embedded.items():
-        assert base64.b64decode(b64) == (demo / "results" / "reports" / name).read_bytes(), name
-    for caption in ("B8 pattern", "Which limit ended each generated dataset"):
+    found = re.findall(r"data:([\w/+.-]+);charset=utf8;filename=([\w.-]+);base64,([A-Za-z0-9+/=]+)", html)
+    embedded = {k: (mime, v) for mime, k, v in found if k != "logo.svg"}  # logo.svg: Snakemake's own
+    datasets = sorted(p.name for p in (demo / "results").iterdir() if (p / "validated").is_dir())
+    views = [f"{ds}.html" for ds in datasets]
+    assert sorted(embedded) == sorted(REPORTED + views)
+    for name, (mime, b64) in embedded.items():
+        src = demo / "results" / "reports" / ("view/" if name in views else "") / name
+        assert base64.b64decode(b64) == src.read_bytes(), name
+        assert mime in ("text/html", "image/png"), (name, mime)  # shown in the page; a CSV would be a download
+    assert "data:text/csv" not in html
+    for caption in ("B8 pattern", "Which limit ended each generated dataset", "What the draft model is trained on"):
         assert caption in html
+
+
+def test_report_rule_graph_lists_every_rule_once(demo):
+    html = (demo / "report.html").read_text()
+    nodes = re.search(r'"name": "node-data", "values": (\[.*?\])\}', html).group(1)
+    rules = [n["rule"] for n in json.loads(nodes)]
+    assert len(rules) == len(set(rules)), sorted(r for r in rules if rules.count(r) > 1)
+    assert {"validate", "validate_pretokenized", "tokenize", "view", "report", "plan"} <= set(rules)
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -80,7 +97,7 @@ def test_tally_totals_equal_sums_over_validated_parquet(demo):
         assert int(rows["Total generated"][col]) + int(rows["Total pre-tokenized"][col]) == int(rows["Grand total"][col])
     md = (demo / "results" / "reports" / "tally.md").read_text()
     g = int(rows["Grand total"]["samples"])
-    assert f"| **Grand total** | **{g:,}** |" in md
+    assert ["**Grand total**", f"**{g:,}**"] in [r[:2] for r in md_rows(md)]
 
 
 def test_cost_and_throughput_equal_sums_over_responses(demo):
@@ -98,3 +115,83 @@ def test_cost_and_throughput_equal_sums_over_responses(demo):
     assert int(tp[-1]["cumulative_completion_tokens"]) == comp
     limits = {r["dataset"] for r in _read_csv(demo / "results" / "reports" / "limits.csv")}
     assert limits == set(t.column("dataset").to_pylist())
+
+
+def test_plan_scales_its_units_to_a_small_build(demo):
+    md = (demo / "results" / "reports" / "plan.md").read_text()
+    assert "0.00 TB" not in md and " MB (" in md  # the demo: ~44 MB of hidden states
+    total = re.search(r"- GPU time: .* GPU hours \(([\d.,]+) (s|min|h)\)", md)
+    assert total and float(total.group(1).replace(",", "")) >= 1, md
+
+
+# ------------------------------------------------------------------------------------------ in a browser
+
+_CLICK_LINK = "(t => { const a = [...document.querySelectorAll('a')].find(e => e.innerText.trim() === t); " \
+              "if (a) a.click(); return !!a; })"
+_CLICK_EYE = "(t => { const r = [...document.querySelectorAll('tr')].find(r => r.cells[0] && " \
+             "r.cells[0].innerText.trim() === t); const a = r && r.querySelector('a[iconname=eye]'); " \
+             "if (a) a.click(); return !!a; })"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    exe = find_chromium()
+    if not exe:
+        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium; .ci/run installs it)")
+    with Browser(exe, width=1400, height=900) as b:
+        yield b
+
+
+def _show_result(b: Browser, report_html: Path, category: str, label: str) -> int:
+    """Open the report page, click ``category`` in the menu, then the eye icon of result ``label``; the
+    execution context of the iframe the page shows it in."""
+    b.goto(report_html.as_uri())
+    b.wait_for("document.querySelector('#app') && document.querySelector('#app').innerText.length > 0")
+    assert b.eval(f"{_CLICK_LINK}({json.dumps(category)})"), category
+    b.wait_for(f"{_CLICK_EYE}({json.dumps(label)})")
+    b.wait_for("document.querySelector('iframe') !== null")
+    frames = b.child_frames()
+    assert len(frames) == 1 and frames[0]["url"].startswith("data:text/html"), frames
+    return b.frame_context(frames[0]["id"])
+
+
+def test_report_page_shows_the_tally_in_the_page(demo, browser, tmp_path_factory):
+    ctx = _show_result(browser, demo / "report.html", "1. Tables", "tally")
+    browser.wait_for("document.querySelector('table') !== null", context_id=ctx)
+    cells = browser.eval("[...document.querySelectorAll('table')[0].rows].map(r => [...r.cells].map(c => "
+                         "c.innerText.trim()))", context_id=ctx)
+    shown = {r[0]: r for r in cells[1:]}
+    assert cells[0][:2] == ["Dataset", "Samples"]
+    rows = _read_csv(demo / "results" / "reports" / "tally.csv")
+    assert list(shown) == [r["dataset"] for r in rows]
+    for r in rows:  # every dataset's and total's numbers, as the rendered page shows them
+        got = shown[r["dataset"]]
+        assert got[1] == f"{int(r['samples']):,}", got
+        for col, k in (("prompt_tokens", 2), ("completion_tokens", 3), ("total_tokens", 4)):
+            n = int(r[col])
+            assert got[k] == (f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n:,}"), (col, got)
+        assert got[6] == f"{int(r['rejected']):,}", got
+    shot = browser.screenshot(tmp_path_factory.mktemp("screenshots") / "report_tally.png")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    print(f"screenshot of the report page showing the tally: {shot}")
+
+
+def test_report_page_shows_the_loss_mask_view_in_the_page(demo, browser, tmp_path_factory):
+    ds = "sharegpt_demo"
+    ctx = _show_result(browser, demo / "report.html", "4. Loss-mask view", ds)
+    browser.wait_for("document.querySelectorAll('.tokens').length > 0", context_id=ctx)
+    samples = browser.eval("[...document.querySelectorAll('h2')].map(h => h.innerText)", context_id=ctx)
+    shown = browser.eval("[...document.querySelectorAll('.tokens')].map(d => [...d.querySelectorAll('span.t')].map("
+                         "s => [+s.dataset.i, +s.dataset.id, s.classList.contains('m1') ? 1 : 0]))", context_id=ctx)
+    assert len(samples) == len(shown) == 3
+    validated = pa.concat_tables([pq.read_table(p) for p in sorted((demo / "results" / ds / "validated").glob("*.parquet"))])
+    by_id = {r["sample_id"]: r for r in validated.to_pylist()}
+    for sid, spans in zip(samples, shown):
+        r = by_id[sid]
+        keep = [i for i, _, _ in spans]  # long context runs are shortened: compare the tokens drawn
+        assert [t for _, t, _ in spans] == [r["input_ids"][i] for i in keep]
+        assert [m for _, _, m in spans] == [r["loss_mask"][i] for i in keep]  # green exactly where mask is 1
+        assert set(range(len(r["input_ids"]))) - set(keep) <= {i for i, m in enumerate(r["loss_mask"]) if not m}
+    shot = browser.screenshot(tmp_path_factory.mktemp("screenshots") / "report_loss_mask_view.png")
+    assert shot.stat().st_size > 20_000
+    print(f"screenshot of the report page showing the loss-mask view: {shot}")

@@ -335,34 +335,27 @@ def test_pretokenized_rejects(ids, mask, reason):
 RECS = [{"id": f"r{i}", "text": "x\ny" * i, "n": i, "f": 1.5} for i in range(5)]
 
 
-@pytest.mark.parametrize("use_ijson", [True, False])
-def test_json_array_reader_streams_records(tmp_path, use_ijson):
-    if use_ijson:
-        pytest.importorskip("ijson")
+def test_json_array_reader_streams_records(tmp_path):
     p = tmp_path / "a.json"
     p.write_text(json.dumps(RECS, indent=2))
-    got = list(iter_records(p, use_ijson=use_ijson))
+    got = list(iter_records(p))
     assert [r for _, r, _ in got] == RECS
     assert [(i, w) for i, _, w in got] == [(i, f"record {i}") for i in range(5)]
-    # the plain decoder across tiny chunks (records straddle chunk boundaries)
-    from eagle3_data.sources.readers import _iter_json_array_plain
+    # across tiny chunks (records straddle chunk boundaries)
+    from eagle3_data.sources.readers import _iter_json_array
 
-    assert [r for _, r, _ in _iter_json_array_plain(p, chunk_chars=7)] == RECS
+    assert [r for _, r, _ in _iter_json_array(p, chunk_chars=7)] == RECS
 
 
-@pytest.mark.parametrize("use_ijson", [True, False])
-def test_json_array_reader_errors(tmp_path, use_ijson):
-    if use_ijson:
-        pytest.importorskip("ijson")
+def test_json_array_reader_errors(tmp_path):
     p = tmp_path / "bad.json"
     p.write_text('[\n{"a": 1},\n{"a": 2}\n{"a": 3}\n]')
     with pytest.raises(SourceFormatError, match=r"bad\.json.*record 2\b.*invalid JSON") as exc:
-        list(iter_records(p, use_ijson=use_ijson))
-    if not use_ijson:  # the built-in decoder also knows the line
-        assert "bad.json line 4 (record 2)" in str(exc.value)
+        list(iter_records(p))
+    assert "bad.json line 4 (record 2)" in str(exc.value)
     p.write_text('{"a": 1}\n{"a": 2}\n')
     with pytest.raises(SourceFormatError, match=r"bad\.json: expected a JSON array.*\.jsonl"):
-        list(iter_records(p, use_ijson=use_ijson))
+        list(iter_records(p))
 
 
 def test_jsonl_reader_lines_blank_lines_gzip_and_errors(tmp_path):

@@ -273,8 +273,8 @@ DEFAULTS = {
 
 _BELOW_MERGE = "merge; extract where a selection's samples change; export, plan, vocab"
 _GEN_CHAIN = ("generate of the datasets using it (only requests the journal lacks are sent), then their tokenize "
-              "and validate, report, " + _BELOW_MERGE)
-_DS_CHAIN = "the dataset's own chain (normalize or generate onward), report, " + _BELOW_MERGE
+              "and validate, report, view, " + _BELOW_MERGE)
+_DS_CHAIN = "the dataset's own chain (normalize or generate onward), report, view, " + _BELOW_MERGE
 NOTHING = "nothing"
 
 #: For every config key, what changing it reruns (leaves: the key; ``*`` covers every key under a prefix). The
@@ -283,15 +283,15 @@ NOTHING = "nothing"
 RERUNS: list[tuple[str, str]] = [
     ("cache_dir", NOTHING + " (move the directory with it: it holds the journals and the extraction links)"),
     ("target.name", "generate of every generated dataset (the journal is keyed by the target: new requests), "
-                    "tokenize, validate, report, " + _BELOW_MERGE),
-    ("target.path", "tokenize, validate (the tokenizer), report, " + _BELOW_MERGE + " (every selection: another "
+                    "tokenize, validate, report, view, " + _BELOW_MERGE),
+    ("target.path", "tokenize, validate (the tokenizer), report, view, " + _BELOW_MERGE + " (every selection: another "
                     "checkpoint; rows are reused only if its weights are the same); generate only for "
                     "native_generate backends"),
     ("target.build_tiny", "tiny_target, then as target.path"),
-    ("target.trust_remote_code", "tokenize, validate, report, " + _BELOW_MERGE),
+    ("target.trust_remote_code", "tokenize, validate, report, view, " + _BELOW_MERGE),
     ("target.template", "generate of every generated dataset (the request history depends on the family: Kimi "
                         "tool-call ids, reasoning on tool-call turns; the journal answers every request whose prompt "
-                        "is unchanged), tokenize, validate, report, " + _BELOW_MERGE),
+                        "is unchanged), tokenize, validate, report, view, " + _BELOW_MERGE),
     ("target.chat_template_kwargs", "as target.template"),
     ("target.tiny.*", "tiny_target (the demo's target), then everything that reads it"),
     ("backends.<name>.type", _GEN_CHAIN),
@@ -338,7 +338,7 @@ RERUNS: list[tuple[str, str]] = [
     ("normalize.max_reject_rate", NOTHING),
     ("validate.max_reject_rate", NOTHING),
     ("validate.count_tolerance.aggregate_rel", NOTHING),
-    ("validate.keep_truncated", "validate of every shard, report, " + _BELOW_MERGE),
+    ("validate.keep_truncated", "validate of every shard, report, view, " + _BELOW_MERGE),
     ("validate.count_tolerance.per_sample_abs", "as validate.keep_truncated"),
     ("validate.count_tolerance.per_sample_rel", "as validate.keep_truncated"),
     ("validate.max_tokens", "as validate.keep_truncated"),

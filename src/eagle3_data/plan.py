@@ -11,7 +11,8 @@ Arithmetic (printed in the report with the real numbers):
   for the per-token scales) + final states ``H*b`` (times the share of stored rows under
   ``final_states=supervised``, + 1 byte of ``final_mask``) + ids and mask (extract file: int32 + int8 = 5 bytes;
   SpecForge ``.ckpt``: 2 x int64 = 16; speculators ``hs_*``: int64 = 8);
-- storage = tokens x bytes per token (+ 8 bytes per sample of offsets), shown in TB (1e12) and TiB (2^40);
+- storage = tokens x bytes per token (+ 8 bytes per sample of offsets), shown in decimal and binary units
+  (B, KB = 1e3 ... TB = 1e12; KiB = 2^10 ... TiB = 2^40), the largest that keeps the number >= 1;
 - GPU hours = tokens / (tokens/s per GPU) / 3600; wall hours = GPU hours / GPUs in use. Linear in tokens:
   it ignores attention's quadratic share, which makes long samples slower per token (the throughput measured
   on the real shard includes the real length mix).
@@ -142,7 +143,27 @@ def measure_throughput(merged_path, *, model_path, layers=None, dtype: str = "bf
 
 
 def _fmt_bytes(x: float) -> str:
-    return f"{x / TB:,.2f} TB ({x / TIB:,.2f} TiB)"
+    """Bytes in the largest decimal unit that keeps the number >= 1, with the binary unit beside it:
+    ``43_800_000 -> "43.80 MB (41.77 MiB)"``, ``512 -> "512 B"``."""
+    k = 0
+    while k < 4 and abs(x) >= 1000 ** (k + 1):
+        k += 1
+    if k == 0:
+        return f"{x:,.0f} B"
+    j = 0
+    while j < 4 and abs(x) >= 1024 ** (j + 1):
+        j += 1
+    return f"{x / 1000 ** k:,.2f} {'B KB MB GB TB'.split()[k]} ({x / 1024 ** j:,.2f} {'B KiB MiB GiB TiB'.split()[j]})"
+
+
+def _fmt_hours(hours: float) -> str:
+    """A duration given in hours, in seconds, minutes or hours, whichever keeps it >= 1 (``0.006 -> "21.6 s"``)."""
+    s = hours * 3600
+    if s < 60:
+        return f"{s:,.1f} s"
+    if s < 3600:
+        return f"{s / 60:,.1f} min"
+    return f"{hours:,.1f} h"
 
 
 def build_plan(
@@ -276,7 +297,7 @@ def render_markdown(plan: dict) -> str:
             "| layout | auxiliary | final | ids+mask | total | x 1M tokens |", "|---|---:|---:|---:|---:|---:|"]
     for name, v in bpt.items():
         out.append(f"| {name} | {v['aux']:,.0f} | {v['final']:,.0f} | {v['ids']:,.0f} | {v['total']:,.0f} | "
-                   f"{v['total'] * 1e6 / 1e9:,.1f} GB |")
+                   f"{_fmt_bytes(v['total'] * 1e6)} |")
     b = 2 if lay["dtype"] != "float32" else 4
     out += ["", f"Configured: auxiliary {A} x {H:,} x {b if lay['aux_format'] == 'same' else 1} B"
             + (" + 4 B scale per layer" if lay["aux_format"] == "fp8_e4m3" else "")
@@ -286,25 +307,27 @@ def render_markdown(plan: dict) -> str:
             f"- tokens: {tot['tokens']:,} in {tot['samples']:,} samples ({tot['supervised_tokens']:,} supervised)",
             f"- storage: {tot['tokens']:,} x {cfg['total']:,.0f} B = {_fmt_bytes(tot['bytes'])}",
             f"- throughput: {thr['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU ({thr['source']})",
-            f"- GPU hours: {tot['tokens']:,} / {thr['tokens_per_s_per_gpu']:,.1f} / 3600 = {tot['gpu_hours']:,.1f}",
-            f"- wall hours on {thr['gpus_busy']} GPU(s) ({thr['gpus_per_job']} per job): {tot['wall_hours']:,.1f}",
+            f"- GPU time: {tot['tokens']:,} / {thr['tokens_per_s_per_gpu']:,.1f} / 3600 = {tot['gpu_hours']:,.4g} GPU "
+            f"hours ({_fmt_hours(tot['gpu_hours'])})",
+            f"- wall time on {thr['gpus_busy']} GPU(s) ({thr['gpus_per_job']} per job): {_fmt_hours(tot['wall_hours'])}",
             ""]
     out += ["## Per extraction job (one per validated dataset shard)", "",
-            "| job | samples | tokens | storage | GPU hours |", "|---|---:|---:|---:|---:|"]
+            "| job | samples | tokens | storage | GPU time |", "|---|---:|---:|---:|---:|"]
     for s in plan["shards"]:
         out.append(f"| {s['job']} | {s['samples']:,} | {s['tokens']:,} | {_fmt_bytes(s['bytes'])} | "
-                   f"{s['gpu_hours']:,.2f} |")
+                   f"{_fmt_hours(s['gpu_hours'])} |")
     out += ["", "## Alternatives", "",
-            "| alternative | samples | tokens | configured layout | aux only bf16 | GPU hours | wall hours |",
+            "| alternative | samples | tokens | configured layout | aux only bf16 | GPU time | wall time |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     for sc in plan["scenarios"]:
         out.append(f"| {sc['name']} | {sc['samples']:,} | {sc['tokens']:,} | {_fmt_bytes(sc['bytes']['configured'])} | "
-                   f"{_fmt_bytes(sc['bytes']['aux_only_bf16'])} | {sc['gpu_hours']:,.1f} | "
-                   f"{sc['wall_hours']:,.1f} |")
+                   f"{_fmt_bytes(sc['bytes']['aux_only_bf16'])} | {_fmt_hours(sc['gpu_hours'])} | "
+                   f"{_fmt_hours(sc['wall_hours'])} |")
     aux_only = bpt["aux_only_bf16"]["total"]
     full = bpt["SpecForge .ckpt export"]["total"]
     out += ["", "## Notes", "",
-            "- Units: TB = 10^12 bytes, TiB = 2^40 bytes (what `df -h` / `du -h` print as T). ",
+            "- Units: KB, MB, GB, TB = 10^3, 10^6, 10^9, 10^12 bytes; KiB, MiB, GiB, TiB = 2^10 ... 2^40 bytes (what "
+            "`df -h` / `du -h` print as K, M, G, T). Times: GPU time on one GPU; wall time on the GPUs in use.",
             f"- Three auxiliary layers at bf16 alone are 3 x {H:,} x 2 = {aux_only:,.0f} B/token; with the final "
             f"state and int64 ids/mask (SpecForge's .ckpt) {full:,.0f} B/token, {full / aux_only:.2f}x as much. "
             "An estimate made from the auxiliary states only under-counts storage by that factor.",

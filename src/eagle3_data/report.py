@@ -17,24 +17,29 @@ Reports (file stem: what, named query in ``sql/``):
 
 Every query reads the views of ``sql/report_views.sql``, so a user can run it by hand in the ``duckdb`` CLI
 (see each file's header). :func:`write_reports` writes them all; :func:`tally` only the first two.
+
+Each report is written three ways: CSV (every column, exact values: DuckDB ``COPY``), Markdown (the readable
+columns, formatted: ``tabulate``) and HTML (that Markdown rendered by ``markdown-it-py`` into a small
+self-contained page, which ``snakemake --report`` shows in its page; a CSV would only be a download there).
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
+import html
 import ipaddress
 import logging
+import math
 import os
 import re
 from pathlib import Path
 from urllib.parse import urlparse
 
 import duckdb
+import pyarrow as pa
 
 from . import schemas, sql
-from .io import write_text
+from .io import atomic_path, write_text
 
 log = logging.getLogger("eagle3_data.report")
 
@@ -63,9 +68,8 @@ AUDIT_COLUMNS = [
     "prompt_diff_min", "prompt_diff_max",
 ]
 #: every file :func:`write_reports` writes into its ``out_dir``
-REPORT_FILES = [
-    f"{stem}.{ext}" for stem in ("tally", "rejects", "cost", "throughput", "limits", "audit") for ext in ("md", "csv")
-]
+REPORT_STEMS = ("tally", "rejects", "cost", "throughput", "limits", "audit")
+REPORT_FILES = [f"{stem}.{ext}" for stem in REPORT_STEMS for ext in ("md", "csv", "html")]
 #: bucket lengths (seconds) the Markdown throughput table may use; the smallest giving <= MAX_MD_BUCKETS rows
 MD_BUCKETS_S = [60, 300, 600, 900, 1800, 3600, 7200, 4 * 3600, 6 * 3600, 12 * 3600, 86400]
 MAX_MD_BUCKETS = 240
@@ -251,13 +255,14 @@ def tally(
     datasets_config: dict | None = None,
     backends: dict | None = None,
 ) -> list[dict]:
-    """Per-dataset tally of the build; writes ``out_dir/tally.md``, ``tally.csv`` and ``rejects.csv``.
+    """Per-dataset tally of the build; writes ``out_dir/tally.md``, ``tally.html``, ``tally.csv`` and
+    ``rejects.csv``.
 
     Args:
         validated_paths: VALIDATED parquet files (the samples and tokens counted).
         rejected_paths: REJECTS parquet files of any stage (counted per dataset, stage and reason).
         responses_paths: RESPONSES parquet files (responses ok/failed and ``cost_usd`` per dataset).
-        out_dir: directory for the three files (each written atomically).
+        out_dir: directory for the four files (each written atomically).
         datasets_config: the config's ``datasets`` mapping; every dataset in it gets a row (zeros when it has
             no data) and one whose ``source.format`` is ``pretokenized`` is listed with the pre-tokenized ones.
         backends: the config's ``backends`` mapping (name -> ``type``, ``base_url``, ``launch``) used to tell
@@ -265,7 +270,8 @@ def tally(
 
     Returns: the table rows (dicts with :data:`TALLY_COLUMNS`): generated datasets, then ``Total generated``,
         then pre-tokenized datasets, ``Total pre-tokenized``, then ``Grand total`` (``kind`` is
-        ``generated`` / ``pretokenized`` / ``total``). Token counts: ``completion_tokens`` = supervised
+        ``generated`` / ``pretokenized`` / ``total``); a subtotal is left out when there is no dataset of its
+        kind (``Grand total`` is always the last row). Token counts: ``completion_tokens`` = supervised
         tokens (loss mask 1), ``prompt_tokens`` = the rest, ``total_tokens`` = their sum.
     """
     datasets_config = datasets_config or {}
@@ -273,13 +279,13 @@ def tally(
     with contextlib.closing(open_report_db(validated_paths, rejected_paths, responses_paths, backends=backends,
                                            summary_paths=[])) as con:
         rows, rejects = _tally_rows(con, datasets_config)
-    _write_tally(rows, rejects, out_dir)
+        _write_tally(con, rows, rejects, out_dir)
     return rows
 
 
 def _tally_rows(con, datasets_config: dict) -> tuple[list[dict], list[dict]]:
     found = {r["dataset"]: r for r in query(con, "tally")}
-    rejects = [{c: r[c] for c in REJECT_COLUMNS} for r in query(con, "rejects_by_reason")]
+    rejects = _materialize(con, "report_rejects", "rejects_by_reason")
 
     names = sorted(set(found) | set(datasets_config))
     generated, pretok = [], []
@@ -313,22 +319,26 @@ def _tally_rows(con, datasets_config: dict) -> tuple[list[dict], list[dict]]:
         return t
 
     rows = list(generated)
-    rows.append(total("Total generated", generated))
+    if generated:
+        rows.append(total("Total generated", generated))
     rows += pretok
-    rows.append(total("Total pre-tokenized", pretok))
+    if pretok:  # no all-zero subtotal when the build has no pre-tokenized dataset
+        rows.append(total("Total pre-tokenized", pretok))
     rows.append(total("Grand total", generated + pretok))
     return rows, rejects
 
 
-def _write_tally(rows: list[dict], rejects: list[dict], out_dir: Path) -> None:
+def _write_tally(con, rows: list[dict], rejects: list[dict], out_dir: Path) -> None:
+    """tally.csv/.md/.html and rejects.csv (``rejects``: the ``report_rejects`` table of :func:`_materialize`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text(_csv(rows, TALLY_COLUMNS), out_dir / "tally.csv")
-    write_text(_csv(rejects, REJECT_COLUMNS), out_dir / "rejects.csv")
+    con.register("report_tally", pa.Table.from_pylist(rows))
+    write_csv(con, "report_tally", TALLY_COLUMNS, out_dir / "tally.csv")
+    write_csv(con, "report_rejects", REJECT_COLUMNS, out_dir / "rejects.csv")
     md = "# Tally\n\n" + format_tally(rows) + "\n\n## Rejects by reason\n\n" + format_rejects(rejects) + "\n"
-    write_text(md, out_dir / "tally.md")
+    write_markdown(md, out_dir / "tally.md", out_dir / "tally.html", title="Tally")
     g = rows[-1]
-    log.info("tally: %d samples, %d tokens (%d supervised), %d rejected, $%.2f", g["samples"], g["total_tokens"],
-             g["completion_tokens"], g["rejected"], g["cost_usd"])
+    log.info("tally: %d samples, %d tokens (%d supervised), %d rejected, $%s", g["samples"], g["total_tokens"],
+             g["completion_tokens"], g["rejected"], format_usd(g["cost_usd"]))
 
 
 def md_bucket_s(con) -> int:
@@ -352,7 +362,7 @@ def write_reports(
     generation: dict | None = None,
     summary_paths=None,
 ) -> dict[str, list[dict]]:
-    """Write every report of the build into ``out_dir`` as Markdown and CSV (:data:`REPORT_FILES`).
+    """Write every report of the build into ``out_dir`` as CSV, Markdown and HTML (:data:`REPORT_FILES`).
 
     Args:
         validated_paths, rejected_paths, responses_paths: the stage parquet files (as for :func:`tally`).
@@ -380,24 +390,27 @@ def write_reports(
         generation=generation, summary_paths=summary_paths,
     )) as con:
         rows, rejects = _tally_rows(con, datasets_config)
-        cost = query(con, "cost")
-        throughput = query(con, "throughput", bucket_s=60)
+        cost = _materialize(con, "report_cost", "cost")
+        throughput = _materialize(con, "report_throughput", "throughput", bucket_s=60)
         bucket = md_bucket_s(con)
         throughput_md = throughput if bucket == 60 else query(con, "throughput", bucket_s=bucket)
-        limits = query(con, "limits")
-        audit = query(con, "audit")
-    _write_tally(rows, rejects, out_dir)
-    write_text("# Rejects by dataset, stage and reason\n\n" + format_rejects(rejects) + "\n", out_dir / "rejects.md")
-    write_text(_csv(cost, COST_COLUMNS), out_dir / "cost.csv")
-    write_text("# Cost and tokens by dataset, backend and provider\n\n" + format_cost(cost) + "\n",
-               out_dir / "cost.md")
-    write_text(_csv(throughput, THROUGHPUT_COLUMNS), out_dir / "throughput.csv")
-    write_text(f"# Throughput ({_duration(bucket)} buckets of completed_at, UTC)\n\n"
-               + format_throughput(throughput_md, bucket) + "\n", out_dir / "throughput.md")
-    write_text(_csv(limits, LIMIT_COLUMNS), out_dir / "limits.csv")
-    write_text("# Which limit ended each dataset\n\n" + format_limits(limits) + "\n", out_dir / "limits.md")
-    write_text(_csv(audit, AUDIT_COLUMNS), out_dir / "audit.csv")
-    write_text("# Token audit: billed counts vs the target's own\n\n" + format_audit(audit) + "\n", out_dir / "audit.md")
+        limits = _materialize(con, "report_limits", "limits")
+        audit = _materialize(con, "report_audit", "audit")
+        _write_tally(con, rows, rejects, out_dir)
+        for table, columns, stem in (("report_cost", COST_COLUMNS, "cost"),
+                                     ("report_throughput", THROUGHPUT_COLUMNS, "throughput"),
+                                     ("report_limits", LIMIT_COLUMNS, "limits"), ("report_audit", AUDIT_COLUMNS, "audit")):
+            write_csv(con, table, columns, out_dir / f"{stem}.csv")
+    pages = {
+        "rejects": ("Rejects by dataset, stage and reason", format_rejects(rejects)),
+        "cost": ("Cost and tokens by dataset, backend and provider", format_cost(cost)),
+        "throughput": (f"Throughput ({_duration(bucket)} buckets of completed_at, UTC)",
+                       format_throughput(throughput_md, bucket)),
+        "limits": ("Which limit ended each dataset", format_limits(limits)),
+        "audit": ("Token audit: billed counts vs the target's own", format_audit(audit)),
+    }
+    for stem, (title, table) in pages.items():
+        write_markdown(f"# {title}\n\n{table}\n", out_dir / f"{stem}.md", out_dir / f"{stem}.html", title=title)
     total_audit = audit[-1] if audit else {}
     if total_audit.get("prompt_billed_samples") and \
             total_audit["prompt_equal_samples"] < total_audit["prompt_billed_samples"]:
@@ -406,19 +419,64 @@ def write_reports(
                     - total_audit["prompt_equal_samples"], total_audit["prompt_billed_samples"],
                     total_audit["prompt_tokens"], total_audit["billed_prompt_tokens"], out_dir / "audit.md")
     total = cost[-1] if cost else {}
-    log.info("reports: %d datasets, %d responses, $%.4f, %d throughput buckets, written to %s", len(rows) - 3,
-             (total.get("responses_ok") or 0) + (total.get("responses_failed") or 0), total.get("cost_usd") or 0.0,
-             len(throughput), out_dir)
+    log.info("reports: %d datasets, %d responses, $%s, %d throughput buckets, written to %s",
+             sum(r["kind"] != "total" for r in rows),
+             (total.get("responses_ok") or 0) + (total.get("responses_failed") or 0),
+             format_usd(total.get("cost_usd") or 0.0), len(throughput), out_dir)
     return {"tally": rows, "rejects": rejects, "cost": cost, "throughput": throughput, "limits": limits,
             "audit": audit}
 
 
-def _csv(rows: list[dict], columns: list[str]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
+def _materialize(con, table: str, name: str, **variables) -> list[dict]:
+    """Run the named query ``sql/<name>.sql`` once into temp table ``table`` (for :func:`write_csv`); its rows
+    as dicts, in the query's order."""
+    if variables:
+        sql.set_variables(con, **variables)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS {sql.load(name)}")
+    res = con.sql(f"SELECT * FROM {table}")
+    cols = res.columns
+    return [dict(zip(cols, r)) for r in res.fetchall()]
+
+
+def write_csv(con, source: str, columns: list[str], path) -> None:
+    """``COPY`` ``columns`` of DuckDB table/view ``source`` on ``con`` to the CSV file ``path`` (header row;
+    NULL = empty field; atomically)."""
+    cols = ", ".join('"' + c.replace('"', '""') + '"' for c in columns)
+    with atomic_path(path) as tmp:
+        target = str(tmp).replace("'", "''")
+        con.execute(f"COPY (SELECT {cols} FROM {source}) TO '{target}' (FORMAT csv, HEADER true)")
+
+
+_MARKDOWN = None
+PAGE_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; margin: 1rem 1.25rem; }
+h1 { font-size: 1.3rem; margin: 0 0 .75rem; } h2 { font-size: 1.1rem; margin: 1.5rem 0 .5rem; }
+table { border-collapse: collapse; font-variant-numeric: tabular-nums; margin-bottom: 1rem; }
+th, td { border: 1px solid #d0d7de; padding: .25rem .6rem; white-space: nowrap; }
+th { background: #f6f8fa; position: sticky; top: 0; }
+tbody tr:nth-child(even) { background: #f9fafb; }
+code { font-size: 90%; background: #f6f8fa; padding: 0 .2rem; border-radius: 3px; }
+"""
+
+
+def markdown_page(md: str, title: str) -> str:
+    """A self-contained HTML page (no external resource) of the Markdown text ``md`` (CommonMark + pipe
+    tables, rendered by ``markdown-it-py``; raw HTML in ``md`` is escaped), titled ``title``."""
+    global _MARKDOWN
+    if _MARKDOWN is None:
+        from markdown_it import MarkdownIt
+
+        _MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{html.escape(title)}</title>\n'
+            f"<style>{PAGE_CSS}</style>\n</head>\n<body>\n{_MARKDOWN.render(md)}</body>\n</html>\n")
+
+
+def write_markdown(md: str, md_path, html_path=None, *, title: str) -> None:
+    """Write Markdown ``md`` to ``md_path`` and, when ``html_path`` is given, :func:`markdown_page` of it there
+    (each atomically)."""
+    write_text(md, md_path)
+    if html_path is not None:
+        write_text(markdown_page(md, title), html_path)
 
 
 def human_tokens(n: int) -> str:
@@ -426,23 +484,24 @@ def human_tokens(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n:,}"
 
 
+def format_usd(v: float) -> str:
+    """Dollars with the precision that keeps them meaningful, the same in every table: cents from $1 up
+    (``1,234.50``), two significant digits below (``0.50``, ``0.0012``, ``0.00023``), ``0.00`` for zero."""
+    if not v:
+        return "0.00"
+    if abs(v) >= 1:
+        return f"{v:,.2f}"
+    return f"{v:.{max(2, 1 - math.floor(math.log10(abs(v))))}f}"
+
+
 def format_tally(rows: list[dict]) -> str:
     """Markdown table of :func:`tally` rows (dataset, samples, tokens, source), with prompt,
     completion, rejects and cost; totals in bold."""
-    head = ["Dataset", "Samples", "Prompt tokens", "Completion tokens", "Tokens", "Source", "Rejected", "Cost $"]
-    align = ["---", "--:", "--:", "--:", "--:", "---", "--:", "--:"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
-    for r in rows:
-        cells = [
-            r["dataset"], f"{r['samples']:,}", human_tokens(r["prompt_tokens"]),
-            human_tokens(r["completion_tokens"]), human_tokens(r["total_tokens"]),
-            r["source"] + (f" ({r['backends']})" if r.get("backends") else ""),
-            f"{r['rejected']:,}", f"{r['cost_usd']:.2f}",
-        ]
-        if r["kind"] == "total":
-            cells = [f"**{c}**" if c else "" for c in cells]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    out = [dict(r, source=r["source"] + (f" ({r['backends']})" if r.get("backends") else "")) for r in rows]
+    cols = [("dataset", "Dataset", "text"), ("samples", "Samples", ""), ("prompt_tokens", "Prompt tokens", "tok"),
+            ("completion_tokens", "Completion tokens", "tok"), ("total_tokens", "Tokens", "tok"),
+            ("source", "Source", "text"), ("rejected", "Rejected", ""), ("cost_usd", "Cost $", "usd")]
+    return markdown_table(out, cols, bold=lambda r: r["kind"] == "total")
 
 
 def format_rejects(rejects: list[dict]) -> str:
@@ -450,13 +509,10 @@ def format_rejects(rejects: list[dict]) -> str:
     none)."""
     if not rejects:
         return "none"
-    def cell(text) -> str:
-        return " ".join(str(text or "").split()).replace("|", "/")
-
-    lines = ["| Dataset | Stage | Reason | Count | Example |", "|---|---|---|--:|---|"]
-    lines += [f"| {r['dataset']} | {r['stage']} | {r['reason']} | {r['count']:,} | {cell(r.get('example'))} |"
-              for r in rejects]
-    return "\n".join(lines)
+    rows = [dict(r, example=" ".join(str(r.get("example") or "").split())) for r in rejects]
+    cols = [("dataset", "Dataset", "text"), ("stage", "Stage", "text"), ("reason", "Reason", "text"),
+            ("count", "Count", ""), ("example", "Example", "text")]
+    return markdown_table(rows, cols)
 
 
 def _duration(seconds: int) -> str:
@@ -469,7 +525,7 @@ def _fmt(v, kind: str = "") -> str:
     if v is None:
         return ""
     if kind == "usd":
-        return f"{v:,.4f}" if abs(v) < 100 else f"{v:,.2f}"
+        return format_usd(v)
     if kind == "tok":
         return human_tokens(int(v))
     if kind == "pct":
@@ -482,18 +538,17 @@ def _fmt(v, kind: str = "") -> str:
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]], *, bold=lambda r: False) -> str:
-    """Markdown table of ``rows``; ``columns`` = (key, header, kind) with kind ``""`` (plain), ``"tok"``
-    (:func:`human_tokens`), ``"usd"``, ``"pct"`` (a ratio as a signed percentage), ``"text"`` (left-aligned);
-    ``bold(row)`` marks summary rows."""
-    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
-    align = "|" + "|".join("---" if k == "text" else "--:" for _, _, k in columns) + "|"
-    lines = [head, align]
+    """Markdown (pipe) table of ``rows`` by ``tabulate``; ``columns`` = (key, header, kind) with kind ``""``
+    (plain), ``"tok"`` (:func:`human_tokens`), ``"usd"`` (:func:`format_usd`), ``"pct"`` (a ratio as a signed
+    percentage), ``"text"`` (left-aligned; the others are right-aligned); ``bold(row)`` marks summary rows."""
+    from tabulate import tabulate
+
+    body = []
     for r in rows:
-        cells = [_fmt(r.get(key), kind) for key, _, kind in columns]
-        if bold(r):
-            cells = [f"**{c}**" if c else "" for c in cells]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells = [_fmt(r.get(key), kind).replace("|", "\\|") for key, _, kind in columns]
+        body.append([f"**{c}**" if c else "" for c in cells] if bold(r) else cells)
+    return tabulate(body, headers=[h for _, h, _ in columns], tablefmt="pipe", disable_numparse=True,
+                    colalign=["left" if k == "text" else "right" for _, _, k in columns])
 
 
 def format_cost(rows: list[dict]) -> str:
