@@ -102,8 +102,9 @@ def contract(src: Source) -> tuple[list[tuple[str, str]], list[str]]:
     for local, (mod, name, line) in sorted(imports.items(), key=lambda kv: kv[1]):
         try:
             found = src.top_level(mod, name)
-        except KeyError as exc:
-            found, problems = None, [*problems, f"sglang_backend.py:{line}: {exc}"]
+        except KeyError as exc:  # the module itself is gone
+            problems.append(f"sglang_backend.py:{line}: {exc.args[0]}")
+            continue
         if found is None:
             problems.append(f"sglang_backend.py:{line}: {mod}.{name} not found in sglang=={sx.SGLANG_VERSION}")
             continue
@@ -186,8 +187,6 @@ def contract(src: Source) -> tuple[list[tuple[str, str]], list[str]]:
         if fn is not None:
             for p in signature_problems(fn, bound=bound, n_positional=n_pos, keywords=kws):
                 problems.append(f"sglang_backend.py:{node.lineno}: {label}(...): {p}")
-            for k in kws:
-                rows.setdefault(f"{label}(..., {k}=)", rows.get(label, ""))
 
     # ServerArgs keywords: fields of the server arguments
     args = sx.server_args("/m", layer_ids=[1, 2])
@@ -223,7 +222,7 @@ def test_every_sglang_symbol_exists_with_the_signature_the_backend_uses(src):
                  "ServerArgs.enable_return_aux_hidden_states", "ServerArgs.trust_remote_code",
                  "CaptureHiddenMode.FULL", "sglang.srt.runtime_context.publish"):
         assert must in names, must
-    assert all(re.fullmatch(r"sglang/\S+\.py:\d+", where) for name, where in rows if "(" not in name), rows
+    assert all(re.fullmatch(r"sglang/\S+\.py:\d+", where) for _, where in rows), rows
 
 
 def test_the_checker_catches_a_wrong_keyword_and_a_missing_attribute(src, tmp_path, monkeypatch):
@@ -421,8 +420,25 @@ if __name__ == "__main__":  # the symbol table of the closing note
     rows, problems = contract(Source(pinned_source(sx.SGLANG_VERSION)))
     source = Source(pinned_source(sx.SGLANG_VERSION))
     for name, where in rows:
-        if "(" not in name:
-            print(f"{name:62s} {where}")
+        print(f"{name:62s} {where}")
+    facts = [  # the behaviour relied on, checked by the tests above
+        ("sglang.srt.layers.logits_processor", "LogitsProcessor", "__init__"),
+        ("sglang.srt.layers.logits_processor", "LogitsProcessor", "_get_hidden_states_to_store"),
+        ("sglang.srt.layers.logits_processor", "LogitsProcessor", "_get_last_hidden_states_to_store"),
+        ("sglang.srt.models.llama", "LlamaModel", "forward"),
+        ("sglang.srt.models.deepseek_v2", "DeepseekV2Model", "forward"),
+        ("sglang.benchmark.one_batch", "_TorchBenchRunner", "clear"),
+    ]
+    for mod, cls, meth in facts:
+        print(f"{cls + '.' + meth:62s} {source.method(mod, cls, meth).where}")
+    for mod, name in (("sglang.srt.arg_groups.validation_hook", "_AUX_HIDDEN_STATE_CAPTURE_METHODS"),
+                      ("sglang.srt.arg_groups.validation_hook", "handle_aux_hidden_state_capture"),
+                      ("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state",
+                       "_resolve_capture_only_aux_hidden_state"),
+                      ("sglang.benchmark.one_batch", "extend"),
+                      ("sglang.benchmark.one_batch", "prepare_synthetic_inputs_for_latency_test"),
+                      ("sglang.benchmark.one_batch", "latency_test")):
+        print(f"{name:62s} {source.top_level(mod, name).where}")
     for arch in sx.ARCHITECTURE_ID_RULES:
         rule, where = id_rule_in_wheel(source, _entry_module(source, arch), arch)
         print(f"{arch + '.set_eagle3_layers_to_capture (' + str(rule) + ')':62s} {where}")
