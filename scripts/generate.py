@@ -18,5 +18,6 @@ generate(
     num_shards=snakemake.params.num_shards,
     summary_path=snakemake.output.summary,
     target=snakemake.params.target,
+    target_format=snakemake.params.target_format,
     log=log,
 )

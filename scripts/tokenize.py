@@ -8,4 +8,5 @@ tokenize(
     snakemake.output[0],
     target=snakemake.params.target,
     chat_template_kwargs=snakemake.params.chat_template_kwargs,
+    max_tokens=snakemake.params.max_tokens,
 )

@@ -90,6 +90,6 @@ def demo_run(tmp_path_factory) -> Path:
     Tests must not modify it: copy it (``shutil.copytree(demo_run, dest, symlinks=True)``) first.
     """
     wd = copy_workflow(tmp_path_factory.mktemp("demo"))
-    proc = run_snakemake(wd, "--cores", "2")
+    proc = run_snakemake(wd, "--cores", "2", timeout=2400)  # ~2 min on an idle 2-core machine
     (wd / "run.out").write_text(proc.stdout + proc.stderr)
     return wd

@@ -16,6 +16,9 @@ from one process without extra dependencies. Endpoints:
   token); ``provider`` is set (OpenRouter style); ``reasoning_field`` picks ``reasoning`` (OpenRouter) or
   ``reasoning_content`` (SGLang) for a short reasoning text (``reasoning_tokens`` words; 0 = none).
   ``omit_cost`` leaves ``usage.cost`` out (the client may then look it up by generation id).
+  ``require_tool_reasoning`` enforces Moonshot's thinking-mode rule: HTTP 400 "thinking is enabled but
+  reasoning_content is missing in assistant tool call message" when an assistant message with ``tool_calls`` has
+  no ``reasoning_content`` (absent or null).
 - ``GET /v1/generation?id=gen-...`` (OpenRouter cost lookup): ``{"data": {"id", "total_cost", ...}}`` for an id
   this server completed, after ``cost_404s`` 404 answers per id (stats appear late); 404 for unknown ids.
 - ``POST /generate`` (SGLang native): body ``{"input_ids", "sampling_params": {"max_new_tokens", ...}}``; replies
@@ -61,7 +64,7 @@ DEFAULTS = {
     "latency_dist": "uniform", "latency_by_body": False,
     "record_bodies": 50, "omit_cost": False, "cost_404s": 0,
     "gen_vocab": list(range(97, 123)) + [32], "gen_think": None, "gen_eot": None, "gen_include_stop": True,
-    "gen_abort_rate": 0.0,
+    "gen_abort_rate": 0.0, "require_tool_reasoning": False,
 }
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -305,6 +308,13 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
         app._count("400")
         return _response(400, {"error": {"code": 400, "message": "invalid JSON body"}})
     app.record(body, headers)
+    if c["require_tool_reasoning"] and not native:
+        bad = [i for i, m in enumerate(body.get("messages") or []) if isinstance(m, dict)
+               and m.get("role") == "assistant" and m.get("tool_calls") and m.get("reasoning_content") is None]
+        if bad:
+            app._count("400")
+            return _response(400, {"error": {"code": 400, "message": "thinking is enabled but reasoning_content is "
+                                             f"missing in assistant tool call message at index {bad[0]}"}})
     fault = app.pick_fault()
     app.in_flight += 1
     app.max_in_flight = max(app.max_in_flight, app.in_flight)

@@ -167,7 +167,7 @@ def test_every_request_failing_stops_the_job(tmp_path, fs):
     """A backend that answers nothing but errors is a configuration problem: no output, a clear error."""
     fs.app.config.update({"p5xx": 1.0})
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
-    with pytest.raises(GenerationStopped, match=r"every request failed \({'http_50"):
+    with pytest.raises(GenerationStopped, match=r"every request failed \(5 of 5 requests: {.http_50"):
         run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=1))
     assert not (tmp_path / "out.parquet").exists()
     assert read_journal(tmp_path / "journal", "ds")[0] == {}

@@ -197,7 +197,7 @@ def test_qwen3_reasoning_only_after_last_real_query_and_tool_call_newlines():
 def test_qwen3_matches_template_render_of_final_turn():
     """anchors §6 items 4/6: the final turn rendered by the template equals prompt + our completion."""
     tt = target("qwen3")
-    for reasoning, content in [("A\nB", "C"), ("", "C"), ("x", "")]:
+    for reasoning, content in [("A\nB", "C"), ("\nr\n", "\n\nC"), ("x", "")]:
         out = run(tt, row(MULTI, reasoning=reasoning, content=content))
         full = tt.render(MULTI + [{"role": "assistant", "content": content, "reasoning_content": reasoning}], None,
                          False)
@@ -314,6 +314,7 @@ def test_deepseek_r1_prompt_opens_think_with_newline():
     tt = TargetTokens(tok, completion_format("deepseek-r1"))
     msgs = [{"role": "user", "content": "2+2?"}]
     out = run(tt, row(msgs, reasoning="\nAdd them.\n", content="4"))
-    # the "\n" after <think> is a prompt token: the completion starts with the reasoning text itself
-    expect(tt, out, "<｜User｜>2+2?<｜Assistant｜><think>\n", "Add them.\n</think>4<｜end▁of▁sentence｜>")
+    # the "\n" after <think> is a prompt token: the completion starts with the reasoning text itself, and the
+    # separators are R1's own ("\n</think>\n\n"), whatever whitespace the server's parser left
+    expect(tt, out, "<｜User｜>2+2?<｜Assistant｜><think>\n", "Add them.\n</think>\n\n4<｜end▁of▁sentence｜>")
     assert tt.think_state(tt.render(msgs, None)) == ("open", "\n")

@@ -41,18 +41,19 @@ def test_truncated_response_gets_no_end_of_turn():
     (out,) = tokenize_rows([row(MULTI, reasoning="long thoughts", content=None, finish_reason="length")], tt)
     assert out["reject_reason"] is None
     assert out["input_ids"][-1] != tt.eot_id
+    # cut inside the reasoning: the prefix ends where the target stopped, no end-of-reasoning marker
     assert tt.tok.decode(out["input_ids"][out["num_prompt_tokens"]:], skip_special_tokens=False) == \
-        "<think>long thoughts</think>"
+        "<think>long thoughts"
 
 
 def test_failed_generation_and_bad_json_rows_keep_their_place():
     tt = target("qwen3")
     rows = [
         dict(row(MULTI, content="a"), sample_id="a", status="failed", error="http_429: rate limited"),
-        dict(row(MULTI, content="b"), sample_id="b", messages="[not json"),
-        dict(row(MULTI, content="c"), sample_id="c"),
-        dict(row(MULTI, content="d1"), sample_id="d", turn=1),
-        dict(row(MULTI, content="d3"), sample_id="d", turn=3),
+        dict(row(MULTI, reasoning="r", content="b"), sample_id="b", messages="[not json"),
+        dict(row(MULTI, reasoning="r", content="c"), sample_id="c"),
+        dict(row(MULTI, reasoning="r", content="d1"), sample_id="d", turn=1),
+        dict(row(MULTI, reasoning="r", content="d3"), sample_id="d", turn=3),
     ]
     out = tokenize_rows(rows, tt)
     assert [o["sample_id"] for o in out] == ["a", "b", "c", "d@1", "d@3"]
@@ -95,10 +96,12 @@ def test_dataset_chat_template_kwargs_change_the_rendered_prompt(tmp_path):
     """Kimi K2.5: thinking on -> the prompt ends in <think>; a dataset that turns thinking off (its
     generation.extra_body.chat_template_kwargs, sent with the request) gets <think></think> in the prompt."""
     path = F.save_fixture("kimi-k25", tmp_path / "tok")
-    resp = tmp_path / "responses.parquet"
+    resp, resp_on = tmp_path / "responses.parquet", tmp_path / "responses_on.parquet"
     pq.write_table(schemas.from_rows([row(MULTI, content="plain answer", completion_tokens=3)], schemas.RESPONSES), resp)
+    pq.write_table(schemas.from_rows([row(MULTI, reasoning="r", content="plain answer", completion_tokens=3)],
+                                     schemas.RESPONSES), resp_on)
     target = {"path": path, "template": "kimi-k25", "chat_template_kwargs": {"thinking": True}}
-    tokenize(str(resp), str(tmp_path / "on.parquet"), target=target)
+    tokenize(str(resp_on), str(tmp_path / "on.parquet"), target=target)
     tokenize(str(resp), str(tmp_path / "off.parquet"), target=target, chat_template_kwargs={"thinking": False})
     tok = F.FIXTURES["kimi-k25"]()
     on, off = (pq.read_table(tmp_path / f).to_pylist()[0] for f in ("on.parquet", "off.parquet"))

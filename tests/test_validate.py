@@ -126,7 +126,8 @@ def test_missing_and_early_end_of_turn():
 def test_empty_completion():
     k2 = target("kimi-k2")
     assert reason(tok_row(k2, reasoning=None, content=""), k2) == "empty_completion"
-    assert reason(tok_row(KT, reasoning="", content=""), KT) == "empty_completion"
+    (r,) = tokenize_rows([row(MULTI, reasoning="", content="")], KT)  # a thinking target with no reasoning
+    assert r["reject_reason"] == "missing_reasoning"
     assert reason(tok_row(k2, reasoning=None, content="ok"), k2) is None
 
 

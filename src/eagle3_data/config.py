@@ -105,8 +105,10 @@ RERUNS: list[tuple[str, str]] = [
                     "native_generate backends"),
     ("target.build_tiny", "tiny_target, then as target.path"),
     ("target.trust_remote_code", "tokenize, validate, report, " + _BELOW_MERGE),
-    ("target.template", "tokenize, validate, report, " + _BELOW_MERGE),
-    ("target.chat_template_kwargs", "tokenize, validate, report, " + _BELOW_MERGE),
+    ("target.template", "generate of every generated dataset (the request history depends on the family: Kimi "
+                        "tool-call ids, reasoning on tool-call turns; the journal answers every request whose prompt "
+                        "is unchanged), tokenize, validate, report, " + _BELOW_MERGE),
+    ("target.chat_template_kwargs", "as target.template"),
     ("target.tiny.*", "tiny_target (the demo's target), then everything that reads it"),
     ("backends.<name>.type", _GEN_CHAIN),
     ("backends.<name>.base_url", "as backends.<name>.type"),
@@ -214,6 +216,12 @@ def source_data_settings(config: dict, ds: str) -> dict:
     """The source keys of ``ds`` its normalized rows depend on (:data:`SOURCE_DATA_KEYS`)."""
     src = config["datasets"][ds]["source"]
     return {k: src.get(k) for k in SOURCE_DATA_KEYS}
+
+
+def datasets_data_settings(config: dict) -> dict:
+    """Every dataset's source keys (:data:`SOURCE_DATA_KEYS`) and shard count: what the reports depend on."""
+    return {ds: {"source": source_data_settings(config, ds), "shards": int(config["datasets"][ds].get("shards", 1))}
+            for ds in datasets(config)}
 
 
 def normalize_reject_ceiling(config: dict, ds: str) -> float:

@@ -60,6 +60,7 @@ from .backends.client import (
 from .backends.server import launch_server
 from .io import content_hash, remove_stale_partials, write_json
 from .journal import JournalWriter, iter_journal_file, read_journal
+from .templates import request_messages, thinking_enabled
 
 logger = logging.getLogger("eagle3_data.generate")
 
@@ -124,8 +125,12 @@ def assistant_turns(messages: list, mode: str) -> list[int]:
 
 
 def assistant_message(rec: dict) -> dict:
-    """The regenerated assistant message put into the history of later turns (mode ``all``)."""
+    """The regenerated assistant message put into the history of later turns (mode ``all``); its reasoning goes
+    back under ``reasoning_content`` (the field chat templates read; the request body moves it to the field the
+    backend reads, :func:`backends.client.history_reasoning`)."""
     msg: dict = {"role": "assistant", "content": rec.get("content") or ""}
+    if rec.get("reasoning"):
+        msg["reasoning_content"] = rec["reasoning"]
     if rec.get("tool_calls"):
         msg["tool_calls"] = json.loads(rec["tool_calls"])
     return msg
@@ -284,7 +289,7 @@ def _failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reaso
 
 class _Runner:
     def __init__(self, *, dataset, target_name, generation, records, journal, pool, state, sampling, target=None,
-                 writer=None, write_batch_rows: int = 256):
+                 writer=None, write_batch_rows: int = 256, target_format: dict | None = None):
         self.dataset = dataset
         self.target_name = target_name
         self.generation = generation
@@ -305,6 +310,10 @@ class _Runner:
         self.backing_off = 0  # tasks sleeping before a retry without a live permit
         self.max_backing_off = 0  # how many may (set by _run: the pool's capacity)
         self.target = target  # TargetTokens, for backends with native_generate
+        fmt = target_format or {}  # the target's family and chat_template_kwargs (+ the dataset's)
+        self.template = fmt.get("template")
+        self.thinking = thinking_enabled(self.template, {**(fmt.get("chat_template_kwargs") or {}), **(
+            (generation.get("extra_body") or {}).get("chat_template_kwargs") or {})})
         self.max_tokens = int(generation.get("max_tokens") or 0)
 
     def steps(self, sample: Sample):
@@ -313,7 +322,7 @@ class _Runner:
         history = sample.messages
         tools = sample.tools
         for turn in sample.turns:
-            prompt = history[:turn]
+            prompt = request_messages(history[:turn], self.template)
             key = request_key(self.dataset, sample.sample_id, turn, self.target_name, prompt, tools, self.sampling)
             rec = yield turn, prompt, tools, key, self.records.get(key)
             if rec is None:
@@ -371,7 +380,7 @@ class _Runner:
                                    "cost (no usage.cost, a failed cost lookup): the dollar budget counts known "
                                    "costs only", self.dataset, rec.get("backend"))
                 st.by_backend[rec["backend"]] = st.by_backend.get(rec["backend"], 0) + 1
-                rec = {k: rec.get(k) for k in ("content", "tool_calls")}  # what the history needs; rest on disk
+                rec = {k: rec.get(k) for k in ("content", "reasoning", "tool_calls")}  # the history's; rest on disk
                 st.new_ok += 1
             try:
                 item = gen.send(rec)
@@ -454,8 +463,8 @@ class _Runner:
                             body = json.dumps(build_native_body(backend.cfg, ids, self.sampling)).encode()
                             est = len(ids) + self.max_tokens
                         else:
-                            body = json.dumps(build_body(backend.cfg, prompt, tools, self.sampling),
-                                              ensure_ascii=False).encode()
+                            body = json.dumps(build_body(backend.cfg, prompt, tools, self.sampling,
+                                                         thinking=self.thinking), ensure_ascii=False).encode()
                             est = len(body) // 4 + self.max_tokens
                         st.in_flight += 1
                         st.sent += 1
@@ -734,6 +743,7 @@ def generate(
     summary_path=None,
     target: dict | None = None,
     write_batch_rows: int = 256,
+    target_format: dict | None = None,
 ) -> dict:
     """Generate responses for one dataset shard; write ``out_path`` (RESPONSES parquet); return a summary.
 
@@ -760,6 +770,12 @@ def generate(
             ``/generate``: prompt ids are rendered with the target's chat template, ``chat_template_kwargs``
             updated by ``generation.extra_body.chat_template_kwargs``, and the exact ``output_ids`` are stored).
         write_batch_rows: rows per output batch (a parquet row group; memory: one batch of JSON lines).
+        target_format: ``{"template": family, "chat_template_kwargs": {...}}`` of the target (config ``target``):
+            Kimi families get their history tool-call ids rewritten to ``functions.<name>:<index>`` in the prompt
+            sent (and stored, and keyed); a thinking target (family and kwargs, the dataset's
+            ``extra_body.chat_template_kwargs`` included) gets an empty reasoning on history tool-call turns that
+            have none (:func:`backends.client.history_reasoning`). Regenerated reasoning (mode ``all``) always goes
+            back in the field the backend reads.
 
     Returns: dict with dataset, shard, samples, ok, failed (reason -> count), from_journal, sent (HTTP
         requests), retries, not_sent, completion_tokens / prompt_tokens / cost_usd (this run),
@@ -787,7 +803,7 @@ def generate(
         return _generate(prompts_path, out_path, dataset=dataset, shard=shard, target_name=target_name,
                          generation=generation, backends=backends, journal_dir=journal_dir, log=log,
                          num_shards=num_shards, progress_interval_s=progress_interval_s, summary_path=summary_path,
-                         target=target, write_batch_rows=write_batch_rows)
+                         target=target, write_batch_rows=write_batch_rows, target_format=target_format)
     except (_Terminated, KeyboardInterrupt):  # outside the request phase (reading prompts, the final write)
         raise GenerationStopped(f"[{dataset}/{shard}] interrupted (SIGTERM/KeyboardInterrupt); journal kept") from None
     finally:
@@ -795,7 +811,7 @@ def generate(
 
 
 def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation, backends, journal_dir, log,
-              num_shards, progress_interval_s, summary_path, target, write_batch_rows) -> dict:
+              num_shards, progress_interval_s, summary_path, target, write_batch_rows, target_format=None) -> dict:
     t0 = time.monotonic()
     journal_dir = Path(journal_dir)
     out_path = Path(out_path)
@@ -830,7 +846,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             budget_usd=None if bu is None else float(bu) / div,
         )
         # resume index: spend, and (mode all) what the regenerated history needs; texts stay on disk
-        keep = ("completion_tokens", "cost_usd") + (("content", "tool_calls") if mode == "all" else ())
+        keep = ("completion_tokens", "cost_usd") + (("content", "reasoning", "tool_calls") if mode == "all" else ())
         records, jstats = read_journal(journal_dir, dataset, fields=keep)
         logger.info(
             "%s %d samples (%d unusable, %d over max_samples), mode %s; journal: %d responses in %d file(s), "
@@ -852,7 +868,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
 
         # which samples still need a request? (mode all: walk the journal through the regenerated history)
         probe = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
-                        journal=None, pool=None, state=state, sampling=sampling)
+                        journal=None, pool=None, state=state, sampling=sampling, target_format=target_format)
         target_tokens = None
         n_pending = sum(1 for s in samples if probe.pending(s))
         logger.info("%s %d sample(s) need requests, %d complete in the journal", tag, n_pending, len(samples) - n_pending)
@@ -885,7 +901,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                     pool = BackendPool([Backend(c) for c in cfgs]) if network else None
                     runner = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
                                      journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
-                                     writer=writer, write_batch_rows=write_batch_rows)
+                                     writer=writer, write_batch_rows=write_batch_rows, target_format=target_format)
                     if pool is not None:
                         asyncio.run(_run(runner, samples, progress_interval_s, tag))
                     else:
@@ -907,11 +923,13 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             del records
             failed_n = sum(state.failed.values())
             failed_requests = sum(n for reason, n in state.failed.items() if reason != "bad_prompt")
-            if failed_requests and state.ok == 0:
-                # nothing generated at all: a misconfigured or unreachable backend, not data to keep
+            answered = state.new_ok + state.from_journal  # requests with a response (mode all: turns, not samples)
+            if failed_requests and answered == 0:
+                # not one request answered: a misconfigured or unreachable backend, not data to keep
                 raise GenerationStopped(
-                    f"{tag} every request failed ({dict(state.failed)}); check the backends "
-                    f"{[c.name for c in cfgs]} (base_url, server running, API key)"
+                    f"{tag} every request failed ({failed_requests} of {failed_requests} requests: "
+                    f"{dict(state.failed)}); check the backends {[c.name for c in cfgs]} (base_url, server running, "
+                    "API key)"
                 )
             if failed_requests:
                 logger.warning(

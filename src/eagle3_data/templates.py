@@ -10,10 +10,34 @@ The training sequence of a sample is ``prompt_ids + completion_ids`` where
   target family's completion format (think block, content, tool-call section, end-of-turn token).
 
 Rendering the *finished* conversation instead is wrong for reasoning targets: Kimi K2-Thinking/K2.5 render the
-final answer with an empty ``<think></think>``, Qwen3 and GLM drop reasoning before the last user turn
-(``/work/shared/reference/formats.md`` §0, §2; anchors.md §6 items 4-6).
+final answer with an empty ``<think></think>``, Qwen3 and GLM drop reasoning before the last user turn, DeepSeek-R1
+drops it everywhere (their templates under ``tests/chat_templates/``; SpecForge issues #296 and PR #419 on the
+"vanishing thought"). Where a template keeps the final turn's reasoning (Qwen3, GLM-4.5, a Kimi tool-calling turn,
+K2.6 ``preserve_thinking``) the product's ids equal its render of the finished conversation; elsewhere they follow
+SGLang's reasoning-parser convention (``tests/test_real_vocab.py``).
 
-Completion formats (formats.md §2.2-§2.4; the real templates' assistant branches; SGLang reasoning parsers):
+What is supervised for each kind of reply (R reasoning, C content; the loss mask covers exactly the text shown,
+after the generation prompt). Every reply's finish reason is first normalised once into the closed set
+:data:`FINISH_REASONS` (:func:`normalize_finish_reason`: unknown values rejected ``unknown_finish_reason`` by
+name; a billed completion count at the request's ``max_tokens`` means cut whatever the string says). Cut replies
+are kept only with ``validate.keep_truncated`` (else rejected ``truncated``) and end where the target stopped: no
+end-of-reasoning marker when cut inside the reasoning, never an end-of-turn token; a cut reply with tool calls is
+rejected ``truncated_tool_call``. A think block returned inside the content (a server without a reasoning parser)
+is split the way the family's template and SGLang's parsers split it, kept, and counted
+(``reasoning_split_from_content`` in the tokenize summary); reasoning prose in the content with no markers, on a
+prompt that leaves thinking on, can't be told from the answer and is rejected ``missing_reasoning``.
+
+| family | complete | cut (normalised `length`) | filtered (`content_filter`) | empty answer (reasoning, then nothing) | tool calls | reasoning in content |
+|---|---|---|---|---|---|---|
+| `kimi-k2` | `C<\\|im_end\\|>` | `C` as emitted, no `<\\|im_end\\|>` | rejected `content_filter` | whitespace-only `C`: `empty_answer`; any reasoning: `unexpected_reasoning` | `C<\\|tool_calls_section_begin\\|>…<\\|tool_calls_section_end\\|><\\|im_end\\|>`, ids `functions.<name>:<n>` | a think block: `reasoning_marker_leak` |
+| `kimi-k2-thinking` | `<think>R</think>C<\\|im_end\\|>` | in R: `<think>R`; in C: `<think>R</think>C` | rejected `content_filter` | rejected `empty_answer` | `<think>R</think>C` + Kimi section + `<\\|im_end\\|>` | `<think>R</think>C`: split, kept, counted; prose without markers: `missing_reasoning` |
+| `kimi-k25` (K2.5, K2.6) | thinking: `R</think>C<\\|im_end\\|>` (`<think>` is a prompt token); `thinking=False`: `C<\\|im_end\\|>` | thinking: `R` / `R</think>C`; off: `C` | rejected `content_filter` | rejected `empty_answer` | as complete + Kimi section before `<\\|im_end\\|>` | `R</think>C`: split; prose: `missing_reasoning` (thinking on) |
+| `qwen3` (Qwen3, Qwen3-2507 thinking) | `<think>\\nR\\n</think>\\n\\nC<\\|im_end\\|>` (2507: `<think>\\n` in the prompt); `enable_thinking=False`: `C<\\|im_end\\|>` | `<think>\\nR` / `<think>\\nR\\n</think>\\n\\nC` | rejected `content_filter` | rejected `empty_answer` | `…</think>\\n\\n[C\\n]<tool_call>\\n{"name": n, "arguments": a}\\n</tool_call><\\|im_end\\|>` | `<think>…</think>` split; prose: `missing_reasoning` (thinking on) |
+| `glm45` | `\\n<think>R</think>\\nC<\\|user\\|>` (no end token: the next role token); `enable_thinking=False`: `\\nC<\\|user\\|>` | `\\n<think>R` / `\\n<think>R</think>\\nC` | rejected `content_filter` | rejected `empty_answer` | `…\\n<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call><\\|observation\\|>` | split; prose: `missing_reasoning` (thinking on) |
+| `deepseek-r1` | `R\\n</think>\\n\\nC<｜end▁of▁sentence｜>` (`<think>\\n` is a prompt token; R1's separators rebuilt) | `R` / `R\\n</think>\\n\\nC` | rejected `content_filter` | rejected `empty_answer` | rejected `tool_calls_unsupported` (R1's template has no usable call layout) | split; prose: `missing_reasoning` |
+| `generic` | the template's render of the finished conversation minus the prompt render | the same without the end-of-turn token | rejected `content_filter` | whitespace-only completion: `empty_answer` (the markers are unknown) | as the template renders them | passed to the template as content (no split); reasoning the template drops: `reasoning_dropped_by_template` |
+
+Completion formats (the real templates' assistant branches; SGLang reasoning parsers):
 
 ================ =============================================================================== ======================
 family           completion text after the generation prompt                                     end-of-turn token
@@ -28,7 +52,7 @@ qwen3            ``<think>`` ``\\n{r.strip('\\n')}\\n`` ``</think>`` ``\\n\\n{c.
 glm45            ``\\n`` ``<think>`` ``{r.strip()}`` ``</think>`` [``\\n{c.strip()}``]                 ``<|user|>``, or
                  [``\\n<tool_call>{name}\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``]  ``<|observation|>``
                  (no per-turn end token: the turn ends at the next role token)                  after tool calls
-deepseek-r1      ``<think>`` reasoning ``</think>`` content (prompt usually ends ``<think>\\n``)     ``<｜end▁of▁sentence｜>``
+deepseek-r1      as qwen3, without tool calls (the prompt ends ``<think>\\n``)                    ``<｜end▁of▁sentence｜>``
 generic          derived: render the conversation with the final assistant message               tokenizer eos token
                  (``add_generation_prompt=False``) and without it (``=True``); the completion is the
                  difference, which must extend the prompt render (else reject ``template_not_prefix``)
@@ -100,6 +124,15 @@ KIMI_TOOL_TOKENS = (
     "<|tool_call_end|>",
 )
 
+#: why family ``deepseek-r1`` rejects tool calls (reason ``tool_calls_unsupported``)
+DEEPSEEK_R1_NO_TOOLS = (
+    "family deepseek-r1 has no tool-call format: DeepSeek-R1's own chat template renders a call only for an "
+    "assistant message whose content is null and leaves a single call's section unclosed (no "
+    "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>), so no completion can be checked against it; R1-0528 and V3.1 "
+    "write calls in other layouts (function<｜tool▁sep｜>name + a ```json block; name<｜tool▁sep｜>arguments), "
+    "which would need their own families"
+)
+
 FORMATS: dict[str, CompletionFormat] = {
     "kimi-k2": CompletionFormat("kimi-k2", "<|im_end|>", "<think>", "</think>", False, "kimi", "kimi",
                                 KIMI_ROLE_MARKERS),
@@ -112,8 +145,9 @@ FORMATS: dict[str, CompletionFormat] = {
     "glm45": CompletionFormat("glm45", "<|user|>", "<think>", "</think>", True, "glm", "glm",
                               ("[gMASK]", "<sop>", "<|system|>", "<|assistant|>"),
                               tool_end_of_turn="<|observation|>", tool_args_mapping=True),
-    "deepseek-r1": CompletionFormat("deepseek-r1", "<｜end▁of▁sentence｜>", "<think>", "</think>", True, "plain",
-                                    "none", ("<｜User｜>", "<｜Assistant｜>")),
+    "deepseek-r1": CompletionFormat("deepseek-r1", "<｜end▁of▁sentence｜>", "<think>", "</think>", True, "qwen",
+                                    "none", ("<｜User｜>", "<｜Assistant｜>"),
+                                    extra={"tool_calls_unsupported": DEEPSEEK_R1_NO_TOOLS}),
     "generic": CompletionFormat("generic", None, None, None, None, "plain", "none", (), generic=True),
 }
 
@@ -133,7 +167,7 @@ def normalize_ids(out: Any) -> list[int]:
     """Token ids from whatever ``apply_chat_template(tokenize=True)`` or a tokenizer call returned, as ``list[int]``.
 
     transformers 5 may return a ``BatchEncoding``/dict (``len()`` of it is the number of keys, not tokens: the
-    Model-Optimizer bug of anchors.md §6 item 9), a torch/numpy tensor of shape ``(n,)`` or ``(1, n)``, a nested
+    bug NVIDIA Model-Optimizer PR #2172 fixed), a torch/numpy tensor of shape ``(n,)`` or ``(1, n)``, a nested
     ``[[...]]`` list or a plain list. Raises :class:`TemplateError` on a batch of more than one sequence or on an
     object with no ids.
     """
@@ -184,6 +218,141 @@ def count_tool_calls(messages: Sequence[dict]) -> int:
     """Number of tool calls in earlier assistant messages (Kimi numbers call ids ``functions.{name}:{index}``
     with this global index; SGLang's kimi_k2 parser does the same)."""
     return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
+
+
+#: The closed set of finish reasons every response is normalised to (:func:`normalize_finish_reason`).
+FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
+
+#: Finish-reason spellings of the APIs this project talks to (OpenAI / OpenRouter ``finish_reason``, OpenRouter
+#: ``native_finish_reason`` of Anthropic and Google providers, SGLang, vLLM, ``transformers serve``), lower-cased.
+FINISH_ALIASES = {
+    "stop": "stop", "eos": "stop", "eos_token": "stop", "end_turn": "stop", "stop_sequence": "stop",
+    "finish_reason_stop": "stop",
+    "length": "length", "max_tokens": "length", "max_output_tokens": "length", "max_new_tokens": "length",
+    "model_length": "length", "max_length": "length",
+    "tool_calls": "tool_calls", "function_call": "tool_calls", "tool_use": "tool_calls",
+    "content_filter": "content_filter", "safety": "content_filter", "recitation": "content_filter",
+    "prohibited_content": "content_filter", "blocklist": "content_filter", "spii": "content_filter",
+    "refusal": "content_filter", "image_safety": "content_filter",
+}
+
+
+def normalize_finish_reason(raw: Any, billed_completion_tokens: int | None = None, max_tokens: int | None = None,
+                            *, emitted_end_of_turn: bool = False) -> str:
+    """The finish reason of a response as one of :data:`FINISH_REASONS`.
+
+    ``raw`` is the backend's string (any case; spellings in :data:`FINISH_ALIASES`) or None. A billed completion
+    count at (or above) the request's ``max_tokens`` means the reply was cut, whatever the string says (providers
+    report ``stop``, ``MAX_TOKENS`` or nothing for a reply that ran out of tokens), unless the backend's exact ids
+    end in the target's end-of-turn token (``emitted_end_of_turn``: the target stopped by itself on its last
+    allowed token). ``content_filter`` wins over everything (the provider cut or replaced the text).
+
+    Raises :class:`TemplateError` with reason ``unknown_finish_reason`` for a value outside the aliases (named in
+    the message, e.g. ``abort``) and for a null finish reason that no count or end-of-turn id explains.
+    """
+    key = raw.strip().lower() if isinstance(raw, str) and raw.strip() else None
+    kind = FINISH_ALIASES.get(key) if key is not None else None
+    if key is not None and kind is None:
+        raise TemplateError(f"unknown finish_reason {raw!r} (known: {sorted(set(FINISH_ALIASES))})",
+                            "unknown_finish_reason")
+    if kind == "content_filter":
+        return kind
+    at_max = (billed_completion_tokens is not None and max_tokens is not None and int(max_tokens) > 0
+              and int(billed_completion_tokens) >= int(max_tokens))
+    if at_max and not emitted_end_of_turn:
+        return "length"
+    if kind is None:
+        if emitted_end_of_turn:
+            return "stop"
+        raise TemplateError("finish_reason is null and the billed completion count "
+                            f"({billed_completion_tokens}) is below max_tokens ({max_tokens}): whether the reply is "
+                            "complete is unknown", "unknown_finish_reason")
+    return kind
+
+
+def rewrite_kimi_tool_call_ids(messages: Sequence[dict]) -> list[dict]:
+    """History tool-call ids in Kimi's own ``functions.<name>:<index>`` form (``index``: the call's position among
+    every tool call of the conversation, counted from 0, as Kimi and SGLang's kimi_k2 tool parser number them).
+
+    Kimi's templates print a history call's ``id`` verbatim, so an OpenAI-style id (``call_0``, ``toolu_...``)
+    leaves the prompt without the called function's name. Ids already in Kimi form are kept; every other id is
+    rewritten, and so is the ``tool_call_id`` of the tool messages answering it (a tool message without one gets
+    the id of the next call not yet answered). Returns a new list (changed messages copied, the input untouched).
+    """
+    out: list[dict] = []
+    mapping: dict[str, str] = {}
+    pending: list[str] = []
+    index = 0
+    for m in messages:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            changed = False
+            for call in m["tool_calls"]:
+                old = call.get("id")
+                name = str((call.get("function") or {}).get("name", ""))
+                new = old if isinstance(old, str) and _KIMI_CALL_ID.match(old) else f"functions.{name}:{index}"
+                index += 1
+                if new != old:
+                    call = {**call, "id": new}
+                    changed = True
+                if old is not None:
+                    mapping[str(old)] = new
+                pending.append(new)
+                calls.append(call)
+            out.append({**m, "tool_calls": calls} if changed else m)
+            continue
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            new = mapping.get(str(tid)) if tid is not None else (pending[0] if pending else None)
+            if new is not None and new in pending:
+                pending.remove(new)
+            if new is not None and new != tid:
+                m = {**m, "tool_call_id": new}
+        out.append(m)
+    return out
+
+
+def split_reasoning_from_content(fmt: CompletionFormat, content: str | None) -> tuple[str, str] | None:
+    """``(reasoning, content)`` from a reply whose think block came back inside ``content`` (a server without a
+    reasoning parser, or ``separate_reasoning: false``), or None when ``content`` holds no end-of-reasoning marker.
+
+    The split is the one the target family's own template applies to such a message and SGLang's reasoning
+    parsers apply to raw output: the reasoning is the text before the first ``</think>`` (after an opening
+    ``<think>`` when present: the K2.5/R1/Qwen3-2507 prompts already hold it), the content the text after it.
+    Whitespace is returned as written: the family's layout rebuilds its canonical separators. Text before the
+    opening marker other than whitespace is not a think block: None (validation then rejects the marker).
+    """
+    close, open_ = fmt.think_close, fmt.think_open
+    if not fmt.reasoning or not close or not content or close not in content:
+        return None
+    pre, post = content.split(close, 1)
+    if open_ and open_ in pre:
+        before, pre = pre.split(open_, 1)
+        if before.strip():
+            return None
+    if open_ and open_ in pre:
+        return None
+    return pre, post
+
+
+def thinking_enabled(template: str | None, chat_template_kwargs: dict | None = None) -> bool:
+    """True when target family ``template`` reasons after a generation prompt rendered with
+    ``chat_template_kwargs``: a reasoning family whose ``thinking`` / ``enable_thinking`` is not false (SGLang's
+    rule for the kimi_k2, qwen3 and glm45 reasoning parsers). Unknown families: False."""
+    fmt = FORMATS.get(template or "")
+    kw = chat_template_kwargs or {}
+    return bool(fmt and fmt.reasoning) and kw.get("thinking") is not False and kw.get("enable_thinking") is not False
+
+
+def request_messages(messages: Sequence[dict], template: str | None) -> list[dict]:
+    """The prompt messages of a request to a target of family ``template``, as sent and as later rendered by the
+    tokenize stage: Kimi families get their history tool-call ids rewritten (:func:`rewrite_kimi_tool_call_ids`),
+    so the prompt the server sees names every called function; other families unchanged."""
+    fmt = FORMATS.get(template or "")
+    if fmt is not None and fmt.tool_format == "kimi":
+        return rewrite_kimi_tool_call_ids(messages)
+    return list(messages)
 
 
 class TargetTokens:
@@ -245,6 +414,11 @@ class TargetTokens:
 
     # -- prompt ------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[dict]) -> list[dict]:
+        """``messages`` as the template must see them: Kimi history tool-call ids rewritten
+        (:func:`rewrite_kimi_tool_call_ids`, the same rewrite the generate stage applies to what it sends), tool-call
+        arguments as mappings for templates that iterate them (GLM)."""
+        if self.fmt.tool_format == "kimi":
+            messages = rewrite_kimi_tool_call_ids(messages)
         if not self.fmt.tool_args_mapping:
             return messages
         out = []
@@ -266,7 +440,7 @@ class TargetTokens:
         """Chat-template text of ``messages`` (tools and ``chat_template_kwargs`` passed through).
 
         Raises :class:`TemplateError` (reason ``prompt_render_failed``) for any template failure, e.g. a template's
-        ``raise_exception`` on bad role order (anchors.md §6 item 14: one bad row must not kill the stage).
+        ``raise_exception`` on bad role order (vllm-project/speculators PR #801: one bad row must not kill the stage).
         """
         try:
             out = self.tok.apply_chat_template(
@@ -358,28 +532,52 @@ class TargetTokens:
         """The completion as ``[(text, is_token_name), ...]`` in the target's exact format (adjacent texts merged).
 
         ``prompt_text`` is the rendered generation prompt (its think state decides what the completion still
-        holds); ``prior_tool_calls`` numbers Kimi call ids; ``truncated`` (``finish_reason == "length"``) leaves out
-        the end-of-turn token the target never emitted. Raises :class:`TemplateError` with reason
+        holds); ``prior_tool_calls`` numbers Kimi call ids; ``truncated`` (normalised finish reason ``length``)
+        builds the prefix the target emitted before it was cut: no end-of-turn token, and no end-of-reasoning
+        marker when the cut fell inside the reasoning (no content yet). Raises :class:`TemplateError` with reason
         ``unexpected_reasoning`` (reasoning for a non-reasoning target or a prompt that closed the think block),
-        ``bad_tool_call`` or ``template_mismatch``.
+        ``missing_reasoning`` (a thinking prompt but no reasoning: it was hidden, or returned inside the content
+        without markers, where it can't be told from the answer), ``truncated_tool_call``,
+        ``tool_calls_unsupported``, ``bad_tool_call`` or ``template_mismatch``.
         """
         f = self.fmt
         r = reasoning or ""
         c = content or ""
         state, trailing = self.think_state(prompt_text) if f.reasoning else ("none", "")
+        thinking = bool(f.reasoning) and state != "closed"
+        if tool_calls and f.extra.get("tool_calls_unsupported"):
+            raise TemplateError(f.extra["tool_calls_unsupported"], "tool_calls_unsupported")
+        if tool_calls and truncated:
+            raise TemplateError("a cut reply (finish_reason length) with parsed tool calls: where the target stopped "
+                                "inside its tool-call section is unknown", "truncated_tool_call")
         segs: list[tuple[str, bool]] = []
         if f.reasoning:
             if state == "closed" and r.strip():
                 raise TemplateError("response has reasoning but the prompt closed the think block (thinking off)",
                                     "unexpected_reasoning")
-            if f.layout == "qwen":
-                segs += [(f.think_open, True), ("\n" + r.strip("\n") + "\n", False), (f.think_close, True),
-                         ("\n\n" + c.lstrip("\n"), False)]
+            if thinking and not r.strip():
+                raise TemplateError(
+                    f"target family {f.name!r} thinks after this prompt but the reply has no reasoning: it was hidden "
+                    "(e.g. OpenRouter reasoning.exclude) or returned inside the content without its markers, where "
+                    "it can't be told from the answer", "missing_reasoning")
+            cut_in_reasoning = truncated and thinking and not c
+            if f.layout == "qwen":  # Qwen3 template / DeepSeek-R1 output: <think>\n r \n</think>\n\n c
+                if cut_in_reasoning:
+                    segs += [(f.think_open, True), ("\n" + r.lstrip("\n"), False)]
+                else:
+                    segs += [(f.think_open, True), ("\n" + r.strip("\n") + "\n", False), (f.think_close, True),
+                             ("\n\n" + c.lstrip("\n"), False)]
             elif f.layout == "glm":
-                segs += [("\n", False), (f.think_open, True), (r.strip(), False), (f.think_close, True),
-                         (("\n" + c.strip()) if c.strip() else "", False)]
+                if cut_in_reasoning:
+                    segs += [("\n", False), (f.think_open, True), (r.lstrip(), False)]
+                else:
+                    body = c.lstrip() if truncated else c.strip()
+                    segs += [("\n", False), (f.think_open, True), (r.strip(), False), (f.think_close, True),
+                             (("\n" + body) if body else "", False)]
             else:
-                segs += [(f.think_open, True), (r, False), (f.think_close, True), (c, False)]
+                segs += [(f.think_open, True), (r, False)]
+                if not cut_in_reasoning:
+                    segs += [(f.think_close, True), (c, False)]
         else:
             if r.strip():
                 raise TemplateError(f"response has reasoning but target family {f.name!r} does not reason",
@@ -511,9 +709,50 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
         if not trust_remote_code and ("trust_remote_code" in str(exc) or "custom code" in str(exc)):
             hint = " (this tokenizer ships its own code: set target.trust_remote_code: true)"
         raise TemplateError(f"{path}: cannot load the target tokenizer: {exc}{hint}") from exc
+    tok = _as_shipped(tok, path)
     if not getattr(tok, "chat_template", None):
         raise TemplateError(f"{path}: the target tokenizer has no chat template")
     return TargetTokens(tok, fmt, chat_template_kwargs)
+
+
+#: text whose encoding tells a tokenizer pipeline that keeps spaces, newlines, digits and CJK from one that does not
+_PROBE = "Hello world, 2 + 2 = 4.\n\n  indented line\t東京 café"
+
+
+#: tokenizer classes that load tokenizer.json as it is (nothing to check)
+_AS_FILE = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _as_shipped(tok, path: str):
+    """``tok``, or the directory's ``tokenizer.json`` loaded as it is when ``tok`` encodes differently from it.
+
+    A directory declaring a class whose transformers implementation rebuilds the pipeline (DeepSeek-R1/V3 declare
+    ``LlamaTokenizerFast`` over a byte-level BPE) loads under transformers 5.0-5.21 with a Llama pre-tokenizer
+    that drops every space, so every completion fails ``round_trip``. The shipped ``tokenizer.json`` is what the
+    target's server tokenizes with: when the loaded tokenizer's ids for a probe text differ from that file's, the
+    file is loaded as it is (``PreTrainedTokenizerFast``, chat template and special tokens from the directory's
+    config). Raises :class:`TemplateError` when even that differs."""
+    import logging
+    import os
+
+    file = os.path.join(path, "tokenizer.json")
+    backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if backend is None or not os.path.isfile(file) or type(tok).__name__ in _AS_FILE:
+        return tok  # the generic classes take tokenizer.json as it is
+    from tokenizers import Tokenizer
+
+    want = Tokenizer.from_file(file).encode(_PROBE, add_special_tokens=False).ids
+    if backend.encode(_PROBE, add_special_tokens=False).ids == want:
+        return tok
+    from transformers import PreTrainedTokenizerFast
+
+    logging.getLogger("eagle3_data.templates").warning(
+        "%s: transformers loads this tokenizer as %s, which encodes differently from the tokenizer.json it ships "
+        "(e.g. spaces dropped); using tokenizer.json as it is", path, type(tok).__name__)
+    fixed = PreTrainedTokenizerFast.from_pretrained(path)
+    if fixed.backend_tokenizer.encode(_PROBE, add_special_tokens=False).ids != want:
+        raise TemplateError(f"{path}: the tokenizer loads with another encoding than its tokenizer.json")
+    return fixed
 
 
 def target_tokens(target: dict, chat_template_kwargs: dict | None = None) -> TargetTokens:

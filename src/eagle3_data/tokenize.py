@@ -33,7 +33,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas
-from .templates import TargetTokens, TemplateError, count_tool_calls, target_tokens
+from .templates import (
+    TargetTokens,
+    TemplateError,
+    count_tool_calls,
+    normalize_finish_reason,
+    split_reasoning_from_content,
+    target_tokens,
+)
 
 log = logging.getLogger("eagle3_data.tokenize")
 
@@ -61,13 +68,16 @@ def _reject(base: dict, stage: str, reason: str, detail: str) -> dict:
             "reject_detail": (detail or "")[:500]}
 
 
-def tokenize_batch(rows: list[dict], target: TargetTokens) -> tuple[list[dict], list[list[int] | None], list[int]]:
+def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | None = None
+                   ) -> tuple[list[dict], list[list[int] | None], list[int]]:
     """Tokenize RESPONSES rows; the columnar core of :func:`tokenize_rows`.
 
-    Returns ``(meta, ids, prompt_lens)``, one entry per input row in order: ``meta`` is the TOKENS row without the
-    id columns (``ids_source`` and ``reject_*`` set), ``ids[i]`` the full ``input_ids`` (``None`` for a rejected
-    row) and ``prompt_lens[i]`` the prompt length (the loss mask is ``0`` before it, ``1`` from it on).
-    Never raises for a bad row.
+    ``max_tokens``: the requests' ``generation.max_tokens`` (a billed completion count at it means the reply was
+    cut, :func:`templates.normalize_finish_reason`). Returns ``(meta, ids, prompt_lens)``, one entry per input row
+    in order: ``meta`` is the TOKENS row without the id columns (``ids_source``, ``reject_*`` and the normalised
+    ``finish_reason`` set; ``reasoning_split`` true when the think block came back inside the content and was
+    split out), ``ids[i]`` the full ``input_ids`` (``None`` for a rejected row) and ``prompt_lens[i]`` the prompt
+    length (the loss mask is ``0`` before it, ``1`` from it on). Never raises for a bad row.
     """
     turns = Counter(r["sample_id"] for r in rows)
     meta: list[dict] = []
@@ -89,26 +99,38 @@ def tokenize_batch(rows: list[dict], target: TargetTokens) -> tuple[list[dict], 
                 tool_calls = json.loads(r["tool_calls"]) if r.get("tool_calls") else None
             except (json.JSONDecodeError, TypeError, KeyError) as exc:
                 raise TemplateError(f"bad JSON in the response row: {exc}", "bad_response_json") from exc
+            exact = r.get("output_ids")
+            exact = exact if exact is not None and len(exact) > 0 else None
+            finish = normalize_finish_reason(r.get("finish_reason"), r.get("completion_tokens"), max_tokens,
+                                             emitted_end_of_turn=exact is not None and exact[-1] in target.end_ids)
+            base["finish_reason"] = finish
+            if finish == "content_filter":
+                raise TemplateError(f"the provider filtered the reply (finish_reason {r.get('finish_reason')!r}): "
+                                    "its text may be cut or replaced", "content_filter")
+            truncated = finish == "length"
             prompt = target.render(messages, tools, True)
-            truncated = r.get("finish_reason") == "length"
+            reasoning, content = r.get("reasoning"), r.get("content")
+            split = None
+            if not (reasoning or "").strip() and target.think_state(prompt)[0] != "closed":
+                split = split_reasoning_from_content(target.fmt, content)
+                if split is not None:
+                    reasoning, content = split
             if generic:
-                comp = target.generic_completion(messages, tools, prompt, r.get("reasoning"), r.get("content"),
-                                                 tool_calls, truncated)
+                comp = target.generic_completion(messages, tools, prompt, reasoning, content, tool_calls, truncated)
                 segs = [(comp, False)]
             else:
                 segs = target.completion_segments(
-                    r.get("reasoning"), r.get("content"), tool_calls, prompt,
+                    reasoning, content, tool_calls, prompt,
                     prior_tool_calls=count_tool_calls(messages), truncated=truncated,
                 )
         except TemplateError as exc:
             meta.append(_reject(base, "tokenize", exc.reason, str(exc)))
             continue
         meta.append({**base, "ids_source": "reconstructed", "reject_stage": None, "reject_reason": None,
-                     "reject_detail": None})
+                     "reject_detail": None, "reasoning_split": split is not None})
         texts.append(prompt)
         texts.extend(t for t, special in segs if not special)
-        exact = r.get("output_ids")
-        work.append((len(meta) - 1, segs, exact if exact is not None and len(exact) > 0 else None, truncated))
+        work.append((len(meta) - 1, segs, exact, truncated))
 
     encoded = target.encode_texts(texts)  # the one batched encode of the shard
     ids_out: list[list[int] | None] = [None] * len(meta)
@@ -154,17 +176,17 @@ def tokenize_batch(rows: list[dict], target: TargetTokens) -> tuple[list[dict], 
     return meta, ids_out, plens
 
 
-def tokenize_rows(rows: list[dict], target: TargetTokens) -> list[dict]:
+def tokenize_rows(rows: list[dict], target: TargetTokens, max_tokens: int | None = None) -> list[dict]:
     """Turn RESPONSES rows (dicts) into TOKENS rows (dicts) for ``target``.
 
     Each output row has ``input_ids`` (list[int], target vocabulary), ``loss_mask`` (list[int] 0/1, same length,
     1 exactly on the completion including its end-of-turn token), ``num_tokens``/``num_prompt_tokens``/
     ``num_completion_tokens``, ``ids_source`` (exact | reconstructed) and ``billed_completion_tokens`` /
     ``billed_prompt_tokens`` (the backend's ``usage`` counts). A sample regenerated at several turns (generation mode ``all``) yields one row per
-    turn with sample id ``<sample_id>@<turn>``. Never raises for a bad row: it is returned with empty ids and
-    ``reject_stage``/``reject_reason``/``reject_detail`` set.
+    turn with sample id ``<sample_id>@<turn>``. ``max_tokens``: see :func:`tokenize_batch`. Never raises for a bad
+    row: it is returned with empty ids and ``reject_stage``/``reject_reason``/``reject_detail`` set.
     """
-    meta, ids, plens = tokenize_batch(rows, target)
+    meta, ids, plens = tokenize_batch(rows, target, max_tokens)
     out = []
     for m, x, p in zip(meta, ids, plens):
         x = x or []
@@ -215,19 +237,22 @@ def read_responses(path: str) -> list[dict]:
 
 
 def tokenize(responses_path: str, out_path: str, *, target: dict, chat_template_kwargs: dict | None = None,
-             log_path: str | None = None) -> dict:
+             max_tokens: int | None = None, log_path: str | None = None) -> dict:
     """Stage entry point: RESPONSES parquet -> TOKENS parquet (schema-checked, written atomically).
 
     ``target`` is the config ``target`` slice: ``path`` (local tokenizer dir), ``template`` (family name),
     ``trust_remote_code``, ``chat_template_kwargs``; ``chat_template_kwargs`` here (the dataset's
-    ``generation.extra_body.chat_template_kwargs``) update the target's, as they did for the request. Returns counts ``{rows, tokenized, rejected: {reason: n},
-    tokens, completion_tokens, seconds, tokens_per_s}``. Raises :class:`templates.TemplateError` if the tokenizer
+    ``generation.extra_body.chat_template_kwargs``) update the target's, as they did for the request;
+    ``max_tokens`` is the dataset's ``generation.max_tokens`` (a billed count at it means cut). Returns counts
+    ``{rows, tokenized, rejected: {reason: n}, reasoning_split_from_content, tokens, completion_tokens, seconds,
+    tokens_per_s}`` (``reasoning_split_from_content``: kept rows whose think block came back inside the content).
+    Raises :class:`templates.TemplateError` if the tokenizer
     can't be loaded, ``ValueError`` if ``responses_path`` is not a responses file.
     """
     t0 = time.time()
     tt = target_tokens(target, chat_template_kwargs)
     rows = read_responses(responses_path)
-    meta, ids, plens = tokenize_batch(rows, tt)
+    meta, ids, plens = tokenize_batch(rows, tt, max_tokens)
     table = tokens_table(meta, ids, plens)
     schemas.write_checked(table, "tokens", out_path)
     rejected = Counter(m["reject_reason"] for m in meta if m["reject_reason"])
@@ -237,6 +262,7 @@ def tokenize(responses_path: str, out_path: str, *, target: dict, chat_template_
         "rows": len(rows),
         "tokenized": len(meta) - sum(rejected.values()),
         "rejected": dict(rejected),
+        "reasoning_split_from_content": sum(1 for m in meta if m.get("reasoning_split") and not m["reject_reason"]),
         "tokens": ntok,
         "completion_tokens": int(pc.sum(table["num_completion_tokens"]).as_py() or 0),
         "seconds": round(secs, 3),

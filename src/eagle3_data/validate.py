@@ -8,7 +8,9 @@ code                     meaning
 ======================== ==========================================================================================
 (generate/tokenize code) the sample already failed an earlier stage (``stage`` says which), e.g.
                          ``prompt_render_failed``, ``template_not_prefix``, ``unexpected_reasoning``,
-                         ``exact_ids_text_mismatch``, ``round_trip`` (text -> ids -> text, reconstructed ids)
+                         ``missing_reasoning``, ``unknown_finish_reason``, ``content_filter``,
+                         ``truncated_tool_call``, ``tool_calls_unsupported``, ``exact_ids_text_mismatch``,
+                         ``round_trip`` (text -> ids -> text, reconstructed ids); see the table in ``templates.py``
 empty_sequence           no token ids
 length_mismatch          ``loss_mask``/``input_ids`` lengths or the ``num_*`` counts disagree
 id_out_of_vocab          an id is negative or >= the target vocabulary size (``len(tokenizer)``)
@@ -16,7 +18,8 @@ bad_loss_mask            a ``loss_mask`` value other than 0/1
 no_supervised_tokens     ``loss_mask`` has no 1
 mask_not_completion      generated row: the 1s are not exactly the completion (one trailing run of
                          ``num_completion_tokens`` positions)
-truncated                ``finish_reason == "length"`` and ``validate.keep_truncated`` is false
+truncated                normalised ``finish_reason == "length"`` (a billed count at ``max_tokens`` included) and
+                         ``validate.keep_truncated`` is false
 missing_end_of_turn      the sequence does not end with a supervised end-of-turn token of the target
                          (kept truncated rows are exempt: the target never emitted one)
 early_end_of_turn        generated row: an end-of-turn token inside the completion before its end
@@ -25,6 +28,8 @@ reasoning_marker_count   reasoning target: the assistant turn (generation-prompt
                          end-of-reasoning marker or no opening marker
 reasoning_marker_leak    reasoning target: more than one open/close think marker in the turn, or close before open
                          (a marker inside the answer); non-reasoning target: any think marker in the completion
+empty_answer             generated row: nothing but whitespace after the last end-of-reasoning marker (no content,
+                         no tool call): reasoning followed by the end of the turn (kept cut rows are exempt)
 role_marker_leak         a role marker (``<|im_user|>``, ``<|im_start|>``, ``<|assistant|>``...) at a supervised
                          position
 round_trip               ids -> text -> ids changes the ids (pre-tokenized rows: whole sequence; rows whose
@@ -284,6 +289,37 @@ def check_reasoning_leak(b: Batch, ctx: Context):
         return bad, lambda i: f"{opens[i]} open / {closes[i]} close think markers in the turn: a marker in the answer"
     bad = b.generated & (in_comp > 0)
     return bad, lambda i: f"{in_comp[i]} think markers in the completion of a non-reasoning target"
+
+
+#: answers of at most this many tokens are decoded to see whether they hold more than whitespace
+_SHORT_ANSWER = 8
+
+
+@check("empty_answer")
+def check_empty_answer(b: Batch, ctx: Context):
+    """The answer (the completion after its last end-of-reasoning marker, or all of it when the prompt closed the
+    think block or the target does not reason; end-of-turn ids left out) is empty or whitespace: the reasoning is
+    not an answer, and training on it teaches the draft to end the turn right after thinking. Tool-call tokens
+    count as an answer. Kept cut rows are exempt (the target was stopped before it could answer)."""
+    if not b.n:
+        return np.zeros(0, bool), lambda i: ""
+    t = ctx.target
+    close = t.think_close_id if t.think_close_id is not None else -1
+    last_close = b.per_row(np.where((b.ids == close) & (b.mask == 1), b.pos, -1), np.maximum)
+    start = np.where(last_close >= 0, last_close + 1, b.ends - b.num_completion)
+    answer = (~np.isin(b.ids, ctx.end_ids) & (b.mask == 1)).astype(np.int64)
+    c = b.cum(answer)
+    n = c[b.ends] - c[start]
+    kept_cut = ((b.finish == "length") & ctx.keep_truncated).astype(bool)
+    bad = np.zeros(b.n, bool)
+    rows = np.flatnonzero(b.generated & ~kept_cut & (n <= _SHORT_ANSWER))
+    if len(rows):
+        ends = set(int(x) for x in ctx.end_ids)
+        texts = t.decode_batch([[x for x in b.ids[start[i]:b.ends[i]].tolist() if x not in ends] for i in rows])
+        for i, text in zip(rows, texts):
+            bad[i] = not text.strip()
+    return bad, lambda i: (f"no answer after the reasoning ({n[i]} answer token(s), whitespace at most): the target "
+                           "ended its turn right after thinking")
 
 
 @check("role_marker_leak")

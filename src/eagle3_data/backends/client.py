@@ -172,8 +172,43 @@ class BackendConfig:
         return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def build_body(backend: BackendConfig, messages: list, tools: list | None, sampling: dict) -> dict:
+#: the assistant-message field each backend type reads earlier turns' reasoning from (OpenRouter: ``reasoning``;
+#: SGLang, vLLM, Moonshot and DeepSeek-style APIs: ``reasoning_content``)
+HISTORY_REASONING_FIELD = {"openrouter": "reasoning", "sglang": "reasoning_content", "openai": "reasoning_content"}
+
+
+def history_reasoning(backend_type: str, messages: list, thinking: bool) -> list:
+    """Assistant history messages with their reasoning in the field backend type ``backend_type`` reads
+    (:data:`HISTORY_REASONING_FIELD`; the prompt messages keep it under ``reasoning_content``, the field the chat
+    templates read).
+
+    ``thinking`` (the target reasons after this prompt): an assistant tool-call message without reasoning (a
+    dataset turn: sources carry no reasoning) gets an empty one. Moonshot-style APIs answer HTTP 400 "thinking is
+    enabled but reasoning_content is missing in assistant tool call message" otherwise, and an empty reasoning is
+    what the Kimi, Qwen3 and GLM templates render for a turn without one (``<think></think>``), so the prompt the
+    server renders is unchanged. Returns ``messages`` itself when nothing changes.
+    """
+    field_name = HISTORY_REASONING_FIELD.get(backend_type, "reasoning_content")
+    out, changed = [], False
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            r = m.get("reasoning_content")
+            if r is None and thinking and m.get("tool_calls"):
+                r = ""
+            if r is not None and (field_name != "reasoning_content" or "reasoning_content" not in m):
+                m = {k: v for k, v in m.items() if k != "reasoning_content"}
+                m[field_name] = r
+                changed = True
+        out.append(m)
+    return out if changed else messages
+
+
+def build_body(backend: BackendConfig, messages: list, tools: list | None, sampling: dict, *,
+               thinking: bool = False) -> dict:
     """Chat-completions request body: model, messages, tools, max_tokens, temperature, top_p, + extra fields.
+
+    Assistant history reasoning goes in the field the backend reads (:func:`history_reasoning`; ``thinking``: the
+    target reasons after this prompt, so tool-call turns without reasoning get an empty one).
 
     ``sampling`` keys: ``max_tokens``, ``temperature``, ``top_p`` (None values are left out) and
     ``extra_body`` (the dataset's ``generation.extra_body``: part of the request key).
@@ -182,7 +217,7 @@ def build_body(backend: BackendConfig, messages: list, tools: list | None, sampl
     accepts ``reasoning`` too) < ``sampling["extra_body"]``; ``stream`` is always false. Backend settings are
     not part of the request key (a response is the same request whichever backend served it).
     """
-    body: dict[str, Any] = {"model": backend.model, "messages": messages}
+    body: dict[str, Any] = {"model": backend.model, "messages": history_reasoning(backend.type, messages, thinking)}
     if tools:
         body["tools"] = tools
     for k in ("max_tokens", "temperature", "top_p"):
