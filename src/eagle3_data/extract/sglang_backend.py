@@ -501,8 +501,11 @@ class SglangBackend:
         """One prefill over ``id_lists`` (1-D int arrays); per sample ``(aux [n, A*H] in layers order,
         final [n, H] post-norm)``, torch tensors in the model dtype on rank 0's GPU.
 
-        Raises RuntimeError when the capture's rows differ from the batch's input tokens (checked before it is
-        split), when a tensor-parallel rank process has died, or when the batch exceeds SGLang's limits."""
+        A batch over the limits SGLang settled on runs as several forwards (:meth:`RankBase.prefill`). Raises
+        RuntimeError when the capture's rows differ from the batch's input tokens (checked before it is split),
+        when a tensor-parallel rank process has exited with an error (one that dies during a forward leaves rank 0
+        waiting in the collective until torch.distributed's timeout), or when one sample does not fit SGLang's
+        context or KV pool."""
         if self._rank is None:
             if self.tp_size > 1:
                 raise RuntimeError("SglangBackend.start(id_batches) must run first when tp_size > 1")
