@@ -111,7 +111,8 @@ def test_sglang_local_config_runs_on_its_own(tmp_path):
     conf = {**REPLY, "reasoning_field": "reasoning_content"}
     command = f"{shlex.quote(sys.executable)} {shlex.quote(str(SERVER))} --port {{port}} --config " \
               f"{shlex.quote(json.dumps(conf))}"
-    standin = {"target": TINY, "backends": {"sglang_local": {"launch": {"command": command, "ready_timeout_s": 120}}},
+    standin = {"target": TINY, "backends": {"sglang_local": {"launch": {"command": command, "ready_timeout_s": 120,
+                                                                  "python": sys.executable, "gpus": 0}}},
                "vocab": {"draft_vocab_size": 256}}
     (wd / "standin.yaml").write_text(yaml.safe_dump(standin))
     run_snakemake(wd, "--cores", "2", "--configfile", "resources/configs/sglang-local.yaml", "standin.yaml",

@@ -7,7 +7,7 @@ HTTP 200, e.g. ``/health``), ``ready_timeout_s``, ``env`` (extra environment var
 
 - ``python``: the environment the server runs in, so that a GPU stack never has to be installed in the CPU
   environment of the workflow: a Python interpreter (``/opt/envs/sglang/bin/python``) or an environment directory
-  (a venv or conda prefix, ``envs/.sglang-gpu``; its ``bin/python`` is used). ``python``/``python3`` at the start
+  (a venv or conda prefix, ``.venv-sglang``; its ``bin/python`` is used). ``python``/``python3`` at the start
   of ``command`` becomes that interpreter, any other program is looked up in its ``bin/`` first, and that
   ``bin/`` leads the server's ``PATH``. Default: the workflow's own interpreter (right for ``transformers serve``);
 - ``gpus``: devices the server needs (``--tp 8`` -> 8). They are taken from this machine's per-GPU lock pool
@@ -32,7 +32,7 @@ The server runs in its own process group (so its workers are stopped with it), w
 The command must bind 127.0.0.1: a command that asks for ``0.0.0.0``/``::`` is refused. Example for SGLang::
 
     command: python -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port} --tp 8
-    python: envs/.sglang-gpu          # conda env created from envs/sglang-gpu.yaml
+    python: .venv-sglang              # the venv of envs/sglang-gpu.txt (README, "Environments")
     gpus: 8
 """
 
@@ -119,7 +119,7 @@ def launch_python(launch: dict) -> tuple[str, Path | None]:
                 return str((p / "bin" / name).absolute()), (p / "bin").absolute()
         raise ServerLaunchError(f"launch.python: {spec} is a directory without bin/python",
                                 hint="point it at the environment's interpreter or its prefix (the directory "
-                                     "holding bin/python), e.g. the conda env created from envs/sglang-gpu.yaml")
+                                     "holding bin/python), e.g. the venv created from envs/sglang-gpu.txt")
     if p.is_file() and os.access(p, os.X_OK):
         return str(p.absolute()), p.absolute().parent
     raise ServerLaunchError(f"launch.python: {spec} does not exist",

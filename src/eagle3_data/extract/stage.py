@@ -180,7 +180,9 @@ def extract_states(
         summary_path: optional JSON written with the returned dict.
         model: a ``(model, decoder)`` pair from ``transformers_backend.load_target`` to use instead of loading
             (tests; then no device is assigned).
-        capture: SGLang backend only: a stand-in for the SGLang runner (tests on CPU).
+        capture: SGLang backend only: a stand-in for the loaded SGLang target (tests on CPU),
+            ``capture(id_lists) -> (aux [T, A*H], final [T, H])`` packed over the batch, aux blocks in ascending
+            layer order (what SGLang returns; see ``sglang_backend.SglangBackend``).
 
     Returns: dict with ``path, num_samples, num_tokens, forwarded_samples, forwarded_tokens, reused_samples,
         reused_tokens, layers, hidden_size, dtype, device, devices, batches, seconds, model_seconds,
