@@ -239,11 +239,18 @@ def test_document_block_mask_skips_blocks_across_samples():
 # -- overlapped writeback ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("savers", [{}, {"final_states": "supervised", "aux_format": "fp8_e4m3"}])
-def test_overlapped_writes_equal_in_order_writes(tmp_path, tiny_model, loaded, selection, savers):
+def test_overlapped_writes_equal_in_order_writes(tmp_path, tiny_model, loaded, selection, savers, monkeypatch):
+    from eagle3_data.extract import writeback
+
     path, _ = selection
+    syncs = []
+    real_sync = layout.HiddenStateWriter.sync
+    monkeypatch.setattr(layout.HiddenStateWriter, "sync", lambda self: (syncs.append(1), real_sync(self)))
+    monkeypatch.setattr(writeback, "SYNC_BYTES", 1)  # the writer thread syncs after every batch
     kw = dict(model_path=tiny_model, layers=LAYERS, model=loaded, attention="packed", batch_tokens=400, **savers)
     a, b = tmp_path / "overlap.safetensors", tmp_path / "inorder.safetensors"
     ia = ex.extract_states(path, a, overlap=True, **kw)
+    assert len(syncs) == ia["batches"]
     ib = ex.extract_states(path, b, overlap=False, **kw)
     assert a.read_bytes() == b.read_bytes()
     assert ia["batches"] == ib["batches"] > 2

@@ -228,6 +228,7 @@ class HiddenStateWriter:
     def __enter__(self):
         self._atomic = atomic_path(self.out_path)
         tmp = self._atomic.__enter__()
+        self._tmp, self._sync_fd = tmp, None
         try:
             with open(tmp, "wb") as fh:
                 pos = _write_header(fh, self.tensors, self.metadata)
@@ -333,11 +334,22 @@ class HiddenStateWriter:
                 self.fin_out[self.frow[s]:self.frow[e]] = src.rows("hidden_states")[fs:fs + k]
         self.done[i] = True
 
+    def sync(self) -> None:
+        """Write the rows stored so far to disk (``fsync`` of the temporary file; releases the GIL), so the
+        flush when the block ends has little left. The writeback thread calls it while the next batch is
+        forwarded."""
+        if self._sync_fd is None:
+            self._sync_fd = os.open(self._tmp, os.O_RDONLY)
+        os.fsync(self._sync_fd)
+
     @property
     def written(self) -> int:
         return int(self.done.sum())
 
     def __exit__(self, exc_type, exc, tb):
+        if getattr(self, "_sync_fd", None) is not None:
+            os.close(self._sync_fd)
+            self._sync_fd = None
         err = None
         if exc_type is None and not self.done.all():
             missing = [self.shard.sample_ids[k] for k in np.flatnonzero(~self.done)[:3]]

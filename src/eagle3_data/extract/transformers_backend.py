@@ -104,6 +104,39 @@ def _flash_available() -> bool:
     return bool(check()) if check is not None else True
 
 
+class _DocumentIds:
+    """Per device, ONE buffer of per-token sample ids and ONE ``mask_mod`` reading it, reused by every packed
+    forward (refilled, grown when a row is longer): the compiled FlexAttention then sees the same function each
+    time, so a new batch does not recompile it (a fresh closure per batch could, up to dynamo's recompile limit,
+    after which flex falls back to its eager path that materialises tokens x tokens scores)."""
+
+    _by_device: dict = {}
+
+    def __init__(self, device, size: int):
+        import torch
+
+        self.buf = torch.full((size,), -1, dtype=torch.int32, device=device)
+        buf = self.buf
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (buf[q_idx] == buf[kv_idx]) & (q_idx >= kv_idx)
+
+        self.mask_mod = mask_mod
+
+    @classmethod
+    def fill(cls, doc: np.ndarray, device, size: int):
+        """The holder for ``device`` with ``doc`` (int ids, len <= size) at the start and -1 up to ``size``."""
+        import torch
+
+        key = str(device)
+        ids = cls._by_device.get(key)
+        if ids is None or ids.buf.numel() < size:
+            ids = cls._by_device[key] = cls(device, max(size, 2 * (ids.buf.numel() if ids else 0)))
+        ids.buf[:len(doc)].copy_(torch.from_numpy(doc.astype(np.int32)))
+        ids.buf[len(doc):size].fill_(-1)
+        return ids
+
+
 def document_block_mask(lengths: list[int], device, block: int = FLEX_BLOCK):
     """FlexAttention ``BlockMask`` of a packed row of samples of ``lengths`` tokens: causal within each sample,
     nothing across samples. Built from the sample boundaries at block granularity (``BlockMask.from_kv_blocks``:
@@ -133,14 +166,10 @@ def document_block_mask(lengths: list[int], device, block: int = FLEX_BLOCK):
         idx = torch.from_numpy(np.argsort(~sel, axis=1, kind="stable").astype(np.int32))[None, None]
         return num.to(device), idx.to(device)
 
-    doc_t = torch.from_numpy(np.concatenate([doc, np.full(nb * block - T, len(lengths))])).to(device)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (doc_t[q_idx] == doc_t[kv_idx]) & (q_idx >= kv_idx)
-
+    ids = _DocumentIds.fill(doc, device, nb * block)  # the positions past T (the last block's tail): -1
     kv_num, kv_idx = blocks(partial)
     full_num, full_idx = blocks(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=ids.mask_mod,
                                     seq_lengths=(T, T))
 
 
@@ -370,6 +399,13 @@ class TransformersBackend:
             return self._capture_packed(id_lists)
         return self._capture_padded(id_lists)
 
+    def _to_device(self, t):
+        """A host tensor on the model's device; on CUDA through pinned memory, without blocking the host (so
+        the host can queue this batch while the GPU still runs the previous one)."""
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
     def _collect(self, shape: tuple) -> tuple:
         """The hooks' outputs of the last forward: ``(aux [..., A*H], final [..., H])`` in the compute dtype."""
         import torch
@@ -398,7 +434,7 @@ class TransformersBackend:
         token = _PACK.set(pack)
         try:
             with torch.inference_mode():
-                self.decoder(input_ids=ids.to(self.device), position_ids=pos.to(self.device), use_cache=False)
+                self.decoder(input_ids=self._to_device(ids), position_ids=self._to_device(pos), use_cache=False)
                 aux, fin = self._collect((1, T))
         finally:
             _PACK.reset(token)
@@ -424,7 +460,7 @@ class TransformersBackend:
         self._cap.out.clear()
         try:
             with torch.inference_mode():
-                self.decoder(input_ids=ids.to(self.device), attention_mask=att.to(self.device), use_cache=False)
+                self.decoder(input_ids=self._to_device(ids), attention_mask=self._to_device(att), use_cache=False)
                 aux, fin = self._collect((len(id_lists), longest))
         finally:
             self._cap.out.clear()

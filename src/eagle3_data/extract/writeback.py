@@ -12,6 +12,8 @@ fp8); then:
   pinned buffers (default 2: a double buffer) bound the host memory; the stage waits for a free one when the
   writer lags;
 - on CPU, the writer thread does the memory-map writes while the main thread runs the next forward;
+- every :data:`SYNC_BYTES` written, the writer thread also syncs the file to disk
+  (:meth:`HiddenStateWriter.sync`), so the fsync when the file is complete waits for the last bytes only;
 - with ``overlap=False`` everything runs in the calling thread, in order (:meth:`HiddenStateWriter.write`): the
   reference the overlapped path must equal byte for byte.
 
@@ -20,7 +22,8 @@ An exception in the writer thread stops it and is raised in the stage's thread a
 thread before the memory map is closed when the forward fails.
 
 Timings (seconds, :attr:`Writeback.stats`): ``copy_s`` (device-to-host copies: CUDA event time on the copy
-stream; on CPU the conversion in the stage's thread), ``write_s`` (the writer thread in memory-map writes),
+stream; on CPU the conversion in the stage's thread), ``write_s`` (the writer thread in memory-map writes and
+syncs),
 ``wait_s`` (the stage's thread blocked on the writeback: no free buffer, or draining at the end).
 """
 
@@ -30,9 +33,9 @@ import queue
 import threading
 import time
 
-import numpy as np
-
 _ALIGN = 64  # bytes; every part of a pinned buffer starts at a multiple (any dtype view is aligned)
+#: the writer thread syncs the file to disk after this many bytes (so the final flush has little left)
+SYNC_BYTES = 256 << 20
 
 
 class Writeback:
@@ -56,6 +59,7 @@ class Writeback:
         self.stats = {"copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0}
         self._events: list = []  # (start, end) CUDA events of each batch's copies
         self._error: BaseException | None = None
+        self._unsynced = 0  # bytes the writer thread put since its last sync
         self._stop = threading.Event()
         self._thread = None
         if not overlap:
@@ -198,6 +202,10 @@ class Writeback:
                 t0 = time.perf_counter()
                 for i, parts in zip(indices, host):
                     self.writer.put(i, parts)
+                    self._unsynced += sum(a.nbytes for a in parts)
+                if self._unsynced >= SYNC_BYTES:
+                    self.writer.sync()
+                    self._unsynced = 0
                 self.stats["write_s"] += time.perf_counter() - t0
             except BaseException as exc:  # surfaced in the stage's thread
                 self._error = exc
