@@ -352,7 +352,8 @@ def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run:
             be.start([[shard.sample_ids_of(i).astype("int64").tolist() for i in b] for b in batches])
         run.update(device=str(be.device), devices=list(ids), batches=len(batches),
                    attention=getattr(be, "attention", "packed"))
-        timer = _ForwardTimer(be.device)
+        # CUDA event timing only where this process runs the model (SGLang's ranks run in their own processes)
+        timer = _ForwardTimer(be.device if be.name == "transformers" else "cpu")
         sink = Writeback(writer, overlap=overlap)
         t_model = time.perf_counter()
         last_log, done = t_model, 0

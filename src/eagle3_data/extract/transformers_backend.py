@@ -26,12 +26,12 @@ Two batch layouts (``attention``, the ``extract.attention`` config key):
   ``packed-varlen`` / ``packed-flex`` / ``packed-loop`` force one. ``auto`` is ``packed`` on CUDA and
   ``padded`` on CPU. The packed path needs a model whose attention layers call transformers'
   ``AttentionInterface`` and know their sample only from ``position_ids``, all with full causal attention
-  (Llama, Qwen3, DeepSeek-V3 in transformers, ...; :func:`packed_unsupported`): ``auto`` falls back to padded
+  (Llama, Qwen3, Mistral without a sliding window, ...; :func:`packed_unsupported`): ``auto`` falls back to padded
   for any other model, an explicit ``packed`` raises. Every packed forward also checks that each decoder
   layer ran the packed attention exactly once, else it raises (its states would mix samples).
 
-Both layouts give the same states (up to floating-point rounding; tests/test_extract.py checks packed ==
-padded == one sample at a time in fp32).
+Both layouts give the same states (up to floating-point rounding; tests/test_extract_packed.py checks packed ==
+padded == one sample at a time in fp32 on CPU, tests/test_extract_gpu.py every kernel in bf16 on a GPU).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ log = logging.getLogger("eagle3_data.extract")
 
 #: ``extract.attention`` values (module docstring)
 ATTENTION_MODES = ("auto", "padded", "packed", "packed-varlen", "packed-flex", "packed-loop")
-PACKED_KERNELS = ("varlen", "flex", "loop")
 #: the name the packed attention function is registered under in transformers' ``AttentionInterface``
 ATTENTION_NAME = "eagle3_data_packed"
 #: FlexAttention block size (tokens) of :func:`document_block_mask`
