@@ -175,15 +175,12 @@ def document_block_mask(lengths: list[int], device, block: int = FLEX_BLOCK):
 class _Pack:
     """The sample boundaries of the packed forward in progress, read by :func:`packed_attention`."""
 
-    def __init__(self, lengths: list[int], kernel: str, device):
-        import torch
-
-        self.lengths, self.kernel, self.device = lengths, kernel, device
+    def __init__(self, lengths: list[int], kernel: str):
+        self.lengths, self.kernel = lengths, kernel
         self.bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tolist()
         self.calls = 0
-        self._cu = self._block_mask = None
-        if kernel == "varlen":
-            self._cu = torch.tensor(self.bounds, dtype=torch.int32).to(device, non_blocking=True)
+        self._cu: dict = {}  # per device (layers spread over GPUs): the cumulative offsets / the block mask
+        self._block_mask: dict = {}
 
     def attend(self, query, key, value, scaling):
         """``query`` [1, Hq, T, D], ``key``/``value`` [1, Hkv, T, D] -> [1, T, Hq, D]."""
@@ -196,14 +193,17 @@ class _Pack:
             dv = v.shape[-1]
             if dv < q.shape[-1]:  # e.g. multi-head latent attention: FlashAttention wants one head size
                 v = F.pad(v, (0, q.shape[-1] - dv))
+            cu = self._cu.get(q.device)
+            if cu is None:
+                cu = self._cu[q.device] = torch.tensor(self.bounds, dtype=torch.int32).to(q.device)
             m = max(self.lengths)
-            out = torch.ops.aten._flash_attention_forward(q, k, v, self._cu, self._cu, m, m, 0.0, True, False,
-                                                          scale=scaling)[0]
+            out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, True, False, scale=scaling)[0]
             return out[..., :dv].unsqueeze(0)
         if self.kernel == "flex":
-            if self._block_mask is None:  # one per forward, shared by the layers
-                self._block_mask = document_block_mask(self.lengths, query.device)
-            out = _flex()(query, key, value, block_mask=self._block_mask, scale=scaling, enable_gqa=gqa)
+            mask = self._block_mask.get(query.device)
+            if mask is None:  # one per forward (and device), shared by the layers
+                mask = self._block_mask[query.device] = document_block_mask(self.lengths, query.device)
+            out = _flex()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa)
             return out.transpose(1, 2)
         outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
                                                scale=scaling, enable_gqa=gqa)
@@ -376,8 +376,13 @@ class TransformersBackend:
             self.model.set_attn_implementation(ATTENTION_NAME)
             if self.decoder.config._attn_implementation != ATTENTION_NAME:
                 self.model.set_attn_implementation(self._prev_attn)
-                raise ValueError(f"{self.model_name}: {type(self.model).__name__} cannot switch its attention "
-                                 "implementation, so it cannot run packed; use extract.attention: padded")
+                self._prev_attn = None
+                why = f"{type(self.model).__name__} cannot switch its attention implementation"
+                if attention != "auto":
+                    raise ValueError(f"{self.model_name}: cannot run extract.attention {attention}: {why}; use "
+                                     "padded")
+                log.warning("%s: padded batches (%s)", self.model_name, why)
+                self.layout, self.kernel, self.attention = "padded", "", "padded"
         self._cap = Capture(self.decoder, self.layers, final_norm)
 
     def batches(self, lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -428,7 +433,7 @@ class TransformersBackend:
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         ids = torch.from_numpy(np.concatenate([np.asarray(x, dtype=np.int64) for x in id_lists]))[None]
         pos = torch.from_numpy(np.arange(T, dtype=np.int64) - np.repeat(starts[:-1], lengths))[None]
-        pack = _Pack(lengths, self.kernel, self.device)
+        pack = _Pack(lengths, self.kernel)
         self._cap.out.clear()
         token = _PACK.set(pack)
         try:
