@@ -20,6 +20,7 @@ extract_states(
     aux_format=s["aux_format"],
     device=run["device"],
     batch_tokens=run["batch_tokens"],
+    attention=run["attention"],
     gpus=run["gpus_per_job"],
     lock_dir=run["gpu_lock_dir"],
     trust_remote_code=bool(snakemake.config["target"].get("trust_remote_code", False)),

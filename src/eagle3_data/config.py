@@ -265,7 +265,7 @@ DEFAULTS = {
                  "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}},
     "merge": {"datasets": None, "max_samples": {}, "overflow": "truncate", "memory_mb": 4000, "threads": 2},
     "extract": {"backend": "transformers", "layers": None, "dtype": "bfloat16", "device": "auto",
-                "gpus_per_job": 1, "batch_tokens": 8192, "final_norm": "post", "final_states": "all",
+                "gpus_per_job": 1, "batch_tokens": 8192, "attention": "auto", "final_norm": "post", "final_states": "all",
                 "aux_format": "same", "gpu_lock_dir": None},
     "normalize": {"max_reject_rate": 0.5},
 }
@@ -360,6 +360,7 @@ RERUNS: list[tuple[str, str]] = [
     ("extract.gpus_per_job", "plan (wall hours)"),
     ("extract.device", NOTHING + " (plan, when it measures the throughput)"),
     ("extract.batch_tokens", NOTHING + " (plan, when it measures the throughput)"),
+    ("extract.attention", NOTHING + " (plan, when it measures the throughput)"),
     ("extract.gpu_lock_dir", NOTHING),
     ("export.layouts", "export of the layouts added"),
     ("export.group_size", "export"),
@@ -452,11 +453,11 @@ def merge_data_settings(config: dict) -> dict:
 def plan_extract_settings(config: dict) -> dict:
     """The extract keys the plan depends on: the stored layout (:data:`EXTRACT_STATE_KEYS`), ``gpus_per_job``
     (wall hours) and, only when the plan measures the throughput itself (no ``plan.tokens_per_s_per_gpu``),
-    ``device`` and ``batch_tokens``."""
+    ``device``, ``batch_tokens`` and ``attention``."""
     e = section(config, "extract")
     keys = EXTRACT_STATE_KEYS + ("gpus_per_job",)
     if not (config.get("plan") or {}).get("tokens_per_s_per_gpu"):
-        keys += ("device", "batch_tokens")
+        keys += ("device", "batch_tokens", "attention")
     return {k: e.get(k) for k in keys}
 
 

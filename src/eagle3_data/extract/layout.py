@@ -228,6 +228,7 @@ class HiddenStateWriter:
     def __enter__(self):
         self._atomic = atomic_path(self.out_path)
         tmp = self._atomic.__enter__()
+        self._tmp, self._sync_fd = tmp, None
         try:
             with open(tmp, "wb") as fh:
                 pos = _write_header(fh, self.tensors, self.metadata)
@@ -261,32 +262,56 @@ class HiddenStateWriter:
     def _span(self, i: int) -> tuple[int, int]:
         return int(self.shard.offsets[i]), int(self.shard.offsets[i + 1])
 
-    def write(self, i: int, aux, final) -> None:
-        """Store sample ``i`` computed: ``aux`` [len_i, A*H] and ``final`` [len_i, H] torch tensors (any float
-        dtype, any device; cast to the file dtype). Raises RuntimeError when a shape differs from the sample's
-        (a capture must have exactly its input's length)."""
-        import torch
-
+    def check_shapes(self, i: int, aux_shape, fin_shape) -> None:
+        """Raise RuntimeError unless sample ``i`` captured ``aux`` [len_i, A*H] and ``final`` [len_i, H]."""
         s, e = self._span(i)
         n = e - s
-        if tuple(aux.shape) != (n, self.A * self.H) or tuple(final.shape) != (n, self.H):
+        if tuple(aux_shape) != (n, self.A * self.H) or tuple(fin_shape) != (n, self.H):
             raise RuntimeError(
-                f"{self.shard.path}: sample {self.shard.sample_ids[i]!r} captured aux {tuple(aux.shape)} / final "
-                f"{tuple(final.shape)}, expected ({n}, {self.A * self.H}) / ({n}, {self.H}) (capture length must "
+                f"{self.shard.path}: sample {self.shard.sample_ids[i]!r} captured aux {tuple(aux_shape)} / final "
+                f"{tuple(fin_shape)}, expected ({n}, {self.A * self.H}) / ({n}, {self.H}) (capture length must "
                 "equal input length)"
             )
+
+    def prepare(self, aux, final) -> list:
+        """One sample's computed states as the tensors the file stores, on their own device (so a GPU does the
+        casts and the fp8 quantisation): ``[aux bits [n, A*H], final bits [n, H]]`` (the file dtype's bits as
+        signed ints of its width), or with ``aux_format=fp8_e4m3`` ``[fp8 bits [n, A*H] uint8, scales [n, A]
+        float32, final bits [n, H]]``. ``aux`` [n, A*H] / ``final`` [n, H]: torch tensors of any float dtype.
+        What :meth:`put` takes, once on the host."""
+        import torch
+
+        fin = final.to(self.tdtype).contiguous().view(self.ibits)
         if self.fp8:
             q, sc = quantize_fp8(aux, self.A)
-            self.aux_out[s:e] = q.contiguous().view(torch.uint8).cpu().numpy()
-            self.scale_out[s:e] = sc.cpu().numpy()
+            return [q.contiguous().view(torch.uint8), sc.contiguous(), fin]
+        return [aux.to(self.tdtype).contiguous().view(self.ibits), fin]
+
+    def put(self, i: int, parts: list) -> None:
+        """Store sample ``i`` from :meth:`prepare`'s tensors as host numpy arrays (same shapes and bits).
+        Raises RuntimeError when a shape differs from the sample's."""
+        s, e = self._span(i)
+        aux, fin = parts[0], parts[-1]
+        self.check_shapes(i, aux.shape, fin.shape)
+        if self.fp8:
+            self.aux_out[s:e] = aux.view(np.uint8)
+            self.scale_out[s:e] = parts[1]
         else:
-            self.aux_out[s:e] = aux.to(self.tdtype).contiguous().view(self.ibits).cpu().numpy().view(self.raw)
-        fin = final.to(self.tdtype).contiguous().view(self.ibits).cpu().numpy().view(self.raw)
+            self.aux_out[s:e] = aux.view(self.raw)
+        fin = fin.view(self.raw)
         if self.fmask is None:
             self.fin_out[s:e] = fin
         elif self.frow[e] > self.frow[s]:
             self.fin_out[self.frow[s]:self.frow[e]] = fin[self.fmask[s:e].astype(bool)]
         self.done[i] = True
+
+    def write(self, i: int, aux, final) -> None:
+        """Store sample ``i`` computed: ``aux`` [len_i, A*H] and ``final`` [len_i, H] torch tensors (any float
+        dtype, any device; cast to the file dtype), in the calling thread (:meth:`prepare`, a blocking copy to
+        the host, :meth:`put`). Raises RuntimeError when a shape differs from the sample's (a capture must have
+        exactly its input's length)."""
+        self.check_shapes(i, aux.shape, final.shape)
+        self.put(i, [t.cpu().numpy() for t in self.prepare(aux, final)])
 
     def copy(self, i: int, src: "StatesFile", j: int) -> None:
         """Store sample ``i`` from sample ``j`` of ``src``, byte for byte: the first ``len_i`` rows of ``j``
@@ -309,11 +334,22 @@ class HiddenStateWriter:
                 self.fin_out[self.frow[s]:self.frow[e]] = src.rows("hidden_states")[fs:fs + k]
         self.done[i] = True
 
+    def sync(self) -> None:
+        """Write the rows stored so far to disk (``fsync`` of the temporary file; releases the GIL), so the
+        flush when the block ends has little left. The writeback thread calls it while the next batch is
+        forwarded."""
+        if self._sync_fd is None:
+            self._sync_fd = os.open(self._tmp, os.O_RDONLY)
+        os.fsync(self._sync_fd)
+
     @property
     def written(self) -> int:
         return int(self.done.sum())
 
     def __exit__(self, exc_type, exc, tb):
+        if getattr(self, "_sync_fd", None) is not None:
+            os.close(self._sync_fd)
+            self._sync_fd = None
         err = None
         if exc_type is None and not self.done.all():
             missing = [self.shard.sample_ids[k] for k in np.flatnonzero(~self.done)[:3]]

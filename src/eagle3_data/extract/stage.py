@@ -38,6 +38,7 @@ from ..io import write_json
 from .layout import (AUX_FORMATS, DTYPES, FINAL_NORMS, FINAL_STATES, FORMAT, HiddenStateWriter, StatesFile,
                      TokenShard, reusable)
 from .model import LAYER_CONVENTION, model_dims, model_fingerprint, resolve_layers
+from .writeback import Writeback
 
 log = logging.getLogger("eagle3_data.extract")
 
@@ -138,6 +139,7 @@ def extract_states(
     dtype: str = "float32",
     device: str = "auto",
     batch_tokens: int = 8192,
+    attention: str = "auto",
     backend: str = "transformers",
     gpus: int = 1,
     lock_dir=None,
@@ -150,6 +152,7 @@ def extract_states(
     summary_path=None,
     model=None,
     capture=None,
+    overlap: bool = True,
 ) -> dict:
     """Write the hidden states of the samples of ``selection_path`` to ``out_path``, reusing stored rows.
 
@@ -163,7 +166,12 @@ def extract_states(
             EAGLE-3 defaults (``model.default_layers``).
         dtype: ``float32`` | ``bfloat16`` | ``float16``: the compute and stored dtype.
         device: ``auto`` (cuda if the machine has a GPU, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
-        batch_tokens: tokens per forward (padded tokens for transformers, real tokens for SGLang).
+        batch_tokens: tokens per forward (padded tokens for the transformers padded layout, real tokens for the
+            packed layout and for SGLang).
+        attention: transformers backend: batch layout and attention kernel, ``auto`` (packed on CUDA, padded on
+            CPU) | ``padded`` | ``packed`` | ``packed-varlen`` | ``packed-flex`` | ``packed-loop``
+            (``transformers_backend`` module docstring). Not in :func:`settings_digest`: it changes rounding, not
+            what is computed. The SGLang backend always packs.
         backend: ``transformers`` | ``sglang`` (GPU only, tensor parallel over the ``gpus`` devices held;
             post-norm final states only).
         gpus: devices this job holds on CUDA (the rule's ``resources: gpu``), see :func:`device_context`.
@@ -183,11 +191,16 @@ def extract_states(
         capture: SGLang backend only: a stand-in for the loaded SGLang target (tests on CPU),
             ``capture(id_lists) -> (aux [T, A*H], final [T, H])`` packed over the batch, aux blocks in ascending
             layer order (what SGLang returns; see ``sglang_backend.SglangBackend``).
+        overlap: copy the states to the host and write them in a writer thread while the next batch is
+            forwarded (``writeback`` module); ``False``: in order, in this thread (same bytes).
 
     Returns: dict with ``path, num_samples, num_tokens, forwarded_samples, forwarded_tokens, reused_samples,
         reused_tokens, layers, hidden_size, dtype, device, devices, batches, seconds, model_seconds,
         tokens_per_s`` (forwarded tokens per second of model time), ``bytes, final_rows, final_states,
-        aux_format, final_norm, backend``.
+        aux_format, final_norm, backend, attention`` (``padded``, ``packed:<kernel>``, or the SGLang backend's
+        ``packed``) and ``timing``: seconds of ``forward_s`` (the captures: CUDA event time on a GPU),
+        ``copy_s``, ``write_s``, ``wait_s`` (``writeback.Writeback.stats``) and ``flush_s`` (the file's flush,
+        fsync and rename).
 
     Raises: FileNotFoundError (model dir / selection), ValueError (bad layers, dtype, saver option, backend,
         empty sample, ids out of the vocabulary, more GPUs than the machine has), RuntimeError (a captured
@@ -205,6 +218,10 @@ def extract_states(
         raise ValueError(f"extract batch_tokens must be >= 1, got {batch_tokens}")
     if backend not in BACKENDS:
         raise ValueError(f"extract backend must be one of {BACKENDS}, got {backend!r}")
+    from .transformers_backend import ATTENTION_MODES
+
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"extract attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if backend == "sglang" and final_norm != "post":
         raise ValueError("extract backend sglang stores post-norm final states only (final_norm: post)")
 
@@ -248,16 +265,19 @@ def extract_states(
              selection_path, shard.n, shard.T, len(reuse), len(todo), fwd_tokens)
     writer = HiddenStateWriter(out_path, shard, hidden_size=H, num_aux=len(chosen), dtype=dtype,
                                final_states=final_states, aux_format=aux_format, metadata=metadata)
-    run = {"device": "none", "devices": [], "batches": 0, "model_seconds": 0.0}
+    run = {"device": "none", "devices": [], "batches": 0, "model_seconds": 0.0, "attention": "none",
+           "timing": {"forward_s": 0.0, "copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0}}
     try:
         with writer:
             for i, j in reuse.items():
                 writer.copy(i, src, j)
             if todo:
                 _forward(shard, todo, writer, run, model_path=model_path, layers=chosen, dtype=dtype,
-                         device=device, batch_tokens=batch_tokens, backend=backend, gpus=gpus, lock_dir=lock_dir,
-                         final_norm=final_norm, trust_remote_code=trust_remote_code, model=model, capture=capture,
-                         out_name=Path(out_path).name)
+                         device=device, batch_tokens=batch_tokens, attention=attention, backend=backend, gpus=gpus,
+                         lock_dir=lock_dir, final_norm=final_norm, trust_remote_code=trust_remote_code, model=model,
+                         capture=capture, overlap=overlap, out_name=Path(out_path).name)
+            t_flush = time.perf_counter()
+        run["timing"]["flush_s"] = time.perf_counter() - t_flush
     finally:
         if src is not None:
             src.close()
@@ -288,6 +308,8 @@ def extract_states(
         "aux_format": aux_format,
         "final_norm": final_norm,
         "backend": backend,
+        "attention": run["attention"],
+        "timing": {k: round(v, 4) for k, v in run["timing"].items()},
         "selection_digest": str(selection_digest or ""),
     }
     if summary_path is not None:
@@ -296,9 +318,10 @@ def extract_states(
 
 
 def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run: dict, *, model_path, layers,
-             dtype, device, batch_tokens, backend, gpus, lock_dir, final_norm, trust_remote_code, model, capture,
-             out_name) -> None:
-    """Forward the samples ``todo`` of ``shard`` in batches and write their states (fills ``run``)."""
+             dtype, device, batch_tokens, attention, backend, gpus, lock_dir, final_norm, trust_remote_code, model,
+             capture, overlap, out_name) -> None:
+    """Forward the samples ``todo`` of ``shard`` in batches and write their states, each batch's copies and
+    writes overlapping the next batch's forward (``writeback``); fills ``run``."""
     lengths = [shard.lengths[i] for i in todo]
     with contextlib.ExitStack() as stack:
         if backend == "sglang":
@@ -321,7 +344,7 @@ def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run:
                 dev, ids = stack.enter_context(device_context(device, gpus, lock_dir))
             be = TransformersBackend(model_path, layers=layers, dtype=dtype, device=dev, final_norm=final_norm,
                                      device_map="auto" if dev == "cuda" and len(ids) > 1 else None, loaded=model,
-                                     trust_remote_code=trust_remote_code)
+                                     trust_remote_code=trust_remote_code, attention=attention)
         stack.callback(be.close)
         if be.layers != list(layers) or be.hidden_size != writer.H:
             raise RuntimeError(f"{shard.path}: the loaded target has layers {be.layers} / hidden size "
@@ -329,18 +352,67 @@ def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run:
         batches = [[todo[k] for k in b] for b in be.batches(lengths, batch_tokens)]
         if hasattr(be, "start"):
             be.start([[shard.sample_ids_of(i).astype("int64").tolist() for i in b] for b in batches])
-        run.update(device=str(be.device), devices=list(ids), batches=len(batches))
+        run.update(device=str(be.device), devices=list(ids), batches=len(batches),
+                   attention=getattr(be, "attention", "packed"))
+        # CUDA event timing only where this process runs the model (SGLang's ranks run in their own processes)
+        timer = _ForwardTimer(be.device if be.name == "transformers" else "cpu")
+        sink = Writeback(writer, overlap=overlap)
         t_model = time.perf_counter()
         last_log, done = t_model, 0
         total = sum(lengths)
-        for b, idx in enumerate(batches):
-            states = be.capture([shard.sample_ids_of(i) for i in idx])
-            for i, (aux, fin) in zip(idx, states):
-                writer.write(i, aux, fin)
-                done += shard.lengths[i]
-            now = time.perf_counter()
-            if now - last_log > 30 or b == len(batches) - 1:
-                log.info("extract %s: batch %d/%d, %d/%d tokens forwarded, %.0f tokens/s", out_name, b + 1,
-                         len(batches), done, total, done / max(now - t_model, 1e-9))
-                last_log = now
+        try:
+            for b, idx in enumerate(batches):
+                with timer:
+                    states = be.capture([shard.sample_ids_of(i) for i in idx])
+                sink.put(idx, states)
+                del states
+                done += sum(shard.lengths[i] for i in idx)
+                now = time.perf_counter()
+                if now - last_log > 30 or b == len(batches) - 1:
+                    log.info("extract %s: batch %d/%d, %d/%d tokens forwarded, %.0f tokens/s", out_name, b + 1,
+                             len(batches), done, total, done / max(now - t_model, 1e-9))
+                    last_log = now
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
         run["model_seconds"] = time.perf_counter() - t_model
+        run["timing"].update(sink.stats, forward_s=timer.seconds())
+
+
+class _ForwardTimer:
+    """Seconds spent in the captures: CUDA events on the current stream on a GPU (the forward runs
+    asynchronously; read once at the end), wall time elsewhere."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = getattr(device, "type", str(device)).startswith("cuda") and torch.cuda.is_available()
+        self.wall = 0.0
+        self.events: list = []
+
+    def __enter__(self):
+        if self.cuda:
+            import torch
+
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.events.append([start, None])
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall += time.perf_counter() - self._t0
+        if self.cuda:
+            import torch
+
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events[-1][1] = end
+        return False
+
+    def seconds(self) -> float:
+        if not self.cuda or not self.events:
+            return self.wall
+        self.events[-1][1].synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.events if e is not None) / 1000.0
