@@ -18,5 +18,7 @@ rule export:
         layout="specforge|speculators",
     log:
         "logs/export/{layout}/{k}.log",
+    conda:
+        "../envs/cpu.yaml"
     script:
         "../scripts/export.py"

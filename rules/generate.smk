@@ -40,5 +40,7 @@ rule generate:
         gpu=lambda wc: cfg.launch_gpus(config, wc.ds) if workflow.non_local_exec else 0,
     log:
         "logs/generate/{ds}/{shard}.log",
+    conda:
+        "../envs/cpu.yaml"
     script:
         "../scripts/generate.py"

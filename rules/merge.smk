@@ -17,5 +17,7 @@ checkpoint merge:
         mem_mb=cfg.section(config, "merge")["memory_mb"],
     log:
         "logs/merge.log",
+    conda:
+        "../envs/cpu.yaml"
     script:
         "../scripts/merge.py"

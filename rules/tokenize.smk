@@ -19,5 +19,7 @@ rule tokenize:
         max_tokens=lambda wc: cfg.generation_config(config, wc.ds).get("max_tokens"),
     log:
         "logs/tokenize/{ds}/{shard}.log",
+    conda:
+        "../envs/cpu.yaml"
     script:
         "../scripts/tokenize.py"

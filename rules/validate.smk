@@ -15,6 +15,8 @@ rule validate:
         settings=cfg.validate_data_settings(config),  # the rest (reject ceilings) is read from the config
     log:
         "logs/validate/{ds}/{shard}.log",
+    conda:
+        "../envs/cpu.yaml"
     script:
         "../scripts/validate.py"
 

@@ -24,5 +24,7 @@ rule view:
         context=256,  # context runs longer than 2 x 256 tokens are shortened to their first and last 256
     log:
         "logs/view.log",
+    conda:
+        "../envs/cpu.yaml"
     script:
         "../scripts/view.py"
