@@ -36,7 +36,7 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    the tokens a full build forwards.
 
 Run: ``python benchmarks/rehearsal.py`` (full scale, ~40k samples) or ``--scale 0.05`` (a 5 % rehearsal in a
-few minutes); ``--toy`` is the CI size (0.2 % of the samples, one shard per dataset, a few minutes).
+few minutes); ``--toy`` is the CI size (three datasets, 0.2 % of their samples, one shard each, a few minutes).
 ``--keep`` keeps the scratch directory.
 """
 
@@ -109,6 +109,8 @@ def scaled(n: float, scale: float, lo: int = 1) -> int:
     return max(lo, int(round(n * scale)))
 
 
+#: --toy: one dataset on the local backend overflowing to OpenRouter, one on OpenRouter, one pre-tokenized
+TOY_DATASETS = ("B3_magicoder", "B7_sharegpt", "A2_kimik25")
 #: the dataset the incremental scenario adds: (format, samples at scale 1, shards), replies drawn like B7's
 NEW_DATASET = ("C1_sharegpt_extra", "sharegpt", 400, 1)
 RETRIED_REQUESTS = 10
@@ -179,6 +181,7 @@ def build_config(sources: dict, port: int, scale: float, local_concurrency: int 
     # the plan's throughput: the seed's own (138.4M tokens in its 91 h estimate on 8 GPUs = 52.8 tokens/s per
     # GPU for Kimi-K2.5), not a measurement of the tiny CPU target, which would say nothing about the real run
     cfg["plan"] = {**seed["plan"], "tokens_per_s_per_gpu": round(138.4e6 / (91 * 3600) / 8, 1)}
+    cfg["plan"]["drop"] = [d for d in cfg["plan"].get("drop") or [] if d in cfg["datasets"]]
     return cfg
 
 
@@ -520,8 +523,9 @@ def forwarded_tokens(before: dict, after: dict) -> dict:
             "tokens_total": sum(n for r in after.values() for n, _h in r.values())}
 
 
-def incremental(work: Path, cfg: dict, scale: float, cmd: list[str], env: dict, server_pid: int) -> dict:
-    """Retry 10 failed requests and add one small dataset after the full build; measure what reruns.
+def incremental(work: Path, cfg: dict, scale: float, cmd: list[str], env: dict, server_pid: int,
+                retried: int = RETRIED_REQUESTS) -> dict:
+    """Retry ``retried`` failed requests and add one small dataset after the full build; measure what reruns.
 
     A failed request is simulated by removing a validated sample's journal line; the states the build would hold
     then are its selection without that sample, so the retried samples count as forwarded even when the server
@@ -530,7 +534,7 @@ def incremental(work: Path, cfg: dict, scale: float, cmd: list[str], env: dict, 
 
     sel_dir = work / "results/merged/selection"
     merged_before = {p.name: p.stat().st_mtime_ns for p in (work / "results/merged").glob("*.parquet")}
-    dropped = set(drop_journal_lines(work, RETRIED_REQUESTS))
+    dropped = set(drop_journal_lines(work, retried))
     # the states a build with those requests failed would hold: their selections without the dropped samples
     before = {k: {sid: v for sid, v in rows.items() if sid not in dropped}
               for k, rows in selection_rows(sel_dir).items()}
@@ -561,7 +565,7 @@ def incremental(work: Path, cfg: dict, scale: float, cmd: list[str], env: dict, 
            "new_dataset": name, "new_dataset_samples": good, "requests_sent": sent, "jobs_rerun": jobs,
            "merged_shards_rewritten": merged_rewritten, **fwd,
            "tokens_forwarded_ratio": round(fwd["tokens_forwarded"] / max(1, fwd["tokens_total"]), 5)}
-    print("\n## Incremental: retry 10 failed requests + add a small dataset (--forcerun generate)\n")
+    print(f"\n## Incremental: retry {len(dropped)} failed requests + add a small dataset (--forcerun generate)\n")
     print("| Stage | Jobs rerun |\n|---|--:|")
     for k in sorted(jobs):
         print(f"| {k} | {jobs[k]} |")
@@ -584,10 +588,23 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (always kept with --workdir)")
     ap.add_argument("--max-shards", type=int, default=None, help="cap every dataset's shard count")
     ap.add_argument("--no-incremental", action="store_true", help="skip the incremental scenario")
-    ap.add_argument("--toy", action="store_true", help="CI size: --scale 0.002 --max-shards 1")
+    ap.add_argument("--retried", type=int, default=RETRIED_REQUESTS,
+                    help=f"failed requests the incremental scenario retries (default {RETRIED_REQUESTS})")
+    ap.add_argument("--datasets", default=None, help="comma-separated subset of the seed's datasets (default: all)")
+    ap.add_argument("--toy", action="store_true",
+                    help=f"CI size: --scale 0.002 --max-shards 1 --retried 2 --datasets {','.join(TOY_DATASETS)}")
     args = ap.parse_args(argv)
     if args.toy:
-        args.scale, args.max_shards = 0.002, 1
+        args.scale, args.max_shards, args.datasets = 0.002, 1, args.datasets or ",".join(TOY_DATASETS)
+        args.retried = 2  # of ~20 samples
+    if args.datasets:
+        keep = set(args.datasets.split(","))
+        unknown = keep - set(SEED_B) - set(SEED_A)
+        if unknown:
+            ap.error(f"--datasets: unknown {sorted(unknown)}; known: {sorted(SEED_B) + sorted(SEED_A)}")
+        for table in (SEED_B, SEED_A):
+            for name in [n for n in table if n not in keep]:
+                del table[name]
 
     from eagle3_data.tiny_target import SPECIAL_TOKENS, build_tokenizer
 
@@ -703,7 +720,7 @@ def main(argv=None) -> int:
     total_s = time.monotonic() - t_all  # the full build's figures; the incremental run is timed on its own
     inc = None
     if rc == 0 and not args.no_incremental:
-        inc = incremental(work, cfg, args.scale, cmd, env, server.pid)
+        inc = incremental(work, cfg, args.scale, cmd, env, server.pid, args.retried)
     server.terminate()
     server.wait(10)
     peak_gb = mem.peak / 2**30

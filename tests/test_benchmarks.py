@@ -48,12 +48,12 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
     assert out["benchmark"] == name
     for key in KEYS[name]:
         assert key in out, f"{name}: {key} missing from {line[:500]}"
-    if name == "rehearsal":  # the incremental scenario: 10 retried requests + 1 new dataset cost what they change
+    if name == "rehearsal":  # the incremental scenario: retried requests + 1 new dataset cost what they change
         inc = out["incremental"]
         assert out["samples"] == out["merged_samples"] > 0
-        assert inc["snakemake_rc"] == 0 and inc["retried_requests"] == 10
-        assert inc["requests_sent"] == 10 + inc["new_dataset_samples"], inc
+        assert inc["snakemake_rc"] == 0 and inc["retried_requests"] == 2  # --toy retries 2 of ~20 samples
+        assert inc["requests_sent"] == inc["retried_requests"] + inc["new_dataset_samples"], inc
         # every retried or new sample is forwarded unless the fault-injecting server failed it (0.3 % per request)
-        assert 8 <= inc["rows_forwarded"] <= 10 + inc["new_dataset_samples"], inc
-        assert 0 < inc["tokens_forwarded"] < inc["tokens_total"] / 5, inc
+        assert 1 <= inc["rows_forwarded"] <= inc["requests_sent"], inc
+        assert 0 < inc["tokens_forwarded"] < inc["tokens_total"] / 2, inc
         assert inc["jobs_rerun"]["normalize"] == 1, inc  # only the new dataset's normalize job
