@@ -191,7 +191,7 @@ def test_every_request_failed_names_the_last_error(tmp_path, fs):
                           "fail_body": {"detail": "Server is pinned to 'results/target/tiny-kimi'"}})
     with pytest.raises(GenerationStopped) as ei:
         run(tmp_path, fs, write_prompts(tmp_path / "p.parquet", simple_convs(4)))
-    assert str(ei.value).startswith("[ds/000] every request failed ({'http_400': 4}); last error: http_400: Server "
+    assert str(ei.value).startswith("[ds/000] every request failed (4 of 4 requests: {'http_400': 4}); last error: http_400: Server "
                                     "is pinned to 'results/target/tiny-kimi' (backend fault, after 1 attempt(s))")
 
 

@@ -1012,7 +1012,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             if failed_requests and answered == 0:
                 # not one request answered: a misconfigured or unreachable backend, not data to keep
                 raise GenerationStopped(
-                    f"{tag} every request failed ({dict(state.failed)}); last error: {state.last_error}",
+                    f"{tag} every request failed ({failed_requests} of {failed_requests} requests: {dict(state.failed)}); "
+                    f"last error: {state.last_error}",
                     hint=f"check the backends {[c.name for c in cfgs]} (model, base_url, server running, API key), "
                          "then rerun the same command")
             if failed_requests:
