@@ -94,6 +94,10 @@ def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_imp
     tail = a + b * max(r["completion_tokens"] for r in ok)
     assert d["hours"] == pytest.approx((n * (a + b * mean_comp) / 8 + tail) / 3600, rel=1e-9)
     assert f["total"]["usd"] == d["usd"] and f["total"]["hours"] == pytest.approx(d["hours"])
+    # what the build still sends and pays: everything but the pilot
+    assert f["total"]["requests_remaining"] == n - PILOT
+    assert f["total"]["usd_remaining"] == pytest.approx(n * mean_cost - sum(r["cost_usd"] for r in ok), rel=1e-9)
+    assert f["total"]["hours_remaining"] == pytest.approx(((n - PILOT) * (a + b * mean_comp) / 8 + tail) / 3600)
     md = (tmp_path / "forecast.md").read_text()
     assert "| **Total**" in md and f"**{n}**" in md
 

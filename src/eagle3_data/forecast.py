@@ -289,7 +289,9 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
         frac, stopped_by = float(bu) / usd, "budget_usd"
     a, b = latency_fit([(c, float(r["latency_s"])) for c, r in zip(comp, ok) if r["latency_s"] is not None])
     sent = requests * frac
-    work_s = sent * (a + b * mean_comp)
+    per_request_s = a + b * mean_comp
+    work_s = sent * per_request_s
+    remaining = max(0.0, sent - n_ok)  # the pilot's answered requests are journaled: the build doesn't send them
     tail_s = a + b * max(comp)
     conc = sum(int(c.get("max_concurrency") or 8) for c in backends.values())
     return {
@@ -304,6 +306,9 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
         "missing_prices": sorted(n for n, p in prices.items() if p is None),
         "latency_a_s": round(a, 4), "latency_b_s_per_token": b, "work_s": work_s, "tail_s": tail_s,
         "concurrency": conc, "backends": list(backends), "hours": (work_s / conc + tail_s) / 3600,
+        "requests_remaining": round(remaining), "remaining_work_s": remaining * per_request_s,
+        "usd_remaining": None if usd is None else max(0.0, usd * frac - sum(known)),
+        "hours_remaining": (remaining * per_request_s / conc + (tail_s if remaining else 0.0)) / 3600,
         "pilot": {"requests": len(rows), "ok": n_ok, "failed": len(rows) - n_ok,
                   "completion_tokens": sum(comp), "prompt_tokens": int(sum(pilot_lens)),
                   "billed_prompt_tokens": sum(int(r["prompt_tokens"] or 0) for r in ok),
@@ -313,9 +318,10 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
     }
 
 
-def total_hours(per_ds: list[dict], concurrency: dict[str, int]) -> tuple[float, list[dict]]:
+def total_hours(per_ds: list[dict], concurrency: dict[str, int], work: str = "work_s") -> tuple[float, list[dict]]:
     """Hours of the whole generation (the module docstring's pool model): (hours, pools as ``{backends, work_s,
-    concurrency, hours}``). ``concurrency``: backend name -> ``max_concurrency``."""
+    concurrency, tail_s, hours}``). ``per_ds``: dicts with ``backends`` (names), ``tail_s`` and the request-seconds
+    under the key ``work``; ``concurrency``: backend name -> ``max_concurrency``."""
     parent = {b: b for d in per_ds for b in d["backends"]}
 
     def find(x):
@@ -331,10 +337,11 @@ def total_hours(per_ds: list[dict], concurrency: dict[str, int]) -> tuple[float,
     for d in per_ds:
         p = pools.setdefault(find(d["backends"][0]), {"backends": set(), "work_s": 0.0, "tail_s": 0.0, "only": {}})
         p["backends"].update(d["backends"])
-        p["work_s"] += d["work_s"]
-        p["tail_s"] = max(p["tail_s"], d["tail_s"])
+        p["work_s"] += d[work]
+        if d[work]:
+            p["tail_s"] = max(p["tail_s"], d["tail_s"])
         if len(d["backends"]) == 1:
-            p["only"][d["backends"][0]] = p["only"].get(d["backends"][0], 0.0) + d["work_s"]
+            p["only"][d["backends"][0]] = p["only"].get(d["backends"][0], 0.0) + d[work]
     out = []
     for p in pools.values():
         conc = sum(concurrency[b] for b in p["backends"])
@@ -378,6 +385,10 @@ def render_markdown(fc: dict) -> str:
         "time: at each backend's `max_concurrency`.",
         "",
         markdown_table(rows, cols, bold=lambda r: r.get("total", False)),
+        "",
+        f"Already paid by the pilot: the build sends {t['requests_remaining']:,} more request(s), for "
+        + (f"${format_usd(t['usd_remaining'])}" if t["usd_remaining"] is not None else "unknown dollars")
+        + f" in {_fmt_duration(t['hours_remaining'])}.",
         "",
         "## Pilot",
         "",
@@ -440,11 +451,15 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
                     per[ds]["usd"], _fmt_duration(per[ds]["hours"]), time.monotonic() - t0)
     conc = {name: int(b.get("max_concurrency") or 8) for name, b in backends.items()}
     hours, pools = total_hours(list(per.values()), conc)
+    hours_remaining, _ = total_hours(list(per.values()), conc, "remaining_work_s")
     known = [d["usd"] for d in per.values() if d["usd"] is not None]
     total = {k: sum(d[k] for d in per.values()) for k in ("requests", "requests_sent", "prompt_tokens",
-                                                           "prompt_tokens_sent", "expected_completion_tokens")}
+                                                           "prompt_tokens_sent", "expected_completion_tokens",
+                                                           "requests_remaining")}
     total.update({"usd": sum(known) if known else None,
-                  "usd_unknown": sorted(d["dataset"] for d in per.values() if d["usd"] is None), "hours": hours})
+                  "usd_unknown": sorted(d["dataset"] for d in per.values() if d["usd"] is None), "hours": hours,
+                  "usd_remaining": sum(d["usd_remaining"] for d in per.values() if d["usd_remaining"] is not None)
+                  if known else None, "hours_remaining": hours_remaining})
     fc = {"pilot_samples": int(pilot_samples), "datasets": per, "total": total, "pools": pools}
     write_json(fc, out_json)
     write_text(render_markdown(fc), out_md)
