@@ -485,8 +485,12 @@ def actual_generation(work: Path, datasets: list[str]) -> dict[str, dict]:
     return out
 
 
-def compare_forecast(fc: dict, actual: dict[str, dict], gen_span_s: float) -> dict:
-    """Print the forecast against the build (per dataset and in total) and return the ratios forecast / actual."""
+def compare_forecast(fc: dict, actual: dict[str, dict], gen_span_s: float, work_s: float) -> dict:
+    """Print the forecast against the build (per dataset and in total) and return the ratios forecast / actual.
+
+    ``gen_span_s``: the build's generate span (first job start to last end); ``work_s``: the request-seconds the
+    server measured during the build (every attempt), against the forecast's request-seconds of what the pilot left
+    (its latency model)."""
     print("\n## Forecast (before the build, from the pilot) vs actual\n")
     print("| Dataset | Requests fc / actual | Completion tok fc / actual | ratio | Cost $ fc / actual | ratio |")
     print("|---|--:|--:|--:|--:|--:|")
@@ -505,7 +509,10 @@ def compare_forecast(fc: dict, actual: dict[str, dict], gen_span_s: float) -> di
            "forecast_completion_tokens": t["expected_completion_tokens"], "actual_completion_tokens": act_comp,
            "forecast_completion_ratio": round(t["expected_completion_tokens"] / max(1, act_comp), 3),
            "forecast_generate_s": round(fc_s, 1), "actual_generate_span_s": round(gen_span_s, 1),
-           "forecast_time_ratio": round(fc_s / gen_span_s, 3) if gen_span_s else None}
+           "forecast_time_ratio": round(fc_s / gen_span_s, 3) if gen_span_s else None,
+           "forecast_work_s": round(sum(d["remaining_work_s"] for d in fc["datasets"].values()), 1),
+           "actual_work_s": round(work_s, 1)}
+    out["forecast_work_ratio"] = round(out["forecast_work_s"] / work_s, 3) if work_s else None
     print(f"| **Total** | {t['requests_sent']:,} / {sum(a['requests'] for a in actual.values()):,} | "
           f"{human(t['expected_completion_tokens'])} / {human(act_comp)} | {out['forecast_completion_ratio']:.2f} | "
           f"{out['forecast_usd']:.4f} / {act_usd:.4f} | {out['forecast_cost_ratio']} |")
@@ -513,7 +520,8 @@ def compare_forecast(fc: dict, actual: dict[str, dict], gen_span_s: float) -> di
     out["forecast_within_tolerance"] = all(ok)
     print(f"\ngeneration time (the requests the pilot left): forecast {fc_s:.0f} s vs actual {gen_span_s:.0f} s (first "
           f"generate job start to last end), ratio {out['forecast_time_ratio']}; cost ratio {out['forecast_cost_ratio']} "
-          f"(target: both within {FORECAST_TOLERANCE:.0%})")
+          f"(target: both within {FORECAST_TOLERANCE:.0%}); request-seconds: forecast {out['forecast_work_s']:,.0f} vs "
+          f"{work_s:,.0f} measured by the server, ratio {out['forecast_work_ratio']}")
     return out
 
 
@@ -767,7 +775,8 @@ def main(argv=None) -> int:
             print(p.read_text(errors="replace")[:4000])
     else:
         print("\n## Extraction plan: not produced (no plan rule / report output in this workflow yet)")
-    fc_cmp = compare_forecast(fc, actual_generation(work, list(SEED_B)), gen_span) if fc is not None else None
+    fc_cmp = compare_forecast(fc, actual_generation(work, list(SEED_B)), gen_span,
+                              sum(f.get("work_s", 0.0) for f in flight.values())) if fc is not None else None
     tally = work / "results/reports/tally.md"
     if tally.exists():
         print("\n## results/reports/tally.md\n\n" + tally.read_text())
