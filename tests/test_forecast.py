@@ -166,6 +166,21 @@ def test_a_budget_scales_what_is_sent(tmp_path, fs, target):
     assert d["expected_completion_tokens"] == 120 and d["stopped_by"] == "budget_completion_tokens"
 
 
+def test_pilot_samples_are_among_those_the_build_sends(tmp_path):
+    """The pilot's share of each shard comes from the samples generate will send (max_samples: the first by id),
+    picked by a hash of the id (not the first ones), the same on every call."""
+    prompts = _prompts(tmp_path)
+    gen = gen_cfg(max_samples=10)  # 5 per shard of 12: ids s?000..s?004 are sent
+    for k, (path, shard) in enumerate(zip(prompts, SHARDS)):
+        ids = fc.pilot_sample_ids(path, gen, n=6, num_shards=2, shard=shard)
+        assert len(ids) == 3 and set(ids) <= {f"s{k}{i:03d}" for i in range(5)}
+        assert ids == fc.pilot_sample_ids(path, gen, n=6, num_shards=2, shard=shard)
+    everything = fc.pilot_sample_ids(prompts[0], gen_cfg(), n=24, num_shards=2, shard="000")
+    assert len(everything) == 12
+    first = fc.pilot_sample_ids(prompts[0], gen_cfg(), n=8, num_shards=2, shard="000")
+    assert first != everything[:4], "the pilot is not the first samples by id"
+
+
 def test_latency_fit_and_the_pool_model():
     a, b = fc.latency_fit([(0, 1.0), (100, 2.0), (200, 3.0)])
     assert a == pytest.approx(1.0) and b == pytest.approx(0.01)
