@@ -30,6 +30,8 @@ rule forecast_pilot:
         gpu=lambda wc: cfg.launch_gpus(config, wc.ds) if workflow.non_local_exec else 0,
     log:
         "logs/forecast_pilot/{ds}/{shard}.log",
+    conda:
+        "../envs/cpu.yaml"
     script:
         "../scripts/forecast.py"
 
@@ -51,5 +53,7 @@ rule forecast:
         concurrency={name: b.get("max_concurrency") for name, b in (config.get("backends") or {}).items()},
     log:
         "logs/forecast.log",
+    conda:
+        "../envs/cpu.yaml"
     script:
         "../scripts/forecast.py"
