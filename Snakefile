@@ -33,6 +33,7 @@ include: "rules/vocab.smk"
 include: "rules/export.smk"
 include: "rules/report.smk"
 include: "rules/view.smk"
+include: "rules/forecast.smk"
 
 
 rule all:

@@ -16,7 +16,9 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    arrive last), 2 % 429 + 1 % 5xx + 0.3 % errors inside a 200 body; reply text is ASCII of exactly
    ``completion_tokens - 1`` characters (the end-of-turn token is billed), so the byte-level tiny tokenizer
    reconstructs the billed count exactly and validation passes honestly;
-4. runs ``snakemake --cores 2`` through normalize -> generate -> tokenize -> validate -> merge (-> plan, when
+4. first, when the workflow has a ``forecast`` rule, runs ``snakemake forecast`` (a journaled pilot of
+   ``forecast.pilot_samples`` per dataset, then the forecast of requests, tokens, dollars and hours); then
+   runs ``snakemake --cores 2`` through normalize -> generate -> tokenize -> validate -> merge (-> plan, when
    the workflow has a ``plan`` rule; -> report with ``--with-report``), never extraction, sampling the RSS of
    the whole process tree (snakemake, its jobs, the server) every 0.5 s;
 5. prints the per-dataset table (DuckDB over the validated parquet files, + responses for backend / cost), the
@@ -24,7 +26,9 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    new one against ``max_concurrency``; targets: mean >= 90 % of the limit, generation span <= 1.1 x (the longest
    generate job + the backend's work at its limit)), the wall time of each stage (sum of its jobs' times and its
    first-start..last-end span, read from snakemake's
-   log), the total, the peak memory, the merge manifest and the extraction plan if one was produced, and ends
+   log), the total, the peak memory, the merge manifest and the extraction plan if one was produced, the forecast
+   against the actual cost, completion tokens and generation time (the span of the generate jobs) with their ratios
+   (target: within 15 %), and ends
    with ONE JSON line (figures + targets: total < 30 min on 2 cores, peak < 8 GB).
 
 6. then the incremental scenario (issue 11; ``--no-incremental`` skips it): 10 validated samples' journal lines
@@ -463,6 +467,67 @@ def run_workflow(cmd: list[str], env: dict, log_path: Path, server_pid: int) -> 
     return rc, elapsed, mem
 
 
+FORECAST_TOLERANCE = 0.15
+
+
+def actual_generation(work: Path, datasets: list[str]) -> dict[str, dict]:
+    """Per dataset: answered requests, billed completion tokens and cost of the build's responses (the pilot's
+    included: the build answers them from the journal)."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute("SET threads = 2")
+    out = {}
+    for ds in datasets:
+        files = sorted(str(p) for p in (work / "results" / ds / "responses").glob("*.parquet"))
+        if not files:
+            continue
+        r = con.execute("SELECT count(*), sum(completion_tokens), sum(coalesce(cost_usd, 0)) FROM read_parquet(?) "
+                        "WHERE status = 'ok'", [files]).fetchone()
+        out[ds] = {"requests": int(r[0]), "completion_tokens": int(r[1] or 0), "usd": float(r[2] or 0)}
+    return out
+
+
+def compare_forecast(fc: dict, actual: dict[str, dict], gen_span_s: float, work_s: float) -> dict:
+    """Print the forecast against the build (per dataset and in total) and return the ratios forecast / actual.
+
+    ``gen_span_s``: the build's generate span (first job start to last end); ``work_s``: the request-seconds the
+    server measured during the build (every attempt), against the forecast's request-seconds of what the pilot left
+    (its latency model)."""
+    print("\n## Forecast (before the build, from the pilot) vs actual\n")
+    print("| Dataset | Requests fc / actual | Completion tok fc / actual | ratio | Cost $ fc / actual | ratio |")
+    print("|---|--:|--:|--:|--:|--:|")
+    for ds, d in fc["datasets"].items():
+        a = actual.get(ds, {"requests": 0, "completion_tokens": 0, "usd": 0.0})
+        rc = d["expected_completion_tokens"] / max(1, a["completion_tokens"])
+        ru = (d["usd"] or 0.0) / a["usd"] if a["usd"] else float("nan")
+        print(f"| {ds} | {d['requests_sent']:,} / {a['requests']:,} | {human(d['expected_completion_tokens'])} / "
+              f"{human(a['completion_tokens'])} | {rc:.2f} | {d['usd'] or 0:.4f} / {a['usd']:.4f} | {ru:.2f} |")
+    t = fc["total"]
+    act_comp = sum(a["completion_tokens"] for a in actual.values())
+    act_usd = sum(a["usd"] for a in actual.values())
+    fc_s = t["hours_remaining"] * 3600  # the build sends what the pilot did not: its generate span is that part
+    out = {"forecast_usd": round(t["usd"] or 0.0, 4), "actual_usd": round(act_usd, 4),
+           "forecast_cost_ratio": round((t["usd"] or 0.0) / act_usd, 3) if act_usd else None,
+           "forecast_completion_tokens": t["expected_completion_tokens"], "actual_completion_tokens": act_comp,
+           "forecast_completion_ratio": round(t["expected_completion_tokens"] / max(1, act_comp), 3),
+           "forecast_generate_s": round(fc_s, 1), "actual_generate_span_s": round(gen_span_s, 1),
+           "forecast_time_ratio": round(fc_s / gen_span_s, 3) if gen_span_s else None,
+           "forecast_work_s": round(sum(d["remaining_work_s"] for d in fc["datasets"].values()), 1),
+           "actual_work_s": round(work_s, 1)}
+    out["forecast_work_ratio"] = round(out["forecast_work_s"] / work_s, 3) if work_s else None
+    print(f"| **Total** | {t['requests_sent']:,} / {sum(a['requests'] for a in actual.values()):,} | "
+          f"{human(t['expected_completion_tokens'])} / {human(act_comp)} | {out['forecast_completion_ratio']:.2f} | "
+          f"{out['forecast_usd']:.4f} / {act_usd:.4f} | {out['forecast_cost_ratio']} |")
+    ok = [r is not None and abs(r - 1) <= FORECAST_TOLERANCE for r in (out["forecast_cost_ratio"], out["forecast_time_ratio"])]
+    out["forecast_within_tolerance"] = all(ok)
+    print(f"\ngeneration time (the requests the pilot left): forecast {fc_s:.0f} s vs actual {gen_span_s:.0f} s (first "
+          f"generate job start to last end), ratio {out['forecast_time_ratio']}; cost ratio {out['forecast_cost_ratio']} "
+          f"(target: both within {FORECAST_TOLERANCE:.0%}); request-seconds: forecast {out['forecast_work_s']:,.0f} vs "
+          f"{work_s:,.0f} measured by the server, ratio {out['forecast_work_ratio']}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # incremental scenario (issue 11)
 
@@ -637,6 +702,20 @@ def main(argv=None) -> int:
            "--cores", str(args.cores), "--nolock", *targets]
     env = {**os.environ, FAKE_KEY_ENV: "rehearsal-not-a-secret", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     server = start_server(port, work / "server.log")
+    fc, t_forecast = None, 0.0
+    if "forecast" in names:  # before paying: the forecast target (its pilot is journaled, never paid twice)
+        fc_cmd = cmd[:-len(targets)] + ["results/reports/forecast.json"]
+        print(f"\nrehearsal server on 127.0.0.1:{port}; forecast first: {' '.join(fc_cmd)}", flush=True)
+        rc_fc, t_forecast, _m = run_workflow(fc_cmd, env, work / "snakemake.forecast.log", server.pid)
+        if rc_fc != 0:
+            print(f"\nforecast FAILED (exit {rc_fc}); last lines:\n"
+                  + "\n".join((work / "snakemake.forecast.log").read_text(errors="replace").splitlines()[-40:]))
+        else:
+            fc = json.loads((work / "results/reports/forecast.json").read_text())
+            t = fc["total"]
+            print(f"forecast in {t_forecast:.0f} s: {t['requests_sent']:,} requests, "
+                  f"{human(t['expected_completion_tokens'])} completion tokens, ${t['usd'] or 0:.2f}, "
+                  f"{t['hours'] * 3600:.0f} s of generation", flush=True)
     print(f"\nrehearsal server on 127.0.0.1:{port}; running: {' '.join(cmd)}", flush=True)
     smk_log = work / "snakemake.console.log"
     rc, t_workflow, mem = run_workflow(cmd, env, smk_log, server.pid)
@@ -713,11 +792,14 @@ def main(argv=None) -> int:
             print(p.read_text(errors="replace")[:4000])
     else:
         print("\n## Extraction plan: not produced (no plan rule / report output in this workflow yet)")
+    fc_cmp = compare_forecast(fc, actual_generation(work, list(SEED_B)), gen_span,
+                              sum(f.get("work_s", 0.0) for f in flight.values())) if fc is not None else None
     tally = work / "results/reports/tally.md"
     if tally.exists():
         print("\n## results/reports/tally.md\n\n" + tally.read_text())
 
-    total_s = time.monotonic() - t_all  # the full build's figures; the incremental run is timed on its own
+    # the full build's figures (the forecast before it and the incremental run after it are timed on their own)
+    total_s = time.monotonic() - t_all - t_forecast
     inc = None
     if rc == 0 and not args.no_incremental:
         inc = incremental(work, cfg, args.scale, cmd, env, server.pid, args.retried)
@@ -741,6 +823,8 @@ def main(argv=None) -> int:
         "generate_span_ratio": round(gen_span / max(1e-9, longest_shard + ideal), 3), "target_generate_span_ratio": 1.1,
         "target_in_flight_ratio": 0.9,
         "plan_produced": bool(plan_files),
+        "forecast_s": round(t_forecast, 1), **(fc_cmp or {"forecast_cost_ratio": None, "forecast_time_ratio": None}),
+        "forecast_pilot_samples": (fc or {}).get("pilot_samples"), "target_forecast_tolerance": FORECAST_TOLERANCE,
         "target_total_s": TARGET_TOTAL_S, "target_peak_gb": TARGET_PEAK_GB,
         "total_ratio_to_target": round(total_s / TARGET_TOTAL_S, 3),
         "peak_ratio_to_target": round(peak_gb / TARGET_PEAK_GB, 3),

@@ -44,6 +44,7 @@ MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
 EXPORT_LAYOUTS = (config.get("export") or {}).get("layouts", [])  # no export section: no export
 TARGET = config["target"]
+FORECAST = cfg.section(config, "forecast")
 CACHE_DIR = config["cache_dir"]
 
 # The run's state (launched servers, shared request slots) lives under CACHE_DIR/runs/ and reaches the jobs through

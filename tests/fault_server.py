@@ -295,7 +295,9 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
         return _response(200, {"data": {"id": gid, "total_cost": app.costs[gid], "provider_name":
                                         app.config["provider"]}})
     if method == "GET" and path == "/v1/models":
-        return _response(200, {"object": "list", "data": [{"id": app.config["model"] or "fault-model"}]})
+        # OpenRouter's model list carries per-token prices (USD, decimal strings): the forecast reads them
+        return _response(200, {"object": "list", "data": [{"id": app.config["model"] or "fault-model", "pricing": {
+            "prompt": str(app.config["price_in"]), "completion": str(app.config["price_out"])}}]})
     native = path == "/generate"
     if method != "POST" or path not in ("/v1/chat/completions", "/chat/completions", "/generate"):
         return _response(404, {"error": {"code": 404, "message": f"no route {method} {path}"}})

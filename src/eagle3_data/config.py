@@ -268,6 +268,7 @@ DEFAULTS = {
                 "gpus_per_job": 1, "batch_tokens": 8192, "attention": "auto", "final_norm": "post", "final_states": "all",
                 "aux_format": "same", "gpu_lock_dir": None},
     "normalize": {"max_reject_rate": 0.5},
+    "forecast": {"pilot_samples": 50},
 }
 
 
@@ -310,6 +311,7 @@ RERUNS: list[tuple[str, str]] = [
     ("backends.<name>.headers", NOTHING),
     ("backends.<name>.cost_lookup_delay_s", NOTHING),
     ("backends.<name>.down_after_s", NOTHING),
+    ("backends.<name>.price_per_m.*", "forecast (its dollars; the pilot is not sent again)"),
     ("backends.<name>.launch.*", NOTHING + " (adding or removing launch: as base_url)"),
     ("generation.backends", "generate of the datasets that don't set their own (only requests the journal lacks "
                             "are sent), then as backends.<name>.type"),
@@ -366,6 +368,8 @@ RERUNS: list[tuple[str, str]] = [
     ("export.group_size", "export"),
     ("export.allow_norm_mismatch", NOTHING),
     ("plan.*", "plan"),
+    ("forecast.pilot_samples", "forecast_pilot and forecast (a larger pilot sends only the samples the journal "
+                               "lacks)"),
     ("vocab.draft_vocab_size", "vocab"),
 ]
 

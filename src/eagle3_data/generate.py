@@ -795,6 +795,7 @@ def generate(
     write_batch_rows: int = 256,
     target_format: dict | None = None,
     backend_jobs: dict | None = None,
+    sample_ids=None,
 ) -> dict:
     """Generate responses for one dataset shard; write ``out_path`` (RESPONSES parquet); return a summary.
 
@@ -829,6 +830,9 @@ def generate(
             back in the field the backend reads.
         backend_jobs: backend name -> generate jobs using it in the whole workflow (:func:`.limits.jobs_using`):
             cluster jobs split a backend's ``max_concurrency`` over them (:mod:`.backends.limits`).
+        sample_ids: if given (a set of ids), only these samples of the shard are considered, after the
+            ``max_samples`` cap; unusable rows outside it get no row. The forecast's pilot (:mod:`.forecast`): the
+            same requests, keys and journal as the full job, which then answers them from the journal.
 
     Runtime (not arguments, so that none of it reruns anything): inside a workflow run (:mod:`.run`) a backend's
     ``max_concurrency`` is shared with the run's other generate jobs on this machine and a launched server is the
@@ -862,7 +866,7 @@ def generate(
                          generation=generation, backends=backends, journal_dir=journal_dir, log=log,
                          num_shards=num_shards, progress_interval_s=progress_interval_s, summary_path=summary_path,
                          target=target, write_batch_rows=write_batch_rows, target_format=target_format,
-                         backend_jobs=backend_jobs)
+                         backend_jobs=backend_jobs, sample_ids=sample_ids)
     except (_Terminated, KeyboardInterrupt):  # outside the request phase (reading prompts, the final write)
         raise GenerationInterrupted(f"[{dataset}/{shard}] interrupted", hint="rerun the same command to resume; "
                                     "every response received so far is journaled") from None
@@ -872,7 +876,7 @@ def generate(
 
 def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation, backends, journal_dir, log,
               num_shards, progress_interval_s, summary_path, target, write_batch_rows, backend_jobs,
-              target_format=None) -> dict:
+              target_format=None, sample_ids=None) -> dict:
     t0 = time.monotonic()
     journal_dir = Path(journal_dir)
     out_path = Path(out_path)
@@ -898,6 +902,10 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             per_shard = shard_share(int(cap), num_shards, shard)
             capped = max(0, len(samples) - per_shard)
             samples = samples[:per_shard]
+        if sample_ids is not None:  # the forecast's pilot: a subset of what the full job sends
+            wanted = set(sample_ids)
+            samples = [s for s in samples if s.sample_id in wanted]
+            bad = [b for b in bad if b["sample_id"] in wanted]
         div = max(1, num_shards)
         bt = generation.get("budget_completion_tokens")
         bu = generation.get("budget_usd")

@@ -1,0 +1,231 @@
+"""The generation forecast: a journaled pilot (through generate itself) and the figures it implies, against the
+fault-injecting server (tests/fault_server.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tokenizer_fixtures as F  # noqa: E402
+from conftest import copy_workflow, run_snakemake  # noqa: E402
+from fault_server import FaultServer  # noqa: E402
+from test_generate import backends_cfg, gen_cfg, simple_convs, write_prompts  # noqa: E402
+
+from eagle3_data import forecast as fc  # noqa: E402
+from eagle3_data.generate import generate, request_key  # noqa: E402
+from eagle3_data.journal import read_journal  # noqa: E402
+from eagle3_data.tokenize import tokenize  # noqa: E402
+
+SHARDS = ("000", "001")
+N_PER_SHARD = 12
+PILOT = 8
+
+
+@pytest.fixture
+def target(tmp_path):
+    return {"name": "tiny-target", "path": F.save_fixture("qwen3", tmp_path / "tok"), "template": "qwen3",
+            "trust_remote_code": False, "chat_template_kwargs": {}}
+
+
+def _prompts(tmp_path) -> list[Path]:
+    """Two shards of prompts of different lengths (so the prompt tokens are not one number times the count)."""
+    out = []
+    for k, shard in enumerate(SHARDS):
+        convs = simple_convs(N_PER_SHARD, start=100 * k)
+        for i, c in enumerate(convs):
+            c[0]["content"] += " and more" * (i % 5)
+        out.append(write_prompts(tmp_path / "prompts" / f"{shard}.parquet", convs,
+                                 ids=[f"s{k}{i:03d}" for i in range(N_PER_SHARD)]))
+    return out
+
+
+def _pilot(tmp_path, fs, prompts, gen, bk, target):
+    for path, shard in zip(prompts, SHARDS):
+        fc.pilot(path, tmp_path / "pilot" / f"{shard}.parquet", n=PILOT, dataset="ds", shard=shard, generation=gen,
+                 num_shards=len(SHARDS), target_name=target["name"], backends=bk, journal_dir=tmp_path / "journal",
+                 target_format={"template": target["template"]})
+    return [tmp_path / "pilot" / f"{s}.parquet" for s in SHARDS]
+
+
+def _forecast(tmp_path, prompts, pilots, gen, bk, target) -> dict:
+    spec = {"ds": {"prompts": prompts, "pilot": pilots, "generation": gen, "backends": bk,
+                   "num_shards": len(SHARDS)}}
+    return fc.forecast(spec, tmp_path / "forecast.md", tmp_path / "forecast.json", target=target, pilot_samples=PILOT,
+                       cache_dir=tmp_path / "cache", backends=bk)
+
+
+def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_implies(tmp_path, fs, target):
+    fs.configure(latency_min_s=0.02, latency_max_s=0.08, min_tokens=5, max_tokens=40, reasoning_tokens=3)
+    fs.app.reset()
+    gen = gen_cfg()
+    bk = backends_cfg(fs)
+    prompts = _prompts(tmp_path)
+    pilots = _pilot(tmp_path, fs, prompts, gen, bk, target)
+
+    # the pilot: PILOT samples, split over the shards, each journaled in its shard's journal under its request key
+    assert fs.stats()["completed"] == PILOT
+    records, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(records) == PILOT
+    for shard in SHARDS:
+        lines = (tmp_path / "journal" / "ds" / f"{shard}.jsonl").read_text().splitlines()
+        assert len(lines) == PILOT // len(SHARDS)
+    for rec in records.values():
+        msgs = json.loads(rec["messages"])
+        sampling = {k: gen[k] if k != "extra_body" else {} for k in ("max_tokens", "temperature", "top_p", "extra_body")}
+        assert rec["request_key"] == request_key("ds", rec["sample_id"], 1, "tiny-target", msgs, None, sampling)
+
+    f = _forecast(tmp_path, prompts, pilots, gen, bk, target)
+    d = f["datasets"]["ds"]
+    ok = list(records.values())
+    n = len(SHARDS) * N_PER_SHARD
+    mean_comp = sum(r["completion_tokens"] for r in ok) / len(ok)
+    mean_cost = sum(r["cost_usd"] for r in ok) / len(ok)
+    assert d["requests"] == d["requests_sent"] == n and d["samples"] == n
+    assert d["expected_completion_tokens"] == round(n * mean_comp)
+    assert d["usd"] == pytest.approx(n * mean_cost, rel=1e-9)
+    assert d["cost_source"] == "usage.cost"
+    a, b = fc.latency_fit([(r["completion_tokens"], r["latency_s"]) for r in ok])
+    tail = a + b * max(r["completion_tokens"] for r in ok)
+    assert d["hours"] == pytest.approx((n * (a + b * mean_comp) / 8 + tail) / 3600, rel=1e-9)
+    assert f["total"]["usd"] == d["usd"] and f["total"]["hours"] == pytest.approx(d["hours"])
+    # what the build still sends and pays: everything but the pilot
+    assert f["total"]["requests_remaining"] == n - PILOT
+    assert f["total"]["usd_remaining"] == pytest.approx(n * mean_cost - sum(r["cost_usd"] for r in ok), rel=1e-9)
+    assert f["total"]["hours_remaining"] == pytest.approx(((n - PILOT) * (a + b * mean_comp) / 8 + tail) / 3600)
+    md = (tmp_path / "forecast.md").read_text()
+    assert "| **Total**" in md and f"**{n}**" in md
+
+    # the build: every shard's generate job answers the pilot from the journal and sends only the rest
+    before = fs.stats()["completed"]
+    summaries = [generate(p, tmp_path / "responses" / f"{s}.parquet", dataset="ds", shard=s, target_name="tiny-target",
+                          generation=gen, backends=bk, journal_dir=tmp_path / "journal", num_shards=len(SHARDS),
+                          target_format={"template": target["template"]})
+                 for p, s in zip(prompts, SHARDS)]
+    assert sum(s["from_journal"] for s in summaries) == PILOT
+    assert fs.stats()["completed"] - before == n - PILOT
+    assert max(fs.stats()["completed_by_body"].values()) == 1, "a pilot request was sent again"
+
+    # prompt tokens: exactly the prompt lengths the tokenize stage finds in the build's responses
+    tok_prompt = 0
+    for s in SHARDS:
+        tokenize(str(tmp_path / "responses" / f"{s}.parquet"), str(tmp_path / "tokens" / f"{s}.parquet"), target=target)
+        tok_prompt += sum(pq.read_table(tmp_path / "tokens" / f"{s}.parquet").column("num_prompt_tokens").to_pylist())
+    assert d["prompt_tokens"] == tok_prompt > 0
+
+
+def test_prices_from_the_model_list_cached_then_config_then_unknown(tmp_path, fs, target):
+    fs.configure(omit_cost=True, price_in=3e-7, price_out=5e-6)  # no usage.cost: prices per token are needed
+    fs.app.reset()
+    gen = gen_cfg()
+    prompts = _prompts(tmp_path)
+    bk = backends_cfg(fs, model="fault-model")  # the fault server lists its model as "fault-model"
+    pilots = _pilot(tmp_path, fs, prompts, gen, bk, target)
+    rows = [r for p in pilots for r in pq.read_table(p).to_pylist()]
+    assert rows and all(r["cost_usd"] is None for r in rows)
+    per_request = sum(r["prompt_tokens"] * 3e-7 + r["completion_tokens"] * 5e-6 for r in rows) / len(rows)
+    n = len(SHARDS) * N_PER_SHARD
+    fc._PRICE_CACHE.clear()
+    d = _forecast(tmp_path, prompts, pilots, gen, bk, target)["datasets"]["ds"]
+    assert d["usd"] == pytest.approx(n * per_request, rel=1e-9)
+    assert d["cost_source"].startswith("OpenRouter model list")
+    cached = list((tmp_path / "cache" / "forecast").glob("prices-*.json"))
+    assert len(cached) == 1
+    # fetched once: new prices on the server change nothing while the cached list is there
+    fs.configure(price_in=1.0, price_out=1.0)
+    fc._PRICE_CACHE.clear()
+    assert _forecast(tmp_path, prompts, pilots, gen, bk, target)["datasets"]["ds"]["usd"] == pytest.approx(d["usd"])
+
+    # not OpenRouter: the config's price table (USD per million tokens), else unknown, naming the key to set
+    other = {"fault": {**bk["fault"], "type": "openai", "price_per_m": {"prompt": 2.0, "completion": 10.0}}}
+    per_request = sum(r["prompt_tokens"] * 2e-6 + r["completion_tokens"] * 1e-5 for r in rows) / len(rows)
+    d = _forecast(tmp_path, prompts, pilots, gen, other, target)["datasets"]["ds"]
+    assert d["usd"] == pytest.approx(n * per_request, rel=1e-9)
+    assert d["cost_source"] == "config backends.fault.price_per_m"
+    other["fault"].pop("price_per_m")
+    f = _forecast(tmp_path, prompts, pilots, gen, other, target)
+    assert f["datasets"]["ds"]["usd"] is None and f["datasets"]["ds"]["missing_prices"] == ["fault"]
+    assert f["total"]["usd"] is None and f["total"]["usd_unknown"] == ["ds"]
+    assert "backends.fault.price_per_m" in (tmp_path / "forecast.md").read_text()
+
+
+def test_a_budget_scales_what_is_sent(tmp_path, fs, target):
+    fs.configure(min_tokens=20, max_tokens=20)  # every reply 20 completion tokens
+    fs.app.reset()
+    prompts = _prompts(tmp_path)
+    bk = backends_cfg(fs)
+    gen = gen_cfg(budget_completion_tokens=120)
+    pilots = _pilot(tmp_path, fs, prompts, gen, bk, target)
+    d = _forecast(tmp_path, prompts, pilots, gen, bk, target)["datasets"]["ds"]
+    assert d["requests"] == 24 and d["requests_sent"] == 6  # 120 tokens / 20 per request
+    assert d["expected_completion_tokens"] == 120 and d["stopped_by"] == "budget_completion_tokens"
+
+
+def test_pilot_samples_are_among_those_the_build_sends(tmp_path):
+    """The pilot's share of each shard comes from the samples generate will send (max_samples: the first by id),
+    picked by a hash of the id (not the first ones), the same on every call."""
+    prompts = _prompts(tmp_path)
+    gen = gen_cfg(max_samples=10)  # 5 per shard of 12: ids s?000..s?004 are sent
+    for k, (path, shard) in enumerate(zip(prompts, SHARDS)):
+        ids = fc.pilot_sample_ids(path, gen, n=6, num_shards=2, shard=shard)
+        assert len(ids) == 3 and set(ids) <= {f"s{k}{i:03d}" for i in range(5)}
+        assert ids == fc.pilot_sample_ids(path, gen, n=6, num_shards=2, shard=shard)
+    everything = fc.pilot_sample_ids(prompts[0], gen_cfg(), n=24, num_shards=2, shard="000")
+    assert len(everything) == 12
+    first = fc.pilot_sample_ids(prompts[0], gen_cfg(), n=8, num_shards=2, shard="000")
+    assert first != everything[:4], "the pilot is not the first samples by id"
+
+
+def test_latency_fit_and_the_pool_model():
+    a, b = fc.latency_fit([(0, 1.0), (100, 2.0), (200, 3.0)])
+    assert a == pytest.approx(1.0) and b == pytest.approx(0.01)
+    assert fc.latency_fit([(50, 2.0), (50, 4.0)]) == (3.0, 0.0)
+    # local (10) and openrouter (100) share dataset B: one pool; local alone must do A's 1,000 request-s
+    per = [{"dataset": "A", "backends": ["local"], "work_s": 1000.0, "tail_s": 5.0},
+           {"dataset": "B", "backends": ["local", "or"], "work_s": 500.0, "tail_s": 7.0},
+           {"dataset": "C", "backends": ["or"], "work_s": 4000.0, "tail_s": 3.0},
+           {"dataset": "D", "backends": ["other"], "work_s": 300.0, "tail_s": 1.0}]
+    hours, pools = fc.total_hours(per, {"local": 10, "or": 100, "other": 1})
+    by = {tuple(p["backends"]): p for p in pools}
+    assert by[("local", "or")]["hours"] == pytest.approx((1000 / 10 + 7.0) / 3600)  # > 5,500 / 110 and 4,000 / 100
+    assert by[("other",)]["hours"] == pytest.approx((300 + 1.0) / 3600)
+    assert hours == pytest.approx(301 / 3600)
+
+
+@pytest.mark.slow
+def test_forecast_target_then_build_pays_nothing_twice(tmp_path):
+    """`snakemake forecast` on a small config, then the build: the pilot is in generate's journal and the build's
+    generate jobs send none of its requests again."""
+    server = FaultServer({"min_tokens": 5, "max_tokens": 30, "latency_min_s": 0.01, "latency_max_s": 0.03}).start()
+    try:
+        wd = copy_workflow(tmp_path / "wf")
+        cfg = yaml.safe_load((wd / "config.yaml").read_text())
+        cfg["backends"] = {"remote": {"type": "openrouter", "base_url": f"{server.url}/v1", "model": "fault-model",
+                                      "max_concurrency": 4, "timeout_s": 10}}
+        cfg["generation"].update({"backends": ["remote"], "max_retries": 1})
+        cfg["datasets"] = {k: v for k, v in cfg["datasets"].items() if k in ("ultrachat_demo", "sharegpt_demo")}
+        cfg["forecast"] = {"pilot_samples": 3}
+        (wd / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        run_snakemake(wd, "--cores", "2", "forecast")
+        f = json.loads((wd / "results/reports/forecast.json").read_text())
+        assert set(f["datasets"]) == {"ultrachat_demo", "sharegpt_demo"}
+        pilot_sent = server.stats()["completed"]
+        assert pilot_sent == 6
+        for ds in f["datasets"]:
+            records, _ = read_journal(wd / "cache/journal", ds)
+            assert len(records) == 3
+        assert (wd / "results/reports/forecast.md").read_text().startswith("# Generation forecast")
+        targets = [f"results/{ds}/responses/{s}.parquet" for ds in f["datasets"]
+                   for s in ([f"{i:03d}" for i in range(cfg["datasets"][ds].get("shards", 1))])]
+        run_snakemake(wd, "--cores", "2", *targets)
+        st = server.stats()
+        assert max(st["completed_by_body"].values()) == 1, "a pilot request was paid twice"
+        rows = [r for t in targets for r in pq.read_table(wd / t).to_pylist() if r["status"] == "ok"]
+        assert st["completed"] == len(rows) == f["total"]["requests"]
+    finally:
+        server.stop()
