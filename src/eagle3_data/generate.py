@@ -282,6 +282,7 @@ class _State:
             self.stopped_by = reached
         return reached
 
+
 def _failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reason: str, detail: str) -> dict:
     return {
         "sample_id": sample.sample_id, "dataset": dataset, "turn": int(turn), "request_key": key,
