@@ -50,7 +50,7 @@ def test_budget_stop_line_and_message(clock):
     text = progress.final_line(st, "[ds/001]")
     assert text.startswith("[ds/001] 4/10 done  40%")
     assert text.endswith("| stopped by budget_usd: 6 of 10 samples not sent")
-    assert "$2.0100 of $1.0000 budget_usd (budget in ~00:00)" in text
+    assert "$2.0100 of $1.0000 budget_usd | ok 3" in text                # nothing left to send: no "budget in"
     assert progress.budget_stop_message(st, "budget_usd", 2, "generation.budget_usd", 2) == (
         "stopped by budget_usd (generation.budget_usd = $2.0000, this shard's share $1.0000 of 2 shards): $2.0100 "
         "spent; 6 of 10 samples not sent (no row for them; a rerun with a larger budget sends them, journaled "

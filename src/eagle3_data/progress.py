@@ -64,7 +64,7 @@ def postfix(state) -> str:
         parts.append(f"{state.spent_tokens():,} of {state.budget_tokens:,.0f} budget_completion_tokens")
         if state.completion_tokens > 0:
             left.append(max(0.0, state.budget_tokens - state.spent_tokens()) / (state.completion_tokens / el))
-    if left:
+    if left and state.done < state.total:  # samples are left to send
         parts[-1] += f" (budget in ~{tqdm.format_interval(min(left))})"
     parts.append(f"ok {state.ok}, failed {sum(state.failed.values())}, journal {state.from_journal}")
     parts.append(f"retries {state.retries}, requests {state.sent}")
