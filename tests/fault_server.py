@@ -1,11 +1,7 @@
 """A fault-injecting OpenAI/OpenRouter-compatible chat-completions server for tests and benchmarks.
 
 A Starlette application served by uvicorn (both installed with ``transformers[serving]``); keep-alive connections
-stay open. Measured with ``benchmarks/generation_client.py`` (10,000 requests, 2,000 in flight, ~1,500-word
-replies, on a loaded 2-core machine): uvicorn (its pure-Python h11 protocol: httptools is not installed) served
-every request with 1,999 in flight at 2.8 ms of server CPU per request (28.0 s), where the hand-written asyncio
-server this replaced took 1.6 ms (16.1 s); ``--toy``: 0.46 s vs 0.18 s for 200 requests. It keeps up, at about
-0.4 of a core at the benchmark's ~150 requests/s. Endpoints:
+stay open. Endpoints:
 
 - ``POST /v1/chat/completions``: a deterministic reply (text derived from a hash of the request body), with
   faults drawn at the configured rates: ``p429`` (with ``Retry-After``), ``p5xx`` (500/502/503), ``ptimeout``
