@@ -1,7 +1,7 @@
 """A fault-injecting OpenAI/OpenRouter-compatible chat-completions server for tests and benchmarks.
 
-A Starlette application served by uvicorn (both installed with ``transformers[serving]``); keep-alive connections
-stay open. Endpoints:
+Plain asyncio HTTP/1.1 (keep-alive, Content-Length bodies) so it serves thousands of concurrent connections
+from one process without extra dependencies. Endpoints:
 
 - ``POST /v1/chat/completions``: a deterministic reply (text derived from a hash of the request body), with
   faults drawn at the configured rates: ``p429`` (with ``Retry-After``), ``p5xx`` (500/502/503), ``ptimeout``
@@ -35,7 +35,7 @@ stay open. Endpoints:
 - ``GET /stats``: counters: ``requests``, ``outcomes`` (by fault), ``completed`` (200-ok replies sent),
   ``completed_by_body`` (request-body hash -> ok replies sent; >1 means the client paid twice),
   ``in_flight``, ``max_in_flight``, ``cpu_s`` (the server process's CPU seconds),
-  ``connections`` (TCP connections that sent a request).
+  ``connections`` (TCP connections accepted).
 - ``POST /admin/config`` (JSON: keys above), ``POST /admin/reset`` (zero counters).
 
 Run: ``python tests/fault_server.py --port 8000 [--config '{"p429": 0.1}'] [--startup-delay 1]``, or in a
@@ -111,7 +111,6 @@ class FaultApp:
         self.in_flight = 0
         self.max_in_flight = 0
         self.connections = 0
-        self.clients: set[tuple] = set()  # (host, port) of the connections seen
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
         self.costs: dict[str, float] = {}
@@ -216,82 +215,62 @@ def chat_completion(c: dict, body: dict, bh: str, text: str, reasoning: str | No
     }
 
 
-def _response(status: int, payload, headers: dict | None = None):
-    """A JSON reply (``payload``: an object, or bytes sent as they are, e.g. a truncated body)."""
-    from starlette.responses import Response
-
+def _response(status: int, payload, headers: dict | None = None) -> bytes:
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    return Response(body, status_code=status, headers=headers, media_type="application/json")
+    reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 402: "Payment Required", 404: "Not Found",
+              429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway",
+              503: "Service Unavailable"}.get(status, "Status")
+    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    for k, v in (headers or {}).items():
+        head.append(f"{k}: {v}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 class _Reset(Exception):
     pass
 
 
-class _Hang(Exception):
-    """Close the connection without answering (after a ``ptimeout`` hang)."""
+async def _handle(app: FaultApp, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    app.connections += 1
+    try:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            lines = head.decode("latin-1").split("\r\n")
+            method, path, _ = (lines[0].split(" ", 2) + ["", ""])[:3]
+            headers = {}
+            for ln in lines[1:]:
+                if ":" in ln:
+                    k, v = ln.split(":", 1)
+                    headers[k.strip().lower()] = v.strip()
+            n = int(headers.get("content-length") or 0)
+            raw = await reader.readexactly(n) if n else b""
+            try:
+                out = await _route(app, method, path, headers, raw)
+            except _Reset:
+                sock = writer.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return
+            if out is None:  # hang ended: close without answering
+                writer.close()
+                return
+            writer.write(out)
+            await writer.drain()
+            if headers.get("connection", "").lower() == "close":
+                writer.close()
+                return
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return
+    except asyncio.CancelledError:  # server shutting down (don't re-raise: 3.11 logs cancelled callbacks)
+        writer.transport.abort()
+        return
 
 
-def _transport(request):
-    """The asyncio transport of ``request``'s connection: ASGI has no way to reset a connection or close it
-    without a reply, so the faults that do reach uvicorn's per-request cycle (its ``receive`` is a bound method
-    of it, holding ``.transport``, in both its h11 and httptools protocols)."""
-    return getattr(getattr(request.receive, "__self__", None), "transport", None)
-
-
-async def _drop(request, reset: bool) -> None:
-    """Drop ``request``'s connection: a TCP reset (``SO_LINGER`` 0, then abort) or a plain close."""
-    transport = _transport(request)
-    if transport is None:  # not under uvicorn: let the server answer 500 and close
-        raise RuntimeError("fault server: no transport to drop")
-    sock = transport.get_extra_info("socket")
-    if reset and sock is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    transport.abort() if reset else transport.close()
-    await asyncio.sleep(0)  # the server sees the connection gone and sends nothing more on it
-
-
-def make_asgi(app: "FaultApp"):
-    """The Starlette application serving ``app``: every method and path goes to :func:`_route` (looked up when a
-    request arrives, so ``benchmarks/rehearsal_server.py`` can wrap it)."""
-    from starlette.applications import Starlette
-    from starlette.routing import Route
-
-    async def endpoint(request):
-        client = request.scope.get("client")
-        if client is not None and client not in app.clients:  # a new TCP connection (its client port)
-            app.clients.add(tuple(client))
-            app.connections += 1
-        raw = await request.body()
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        try:
-            return await _route(app, request.method, path, dict(request.headers), raw)
-        except _Reset:
-            await _drop(request, reset=True)
-        except _Hang:
-            await _drop(request, reset=False)
-        except asyncio.CancelledError:  # the server stopping while a request hangs: drop it, quietly
-            transport = _transport(request)
-            if transport is not None:
-                transport.abort()
-        return _response(499, {"error": "connection dropped"})  # not sent: the connection is gone
-
-    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-    return Starlette(routes=[Route("/{path:path}", endpoint, methods=methods)])
-
-
-def _uvicorn_config(app: "FaultApp", host: str, port: int):
-    import uvicorn
-
-    # keep-alive connections stay open (a client's pooled connection is never closed under it between requests,
-    # which a test would see as a reset); a backlog for thousands of connections at once
-    return uvicorn.Config(make_asgi(app), host=host, port=port, log_level="warning", access_log=False,
-                          lifespan="off", backlog=8192, timeout_keep_alive=3600, timeout_graceful_shutdown=1)
-
-
-async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: bytes):
-    """The reply to one request (a Starlette ``Response``); raises ``_Reset`` / ``_Hang`` to drop the connection.
-    ``headers``: lower-case names."""
+async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: bytes) -> bytes | None:
     full_path = path
     path = path.split("?", 1)[0]
     if method == "GET" and path == "/health":
@@ -347,7 +326,7 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
         if fault == "ptimeout":
             app._count("timeout")
             await asyncio.sleep(float(c["hang_s"]))
-            raise _Hang()
+            return None
         if lat > 0:
             await asyncio.sleep(lat)
         if fault == "p429":
@@ -404,48 +383,61 @@ async def _route(app: FaultApp, method: str, path: str, headers: dict, raw: byte
 
 
 class FaultServer:
-    """Run :class:`FaultApp` on 127.0.0.1 with uvicorn in a background thread (tests). ``url`` is
-    ``http://127.0.0.1:P``."""
+    """Run :class:`FaultApp` on 127.0.0.1 in a background thread (tests). ``url`` is ``http://127.0.0.1:P``."""
 
     def __init__(self, config: dict | None = None, port: int = 0):
         self.app = FaultApp(config)
         self.port = port
-        self._server = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._server = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "FaultServer":
-        import uvicorn
+        ready = threading.Event()
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
-        self.port = sock.getsockname()[1]
-        self._server = uvicorn.Server(_uvicorn_config(self.app, "127.0.0.1", self.port))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        def run():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+
+            async def main():
+                self._server = await asyncio.start_server(
+                    lambda r, w: _handle(self.app, r, w), "127.0.0.1", self.port, backlog=4096, limit=2**24)
+                self.port = self._server.sockets[0].getsockname()[1]
+                ready.set()
+
+            self._loop.run_until_complete(main())
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fault server did not start")
-            time.sleep(0.01)
+        if not ready.wait(10):
+            raise RuntimeError("fault server did not start")
         return self
 
     def configure(self, **cfg) -> None:
-        self.app.config.update(cfg)
+        self._loop.call_soon_threadsafe(self.app.config.update, cfg)
 
     def stats(self) -> dict:
         return self.app.stats()
 
     def stop(self) -> None:
-        if self._server is None:
+        if self._loop is None:
             return
-        self._server.should_exit = self._server.force_exit = True  # requests still hanging are cancelled
+
+        async def shutdown():
+            self._server.close()
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    t.cancel()
+
+        fut = asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
+        fut.result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-        self._server = None
 
     def __enter__(self) -> "FaultServer":
         return self.start()
@@ -474,16 +466,15 @@ def main(argv=None) -> None:
 
 def serve_forever(app: FaultApp, host: str, port: int, name: str) -> None:
     """Serve ``app`` on ``host:port`` until interrupted (the standalone entry points use this)."""
-    import uvicorn
 
-    server = uvicorn.Server(_uvicorn_config(app, host, port))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(8192)  # connections queue from here on; uvicorn serves them once started
-    print(f"{name} listening on {host}:{port}", flush=True)
+    async def serve():
+        server = await asyncio.start_server(lambda r, w: _handle(app, r, w), host, port, backlog=8192, limit=2**24)
+        print(f"{name} listening on {host}:{port}", flush=True)
+        async with server:
+            await server.serve_forever()
+
     try:
-        server.run(sockets=[sock])
+        asyncio.run(serve())
     except KeyboardInterrupt:
         pass
 
