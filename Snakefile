@@ -53,8 +53,9 @@ onstart:
 
 onsuccess:
     run_state.end(CACHE_DIR, ok=True)
-    print_tally("results/reports/tally.md")
+    print_run_summary(ok=True)
 
 
 onerror:
+    print_run_summary(ok=False)
     run_state.end(CACHE_DIR, ok=False)

@@ -114,7 +114,13 @@ def responses_files(datasets):
     return [f"results/{ds}/responses/{s}.parquet" for ds in datasets if ds in GENERATED for s in shards(ds)]
 
 
-def print_tally(path):
-    p = Path(path)
-    if p.exists():
-        print(f"\n{p.read_text()}", file=sys.stderr)
+def print_run_summary(ok):
+    """The run's last lines: per dataset done, failed, not sent, rejected, kept, cost and time."""
+    from eagle3_data.report import run_summary
+
+    try:
+        text = run_summary(config["datasets"], "results", run_s=run_state.elapsed(), ok=ok,
+                           tally_path="results/reports/tally.md")
+    except Exception as exc:  # a damaged file must not keep the end-of-run hook from stopping the servers
+        text = f"(no run summary: {type(exc).__name__}: {exc})"
+    print("\n" + text, file=sys.stderr)

@@ -24,5 +24,8 @@ run_stage(lambda: generate(
     summary_path=snakemake.output.summary,
     target=snakemake.params.target,
     target_format=snakemake.params.target_format,
+    # where the config sets each budget: named when a budget stops the shard
+    budget_sources={k: cfg.generation_source(snakemake.config, ds, k)
+                    for k in ("budget_usd", "budget_completion_tokens")},
     log=log,
 ), log=log)

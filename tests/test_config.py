@@ -308,3 +308,14 @@ def test_code_defaults_agree_with_the_schema_defaults():
     for name, defaults in cfg.DEFAULTS.items():
         assert cfg.deep_merge(c[name], defaults) == c[name], name
         assert cfg.section(c, name) == c[name]
+
+
+def test_generation_source_names_where_a_budget_is_set():
+    from eagle3_data.config import generation_source
+
+    config = {"generation": {"budget_usd": 5.0, "budget_completion_tokens": None},
+              "datasets": {"a": {"generation": {"budget_usd": 1.0}}, "b": {}, "c": {"generation": None}}}
+    assert generation_source(config, "a", "budget_usd") == "datasets.a.generation.budget_usd"
+    assert generation_source(config, "b", "budget_usd") == "generation.budget_usd"
+    assert generation_source(config, "c", "budget_usd") == "generation.budget_usd"
+    assert generation_source(config, "a", "budget_completion_tokens") is None

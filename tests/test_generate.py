@@ -420,3 +420,61 @@ def test_max_samples_parts_add_up_to_the_cap_across_shards():
         parts = [shard_share(cap, n, f"{i:03d}") for i in range(n)]
         assert sum(parts) == cap and max(parts) - min(parts) <= 1, (cap, n, parts)
     assert shard_share(10, 3, "custom") == 4
+
+
+def test_budget_stop_says_which_budget_and_how_many_were_not_sent(tmp_path, fs):
+    """The job's last lines name the budget that stopped it (where the config sets it, its value and this shard's
+    share), what was spent and how many samples were never sent; ``done`` counts only samples with an outcome."""
+    fs.app.config.update({"min_tokens": 30, "max_tokens": 30, "price_out": 0.001, "price_in": 0.0,
+                          "latency_min_s": 0.01, "latency_max_s": 0.02})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(50))
+    log = tmp_path / "job.log"
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(budget_usd=0.6), bk=backends_cfg(fs, max_concurrency=3), log=log,
+            num_shards=2, budget_sources={"budget_usd": "datasets.ds.generation.budget_usd"})
+    assert s["stopped_by"] == "budget_usd" and s["not_sent"] > 0 and s["ok"] + s["not_sent"] == 50
+    text = log.read_text()
+    finished = [ln for ln in text.splitlines() if "finished:" in ln]
+    assert len(finished) == 1
+    assert f"finished: {s['ok']}/50 done" in finished[0]
+    assert finished[0].endswith(f"stopped by budget_usd: {s['not_sent']} of 50 samples not sent")
+    assert f"${s['total_cost_usd']:.4f} of $0.3000 budget_usd" in finished[0]
+    warn = [ln for ln in text.splitlines() if "WARNING" in ln and "stopped by budget_usd" in ln]
+    assert len(warn) == 1
+    assert (f"[ds/000] stopped by budget_usd (datasets.ds.generation.budget_usd = $0.6000, this shard's share "
+            f"$0.3000 of 2 shards): ${s['total_cost_usd']:.4f} spent; {s['not_sent']} of 50 samples not sent") in warn[0]
+
+
+def test_progress_lines_in_a_log_file_are_plain_lines(tmp_path, fs):
+    """A log file (not a terminal) gets one plain progress line per interval: no carriage returns, the count, the
+    rate and ETA, in flight, tok/s, dollars, outcomes; with a token budget, tokens of the budget."""
+    fs.app.config.update({"min_tokens": 10, "max_tokens": 10, "latency_min_s": 0.15, "latency_max_s": 0.15,
+                          "price_out": 0.0001, "price_in": 0.0})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    log = tmp_path / "job.log"
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=10, budget_completion_tokens=100000),
+            bk=backends_cfg(fs, max_concurrency=2), log=log, out="a.parquet")
+    assert s["ok"] == 30 and s["not_sent"] == 0
+    text = log.read_text()
+    assert "\r" not in text
+    lines = [ln.split("[ds/000] ", 1)[1] for ln in text.splitlines() if " done " in ln and "|" in ln]
+    assert len(lines) >= 3                                             # ~2.3 s at 0.5 s per line, + the last one
+    import re
+    pat = re.compile(r"^(finished: )?(\d+)/30 done +(\d+)%\|[#0-9 ]{10}\| \[\d\d:\d\d<(\d\d:\d\d|\?), +"
+                     r"(\?|[\d.]+) samples/s\] \| in flight (\d) \| [\d.,]+ tok/s \| \$[\d.]+ spent \| "
+                     r"([\d,]+) of 100,000 budget_completion_tokens( \(budget in ~[\d:]+\))? \| "
+                     r"ok (\d+), failed 0, journal 0 \| retries \d+, requests \d+$")
+    for ln in lines:
+        m = pat.match(ln)
+        assert m, ln
+        n = int(m.group(2))
+        assert int(m.group(3)) == 100 * n // 30 or abs(int(m.group(3)) - 100 * n / 30) < 1
+        assert int(m.group(6)) <= 2 and int(m.group(9)) == n
+        assert int(m.group(7).replace(",", "")) == 10 * n
+    assert lines[-1].startswith("finished: 30/30 done 100%")
+    assert "in flight 0" in lines[-1] and "$0.0300 spent" in lines[-1]
+    # rerun: everything answered by the journal, nothing sent, the rate counts no journaled sample
+    s2 = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=10), bk=backends_cfg(fs, max_concurrency=2), log=log,
+             out="b.parquet")
+    assert s2["sent"] == 0 and s2["from_journal"] == 30
+    last = [ln for ln in log.read_text().splitlines() if "finished:" in ln][-1]
+    assert "finished: 30/30 done 100%" in last and "?" in last and "journal 30" in last

@@ -346,3 +346,67 @@ def test_html_tables_hold_the_markdown_numbers(tmp_path, build):
     assert cells[i + 1:i + 3] == [f"<strong>{g['samples']:,}</strong>", f"<strong>{g['prompt_tokens']:,}</strong>"]
     body_rows = md_rows((tmp_path / "r" / "tally.md").read_text())  # the tally's and the rejects' rows
     assert len(re.findall(r"<tr>", page)) == len(body_rows) + 2  # + their header rows
+
+
+def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
+    """The run's last lines: per dataset done/failed/not sent from generate's shard summaries, rejects of every
+    stage and validated rows from the parquet files, cost and the longest shard's time; a shard without a summary
+    (a failed run) shows in ``Shards``."""
+    import json
+
+    import pyarrow as pa
+
+    from eagle3_data.report import run_summary, run_summary_rows
+
+    res = tmp_path / "results"
+
+    def rows_file(path, n):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"sample_id": [f"s{i}" for i in range(n)]}), path)
+
+    def summary(ds, shard, **kw):
+        p = res / ds / "responses" / f"{shard}.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps({"dataset": ds, "shard": shard, **kw}))
+
+    summary("gen", "000", samples=28, ok=12, failed_total=0, not_sent=16, total_cost_usd=0.5012, wall_s=95.2,
+            stopped_by="budget_usd")
+    summary("gen", "001", samples=27, ok=25, failed_total=2, not_sent=0, total_cost_usd=0.25, wall_s=130.6,
+            stopped_by="all samples done")
+    rows_file(res / "gen" / "rejected" / "normalize.parquet", 3)
+    rows_file(res / "gen" / "rejected" / "000.parquet", 1)
+    rows_file(res / "gen" / "rejected" / "001.parquet", 2)
+    rows_file(res / "gen" / "validated" / "000.parquet", 11)
+    rows_file(res / "gen" / "validated" / "001.parquet", 23)
+    summary("half", "000", samples=10, ok=10, failed_total=0, not_sent=0, total_cost_usd=0.0, wall_s=3.0,
+            stopped_by="all samples done")
+    rows_file(res / "pre" / "rejected" / "normalize.parquet", 2)
+    rows_file(res / "pre" / "rejected" / "000.parquet", 4)
+    rows_file(res / "pre" / "validated" / "000.parquet", 40)
+    datasets = {"gen": {"source": {"format": "sharegpt"}, "shards": 2},
+                "half": {"source": {"format": "sharegpt"}, "shards": 2},
+                "pre": {"source": {"format": "pretokenized"}}}
+    rows = run_summary_rows(datasets, res)
+    keys = ("dataset", "shards", "samples", "ok", "failed", "not_sent", "rejected", "kept", "time", "ended_by")
+    assert [tuple(r[k] for k in keys) for r in rows] == [
+        ("gen", "2/2", 55, 37, 2, 16, 6, 34, "2:11", "all samples done, budget_usd"),
+        ("half", "1/2", 10, 10, 0, 0, 0, 0, "0:03", "all samples done"),
+        ("pre", "-", 44, None, None, None, 6, 40, "", "pre-tokenized"),
+        ("Total", "", 109, 47, 2, 16, 12, 74, "", ""),
+    ]
+    assert rows[0]["cost_usd"] == pytest.approx(0.7512) and rows[-1]["cost_usd"] == pytest.approx(0.7512)
+    assert rows[2]["cost_usd"] is None
+    (res / "reports").mkdir()
+    (res / "reports" / "tally.md").write_text("# Tally\n")
+    text = run_summary(datasets, res, run_s=3725.0, ok=False, tally_path=res / "reports" / "tally.md")
+    lines = text.splitlines()
+    assert lines[0] == "Run summary (the run failed; what it had finished):"
+    assert lines[1].split() == ["Dataset", "Shards", "Samples", "OK", "Failed", "Not", "sent", "Rejected", "Kept",
+                                "Cost", "$", "Time", "Ended", "by"]
+    cells = {ln.split()[0]: ln.split() for ln in lines[3:7]}
+    assert cells["gen"] == ["gen", "2/2", "55", "37", "2", "16", "6", "34", "0.75", "2:11", "all", "samples",
+                            "done,", "budget_usd"]
+    assert cells["pre"] == ["pre", "-", "44", "6", "40", "pre-tokenized"]
+    assert cells["Total"] == ["Total", "109", "47", "2", "16", "12", "74", "0.75", "1:02:05"]
+    assert lines[-1] == f"Tokens, rejects by reason, cost by backend: {res}/reports/tally.md (all reports: {res}/reports/)"
+    assert len(lines) <= 12                                            # one screen

@@ -49,8 +49,23 @@ def test_every_stage_output_exists_and_tally_is_printed(built):
         for s in range(d.get("shards", 1)):
             assert (built / f"results/hidden_states/{ds}/{s:03d}.safetensors").exists()
     out = (built / "run.out").read_text()
-    for ds in cfg["datasets"]:
-        assert ds in out, f"the tally printed at the end should list {ds}"
+    # the run's last lines: one row per dataset with what generate, validate and the rejects counted
+    summary = out[out.rindex("Run summary"):].splitlines()
+    assert summary[0] == "Run summary"
+    cells = {ln.split()[0]: ln.split() for ln in summary[3:]}
+    for ds, d in cfg["datasets"].items():
+        n = d.get("shards", 1)
+        kept = len(rows([built / f"results/{ds}/validated/{s:03d}.parquet" for s in range(n)]))
+        rejected = len(rows(sorted((built / f"results/{ds}/rejected").glob("*.parquet"))))
+        if d["source"]["format"] == "pretokenized":
+            assert cells[ds][1:4] == ["-", str(kept + rejected - len(rows([built / f"results/{ds}/rejected/"
+                                                                             "normalize.parquet"]))), str(rejected)]
+        else:
+            prompts = len(rows([built / f"results/{ds}/prompts/{s:03d}.parquet" for s in range(n)]))
+            # shards, samples, ok, failed, not sent, rejected, kept, cost
+            assert cells[ds][1:9] == [f"{n}/{n}", str(prompts), str(prompts), "0", "0", str(rejected), str(kept),
+                                      "0.00"], summary
+        assert cells[ds][-1] in ("done", "pre-tokenized")
     # the server the build launched is gone and left no temp files behind
     assert not list((built / "results").rglob("*.tmp"))
 

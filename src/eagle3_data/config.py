@@ -244,6 +244,17 @@ def generation_config(config: dict, ds: str) -> dict:
     return deep_merge(config.get("generation") or {}, config["datasets"][ds].get("generation"))
 
 
+def generation_source(config: dict, ds: str, key: str) -> str | None:
+    """Where the generation setting ``key`` of ``ds`` is set: ``"datasets.<ds>.generation.<key>"`` (the dataset's
+    own), ``"generation.<key>"`` (the global default), or None where neither sets it (or sets it to null)."""
+    own = (config["datasets"][ds].get("generation") or {})
+    if own.get(key) is not None:
+        return f"datasets.{ds}.generation.{key}"
+    if (config.get("generation") or {}).get(key) is not None:
+        return f"generation.{key}"
+    return None
+
+
 #: generation keys that shape the requests and which samples are sent (the rest: retries, transport)
 GENERATION_DATA_KEYS = ("backends", "mode", "max_tokens", "temperature", "top_p", "extra_body", "max_samples",
                         "budget_completion_tokens", "budget_usd")

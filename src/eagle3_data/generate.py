@@ -45,6 +45,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from . import schemas
+from . import progress
 from . import run as run_mod
 from .backends import limits
 from .backends.client import (
@@ -240,6 +241,7 @@ class _State:
     retries: int = 0
     in_flight: int = 0
     not_sent: int = 0
+    instant: int = 0  # samples done without a request (bad prompts, answered by the journal): not in the rate
     failed: dict = field(default_factory=dict)
     prompt_tokens: int = 0
     completion_tokens: int = 0  # this run's new responses
@@ -279,15 +281,6 @@ class _State:
         if reached:
             self.stopped_by = reached
         return reached
-
-    def progress_line(self) -> str:
-        el = max(1e-9, time.monotonic() - self.t0)
-        fails = sum(self.failed.values())
-        return (
-            f"done {self.done}/{self.total} (journal {self.from_journal}, ok {self.ok}, failed {fails}) | "
-            f"in flight {self.in_flight} | {self.completion_tokens / el:.1f} completion tok/s | "
-            f"${self.spent_usd():.4f} spent | retries {self.retries} | requests {self.sent}"
-        )
 
 
 def _failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reason: str, detail: str) -> dict:
@@ -364,12 +357,14 @@ class _Runner:
         gen = self.steps(sample)
         item = next(gen)
         st = self.state
+        requested = False
         while True:
             turn, prompt, tools, key, rec = item
             if rec is not None:
                 st.from_journal += 1
                 self.journal_keys.append(key)
             else:
+                requested = True
                 try:
                     rec = await self.request(sample, turn, prompt, tools, key)
                 except _BudgetStop:
@@ -405,6 +400,7 @@ class _Runner:
             except StopIteration:
                 st.ok += 1
                 st.done += 1
+                st.instant += not requested
                 return
 
     def native_prompt(self, prompt: list, tools) -> tuple[list[int], str]:
@@ -520,12 +516,6 @@ class _Runner:
         }
 
 
-async def _progress(state: _State, interval: float, tag: str) -> None:
-    while True:
-        await asyncio.sleep(interval)
-        logger.info("%s %s", tag, state.progress_line())
-
-
 def _first_leaf(eg: BaseExceptionGroup) -> BaseException:
     """The exception a TaskGroup's failure stands for: a FatalBackendError, else an interrupt (SIGTERM as
     ``_Terminated``, KeyboardInterrupt), else the first task's exception."""
@@ -546,8 +536,8 @@ def _first_leaf(eg: BaseExceptionGroup) -> BaseException:
     return leaves[0]
 
 
-async def _run(runner: _Runner, samples: list[Sample], interval: float, tag: str) -> None:
-    prog = asyncio.create_task(_progress(runner.state, interval, tag))
+async def _run(runner: _Runner, samples: list[Sample], display: progress.JobProgress) -> None:
+    prog = asyncio.create_task(display.run())
     try:
         # a permit per sample task in flight or waiting for a slot, at most capacity + 1/8: a 10,000-sample shard
         # does not hold 10,000 coroutines at once (each costs a few KB) and a freed slot always has a task waiting
@@ -796,6 +786,7 @@ def generate(
     target_format: dict | None = None,
     backend_jobs: dict | None = None,
     sample_ids=None,
+    budget_sources: dict | None = None,
 ) -> dict:
     """Generate responses for one dataset shard; write ``out_path`` (RESPONSES parquet); return a summary.
 
@@ -814,7 +805,8 @@ def generate(
             file (e.g. from ``logs.setup_logging``), or None. Local servers log to ``<stem>.server-<backend>.log``
             beside that file (without a file: in the journal folder).
         num_shards: shards of the dataset; per-dataset caps and budgets are split evenly across them.
-        progress_interval_s: seconds between progress lines.
+        progress_interval_s: seconds between progress lines (:mod:`.progress`: on a terminal of its own the job
+            draws a tqdm bar and writes these lines to its log file only).
         summary_path: if given, the returned summary is also written there as JSON (atomically); the report
             reads ``stopped_by`` from it.
         target: the config ``target`` slice (``path``, ``template``, ``trust_remote_code``,
@@ -833,6 +825,9 @@ def generate(
         sample_ids: if given (a set of ids), only these samples of the shard are considered, after the
             ``max_samples`` cap; unusable rows outside it get no row. The forecast's pilot (:mod:`.forecast`): the
             same requests, keys and journal as the full job, which then answers them from the journal.
+        budget_sources: budget key -> where the config sets it (:func:`.config.generation_source`, e.g.
+            ``"datasets.x.generation.budget_usd"`` or the global ``"generation.budget_usd"``): named by the
+            warning a budget stop logs (default ``"generation.<key>"``).
 
     Runtime (not arguments, so that none of it reruns anything): inside a workflow run (:mod:`.run`) a backend's
     ``max_concurrency`` is shared with the run's other generate jobs on this machine and a launched server is the
@@ -866,7 +861,8 @@ def generate(
                          generation=generation, backends=backends, journal_dir=journal_dir, log=log,
                          num_shards=num_shards, progress_interval_s=progress_interval_s, summary_path=summary_path,
                          target=target, write_batch_rows=write_batch_rows, target_format=target_format,
-                         backend_jobs=backend_jobs, sample_ids=sample_ids)
+                         backend_jobs=backend_jobs, sample_ids=sample_ids,
+                         budget_sources=budget_sources)
     except (_Terminated, KeyboardInterrupt):  # outside the request phase (reading prompts, the final write)
         raise GenerationInterrupted(f"[{dataset}/{shard}] interrupted", hint="rerun the same command to resume; "
                                     "every response received so far is journaled") from None
@@ -876,7 +872,7 @@ def generate(
 
 def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation, backends, journal_dir, log,
               num_shards, progress_interval_s, summary_path, target, write_batch_rows, backend_jobs,
-              target_format=None, sample_ids=None) -> dict:
+              target_format=None, sample_ids=None, budget_sources=None) -> dict:
     t0 = time.monotonic()
     journal_dir = Path(journal_dir)
     out_path = Path(out_path)
@@ -934,6 +930,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             rows.append(r)
             state.failed["bad_prompt"] = state.failed.get("bad_prompt", 0) + 1
             state.done += 1
+            state.instant += 1
 
         # which samples still need a request? (mode all: walk the journal through the regenerated history)
         probe = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
@@ -948,6 +945,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             logger.info("%s %s already reached by journaled responses: nothing sent", tag, state.stopped_by)
 
         jw: list[JournalWriter] = []
+        display = progress.JobProgress(state, tag, progress_interval_s, logger)
 
         def journaled() -> str:
             n = jstats["records"] + (jw[0].written if jw else 0)
@@ -989,7 +987,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                                      journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
                                      writer=writer, write_batch_rows=write_batch_rows, target_format=target_format)
                     if pool is not None:
-                        asyncio.run(_run(runner, samples, progress_interval_s, tag))
+                        state.t0 = time.monotonic()  # the rate, ETA and tok/s: of the request phase
+                        with display.session():
+                            asyncio.run(_run(runner, samples, display))
                     else:
                         for s in samples:  # everything is journaled: no network, no event loop
                             coro = runner.run_sample(s)
@@ -1008,8 +1008,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                             "start the server or fix the backend's base_url, then rerun the same command")
                 raise GenerationStopped(f"{tag} {exc.message}", hint=f"{hint}; {journaled()}") from None
             except (_Terminated, KeyboardInterrupt):
-                log_to_file(logging.getLogger("eagle3_data"), logging.INFO, "%s interrupted (%s)", tag,
-                            state.progress_line())
+                log_to_file(logging.getLogger("eagle3_data"), logging.INFO, "%s interrupted: %s", tag,
+                            progress.line(state, "").lstrip())
                 raise GenerationInterrupted(f"{tag} interrupted",
                                             hint=f"rerun the same command to resume; {journaled()}") from None
 
@@ -1052,7 +1052,11 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             "journal_bad_lines": jstats["bad_lines"], "rows": n_rows,
             "wall_s": round(time.monotonic() - t0, 3),
         }
-        logger.info("%s finished: %s", tag, state.progress_line())
+        logger.info("%s finished: %s", tag, progress.final_line(state, "").lstrip())
+        if state.not_sent:
+            key = state.stopped_by or "budget"
+            logger.warning("%s %s", tag, progress.budget_stop_message(
+                state, key, generation.get(key), (budget_sources or {}).get(key) or f"generation.{key}", div))
         logger.info("%s summary: %s", tag, json.dumps(summary, sort_keys=True))
         if summary_path is not None:
             write_json(summary, summary_path)

@@ -595,3 +595,104 @@ def format_limits(rows: list[dict]) -> str:
             ("completion_tokens", "Completion tokens", ""), ("budget_completion_tokens", "Token budget", ""),
             ("cost_usd", "Cost $", "usd"), ("budget_usd", "Budget $", "usd")]
     return markdown_table(rows, cols)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the run's last lines
+
+RUN_SUMMARY_COLUMNS = [
+    ("dataset", "Dataset", "text"), ("shards", "Shards", "text"), ("samples", "Samples", ""), ("ok", "OK", ""),
+    ("failed", "Failed", ""), ("not_sent", "Not sent", ""), ("rejected", "Rejected", ""), ("kept", "Kept", ""),
+    ("cost_usd", "Cost $", "usd"), ("time", "Time", "text"), ("ended_by", "Ended by", "text"),
+]
+
+
+def _rows_in(paths) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def run_summary_rows(datasets_config: dict, results_dir="results") -> list[dict]:
+    """One row per dataset of the config, from what the run left under ``results_dir``, and a ``Total`` row.
+
+    Read: generate's per-shard summaries ``<ds>/responses/<shard>.json`` (samples, ok, failed_total, not_sent,
+    total_cost_usd, wall_s, stopped_by), the row counts of ``<ds>/rejected/*.parquet`` (every stage's rejects)
+    and ``<ds>/validated/*.parquet`` (parquet metadata only). Missing files count as nothing (a failed or
+    interrupted run): ``shards`` says how many shards have a summary.
+
+    Returns dicts with dataset, kind (``generated`` / ``pretokenized`` / ``total``), shards (``"1/2"``: shards
+    with a summary of the dataset's ``shards``; ``"-"`` for a pre-tokenized dataset), samples (prompts
+    considered by generate; a pre-tokenized dataset: kept + validate's rejects), ok (samples with every
+    response), failed (samples with a failed response or an unusable prompt), not_sent (samples a budget kept
+    from being sent), rejected (rows of every stage's rejects), kept (validated rows), cost_usd (dollars of the
+    dataset's responses, earlier runs' journaled ones included), wall_s (the longest shard's generate time: the
+    shards run at once; None without a summary), time (wall_s as ``m:ss``), ended_by (the shards' distinct
+    ``stopped_by``)."""
+    import json
+
+    results = Path(results_dir)
+    rows = []
+    for ds, dcfg in (datasets_config or {}).items():
+        dcfg = dcfg or {}
+        pre = ((dcfg.get("source") or {}).get("format")) == "pretokenized"
+        n_shards = int(dcfg.get("shards", 1))
+        sums = []
+        for p in sorted((results / ds / "responses").glob("*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                sums.append(json.loads(p.read_text()))
+        rejected_paths = sorted((results / ds / "rejected").glob("*.parquet"))
+        rejected = _rows_in(rejected_paths)
+        kept = _rows_in(sorted((results / ds / "validated").glob("*.parquet")))
+        walls = [float(s.get("wall_s") or 0.0) for s in sums]
+        ended = sorted({str(s.get("stopped_by")) for s in sums if s.get("stopped_by")})
+        row = {
+            "dataset": ds, "kind": "pretokenized" if pre else "generated",
+            "shards": "-" if pre else f"{len(sums)}/{n_shards}",
+            "samples": (kept + _rows_in([p for p in rejected_paths if p.stem != "normalize"]) if pre else
+                        sum(int(s.get("samples") or 0) for s in sums)),
+            "ok": None if pre else sum(int(s.get("ok") or 0) for s in sums),
+            "failed": None if pre else sum(int(s.get("failed_total") or 0) for s in sums),
+            "not_sent": None if pre else sum(int(s.get("not_sent") or 0) for s in sums),
+            "rejected": rejected, "kept": kept,
+            "cost_usd": None if pre else sum(float(s.get("total_cost_usd") or 0.0) for s in sums),
+            "wall_s": max(walls) if walls else None,
+            "ended_by": "pre-tokenized" if pre else ", ".join(ended),
+        }
+        row["time"] = _clock(row["wall_s"]) if row["wall_s"] is not None else ""
+        rows.append(row)
+    total = {"dataset": "Total", "kind": "total", "shards": "", "ended_by": "", "time": "", "wall_s": None}
+    for key in ("samples", "ok", "failed", "not_sent", "rejected", "kept", "cost_usd"):
+        vals = [r[key] for r in rows if r[key] is not None]
+        total[key] = sum(vals) if vals else None
+    rows.append(total)
+    return rows
+
+
+def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | None = None,
+                ok: bool = True, tally_path=None) -> str:
+    """The run's last lines (Snakefile ``onsuccess`` / ``onerror``): a table of :func:`run_summary_rows` and where
+    the full reports are.
+
+    ``run_s``: the run's wall time (the Total row's time); ``ok``: False after a failed run (the title says what
+    the table covers); ``tally_path``: the tally file to point to, when it exists."""
+    from tabulate import tabulate
+
+    rows = run_summary_rows(datasets_config, results_dir)
+    if run_s is not None:
+        rows[-1]["time"] = _clock(run_s)
+    body = [[_fmt(r.get(key), kind) for key, _, kind in RUN_SUMMARY_COLUMNS] for r in rows]
+    table = tabulate(body, headers=[h for _, h, _ in RUN_SUMMARY_COLUMNS], tablefmt="simple", disable_numparse=True,
+                     colalign=["left" if k == "text" else "right" for _, _, k in RUN_SUMMARY_COLUMNS])
+    lines = ["Run summary" if ok else "Run summary (the run failed; what it had finished):", table,
+             "OK/Failed/Not sent: samples at generate (not sent: kept back by a budget). Rejected: every stage. "
+             "Kept: validated. Time: the longest generate shard" + ("; Total: the run." if run_s is not None else ".")]
+    if tally_path is not None and Path(tally_path).exists():
+        lines.append(f"Tokens, rejects by reason, cost by backend: {tally_path} (all reports: "
+                     f"{Path(tally_path).parent}/)")
+    return "\n".join(lines)

@@ -34,6 +34,7 @@ RUN_DIR_ENV = "EAGLE3_RUN_DIR"
 RUN_OWNER_ENV = "EAGLE3_RUN_OWNER"
 
 _signals: dict[str, bool] = {}  # main process: which interrupt ended the run ("SIGINT" / "SIGTERM")
+_started: list[float] = []  # main process: time.monotonic() when the run began
 
 
 def process_start(pid: int) -> str | None:
@@ -121,11 +122,17 @@ def begin(cache_dir: str | os.PathLike, *, main_process: bool = True) -> Run | N
     if not main_process:
         return current()
     owner = Owner.me()
+    _started[:] = [time.monotonic()]
     run = Run(Path(cache_dir).resolve() / "runs" / owner.host / f"{owner.pid}-{owner.start}", owner)
     os.environ[RUN_DIR_ENV] = str(run.dir)
     os.environ[RUN_OWNER_ENV] = str(owner)
     _chain_signal(signal.SIGINT, "SIGINT")
     return run
+
+
+def elapsed() -> float | None:
+    """Seconds since :func:`begin` in this (the main ``snakemake``) process; None if it was not called."""
+    return time.monotonic() - _started[0] if _started else None
 
 
 def _chain_signal(sig: int, name: str) -> None:
