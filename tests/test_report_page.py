@@ -58,7 +58,7 @@ def test_report_page_is_self_contained_with_every_table_and_plot(demo):
         assert base64.b64decode(b64) == src.read_bytes(), name
         assert mime in ("text/html", "image/png"), (name, mime)  # shown in the page; a CSV would be a download
     assert "data:text/csv" not in html
-    for caption in ("B8 pattern", "Which limit ended each generated dataset", "What the draft model is trained on"):
+    for caption in ("a short-biased sample", "Which limit ended each generated dataset", "What the draft model is trained on"):
         assert caption in html
 
 
