@@ -537,6 +537,21 @@ def _first_leaf(eg: BaseExceptionGroup) -> BaseException:
 
 
 async def _run(runner: _Runner, samples: list[Sample], display: progress.JobProgress) -> None:
+    # SIGTERM during the request phase cancels this task through the event loop: a Python-level handler that
+    # raises (what _sigterm_as_exception installs for the rest of the job) can land inside an event-loop callback,
+    # where asyncio logs and swallows it, and the job would then run to its end. Raised here as _Terminated.
+    loop, main = asyncio.get_running_loop(), asyncio.current_task()
+    terminated = False
+    previous = None
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        main.cancel()
+
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     prog = asyncio.create_task(display.run())
     try:
         # a permit per sample task in flight or waiting for a slot, at most capacity + 1/8: a 10,000-sample shard
@@ -563,7 +578,14 @@ async def _run(runner: _Runner, samples: list[Sample], display: progress.JobProg
             watcher.cancel()
     except BaseExceptionGroup as eg:  # a task's exception, unwrapped: a stop before an interrupt before a bug
         raise _first_leaf(eg) from None
+    except asyncio.CancelledError:
+        if terminated:
+            raise _Terminated() from None
+        raise
     finally:
+        if previous is not None:  # remove_signal_handler leaves SIG_DFL: put the job's own handler back
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, previous)
         prog.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await prog
