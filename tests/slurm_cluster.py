@@ -25,6 +25,7 @@ started, by pid). Logs: ``<root>/log/*.log``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -60,6 +61,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def has_own_config() -> bool:
+    """Whether ``/etc/slurm/slurm.conf`` is the machine's own. A link to this harness's config whose slurmctld no
+    longer answers (left by a killed test run, dangling or not) is removed first."""
+    if SYSTEM_CONF.is_symlink():
+        text = SYSTEM_CONF.read_text(errors="replace") if SYSTEM_CONF.exists() else ""
+        port = re.search(r"^SlurmctldPort=(\d+)", text, re.M)
+        ours = not text or f"ClusterName={CLUSTER}\n" in text
+        if ours and not (port and _listening(int(port.group(1)))):
+            SYSTEM_CONF.unlink()
+    return SYSTEM_CONF.exists()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 class ClusterError(RuntimeError):
     """The cluster did not come up; the message carries the relevant log tail."""
 
@@ -88,9 +107,7 @@ class OneNodeCluster:
         """Write the configs, start every daemon and wait until a test job runs and sacct sees it COMPLETED."""
         for d in ("etc", "log", "state", "spool", "db", "dev", "run"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
-        if SYSTEM_CONF.is_symlink() and not SYSTEM_CONF.exists():
-            SYSTEM_CONF.unlink()  # a dangling link left by a killed test run
-        if SYSTEM_CONF.exists():
+        if has_own_config():
             raise ClusterError(f"this machine has a SLURM config of its own ({SYSTEM_CONF}); not replacing it")
         self.munge_dir = Path(tempfile.mkdtemp(prefix="eagle3-munge-"))
         try:

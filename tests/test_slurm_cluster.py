@@ -25,7 +25,7 @@ import pytest
 from safetensors import safe_open
 
 from conftest import copy_workflow, snakemake_env
-from slurm_cluster import ACCOUNT, SYSTEM_CONF, OneNodeCluster, missing
+from slurm_cluster import ACCOUNT, SYSTEM_CONF, OneNodeCluster, has_own_config, missing
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def cluster(tmp_path_factory):
     if gone:
         pytest.skip(f"real SLURM cluster test skipped: {', '.join(gone)} not available here (.ci/run installs "
                     "munge slurm-client slurmctld slurmd slurmdbd mariadb-server with apt-get, as root)")
-    if SYSTEM_CONF.exists():
+    if has_own_config():
         pytest.skip(f"real SLURM cluster test skipped: this machine has a SLURM config of its own ({SYSTEM_CONF})")
     c = OneNodeCluster(tmp_path_factory.mktemp("cluster"), gpus=2).start()
     try:
