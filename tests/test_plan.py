@@ -10,6 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3_data.report import format_hours
+
 from eagle3_data import plan as pl
 from eagle3_data import schemas
 from eagle3_data.merge import merge
@@ -171,6 +173,6 @@ def test_units_scale_with_the_size_of_the_build():
     assert pl._fmt_bytes(5_952_307_200_000) == "5.95 TB (5.41 TiB)"  # the seed: 138.4M x 43,008 B
     assert pl._fmt_bytes(2_000) == "2.00 KB (1.95 KiB)"
     # durations given in hours: seconds, minutes or hours
-    assert pl._fmt_hours(42_584 / 1978.1 / 3600) == "21.5 s"
-    assert pl._fmt_hours(0.5) == "30.0 min"
-    assert pl._fmt_hours(91.04) == "91.0 h"
+    assert format_hours(42_584 / 1978.1 / 3600) == "21.5 s"
+    assert format_hours(0.5) == "30.0 min"
+    assert format_hours(91.04) == "91.0 h" and format_hours(91.04, 2) == "91.04 h"

@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from conftest import copy_workflow, snakemake_env
 from slurm_cluster import ACCOUNT, SYSTEM_CONF, OneNodeCluster, has_own_config, missing
+from test_profiles import _opt
 
 pytestmark = pytest.mark.slow
 
@@ -58,14 +59,6 @@ def cluster(tmp_path_factory):
     finally:
         c.stop()
 
-
-def _opt(argv: list[str], flag: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ import pyarrow.parquet as pq
 from .errors import ExpectedFailure
 from .generate import generate, read_prompts, shard_share
 from .io import content_hash, write_json, write_text
-from .report import format_usd, human_tokens, markdown_table
+from .report import format_hours, format_usd, human_tokens, markdown_table
 from .templates import TemplateError, request_messages, target_tokens
 
 logger = logging.getLogger("eagle3_data.forecast")
@@ -351,28 +351,20 @@ def total_hours(per_ds: list[dict], concurrency: dict[str, int], work: str = "wo
     return max((p["hours"] for p in out), default=0.0), out
 
 
-def _fmt_duration(hours: float) -> str:
-    s = hours * 3600
-    if s < 60:
-        return f"{s:,.1f} s"
-    if s < 3600:
-        return f"{s / 60:,.1f} min"
-    return f"{hours:,.2f} h"
-
 
 def render_markdown(fc: dict) -> str:
     """The forecast as Markdown: per-dataset table with the total, the pilot, prices and the method."""
     rows = []
     for d in fc["datasets"].values():
         rows.append({**d, "usd_s": format_usd(d["usd"]) if d["usd"] is not None else "unknown",
-                     "time": _fmt_duration(d["hours"]), "stop": d["stopped_by"] or ""})
+                     "time": format_hours(d["hours"], 2), "stop": d["stopped_by"] or ""})
     t = fc["total"]
     rows.append({"dataset": "Total", "requests": t["requests"], "requests_sent": t["requests_sent"],
                  "prompt_tokens_sent": t["prompt_tokens_sent"],
                  "expected_completion_tokens": t["expected_completion_tokens"],
                  "usd_s": (format_usd(t["usd"]) if t["usd"] is not None else "unknown")
                  + (" (+ unknown)" if t["usd"] is not None and t["usd_unknown"] else ""),
-                 "time": _fmt_duration(t["hours"]), "stop": "", "total": True})
+                 "time": format_hours(t["hours"], 2), "stop": "", "total": True})
     cols = [("dataset", "Dataset", "text"), ("requests", "Requests", ""), ("requests_sent", "Sent", ""),
             ("prompt_tokens_sent", "Prompt tokens", "tok"), ("expected_completion_tokens", "Completion tokens", "tok"),
             ("usd_s", "Cost $", "text"), ("time", "Time", "text"), ("stop", "Budget stop", "text")]
@@ -388,7 +380,7 @@ def render_markdown(fc: dict) -> str:
         "",
         f"Already paid by the pilot: the build sends {t['requests_remaining']:,} more request(s), for "
         + (f"${format_usd(t['usd_remaining'])}" if t["usd_remaining"] is not None else "unknown dollars")
-        + f" in {_fmt_duration(t['hours_remaining'])}.",
+        + f" in {format_hours(t['hours_remaining'], 2)}.",
         "",
         "## Pilot",
         "",
@@ -413,7 +405,7 @@ def render_markdown(fc: dict) -> str:
         "its longest tail; pools run side by side.",
         "",
         markdown_table([{**p, "backends": ", ".join(p["backends"]), "work": f"{p['work_s']:,.0f}",
-                         "tail": f"{p['tail_s']:,.1f}", "time": _fmt_duration(p["hours"])} for p in fc["pools"]],
+                         "tail": f"{p['tail_s']:,.1f}", "time": format_hours(p["hours"], 2)} for p in fc["pools"]],
                        [("backends", "Backends", "text"), ("work", "Work (request-s)", "text"),
                         ("concurrency", "Concurrency", ""), ("tail", "Tail (s)", "text"), ("time", "Time", "text")]),
         "",
@@ -448,7 +440,7 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
         per[ds] = forecast_dataset(ds, spec, target=target, template=template, cache_dir=cache_dir)
         logger.info("%s: %d requests, %s prompt tokens, %s expected completion tokens, $%s, %s (%.1f s)", ds,
                     per[ds]["requests"], per[ds]["prompt_tokens"], per[ds]["expected_completion_tokens"],
-                    per[ds]["usd"], _fmt_duration(per[ds]["hours"]), time.monotonic() - t0)
+                    per[ds]["usd"], format_hours(per[ds]["hours"], 2), time.monotonic() - t0)
     conc = {name: int(b.get("max_concurrency") or 8) for name, b in backends.items()}
     hours, pools = total_hours(list(per.values()), conc)
     hours_remaining, _ = total_hours(list(per.values()), conc, "remaining_work_s")

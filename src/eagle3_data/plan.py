@@ -35,6 +35,7 @@ import duckdb
 
 from .extract.model import default_layers, model_dims
 from .io import write_json, write_text
+from .report import format_hours
 
 __all__ = ["model_dims", "bytes_per_token", "scenario_totals", "measure_throughput", "build_plan", "render_markdown",
            "plan"]
@@ -155,15 +156,6 @@ def _fmt_bytes(x: float) -> str:
         j += 1
     return f"{x / 1000 ** k:,.2f} {'B KB MB GB TB'.split()[k]} ({x / 1024 ** j:,.2f} {'B KiB MiB GiB TiB'.split()[j]})"
 
-
-def _fmt_hours(hours: float) -> str:
-    """A duration given in hours, in seconds, minutes or hours, whichever keeps it >= 1 (``0.006 -> "21.6 s"``)."""
-    s = hours * 3600
-    if s < 60:
-        return f"{s:,.1f} s"
-    if s < 3600:
-        return f"{s / 60:,.1f} min"
-    return f"{hours:,.1f} h"
 
 
 def build_plan(
@@ -308,21 +300,21 @@ def render_markdown(plan: dict) -> str:
             f"- storage: {tot['tokens']:,} x {cfg['total']:,.0f} B = {_fmt_bytes(tot['bytes'])}",
             f"- throughput: {thr['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU ({thr['source']})",
             f"- GPU time: {tot['tokens']:,} / {thr['tokens_per_s_per_gpu']:,.1f} / 3600 = {tot['gpu_hours']:,.4g} GPU "
-            f"hours ({_fmt_hours(tot['gpu_hours'])})",
-            f"- wall time on {thr['gpus_busy']} GPU(s) ({thr['gpus_per_job']} per job): {_fmt_hours(tot['wall_hours'])}",
+            f"hours ({format_hours(tot['gpu_hours'])})",
+            f"- wall time on {thr['gpus_busy']} GPU(s) ({thr['gpus_per_job']} per job): {format_hours(tot['wall_hours'])}",
             ""]
     out += ["## Per extraction job (one per validated dataset shard)", "",
             "| job | samples | tokens | storage | GPU time |", "|---|---:|---:|---:|---:|"]
     for s in plan["shards"]:
         out.append(f"| {s['job']} | {s['samples']:,} | {s['tokens']:,} | {_fmt_bytes(s['bytes'])} | "
-                   f"{_fmt_hours(s['gpu_hours'])} |")
+                   f"{format_hours(s['gpu_hours'])} |")
     out += ["", "## Alternatives", "",
             "| alternative | samples | tokens | configured layout | aux only bf16 | GPU time | wall time |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     for sc in plan["scenarios"]:
         out.append(f"| {sc['name']} | {sc['samples']:,} | {sc['tokens']:,} | {_fmt_bytes(sc['bytes']['configured'])} | "
-                   f"{_fmt_bytes(sc['bytes']['aux_only_bf16'])} | {_fmt_hours(sc['gpu_hours'])} | "
-                   f"{_fmt_hours(sc['wall_hours'])} |")
+                   f"{_fmt_bytes(sc['bytes']['aux_only_bf16'])} | {format_hours(sc['gpu_hours'])} | "
+                   f"{format_hours(sc['wall_hours'])} |")
     aux_only = bpt["aux_only_bf16"]["total"]
     full = bpt["SpecForge .ckpt export"]["total"]
     out += ["", "## Notes", "",

@@ -484,6 +484,17 @@ def human_tokens(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n:,}"
 
 
+def format_hours(hours: float, digits: int = 1) -> str:
+    """A duration given in hours, in seconds, minutes or hours, whichever keeps it >= 1 (``0.006 -> "21.6 s"``);
+    ``digits`` decimals for hours (seconds and minutes get one)."""
+    s = hours * 3600
+    if s < 60:
+        return f"{s:,.1f} s"
+    if s < 3600:
+        return f"{s / 60:,.1f} min"
+    return f"{hours:,.{digits}f} h"
+
+
 def format_usd(v: float) -> str:
     """Dollars with the precision that keeps them meaningful, the same in every table: cents from $1 up
     (``1,234.50``), two significant digits below (``0.50``, ``0.0012``, ``0.00023``), ``0.00`` for zero."""
