@@ -49,6 +49,9 @@ rule all:
 
 onstart:
     run_state.on_start(CACHE_DIR)
+    # a worker per generate-job seat: generate jobs wait on their longest requests without a core (eagle3_data.run)
+    if SEATS:
+        run_state.widen_local_workers(workflow, GENERATE_JOBS)
 
 
 onsuccess:

@@ -12,8 +12,11 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    fault-injecting server (``rehearsal_server.py``): ``openrouter`` at the seed's 2,000 concurrency, ``sglang_local``
    at the seed's 256 (``--local-concurrency``), so B3 overflows from local to OpenRouter ("Mixed") as in the seed;
 3. starts that server (own process, loopback): per-dataset lognormal reply lengths whose means reproduce the
-   seed's completion tokens (~90.9M in all, B1 17.0M), latency 0.5-1.5 s + 0.12 ms per token (long replies
-   arrive last), 2 % 429 + 1 % 5xx + 0.3 % errors inside a 200 body; reply text is ASCII of exactly
+   seed's completion tokens (~90.9M in all, B1 17.0M), latency 0.5-1.5 s + the reply streamed at the backend's
+   speed (``--openrouter-tok-s`` 100 and ``--local-tok-s`` 500 tokens/s per request: a request lasts seconds to
+   minutes, long against a job's startup as in a real run, and the longest, 30K-token, replies take 5 min, so each
+   backend's work at its limit and its tail take ~5 min each at full scale: the seed's 33 min compressed about
+   threefold; ``--toy`` streams at 8,333 tokens/s), 2 % 429 + 1 % 5xx + 0.3 % errors inside a 200 body; reply text is ASCII of exactly
    ``completion_tokens - 1`` characters (the end-of-turn token is billed), so the byte-level tiny tokenizer
    reconstructs the billed count exactly and validation passes honestly;
 4. first, when the workflow has a ``forecast`` rule, runs ``snakemake forecast`` (a journaled pilot of
@@ -39,8 +42,9 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    byte for byte, by sample id, token ids and loss mask, as ``eagle3_data.extract.stage`` reuses them) against
    the tokens a full build forwards.
 
-Run: ``python benchmarks/rehearsal.py`` (full scale, ~40k samples) or ``--scale 0.05`` (a 5 % rehearsal in a
-few minutes); ``--toy`` is the CI size (three datasets, 0.2 % of their samples, one shard each, a few minutes).
+Run: ``python benchmarks/rehearsal.py`` (full scale, ~40k samples) or ``--scale 0.05`` (a 5 % rehearsal: the
+backends' ``max_concurrency`` scale with it (``--limit-scale``), so each shard holds the same share of its backend's
+limit and the generation keeps the full run's shape and length while the CPU stages shrink); ``--toy`` is the CI size (three datasets, 0.2 % of their samples, one shard each, a few minutes).
 ``--keep`` keeps the scratch directory.
 """
 
@@ -145,7 +149,7 @@ def write_sources(data_dir: Path, scale: float, special_ids: dict) -> dict:
 
 
 def build_config(sources: dict, port: int, scale: float, local_concurrency: int = 256,
-                 max_shards: int | None = None) -> dict:
+                 max_shards: int | None = None, limit_scale: float = 1.0) -> dict:
     """The seed config (resources/configs/seed-kimi-k25.yaml) pointed at the tiny target and the local server."""
     seed = yaml.safe_load((ROOT / "resources/configs/seed-kimi-k25.yaml").read_text())
     demo = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -157,9 +161,10 @@ def build_config(sources: dict, port: int, scale: float, local_concurrency: int 
     url = f"http://127.0.0.1:{port}/v1"
     cfg["backends"] = {
         "openrouter": {**seed["backends"]["openrouter"], "base_url": url, "api_key_env": FAKE_KEY_ENV,
-                       "timeout_s": 300},
+                       "timeout_s": 900,
+                       "max_concurrency": max(4, round(seed["backends"]["openrouter"]["max_concurrency"] * limit_scale))},
         "sglang_local": {k: v for k, v in seed["backends"]["sglang_local"].items() if k != "launch"}
-        | {"base_url": url, "max_concurrency": local_concurrency, "timeout_s": 300},
+        | {"base_url": url, "max_concurrency": max(2, round(local_concurrency * limit_scale)), "timeout_s": 900},
     }
     gen = dict(seed["generation"])
     # budgets (split per shard by generate): the seed's 10M per dataset would end B1-B7 early here because the
@@ -189,7 +194,10 @@ def build_config(sources: dict, port: int, scale: float, local_concurrency: int 
     return cfg
 
 
-def server_config() -> dict:
+def server_config(models: dict[str, str], tok_s: dict[str, float]) -> dict:
+    """The rehearsal server's settings: per-dataset reply lengths and prices (``profiles``, by the ``user`` field) and
+    per-backend stream speeds (``model_profiles``: ``models`` backend -> its model, ``tok_s`` backend -> tokens/s
+    per request)."""
     profiles = {}
     for ds, (_f, n, tok, _mx, _sh, backends) in SEED_B.items():
         local_only = backends == ["sglang_local"]
@@ -198,7 +206,7 @@ def server_config() -> dict:
     return {
         "profile_field": "user", "profiles": profiles, "length_dist": "lognormal", "min_tokens": 16,
         "max_tokens": MAX_REPLY, "eot_tokens": 1, "latency_min_s": 0.5, "latency_max_s": 1.5,
-        "latency_per_token_s": 1.2e-4, "p429": 0.02, "p5xx": 0.01, "perror200": 0.003, "retry_after_s": 0.5,
+        "model_profiles": {models[b]: {"latency_per_token_s": 1.0 / tok_s[b]} for b in models}, "p429": 0.02, "p5xx": 0.01, "perror200": 0.003, "retry_after_s": 0.5,
         "price_in": 0.4e-6, "price_out": 0.8e-6, "provider": "Moonshot AI",
         "seed": 0,
     }
@@ -214,10 +222,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, log_path: Path) -> subprocess.Popen:
+def start_server(port: int, log_path: Path, config: dict) -> subprocess.Popen:
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "rehearsal_server.py"), "--port", str(port), "--config", json.dumps(server_config())],
+        [sys.executable, str(HERE / "rehearsal_server.py"), "--port", str(port), "--config", json.dumps(config)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     import httpx
 
@@ -649,6 +657,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--local-concurrency", type=int, default=256,
                     help="sglang_local's max_concurrency (seed: 256; openrouter stays at the seed's 2,000)")
+    ap.add_argument("--openrouter-tok-s", type=float, default=100.0,
+                    help="openrouter's stream speed, tokens/s per request (default 100; --toy: 8,333)")
+    ap.add_argument("--local-tok-s", type=float, default=500.0,
+                    help="sglang_local's stream speed, tokens/s per request (default 500; --toy: 8,333)")
+    ap.add_argument("--limit-scale", type=float, default=None,
+                    help="factor on both backends' max_concurrency (default: --scale; --toy: 1)")
     ap.add_argument("--with-report", action="store_true", help="also run the report rule (tables, plots)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (always kept with --workdir)")
     ap.add_argument("--max-shards", type=int, default=None, help="cap every dataset's shard count")
@@ -662,6 +676,10 @@ def main(argv=None) -> int:
     if args.toy:
         args.scale, args.max_shards, args.datasets = 0.002, 1, args.datasets or ",".join(TOY_DATASETS)
         args.retried = 2  # of ~20 samples
+        args.openrouter_tok_s = args.local_tok_s = 1 / 1.2e-4  # seconds of requests: the toy is about the stages
+        args.limit_scale = 1.0 if args.limit_scale is None else args.limit_scale
+    if args.limit_scale is None:
+        args.limit_scale = args.scale
     if args.datasets:
         keep = set(args.datasets.split(","))
         unknown = keep - set(SEED_B) - set(SEED_A)
@@ -690,7 +708,7 @@ def main(argv=None) -> int:
         print(f"  {ds:22s} {s['rows']:>6,} rows{extra}, {s['bytes'] / 2**20:7.1f} MiB, {s['write_s']:.1f} s")
 
     port = free_port()
-    cfg = build_config(sources, port, args.scale, args.local_concurrency, args.max_shards)
+    cfg = build_config(sources, port, args.scale, args.local_concurrency, args.max_shards, args.limit_scale)
     cfg_path = work / "rehearsal.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False, width=120))
 
@@ -701,7 +719,9 @@ def main(argv=None) -> int:
     cmd = ["snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work), "--configfile", str(cfg_path),
            "--cores", str(args.cores), "--nolock", *targets]
     env = {**os.environ, FAKE_KEY_ENV: "rehearsal-not-a-secret", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    server = start_server(port, work / "server.log")
+    be = cfg["backends"]
+    server = start_server(port, work / "server.log", server_config(
+        {b: be[b]["model"] for b in be}, {"openrouter": args.openrouter_tok_s, "sglang_local": args.local_tok_s}))
     fc, t_forecast = None, 0.0
     if "forecast" in names:  # before paying: the forecast target (its pilot is journaled, never paid twice)
         fc_cmd = cmd[:-len(targets)] + ["results/reports/forecast.json"]
@@ -716,15 +736,18 @@ def main(argv=None) -> int:
             print(f"forecast in {t_forecast:.0f} s: {t['requests_sent']:,} requests, "
                   f"{human(t['expected_completion_tokens'])} completion tokens, ${t['usd'] or 0:.2f}, "
                   f"{t['hours'] * 3600:.0f} s of generation", flush=True)
+    import httpx
+
+    # the build's requests only: the forecast's pilot requests were answered before it started
+    n_pilot = len(httpx.get(f"http://127.0.0.1:{port}/admin/intervals", timeout=60).json()["intervals"])
     print(f"\nrehearsal server on 127.0.0.1:{port}; running: {' '.join(cmd)}", flush=True)
     smk_log = work / "snakemake.console.log"
     rc, t_workflow, mem = run_workflow(cmd, env, smk_log, server.pid)
     try:
-        import httpx
-
         stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
         stats.pop("completed_by_body", None)
-        intervals = httpx.get(f"http://127.0.0.1:{port}/admin/intervals", timeout=60).json()["intervals"]
+        intervals = httpx.get(f"http://127.0.0.1:{port}/admin/intervals", timeout=60).json()["intervals"][n_pilot:]
+        (work / "intervals.json").write_text(json.dumps(intervals))  # [model, arrival, reply, first] per request
     except Exception as exc:  # noqa: BLE001 - report, don't fail the benchmark on stats
         stats = {"error": str(exc)}
         intervals = []
@@ -742,7 +765,6 @@ def main(argv=None) -> int:
         print(f"| {name} | {s['jobs']} | {s['job_s']:.0f} | {s['last'] - s['first']:.0f} |")
     print(f"| **workflow (snakemake wall)** | {sum(s['jobs'] for s in stages.values())} | | **{t_workflow:.0f}** |")
 
-    be = cfg["backends"]
     flight = in_flight(intervals, {be[b]["model"]: b for b in be}, {b: be[b]["max_concurrency"] for b in be})
     gen_jobs = job_times(log_text).get("generate", [])
     longest_shard = max((b - a for a, b in gen_jobs), default=0.0)

@@ -7,6 +7,8 @@ a 200 body) and ``/stats``, plus what a full-scale rehearsal needs:
 - **profiles**: ``profile_field`` names a top-level request field (the rehearsal config sets
   ``generation.extra_body.user`` = the dataset name, the OpenAI/OpenRouter ``user`` field) whose value selects
   ``profiles[value]``, a dict of config overrides for that request (lengths, latency, prices, provider);
+  ``model_profiles[model]`` does the same by the request's ``model`` (one per backend: its stream speed), under
+  the dataset's profile;
 - **exact-length ASCII replies**: the reply ``content`` is exactly ``n`` characters of ASCII text (words,
   punctuation, newlines; no leading/trailing whitespace) and ``usage.completion_tokens = n + eot_tokens``, so a
   byte-level tokenizer (1 char = 1 token, ``eagle3_data.tiny_target``) reconstructs exactly the billed count
@@ -38,7 +40,7 @@ import fault_server as fs  # noqa: E402
 
 EXTRA_DEFAULTS = {
     "profile_field": None, "profiles": {}, "length_dist": "uniform", "length_mean": None, "length_sigma": 0.8,
-    "eot_tokens": 0, "latency_per_token_s": 0.0,
+    "eot_tokens": 0, "latency_per_token_s": 0.0, "model_profiles": {},
 }
 
 _CORPUS_WORDS = (
@@ -86,7 +88,7 @@ class RehearsalApp(fs.FaultApp):
         cfg = dict(EXTRA_DEFAULTS)
         cfg.update(config or {})
         super().__init__(cfg)
-        self._notes: dict[str, str | None] = {}  # body hash -> profile name (set before latency is drawn)
+        self._notes: dict[str, tuple] = {}  # body hash -> (profile name, model) (set before latency is drawn)
         self.intervals: list[list] = []  # [model, arrival, reply, first attempt of its body] per chat request
         self.seen: set[str] = set()
 
@@ -95,12 +97,13 @@ class RehearsalApp(fs.FaultApp):
         v = body.get(field) if field else None
         return str(v) if v is not None else None
 
-    def cfg_for(self, profile: str | None) -> dict:
+    def cfg_for(self, profile: str | None, model: str | None = None) -> dict:
         over = (self.config.get("profiles") or {}).get(profile) if profile is not None else None
-        return {**self.config, **over} if over else self.config
+        by_model = (self.config.get("model_profiles") or {}).get(model) if model is not None else None
+        return {**self.config, **(by_model or {}), **(over or {})} if over or by_model else self.config
 
     def note(self, body: dict) -> None:
-        self._notes[fs.body_hash(body)] = self.profile_of(body)
+        self._notes[fs.body_hash(body)] = (self.profile_of(body), str(body.get("model")))
 
     def length(self, c: dict, bh: str) -> int:
         rnd = random.Random("len:" + bh)
@@ -112,14 +115,14 @@ class RehearsalApp(fs.FaultApp):
         return rnd.randint(lo, hi)
 
     def latency(self, bh: str) -> float:
-        c = self.cfg_for(self._notes.get(bh))
+        c = self.cfg_for(*self._notes.get(bh, (None, None)))
         base = random.Random("lat:" + bh).uniform(float(c["latency_min_s"]), float(c["latency_max_s"]))
         per = float(c.get("latency_per_token_s") or 0.0)
         return base + (self.length(c, bh) * per if per else 0.0)
 
     def completion(self, body: dict, bh: str) -> dict:
         self._notes.pop(bh, None)
-        c = self.cfg_for(self.profile_of(body))
+        c = self.cfg_for(self.profile_of(body), str(body.get("model")))
         n = self.length(c, bh)
         eot = int(c.get("eot_tokens") or 0)
         finish = "stop"

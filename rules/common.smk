@@ -55,6 +55,19 @@ run_state.begin(CACHE_DIR, main_process=workflow.is_main_process)
 if workflow.remote_exec:  # a cluster job: the backends' max_concurrency is split over the jobs that use them
     os.environ.setdefault("EAGLE3_CONCURRENCY", "split")
 
+# Generate-job seats per backend (one machine): a generate job takes a seat of each backend its dataset uses, so one
+# backend's shards never fill every `generate_jobs` seat while another backend idles (cfg.backend_job_seats).
+GENERATE_JOBS = getattr(workflow.global_resources.get("generate_jobs"), "value", None)  # profiles/default: 32
+SEATS = (cfg.backend_job_seats(config, GENERATE_JOBS)
+         if isinstance(GENERATE_JOBS, int) and not workflow.non_local_exec else {})
+for _backend, _seats in SEATS.items():
+    workflow.register_resource(cfg.seat_resource(_backend), _seats)
+
+
+def seat_resources():
+    """Rule resources: one seat of each backend the job's dataset uses (``generate_jobs_<backend>``)."""
+    return {cfg.seat_resource(b): (lambda wc, b=b: int(b in cfg.backends_config(config, wc.ds))) for b in SEATS}
+
 
 def _alternation(names):
     return "|".join(re.escape(n) for n in names) if names else "(?!x)x"

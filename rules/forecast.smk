@@ -27,6 +27,7 @@ rule forecast_pilot:
     threads: 0
     resources:
         generate_jobs=1,
+        **seat_resources(),
         gpu=lambda wc: cfg.launch_gpus(config, wc.ds) if workflow.non_local_exec else 0,
     log:
         "logs/forecast_pilot/{ds}/{shard}.log",

@@ -30,11 +30,12 @@ rule generate:
         target_format={"template": TARGET.get("template", "generic"),
                        "chat_template_kwargs": TARGET.get("chat_template_kwargs") or {}},
     # an HTTP client waiting on its backends: it takes no core from --cores, so CPU stages keep running beside
-    # it; how many run at once is the `generate_jobs` resource (profiles/default: 5, the local executor's spare
-    # workers for jobs without threads)
+    # it; how many run at once is the `generate_jobs` resource (profiles/default: 32; the run gives each a worker,
+    # eagle3_data.run.widen_local_workers), shared out over the backends in use (seat_resources, rules/common.smk)
     threads: 0
     resources:
         generate_jobs=1,
+        **seat_resources(),
         # a cluster job starts its own server for a launched backend: it asks for the server's GPUs (sbatch --gpus).
         # Locally the run's one server holds its GPUs through the per-GPU locks (eagle3_data.devices) instead.
         gpu=lambda wc: cfg.launch_gpus(config, wc.ds) if workflow.non_local_exec else 0,

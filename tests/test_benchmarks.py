@@ -57,3 +57,28 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         assert 1 <= inc["rows_forwarded"] <= inc["requests_sent"], inc
         assert 0 < inc["tokens_forwarded"] < inc["tokens_total"] / 2, inc
         assert inc["jobs_rerun"]["normalize"] == 1, inc  # only the new dataset's normalize job
+
+
+def test_rehearsal_server_streams_each_backend_at_its_own_speed():
+    """The rehearsal's stand-in server: a request's latency is its base (drawn from the body) + its reply length
+    (drawn from the dataset's profile) x the per-token latency of its model (one model per backend)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fault_server as fs
+    import rehearsal_server as rs
+
+    app = rs.RehearsalApp({"profile_field": "user", "latency_min_s": 1.0, "latency_max_s": 1.0,
+                           "min_tokens": 10, "max_tokens": 10_000, "length_dist": "lognormal",
+                           "profiles": {"ds": {"length_mean": 2000.0}},
+                           "model_profiles": {"remote": {"latency_per_token_s": 0.01},
+                                              "local": {"latency_per_token_s": 0.002}}})
+    body = {"model": "remote", "user": "ds", "messages": [{"role": "user", "content": "hi"}]}
+    lat = {}
+    for model in ("remote", "local"):
+        b = {**body, "model": model}
+        bh = fs.body_hash(b)
+        app.note(b)
+        n = app.length(app.cfg_for("ds", model), bh)
+        assert 10 <= n <= 10_000
+        lat[model] = (app.latency(bh), n)
+    assert lat["remote"][0] == pytest.approx(1.0 + 0.01 * lat["remote"][1])
+    assert lat["local"][0] == pytest.approx(1.0 + 0.002 * lat["local"][1])

@@ -319,3 +319,48 @@ def test_generation_source_names_where_a_budget_is_set():
     assert generation_source(config, "b", "budget_usd") == "generation.budget_usd"
     assert generation_source(config, "c", "budget_usd") == "generation.budget_usd"
     assert generation_source(config, "a", "budget_completion_tokens") is None
+
+
+def _two_backend_config() -> dict:
+    """The embedded default with a second backend: sharegpt_demo on ``remote`` only, ultrachat_demo on
+    ``tiny_local`` then ``remote``, sweagent_demo on ``tiny_local`` (the default)."""
+    c = yaml.safe_load((ROOT / "config.yaml").read_text())
+    c["backends"]["remote.api"] = {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
+                                   "max_concurrency": 2000}
+    c["datasets"]["sharegpt_demo"]["generation"] = {"backends": ["remote.api"]}
+    c["datasets"]["ultrachat_demo"]["generation"] = {"backends": ["tiny_local", "remote.api"]}
+    return c
+
+
+def test_generate_job_seats_are_an_even_share_of_generate_jobs_unless_set():
+    c = _two_backend_config()
+    assert cfg.backend_job_seats(c, 5) == {"remote.api": 3, "tiny_local": 3}
+    assert cfg.backend_job_seats(c, 1) == {"remote.api": 1, "tiny_local": 1}
+    c["backends"]["tiny_local"]["max_jobs"] = 1
+    assert cfg.backend_job_seats(c, 8) == {"remote.api": 4, "tiny_local": 1}
+    # a backend no generated dataset uses gets no seats; one backend in use takes them all
+    one = yaml.safe_load((ROOT / "config.yaml").read_text())
+    one["backends"]["unused"] = dict(c["backends"]["remote.api"])
+    assert cfg.backend_job_seats(one, 5) == {"tiny_local": 5}
+    assert cfg.seat_resource("remote.api") == "generate_jobs_remote_api"
+
+
+def test_each_generate_job_takes_a_seat_of_exactly_its_datasets_backends(tmp_path):
+    """Dry run of a two-backend config: every generate job's resources name one seat of each backend its dataset
+    uses and none of the other's (Snakemake caps the jobs holding a backend's seats at its share)."""
+    import re
+
+    from conftest import copy_workflow, run_snakemake
+
+    wd = copy_workflow(tmp_path / "wf")
+    (wd / "two.yaml").write_text(yaml.safe_dump(_two_backend_config()))
+    proc = run_snakemake(wd, "-n", "results/sharegpt_demo/responses/000.parquet",
+                         "results/sharegpt_demo/responses/001.parquet", "results/ultrachat_demo/responses/000.parquet",
+                         "results/sweagent_demo/responses/000.parquet", "--configfile", "two.yaml")
+    seen = {}
+    for block in (proc.stdout + proc.stderr).split("rule generate:")[1:]:
+        ds = re.search(r"wildcards: ds=(\w+), shard=(\d+)", block)
+        res = dict(kv.split("=") for kv in re.search(r"resources: (.*)", block).group(1).split(", "))
+        seen[ds.groups()] = (int(res["generate_jobs_tiny_local"]), int(res["generate_jobs_remote_api"]))
+    assert seen == {("sharegpt_demo", "000"): (0, 1), ("sharegpt_demo", "001"): (0, 1),
+                    ("ultrachat_demo", "000"): (1, 1), ("sweagent_demo", "000"): (1, 0)}

@@ -91,7 +91,11 @@ def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_imp
     assert d["usd"] == pytest.approx(n * mean_cost, rel=1e-9)
     assert d["cost_source"] == "usage.cost"
     a, b = fc.latency_fit([(r["completion_tokens"], r["latency_s"]) for r in ok])
-    tail = a + b * max(r["completion_tokens"] for r in ok)
+    # the tail: the longest of n replies drawn like the pilot's (lognormal fit, capped at max_tokens)
+    longest = fc.expected_longest([r["completion_tokens"] for r in ok], n, gen["max_tokens"])
+    pilot_longest = max(r["completion_tokens"] for r in ok)
+    assert pilot_longest <= longest <= max(pilot_longest, gen["max_tokens"])
+    tail = a + b * longest
     assert d["hours"] == pytest.approx((n * (a + b * mean_comp) / 8 + tail) / 3600, rel=1e-9)
     assert f["total"]["usd"] == d["usd"] and f["total"]["hours"] == pytest.approx(d["hours"])
     # what the build still sends and pays: everything but the pilot
@@ -229,3 +233,18 @@ def test_forecast_target_then_build_pays_nothing_twice(tmp_path):
         assert st["completed"] == len(rows) == f["total"]["requests"]
     finally:
         server.stop()
+
+
+def test_expected_longest_is_the_lognormal_quantile_n_over_n_plus_1_capped():
+    import math
+    from statistics import NormalDist
+
+    # logs ln 100, ln 400: mean ln 200, sample sd ln 4 / sqrt 2
+    q = 200 * math.exp(math.log(4) / math.sqrt(2) * NormalDist().inv_cdf(99 / 100))
+    assert q == pytest.approx(1956.2, abs=0.5)
+    assert fc.expected_longest([100, 400], 99) == pytest.approx(q)
+    assert fc.expected_longest([100, 400], 99, cap=1000) == 1000.0
+    assert fc.expected_longest([100, 400], 1) == 400.0  # one request: no extrapolation
+    assert fc.expected_longest([100, 400], 2, cap=300) == 400.0  # never below the pilot's own longest
+    assert fc.expected_longest([250], 10_000) == 250.0  # one length: no spread to fit
+    assert fc.expected_longest([], 10) == 0.0

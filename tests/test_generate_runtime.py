@@ -330,3 +330,44 @@ def test_rejects_report_shows_the_error_text(tmp_path):
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines() if line.startswith("|")]
     row = next(c for c in cells if c[:3] == ["ds", "generate", "http_400"])
     assert row[3] == "3" and row[4].startswith("http_400: Provider returned error; provider Moonshot AI; raw:"), row
+
+
+WAITING_SNAKEFILE = """
+from eagle3_data import run as run_state
+
+rule all:
+    input: expand("out/{i}.txt", i=range(12))
+
+rule wait:
+    output: "out/{i}.txt"
+    threads: 0
+    resources: generate_jobs=1
+    shell: "echo start $(date +%s.%N) >> log; sleep 3; echo end $(date +%s.%N) >> log; touch {output}"
+
+onstart:
+    if WIDEN:
+        print("workers:", run_state.widen_local_workers(workflow, 12))
+"""
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_jobs_without_threads_get_a_worker_per_generate_seat(tmp_path, widen):
+    """Snakemake's local executor runs at most --cores + 5 jobs at once; widen_local_workers (the Snakefile's
+    onstart) gives every generate_jobs seat a worker, so 12 waiting jobs run together on 1 core."""
+    import subprocess
+    import sys
+
+    from conftest import snakemake_env
+
+    (tmp_path / "Snakefile").write_text(f"WIDEN = {widen}\n" + WAITING_SNAKEFILE)
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--resources", "generate_jobs=12"],
+                          cwd=tmp_path, env=snakemake_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = sorted((float(t), 1 if k == "start" else -1)
+                    for k, t in (line.split() for line in (tmp_path / "log").read_text().splitlines()))
+    n = peak = 0
+    for _, d in events:
+        n += d
+        peak = max(peak, n)
+    assert peak == (12 if widen else 1 + 5)
+    assert ("workers: 18" in proc.stdout + proc.stderr) == widen  # 1 core + 5 + 12

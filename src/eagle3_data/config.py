@@ -20,6 +20,7 @@ import copy
 import difflib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -316,6 +317,7 @@ RERUNS: list[tuple[str, str]] = [
     ("backends.<name>.cost_lookup", "as backends.<name>.type"),
     ("backends.<name>.api_key_env", NOTHING),
     ("backends.<name>.max_concurrency", NOTHING),
+    ("backends.<name>.max_jobs", NOTHING),
     ("backends.<name>.timeout_s", NOTHING),
     ("backends.<name>.requests_per_minute", NOTHING),
     ("backends.<name>.tokens_per_minute", NOTHING),
@@ -519,6 +521,27 @@ def backends_config(config: dict, ds: str) -> dict:
 def launch_gpus(config: dict, ds: str) -> int:
     """GPUs of the servers the build launches for dataset ``ds`` (``launch.gpus`` of its backends, summed)."""
     return sum(int((b.get("launch") or {}).get("gpus") or 0) for b in backends_config(config, ds).values())
+
+
+def backend_job_seats(config: dict, generate_jobs: int) -> dict[str, int]:
+    """Generate jobs each backend may have running at once on one machine: ``{backend: seats}``.
+
+    ``generate_jobs`` is the run's cap on generate jobs at once (the ``generate_jobs`` resource, profiles/default:
+    32). Without a cap per backend the scheduler may fill every seat with one backend's shards (e.g. 40 shards on a
+    local server) while another backend's requests wait, idle. A backend's seats are ``backends.<name>.max_jobs``
+    or, unset, an even share, ``ceil(generate_jobs / B)`` over the B backends the generated datasets use (5 seats,
+    2 backends: 3 each, so each keeps at least 2). A dataset with several backends takes a seat of each. Only backends some generated
+    dataset uses are listed.
+    """
+    used = sorted({b for ds in generated_datasets(config) for b in backends_config(config, ds)})
+    even = -(-int(generate_jobs) // len(used)) if used else int(generate_jobs)
+    return {b: max(1, int((config["backends"][b] or {}).get("max_jobs") or even)) for b in used}
+
+
+def seat_resource(backend: str) -> str:
+    """The Snakemake resource name of a backend's generate-job seats: ``generate_jobs_<backend>`` (characters
+    other than letters, digits and ``_`` become ``_``)."""
+    return "generate_jobs_" + re.sub(r"\W", "_", backend)
 
 
 def check_config(config: dict, *, check_paths: bool = True) -> None:

@@ -31,8 +31,9 @@ Two rules (``rules/forecast.smk``):
    - **hours at the configured concurrency**: a latency model fitted on the pilot, ``latency = a + b x
      completion_tokens`` (least squares over the pilot's answered requests; ``b = 0`` with fewer than two distinct
      lengths). A dataset's work is ``requests x (a + b x mean completion)`` request-seconds; its hours are
-     work / (the summed ``max_concurrency`` of its backends) + the tail, the pilot's longest request
-     ``a + b x max completion`` (the last requests finish alone). The total: backends that share datasets form one
+     work / (the summed ``max_concurrency`` of its backends) + the tail, the latency ``a + b x L`` of the longest
+     request expected among the dataset's (:func:`expected_longest`: ``L`` from a lognormal fitted to the pilot's
+     completion lengths, capped at ``max_tokens``; the last long requests finish alone). The total: backends that share datasets form one
      pool; a pool takes max(its work / its summed concurrency, for each backend the work only it can do / its
      concurrency) + its longest tail, and pools run side by side (the total is the longest pool). The latencies are
      the pilot's: a server loaded with ``max_concurrency`` requests may answer slower, which the pilot (a few
@@ -201,6 +202,24 @@ def latency_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def expected_longest(lengths: list[int], n: float, cap: int | None = None) -> float:
+    """Expected longest of ``n`` completion lengths (tokens) drawn like the pilot's ``lengths``: a lognormal fitted
+    to them (mean and sample standard deviation of the log lengths), at its ``n / (n + 1)`` quantile (the usual
+    approximation of the expected maximum of ``n`` draws; E. J. Gumbel, *Statistics of Extremes*, 1958), capped at
+    ``cap`` (``generation.max_tokens``) and never below the pilot's own longest. With fewer than two positive
+    lengths: the pilot's longest. Long reasoning replies are rare, so a pilot of a few samples rarely sees the
+    longest of thousands; the generation's tail is that longest request finishing after the others."""
+    import math
+    from statistics import NormalDist, fmean, stdev
+
+    longest = float(max(lengths, default=0))
+    logs = [math.log(x) for x in lengths if x > 0]
+    if len(logs) < 2 or n <= 1:
+        return longest
+    q = math.exp(fmean(logs) + stdev(logs) * NormalDist().inv_cdf(n / (n + 1.0)))
+    return max(longest, min(q, float(cap)) if cap else q)
+
+
 def _prompt_lengths(tt, prompts: list[tuple[list, list | None]]) -> tuple[list[int], int]:
     """Token counts of each (messages, tools) prompt rendered with the target's template; unrenderable prompts
     count 0 and are counted (they are sent, and rejected at tokenize)."""
@@ -292,7 +311,7 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
     per_request_s = a + b * mean_comp
     work_s = sent * per_request_s
     remaining = max(0.0, sent - n_ok)  # the pilot's answered requests are journaled: the build doesn't send them
-    tail_s = a + b * max(comp)
+    tail_s = a + b * expected_longest(comp, sent, gen.get("max_tokens"))
     conc = sum(int(c.get("max_concurrency") or 8) for c in backends.values())
     return {
         "dataset": ds, "samples": n_samples, "unusable": n_bad, "requests": requests,
@@ -400,7 +419,8 @@ def render_markdown(fc: dict) -> str:
         "",
         "Each request takes `a + b x completion tokens` seconds (fitted on the pilot). A dataset's work is requests x "
         "that latency at its mean completion length; its time is work / its backends' summed `max_concurrency` plus "
-        "the longest pilot request (the tail). Backends that share a dataset form a pool; a pool takes the larger "
+        "the tail: the latency of the longest request expected among the dataset's (a lognormal fitted to the pilot's "
+        "completion lengths, at the quantile n / (n + 1) for n requests, capped at `max_tokens`). Backends that share a dataset form a pool; a pool takes the larger "
         "of its work / its concurrency and, per backend, the work only that backend can do / its concurrency, plus "
         "its longest tail; pools run side by side.",
         "",

@@ -177,6 +177,38 @@ def on_start(cache_dir: str | os.PathLike) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def widen_local_workers(workflow, waiting_jobs: int) -> int | None:
+    """Give Snakemake's local executor a worker for each of ``waiting_jobs`` jobs that wait without a core.
+
+    The local executor runs each job in a thread of a pool of ``--cores`` + 5 workers (``snakemake/executors/
+    local.py``: "Zero thread jobs do not need a thread, but they occupy additional workers"), so at most 5 jobs
+    without threads run beside the CPU jobs, whatever resource allows more. A generate job takes no core but waits
+    minutes on its longest requests (a 30K-token reasoning reply): with 5 at a time, the shards in their tails hold
+    the workers while their backend's limit idles. Called from ``onstart`` (after the scheduler is made, before its
+    first job), this replaces the executor's empty pool with one of ``--cores`` + 5 + ``waiting_jobs`` workers (the
+    ``generate_jobs`` resource), so every shard can be in flight at once. Returns the new worker count, or None
+    where nothing was changed (a cluster executor; a Snakemake whose executor has no such pool, which this names
+    in a warning).
+    """
+    import concurrent.futures
+
+    executor = getattr(getattr(workflow, "scheduler", None), "_executor", None)
+    pool, workers = getattr(executor, "pool", None), getattr(executor, "workers", None)
+    if getattr(workflow, "non_local_exec", False) or executor is None:
+        return None
+    if not isinstance(pool, concurrent.futures.ThreadPoolExecutor) or not isinstance(workers, int):
+        print(f"Warning: Snakemake's local executor has no worker pool to widen ({type(executor).__name__}); "
+              "at most --cores + 5 generate jobs run at once.", file=sys.stderr)
+        return None
+    cores = workflow.resource_settings.cores
+    want = (cores if isinstance(cores, int) else 0) + 5 + max(0, int(waiting_jobs))
+    if want > workers:
+        executor.pool = concurrent.futures.ThreadPoolExecutor(max_workers=want)
+        executor.workers = want
+        pool.shutdown(wait=False)
+    return max(want, workers)
+
+
 def journaled_responses(journal_dir: str | os.PathLike) -> int:
     """Responses in the journals under ``journal_dir`` (complete lines of ``*.jsonl``; counted, not parsed)."""
     n = 0
