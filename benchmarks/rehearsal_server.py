@@ -135,39 +135,36 @@ class RehearsalApp(fs.FaultApp):
         return fs.chat_completion(c, body, bh, text, reasoning, finish, completion_tokens=n + nr + eot,
                                   reasoning_tokens=nr)
 
+    def routes(self) -> list:
+        from starlette.routing import Route
 
-_orig_route = fs._route
+        return [Route("/admin/intervals", self.admin_intervals, methods=["GET"])] + super().routes()
 
+    async def admin_intervals(self, request):
+        return fs._response(200, {"intervals": self.intervals})
 
-async def _route(app, method, path, headers, raw):
-    """Note each chat request's profile before the fault server draws its latency, then delegate; record each chat
-    request's ``[model, arrival, reply, first]`` (monotonic seconds; ``first``: its body was not seen before) for
-    ``GET /admin/intervals`` (requests in flight per backend over time)."""
-    if not isinstance(app, RehearsalApp):
-        return await _orig_route(app, method, path, headers, raw)
-    if method == "GET" and path == "/admin/intervals":
-        return fs._response(200, {"intervals": app.intervals})
-    if method != "POST" or not path.split("?", 1)[0].endswith("/chat/completions"):
-        return await _orig_route(app, method, path, headers, raw)
-    model, first = None, False
-    try:
-        body = json.loads(raw)
-        if isinstance(body, dict):
-            app.note(body)
-            model = str(body.get("model"))
-            bh = fs.body_hash(body)
-            first = bh not in app.seen
-            app.seen.add(bh)
-    except ValueError:
-        pass
-    t0 = time.monotonic()
-    try:
-        return await _orig_route(app, method, path, headers, raw)
-    finally:
-        app.intervals.append([model, round(t0, 4), round(time.monotonic(), 4), first])
-
-
-fs._route = _route  # this process serves only the rehearsal
+    async def chat(self, request):
+        """Note each chat request's profile before the fault server draws its latency, then delegate; record each
+        chat request's ``[model, arrival, reply, first]`` (monotonic seconds; ``first``: its body was not seen
+        before) for ``GET /admin/intervals`` (requests in flight per backend over time)."""
+        if not request.url.path.endswith("/chat/completions"):
+            return await super().chat(request)
+        model, first = None, False
+        try:
+            body = json.loads(await request.body())
+            if isinstance(body, dict):
+                self.note(body)
+                model = str(body.get("model"))
+                bh = fs.body_hash(body)
+                first = bh not in self.seen
+                self.seen.add(bh)
+        except ValueError:
+            pass
+        t0 = time.monotonic()
+        try:
+            return await super().chat(request)
+        finally:
+            self.intervals.append([model, round(t0, 4), round(time.monotonic(), 4), first])
 
 
 def main(argv=None) -> None:
