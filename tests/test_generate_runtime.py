@@ -371,3 +371,46 @@ def test_jobs_without_threads_get_a_worker_per_generate_seat(tmp_path, widen):
         peak = max(peak, n)
     assert peak == (12 if widen else 1 + 5)
     assert ("workers: 18" in proc.stdout + proc.stderr) == widen  # 1 core + 5 + 12
+
+
+def test_a_job_that_started_with_few_slots_takes_the_slots_others_give_back(tmp_path):
+    """Two jobs of a run share 10 slots (two HostSlots on one semaphore stand for two processes). Job A holds all
+    10; job B's 20 requests wait. When A's requests end (A has nothing more to send, so it gives its slots back),
+    B's waiters take every freed slot: 10 in flight, not the one or two that a release of B's own would pass on."""
+    import asyncio
+
+    from eagle3_data.backends.client import Backend, BackendConfig, BackendPool
+
+    cfg = BackendConfig.from_dict("b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
+                                        "max_concurrency": 10})
+
+    async def main():
+        a = BackendPool([Backend(cfg, slots=HostSlots(tmp_path / "b.sem", 10))])
+        b_backend = Backend(cfg, slots=HostSlots(tmp_path / "b.sem", 10))
+        b = BackendPool([b_backend])
+        held_a = [await a.acquire() for _ in range(10)]
+        release = asyncio.Event()
+        peak = 0
+
+        async def request():
+            nonlocal peak
+            async with b.slot():
+                peak = max(peak, b_backend.in_flight)
+                await release.wait()
+
+        tasks = [asyncio.create_task(request()) for _ in range(20)]
+        await asyncio.sleep(0.3)
+        assert b_backend.in_flight == 0  # no slot free
+        for x in held_a:
+            await a.release(x)
+        await asyncio.sleep(1.0)  # B polls (every 0.25 s at most) and its waiters pass the turn on
+        in_flight = b_backend.in_flight
+        release.set()
+        await asyncio.gather(*tasks)
+        await a.aclose()
+        await b.aclose()
+        return in_flight, peak
+
+    in_flight, peak = asyncio.run(main())
+    assert in_flight == peak == 10
+    assert HostSlots.remove_all(tmp_path) == 1

@@ -677,9 +677,13 @@ class Backend:
             return False
         if self.slots is None or self.held > self.in_flight:
             return True
-        if self.held >= self.slots.fair_share() and self.slots.starving():
-            self.host_blocked = False  # yielding to a job that waits: our own released slots wake us
-            return False
+        if self.held >= self.slots.fair_share():
+            # holding its share, this job is nobody's reason to yield: a mark left from an earlier wait would make
+            # every job at its share yield to every other one while slots lie free
+            self.slots.starving(False)
+            if self.slots.starving():
+                self.host_blocked = False  # yielding to a job that waits: our own released slots wake us
+                return False
         if self.slots.try_take():
             self.held += 1
             self.host_blocked = False
@@ -918,6 +922,11 @@ class BackendPool:
                         if b.available(now):
                             b.in_flight += 1
                             self._poll = self.poll_s
+                            if self._waiting > 1:
+                                # the next waiter tries too: host slots that other jobs gave back are taken by as
+                                # many waiters as need them, not one per release of this job's own (a job that got
+                                # few slots at the start would otherwise stay at that count while slots lie free)
+                                self._cond.notify(1)
                             return b
                     # all busy or ejected: wake on release, when the earliest ejection ends, or (one waiter) to poll
                     # for a host slot another job gave back
