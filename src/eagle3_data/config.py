@@ -530,8 +530,8 @@ def backend_job_seats(config: dict, generate_jobs: int) -> dict[str, int]:
     32). Without a cap per backend the scheduler may fill every seat with one backend's shards (e.g. 40 shards on a
     local server) while another backend's requests wait, idle. A backend's seats are ``backends.<name>.max_jobs``
     or, unset, an even share, ``ceil(generate_jobs / B)`` over the B backends the generated datasets use (5 seats,
-    2 backends: 3 each, so each keeps at least 2). A dataset with several backends takes a seat of each. Only backends some generated
-    dataset uses are listed.
+    2 backends: 3 each, so each keeps at least 2). A dataset with several backends takes a seat of each. Only
+    backends some generated dataset uses are listed.
     """
     used = sorted({b for ds in generated_datasets(config) for b in backends_config(config, ds)})
     even = -(-int(generate_jobs) // len(used)) if used else int(generate_jobs)

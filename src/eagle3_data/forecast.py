@@ -33,9 +33,9 @@ Two rules (``rules/forecast.smk``):
      lengths). A dataset's work is ``requests x (a + b x mean completion)`` request-seconds; its hours are
      work / (the summed ``max_concurrency`` of its backends) + the tail, the latency ``a + b x L`` of the longest
      request expected among the dataset's (:func:`expected_longest`: ``L`` from a lognormal fitted to the pilot's
-     completion lengths, capped at ``max_tokens``; the last long requests finish alone). The total: backends that share datasets form one
-     pool; a pool takes max(its work / its summed concurrency, for each backend the work only it can do / its
-     concurrency) + its longest tail, and pools run side by side (the total is the longest pool). The latencies are
+     completion lengths, capped at ``max_tokens``; the last long requests finish alone). The total: backends that
+     share datasets form one pool; a pool takes max(its work / its summed concurrency, for each backend the work
+     only it can do / its concurrency) + its longest tail, and pools run side by side (the total is the longest pool). The latencies are
      the pilot's: a server loaded with ``max_concurrency`` requests may answer slower, which the pilot (a few
      requests at once) can't see.
 
@@ -420,7 +420,8 @@ def render_markdown(fc: dict) -> str:
         "Each request takes `a + b x completion tokens` seconds (fitted on the pilot). A dataset's work is requests x "
         "that latency at its mean completion length; its time is work / its backends' summed `max_concurrency` plus "
         "the tail: the latency of the longest request expected among the dataset's (a lognormal fitted to the pilot's "
-        "completion lengths, at the quantile n / (n + 1) for n requests, capped at `max_tokens`). Backends that share a dataset form a pool; a pool takes the larger "
+        "completion lengths, at the quantile n / (n + 1) for n requests, capped at `max_tokens`). Backends that share "
+        "a dataset form a pool; a pool takes the larger "
         "of its work / its concurrency and, per backend, the work only that backend can do / its concurrency, plus "
         "its longest tail; pools run side by side.",
         "",

@@ -7,7 +7,8 @@ limit, not one job's share of it. How the limit is shared depends on where the j
   and run, a System V semaphore created with the backend's ``max_concurrency`` (:class:`HostSlots`). A job takes
   a slot for each request it sends (``semop -1``, never blocking; a job that finds none marks itself waiting and
   polls) and, when the request ends, keeps the slot for its own next request while it has requests waiting and
-  holds no more than its fair share (``limit / jobs``) or nobody else waits; otherwise it gives the slot back. So
+  holds no more than its fair share (``limit / jobs``) or nobody else waits; otherwise it gives the slot back. A
+  waiter that gets a slot wakes the next one, so the slots other jobs give back are taken by every waiter. So
   the slots follow the demand: the backend stays at its limit until the last tail, and every job gets its share
   while others run. Every operation is ``SEM_UNDO``: the kernel returns the slots of a job that dies, however it
   dies. The end of the run removes the semaphores.
