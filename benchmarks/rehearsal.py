@@ -16,7 +16,9 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    speed (``--openrouter-tok-s`` 100 and ``--local-tok-s`` 500 tokens/s per request: a request lasts seconds to
    minutes, long against a job's startup as in a real run, and the longest, 30K-token, replies take 5 min, so each
    backend's work at its limit and its tail take ~5 min each at full scale: the seed's 33 min compressed about
-   threefold; ``--toy`` streams at 8,333 tokens/s), 2 % 429 + 1 % 5xx + 0.3 % errors inside a 200 body; reply text is ASCII of exactly
+   threefold; ``--toy`` streams at 8,333 tokens/s), 2 % 429 (answered at once, as a rate limit refuses before
+   generating) + 1 % 5xx + 0.3 % errors inside a 200 body (both at a uniformly drawn point of the request's
+   latency: a provider failing mid-generation); reply text is ASCII of exactly
    ``completion_tokens - 1`` characters (the end-of-turn token is billed), so the byte-level tiny tokenizer
    reconstructs the billed count exactly and validation passes honestly;
 4. first, when the workflow has a ``forecast`` rule, runs ``snakemake forecast`` (a journaled pilot of
@@ -164,7 +166,10 @@ def build_config(sources: dict, port: int, scale: float, local_concurrency: int 
                        "timeout_s": 900,
                        "max_concurrency": max(4, round(seed["backends"]["openrouter"]["max_concurrency"] * limit_scale))},
         "sglang_local": {k: v for k, v in seed["backends"]["sglang_local"].items() if k != "launch"}
-        | {"base_url": url, "max_concurrency": max(2, round(local_concurrency * limit_scale)), "timeout_s": 900},
+        | {"base_url": url, "max_concurrency": max(2, round(local_concurrency * limit_scale)), "timeout_s": 900,
+           # as the target renders its prompts (thinking off): the config check refuses a server told otherwise
+           "extra_body": {**(seed["backends"]["sglang_local"].get("extra_body") or {}),
+                          "chat_template_kwargs": {"thinking": False}}},
     }
     gen = dict(seed["generation"])
     # budgets (split per shard by generate): the seed's 10M per dataset would end B1-B7 early here because the
@@ -207,6 +212,8 @@ def server_config(models: dict[str, str], tok_s: dict[str, float]) -> dict:
         "profile_field": "user", "profiles": profiles, "length_dist": "lognormal", "min_tokens": 16,
         "max_tokens": MAX_REPLY, "eot_tokens": 1, "latency_min_s": 0.5, "latency_max_s": 1.5,
         "model_profiles": {models[b]: {"latency_per_token_s": 1.0 / tok_s[b]} for b in models}, "p429": 0.02, "p5xx": 0.01, "perror200": 0.003, "retry_after_s": 0.5,
+        # a rate limit refuses before generating; a provider error comes at a drawn point of the generation
+        "fault_at": {"p429": "start", "p5xx": "uniform", "perror200": "uniform"},
         "price_in": 0.4e-6, "price_out": 0.8e-6, "provider": "Moonshot AI",
         "seed": 0,
     }
@@ -515,12 +522,15 @@ def compare_forecast(fc: dict, actual: dict[str, dict], gen_span_s: float, work_
     act_comp = sum(a["completion_tokens"] for a in actual.values())
     act_usd = sum(a["usd"] for a in actual.values())
     fc_s = t["hours_remaining"] * 3600  # the build sends what the pilot did not: its generate span is that part
+    fc_lo, fc_hi = t.get("hours_remaining_p10", 0.0) * 3600, t.get("hours_remaining_p90", 0.0) * 3600
     out = {"forecast_usd": round(t["usd"] or 0.0, 4), "actual_usd": round(act_usd, 4),
            "forecast_cost_ratio": round((t["usd"] or 0.0) / act_usd, 3) if act_usd else None,
            "forecast_completion_tokens": t["expected_completion_tokens"], "actual_completion_tokens": act_comp,
            "forecast_completion_ratio": round(t["expected_completion_tokens"] / max(1, act_comp), 3),
            "forecast_generate_s": round(fc_s, 1), "actual_generate_span_s": round(gen_span_s, 1),
            "forecast_time_ratio": round(fc_s / gen_span_s, 3) if gen_span_s else None,
+           "forecast_generate_p10_s": round(fc_lo, 1), "forecast_generate_p90_s": round(fc_hi, 1),
+           "actual_in_forecast_range": fc_lo <= gen_span_s <= fc_hi,
            "forecast_work_s": round(sum(d["remaining_work_s"] for d in fc["datasets"].values()), 1),
            "actual_work_s": round(work_s, 1)}
     out["forecast_work_ratio"] = round(out["forecast_work_s"] / work_s, 3) if work_s else None
@@ -529,7 +539,8 @@ def compare_forecast(fc: dict, actual: dict[str, dict], gen_span_s: float, work_
           f"{out['forecast_usd']:.4f} / {act_usd:.4f} | {out['forecast_cost_ratio']} |")
     ok = [r is not None and abs(r - 1) <= FORECAST_TOLERANCE for r in (out["forecast_cost_ratio"], out["forecast_time_ratio"])]
     out["forecast_within_tolerance"] = all(ok)
-    print(f"\ngeneration time (the requests the pilot left): forecast {fc_s:.0f} s vs actual {gen_span_s:.0f} s (first "
+    print(f"\ngeneration time (the requests the pilot left): forecast {fc_s:.0f} s (simulated runs: 10th-90th "
+          f"percentile {fc_lo:.0f}-{fc_hi:.0f} s) vs actual {gen_span_s:.0f} s (first "
           f"generate job start to last end), ratio {out['forecast_time_ratio']}; cost ratio {out['forecast_cost_ratio']} "
           f"(target: both within {FORECAST_TOLERANCE:.0%}); request-seconds: forecast {out['forecast_work_s']:,.0f} vs "
           f"{work_s:,.0f} measured by the server, ratio {out['forecast_work_ratio']}")

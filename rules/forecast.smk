@@ -41,6 +41,7 @@ rule forecast:
     input:
         prompts=[f"results/{ds}/prompts/{s}.parquet" for ds in GENERATED for s in shards(ds)],
         pilot=[f"results/forecast/pilot/{ds}/{s}.parquet" for ds in GENERATED for s in shards(ds)],
+        pilot_summaries=[f"results/forecast/pilot/{ds}/{s}.json" for ds in GENERATED for s in shards(ds)],
         target=target_input(),
     output:
         md="results/reports/forecast.md",

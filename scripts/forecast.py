@@ -26,6 +26,7 @@ if snakemake.rule == "forecast_pilot":
         backend_jobs={name: jobs_using(conf, name) for name in backends},
         journal_dir=journal_dir,
         summary_path=snakemake.output.summary,
+        attempts_path=f"{conf.get('cache_dir', 'cache')}/forecast/pilot/{ds}/{snakemake.wildcards.shard}.jsonl",
         target=p.target,
         target_format=p.target_format,
         log=log,
@@ -34,6 +35,8 @@ else:
     gen = cfg.generated_datasets(conf)
     datasets = {ds: {"prompts": [f for f in snakemake.input.prompts if f.startswith(f"results/{ds}/prompts/")],
                      "pilot": [f for f in snakemake.input.pilot if f.startswith(f"results/forecast/pilot/{ds}/")],
+                     "pilot_summaries": [f for f in snakemake.input.pilot_summaries
+                                         if f.startswith(f"results/forecast/pilot/{ds}/")],
                      "generation": cfg.generation_config(conf, ds), "backends": cfg.backends_config(conf, ds),
                      "num_shards": len(cfg.shard_names(conf, ds))} for ds in gen}
     run_stage(lambda: forecast(

@@ -18,7 +18,10 @@ Endpoints:
   negative reasoning count and an out-of-range token id; counted as completed); ``fail_after``
   (every request after that many gets HTTP ``fail_status``, e.g. 402, with body ``fail_body`` when set);
   ``require_key`` (401 unless the
-  Bearer token matches). Latency: uniform in ``[latency_min_s, latency_max_s]``. Reply length: uniform in
+  Bearer token matches). ``fault_at`` (fault name -> ``"end"``, ``"start"`` or ``"uniform"``; default ``"end"``
+  for each): when a drawn fault answers, after the request's whole latency (``end``), at once (``start``: a
+  rate limit refuses before generating) or at a uniformly drawn point of it (``uniform``: a provider failing
+  mid-generation). Latency: uniform in ``[latency_min_s, latency_max_s]``. Reply length: uniform in
   ``[min_tokens, max_tokens]`` words, capped by the request's ``max_tokens`` (then ``finish_reason:
   "length"``). ``usage`` has prompt/completion/reasoning tokens and ``cost`` (``price_in``/``price_out`` per
   token); ``provider`` is set (OpenRouter style); ``reasoning_field`` picks ``reasoning`` (OpenRouter) or
@@ -73,7 +76,7 @@ DEFAULTS = {
     "latency_dist": "uniform", "latency_by_body": False,
     "record_bodies": 50, "omit_cost": False, "cost_404s": 0,
     "gen_vocab": list(range(97, 123)) + [32], "gen_think": None, "gen_eot": None, "gen_include_stop": True,
-    "gen_abort_rate": 0.0, "require_tool_reasoning": False,
+    "gen_abort_rate": 0.0, "require_tool_reasoning": False, "fault_at": {},
 }
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -300,6 +303,9 @@ class FaultApp:
                 self._count("timeout")
                 await asyncio.sleep(float(c["hang_s"]))
                 return await _drop(request, reset=False)  # close without answering
+            if fault is not None:
+                at = (c["fault_at"] or {}).get(fault, "end")
+                lat *= 0.0 if at == "start" else self.rng.random() if at == "uniform" else 1.0
             if lat > 0:
                 await asyncio.sleep(lat)
             if fault == "p429":

@@ -82,3 +82,34 @@ def test_rehearsal_server_streams_each_backend_at_its_own_speed():
         lat[model] = (app.latency(bh), n)
     assert lat["remote"][0] == pytest.approx(1.0 + 0.01 * lat["remote"][1])
     assert lat["local"][0] == pytest.approx(1.0 + 0.002 * lat["local"][1])
+
+
+def test_fault_server_answers_a_fault_at_the_point_fault_at_names():
+    """``fault_at``: a rate limit refuses at once (``start``), a provider error mid-generation comes at a drawn
+    point of the latency (``uniform``), and by default a fault answers after the whole latency (``end``)."""
+    import time
+
+    import httpx
+
+    from fault_server import FaultServer
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with FaultServer({"latency_min_s": 0.6, "latency_max_s": 0.6, "p429": 1.0}) as srv:
+        url = f"http://127.0.0.1:{srv.port}/v1/chat/completions"
+
+        def took(**cfg) -> tuple[int, float]:
+            srv.configure(**cfg)
+            t0 = time.monotonic()
+            r = httpx.post(url, json=body, timeout=10)
+            return r.status_code, time.monotonic() - t0
+
+        code, s = took()
+        assert code == 429 and s >= 0.6
+        code, s = took(fault_at={"p429": "start"})
+        assert code == 429 and s < 0.3
+        srv.configure(p429=0.0, p5xx=1.0, fault_at={"p5xx": "uniform"})
+        waits = [took()[1] for _ in range(8)]
+        assert all(w < 0.75 for w in waits) and max(waits) - min(waits) > 0.1  # drawn in [0, 0.6]: not all alike
+        srv.configure(p5xx=0.0)
+        code, s = took()
+        assert code == 200 and s >= 0.6

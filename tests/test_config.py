@@ -11,6 +11,7 @@ from snakemake.utils import validate
 
 from conftest import ROOT
 from eagle3_data import config as cfg
+from eagle3_data.backends.limits import jobs_using
 
 SCHEMA = ROOT / "schemas" / "config.schema.yaml"
 
@@ -332,17 +333,39 @@ def _two_backend_config() -> dict:
     return c
 
 
-def test_generate_job_seats_are_an_even_share_of_generate_jobs_unless_set():
+def test_generate_job_seats_leave_each_backend_its_share_and_lend_the_rest_unless_set():
     c = _two_backend_config()
-    assert cfg.backend_job_seats(c, 5) == {"remote.api": 3, "tiny_local": 3}
+    # G=5, even share 3: sharegpt_demo's 2 shards use remote.api only, sweagent_demo's 1 tiny_local only, so
+    # remote.api may take 5 - min(1, 3) = 4 seats and tiny_local 5 - min(2, 3) = 3
+    assert cfg.backend_job_seats(c, 5) == {"remote.api": 4, "tiny_local": 3}
+    assert cfg.backend_job_seats(c, 3) == {"remote.api": 2, "tiny_local": 2}  # the even share, never less
     assert cfg.backend_job_seats(c, 1) == {"remote.api": 1, "tiny_local": 1}
     c["backends"]["tiny_local"]["max_jobs"] = 1
-    assert cfg.backend_job_seats(c, 8) == {"remote.api": 4, "tiny_local": 1}
+    assert cfg.backend_job_seats(c, 8) == {"remote.api": 7, "tiny_local": 1}  # tiny_local reserves its 1
     # a backend no generated dataset uses gets no seats; one backend in use takes them all
     one = yaml.safe_load((ROOT / "config.yaml").read_text())
     one["backends"]["unused"] = dict(c["backends"]["remote.api"])
     assert cfg.backend_job_seats(one, 5) == {"tiny_local": 5}
     assert cfg.seat_resource("remote.api") == "generate_jobs_remote_api"
+
+
+def test_generate_job_seats_let_every_shard_of_the_seed_config_run_at_once():
+    """The seed config: 32 shards, 20 on openrouter (B3's 4 also on sglang_local), 16 on sglang_local. An even split
+    (16 + 16) held B3's shards back until an openrouter shard ended; with 32 generate jobs all of them fit."""
+    seed = yaml.safe_load((ROOT / "resources/configs/seed-kimi-k25.yaml").read_text())
+    jobs = {b: jobs_using(seed, b) for b in ("openrouter", "sglang_local")}
+    assert jobs == {"openrouter": 20, "sglang_local": 16}
+    assert cfg.backend_job_seats(seed, 32) == {"openrouter": 20, "sglang_local": 16}
+    # fewer seats than shards: sglang_local's 12 own shards keep their even share (8 of 16), and so do openrouter's
+    assert cfg.backend_job_seats(seed, 16) == {"openrouter": 8, "sglang_local": 8}
+    assert cfg.backend_job_seats(seed, 24) == {"openrouter": 12, "sglang_local": 12}
+    # three backends: a third with 2 shards of its own reserves 2 seats from each of the others
+    three = copy.deepcopy(seed)
+    three["backends"]["third"] = dict(seed["backends"]["openrouter"])
+    three["datasets"]["B7_sharegpt"]["generation"] = {"backends": ["third"]}
+    three["datasets"]["B7_sharegpt"]["shards"] = 2
+    assert cfg.backend_job_seats(three, 30) == {"openrouter": 30 - 10 - 2, "sglang_local": 30 - 10 - 2,
+                                                 "third": 30 - 10 - 10}
 
 
 def test_each_generate_job_takes_a_seat_of_exactly_its_datasets_backends(tmp_path):
@@ -364,3 +387,29 @@ def test_each_generate_job_takes_a_seat_of_exactly_its_datasets_backends(tmp_pat
         seen[ds.groups()] = (int(res["generate_jobs_tiny_local"]), int(res["generate_jobs_remote_api"]))
     assert seen == {("sharegpt_demo", "000"): (0, 1), ("sharegpt_demo", "001"): (0, 1),
                     ("ultrachat_demo", "000"): (1, 1), ("sweagent_demo", "000"): (1, 0)}
+
+
+def test_a_server_told_other_chat_template_variables_than_tokenize_renders_with_is_refused():
+    c = yaml.safe_load((ROOT / "config.yaml").read_text())  # target thinking: true
+    c["backends"]["tiny_local"]["extra_body"] = {"chat_template_kwargs": {"thinking": False}}
+    with pytest.raises(cfg.ConfigError, match=r"backends\.tiny_local\.extra_body\.chat_template_kwargs\.thinking "
+                                              r"is False, but tokenize renders the prompts of \w+ with thinking True"):
+        cfg.check_config(c, check_paths=False)
+    # the same value on both sides, or none sent (the server's default), passes
+    c["backends"]["tiny_local"]["extra_body"] = {"chat_template_kwargs": {"thinking": True}}
+    cfg.check_config(c, check_paths=False)
+    c["backends"]["tiny_local"]["extra_body"] = {}
+    cfg.check_config(c, check_paths=False)
+    # a variable the target does not render with is refused too (tokenize would use the template's default)
+    c["backends"]["tiny_local"]["extra_body"] = {"chat_template_kwargs": {"preserve_thinking": True}}
+    with pytest.raises(cfg.ConfigError, match="preserve_thinking is True.*not set"):
+        cfg.check_config(c, check_paths=False)
+    # a dataset's own chat_template_kwargs go to both the server (replacing the backend's) and tokenize
+    c["backends"]["tiny_local"]["extra_body"] = {"chat_template_kwargs": {"thinking": False}}
+    for ds in cfg.generated_datasets(c):
+        c["datasets"][ds].setdefault("generation", {})["extra_body"] = {"chat_template_kwargs": {"thinking": False}}
+    cfg.check_config(c, check_paths=False)
+    # a native_generate backend is sent the prompt's ids, rendered here
+    c = yaml.safe_load((ROOT / "config.yaml").read_text())
+    c["backends"]["tiny_local"].update(extra_body={"chat_template_kwargs": {"thinking": False}}, native_generate=True)
+    cfg.check_config(c, check_paths=False)

@@ -237,3 +237,58 @@ def test_start_indices(tmp_path):
     assert exp.start_indices(p) == [0, 3, 3]
     with pytest.raises(ValueError, match="layout"):
         exp.export(p, tmp_path, layout="eagle", states_dir=tmp_path)
+
+
+def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, loaded, merged):
+    """Trainers read every file in the export folder: after the merged set shrinks, a shard's start moves or
+    `group_size` changes, the files the new export does not write are removed (each shard's job removes its own
+    indices' files; the last shard's job everything past the end), and nothing it writes."""
+    import pyarrow.parquet as pq
+
+    path, rows = merged
+    n = len(rows)
+    states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded)
+    out = tmp_path / "sf"
+    two = dict(man, shards=[{"samples": 2}, {"samples": n}])  # this shard second, after 2 samples
+    exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=two, start_index=2, group_size=4)
+    assert len(specforge_list_local_files(out)) == n
+    # the set shrinks by the 2 samples before it: this shard starts at 0 now, with 4 per folder -> rows_*/ of 3
+    # and the old indices n, n+1 past the new end
+    got = exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=man, start_index=0,
+                     group_size=3)
+    files = specforge_list_local_files(out)
+    assert files == sorted(str(exp.specforge_path(out, i, 3)) for i in range(n))
+    assert got["removed_stale"] == n  # every old file: moved folders or past the end
+    for i in range(n):  # and what is there is the new export's sample i
+        got_ids = torch.load(exp.specforge_path(out, i, 3), weights_only=True)["input_ids"].tolist()
+        assert got_ids == rows[i]["input_ids"]
+    # a shard that is not the last removes only its own indices' files: a file past its range stays
+    stray = exp.specforge_path(out, n + 5, 3)
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"x")
+    first = dict(man, shards=[{"samples": n}, {"samples": 10}])
+    assert exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=first, start_index=0,
+                      group_size=3)["removed_stale"] == 0
+    assert stray.exists()
+    # at its own path in a shard's range it is that shard's to overwrite; past the end, the last shard removes it
+    assert exp.prune_stale(out, "specforge", start=n, end=n + 10, total=n + 10, group_size=3) == []
+    assert exp.prune_stale(out, "specforge", start=n, end=n + 2, total=n + 2, group_size=3) == [str(stray)]
+
+    # speculators: a moved start leaves a samples_{old start}.parquet whose indices point at other samples now,
+    # and hs_{i} past the end
+    states, man = extract_selections(tmp_path / "pre", rows, model_path=tiny_model, layers=LAYERS, model=loaded,
+                                     final_norm="pre")
+    out = tmp_path / "spec"
+    exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=two, start_index=2)
+    assert (out / "samples_000000002.parquet").exists()
+    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=0)
+    assert sorted(p.name for p in out.glob("samples_*.parquet")) == ["samples_000000000.parquet"]
+    assert sorted(int(p.stem[3:]) for p in (out / "hidden_states").glob("hs_*.safetensors")) == list(range(n))
+    assert got["removed_stale"] == 1 + 2  # the old samples file, hs_n and hs_{n+1}
+    assert pq.read_table(out / "samples_000000000.parquet").column("index").to_pylist() == list(range(n))
+    # an empty shard writes no samples file: it would share its start with the next shard's
+    empty = tmp_path / "empty.parquet"
+    schemas.write_checked(schemas.from_rows([], schemas.MERGED), "merged", empty)
+    exp.export(empty, out, layout="speculators", states_dir=states, merge_manifest=dict(man, shards=[
+        {"samples": 0}, {"samples": n}]), start_index=0)
+    assert pq.read_table(out / "samples_000000000.parquet").num_rows == n

@@ -91,17 +91,28 @@ def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_imp
     assert d["usd"] == pytest.approx(n * mean_cost, rel=1e-9)
     assert d["cost_source"] == "usage.cost"
     a, b = fc.latency_fit([(r["completion_tokens"], r["latency_s"]) for r in ok])
-    # the tail: the longest of n replies drawn like the pilot's (lognormal fit, capped at max_tokens)
+    # the longest of n replies drawn like the pilot's (lognormal fit, capped at max_tokens)
     longest = fc.expected_longest([r["completion_tokens"] for r in ok], n, gen["max_tokens"])
     pilot_longest = max(r["completion_tokens"] for r in ok)
     assert pilot_longest <= longest <= max(pilot_longest, gen["max_tokens"])
-    tail = a + b * longest
-    assert d["hours"] == pytest.approx((n * (a + b * mean_comp) / 8 + tail) / 3600, rel=1e-9)
-    assert f["total"]["usd"] == d["usd"] and f["total"]["hours"] == pytest.approx(d["hours"])
-    # what the build still sends and pays: everything but the pilot
+    assert d["longest_tokens"] == round(longest) and d["tail_s"] == pytest.approx(a + b * longest)
+    # time: the simulated runs, on the one backend (its fit is the dataset's: it answered every pilot request),
+    # with no failures (the server injects none); never faster than the work at the limit, never slower than
+    # that plus the longest reply the pilot's lengths allow
+    m = f["backends"]["fault"]
+    assert (m["concurrency"], m["pilot_responses"], m["p_rate_limit"], m["p_fault"]) == (8, PILOT, 0.0, 0.0)
+    assert (m["a"], m["b"]) == pytest.approx((a, b))
+    h = f["total"]["hours"] * 3600
+    assert d["work_s"] / 8 <= h <= d["work_s"] / 8 + a + b * gen["max_tokens"]
+    assert f["total"]["hours_p10"] <= f["total"]["hours"] <= f["total"]["hours_p90"]
+    assert d["hours"] == pytest.approx(f["total"]["hours"])  # one dataset: its last request ends the run
+    assert f["total"]["usd"] == d["usd"]
+    # what the build still sends and pays: everything but the pilot (each shard sent its share)
     assert f["total"]["requests_remaining"] == n - PILOT
+    assert [sh["remaining"] for sh in d["shards"]] == [N_PER_SHARD - PILOT // 2] * 2
     assert f["total"]["usd_remaining"] == pytest.approx(n * mean_cost - sum(r["cost_usd"] for r in ok), rel=1e-9)
-    assert f["total"]["hours_remaining"] == pytest.approx(((n - PILOT) * (a + b * mean_comp) / 8 + tail) / 3600)
+    assert 0 < f["total"]["hours_remaining"] < f["total"]["hours"]
+    assert d["remaining_work_s"] < d["work_s"]
     md = (tmp_path / "forecast.md").read_text()
     assert "| **Total**" in md and f"**{n}**" in md
 
@@ -185,20 +196,137 @@ def test_pilot_samples_are_among_those_the_build_sends(tmp_path):
     assert first != everything[:4], "the pilot is not the first samples by id"
 
 
-def test_latency_fit_and_the_pool_model():
+def test_latency_fit():
     a, b = fc.latency_fit([(0, 1.0), (100, 2.0), (200, 3.0)])
     assert a == pytest.approx(1.0) and b == pytest.approx(0.01)
     assert fc.latency_fit([(50, 2.0), (50, 4.0)]) == (3.0, 0.0)
-    # local (10) and openrouter (100) share dataset B: one pool; local alone must do A's 1,000 request-s
-    per = [{"dataset": "A", "backends": ["local"], "work_s": 1000.0, "tail_s": 5.0},
-           {"dataset": "B", "backends": ["local", "or"], "work_s": 500.0, "tail_s": 7.0},
-           {"dataset": "C", "backends": ["or"], "work_s": 4000.0, "tail_s": 3.0},
-           {"dataset": "D", "backends": ["other"], "work_s": 300.0, "tail_s": 1.0}]
-    hours, pools = fc.total_hours(per, {"local": 10, "or": 100, "other": 1})
-    by = {tuple(p["backends"]): p for p in pools}
-    assert by[("local", "or")]["hours"] == pytest.approx((1000 / 10 + 7.0) / 3600)  # > 5,500 / 110 and 4,000 / 100
-    assert by[("other",)]["hours"] == pytest.approx((300 + 1.0) / 3600)
-    assert hours == pytest.approx(301 / 3600)
+    assert fc.latency_fit([(0, 3.0), (100, 1.0)]) == (2.0, 0.0)  # a negative slope: the mean
+
+
+def _backend(conc, a, b=0.0, p_rate_limit=0.0, p_fault=0.0):
+    return {"concurrency": conc, "a": a, "b": b, "p_rate_limit": p_rate_limit, "p_fault": p_fault}
+
+
+def _fixed(tokens):
+    """Every reply ``tokens`` long (a lognormal of spread 0)."""
+    import math
+
+    return {"mu": math.log(tokens), "sigma": 0.0, "cap": None}
+
+
+def test_simulation_of_waves_on_the_slots():
+    # 10 requests of 1 + 0.01 x 100 = 2 s on 4 slots: three waves, 6 s, in every run; 20 request-seconds
+    sim = fc.simulate_generation([{"dataset": "d", "requests": 10, "backends": ["x"]}], {"x": _backend(4, 1.0, 0.01)},
+                                 {"d": _fixed(100)}, runs=3)
+    assert sim["span_s"] == pytest.approx([6.0] * 3)
+    assert sim["work_s"] == {"d": pytest.approx(20.0)} and sim["busy_s"] == {"x": pytest.approx(20.0)}
+
+
+def test_simulation_shares_a_backend_fairly_and_overflows_to_the_next():
+    """Job A (10 requests) uses only `local` (2 slots, 1 s each); job B (10) prefers `local`, then `or` (10 slots,
+    5 s each). At t=0 the fair share gives each job one local slot, and B's other 9 requests overflow to `or`;
+    from t=1 A has both local slots: its 9 other requests take 1 + 9/2 -> t=6 (the last wave holds one). B's
+    overflow ends at t=5."""
+    jobs = [{"dataset": "A", "requests": 10, "backends": ["local"]},
+            {"dataset": "B", "requests": 10, "backends": ["local", "or"]}]
+    sim = fc.simulate_generation(jobs, {"local": _backend(2, 1.0), "or": _backend(10, 5.0)},
+                                 {"A": _fixed(10), "B": _fixed(10)}, runs=1)
+    assert sim["dataset_s"] == {"A": [pytest.approx(6.0)], "B": [pytest.approx(5.0)]}
+    assert sim["span_s"] == [pytest.approx(6.0)]
+    assert sim["busy_s"] == {"local": pytest.approx(11.0), "or": pytest.approx(45.0)}
+    # a dataset's own latency on a backend (fitted on its own pilot answers) overrides the backend's
+    models = {"local": _backend(2, 1.0) | {"latency": {"A": (0.5, 0.0)}}, "or": _backend(10, 5.0)}
+    sim = fc.simulate_generation(jobs, models, {"A": _fixed(10), "B": _fixed(10)}, runs=1)
+    assert sim["work_s"]["A"] == pytest.approx(5.0)
+
+
+def test_simulation_retries_failures_and_rate_limits():
+    one = [{"dataset": "d", "requests": 20, "backends": ["x"]}]
+    # every attempt fails mid-request: each request is tried 1 + max_retries times, each attempt a uniform part of
+    # its 10 s, with backoff waits between (0.25 .. 1 s here); nothing is left waiting
+    sim = fc.simulate_generation(one, {"x": _backend(100, 10.0, p_fault=1.0)}, {"d": _fixed(5)}, runs=20,
+                                 max_retries=2, retry_initial_s=1.0, retry_max_s=1.0)
+    per_request = sim["work_s"]["d"] / 20
+    assert 3 * 10.0 * 0.3 < per_request < 3 * 10.0 * 0.7  # 3 attempts of 5 s on average
+    assert max(sim["span_s"]) < 3 * 10.0 + 2 * 1.0
+    # every attempt rate-limited: refused at once, so no request-seconds, only the backoff waits
+    sim = fc.simulate_generation(one, {"x": _backend(100, 10.0, p_rate_limit=1.0)}, {"d": _fixed(5)}, runs=5,
+                                 max_retries=3, retry_initial_s=0.4, retry_max_s=0.4)
+    assert sim["work_s"]["d"] == 0.0
+    assert all(3 * 0.1 <= s <= 3 * 0.4 for s in sim["span_s"])
+    # a job's own retry settings win over the defaults
+    sim = fc.simulate_generation([{**one[0], "max_retries": 0}], {"x": _backend(100, 10.0, p_fault=1.0)},
+                                 {"d": _fixed(5)}, runs=20, max_retries=5)
+    assert sim["work_s"]["d"] / 20 < 10.0
+
+
+def test_simulation_draws_lengths_from_the_lognormal_capped():
+    import math
+    from statistics import NormalDist
+
+    mu, sigma, cap = math.log(1000), 0.8, 4000
+    n = 20_000
+    sim = fc.simulate_generation([{"dataset": "d", "requests": n, "backends": ["x"]}],
+                                 {"x": _backend(1000, 0.5, 0.001)}, {"d": {"mu": mu, "sigma": sigma, "cap": cap}},
+                                 runs=1)
+    # E[min(L, cap)] of a lognormal: e^(mu + s^2/2) Phi((ln cap - mu - s^2) / s) + cap (1 - Phi((ln cap - mu) / s))
+    z = (math.log(cap) - mu) / sigma
+    mean = math.exp(mu + sigma ** 2 / 2) * NormalDist().cdf(z - sigma) + cap * (1 - NormalDist().cdf(z))
+    assert sim["work_s"]["d"] / n == pytest.approx(0.5 + 0.001 * mean, rel=0.02)
+    assert fc.length_model([100, 400], 300) == {"mu": pytest.approx(math.log(200)),
+                                                "sigma": pytest.approx(math.log(4) / math.sqrt(2)), "cap": 300}
+    assert fc.length_model([250], None)["sigma"] == 0.0
+
+
+def test_pilot_faults_split_over_the_backends_by_their_answers():
+    summaries = [{"attempts": {"sent": 110, "retry_reasons": {"http_429": 6, "http_502": 4},
+                               "by_backend": {"a": 75, "b": 25}}},
+                 {"sent": 50, "retry_reasons": {"timeout": 5}, "by_backend": {"b": 45}},  # no `attempts`: its own
+                 {"sent": 0, "retry_reasons": {}, "by_backend": {}}]  # answered from the journal: nothing seen
+    f = fc.pilot_faults(summaries)
+    assert f["a"] == pytest.approx({"attempts": 82.5, "rate_limited": 4.5, "faults": 3.0})
+    assert f["b"] == pytest.approx({"attempts": 27.5 + 50, "rate_limited": 1.5, "faults": 1.0 + 5})
+
+
+def test_job_overhead_is_the_pilot_jobs_mean_and_every_simulated_time_includes_it():
+    summaries = [{"attempts": {"startup_s": 4.0, "wrapup_s": 1.0}}, {"startup_s": 6.0, "wrapup_s": 3.0},
+                 {"startup_s": None, "wrapup_s": None}]  # sent nothing: measured nothing
+    assert fc.job_overhead(summaries) == {"startup_s": 5.0, "wrapup_s": 2.0, "job_s": 7.0}
+    assert fc.job_overhead([]) == {"startup_s": 0.0, "wrapup_s": 0.0, "job_s": 0.0}
+    per = [{"dataset": "d", "backends": ["x"], "shards": [{"requests": 10, "remaining": 4}],
+            "retry": {"max_retries": 0}, "length_model": _fixed(100), "_pilot_lengths": [100]}]
+    models = {"x": _backend(4, 1.0, 0.01) | {"latency": {}, "pilot_attempts": 0.0, "pilot_rate_limited": 0.0,
+                                              "pilot_faults": 0.0}}
+    full = fc.simulated_hours(per, models, "requests", 7.0)
+    assert full["hours"] * 3600 == pytest.approx(6.0 + 7.0)  # 3 waves of 2 s, plus the job's own 7 s
+    assert full["dataset_hours"]["d"] * 3600 == pytest.approx(13.0)
+    assert fc.simulated_hours(per, models, "remaining")["hours"] * 3600 == pytest.approx(2.0)  # 4 on 4 slots
+
+
+def test_a_rerun_pilot_answered_from_the_journal_keeps_the_failures_it_saw(tmp_path, fs, target):
+    fs.configure(p429=0.3, p5xx=0.2, latency_min_s=0.0, latency_max_s=0.0)
+    fs.app.reset()
+    gen, bk = gen_cfg(), backends_cfg(fs)
+    prompts = _prompts(tmp_path)
+    kw = dict(n=PILOT, dataset="ds", shard="000", generation=gen, num_shards=len(SHARDS), target_name=target["name"],
+              backends=bk, journal_dir=tmp_path / "journal", target_format={"template": target["template"]},
+              attempts_path=tmp_path / "cache/forecast/pilot/ds/000.jsonl", summary_path=tmp_path / "s.json")
+    first = fc.pilot(prompts[0], tmp_path / "p.parquet", **kw)
+    st = fs.stats()
+    assert first["attempts"]["sent"] == st["requests"] > PILOT // 2  # the faults made retries
+    retried = sum(first["attempts"]["retry_reasons"].values())
+    assert retried == st["requests"] - PILOT // 2
+    assert json.loads((tmp_path / "s.json").read_text())["attempts"] == first["attempts"]
+    again = fc.pilot(prompts[0], tmp_path / "p.parquet", **kw)
+    assert fs.stats()["requests"] == st["requests"], "the rerun sent requests"
+    assert again["sent"] == 0 and again["attempts"] == first["attempts"]
+    # the job's own time besides its requests, kept for the forecast through the rerun
+    assert first["startup_s"] > 0 and first["wrapup_s"] >= 0 and again["startup_s"] is None
+    assert again["attempts"]["startup_s"] == first["startup_s"]
+    assert fc.job_overhead([again])["job_s"] == pytest.approx(first["startup_s"] + first["wrapup_s"], abs=1e-3)
+    f = fc.pilot_faults([again])["fault"]
+    assert f["attempts"] == st["requests"]
+    assert f["rate_limited"] + f["faults"] == retried
 
 
 @pytest.mark.slow
@@ -248,3 +376,14 @@ def test_expected_longest_is_the_lognormal_quantile_n_over_n_plus_1_capped():
     assert fc.expected_longest([100, 400], 2, cap=300) == 400.0  # never below the pilot's own longest
     assert fc.expected_longest([250], 10_000) == 250.0  # one length: no spread to fit
     assert fc.expected_longest([], 10) == 0.0
+
+
+def test_simulation_overflows_in_each_datasets_priority_order():
+    """Job B prefers `local` then `or`; `or` comes first in the backends' order (another dataset's only backend):
+    B still fills local's free slots first and overflows to `or` only for the rest."""
+    jobs = [{"dataset": "C", "requests": 1, "backends": ["or"]},
+            {"dataset": "B", "requests": 5, "backends": ["local", "or"]}]
+    sim = fc.simulate_generation(jobs, {"or": _backend(10, 5.0), "local": _backend(3, 1.0)},
+                                 {"B": _fixed(10), "C": _fixed(10)}, runs=1)
+    # B: 3 requests on local (1 s each), 2 on or (5 s each); C: 1 on or
+    assert sim["busy_s"] == {"local": pytest.approx(3.0), "or": pytest.approx(15.0)}

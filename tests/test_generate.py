@@ -478,3 +478,44 @@ def test_progress_lines_in_a_log_file_are_plain_lines(tmp_path, fs):
     assert s2["sent"] == 0 and s2["from_journal"] == 30
     last = [ln for ln in log.read_text().splitlines() if "finished:" in ln][-1]
     assert "finished: 30/30 done 100%" in last and "?" in last and "journal 30" in last
+
+
+def test_a_shard_answered_from_the_journal_reads_back_only_the_journal_files_holding_its_keys(tmp_path, fs,
+                                                                                              monkeypatch):
+    """At its end a job writes the responses the journal answered from the files the resume index found them in,
+    not from every shard's journal of the dataset (a build after the forecast's pilot would otherwise parse every
+    other shard's whole journal, once per shard)."""
+    import eagle3_data.generate as g
+
+    for k, shard in enumerate(("000", "001")):
+        p = write_prompts(tmp_path / f"p{shard}.parquet", simple_convs(6, start=10 * k),
+                          ids=[f"k{k}{i}" for i in range(6)])
+        run(tmp_path, fs, p, shard=shard, out=f"out{shard}.parquet")
+    opened = []
+    real = g._journal_batches
+    monkeypatch.setattr(g, "_journal_batches", lambda path, *a, **kw: (opened.append(Path(path).name),
+                                                                       real(path, *a, **kw))[1])
+    s = run(tmp_path, fs, tmp_path / "p001.parquet", shard="001", out="again.parquet")
+    assert s["from_journal"] == 6 and s["sent"] == 0
+    assert opened == ["001.jsonl"]
+    assert sorted(pq.read_table(tmp_path / "again.parquet").column("sample_id").to_pylist()) == \
+        [f"k1{i}" for i in range(6)]
+
+
+def test_a_response_whose_cost_is_being_looked_up_when_the_job_stops_is_journaled(tmp_path, fs):
+    """OpenRouter cost lookups wait seconds for the stats; when the job stops meanwhile (here a 402 on a later
+    request: credits ran out) the paid response is journaled without its cost, never requested again."""
+    fs.configure(omit_cost=True, cost_404s=100, fail_after=3, fail_status=402, latency_min_s=0.0,
+                 latency_max_s=0.0)
+    p = write_prompts(tmp_path / "p.parquet", simple_convs(6))
+    bk = backends_cfg(fs, cost_lookup=True, cost_lookup_delay_s=2.0, max_concurrency=3)
+    with pytest.raises(GenerationStopped):
+        run(tmp_path, fs, p, bk=bk)
+    st = fs.stats()
+    lines = (tmp_path / "journal" / "ds" / "000.jsonl").read_text().splitlines()
+    assert st["completed"] == 3 and len(lines) == 3  # every paid reply is in the journal
+    assert all(json.loads(ln)["cost_usd"] is None for ln in lines)
+    fs.configure(fail_after=None, cost_404s=0)
+    s = run(tmp_path, fs, p, bk=bk)
+    assert s["from_journal"] == 3 and s["sent"] == 3
+    assert max(fs.stats()["completed_by_body"].values()) == 1, "a paid response was requested again"

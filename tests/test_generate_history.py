@@ -112,3 +112,23 @@ def test_kimi_ids_rewritten_on_the_request_path_equal_the_tokenized_prompt(tmp_p
     (tok,) = tokenize_rows([dict(resp, reasoning="r", content="Sunny.")], tt)
     text = tt.tok.decode(tok["input_ids"][:tok["num_prompt_tokens"]], skip_special_tokens=False)
     assert "functions.get_weather:0" in text and "call_0" not in text
+
+
+def test_mode_all_keeps_the_original_turn_when_the_regenerated_one_calls_tools():
+    """A regenerated turn that calls tools where the dataset's turn did not has no tool results after it (a server
+    answers such a history with 400): the later turns are asked with the original turn in their history."""
+    from eagle3_data.generate import Sample, _Runner, _State
+
+    conv = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+            {"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3"}]
+    runner = _Runner(dataset="ds", target_name="t", generation=gen_cfg(mode="all"), records={}, journal=None,
+                     pool=None, state=_State(total=1, budget_tokens=None, budget_usd=None), sampling={})
+    sample = Sample("s", json.dumps(conv), None, [1, 3, 5])
+    steps = runner.steps(sample)
+    turn, prompt, *_ = next(steps)
+    assert turn == 1
+    turn, prompt, *_ = steps.send({"content": "", "tool_calls": json.dumps([CALL0])})  # regenerated with a call
+    assert turn == 3 and prompt[1] == conv[1]  # the original answer stays in the history
+    turn, prompt, *_ = steps.send({"content": "new a2", "reasoning": None, "tool_calls": None})
+    assert turn == 5 and prompt[1] == conv[1] and prompt[3]["content"] == "new a2"  # a plain answer replaces it

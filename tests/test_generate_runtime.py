@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_generate import backends_cfg, gen_cfg, run, simple_convs, write_prompts  # noqa: E402
 
+from eagle3_data import config as cfg  # noqa: E402
 from eagle3_data.backends.limits import HostSlots, job_limit, jobs_using, sharing_mode  # noqa: E402
 from eagle3_data.errors import ExpectedFailure, Interrupted, format_failure, run_stage  # noqa: E402
 from eagle3_data.generate import GenerationStopped  # noqa: E402
@@ -350,25 +351,30 @@ onstart:
 """
 
 
-@pytest.mark.parametrize("widen", [False, True])
-def test_jobs_without_threads_get_a_worker_per_generate_seat(tmp_path, widen):
-    """Snakemake's local executor runs at most --cores + 5 jobs at once; widen_local_workers (the Snakefile's
-    onstart) gives every generate_jobs seat a worker, so 12 waiting jobs run together on 1 core."""
-    import subprocess
-    import sys
-
+def _run_waiting_jobs(wd: Path, generate_jobs: int) -> tuple:
+    """Run the Snakefile in ``wd`` (jobs logging their start and end to ``log``) on 1 core with
+    ``generate_jobs`` seats; return (the finished process, the most jobs that ran at once)."""
     from conftest import snakemake_env
 
-    (tmp_path / "Snakefile").write_text(f"WIDEN = {widen}\n" + WAITING_SNAKEFILE)
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--resources", "generate_jobs=12"],
-                          cwd=tmp_path, env=snakemake_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--resources",
+                           f"generate_jobs={generate_jobs}"], cwd=wd, env=snakemake_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = sorted((float(t), 1 if k == "start" else -1)
-                    for k, t in (line.split() for line in (tmp_path / "log").read_text().splitlines()))
+                    for k, t in (line.split() for line in (wd / "log").read_text().splitlines()))
     n = peak = 0
     for _, d in events:
         n += d
         peak = max(peak, n)
+    return proc, peak
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_jobs_without_threads_get_a_worker_per_generate_seat(tmp_path, widen):
+    """Snakemake's local executor runs at most --cores + 5 jobs at once; widen_local_workers (the Snakefile's
+    onstart) gives every generate_jobs seat a worker, so 12 waiting jobs run together on 1 core."""
+    (tmp_path / "Snakefile").write_text(f"WIDEN = {widen}\n" + WAITING_SNAKEFILE)
+    proc, peak = _run_waiting_jobs(tmp_path, 12)
     assert peak == (12 if widen else 1 + 5)
     assert ("workers: 18" in proc.stdout + proc.stderr) == widen  # 1 core + 5 + 12
 
@@ -414,3 +420,57 @@ def test_a_job_that_started_with_few_slots_takes_the_slots_others_give_back(tmp_
     in_flight, peak = asyncio.run(main())
     assert in_flight == peak == 10
     assert HostSlots.remove_all(tmp_path) == 1
+
+
+SEATS_SNAKEFILE = """
+from eagle3_data import config as cfg
+
+config = {CONFIG}
+SEATS = cfg.backend_job_seats(config, 3)
+for b, n in SEATS.items():  # as rules/common.smk registers them
+    workflow.register_resource(cfg.seat_resource(b), n)
+JOBS = [(ds, s) for ds in config["datasets"] for s in range(config["datasets"][ds]["shards"])]
+
+rule all:
+    input: [f"out/{{ds}}.{{s}}.txt" for ds, s in JOBS]
+
+rule wait:
+    output: "out/{{ds}}.{{s}}.txt"
+    threads: 0
+    resources:
+        generate_jobs=1,
+        **{{cfg.seat_resource(b): (lambda wc, b=b: int(b in cfg.backends_config(config, wc.ds))) for b in SEATS}},
+    shell: "echo start $(date +%s.%N) >> log; sleep 3; echo end $(date +%s.%N) >> log; touch {{output}}"
+"""
+
+
+def test_every_shard_runs_at_once_when_the_shards_fit_in_the_generate_seats(tmp_path):
+    """Two shards on backend x and one shard of a dataset on x then y (3 jobs, 3 generate seats): x may take all 3
+    seats, since no job uses y alone, so the three run together (an even split, 2 seats for x, ran the
+    two-backend shard only after an x shard ended)."""
+    config = {"backends": {"x": {}, "y": {}},
+              "generation": {"backends": ["x"]},
+              "datasets": {"a": {"source": {"format": "sharegpt", "path": "a.json"}, "shards": 2},
+                           "b": {"source": {"format": "sharegpt", "path": "b.json"}, "shards": 1,
+                                 "generation": {"backends": ["x", "y"]}}}}
+    assert cfg.backend_job_seats(config, 3) == {"x": 3, "y": 2}
+    (tmp_path / "Snakefile").write_text(SEATS_SNAKEFILE.format(CONFIG=repr(config)))
+    assert _run_waiting_jobs(tmp_path, 3)[1] == 3
+
+
+def test_rate_limits_are_split_over_the_jobs_that_use_the_backend(monkeypatch):
+    """requests_per_minute / tokens_per_minute have no counter shared between jobs: in a run (here split mode, as
+    on a cluster) each of the 4 jobs on the backend sends at a quarter of them; outside a run a job has them all."""
+    from eagle3_data.backends.client import BackendConfig
+    from eagle3_data.generate import _backend_pool
+
+    c = BackendConfig.from_dict("b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
+                                      "requests_per_minute": 120, "tokens_per_minute": 40_000})
+    monkeypatch.setenv("EAGLE3_CONCURRENCY", "split")
+    with _backend_pool([c], None, {"b": 4}, "[t]") as pool:
+        (b,) = pool.backends
+        assert (b.limiter.max_rate, b.token_limiter.max_rate, b.tpm) == (30.0, 10_000.0, 10_000.0)
+    monkeypatch.delenv("EAGLE3_CONCURRENCY")
+    with _backend_pool([c], None, {"b": 4}, "[t]") as pool:
+        (b,) = pool.backends
+        assert (b.limiter.max_rate, b.token_limiter.max_rate) == (120.0, 40_000.0)

@@ -283,6 +283,21 @@ def test_fast_batch_check_fails_on_each_bad_row(change, rule):
             schemas.check(table, "merged", "x.parquet")
 
 
+def test_datasets_built_from_one_source_may_share_sample_ids():
+    """A merged row is (dataset, sample_id): two datasets regenerated from the same prompts (other settings) keep
+    their rows; the same id twice in one dataset is still refused, by both checks."""
+    from eagle3_data.merge import check_merged_batch
+
+    rows = good_rows(3) + [dict(r, dataset="other", input_ids=[9, 9, r["input_ids"][0]]) for r in good_rows(3)]
+    check_merged_batch(merged_table(rows), "x.parquet")
+    schemas.check(merged_table(rows), "merged", "x.parquet")
+    rows[5] = dict(rows[5], sample_id="s1")
+    with pytest.raises(schemas.SchemaError, match="repeated within its dataset"):
+        check_merged_batch(merged_table(rows), "x.parquet")
+    with pytest.raises(schemas.SchemaError):
+        schemas.check(merged_table(rows), "merged", "x.parquet")
+
+
 def test_fast_batch_check_names_wrong_schema():
     from eagle3_data.merge import check_merged_batch
 

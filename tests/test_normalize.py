@@ -241,6 +241,18 @@ def test_pretokenized_writes_tokens_rows(tmp_path):
     assert all(t.schema.equals(schemas.TOKENS) for t in tables)
 
 
+def test_pretokenized_multi_turn_masks_count_every_supervised_span(tmp_path):
+    """A multi-turn pre-tokenized sample (two supervised spans, the newline after an end-of-turn masked):
+    completion = the supervised tokens, prompt = the rest, so prompt + completion = num_tokens as validate checks
+    (the prompt was once the tokens before the first supervised one: every such sample was a length_mismatch;
+    tests/test_validate.py runs one through validate)."""
+    mask = [0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0]
+    recs = [{"sample_id": "mt", "input_ids": list(range(10, 21)), "loss_mask": mask}]
+    _counts, tables, _rejects = run(tmp_path, write_jsonl(tmp_path / "p.jsonl", recs), "pretokenized")
+    row = next(r for t in tables for r in t.to_pylist())
+    assert (row["num_tokens"], row["num_prompt_tokens"], row["num_completion_tokens"]) == (11, 6, 5)
+
+
 # ------------------------------------------------------------------------------------------ bundled samples
 
 BUNDLED = [

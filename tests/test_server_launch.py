@@ -324,3 +324,53 @@ def test_shared_server_that_fails_to_start_says_why(tmp_path):
     assert "simulated startup failure" in str(ei.value)
     out = subprocess.run(["pgrep", "-f", "fail-startup"], capture_output=True, text=True).stdout.split()
     assert [p for p in out if int(p) != os.getpid()] == []
+
+
+SLOW_STOP_SERVER = textwrap.dedent("""
+    import os, signal, sys, threading, time, http.server
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler)
+    def on_term(*_):  # a server that takes its time to shut down (SGLang freeing its GPUs)
+        def later():
+            time.sleep(float(sys.argv[2]))
+            os._exit(0)
+        threading.Thread(target=later).start()
+    signal.signal(signal.SIGTERM, on_term)
+    print("CVD=" + os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"), flush=True)
+    srv.serve_forever()
+""")
+
+
+def test_an_idle_server_keeps_its_gpus_until_it_is_gone_and_no_job_attaches_while_it_stops(tmp_path, monkeypatch):
+    """The idle stop of a GPU server: its device locks are held until the server process has exited (an
+    extraction job waiting on them would otherwise start on GPUs whose memory the server still holds), and a job
+    that comes while it stops waits for it to be gone and starts a new one instead of attaching to it."""
+    from eagle3_data.backends.server import shared_server, stop_run_servers
+    from eagle3_data.devices import gpu_devices
+    from eagle3_data.run import Owner, Run
+
+    monkeypatch.setenv("EAGLE3_NUM_GPUS", "2")
+    monkeypatch.setenv("EAGLE3_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_STOP_SERVER)
+    run = Run(tmp_path / "run", Owner.me())
+    launch = {"command": f"python {script} {{port}} 3", "ready_path": "/", "gpus": 2, "idle_timeout_s": 1,
+              "stop_grace_s": 10}
+    with shared_server(launch, "m", name="gpu", run=run, log_path=tmp_path / "g.log") as first:
+        entry_path = next(p for p in (tmp_path / "run" / "servers").glob("*.json") if not p.name.endswith(".spec.json"))
+        server_pid = json.loads(entry_path.read_text())["server_pid"]
+    deadline = time.monotonic() + 15
+    while json.loads(entry_path.read_text()).get("state") != "stopping":  # idle for 1 s: the stop begins
+        assert time.monotonic() < deadline, "the idle server was not stopped"
+        time.sleep(0.05)
+    assert not gone(server_pid, within=1.0)  # the server takes 3 s to go...
+    with pytest.raises(TimeoutError):  # ...and keeps its GPUs meanwhile
+        with gpu_devices(1, timeout_s=0.5, set_env=False):
+            pass
+    t0 = time.monotonic()
+    with shared_server(launch, "m", name="gpu", run=run, log_path=tmp_path / "g.log") as again:
+        assert gone(server_pid, within=0.1), "a job attached to (or started beside) a server being stopped"
+        assert again.started and again.pid != first.pid and time.monotonic() - t0 > 1.0
+    assert stop_run_servers(run.dir) == ["gpu"]
+    with gpu_devices(2, timeout_s=10.0, set_env=False) as devs:  # all free once both are gone
+        assert devs == ["0", "1"]

@@ -99,8 +99,13 @@ def test_mask_not_completion():
     m = list(good["loss_mask"])
     m[2] = 1  # a supervised prompt token
     assert reason(fix(dict(good, loss_mask=m))) == "mask_not_completion"
-    # pre-tokenized multi-turn masks may have several supervised spans
+    # pre-tokenized multi-turn masks may have several supervised spans, counted as normalize counts them
     assert reason(fix(dict(good, loss_mask=m, ids_source="pretokenized"))) is None
+    from eagle3_data.normalize import _tokens_row
+
+    pre = dict(good, **_tokens_row(good["sample_id"], good["dataset"], good["input_ids"], m))
+    assert pre["num_prompt_tokens"] + pre["num_completion_tokens"] == pre["num_tokens"]
+    assert reason(pre) is None
 
 
 def test_truncated_rejected_or_kept_by_config():

@@ -294,7 +294,8 @@ NOTHING = "nothing"
 #: README's table is rendered from this; tests/test_config.py checks every schema key has an entry and
 #: tests/test_workflow.py checks the claims with dry runs of the demo build.
 RERUNS: list[tuple[str, str]] = [
-    ("cache_dir", NOTHING + " (move the directory with it: it holds the journals and the extraction links)"),
+    ("cache_dir", NOTHING + " (move the directory with it: it holds the journals, the extraction links and what "
+                            "the forecast pilot saw)"),
     ("target.name", "generate of every generated dataset (the journal is keyed by the target: new requests), "
                     "tokenize, validate, report, view, " + _BELOW_MERGE),
     ("target.path", "tokenize, validate (the tokenizer), report, view, " + _BELOW_MERGE + " (every selection: another "
@@ -526,16 +527,33 @@ def launch_gpus(config: dict, ds: str) -> int:
 def backend_job_seats(config: dict, generate_jobs: int) -> dict[str, int]:
     """Generate jobs each backend may have running at once on one machine: ``{backend: seats}``.
 
-    ``generate_jobs`` is the run's cap on generate jobs at once (the ``generate_jobs`` resource, profiles/default:
-    32). Without a cap per backend the scheduler may fill every seat with one backend's shards (e.g. 40 shards on a
-    local server) while another backend's requests wait, idle. A backend's seats are ``backends.<name>.max_jobs``
-    or, unset, an even share, ``ceil(generate_jobs / B)`` over the B backends the generated datasets use (5 seats,
-    2 backends: 3 each, so each keeps at least 2). A dataset with several backends takes a seat of each. Only
-    backends some generated dataset uses are listed.
+    ``generate_jobs`` (G) is the run's cap on generate jobs at once (the ``generate_jobs`` resource,
+    profiles/default: 32). Without a cap per backend the scheduler may fill every seat with one backend's
+    shards (e.g. 40 shards on a local server) while another backend's requests wait, idle. A job takes a seat
+    of each backend its dataset uses. A backend's seats are ``backends.<name>.max_jobs`` or, unset, every seat
+    the other backends' own jobs can't use: ``max(e, G - sum over the other backends o of min(n_o, e_o))``,
+    with ``e`` the even share ``ceil(G / B)`` over the B backends the generated datasets use, ``e_o`` the even
+    share or ``o``'s ``max_jobs`` where set, and ``n_o`` the jobs (shards) that use ``o`` but not this backend.
+    So each other backend keeps at least ``min(n_o, e_o)`` seats for its own jobs, and when all the generate
+    jobs fit in G every one of them can run at once (an even split would hold back the shards of a dataset that
+    uses two backends while one backend's seats are full: in the seed config, 4 of 32 shards started only when
+    others ended). Only backends some generated dataset uses are listed.
     """
-    used = sorted({b for ds in generated_datasets(config) for b in backends_config(config, ds)})
-    even = -(-int(generate_jobs) // len(used)) if used else int(generate_jobs)
-    return {b: max(1, int((config["backends"][b] or {}).get("max_jobs") or even)) for b in used}
+    jobs = [(set(backends_config(config, ds)), int(config["datasets"][ds].get("shards", 1)))
+            for ds in generated_datasets(config)]
+    used = sorted({b for names, _n in jobs for b in names})
+    g = int(generate_jobs)
+    even = -(-g // len(used)) if used else g
+    out = {}
+    for b in used:
+        own = (config["backends"][b] or {}).get("max_jobs")
+        if own:
+            out[b] = max(1, int(own))
+            continue
+        reserved = sum(min(int((config["backends"][o] or {}).get("max_jobs") or even),
+                           sum(n for names, n in jobs if o in names and b not in names)) for o in used if o != b)
+        out[b] = max(1, even, g - reserved)
+    return out
 
 
 def seat_resource(backend: str) -> str:
@@ -570,6 +588,7 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
         path = config["datasets"][ds]["source"]["path"]
         if check_paths and not Path(path).exists():
             raise ConfigError(f"datasets.{ds}.source.path: {path} does not exist")
+        _check_template_kwargs(config, ds, used)
     try:
         merge_datasets(config)
     except KeyError as exc:
@@ -585,6 +604,41 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
         raise ConfigError(f"target.path: {tpath} exists and is not a tiny target this build made, but "
                           "target.build_tiny is true (the build would replace it); set target.build_tiny: false "
                           "for a real model")
+
+
+def _check_template_kwargs(config: dict, ds: str, used: dict) -> None:
+    """Raise :class:`ConfigError` when a backend would render the prompts of ``ds`` with chat-template variables
+    other than the ones tokenize renders them with.
+
+    tokenize renders with ``target.chat_template_kwargs`` updated by the dataset's
+    ``generation.extra_body.chat_template_kwargs``; a backend's server receives the dataset's
+    ``chat_template_kwargs`` when it sets them (the request's ``extra_body`` replaces the backend's), else the
+    backend's own ``extra_body.chat_template_kwargs``. A variable the server gets with another value than tokenize
+    uses (e.g. ``thinking: false`` on the backend, ``thinking: true`` on the target) would make every prompt's
+    ids differ from what the target saw. A variable tokenize uses but the server is not sent is allowed (the
+    server's template default, e.g. OpenRouter's, is the user's to know). A ``native_generate`` backend is sent
+    the prompt's ids, rendered as tokenize renders them."""
+    if is_pretokenized(config, ds):
+        return
+    target_kw = dict((config.get("target") or {}).get("chat_template_kwargs") or {})
+    ds_extra = generation_config(config, ds).get("extra_body") or {}
+    rendered = {**target_kw, **(ds_extra.get("chat_template_kwargs") or {})}
+    for name, b in used.items():
+        if (b or {}).get("native_generate"):  # the prompt ids are rendered here, as tokenize renders them
+            continue
+        if "chat_template_kwargs" in ds_extra:
+            sent, where = ds_extra["chat_template_kwargs"] or {}, f"datasets.{ds}.generation.extra_body"
+        else:
+            sent, where = ((b or {}).get("extra_body") or {}).get("chat_template_kwargs") or {}, \
+                f"backends.{name}.extra_body"
+        for k, v in sent.items():
+            if rendered.get(k, None) != v:
+                have = f"{rendered[k]!r} (target.chat_template_kwargs)" if k in rendered else "not set"
+                raise ConfigError(
+                    f"{where}.chat_template_kwargs.{k} is {v!r}, but tokenize renders the prompts of {ds} with {k} "
+                    f"{have}: the token ids would not be the prompt the target saw. Set target.chat_template_kwargs."
+                    f"{k} to {v!r} too (or set it in datasets.{ds}.generation.extra_body.chat_template_kwargs, which "
+                    "both use)")
 
 
 def config_sources(paths: Sequence[str | os.PathLike], default: str | os.PathLike | None = None) -> list[tuple[str, dict]]:

@@ -29,13 +29,19 @@ not stored are written as zeros: they are never read by the loss, see ``extract.
 
 Staleness: with ``merge_manifest``, every hidden-states file read must carry the manifest's digest of its
 selection (the workflow reruns an extract job when that digest changes; a file computed for another
-selection, e.g. after ``--rerun-triggers mtime`` skipped the rerun, is refused by name).
+selection, e.g. after ``--rerun-triggers mtime`` skipped the rerun, is refused by name). The trainers read
+every file in ``<out_dir>``, so a file an earlier export left there (the merged set shrank, a shard's start
+moved, ``group_size`` changed) would be trained on: each shard's job removes the files of its own indices
+that are not where this export puts them, and the last shard's job every file past the set's end
+(:func:`prune_stale`; shards own disjoint index ranges, so jobs running at once never remove each other's).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import time
 from pathlib import Path
 
@@ -131,7 +137,8 @@ def export(
             :func:`start_indices` computes it from the merge manifest).
         group_size: SpecForge's ``--file-group-size`` (files per ``rows_*`` directory).
         manifest_path: optional JSON written last (atomically): layout, source, start/end index, files,
-            tokens, seconds. Snakemake uses it as the rule's output.
+            tokens, removed_stale (files of an earlier export removed, :func:`prune_stale`; only with
+            ``merge_manifest``), seconds. Snakemake uses it as the rule's output.
         allow_norm_mismatch: export even when the files' ``final_norm`` is not what the trainer expects.
 
     Returns: the manifest dict.
@@ -207,7 +214,7 @@ def export(
             files.append(str(path))
     finally:
         index.close()
-    if layout == "speculators":
+    if layout == "speculators" and n:  # (an empty shard shares its start with the next one: it writes none)
         table = pa.table({
             "index": pa.array(range(start_index, start_index + n), pa.int64()),
             "sample_id": pa.array(sample_ids, pa.string()),
@@ -217,6 +224,14 @@ def export(
             "seq_len": pa.array([len(x) for x in spec_rows["ids"]], pa.int64()),
         })
         write_parquet(table, out_dir / f"samples_{start_index:09d}.parquet")
+    removed = []
+    if merge_manifest is not None:
+        total = sum(int(sh["samples"]) for sh in m.get("shards") or [])
+        removed = prune_stale(out_dir, layout, start=start_index, end=start_index + n, total=total,
+                              group_size=group_size)
+        if removed:
+            log.info("removed %d file(s) of an earlier export that this one does not write (e.g. %s)",
+                     len(removed), removed[0])
     manifest = {
         "layout": layout,
         "source": str(merged_path),
@@ -227,12 +242,67 @@ def export(
         "num_tokens": tokens,
         "final_norm": sorted(norms)[0] if len(norms) == 1 else sorted(norms),
         "files": files,
+        "removed_stale": len(removed),
         "seconds": round(time.perf_counter() - t0, 3),
     }
     if manifest_path is not None:
         write_json(manifest, manifest_path)
     log.info("exported %d samples (%d tokens) of %s as %s into %s", n, tokens, merged_path, layout, out_dir)
     return manifest
+
+
+_INDEX = {"specforge": re.compile(r"^data_(\d+)\.ckpt$"), "speculators": re.compile(r"^hs_(\d+)\.safetensors$")}
+_GROUP = re.compile(r"^rows_(\d+)-(\d+)$")
+_SAMPLES = re.compile(r"^samples_(\d+)\.parquet$")
+
+
+def prune_stale(out_dir, layout: str, *, start: int, end: int, total: int, group_size: int = 2000) -> list[str]:
+    """Remove the files of an earlier export in ``out_dir`` that this export does not write, among those this
+    shard owns: sample indices in ``[start, end)`` (its rows) and, for the shard that ends the set
+    (``end >= total``), every index from ``total`` on. A sample file is stale when its index is owned and it is not
+    at the path this export gives it (SpecForge: another ``rows_*`` grouping; any layout: an index past the set's
+    end); a speculators ``samples_{s}.parquet`` is stale when ``s`` is owned and is not this shard's ``start``.
+    Only the ``rows_*`` directories whose range meets the owned indices are listed. Returns the removed paths."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    total = max(total, end)  # never what this shard itself writes
+    last = end >= total
+
+    def owned(i: int) -> bool:
+        return start <= i < end or (last and i >= total)
+
+    removed = []
+
+    def rm(p: Path) -> None:
+        p.unlink(missing_ok=True)  # (two empty last shards may both own the indices past the end)
+        removed.append(str(p))
+
+    top = list(os.scandir(out_dir))
+    if layout == "specforge":
+        for d in top:
+            m = _GROUP.match(d.name)
+            if not (m and d.is_dir()):
+                continue
+            lo, hi = int(m.group(1)), int(m.group(2))
+            if not (lo < end and hi > start) and not (last and hi > total):
+                continue
+            for f in os.scandir(d.path):
+                k = _INDEX["specforge"].match(f.name)
+                if k and owned(i := int(k.group(1))) and (
+                        i >= total or Path(f.path) != specforge_path(out_dir, i, group_size)):
+                    rm(Path(f.path))
+    else:
+        if last and (out_dir / "hidden_states").is_dir():
+            for f in os.scandir(out_dir / "hidden_states"):
+                k = _INDEX["speculators"].match(f.name)
+                if k and int(k.group(1)) >= total:
+                    rm(Path(f.path))
+        for f in top:
+            m = _SAMPLES.match(f.name)
+            if m and owned(s := int(m.group(1))) and not (s == start and start < end):
+                rm(Path(f.path))
+    return removed
 
 
 def start_indices(merge_manifest) -> list[int]:

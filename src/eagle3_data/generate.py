@@ -256,6 +256,8 @@ class _State:
     last_error: str | None = None  # "<reason>: <text> (backend <name>)" of the last failed request
     logged_errors: dict = field(default_factory=dict)  # reason -> failures logged with their text so far
     t0: float = field(default_factory=time.monotonic)
+    first_sent_at: float | None = None  # unix time this run's first request asked for a slot
+    last_done_at: float | None = None  # unix time its last attempt ended
 
     def spent_tokens(self) -> int:
         return self.completion_tokens + self.journal_completion_tokens
@@ -334,8 +336,10 @@ class _Runner:
                 return
             if turn < len(history):
                 orig = history[turn]
-                # an original turn with tool calls is answered by the tool messages after it: keep it
-                if not orig.get("tool_calls"):
+                # an original turn with tool calls is answered by the tool messages after it: keep it; a
+                # regenerated turn that calls tools where the original did not would have no tool results after it
+                # (servers answer such a history with HTTP 400): the later turns follow the original conversation
+                if not orig.get("tool_calls") and not rec.get("tool_calls"):
                     history[turn] = assistant_message(rec)
 
     def pending(self, sample: Sample) -> bool:
@@ -466,6 +470,8 @@ class _Runner:
                     attempts += 1
                     if attempts > 1:
                         st.retries += 1
+                    if st.first_sent_at is None:  # before the wait for a slot: that wait is the requests' time
+                        st.first_sent_at = time.time()
                     async with self.pool.slot(avoid=avoid) as backend:
                         # budgets gate every attempt (a retry after a 429 costs as much as a new request),
                         # checked when a slot is free so that the spend of everything in flight is counted: the
@@ -496,24 +502,45 @@ class _Runner:
                             raise
                         finally:
                             st.in_flight -= 1
+                            st.last_done_at = time.time()
                         backend.record(True)
         except (RetryableError, SampleError) as exc:
             exc.attempts = attempts
             exc.backend = backend.name if backend is not None else None
             raise
-        if fields.get("cost_usd") is None and backend.cfg.cost_lookup and fields.get("generation_id"):
-            st.in_flight += 1  # still counted by the budgets while its cost is unknown
-            try:
-                fields["cost_usd"] = await backend.lookup_cost(fields["generation_id"])
-            finally:
-                st.in_flight -= 1
-        return {
+        rec = {
             **fields,
             "sample_id": sample.sample_id, "dataset": self.dataset, "turn": int(turn), "request_key": key,
             "messages": json.dumps(prompt, ensure_ascii=False),
             "tools": json.dumps(tools, ensure_ascii=False) if tools else None,
             "status": "ok", "error": None,
         }
+        if fields.get("cost_usd") is None and backend.cfg.cost_lookup and fields.get("generation_id"):
+            st.in_flight += 1  # still counted by the budgets while its cost is unknown
+            try:
+                rec["cost_usd"] = await backend.lookup_cost(fields["generation_id"])
+            except asyncio.CancelledError:
+                # the job is stopping (SIGTERM, another request's fatal error) while the stats of a response it
+                # paid for are looked up (seconds of waits): journal it without its cost, never pay for it again
+                self.write(self.journal.append(rec))
+                raise
+            finally:
+                st.in_flight -= 1
+        return rec
+
+
+def _job_overhead(state: _State) -> dict:
+    """``startup_s``: seconds from this process's start (its interpreter, imports, reading the inputs) to its
+    first request asking for a slot; ``wrapup_s``: from its last attempt's end to now (writing the outputs).
+    Both None when it sent nothing. The forecast adds them to the simulated requests (a job's time is these
+    plus its requests')."""
+    if state.first_sent_at is None:
+        return {"startup_s": None, "wrapup_s": None}
+    import psutil  # a dependency of snakemake
+
+    started = psutil.Process().create_time()
+    return {"startup_s": round(max(0.0, state.first_sent_at - started), 3),
+            "wrapup_s": round(max(0.0, time.time() - (state.last_done_at or state.first_sent_at)), 3)}
 
 
 def _first_leaf(eg: BaseExceptionGroup) -> BaseException:
@@ -606,10 +633,14 @@ def _backend_pool(cfgs: list[BackendConfig], run, backend_jobs: dict | None, tag
         n_jobs = (backend_jobs or {}).get(c.name, 1)
         cap = limits.job_limit(c.max_concurrency, mode, n_jobs)
         slots = limits.host_slots(run, c.name, c.max_concurrency) if mode == "host" else None
-        backends.append(Backend(c, cap=cap, slots=slots))
-        logger.info("%s backend %s: at most %d request(s) in flight from this job%s", tag, c.name, cap,
+        # rate limits have no shared counter: each job of the run takes an even share of them
+        share = 1.0 / max(1, n_jobs) if mode in ("host", "split") else 1.0
+        backends.append(Backend(c, cap=cap, slots=slots, rate_share=share))
+        logger.info("%s backend %s: at most %d request(s) in flight from this job%s%s", tag, c.name, cap,
                     f", {c.max_concurrency} over all jobs on this machine" if slots else
-                    f" ({c.max_concurrency} split over {n_jobs} jobs)" if mode == "split" else "")
+                    f" ({c.max_concurrency} split over {n_jobs} jobs)" if mode == "split" else "",
+                    f"; rate limits: 1/{n_jobs} of the backend's each" if share < 1 and (
+                        c.requests_per_minute or c.tokens_per_minute) else "")
     yield BackendPool(backends)
 
 
@@ -750,18 +781,19 @@ def _batch_suspect(rb) -> bool:
 
 
 def _write_journaled(w: schemas.CheckedParquetWriter, folder: Path, wanted: set, batch_rows: int,
-                     block_bytes: int = 1 << 18) -> None:
+                     block_bytes: int = 1 << 18, files: list | None = None) -> None:
     """Write the journaled records whose ``request_key`` is in ``wanted`` (emptied as they are found) to ``w``.
 
-    The ``*.jsonl`` files of ``folder`` are streamed in name order, first occurrence of a key wins (as in
-    :func:`journal.read_journal`). Each file is read in ~``block_bytes`` batches by pyarrow's JSON reader (no
-    Python dict per row, zero-copy slices of the wanted rows); from a line it can't parse (torn write) on, that
-    file is read line by line in Python (``batch_rows`` rows a batch).
+    The ``*.jsonl`` files of ``folder`` (or only ``files``: those the resume index found the keys in, so that
+    a shard does not parse the other shards' journals) are streamed in name order, first occurrence of a key
+    wins (as in :func:`journal.read_journal`). Each file is read in ~``block_bytes`` batches by pyarrow's JSON
+    reader (no Python dict per row, zero-copy slices of the wanted rows); from a line it can't parse (torn
+    write) on, that file is read line by line in Python (``batch_rows`` rows a batch).
 
     Raises RuntimeError if a key is missing from the journal (it was appended this run or read at start)."""
     import pyarrow as pa
 
-    for path in sorted(folder.glob("*.jsonl")) if wanted else []:
+    for path in (sorted(files) if files is not None else sorted(folder.glob("*.jsonl"))) if wanted else []:
         try:
             for rb in _journal_batches(path, block_bytes):
                 if _batch_suspect(rb):  # a value journal.record_problem rejects: judge each line in Python
@@ -858,7 +890,9 @@ def generate(
     Returns: dict with dataset, shard, samples, ok, failed (reason -> count), from_journal, sent (HTTP
         requests), retries, not_sent, completion_tokens / prompt_tokens / cost_usd (this run),
         total_completion_tokens / total_cost_usd (incl. journal), by_backend, stopped_by, servers_started
-        (launched servers this job started), servers_attached (run servers it used), wall_s.
+        (launched servers this job started), servers_attached (run servers it used), wall_s (s), startup_s and
+        wrapup_s (s from the process start to the first request, and from the last attempt's end to the
+        summary; None when nothing was sent).
 
     Raises:
         GenerationStopped: 401/402/403 from a backend, a missing API key variable, every backend down (refused
@@ -934,7 +968,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         )
         # resume index: spend, and (mode all) what the regenerated history needs; texts stay on disk
         keep = ("completion_tokens", "cost_usd") + (("content", "reasoning", "tool_calls") if mode == "all" else ())
-        records, jstats = read_journal(journal_dir, dataset, fields=keep)
+        key_files: dict = {}  # the file of each journaled record: the end reads back only those files
+        records, jstats = read_journal(journal_dir, dataset, fields=keep, key_files=key_files)
         logger.info(
             "%s %d samples (%d unusable, %d over max_samples), mode %s; journal: %d responses in %d file(s), "
             "%d torn/bad line(s) skipped", tag, len(samples), len(bad), capped, mode, jstats["records"],
@@ -1052,7 +1087,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                     "retries them (journaled responses are not sent again)", tag, failed_requests, dict(state.failed))
             runner.flush()  # new responses: streamed into the writer during the run
             # responses of earlier runs: read back from the journal
-            _write_journaled(writer, journal_dir / dataset, set(runner.journal_keys), write_batch_rows)
+            wanted = set(runner.journal_keys)
+            _write_journaled(writer, journal_dir / dataset, wanted, write_batch_rows,
+                             files=sorted({key_files[k] for k in wanted if k in key_files}))
             writer.write_rows(rows)
             n_rows = writer.rows
 
@@ -1072,7 +1109,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             "total_cost_usd": round(state.spent_usd(), 6), "by_backend": dict(state.by_backend),
             "stopped_by": stopped_by, "servers_started": servers_started, "servers_attached": servers_attached,
             "journal_bad_lines": jstats["bad_lines"], "rows": n_rows,
-            "wall_s": round(time.monotonic() - t0, 3),
+            "wall_s": round(time.monotonic() - t0, 3), **_job_overhead(state),
         }
         logger.info("%s finished: %s", tag, progress.final_line(state, "").lstrip())
         if state.not_sent:

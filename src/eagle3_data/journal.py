@@ -113,26 +113,32 @@ def iter_journal_file(path: str | os.PathLike, stats: dict | None = None, warn: 
             yield rec
 
 
-def read_journal(journal_dir: str | os.PathLike, dataset: str,
-                 fields: Iterable[str] | None = None) -> tuple[dict[str, dict], dict]:
+def read_journal(journal_dir: str | os.PathLike, dataset: str, fields: Iterable[str] | None = None,
+                 key_files: dict | None = None) -> tuple[dict[str, dict], dict]:
     """Read every ``*.jsonl`` of ``<journal_dir>/<dataset>/``.
 
     Returns ``(records, stats)``: ``records`` maps ``request_key`` -> record dict (first occurrence wins;
     a duplicate key is counted, not an error); with ``fields``, each record keeps only those keys (the
     resume index of a large journal without its texts); ``stats`` = ``{"files", "lines", "records",
     "bad_lines", "duplicates"}``. A line that is not a JSON object with a string ``request_key`` (a torn
-    write) is skipped with a warning naming file and line number.
+    write) is skipped with a warning naming file and line number. ``key_files`` (a dict, filled in) maps each
+    key to the file (a ``Path``) its record was taken from.
     """
     records: dict[str, dict] = {}
     stats = {"files": 0, "lines": 0, "records": 0, "bad_lines": 0, "duplicates": 0}
     keep = None if fields is None else tuple(fields)
-    for rec in iter_journal(journal_dir, dataset, stats):
-        key = rec["request_key"]
-        if key in records:
-            stats["duplicates"] += 1
-            continue
-        records[key] = rec if keep is None else {k: rec.get(k) for k in keep}
-        stats["records"] += 1
+    folder = Path(journal_dir) / dataset
+    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+        stats["files"] += 1
+        for rec in iter_journal_file(path, stats, True):
+            key = rec["request_key"]
+            if key in records:
+                stats["duplicates"] += 1
+                continue
+            records[key] = rec if keep is None else {k: rec.get(k) for k in keep}
+            if key_files is not None:
+                key_files[key] = path
+            stats["records"] += 1
     return records, stats
 
 

@@ -280,8 +280,8 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
 
     The same rules as ``schema_models.MergedModel`` (which converts to pandas and is ~10x slower on token lists),
     plus ``num_supervised == sum(loss_mask)``: schema equal to ``schemas.MERGED``; no null ``sample_id``,
-    ``dataset``, ids, masks, counts or flags; ``sample_id`` unique in the batch; ``input_ids`` non-empty with
-    every id >= 0; ``loss_mask`` values 0/1; both lists ``num_tokens`` long; ``num_tokens`` > 0;
+    ``dataset``, ids, masks, counts or flags; ``sample_id`` unique per ``dataset`` in the batch; ``input_ids``
+    non-empty with every id >= 0; ``loss_mask`` values 0/1; both lists ``num_tokens`` long; ``num_tokens`` > 0;
     ``num_supervised`` > 0.
 
     Raises ``schemas.SchemaError`` naming ``path``, the row (``first_row`` + index in the batch), its
@@ -303,11 +303,13 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
         col = table.column(name)
         if col.null_count:
             flag(pc.is_null(col).to_numpy(zero_copy_only=False), f"{name} is null")
-    sid = table.column("sample_id").combine_chunks()
+    # a merged row is (dataset, sample_id): datasets built from one source may share ids
+    sid = pc.binary_join_element_wise(table.column("dataset").combine_chunks(),
+                                      table.column("sample_id").combine_chunks(), "\x00")
     if pc.count_distinct(sid, mode="only_valid").as_py() != n - sid.null_count:
         counts = pc.value_counts(sid)
         dups = {v["values"] for v in counts.to_pylist() if v["counts"] > 1}
-        flag([x in dups for x in sid.to_pylist()], "sample_id repeated in the batch")
+        flag([x in dups for x in sid.to_pylist()], "sample_id repeated within its dataset in the batch")
     ntok = table.column("num_tokens").combine_chunks().fill_null(0).to_numpy(zero_copy_only=False)
     nsup = table.column("num_supervised").combine_chunks().fill_null(0).to_numpy(zero_copy_only=False)
     flag(ntok <= 0, "num_tokens must be > 0")

@@ -86,15 +86,17 @@ class _ShardWriter:
 
 
 def _tokens_row(sample_id: str, dataset: str, ids: list[int], mask: list[int]) -> dict:
-    first = next((i for i, m in enumerate(mask) if m), len(mask))
+    # a multi-turn mask has several supervised spans: "completion" counts the supervised tokens, "prompt" the rest
+    # (so prompt + completion = num_tokens, as validate checks), not the index of the first supervised token
+    supervised = sum(mask)
     return {
         "sample_id": sample_id,
         "dataset": dataset,
         "input_ids": ids,
         "loss_mask": mask,
         "num_tokens": len(ids),
-        "num_prompt_tokens": first,
-        "num_completion_tokens": sum(mask),
+        "num_prompt_tokens": len(ids) - supervised,
+        "num_completion_tokens": supervised,
         "ids_source": "pretokenized",
     }
 

@@ -111,6 +111,10 @@ class MergedModel(ValidatedModel):
     ids_source: Optional[Series[str]]
     num_completion_tokens: Optional[Series[int]]
 
+    class Config:
+        # datasets from one source may share ids: a merged row is (dataset, sample_id), as its selection is
+        unique = ["dataset", "sample_id"]
+
 
 MODELS = {
     "prompts": PromptsModel,

@@ -600,6 +600,8 @@ class Backend:
     Concurrency: at most ``cap`` requests in flight from this job (default ``max_concurrency``); with ``slots`` (a
     :class:`.limits.HostSlots` shared by the jobs of a run on this machine) each request also holds one of the
     backend's ``max_concurrency`` slots, so the limit holds over all jobs together (see :class:`BackendPool`).
+    Rate limits (``requests_per_minute``, ``tokens_per_minute``): this job sends at ``rate_share`` of them
+    (1 / the jobs that use the backend, in a workflow run), so the jobs together stay under them.
 
     Health: ``eject_after`` consecutive backend faults (connection refused, 5xx) take it out of rotation for
     ``eject_s`` seconds; its requests go to the other backends meanwhile. A backend whose every attempt ended in such
@@ -609,7 +611,7 @@ class Backend:
     """
 
     def __init__(self, cfg: BackendConfig, *, eject_after: int = 20, eject_s: float = 30.0, cap: int | None = None,
-                 slots=None):
+                 slots=None, rate_share: float = 1.0):
         self.cfg = cfg
         self.name = cfg.name
         self.in_flight = 0
@@ -659,12 +661,14 @@ class Backend:
         self.client = self.clients[0]
         self.limiter = None
         self.token_limiter = None
-        self.tpm = float(cfg.tokens_per_minute) if cfg.tokens_per_minute else None
-        if cfg.requests_per_minute or cfg.tokens_per_minute:
+        # this job's share of the backend's rate limits (1 / the jobs that use it: together they never pass them)
+        self.rpm = float(cfg.requests_per_minute) * rate_share if cfg.requests_per_minute else None
+        self.tpm = float(cfg.tokens_per_minute) * rate_share if cfg.tokens_per_minute else None
+        if self.rpm or self.tpm:
             from aiolimiter import AsyncLimiter
 
-            if cfg.requests_per_minute:
-                self.limiter = AsyncLimiter(float(cfg.requests_per_minute), 60.0)
+            if self.rpm:
+                self.limiter = AsyncLimiter(self.rpm, 60.0)
             if self.tpm:
                 self.token_limiter = AsyncLimiter(self.tpm, 60.0)
         self.cost_lookups = 0

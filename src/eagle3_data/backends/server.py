@@ -379,60 +379,73 @@ def shared_server(launch: dict, model: str, *, name: str, run, log_path: str | o
     log_path = Path(log_path)
     started = False
     t_wait = time.monotonic()
-    with _flock(lock_path, fcntl.LOCK_EX):
-        if time.monotonic() - t_wait > wait_log_s:
-            logger.info("backend %s: waited %.0f s for the server registry", name, time.monotonic() - t_wait)
-        entry = _read_json(entry_path)
-        if not (entry and entry.get("state") in ("starting", "ready")
-                and _pid_alive(entry.get("supervisor_pid"), entry.get("supervisor_start"))):
-            port, argv = _prepared(launch, model, name)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            # the environment goes to the supervisor's process, not into the spec file (it may hold API keys)
-            spec = {"name": name, "argv": argv, "port": port, "url": _ready_url(launch, port),
-                    "ready_timeout_s": float(launch.get("ready_timeout_s") or 300),
-                    "stop_grace_s": float(launch.get("stop_grace_s") or 20), "gpus": int(launch.get("gpus") or 0),
-                    "idle_timeout_s": float(launch.get("idle_timeout_s") or DEFAULT_IDLE_TIMEOUT_S),
-                    "owner": str(run.owner), "entry": str(entry_path), "lock": str(lock_path),
-                    "lease": str(lease_path), "log": str(log_path.absolute())}
-            spec_path = reg / f"{key}.spec.json"
-            _write_json(spec_path, spec)
-            entry_path.unlink(missing_ok=True)
-            logger.info("starting local server %s on 127.0.0.1:%d for this run (log: %s): %s", name, port, log_path,
-                        shlex.join(argv))
-            with open(log_path, "ab") as logf:
-                sup = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, "supervise", str(spec_path)],
-                                       stdin=subprocess.DEVNULL, stdout=logf,
-                                       stderr=subprocess.STDOUT, start_new_session=True, env=server_env(launch))
-            started = True
-            entry = None
-            while True:  # wait for the supervisor's verdict, holding the lock: other jobs attach afterwards
-                entry = _read_json(entry_path)
-                if entry and entry.get("supervisor_pid") == sup.pid and entry.get("state") in ("ready", "failed"):
-                    break
-                if sup.poll() is not None:
-                    entry = _read_json(entry_path) or {}
-                    if entry.get("state") != "ready":
-                        entry = {"state": "failed", "error": entry.get("error") or (
-                            f"local server {name}: its supervisor exited with code {sup.returncode}; last lines of "
-                            f"{log_path}:\n{_tail(log_path)}")}
-                    break
-                time.sleep(0.2)
-            if entry.get("state") != "ready":
-                raise ServerLaunchError(entry.get("error") or f"local server {name} did not start")
-            logger.info("local server %s ready in %.1f s (pid %s%s)", name, entry.get("ready_s", 0.0),
-                        entry.get("server_pid"), f", GPUs {','.join(entry['devices'])}" if entry.get("devices") else "")
-        else:
-            while entry.get("state") == "starting":  # its starter died while waiting: wait here instead
-                time.sleep(0.2)
-                entry = _read_json(entry_path) or {"state": "failed"}
-                if not _pid_alive(entry.get("supervisor_pid"), entry.get("supervisor_start")):
-                    entry = {"state": "failed", "error": f"local server {name}: its supervisor is gone"}
-            if entry.get("state") != "ready":
-                raise ServerLaunchError(entry.get("error") or f"local server {name} did not start")
-            logger.info("backend %s: attached to the run's local server on port %d (pid %s)", name, entry["port"],
-                        entry.get("server_pid"))
-        lease = os.open(lease_path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(lease, fcntl.LOCK_SH)
+    logged = False
+    while True:
+        stopping = False
+        with _flock(lock_path, fcntl.LOCK_EX):
+            if time.monotonic() - t_wait > wait_log_s and not logged:
+                logged = True
+                logger.info("backend %s: waited %.0f s for the server registry", name, time.monotonic() - t_wait)
+            entry = _read_json(entry_path)
+            if entry and entry.get("state") == "stopping" and _pid_alive(entry.get("supervisor_pid"),
+                                                                         entry.get("supervisor_start")):
+                stopping = True  # being stopped (idle): wait, without the lock, for it to be gone, then start anew
+            elif not (entry and entry.get("state") in ("starting", "ready")
+                      and _pid_alive(entry.get("supervisor_pid"), entry.get("supervisor_start"))):
+                port, argv = _prepared(launch, model, name)
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                # the environment goes to the supervisor's process, not into the spec file (it may hold API keys)
+                spec = {"name": name, "argv": argv, "port": port, "url": _ready_url(launch, port),
+                        "ready_timeout_s": float(launch.get("ready_timeout_s") or 300),
+                        "stop_grace_s": float(launch.get("stop_grace_s") or 20),
+                        "gpus": int(launch.get("gpus") or 0),
+                        "idle_timeout_s": float(launch.get("idle_timeout_s") or DEFAULT_IDLE_TIMEOUT_S),
+                        "owner": str(run.owner), "entry": str(entry_path), "lock": str(lock_path),
+                        "lease": str(lease_path), "log": str(log_path.absolute())}
+                spec_path = reg / f"{key}.spec.json"
+                _write_json(spec_path, spec)
+                entry_path.unlink(missing_ok=True)
+                logger.info("starting local server %s on 127.0.0.1:%d for this run (log: %s): %s", name, port,
+                            log_path, shlex.join(argv))
+                with open(log_path, "ab") as logf:
+                    sup = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, "supervise", str(spec_path)],
+                                           stdin=subprocess.DEVNULL, stdout=logf,
+                                           stderr=subprocess.STDOUT, start_new_session=True, env=server_env(launch))
+                started = True
+                entry = None
+                while True:  # wait for the supervisor's verdict, holding the lock: other jobs attach afterwards
+                    entry = _read_json(entry_path)
+                    if entry and entry.get("supervisor_pid") == sup.pid and entry.get("state") in ("ready",
+                                                                                                     "failed"):
+                        break
+                    if sup.poll() is not None:
+                        entry = _read_json(entry_path) or {}
+                        if entry.get("state") != "ready":
+                            entry = {"state": "failed", "error": entry.get("error") or (
+                                f"local server {name}: its supervisor exited with code {sup.returncode}; last "
+                                f"lines of {log_path}:\n{_tail(log_path)}")}
+                        break
+                    time.sleep(0.2)
+                if entry.get("state") != "ready":
+                    raise ServerLaunchError(entry.get("error") or f"local server {name} did not start")
+                logger.info("local server %s ready in %.1f s (pid %s%s)", name, entry.get("ready_s", 0.0),
+                            entry.get("server_pid"),
+                            f", GPUs {','.join(entry['devices'])}" if entry.get("devices") else "")
+            else:
+                while entry.get("state") == "starting":  # its starter died while waiting: wait here instead
+                    time.sleep(0.2)
+                    entry = _read_json(entry_path) or {"state": "failed"}
+                    if not _pid_alive(entry.get("supervisor_pid"), entry.get("supervisor_start")):
+                        entry = {"state": "failed", "error": f"local server {name}: its supervisor is gone"}
+                if entry.get("state") != "ready":
+                    raise ServerLaunchError(entry.get("error") or f"local server {name} did not start")
+                logger.info("backend %s: attached to the run's local server on port %d (pid %s)", name,
+                            entry["port"], entry.get("server_pid"))
+            if not stopping:
+                lease = os.open(lease_path, os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(lease, fcntl.LOCK_SH)
+                break
+        time.sleep(0.2)
     try:
         yield SharedServer(name, int(entry["port"]), list(entry.get("devices") or []), started,
                            int(entry["supervisor_pid"]), Path(entry.get("log") or log_path))
@@ -508,37 +521,47 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
     code = 0
     try:
         with gpu_devices(spec["gpus"], env=env, timeout_s=spec["ready_timeout_s"]) as devs:
-            say(f"starting{' on GPUs ' + ','.join(devs) if devs else ''}: {shlex.join(spec['argv'])}")
-            proc = _popen(spec["argv"], env, sys.stdout)
-            entry(server_pid=proc.pid, devices=devs)
-            try:
-                took = _wait_ready(proc, spec["url"], spec["ready_timeout_s"], name=name, argv=spec["argv"],
-                                   log_path=Path(spec["log"]), offset=log_offset, stop=lambda: stop["why"])
-            except ServerLaunchError as exc:
-                entry(state="failed", error=exc.message)
-                say(f"failed: {exc.message.splitlines()[0]}")
-                return 1
-            entry(state="ready", ready_s=round(took, 1))
-            say(f"ready in {took:.1f} s on port {spec['port']} (pid {proc.pid})")
-            idle_since = None
-            while stop["why"] is None:
-                time.sleep(poll_s)
-                if proc.poll() is not None:
-                    stop["why"] = f"the server exited with code {proc.returncode}"
-                    code = 1
-                elif owner is not None and not owner.alive():
-                    stop["why"] = "the workflow run ended (its snakemake process is gone)"
-                else:
-                    idle_since = _idle_check(spec, idle_since)
-                    if idle_since is not None and time.monotonic() - idle_since >= spec["idle_timeout_s"]:
-                        stop["why"] = f"no job used it for {spec['idle_timeout_s']:.0f} s"
-            say(f"stopping: {stop['why']}")
+            try:  # the server is stopped before its GPUs' locks go: an extraction job waiting on them never
+                # starts while the server still holds device memory (its shutdown, the stop grace)
+                say(f"starting{' on GPUs ' + ','.join(devs) if devs else ''}: {shlex.join(spec['argv'])}")
+                proc = _popen(spec["argv"], env, sys.stdout)
+                entry(server_pid=proc.pid, devices=devs)
+                try:
+                    took = _wait_ready(proc, spec["url"], spec["ready_timeout_s"], name=name, argv=spec["argv"],
+                                       log_path=Path(spec["log"]), offset=log_offset, stop=lambda: stop["why"])
+                except ServerLaunchError as exc:
+                    entry(state="failed", error=exc.message)
+                    say(f"failed: {exc.message.splitlines()[0]}")
+                    return 1
+                entry(state="ready", ready_s=round(took, 1))
+                say(f"ready in {took:.1f} s on port {spec['port']} (pid {proc.pid})")
+                idle_since = None
+                while stop["why"] is None:
+                    time.sleep(poll_s)
+                    if proc.poll() is not None:
+                        stop["why"] = f"the server exited with code {proc.returncode}"
+                        code = 1
+                    elif owner is not None and not owner.alive():
+                        stop["why"] = "the workflow run ended (its snakemake process is gone)"
+                    else:
+                        idle_since = _idle_check(spec, idle_since)
+                        if idle_since is not None and time.monotonic() - idle_since >= spec["idle_timeout_s"] \
+                                and _mark_stopping(spec, entry):
+                            stop["why"] = f"no job used it for {spec['idle_timeout_s']:.0f} s"
+                        elif idle_since is not None and time.monotonic() - idle_since >= spec["idle_timeout_s"]:
+                            idle_since = None  # a job attached in the meantime
+                with _flock(Path(spec["lock"]), fcntl.LOCK_EX):  # no job attaches to a server being stopped
+                    entry(state="stopping")
+                say(f"stopping: {stop['why']}")
+            finally:
+                if proc is not None:
+                    _stop_group(proc, spec["stop_grace_s"])
     except Exception as exc:  # noqa: BLE001 - the GPUs did not become free, the command can't run: tell the job
         entry(state="failed", error=f"local server {name}: {type(exc).__name__}: {exc}")
         say(f"failed: {type(exc).__name__}: {exc}")
         return 1
     finally:
-        if proc is not None:
+        if proc is not None and proc.poll() is None:  # (stopped above unless the GPUs' locks themselves failed)
             _stop_group(proc, spec["stop_grace_s"])
         with _flock(Path(spec["lock"]), fcntl.LOCK_EX):
             cur = _read_json(entry_path)
@@ -549,6 +572,18 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
                     entry_path.unlink(missing_ok=True)
     say("stopped")
     return code
+
+
+def _mark_stopping(spec: dict, entry) -> bool:
+    """Under the registry lock: if still no job holds a lease, write the entry's state ``stopping`` (jobs then
+    wait for the supervisor to go and start a new server, never attaching to this one) and return True; False
+    when a job attached since the idle check."""
+    with _flock(Path(spec["lock"]), fcntl.LOCK_EX):
+        with _flock(Path(spec["lease"]), fcntl.LOCK_EX, blocking=False) as free:
+            if not free:
+                return False
+        entry(state="stopping")
+        return True
 
 
 def _idle_check(spec: dict, idle_since: float | None) -> float | None:
