@@ -38,25 +38,6 @@ def journal_path(journal_dir: str | os.PathLike, dataset: str, shard: str) -> Pa
     return Path(journal_dir) / dataset / f"{shard}.jsonl"
 
 
-def iter_journal(journal_dir: str | os.PathLike, dataset: str, stats: dict | None = None,
-                 warn: bool = True) -> Iterator[dict]:
-    """Yield every complete record of ``<journal_dir>/<dataset>/*.jsonl`` (files in name order, lines in order).
-
-    Torn/invalid lines are skipped (counted in ``stats["bad_lines"]``; a warning names file and line when
-    ``warn``); ``stats`` (if given) also gets ``files`` and ``lines``. Duplicates are *not* removed here.
-    Streams: memory is one line at a time.
-    """
-    stats = stats if stats is not None else {}
-    for k in ("files", "lines", "bad_lines"):
-        stats.setdefault(k, 0)
-    folder = Path(journal_dir) / dataset
-    if not folder.is_dir():
-        return
-    for path in sorted(folder.glob("*.jsonl")):
-        stats["files"] += 1
-        yield from iter_journal_file(path, stats, warn)
-
-
 _TEXT_FIELDS = ("sample_id", "dataset", "messages", "tools", "status", "error", "reasoning", "content", "tool_calls",
                 "finish_reason", "backend", "provider", "model")
 _COUNT_FIELDS = ("turn", "prompt_tokens", "completion_tokens", "reasoning_tokens")
