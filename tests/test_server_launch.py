@@ -202,6 +202,13 @@ def test_launch_runs_in_its_own_environment(tmp_path):
     assert "README" in str(ei.value)
 
 
+def fake_gpus(monkeypatch, tmp_path: Path, n: int) -> None:
+    """A machine of ``n`` GPUs for the per-GPU lock pool (locks under ``tmp_path/locks``), none visible yet."""
+    monkeypatch.setenv("EAGLE3_NUM_GPUS", str(n))
+    monkeypatch.setenv("EAGLE3_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
 def _devices(log: Path) -> list[str]:
     for line in log.read_text().splitlines():
         if "CVD=" in line:
@@ -216,9 +223,7 @@ def test_launched_servers_and_extraction_get_distinct_gpus(tmp_path, monkeypatch
     from eagle3_data.devices import gpu_devices
     from eagle3_data.run import Owner, Run
 
-    monkeypatch.setenv("EAGLE3_NUM_GPUS", "4")
-    monkeypatch.setenv("EAGLE3_GPU_LOCK_DIR", str(tmp_path / "locks"))
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake_gpus(monkeypatch, tmp_path, 4)
     script = tmp_path / "srv.py"
     script.write_text(ENV_SERVER)
     run = Run(tmp_path / "run", Owner.me())
@@ -348,9 +353,7 @@ def test_an_idle_server_keeps_its_gpus_until_it_is_gone_and_no_job_attaches_whil
     from eagle3_data.devices import gpu_devices
     from eagle3_data.run import Owner, Run
 
-    monkeypatch.setenv("EAGLE3_NUM_GPUS", "2")
-    monkeypatch.setenv("EAGLE3_GPU_LOCK_DIR", str(tmp_path / "locks"))
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake_gpus(monkeypatch, tmp_path, 2)
     script = tmp_path / "slow.py"
     script.write_text(SLOW_STOP_SERVER)
     run = Run(tmp_path / "run", Owner.me())

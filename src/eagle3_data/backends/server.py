@@ -545,11 +545,11 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
                         stop["why"] = "the workflow run ended (its snakemake process is gone)"
                     else:
                         idle_since = _idle_check(spec, idle_since)
-                        if idle_since is not None and time.monotonic() - idle_since >= spec["idle_timeout_s"] \
-                                and _mark_stopping(spec, entry):
-                            stop["why"] = f"no job used it for {spec['idle_timeout_s']:.0f} s"
-                        elif idle_since is not None and time.monotonic() - idle_since >= spec["idle_timeout_s"]:
-                            idle_since = None  # a job attached in the meantime
+                        if idle_since is not None and time.monotonic() - idle_since >= spec["idle_timeout_s"]:
+                            if _mark_stopping(spec, entry):
+                                stop["why"] = f"no job used it for {spec['idle_timeout_s']:.0f} s"
+                            else:
+                                idle_since = None  # a job attached in the meantime
                 with _flock(Path(spec["lock"]), fcntl.LOCK_EX):  # no job attaches to a server being stopped
                     entry(state="stopping")
                 say(f"stopping: {stop['why']}")
@@ -560,9 +560,7 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
         entry(state="failed", error=f"local server {name}: {type(exc).__name__}: {exc}")
         say(f"failed: {type(exc).__name__}: {exc}")
         return 1
-    finally:
-        if proc is not None and proc.poll() is None:  # (stopped above unless the GPUs' locks themselves failed)
-            _stop_group(proc, spec["stop_grace_s"])
+    finally:  # (a started server was stopped above, inside its GPUs' locks)
         with _flock(Path(spec["lock"]), fcntl.LOCK_EX):
             cur = _read_json(entry_path)
             if cur and cur.get("supervisor_pid") == os.getpid():
