@@ -543,6 +543,15 @@ def _job_overhead(state: _State) -> dict:
             "wrapup_s": round(max(0.0, time.time() - (state.last_done_at or state.first_sent_at)), 3)}
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system, every thread) this process has used since it started: the job's whole client
+    cost, its interpreter start and imports included (``benchmarks/generation_run.py`` divides it by requests)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return round(ru.ru_utime + ru.ru_stime, 3)
+
+
 def _first_leaf(eg: BaseExceptionGroup) -> BaseException:
     """The exception a TaskGroup's failure stands for: a FatalBackendError, else an interrupt (SIGTERM as
     ``_Terminated``, KeyboardInterrupt), else the first task's exception."""
@@ -892,7 +901,8 @@ def generate(
         total_completion_tokens / total_cost_usd (incl. journal), by_backend, stopped_by, servers_started
         (launched servers this job started), servers_attached (run servers it used), wall_s (s), startup_s and
         wrapup_s (s from the process start to the first request, and from the last attempt's end to the
-        summary; None when nothing was sent).
+        summary; None when nothing was sent), cpu_s (CPU seconds of the job process, user + system, since it
+        started).
 
     Raises:
         GenerationStopped: 401/402/403 from a backend, a missing API key variable, every backend down (refused
@@ -1109,7 +1119,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             "total_cost_usd": round(state.spent_usd(), 6), "by_backend": dict(state.by_backend),
             "stopped_by": stopped_by, "servers_started": servers_started, "servers_attached": servers_attached,
             "journal_bad_lines": jstats["bad_lines"], "rows": n_rows,
-            "wall_s": round(time.monotonic() - t0, 3), **_job_overhead(state),
+            "wall_s": round(time.monotonic() - t0, 3), **_job_overhead(state), "cpu_s": _cpu_s(),
         }
         logger.info("%s finished: %s", tag, progress.final_line(state, "").lstrip())
         if state.not_sent:
