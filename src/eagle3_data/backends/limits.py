@@ -311,6 +311,9 @@ def job_limit(max_concurrency: int, mode: str, n_jobs: int = 1) -> int:
 def host_slots(cfg, env: dict | None = None) -> HostSlots:
     """This machine's shared slots of the backend ``cfg`` (a :class:`.client.BackendConfig`: its name, base URL,
     model, API key variable and ``max_concurrency``): ``<limits_dir>/<backend_identity>.sem``."""
+    d = limits_dir(env)
+    if LIMITS_DIR_ENV not in (os.environ if env is None else env):  # the default: a directory only this user reads
+        d.parent.mkdir(mode=0o700, exist_ok=True)
     about = {"backend": cfg.name, "base_url": cfg.base_url, "model": cfg.model, "api_key_env": cfg.api_key_env}
-    return HostSlots(limits_dir(env) / f"{backend_identity(cfg)}.sem", cfg.max_concurrency, name=cfg.name,
+    return HostSlots(d / f"{backend_identity(cfg)}.sem", cfg.max_concurrency, name=cfg.name,
                      about=about)
