@@ -6,9 +6,10 @@ through the environment (``EAGLE3_RUN_DIR``, ``EAGLE3_RUN_OWNER``), never throug
 reruns because of it). Jobs keep there what the run shares:
 
 - ``servers/``: the registry of launched servers (:func:`eagle3_data.backends.server.shared_server`): one per
-  launched backend for the whole run, attached to by every generate job that needs it;
-- ``limits/``: the per-backend request slots shared by the generate jobs on one machine
-  (:mod:`eagle3_data.backends.limits`).
+  launched backend for the whole run, attached to by every generate job that needs it.
+
+A backend's request slots are not the run's: they are shared by every run and job on the machine
+(:mod:`eagle3_data.backends.limits`), and neither a run's start nor its end touches them.
 
 The Snakefile's ``onsuccess`` / ``onerror`` hooks call :func:`end`: it stops the run's servers, prints one line
 for an interrupted run (Ctrl-C, SIGTERM) saying how to resume, and removes the run directory. Snakemake calls
@@ -49,10 +50,6 @@ class Run:
     @property
     def servers_dir(self) -> Path:
         return self.dir / "servers"
-
-    @property
-    def limits_dir(self) -> Path:
-        return self.dir / "limits"
 
 
 def current(env: dict | None = None) -> Run | None:
@@ -114,7 +111,7 @@ def _chain_signal(sig: int, name: str) -> None:
 def on_start(cache_dir: str | os.PathLike) -> None:
     """Snakefile ``onstart``: record SIGTERM too (snakemake's own handler is installed by then) and remove the
     directories of earlier runs on this host whose ``snakemake`` process is gone (their servers stopped
-    themselves)."""
+    themselves). Request slots are left alone: they are the machine's, not a run's (:mod:`.backends.limits`)."""
     _chain_signal(signal.SIGTERM, "SIGTERM")
     root = Path(cache_dir) / "runs" / socket.gethostname()
     me = current()
@@ -123,11 +120,9 @@ def on_start(cache_dir: str | os.PathLike) -> None:
         if not pid.isdigit() or (me is not None and d.resolve() == me.dir.resolve()):
             continue
         if not Owner(socket.gethostname(), int(pid), start).alive():
-            from .backends.limits import HostSlots
             from .backends.server import stop_run_servers
 
             stop_run_servers(d)
-            HostSlots.remove_all(d / "limits")
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -189,11 +184,8 @@ def end(cache_dir: str | os.PathLike, *, ok: bool, out=None) -> None:
     if run is not None and run.dir.exists():
         from .backends.server import stop_run_servers
 
-        from .backends.limits import HostSlots
-
         t0 = time.monotonic()
         stopped = stop_run_servers(run.dir)
-        HostSlots.remove_all(run.limits_dir)
         if stopped and ok:  # after a failure the run prints only what went wrong
             print(f"Stopped the launched server(s) {', '.join(stopped)} ({time.monotonic() - t0:.0f} s).", file=out)
         shutil.rmtree(run.dir, ignore_errors=True)

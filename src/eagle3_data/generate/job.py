@@ -74,7 +74,7 @@ def backend_pool(cfgs: list[BackendConfig], run, backend_jobs: dict | None, tag:
     for c in cfgs:
         n_jobs = (backend_jobs or {}).get(c.name, 1)
         cap = limits.job_limit(c.max_concurrency, mode, n_jobs)
-        slots = limits.host_slots(run, c.name, c.max_concurrency) if mode == "host" else None
+        slots = limits.host_slots(c) if mode == "host" else None
         # rate limits have no shared counter: each job of the run takes an even share of them
         share = 1.0 / max(1, n_jobs) if mode in ("host", "split") else 1.0
         backends.append(Backend(c, cap=cap, slots=slots, rate_share=share))
