@@ -387,7 +387,7 @@ def test_a_job_that_started_with_few_slots_takes_the_slots_others_give_back(tmp_
     B's waiters take every freed slot: 10 in flight, not the one or two that a release of B's own would pass on."""
     import asyncio
 
-    from eagle3_data.backends.client import Backend, BackendConfig, BackendPool
+    from eagle3_data.backends import Backend, BackendConfig, BackendPool
 
     cfg = BackendConfig.from_dict("b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
                                         "max_concurrency": 10})
@@ -463,16 +463,16 @@ def test_every_shard_runs_at_once_when_the_shards_fit_in_the_generate_seats(tmp_
 def test_rate_limits_are_split_over_the_jobs_that_use_the_backend(monkeypatch):
     """requests_per_minute / tokens_per_minute have no counter shared between jobs: in a run (here split mode, as
     on a cluster) each of the 4 jobs on the backend sends at a quarter of them; outside a run a job has them all."""
-    from eagle3_data.backends.client import BackendConfig
-    from eagle3_data.generate import _backend_pool
+    from eagle3_data.backends import BackendConfig
+    from eagle3_data.generate import backend_pool
 
     c = BackendConfig.from_dict("b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
                                       "requests_per_minute": 120, "tokens_per_minute": 40_000})
     monkeypatch.setenv("EAGLE3_CONCURRENCY", "split")
-    with _backend_pool([c], None, {"b": 4}, "[t]") as pool:
+    with backend_pool([c], None, {"b": 4}, "[t]") as pool:
         (b,) = pool.backends
         assert (b.limiter.max_rate, b.token_limiter.max_rate, b.tpm) == (30.0, 10_000.0, 10_000.0)
     monkeypatch.delenv("EAGLE3_CONCURRENCY")
-    with _backend_pool([c], None, {"b": 4}, "[t]") as pool:
+    with backend_pool([c], None, {"b": 4}, "[t]") as pool:
         (b,) = pool.backends
         assert (b.limiter.max_rate, b.token_limiter.max_rate) == (120.0, 40_000.0)
