@@ -748,7 +748,8 @@ def _merge(segs: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
 
 def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = False,
                        chat_template_kwargs: dict | None = None) -> TargetTokens:
-    """Load the target tokenizer from a local directory and bind it to a completion format.
+    """Load the target tokenizer from a local directory and bind it to a completion format (family ``template``;
+    ``auto``: the one :func:`eagle3_data.templates.auto.detect_family` finds from its chat template).
 
     ``trust_remote_code`` lets tokenizers that ship their own code load (Kimi's tiktoken-based
     ``tokenization_kimi.py``); never set implicitly. Raises :class:`TemplateError` if the directory has no loadable
@@ -756,7 +757,7 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
     """
     from transformers import AutoTokenizer
 
-    fmt = completion_format(template)
+    fmt = completion_format(template) if template != "auto" else None
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:
@@ -767,6 +768,10 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
     tok = _as_shipped(tok, path)
     if not getattr(tok, "chat_template", None):
         raise TemplateError(f"{path}: the target tokenizer has no chat template")
+    if fmt is None:  # template: auto (the config check resolves it before any job; here for direct callers)
+        from .auto import detect_family
+
+        fmt = completion_format(detect_family(tok, chat_template_kwargs)["family"])
     return TargetTokens(tok, fmt, chat_template_kwargs)
 
 
@@ -819,7 +824,7 @@ def target_tokens(target: dict, chat_template_kwargs: dict | None = None) -> Tar
     kwargs.update(chat_template_kwargs or {})
     return load_target_tokens(
         target["path"],
-        target.get("template", "generic"),
+        target.get("template") or "auto",
         trust_remote_code=bool(target.get("trust_remote_code", False)),
         chat_template_kwargs=kwargs,
     )
