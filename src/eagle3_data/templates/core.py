@@ -379,9 +379,12 @@ def empty_think_block(reasoning: str | None, content: str | None, tool_calls: li
 def thinking_enabled(template: str | None, chat_template_kwargs: dict | None = None) -> bool:
     """True when target family ``template`` reasons after a generation prompt rendered with
     ``chat_template_kwargs``: a reasoning family whose ``thinking`` / ``enable_thinking`` is not false (SGLang's
-    rule for the kimi_k2, qwen3 and glm45 reasoning parsers). Unknown families: False."""
+    rule for the kimi_k2, qwen3 and glm45 reasoning parsers); ``deepseek-v3.1`` only when one of them is true (its
+    template's default is off, SGLang's deepseek-v3 rule). Unknown families: False."""
     fmt = FORMATS.get(template or "")
     kw = chat_template_kwargs or {}
+    if fmt is not None and fmt.think_in_prompt:  # DeepSeek-V3.1: off unless asked for (SGLang's deepseek-v3 rule)
+        return bool(kw.get("thinking") or kw.get("enable_thinking"))
     return bool(fmt and fmt.reasoning) and kw.get("thinking") is not False and kw.get("enable_thinking") is not False
 
 
