@@ -23,6 +23,9 @@ def _check_config():
             cfg.check_layering(files)
         cfg.validate_config(config, cfg.load_schema(Path(workflow.basedir) / "schemas/config.schema.yaml"), files=files)
         cfg.check_config(config)
+        chosen = cfg.resolve_target_template(config)  # target.template: auto -> the family (cached)
+        if main and chosen:
+            print(chosen, file=sys.stderr)
         if main and getattr(workflow, "check_envvars", True):  # not for --lint
             try:
                 cfg.check_api_keys(config, cfg.pending_generation(config))

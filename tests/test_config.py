@@ -97,8 +97,8 @@ def test_config_errors_are_short_and_say_did_you_mean():
     assert _error(source_typo) == ("Config error in config.yaml: datasets.sharegpt_demo.sources: unknown key; "
                                    "did you mean datasets.sharegpt_demo.source?")
     assert _error(lambda c: c["target"].__setitem__("template", "kimi-k2.5")).endswith(
-        "target.template: 'kimi-k2.5' is not one of kimi-k2, kimi-k2-thinking, kimi-k25, qwen3, glm45, "
-        "deepseek-r1, generic; did you mean kimi-k25?")
+        "target.template: 'kimi-k2.5' is not one of auto, kimi-k2, kimi-k2-thinking, kimi-k25, qwen3, qwen3-coder, "
+        "glm45, deepseek-r1, deepseek-v3.1, gpt-oss, llama3, generic; did you mean kimi-k25?")
     assert _error(lambda c: c["generation"].__setitem__("shards", 2)).endswith(
         "generation.shards: unknown key here; shards is a key of datasets.<name>, merge")
     assert _error(lambda c: c.pop("target")) == (

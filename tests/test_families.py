@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import tokenizer_fixtures as F
-from eagle3_data.templates import TargetTokens, completion_format
+from eagle3_data.templates import TargetTokens, completion_format, thinking_enabled
 from eagle3_data.tokenize import tokenize_rows
 from test_real_vocab import CASES, MULTI, ROME, SINGLE, TOOL_HISTORY, WEATHER, final_message, ok, template_ids
 from test_templates import row
@@ -168,6 +168,9 @@ def test_deepseek_v31_tool_calls_and_tool_results_equal_the_template():
     assert rendered(tt, TOOL_HISTORY, reply, [WEATHER]) == out["input_ids"]
     bad = tokenize_rows([row(TOOL_HISTORY, tools=[WEATHER], reasoning="hmm", content="x")], tt)[0]
     assert bad["reject_reason"] == "unexpected_reasoning"
+    # the template's default is non-thinking (SGLang's deepseek-v3 parser: reasoning only when thinking is true)
+    assert not thinking_enabled("deepseek-v3.1", {}) and thinking_enabled("deepseek-v3.1", {"thinking": True})
+    assert thinking_enabled("gpt-oss", {}) and not thinking_enabled("qwen3-coder", {})
 
 
 # ------------------------------------------------------------------------------------------------ Qwen3-Coder

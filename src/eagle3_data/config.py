@@ -562,6 +562,33 @@ def seat_resource(backend: str) -> str:
     return "generate_jobs_" + re.sub(r"\W", "_", backend)
 
 
+#: the completion family of the demo's tiny target (``target.build_tiny``; :mod:`eagle3_data.tiny_target`)
+TINY_TARGET_FAMILY = "kimi-k25"
+
+
+def resolve_target_template(config: dict) -> str | None:
+    """Replace ``target.template: auto`` in ``config`` by the family found from the target's own chat template
+    (:func:`eagle3_data.templates.auto.resolve_template`, cached under ``cache_dir``: a cache hit imports no
+    transformers) and return the line saying which was chosen and why; a named family is kept (an override;
+    returns None). A tiny target not built yet (``build_tiny``) takes :data:`TINY_TARGET_FAMILY`. Raises
+    :class:`ConfigError` naming the property of the template that failed, or a missing ``target.path``.
+    """
+    from .templates import TemplateError
+    from .templates.auto import describe, resolve_template
+
+    target = config.get("target") or {}
+    if (target.get("template") or "auto") == "auto" and target.get("build_tiny") and \
+            not Path(str(target.get("path", ""))).exists():
+        target["template"] = TINY_TARGET_FAMILY
+        return f"target.template: auto -> {TINY_TARGET_FAMILY} (the tiny target, built by rule tiny_target)"
+    try:
+        family, info = resolve_template(target, config.get("cache_dir"))
+    except TemplateError as exc:
+        raise ConfigError(f"target.template: {exc}") from None
+    target["template"] = family
+    return None if info["source"] == "named" else describe(info)
+
+
 def check_config(config: dict, *, check_paths: bool = True) -> None:
     """Cross-key checks the JSON schema can't express; raises :class:`ConfigError` naming the key.
 
