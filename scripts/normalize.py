@@ -17,4 +17,5 @@ normalize(
     log=log,
     # a check, not a rerun trigger: read from the config (a dataset's own ceiling, else normalize.max_reject_rate)
     max_reject_rate=cfg.normalize_reject_ceiling(snakemake.config, snakemake.params.dataset),
+    on_error=src.get("on_error") or "fail",
 )
