@@ -114,7 +114,10 @@ def extract_input(wildcards):
     """The selection to forward, once the merge checkpoint has run. ancient(): a merge that rewrites the file
     with the same rows must not rerun the job; a changed selection does, through its digest in params."""
     checkpoints.merge.get()
-    return {"selection": ancient(selection_path(wildcards.ds, wildcards.shard)), "target": target_input()}
+    # the plan first: extraction starts only after plan.md is written (and its one-line summary printed);
+    # ancient(): a rewritten plan orders the jobs but reruns no extraction
+    return {"selection": ancient(selection_path(wildcards.ds, wildcards.shard)), "target": target_input(),
+            "plan": ancient("results/reports/plan.json")}
 
 
 def selection_digest(wildcards):
@@ -136,4 +139,4 @@ def print_run_summary(ok):
                            tally_path="results/reports/tally.md")
     except Exception as exc:  # a damaged file must not keep the end-of-run hook from stopping the servers
         text = f"(no run summary: {type(exc).__name__}: {exc})"
-    print("\n" + text, file=sys.stderr)
+    print(f"\n{text}", file=sys.stderr)

@@ -33,6 +33,7 @@ rule report:
         completion_vs_time_png=report("results/reports/completion_vs_time.png", caption="../report/completion_vs_time.rst", category="2. Plots", labels={"plot": "completion vs time"}),
         cost_over_time_png=report("results/reports/cost_over_time.png", caption="../report/cost_over_time.rst", category="2. Plots", labels={"plot": "cost over time"}),
         rejects_png=report("results/reports/rejects.png", caption="../report/rejects_plot.rst", category="2. Plots", labels={"plot": "rejects"}),
+        front="results/reports/front.html",  # tally, cost, rejects on the report page's front (report/workflow.rst)
     params:
         backends={n: {"type": b.get("type"), "base_url": b.get("base_url"), "launch": bool(b.get("launch"))}
                   for n, b in config["backends"].items()},
