@@ -114,10 +114,11 @@ def extract_input(wildcards):
     """The selection to forward, once the merge checkpoint has run. ancient(): a merge that rewrites the file
     with the same rows must not rerun the job; a changed selection does, through its digest in params."""
     checkpoints.merge.get()
-    # the plan first: extraction starts only after plan.md is written (and its one-line summary printed);
-    # ancient(): a rewritten plan orders the jobs but reruns no extraction
-    return {"selection": ancient(selection_path(wildcards.ds, wildcards.shard)), "target": target_input(),
-            "plan": ancient("results/reports/plan.json")}
+    # the plan first (a checkpoint): no extract job exists before plan.md is written and its one-line summary
+    # printed, so `--until plan` stops before any GPU extracts; the plan's file is no input (a rewritten plan
+    # reruns no extraction)
+    checkpoints.plan.get()
+    return {"selection": ancient(selection_path(wildcards.ds, wildcards.shard)), "target": target_input()}
 
 
 def selection_digest(wildcards):
