@@ -82,7 +82,7 @@ RULE_OUTPUTS: list[tuple[str, str, str | None, str | None, dict | None]] = [
     ("front", "front.html", None, None, None),  # tally, cost, rejects on the report page's front (report/workflow.rst)
 ]
 #: every file :func:`write_reports` writes into its ``out_dir``
-REPORT_FILES = [f"{stem}.{ext}" for stem in REPORT_STEMS for ext in ("md", "csv", "html")]
+REPORT_FILES = [f"{stem}.{ext}" for stem in REPORT_STEMS for ext in ("md", "csv", "html")] + ["front.html"]
 #: bucket lengths (seconds) the Markdown throughput table may use; the smallest giving <= MAX_MD_BUCKETS rows
 MD_BUCKETS_S = [60, 300, 600, 900, 1800, 3600, 7200, 4 * 3600, 6 * 3600, 12 * 3600, 86400]
 MAX_MD_BUCKETS = 240
