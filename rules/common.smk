@@ -26,6 +26,9 @@ def _check_config():
             cfg.check_layering(files)
         cfg.validate_config(config, cfg.load_schema(Path(workflow.basedir) / "schemas/config.schema.yaml"), files=files)
         cfg.check_config(config)
+        chosen = cfg.resolve_target_template(config)  # target.template: auto -> the family (cached)
+        if main and chosen:
+            print(chosen, file=sys.stderr)
         if main and getattr(workflow, "check_envvars", True):  # not for --lint
             try:
                 cfg.check_api_keys(config, cfg.pending_generation(config))
@@ -57,9 +60,9 @@ VALIDATE = ValidateSettings.from_config(config)
 FORECAST = cfg.section(config, "forecast")
 CACHE_DIR = config["cache_dir"]
 
-# The run's state (launched servers, shared request slots) lives under CACHE_DIR/runs/ and reaches the jobs through
-# the environment: the Snakefile's onstart begins it (so `snakemake -n` and --lint change nothing), its
-# onsuccess/onerror hooks end it (eagle3_data.run).
+# The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through the environment: the
+# Snakefile's onstart begins it (so `snakemake -n` and --lint change nothing), its onsuccess/onerror hooks end it
+# (eagle3_data.run).
 from eagle3_data import run as run_state
 
 if workflow.remote_exec:  # this process is a cluster job: the backends' max_concurrency is split over the jobs
@@ -124,6 +127,10 @@ def extract_input(wildcards):
     """The selection to forward, once the merge checkpoint has run. ancient(): a merge that rewrites the file
     with the same rows must not rerun the job; a changed selection does, through its digest in params."""
     checkpoints.merge.get()
+    # the plan first (a checkpoint): no extract job exists before plan.md is written and its one-line summary
+    # printed, so `--until plan` stops before any GPU extracts; the plan's file is no input (a rewritten plan
+    # reruns no extraction)
+    checkpoints.plan.get()
     return {"selection": ancient(selection_path(wildcards.ds, wildcards.shard)), "target": target_input()}
 
 
@@ -146,4 +153,4 @@ def print_run_summary(ok):
                            tally_path="results/reports/tally.md")
     except Exception as exc:  # a damaged file must not keep the end-of-run hook from stopping the servers
         text = f"(no run summary: {type(exc).__name__}: {exc})"
-    print("\n" + text, file=sys.stderr)
+    print(f"\n{text}", file=sys.stderr)

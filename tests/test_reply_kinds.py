@@ -1,5 +1,5 @@
 """Every kind of reply a backend returns, per template family: what is supervised, what is rejected and why
-(the table in ``templates.py``): finish reasons, cut prefixes, empty answers, reasoning outside its markers and
+(the table in ``templates/core.py``): finish reasons, cut prefixes, empty answers, reasoning outside its markers and
 think blocks returned inside the content."""
 
 from __future__ import annotations

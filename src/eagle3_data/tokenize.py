@@ -1,7 +1,7 @@
 """Stage 3, tokenize: exact target token ids and loss mask for every generated response.
 
 ``input_ids = prompt_ids + completion_ids`` and ``loss_mask = [0]*len(prompt_ids) + [1]*len(completion_ids)``:
-the loss mask is 1 exactly on the generated completion, including its end-of-turn token (``templates.py`` gives
+the loss mask is 1 exactly on the generated completion, including its end-of-turn token (the ``templates`` package gives
 the prompt/completion recipe per template family and its sources).
 
 ``ids_source`` says where the completion ids came from:

@@ -10,7 +10,7 @@ code                     meaning
                          ``prompt_render_failed``, ``template_not_prefix``, ``unexpected_reasoning``,
                          ``missing_reasoning``, ``unknown_finish_reason``, ``content_filter``,
                          ``truncated_tool_call``, ``tool_calls_unsupported``, ``exact_ids_text_mismatch``,
-                         ``round_trip`` (text -> ids -> text, reconstructed ids); see the table in ``templates.py``
+                         ``round_trip`` (text -> ids -> text, reconstructed ids); see the table in ``templates/core.py``
 empty_sequence           no token ids
 length_mismatch          ``loss_mask``/``input_ids`` lengths or the ``num_*`` counts disagree
 id_out_of_vocab          an id is negative or >= the target vocabulary size (``len(tokenizer)``)
@@ -273,11 +273,14 @@ def _turn_counts(b: Batch, ctx: Context):
 
 @check("reasoning_marker_count")
 def check_reasoning_count(b: Batch, ctx: Context):
-    if not ctx.target.fmt.reasoning or not b.n:
-        return np.zeros(b.n, bool), lambda i: ""
+    if not ctx.target.fmt.reasoning or not b.n or ctx.target.think_open_id is None:
+        return np.zeros(b.n, bool), lambda i: ""  # (gpt-oss: channels, no think markers)
     opens, closes, *_ = _turn_counts(b, ctx)
     kept_cut = ((b.finish == "length") & ctx.keep_truncated).astype(bool)
-    bad = b.generated & ~kept_cut & ((closes == 0) | (opens == 0))
+    if ctx.target.fmt.think_in_prompt:  # DeepSeek-V3.1: "</think>" alone (thinking off) or no block (after tools)
+        bad = b.generated & ~kept_cut & (opens != closes) & ~((opens == 0) & (closes == 1))
+    else:
+        bad = b.generated & ~kept_cut & ((closes == 0) | (opens == 0))
     return bad, lambda i: f"{opens[i]} open / {closes[i]} end-of-reasoning markers in the turn, expected 1 / 1"
 
 
