@@ -60,12 +60,12 @@ VALIDATE = ValidateSettings.from_config(config)
 FORECAST = cfg.section(config, "forecast")
 CACHE_DIR = config["cache_dir"]
 
-# The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through
-# the environment; the Snakefile's onsuccess/onerror hooks end it (eagle3_data.run).
+# The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through the environment: the
+# Snakefile's onstart begins it (so `snakemake -n` and --lint change nothing), its onsuccess/onerror hooks end it
+# (eagle3_data.run).
 from eagle3_data import run as run_state
 
-run_state.begin(CACHE_DIR, main_process=workflow.is_main_process)
-if workflow.remote_exec:  # a cluster job: the backends' max_concurrency is split over the jobs that use them
+if workflow.remote_exec:  # this process is a cluster job: the backends' max_concurrency is split over the jobs
     os.environ.setdefault("EAGLE3_CONCURRENCY", "split")
 
 # Generate-job seats per backend (one machine): a generate job takes a seat of each backend its dataset uses, so one

@@ -140,7 +140,8 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     # states computed for another selection (the merge's digest moved on) are refused by name
     stale = dict(man, selections={k: {"digest": "newer"} for k in man["selections"]})
     with pytest.raises(ValueError, match="another selection"):
-        exp.export(path, tmp_path / "stale", layout="specforge", states_dir=states, merge_manifest=stale, settings=ExportSettings.defaults())
+        exp.export(path, tmp_path / "stale", layout="specforge", states_dir=states, merge_manifest=stale,
+                   settings=ExportSettings.defaults())
 
 
 def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
@@ -150,7 +151,8 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
                                      final_norm="pre")
     out = tmp_path / "speculators"
-    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=5, settings=ExportSettings.defaults())
+    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=5,
+                     settings=ExportSettings.defaults())
     assert got["final_norm"] == "pre"
     arrow = pq.read_table(out / "samples_000000005.parquet").to_pylist()
     assert [a["index"] for a in arrow] == list(range(5, 5 + len(rows)))
@@ -184,8 +186,13 @@ def test_storage_savers_error_and_size(tmp_path, tiny_model, merged):
     path, rows = merged
     model16 = load_target(tiny_model, dtype="bfloat16", device="cpu")
     base, saved = tmp_path / "bf16.safetensors", tmp_path / "saved" / "d" / "all.safetensors"
-    ib = ex.extract_states(path, base, settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="bfloat16"), model=model16)
-    isv = ex.extract_states(path, saved, settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="bfloat16", final_states="supervised", aux_format="fp8_e4m3"), model=model16)
+    ib = ex.extract_states(path, base,
+                           settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="bfloat16"),
+                           model=model16)
+    isv = ex.extract_states(path, saved,
+                            settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="bfloat16",
+                                                              final_states="supervised", aux_format="fp8_e4m3"),
+                            model=model16)
     tb, _ = ex.load_states(base)
     ts, meta = ex.load_states(saved)
     assert meta["aux_format"] == "fp8_e4m3" and meta["final_states"] == "supervised"
@@ -251,7 +258,8 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded)
     out = tmp_path / "sf"
     two = dict(man, shards=[{"samples": 2}, {"samples": n}])  # this shard second, after 2 samples
-    exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=two, start_index=2, settings=ExportSettings.defaults(group_size=4))
+    exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=two, start_index=2,
+               settings=ExportSettings.defaults(group_size=4))
     assert len(specforge_list_local_files(out)) == n
     # the set shrinks by the 2 samples before it: this shard starts at 0 now, with 4 per folder -> rows_*/ of 3
     # and the old indices n, n+1 past the new end
@@ -280,9 +288,11 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     states, man = extract_selections(tmp_path / "pre", rows, model_path=tiny_model, layers=LAYERS, model=loaded,
                                      final_norm="pre")
     out = tmp_path / "spec"
-    exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=two, start_index=2, settings=ExportSettings.defaults())
+    exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=two, start_index=2,
+               settings=ExportSettings.defaults())
     assert (out / "samples_000000002.parquet").exists()
-    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=0, settings=ExportSettings.defaults())
+    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=0,
+                     settings=ExportSettings.defaults())
     assert sorted(p.name for p in out.glob("samples_*.parquet")) == ["samples_000000000.parquet"]
     assert sorted(int(p.stem[3:]) for p in (out / "hidden_states").glob("hs_*.safetensors")) == list(range(n))
     assert got["removed_stale"] == 1 + 2  # the old samples file, hs_n and hs_{n+1}

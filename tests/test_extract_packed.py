@@ -172,7 +172,8 @@ def test_attention_modes_resolve_per_device(monkeypatch):
 
 def test_bad_attention_is_rejected_before_any_work(tmp_path, tiny_model, selection):
     with pytest.raises(ValueError, match="attention must be one of"):
-        ex.extract_states(selection[0], tmp_path / "x.safetensors", settings=ExtractSettings.defaults(model_path=tiny_model, attention="ragged", dtype="float32"))
+        ex.extract_states(selection[0], tmp_path / "x.safetensors",
+                          settings=ExtractSettings.defaults(model_path=tiny_model, attention="ragged", dtype="float32"))
     assert not (tmp_path / "x.safetensors").exists()
 
 
@@ -281,7 +282,9 @@ def test_writer_thread_error_surfaces_and_leaves_no_file(tmp_path, tiny_model, l
     out = tmp_path / "hs" / "000.safetensors"
     out.parent.mkdir()
     with pytest.raises(OSError, match="No space left"):
-        ex.extract_states(path, out, settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, attention="packed", batch_tokens=100, dtype="float32"), model=loaded)
+        ex.extract_states(path, out,
+                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, attention="packed",
+                                                            batch_tokens=100, dtype="float32"), model=loaded)
     assert calls["n"] == 4  # the writer stopped at its error
     assert list(out.parent.iterdir()) == []  # no output, no temporary file
     assert _writeback_threads() == []
@@ -302,7 +305,9 @@ def test_forward_error_stops_the_writer_and_leaves_no_file(tmp_path, tiny_model,
     out = tmp_path / "hs" / "000.safetensors"
     out.parent.mkdir()
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        ex.extract_states(path, out, settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, attention="packed", batch_tokens=100, dtype="float32"), model=loaded)
+        ex.extract_states(path, out,
+                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, attention="packed",
+                                                            batch_tokens=100, dtype="float32"), model=loaded)
     assert list(out.parent.iterdir()) == [] and _writeback_threads() == []
     assert loaded[0].config._attn_implementation == "sdpa"
 

@@ -37,7 +37,10 @@ def target(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny") / "tiny-target"
     # head_dim 64: a size every SGLang attention backend supports
-    info = build_tiny_target(path, settings=TinyTargetSettings.defaults(seed=3, hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=2, intermediate_size=512, max_position_embeddings=4096))
+    info = build_tiny_target(path,
+                             settings=TinyTargetSettings.defaults(seed=3, hidden_size=256, num_layers=8, num_heads=4,
+                                                                  num_kv_heads=2, intermediate_size=512,
+                                                                  max_position_embeddings=4096))
     return path, info
 
 

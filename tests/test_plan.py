@@ -136,7 +136,8 @@ def test_cap_alternative_equals_merge_with_that_max_len(tmp_path, overflow):
     full = [tmp_path / "full" / f"{i:03d}.parquet" for i in range(2)]
     merge([val], full, tmp_path / "full.json", settings=MergeSettings.defaults(max_len=1000, seed=0))
     for cap in (10, 50):
-        capped = merge([val], [tmp_path / f"c{cap}.parquet"], tmp_path / f"c{cap}.json", settings=MergeSettings.defaults(max_len=cap, overflow=overflow, seed=0))
+        capped = merge([val], [tmp_path / f"c{cap}.parquet"], tmp_path / f"c{cap}.json",
+                       settings=MergeSettings.defaults(max_len=cap, overflow=overflow, seed=0))
         got = pl.scenario_totals(full, cap=cap, overflow=overflow)
         assert (got["samples"], got["tokens"], got["supervised_tokens"]) == (
             capped["totals"]["samples"], capped["totals"]["tokens"], capped["totals"]["supervised_tokens"])

@@ -101,6 +101,25 @@ def test_params_are_the_content_keys_as_plain_values():
         assert all(isinstance(v, (str, int, float, bool, list, dict, type(None))) for v in obj.params().values())
 
 
+def test_generate_settings_params_are_what_the_responses_depend_on():
+    c = cfg.validate_config(yaml.safe_load((ROOT / "config.yaml").read_text()), SCHEMA)
+    g = st.GenerateSettings.from_config(c, "sweagent_demo")
+    p = g.params()
+    assert p["generation"] == {k: cfg.generation_config(c, "sweagent_demo").get(k) for k in cfg.GENERATION_DATA_KEYS}
+    assert p["generation"]["max_tokens"] == 192 and p["num_shards"] == 1 and p["target_name"] == "tiny-kimi"
+    assert p["backends"]["tiny_local"]["launched"] is True and "max_concurrency" not in p["backends"]["tiny_local"]
+    assert p["target"] is None  # no native /generate backend: the target is no dependency of generation
+    assert p["target_format"] == {"template": "kimi-k25", "chat_template_kwargs": {"thinking": True}}
+    kw = g.generate_kwargs()
+    assert kw["journal_dir"] == "cache/journal" and kw["backends"]["tiny_local"]["max_concurrency"] == 4
+    assert kw["backend_jobs"] == {"tiny_local": 4}  # 2 + 1 + 1 shards of the generated datasets use it
+    other = copy.deepcopy(c)
+    other["backends"]["tiny_local"].update(max_concurrency=99, timeout_s=1)  # transport: no rerun
+    assert st.GenerateSettings.from_config(other, "sweagent_demo").params() == p
+    other["backends"]["tiny_local"]["native_generate"] = True
+    assert st.GenerateSettings.from_config(other, "sweagent_demo").params()["target"]["path"] == c["target"]["path"]
+
+
 def test_settings_are_frozen():
     m = st.MergeSettings.defaults(max_len=10)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -87,7 +87,8 @@ def test_build_rejects_bad_sizes(tmp_path):
     with pytest.raises(ValueError, match="mean_reasoning_tokens must be > 2"):
         build_tiny_target(tmp_path / "x", settings=TinyTargetSettings.defaults(mean_reasoning_tokens=1))
     with pytest.raises(ValueError, match="hidden_size must be at least 12"):
-        build_tiny_target(tmp_path / "x", settings=TinyTargetSettings.defaults(hidden_size=8, num_heads=2, num_kv_heads=1))
+        build_tiny_target(tmp_path / "x",
+                          settings=TinyTargetSettings.defaults(hidden_size=8, num_heads=2, num_kv_heads=1))
     assert not (tmp_path / "x").exists()
 
 
@@ -247,7 +248,9 @@ def test_forward_and_sampling_follow_the_thinking_format(built, tok, model):
 def test_mean_lengths_change_with_the_settings(tmp_path, tok):
     from transformers import AutoModelForCausalLM
 
-    build_tiny_target(tmp_path / "short", settings=TinyTargetSettings.defaults(mean_reasoning_tokens=40, mean_completion_tokens=6, num_layers=2))
+    build_tiny_target(tmp_path / "short",
+                      settings=TinyTargetSettings.defaults(mean_reasoning_tokens=40, mean_completion_tokens=6,
+                                                           num_layers=2))
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "short").eval()
     prompt = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)

@@ -82,7 +82,8 @@ def test_stage_writes_tokens_parquet(tmp_path):
     resp = tmp_path / "responses.parquet"
     pq.write_table(schemas.from_rows(rows, schemas.RESPONSES), resp)
     out = tmp_path / "tokens.parquet"
-    summary = tokenize(str(resp), str(out), settings=TokenizeSettings.defaults({"path": path, "template": "kimi-k2-thinking"}))
+    summary = tokenize(str(resp), str(out),
+                       settings=TokenizeSettings.defaults({"path": path, "template": "kimi-k2-thinking"}))
     assert summary["rows"] == summary["tokenized"] == 4 and summary["rejected"] == {}
     got = pq.read_table(out)
     assert got.schema.equals(schemas.TOKENS) and got.num_rows == 4

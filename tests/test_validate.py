@@ -226,14 +226,16 @@ def test_trimmed_whitespace_is_caught_by_the_count_audit(tmp_path):
     settings = {"max_reject_rate": 0.5, "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02,
                                                             "aggregate_rel": 0.0004}}
     with pytest.raises(CountAuditFailed, match="aggregate_rel"):  # ...but the shard's aggregate does not
-        validate(str(tokens), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"), settings=ValidateSettings.defaults(tgt, **settings))
+        validate(str(tokens), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"),
+                 settings=ValidateSettings.defaults(tgt, **settings))
     ok = tmp_path / "ok.parquet"
     good = trimmed_rows(20, trim=False)
     for i, r in enumerate(good):  # the prompt audit: billed prompt counts, 5 of them off by one (reported only)
         r["billed_prompt_tokens"] = r["num_prompt_tokens"] + (1 if i % 4 == 0 else 0)
     good[1]["billed_prompt_tokens"] = None
     pq.write_table(schemas.from_rows(good, schemas.TOKENS), ok)
-    s = validate(str(ok), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"), settings=ValidateSettings.defaults(tgt, **settings))
+    s = validate(str(ok), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"),
+                 settings=ValidateSettings.defaults(tgt, **settings))
     assert s["validated"] == 20 and s["count_rel"] == 0.0
     assert s["billed_completion_tokens"] == s["reconstructed_completion_tokens"] > 20 * 100
     rendered = sum(r["num_prompt_tokens"] for i, r in enumerate(good) if i != 1)
@@ -243,7 +245,8 @@ def test_trimmed_whitespace_is_caught_by_the_count_audit(tmp_path):
     # a tokens file from before the billed_prompt_tokens column still validates (the column comes out null)
     old = tmp_path / "old.parquet"
     pq.write_table(schemas.from_rows(good, schemas.TOKENS).drop_columns(["billed_prompt_tokens"]), old)
-    s = validate(str(old), str(tmp_path / "v2.parquet"), str(tmp_path / "r2.parquet"), settings=ValidateSettings.defaults(tgt, **settings))
+    s = validate(str(old), str(tmp_path / "v2.parquet"), str(tmp_path / "r2.parquet"),
+                 settings=ValidateSettings.defaults(tgt, **settings))
     assert s["validated"] == 20 and s["prompt_samples_billed"] == 0
 
 

@@ -424,15 +424,17 @@ def datasets_data_settings(config: dict) -> dict:
 
 def generation_data_settings(config: dict, ds: str) -> dict:
     """The generation settings of ``ds`` its responses depend on (:data:`GENERATION_DATA_KEYS`)."""
-    gen = generation_config(config, ds)
-    return {k: gen.get(k) for k in GENERATION_DATA_KEYS}
+    from .settings import GenerateSettings
+
+    return GenerateSettings.from_config(config, ds).params()["generation"]
 
 
 def backends_data_settings(config: dict, ds: str) -> dict:
     """Per backend ``ds`` uses (priority order): the keys that say which endpoint answers and how requests
     are shaped (:data:`BACKEND_DATA_KEYS`); ``launch`` counts only as present or not."""
-    return {name: {**{k: b.get(k) for k in BACKEND_DATA_KEYS}, "launched": bool(b.get("launch"))}
-            for name, b in backends_config(config, ds).items()}
+    from .settings import GenerateSettings
+
+    return GenerateSettings.from_config(config, ds).params()["backends"]
 
 
 def target_data_settings(config: dict) -> dict:

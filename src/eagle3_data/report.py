@@ -81,8 +81,8 @@ RULE_OUTPUTS: list[tuple[str, str, str | None, str | None, dict | None]] = [
       for stem, (caption, label) in PLOT_STEMS.items()],
     ("front", "front.html", None, None, None),  # tally, cost, rejects on the report page's front (report/workflow.rst)
 ]
-#: every file :func:`write_reports` writes into its ``out_dir``
-REPORT_FILES = [f"{stem}.{ext}" for stem in REPORT_STEMS for ext in ("md", "csv", "html")] + ["front.html"]
+#: every file :func:`write_reports` writes into its ``out_dir`` (the plots are :func:`.plots.write_plots`'s)
+REPORT_FILES = [file for _, file, *_ in RULE_OUTPUTS if not file.endswith(".png")]
 #: bucket lengths (seconds) the Markdown throughput table may use; the smallest giving <= MAX_MD_BUCKETS rows
 MD_BUCKETS_S = [60, 300, 600, 900, 1800, 3600, 7200, 4 * 3600, 6 * 3600, 12 * 3600, 86400]
 MAX_MD_BUCKETS = 240

@@ -403,6 +403,73 @@ class ExportSettings(_Settings):
         return _build(cls, filled("export", values))
 
 
+@dataclass(frozen=True)
+class GenerateSettings(_Settings):
+    """Rule generate (and forecast_pilot, which sends through it) for one dataset: the dataset's generation
+    settings (the global ``generation`` under the dataset's own), its backends' whole definitions (priority
+    order), the target, the journal directory under ``cache_dir`` and the shard count.
+
+    :meth:`params` are the rule's params, what the responses depend on (``cfg.generation_data_settings``,
+    ``cfg.backends_data_settings``, the target name and, for SGLang's native ``/generate``, the target); the rest
+    (concurrency, timeouts, rate limits, headers, key variables, launch, retries) is read at run time and reruns
+    nothing."""
+
+    dataset: str
+    target_name: str
+    generation: dict
+    backends: dict
+    backend_jobs: dict
+    num_shards: int
+    target: dict | None
+    target_format: dict
+    cache_dir: str
+    budget_sources: dict
+
+    CONTENT: ClassVar = ("target_name", "generation", "backends", "num_shards", "target", "target_format")
+
+    @property
+    def journal_dir(self) -> str:
+        """Where the responses are journaled: ``<cache_dir>/journal``."""
+        return f"{self.cache_dir}/journal"
+
+    def params(self) -> dict:
+        """The rule's params: only the generation and backend keys the responses depend on."""
+        return {"target_name": self.target_name, "generation": {k: self.generation.get(k)
+                                                                for k in cfg.GENERATION_DATA_KEYS},
+                "backends": {name: {**{k: b.get(k) for k in cfg.BACKEND_DATA_KEYS}, "launched": bool(b.get("launch"))}
+                             for name, b in self.backends.items()},
+                "num_shards": self.num_shards, "target": self.target, "target_format": self.target_format}
+
+    def generate_kwargs(self) -> dict:
+        """Keyword arguments of :func:`eagle3_data.generate.generate` (and of the forecast's ``pilot``) these
+        settings give: everything but the paths, the shard, the log and the summary path."""
+        return {"dataset": self.dataset, "target_name": self.target_name, "generation": self.generation,
+                "backends": self.backends, "backend_jobs": self.backend_jobs, "journal_dir": self.journal_dir,
+                "num_shards": self.num_shards, "target": self.target, "target_format": self.target_format,
+                "budget_sources": self.budget_sources}
+
+    @classmethod
+    def from_config(cls, config: dict, ds: str) -> "GenerateSettings":
+        from .backends.limits import jobs_using
+
+        t = TargetSettings.from_config(config)
+        backends = cfg.backends_config(config, ds)
+        native = any((b or {}).get("native_generate") for b in backends.values())
+        return cls(
+            dataset=ds, target_name=t.name, generation=cfg.generation_config(config, ds), backends=backends,
+            backend_jobs={name: jobs_using(config, name) for name in backends},
+            num_shards=cfg.dataset_shards(config, ds),
+            # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
+            # config is not a dependency of generation
+            target=t.params() if native else None,
+            # the target's family: Kimi history tool-call ids, empty reasoning on tool-call turns of thinking targets
+            target_format={"template": t.template, "chat_template_kwargs": t.chat_template_kwargs or {}},
+            cache_dir=config.get("cache_dir", _default("cache_dir")),
+            # where the config sets each budget: named when a budget stops the shard
+            budget_sources={k: cfg.generation_source(config, ds, k) for k in ("budget_usd", "budget_completion_tokens")},
+        )
+
+
 #: every settings class and the schema section its own fields come from (tests/test_settings.py)
 SECTIONS: dict[type, str] = {
     TargetSettings: "target",
