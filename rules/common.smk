@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 from eagle3_data import config as cfg
+from eagle3_data.settings import (ExportSettings, ExtractSettings, MergeSettings, NormalizeSettings, PlanSettings,
+                                  TargetSettings, TinyTargetSettings, TokenizeSettings, ValidateSettings,
+                                  VocabSettings)
 
 
 def _check_config():
@@ -45,12 +48,19 @@ GENERATED = cfg.generated_datasets(config)
 PRETOKENIZED = cfg.pretokenized_datasets(config)
 MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
-EXPORT_LAYOUTS = (config.get("export") or {}).get("layouts", [])  # no export section: no export
+EXPORT = ExportSettings.from_config(config)
+EXPORT_LAYOUTS = EXPORT.layouts
 TARGET = config["target"]
+# each stage's settings, built once from the validated config (defaults: the schema's); rule params are their
+# content keys (params()), so a change reruns exactly the rules whose output depends on it
+MERGE = MergeSettings.from_config(config)
+EXTRACT = ExtractSettings.from_config(config)
+PLAN = PlanSettings.from_config(config)
+VALIDATE = ValidateSettings.from_config(config)
 FORECAST = cfg.section(config, "forecast")
 CACHE_DIR = config["cache_dir"]
 
-# The run's state (launched servers, shared request slots) lives under CACHE_DIR/runs/ and reaches the jobs through
+# The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through
 # the environment; the Snakefile's onsuccess/onerror hooks end it (eagle3_data.run).
 from eagle3_data import run as run_state
 

@@ -11,6 +11,7 @@ from snakemake.utils import validate
 
 from conftest import ROOT
 from eagle3_data import config as cfg
+from eagle3_data.settings import ExtractSettings, MergeSettings
 from eagle3_data.backends.limits import jobs_using
 
 SCHEMA = ROOT / "schemas" / "config.schema.yaml"
@@ -296,19 +297,20 @@ def test_rule_params_leave_out_transport_settings():
     assert cfg.backends_data_settings(other, "sharegpt_demo") != before["sharegpt_demo"][1]
     e = yaml.safe_load(yaml.safe_dump(c))
     e["extract"].update(device="cpu", batch_tokens=7, gpu_lock_dir="/x")
-    assert cfg.extract_state_settings(e) == cfg.extract_state_settings(c)
+    assert ExtractSettings.from_config(e).params() == ExtractSettings.from_config(c).params()
+    assert ExtractSettings.from_config(e) != ExtractSettings.from_config(c)  # ... which the job still gets
     e["merge"].update(memory_mb=999, threads=7)
-    assert cfg.merge_data_settings(e) == cfg.merge_data_settings(c)
+    assert MergeSettings.from_config(e).params() == MergeSettings.from_config(c).params()
 
 
-def test_code_defaults_agree_with_the_schema_defaults():
-    """config.DEFAULTS (what cfg.section() falls back to) is what the schema fills in: one set of defaults."""
+def test_section_fills_what_the_schema_fills():
+    """cfg.section() of an unvalidated config gives the schema's defaults: the ones validate_config fills in."""
     c = {"target": {"name": "t", "path": "p", "template": "kimi-k25"},
          "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}}}
+    raw = copy.deepcopy(c)
     cfg.validate_config(c, cfg.load_schema(SCHEMA))
-    for name, defaults in cfg.DEFAULTS.items():
-        assert cfg.deep_merge(c[name], defaults) == c[name], name
-        assert cfg.section(c, name) == c[name]
+    for name in ("normalize", "validate", "merge", "extract", "export", "plan", "forecast", "vocab"):
+        assert cfg.section(raw, name) == c[name], name
 
 
 def test_generation_source_names_where_a_budget_is_set():

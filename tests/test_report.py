@@ -13,7 +13,8 @@ import pytest
 
 from conftest import md_rows
 from eagle3_data import schemas
-from eagle3_data.report import backend_location, format_tally, format_usd, tally
+from eagle3_data.formatting import format_usd
+from eagle3_data.report import backend_location, format_tally, tally
 
 
 BACKENDS = {

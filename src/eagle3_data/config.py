@@ -233,11 +233,18 @@ def pretokenized_datasets(config: dict) -> list[str]:
     return [d for d in datasets(config) if is_pretokenized(config, d)]
 
 
+def dataset_shards(config: dict, ds: str) -> int:
+    """``datasets.<ds>.shards`` (the schema's default where unset)."""
+    from .settings import NormalizeSettings
+
+    return NormalizeSettings.from_config(config, ds).shards
+
+
 def shard_names(config: dict, ds: str) -> list[str]:
     """Shard file stems of dataset ``ds`` (``000``, ``001``, ...)."""
     from .io import shard_name
 
-    return [shard_name(i) for i in range(int(config["datasets"][ds].get("shards", 1)))]
+    return [shard_name(i) for i in range(dataset_shards(config, ds))]
 
 
 def generation_config(config: dict, ds: str) -> dict:
@@ -271,18 +278,6 @@ VALIDATE_DATA_KEYS = ("keep_truncated", "max_tokens")
 MERGE_DATA_KEYS = ("datasets", "max_samples", "max_len", "overflow", "seed", "shards")
 #: extract keys the stored values depend on (the rest: devices, batch size, attention path, locks)
 EXTRACT_STATE_KEYS = ("backend", "layers", "dtype", "final_norm", "final_states", "aux_format")
-
-DEFAULTS = {
-    "validate": {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
-                 "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}},
-    "merge": {"datasets": None, "max_samples": {}, "overflow": "truncate", "memory_mb": 4000, "threads": 2},
-    "extract": {"backend": "transformers", "layers": None, "dtype": "bfloat16", "device": "auto",
-                "gpus_per_job": 1, "batch_tokens": 8192, "attention": "auto", "final_norm": "post", "final_states": "all",
-                "aux_format": "same", "gpu_lock_dir": None},
-    "normalize": {"max_reject_rate": 0.5},
-    "forecast": {"pilot_samples": 50},
-}
-
 
 _BELOW_MERGE = "merge; extract where a selection's samples change; export, plan, vocab"
 _GEN_CHAIN = ("generate of the datasets using it (only requests the journal lacks are sent), then their tokenize "
@@ -408,8 +403,11 @@ def reruns_table() -> str:
 
 
 def section(config: dict, name: str) -> dict:
-    """``config[name]`` over :data:`DEFAULTS` (a missing or null section gives the defaults)."""
-    return deep_merge(DEFAULTS.get(name, {}), config.get(name) or {})
+    """``config[name]`` with the schema's defaults where unset (a missing or null section gives the defaults); the
+    stages read theirs through :mod:`eagle3_data.settings`."""
+    from .settings import filled
+
+    return filled(name, config.get(name))
 
 
 #: source keys the prompts depend on (``max_reject_rate`` only decides whether the job fails)
@@ -418,21 +416,15 @@ SOURCE_DATA_KEYS = ("format", "path", "max_samples", "options")
 
 def source_data_settings(config: dict, ds: str) -> dict:
     """The source keys of ``ds`` its normalized rows depend on (:data:`SOURCE_DATA_KEYS`)."""
-    src = config["datasets"][ds]["source"]
-    return {k: src.get(k) for k in SOURCE_DATA_KEYS}
+    from .settings import NormalizeSettings
+
+    return NormalizeSettings.from_config(config, ds).params()
 
 
 def datasets_data_settings(config: dict) -> dict:
     """Every dataset's source keys (:data:`SOURCE_DATA_KEYS`) and shard count: what the reports depend on."""
-    return {ds: {"source": source_data_settings(config, ds), "shards": int(config["datasets"][ds].get("shards", 1))}
+    return {ds: {"source": source_data_settings(config, ds), "shards": dataset_shards(config, ds)}
             for ds in datasets(config)}
-
-
-def normalize_reject_ceiling(config: dict, ds: str) -> float:
-    """The share of a dataset's source rows normalize may reject: ``datasets.<ds>.source.max_reject_rate``, else
-    ``normalize.max_reject_rate``."""
-    own = config["datasets"][ds]["source"].get("max_reject_rate")
-    return float(own if own is not None else section(config, "normalize")["max_reject_rate"])
 
 
 def generation_data_settings(config: dict, ds: str) -> dict:
@@ -450,39 +442,9 @@ def backends_data_settings(config: dict, ds: str) -> dict:
 
 def target_data_settings(config: dict) -> dict:
     """The target keys prompt rendering and token reconstruction depend on (:data:`TARGET_DATA_KEYS`)."""
-    t = config["target"]
-    return {k: t.get(k) for k in TARGET_DATA_KEYS}
+    from .settings import TargetSettings
 
-
-def validate_data_settings(config: dict) -> dict:
-    """The validate keys that decide rejects: :data:`VALIDATE_DATA_KEYS` and the per-sample count tolerance."""
-    v = section(config, "validate")
-    tol = v.get("count_tolerance") or {}
-    return {**{k: v.get(k) for k in VALIDATE_DATA_KEYS},
-            "count_tolerance": {k: tol.get(k) for k in ("per_sample_abs", "per_sample_rel")}}
-
-
-def merge_data_settings(config: dict) -> dict:
-    """The merge keys the merged rows depend on (:data:`MERGE_DATA_KEYS`)."""
-    m = section(config, "merge")
-    return {k: m.get(k) for k in MERGE_DATA_KEYS}
-
-
-def plan_extract_settings(config: dict) -> dict:
-    """The extract keys the plan depends on: the stored layout (:data:`EXTRACT_STATE_KEYS`), ``gpus_per_job``
-    (wall hours) and, only when the plan measures the throughput itself (no ``plan.tokens_per_s_per_gpu``),
-    ``device``, ``batch_tokens`` and ``attention``."""
-    e = section(config, "extract")
-    keys = EXTRACT_STATE_KEYS + ("gpus_per_job",)
-    if not (config.get("plan") or {}).get("tokens_per_s_per_gpu"):
-        keys += ("device", "batch_tokens", "attention")
-    return {k: e.get(k) for k in keys}
-
-
-def extract_state_settings(config: dict) -> dict:
-    """The extract keys the stored hidden states depend on (:data:`EXTRACT_STATE_KEYS`)."""
-    e = section(config, "extract")
-    return {k: e.get(k) for k in EXTRACT_STATE_KEYS}
+    return TargetSettings.from_config(config).params()
 
 
 _MANIFESTS: dict = {}
@@ -539,7 +501,7 @@ def backend_job_seats(config: dict, generate_jobs: int) -> dict[str, int]:
     uses two backends while one backend's seats are full: in the seed config, 4 of 32 shards started only when
     others ended). Only backends some generated dataset uses are listed.
     """
-    jobs = [(set(backends_config(config, ds)), int(config["datasets"][ds].get("shards", 1)))
+    jobs = [(set(backends_config(config, ds)), dataset_shards(config, ds))
             for ds in generated_datasets(config)]
     used = sorted({b for names, _n in jobs for b in names})
     g = int(generate_jobs)
