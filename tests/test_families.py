@@ -134,6 +134,12 @@ def test_gpt_oss_multi_turn_with_tool_results_equals_the_template(oss):
     assert "<|channel|>analysis<|message|>Paris first.<|end|>" in oss.render(pending, [WEATHER])
     missing = tokenize_rows([row(SINGLE, reasoning=None, content="4")], oss)
     assert missing[0]["reject_reason"] == "missing_reasoning"
+    empty = tokenize_rows([row(SINGLE, reasoning="Thinking.", content=" ")], oss)
+    assert empty[0]["reject_reason"] == "empty_answer"
+    # cut inside the reasoning: the analysis message so far, no <|end|>
+    (cut,) = tokenize_rows([row(SINGLE, reasoning="Thinking about", content="", finish_reason="length")], oss)
+    assert oss.tok.decode(cut["input_ids"][cut["num_prompt_tokens"]:], skip_special_tokens=False) == \
+        "<|channel|>analysis<|message|>Thinking about"
 
 
 # ------------------------------------------------------------------------------------------------ DeepSeek-V3.1
