@@ -284,3 +284,14 @@ def test_empty_think_blocks_are_kept_exact_on_every_reasoning_family():
     g = TargetTokens(F.glm45_real_template(), completion_format("glm45"))
     out = ok(g, SINGLE, reasoning="", content="4")
     assert rendered(g, SINGLE, {"reasoning": "", "content": "4"}) == out["input_ids"][:-1]
+
+
+# ------------------------------------------------------------------------------------------------ many rows
+@pytest.mark.parametrize("index", range(6))
+def test_sixty_synthetic_conversations_per_family_are_all_exact(index):
+    """tests/family_rows.py: single, multi-turn, tool-call, tool-result and empty-think conversations (seeded)."""
+    import family_rows
+
+    name, tt, kinds, thinking, oracle, _ = family_rows.families()[index]
+    got = family_rows.run(name, tt, kinds, thinking, oracle, n=60)
+    assert got == {"family": name, "tried": 60, "exact": 60, "rejected": {}}, got
