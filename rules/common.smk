@@ -127,6 +127,10 @@ def extract_input(wildcards):
     """The selection to forward, once the merge checkpoint has run. ancient(): a merge that rewrites the file
     with the same rows must not rerun the job; a changed selection does, through its digest in params."""
     checkpoints.merge.get()
+    # the plan first (a checkpoint): no extract job exists before plan.md is written and its one-line summary
+    # printed, so `--until plan` stops before any GPU extracts; the plan's file is no input (a rewritten plan
+    # reruns no extraction)
+    checkpoints.plan.get()
     return {"selection": ancient(selection_path(wildcards.ds, wildcards.shard)), "target": target_input()}
 
 
@@ -149,4 +153,4 @@ def print_run_summary(ok):
                            tally_path="results/reports/tally.md")
     except Exception as exc:  # a damaged file must not keep the end-of-run hook from stopping the servers
         text = f"(no run summary: {type(exc).__name__}: {exc})"
-    print("\n" + text, file=sys.stderr)
+    print(f"\n{text}", file=sys.stderr)

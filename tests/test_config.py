@@ -12,6 +12,7 @@ from snakemake.utils import validate
 from conftest import ROOT
 from eagle3_data import config as cfg
 from eagle3_data.settings import ExtractSettings, MergeSettings
+from eagle3_data import docgen
 from eagle3_data.backends.limits import jobs_using
 
 SCHEMA = ROOT / "schemas" / "config.schema.yaml"
@@ -155,12 +156,12 @@ def test_bad_value_error_names_the_key():
         validate(c, str(SCHEMA))
 
 
-def test_readme_config_reference_matches_the_schema():
-    readme = (ROOT / "README.md").read_text()
+def test_docs_config_reference_matches_the_schema():
+    doc = (ROOT / "docs" / "config.md").read_text()
     schema = yaml.safe_load(SCHEMA.read_text())
-    assert cfg.readme_with_reference(readme, schema) == readme, "run: python -m eagle3_data.config README.md"
+    assert docgen.with_generated_tables(doc, schema) == doc, "run: python -m eagle3_data.docgen"
     for key in ("merge.max_len", "backends.<name>.api_key_env", "datasets.<name>.source.format"):
-        assert f"| `{key}` |" in readme
+        assert f"| `{key}` |" in doc
 
 
 def test_cross_key_checks_name_the_key(tmp_path):
@@ -254,7 +255,7 @@ def test_pending_generation_lists_datasets_with_responses_to_generate(tmp_path):
 
 
 def _schema_keys() -> list[str]:
-    rows = cfg.schema_reference(yaml.safe_load(SCHEMA.read_text())).splitlines()[2:]
+    rows = docgen.schema_reference(yaml.safe_load(SCHEMA.read_text())).splitlines()[2:]
     return [r.split("|")[1].strip().strip("`") for r in rows]
 
 
@@ -275,8 +276,8 @@ def test_every_config_key_says_what_its_change_reruns():
     assert cfg.reruns_of("datasets.<name>.generation.max_retries") == cfg.NOTHING
     assert cfg.reruns_of("datasets.<name>.generation.temperature") == "as generation.<key>, for that dataset only"
     assert "extract" in cfg.reruns_of("merge.max_len")
-    readme = (ROOT / "README.md").read_text()
-    assert cfg.reruns_table() in readme, "run: python -m eagle3_data.config README.md"
+    doc = (ROOT / "docs" / "config.md").read_text()
+    assert docgen.reruns_table() in doc, "run: python -m eagle3_data.docgen"
 
 
 def test_rule_params_leave_out_transport_settings():

@@ -191,9 +191,24 @@ def test_json_array_and_jsonl_sources_agree_on_broken_unicode(tmp_path):
 def test_invalid_json_line_raises_naming_file_and_line(tmp_path):
     src = tmp_path / "x.jsonl"
     src.write_text('{"id": "a", "conversations": []}\n{"id": "b" "conversations": []}\n')
-    with pytest.raises(SourceFormatError, match=r"x\.jsonl line 2: invalid JSON \(Expecting ',' delimiter"):
+    with pytest.raises(SourceFormatError, match=r"x\.jsonl:2: invalid JSON \(Expecting ',' delimiter"):
         run(tmp_path, src, "sharegpt")
     assert not (tmp_path / "out" / "prompts").exists() or not list((tmp_path / "out" / "prompts").glob("*.parquet"))
+
+
+def test_on_error_skip_rejects_and_counts_invalid_lines_with_their_numbers(tmp_path):
+    good = [json.dumps(sg(i, [H(f"q{i}"), G("a")])) for i in range(6)]
+    lines = good[:2] + ['{"id": "b" "conversations": []}'] + good[2:5] + ["{truncated"] + good[5:]
+    src = tmp_path / "x.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    counts, tables, rejects = run(tmp_path, src, "sharegpt", on_error="skip")
+    assert counts["rows_read"] == 8 and counts["kept"] == 6 and counts["skipped_lines"] == [3, 7]
+    assert counts["rejected"] == {"invalid_json": 2}
+    assert sorted(sum((t.column("sample_id").to_pylist() for t in tables), [])) == [f"id{i}_0" for i in range(6)]
+    assert [(r["reason"], r["detail"].split(": ")[0]) for r in rejects] == [("invalid_json", f"{src}:3"),
+                                                                           ("invalid_json", f"{src}:7")]
+    with pytest.raises(SourceFormatError, match=r"x\.jsonl:3: invalid JSON .*source\.on_error: skip"):
+        run(tmp_path, src, "sharegpt")  # the default: fail, naming file:line
 
 
 def test_wrong_format_fails_fast_and_late_breakage_is_rejected(tmp_path):

@@ -11,7 +11,8 @@ generation). Settings that change how a stage runs but not what it writes (concu
 limits, headers, key variable names, launch commands, retries, devices, batch sizes, memory, reject
 ceilings) are never params: the stage's script reads them from ``snakemake.config`` at run time, so
 changing them reruns nothing. :data:`RERUNS` lists, for every config key, what its change reruns; the
-README's table is generated from it and a test checks both against the schema and dry runs.
+table in docs/config.md is generated from it (``eagle3_data.docgen``) and tests check both against the schema
+and dry runs.
 """
 
 from __future__ import annotations
@@ -286,8 +287,8 @@ _DS_CHAIN = "the dataset's own chain (normalize or generate onward), report, vie
 NOTHING = "nothing"
 
 #: For every config key, what changing it reruns (leaves: the key; ``*`` covers every key under a prefix). The
-#: README's table is rendered from this; tests/test_config.py checks every schema key has an entry and
-#: tests/test_workflow.py checks the claims with dry runs of the demo build.
+#: table in docs/config.md is rendered from this (eagle3_data.docgen); tests/test_config.py checks every schema
+#: key has an entry and tests/test_workflow.py checks the claims with dry runs of the demo build.
 RERUNS: list[tuple[str, str]] = [
     ("cache_dir", NOTHING + " (move the directory with it: it holds the journals, the extraction links and what "
                             "the forecast pilot saw)"),
@@ -341,6 +342,7 @@ RERUNS: list[tuple[str, str]] = [
     ("datasets.<name>.source.max_samples", _DS_CHAIN),
     ("datasets.<name>.source.options", _DS_CHAIN),
     ("datasets.<name>.source.max_reject_rate", NOTHING),
+    ("datasets.<name>.source.on_error", _DS_CHAIN),
     ("datasets.<name>.shards", _DS_CHAIN + " (every selection of the dataset is new: its states are recomputed)"),
     ("datasets.<name>.generation.max_retries", NOTHING),
     ("datasets.<name>.generation.retry_initial_s", NOTHING),
@@ -393,13 +395,6 @@ def reruns_of(key: str) -> str | None:
         if k.endswith(".*") and key.startswith(k[:-1]):
             return v
     return None
-
-
-def reruns_table() -> str:
-    """:data:`RERUNS` as a markdown table (the README's "What a config change reruns")."""
-    lines = ["| config key | a change reruns |", "|---|---|"]
-    lines += [f"| `{k}` | {v} |" for k, v in RERUNS]
-    return "\n".join(lines) + "\n"
 
 
 def section(config: dict, name: str) -> dict:
@@ -742,84 +737,3 @@ def merge_datasets(config: dict) -> list[str]:
     if unknown:
         raise KeyError(f"merge.datasets: unknown dataset(s) {unknown}; defined: {datasets(config)}")
     return list(chosen)
-
-
-def schema_reference(schema: dict) -> str:
-    """A markdown table of every config key in the JSON ``schema`` (path, type, allowed values, description).
-
-    The README's config reference is this function's output; a test keeps the two equal.
-    """
-    def kind(node: dict) -> str:
-        t = node.get("type", "object" if "properties" in node else "")
-        t = " or ".join(t) if isinstance(t, list) else t
-        if node.get("type") == "array" or (isinstance(node.get("type"), list) and "array" in node["type"]):
-            item = node.get("items", {}).get("type")
-            if item:
-                t = t.replace("array", f"list of {item}")
-        return t
-
-    def note(node: dict) -> str:
-        parts = []
-        if "enum" in node:
-            parts.append("one of " + ", ".join(f"`{v}`" for v in node["enum"]))
-        for key, word in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<=")):
-            if key in node:
-                parts.append(f"{word} {node[key]}")
-        if "default" in node:
-            parts.append(f"default `{json.dumps(node['default'])}`")
-        if node.get("description"):
-            parts.append(node["description"])
-        return "; ".join(parts)
-
-    rows = []
-    for p, node in _key_paths(schema):
-        if p.endswith(".<name>"):
-            rows.append((p, "object", "one entry per name"))
-        else:
-            rows.append((p, kind(node), note(node)))
-    lines = ["| key | type | values / meaning |", "|---|---|---|"]
-    lines += [f"| `{p}` | {t} | {n.replace('|', '/')} |" for p, t, n in rows]
-    return "\n".join(lines) + "\n"
-
-
-README_START = "<!-- config-reference:start -->"
-README_END = "<!-- config-reference:end -->"
-RERUNS_START = "<!-- reruns:start -->"
-RERUNS_END = "<!-- reruns:end -->"
-
-
-def _replace_between(text: str, start: str, end: str, body: str) -> str:
-    if start not in text or end not in text:
-        raise ValueError(f"README has no {start} ... {end} section")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    return f"{head}{start}\n{body}{end}{tail}"
-
-
-def readme_with_reference(readme: str, schema: dict) -> str:
-    """``readme`` with the text between the config-reference markers replaced by :func:`schema_reference`, and
-    the text between the reruns markers (if present) by :func:`reruns_table`.
-
-    Raises ``ValueError`` if the config-reference markers are missing.
-    """
-    text = _replace_between(readme, README_START, README_END, schema_reference(schema))
-    if RERUNS_START in text:
-        text = _replace_between(text, RERUNS_START, RERUNS_END, reruns_table())
-    return text
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m eagle3_data.config README.md [schema]``: rewrite the README's config reference."""
-    import sys
-    from pathlib import Path
-
-    import yaml
-
-    args = sys.argv[1:] if argv is None else argv
-    readme = Path(args[0] if args else "README.md")
-    schema = Path(args[1]) if len(args) > 1 else readme.parent / "schemas" / "config.schema.yaml"
-    readme.write_text(readme_with_reference(readme.read_text(), yaml.safe_load(schema.read_text())))
-
-
-if __name__ == "__main__":
-    main()

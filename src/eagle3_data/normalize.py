@@ -36,6 +36,7 @@ from . import schemas
 from .errors import ExpectedFailure
 from .io import atomic_path, content_hash, shard_of
 from .sources import FORMAT_PROBE_RECORDS, RowReject, SourceFormatError, get_adapter, iter_records
+from .sources.readers import InvalidLine
 
 if TYPE_CHECKING:
     from .settings import NormalizeSettings
@@ -153,11 +154,13 @@ def normalize(
     ``rejects_path`` (REJECTS rows, stage ``normalize``), all atomically and checked against ``schemas``.
     ``max_samples``: keep the first N usable rows (None: all), then stop reading. ``max_reject_rate``: the largest share of
     the rows read that may be rejected; above it nothing is written and :class:`RejectCeilingError` names the
-    format, the file and the top reasons (a wrong ``format`` rejects nearly every row).
+    format, the file and the top reasons (a wrong ``format`` rejects nearly every row). ``on_error="skip"``: a
+    JSONL line that is not valid JSON is rejected ``invalid_json`` (detail ``file:line: error``), counted and
+    logged with its line number, instead of raising.
 
     Returns ``{"rows_read": int, "kept": int, "rejected": {reason: n}, "per_shard": [n, ...],
-    "repaired": {note: n}, "output": "prompts"|"tokens"}``; ``repaired`` counts kept rows that were fixed up
-    (e.g. ``merged_consecutive_turns``).
+    "repaired": {note: n}, "output": "prompts"|"tokens", "skipped_lines": [1-based line, ...]}``;
+    ``repaired`` counts kept rows that were fixed up (e.g. ``merged_consecutive_turns``).
 
     Raises SourceFormatError (file not the named format: invalid JSON anywhere, naming the line/record; a
     record without the format's required field among the first 10), RejectCeilingError (too many rows
@@ -165,7 +168,7 @@ def normalize(
     """
     source_path, source_format, dataset = settings.path, settings.format, settings.dataset
     num_shards, max_samples, options = settings.shards, settings.max_samples, settings.options
-    max_reject_rate = settings.max_reject_rate
+    max_reject_rate, on_error = settings.max_reject_rate, settings.on_error
     log = log or logging.getLogger("eagle3_data.normalize")
     if len(out_paths) != num_shards:
         raise ValueError(f"normalize: {len(out_paths)} output paths for {num_shards} shards")
@@ -180,6 +183,7 @@ def normalize(
     examples: dict[str, str] = {}
     repaired: Counter = Counter()
     seen: set[str] = set()
+    skipped_lines: list[int] = []
     rows_read = kept = 0
     t0 = last = time.monotonic()
 
@@ -193,11 +197,15 @@ def normalize(
     log.info("normalize %s: reading %s as %s -> %d shard(s) of %s", dataset, source_path, source_format, num_shards, kind)
     with contextlib.ExitStack() as stack:
         shards = [_ShardWriter(p, kind, stack, batch_rows) for p in out_paths]
-        records = stack.enter_context(contextlib.closing(iter_records(source_path)))
+        records = stack.enter_context(contextlib.closing(iter_records(source_path, on_error=on_error)))
         for index, record, where in records:
             if max_samples is not None and kept >= max_samples:
                 break
             rows_read += 1
+            if isinstance(record, InvalidLine):  # on_error: skip
+                reject("invalid_json", f"{source_path}:{where.removeprefix('line ')}: {record.message}", None, index)
+                skipped_lines.append(int(where.removeprefix("line ")))
+                continue
             problem = adapter.shape_problem(record)
             if problem is not None:
                 if index < FORMAT_PROBE_RECORDS:
@@ -262,7 +270,12 @@ def normalize(
         "per_shard": [s.count for s in shards],
         "repaired": dict(sorted(repaired.items())),
         "output": kind,
+        "skipped_lines": skipped_lines,
     }
+    if skipped_lines:
+        shown = ", ".join(map(str, skipped_lines[:20])) + (", ..." if len(skipped_lines) > 20 else "")
+        log.warning("normalize %s: skipped %d line(s) of %s that are not valid JSON (source.on_error: skip; "
+                    "rejected invalid_json): line(s) %s", dataset, len(skipped_lines), source_path, shown)
     log.info(
         "normalize %s: done in %.1fs: %d read, %d kept, rejected %s, per shard %s",
         dataset, time.monotonic() - t0, rows_read, kept, counts["rejected"] or "{}", counts["per_shard"],

@@ -255,6 +255,50 @@ def build_plan(
     }
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def measured_on_cpu(thr: dict) -> bool:
+    """Whether the plan's throughput was measured on a CPU (then it is no GPU's rate)."""
+    m = thr.get("measured") or {}
+    return thr.get("source") == "measured" and not str(m.get("device", "")).startswith("cuda")
+
+
+def throughput_phrase(thr: dict) -> str:
+    """The plan's throughput in words: per GPU when configured or measured on GPUs; a CPU measurement says so
+    (its GPU hours are the hours at the CPU's rate)."""
+    rate = f"{thr['tokens_per_s_per_gpu']:,.1f} tokens/s"
+    if measured_on_cpu(thr):
+        return (f"{rate} measured on the CPU (no GPU here): every GPU figure below assumes a GPU this slow; set "
+                "plan.tokens_per_s_per_gpu, or run plan on a GPU node, for a GPU's rate")
+    return f"{rate} per GPU ({thr['source']})"
+
+
+def wall_line(thr: dict, tot: dict) -> str:
+    """The plan's wall-time bullet: on the GPUs in use, or (measured on a CPU) what that rate would give."""
+    gpus = (f"{_count(thr['gpus_busy'], 'GPU')} ({thr['gpus_per_job']} per job, of plan.gpus_total = "
+            f"{thr['gpus_total']})")
+    if measured_on_cpu(thr):
+        return (f"- wall time if {gpus} each ran at the CPU's rate: {format_hours(tot['wall_hours'])} (no GPU was "
+                "used for this plan)")
+    return f"- wall time on {gpus}: {format_hours(tot['wall_hours'])}"
+
+
+def summary_line(plan: dict, md_path) -> str:
+    """One line of the plan: tokens, storage, GPU hours and wall time (``md_path``: where the full plan is)."""
+    tot, thr = plan["totals"], plan["throughput"]
+    head = (f"plan: {tot['tokens']:,} tokens in {tot['samples']:,} samples -> {format_bytes(tot['bytes'])} of "
+            "hidden states")
+    tail = f"; read {md_path} before extraction starts"
+    if measured_on_cpu(thr):
+        return (f"{head}; extraction at this CPU's measured {thr['tokens_per_s_per_gpu']:,.0f} tokens/s: "
+                f"{format_hours(tot['gpu_hours'])} (no GPU here: plan on the GPU node, or set "
+                f"plan.tokens_per_s_per_gpu, for GPU hours){tail}")
+    return (f"{head}, {tot['gpu_hours']:,.4g} GPU hours ({format_hours(tot['wall_hours'])} on "
+            f"{_count(thr['gpus_busy'], 'GPU')}){tail}")
+
+
 def render_markdown(plan: dict) -> str:
     """The plan as a markdown report that shows its arithmetic."""
     H = plan["model"]["hidden_size"]
@@ -284,11 +328,10 @@ def render_markdown(plan: dict) -> str:
     out += ["## Totals (as merged)", "",
             f"- tokens: {tot['tokens']:,} in {tot['samples']:,} samples ({tot['supervised_tokens']:,} supervised)",
             f"- storage: {tot['tokens']:,} x {cfg['total']:,.0f} B = {format_bytes(tot['bytes'])}",
-            f"- throughput: {thr['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU ({thr['source']})",
+            f"- throughput: {throughput_phrase(thr)}",
             f"- GPU time: {tot['tokens']:,} / {thr['tokens_per_s_per_gpu']:,.1f} / 3600 = {tot['gpu_hours']:,.4g} GPU "
             f"hours ({format_hours(tot['gpu_hours'])})",
-            f"- wall time on {thr['gpus_busy']} GPU(s) ({thr['gpus_per_job']} per job): {format_hours(tot['wall_hours'])}",
-            ""]
+            wall_line(thr, tot), ""]
     out += ["## Per extraction job (one per validated dataset shard)", "",
             "| job | samples | tokens | storage | GPU time |", "|---|---:|---:|---:|---:|"]
     for s in plan["shards"]:
@@ -342,9 +385,11 @@ def plan(
             raise ValueError("plan: no throughput configured and no merged shard to measure it on")
         t0 = time.perf_counter()
         measured = measure_throughput(merged_paths[0], settings=settings)
-        log.info("measured %.1f tokens/s per GPU on %s (%d tokens, %.1fs)", measured["tokens_per_s_per_gpu"],
+        unit = "per GPU" if str(measured["device"]).startswith("cuda") else f"on {measured['device']}"
+        log.info("measured %.1f tokens/s %s on %s (%d tokens, %.1fs)", measured["tokens_per_s_per_gpu"], unit,
                  merged_paths[0], measured["tokens"], time.perf_counter() - t0)
     p = build_plan(manifest_path, merged_paths, settings=settings, measured=measured)
     write_json(p, out_json)
     write_text(render_markdown(p), out_md)
+    log.info("%s", summary_line(p, out_md))
     return p

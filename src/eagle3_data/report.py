@@ -79,6 +79,7 @@ RULE_OUTPUTS: list[tuple[str, str, str | None, str | None, dict | None]] = [
       for stem in REPORT_STEMS for ext in ("md", "csv", "html")],
     *[(f"{stem}_png", f"{stem}.png", f"{caption}.rst", "2. Plots", {"plot": label})
       for stem, (caption, label) in PLOT_STEMS.items()],
+    ("front", "front.html", None, None, None),  # tally, cost, rejects on the report page's front (report/workflow.rst)
 ]
 #: every file :func:`write_reports` writes into its ``out_dir``
 REPORT_FILES = [f"{stem}.{ext}" for stem in REPORT_STEMS for ext in ("md", "csv", "html")]
@@ -423,6 +424,7 @@ def write_reports(
     }
     for stem, (title, table) in pages.items():
         write_markdown(f"# {title}\n\n{table}\n", out_dir / f"{stem}.md", out_dir / f"{stem}.html", title=title)
+    write_text(front_page_fragment(out_dir), out_dir / FRONT_PAGE)
     total_audit = audit[-1] if audit else {}
     if total_audit.get("prompt_billed_samples") and \
             total_audit["prompt_equal_samples"] < total_audit["prompt_billed_samples"]:
@@ -469,6 +471,28 @@ th { background: #f6f8fa; position: sticky; top: 0; }
 tbody tr:nth-child(even) { background: #f9fafb; }
 code { font-size: 90%; background: #f6f8fa; padding: 0 .2rem; border-radius: 3px; }
 """
+
+
+#: the report page's front (report/workflow.rst shows it): tally, cost and rejects as one HTML fragment
+FRONT_PAGE = "front.html"
+FRONT_STEMS = ("tally", "cost", "rejects")
+
+
+def front_page_fragment(out_dir) -> str:
+    """The HTML fragment (no ``<html>``/``<body>``) of ``out_dir``'s tally, cost and rejects Markdown tables,
+    each under its title, for the front of ``snakemake --report``'s page. Raises ``FileNotFoundError`` when
+    one of the three ``.md`` files is missing."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark", {"html": False}).enable("table")
+    parts = []
+    for stem in FRONT_STEMS:
+        text = (Path(out_dir) / f"{stem}.md").read_text()
+        parts.append(md.render(re.sub(r"(?m)^# ", "### ", text)))
+    style = ("<style>.eagle3-front table{border-collapse:collapse;margin:0.5em 0 1.5em}"
+             ".eagle3-front th,.eagle3-front td{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+             ".eagle3-front td:first-child,.eagle3-front th:first-child{text-align:left}</style>")
+    return f'{style}\n<div class="eagle3-front">\n' + "".join(parts) + "</div>\n"
 
 
 def markdown_page(md: str, title: str) -> str:

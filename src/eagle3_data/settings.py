@@ -180,8 +180,17 @@ class NormalizeSettings(_Settings):
     options: dict | None
     shards: int
     max_reject_rate: float
+    #: ``source.on_error``: ``fail`` (the default) or ``skip`` (an invalid JSONL line rejected and counted)
+    on_error: str = "fail"
 
     CONTENT: ClassVar = cfg.SOURCE_DATA_KEYS
+
+    def params(self) -> dict:
+        """The content keys; ``on_error`` only when set off its default, so existing params stay unchanged."""
+        out = super().params()
+        if self.on_error != "fail":
+            out["on_error"] = self.on_error
+        return out
 
     @classmethod
     def from_config(cls, config: dict, ds: str) -> "NormalizeSettings":
@@ -190,12 +199,14 @@ class NormalizeSettings(_Settings):
         own = entry["source"].get("max_reject_rate")
         ceiling = own if own is not None else filled("normalize", config.get("normalize"))["max_reject_rate"]
         shards = entry.get("shards", _default("datasets.<name>.shards"))
-        return _build(cls, src, dataset=ds, shards=int(shards), max_reject_rate=float(ceiling))
+        return _build(cls, src, dataset=ds, shards=int(shards), max_reject_rate=float(ceiling),
+                      on_error=entry["source"].get("on_error") or "fail")
 
     @classmethod
     def defaults(cls, dataset: str = "ds", **values) -> "NormalizeSettings":
         """``format`` and ``path`` have no default (``"sharegpt"``, ``""`` unless given)."""
-        source = {k: values.pop(k) for k in ("format", "path", "max_samples", "options", "max_reject_rate")
+        source = {k: values.pop(k) for k in ("format", "path", "max_samples", "options", "max_reject_rate",
+                                             "on_error")
                   if k in values}
         source = {"format": "sharegpt", "path": "", **source}
         return cls.from_config({"datasets": {dataset: {"source": source, **values}}}, dataset)
