@@ -11,9 +11,7 @@ output.
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, snakemake_env
+from conftest import ROOT, copy_workflow, snakemake_env
 
 DOCUMENTS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 SHELLS = ("bash", "sh", "shell", "console")
@@ -167,3 +165,15 @@ def test_document_commands_run_as_written(doc, demo_run, tmp_path):
         where = str(commands[n]) if n is not None else "(the script)"
         pytest.fail(f"{where} failed as written (rc {proc.returncode}):\n{out[-6000:]}")
     assert out.count(">>> ") == len(ran), out[-3000:]
+
+
+def test_lint_count_in_the_docs_is_true(tmp_path):
+    """docs/stages.md says how many lints `snakemake --lint` reports, and of how many kinds: both as it runs."""
+    words = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
+    claim = re.search(r"`snakemake --lint` reports (\w+) lints of (\w+) kinds", (ROOT / "docs/stages.md").read_text())
+    assert claim, "docs/stages.md no longer states the lint count"
+    wd = copy_workflow(tmp_path / "wf")
+    proc = subprocess.run(["snakemake", "--lint"], cwd=wd, env=snakemake_env(), capture_output=True, text=True,
+                          timeout=300)
+    lints = re.findall(r"^    \* (.+?):?$", proc.stdout + proc.stderr, flags=re.M)
+    assert (len(lints), len(set(lints))) == (words[claim.group(1)], words[claim.group(2)]), lints
