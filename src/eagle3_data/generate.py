@@ -92,6 +92,10 @@ class _BudgetStop(Exception):
     """A budget forbids sending this new request."""
 
 
+class _StopRequested(_BudgetStop):
+    """The run is stopping (:func:`run.stop_reason`): no new request is started; the sample is not sent."""
+
+
 # ---------------------------------------------------------------------------------------------------
 # prompts -> requests
 
@@ -317,6 +321,7 @@ class _Runner:
         self.backing_off = 0  # tasks sleeping before a retry without a live permit
         self.max_backing_off = 0  # how many may (set by _run: the pool's capacity)
         self.target = target  # TargetTokens, for backends with native_generate
+        self.stopping: str | None = None  # why the run is stopping: no new request starts (see _run)
         fmt = target_format or {}  # the target's family and chat_template_kwargs (+ the dataset's)
         self.template = fmt.get("template")
         self.thinking = thinking_enabled(self.template, {**(fmt.get("chat_template_kwargs") or {}), **(
@@ -476,6 +481,8 @@ class _Runner:
                         # budgets gate every attempt (a retry after a 429 costs as much as a new request),
                         # checked when a slot is free so that the spend of everything in flight is counted: the
                         # overshoot is at most what was in flight
+                        if self.stopping:
+                            raise _StopRequested()
                         if st.budget_reached():
                             raise _BudgetStop()
                         if backend.cfg.native_generate:
@@ -589,6 +596,17 @@ async def _run(runner: _Runner, samples: list[Sample], display: progress.JobProg
         previous = signal.getsignal(signal.SIGTERM)
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     prog = asyncio.create_task(display.run())
+    grace_s = float(runner.generation.get("stop_grace_s", 10.0))
+
+    def on_stop(reason: str) -> None:
+        """The run is stopping: start no request; replies in flight get ``stop_grace_s`` to arrive (journaled),
+        then the job ends as interrupted (its output is not written: a rerun resumes)."""
+        runner.stopping = reason
+        logger.warning("[%s] %s: no new requests; %d in flight get %g s to arrive", runner.dataset, reason,
+                       runner.state.in_flight, grace_s)
+        loop.call_later(grace_s, on_sigterm)
+
+    stopper = asyncio.create_task(run_mod.watch_stop(on_stop))
     try:
         # a permit per sample task in flight or waiting for a slot, at most capacity + 1/8: a 10,000-sample shard
         # does not hold 10,000 coroutines at once (each costs a few KB) and a freed slot always has a task waiting
@@ -605,20 +623,28 @@ async def _run(runner: _Runner, samples: list[Sample], display: progress.JobProg
         async with asyncio.TaskGroup() as tg:
             watcher = tg.create_task(runner.pool.watch())  # raises BackendDown when every backend is down
             for s in samples:
+                if runner.stopping:
+                    break
                 await live.acquire()
+                if runner.stopping:
+                    live.release()
+                    break
                 t = tg.create_task(runner.run_sample(s))
                 pending.add(t)
                 t.add_done_callback(finished)
             if pending:
                 await asyncio.wait(set(pending))
             watcher.cancel()
+        if runner.stopping:  # every task ended before the grace period: the job stops all the same
+            raise asyncio.CancelledError()
     except BaseExceptionGroup as eg:  # a task's exception, unwrapped: a stop before an interrupt before a bug
         raise _first_leaf(eg) from None
     except asyncio.CancelledError:
-        if terminated:
+        if terminated or runner.stopping:
             raise _Terminated() from None
         raise
     finally:
+        stopper.cancel()
         if previous is not None:  # remove_signal_handler leaves SIG_DFL: put the job's own handler back
             loop.remove_signal_handler(signal.SIGTERM)
             signal.signal(signal.SIGTERM, previous)

@@ -343,3 +343,22 @@ def end(cache_dir: str | os.PathLike, *, ok: bool, out=None, datasets=None) -> N
             if journaled is None and datasets is not None:
                 journaled = journaled_responses(Path(cache_dir) / "journal", datasets)
             print(interrupt_message(Path(cache_dir) / "journal", sig, journaled), file=out)
+
+
+async def watch_stop(on_stop, *, run: "Run | None" = None, interval_s: float = 0.5) -> None:
+    """Until cancelled, check :func:`stop_reason` of ``run`` (default :func:`current`) every ``interval_s``; when it
+    gives a reason, call ``on_stop(reason)`` once and return. Returns at once outside a workflow run.
+
+    A generate job runs it beside its requests: it must stop starting requests when the run is stopped (a signal
+    to the ``snakemake`` process, which writes the stop file) or its ``snakemake`` process is gone (``kill -9``)."""
+    import asyncio
+
+    run = current() if run is None else run
+    if run is None:
+        return
+    while True:
+        reason = stop_reason(run)
+        if reason:
+            on_stop(reason)
+            return
+        await asyncio.sleep(interval_s)
