@@ -1,11 +1,15 @@
 """Rule generate: prompts shard -> responses shard through the dataset's backends (journaled in cache/)."""
+import logging
+
 from eagle3_data import config as cfg
 from eagle3_data.backends.limits import jobs_using
-from eagle3_data.errors import run_stage
+from eagle3_data.errors import in_workflow_run, run_stage
 from eagle3_data.generate import generate
 from eagle3_data.logs import setup_logging
 
-log = setup_logging(snakemake.log[0])
+# inside a workflow run the console shows the run-wide view (eagle3_data.runview): this shard's progress lines and
+# summary go to its log file, only warnings and errors to the console
+log = setup_logging(snakemake.log[0], console_level=logging.WARNING if in_workflow_run() else None)
 ds = snakemake.wildcards.ds
 # the whole settings from the config at run time (rule params carry only the part the responses depend on, as
 # rerun triggers): concurrency, timeouts, rate limits, headers, key variables, launch and retries rerun nothing

@@ -1076,6 +1076,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                         pool = stack.enter_context(_backend_pool(cfgs, run, backend_jobs, tag))
                     journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
                     jw.append(journal)
+                    if pool is not None:
+                        journal.ensure_open()  # an unwritable journal stops the job before it pays for anything
                     runner = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
                                      journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
                                      writer=writer, write_batch_rows=write_batch_rows, target_format=target_format)

@@ -10,13 +10,18 @@ as it arrives (a ``kill -9`` of the job loses nothing written), and ``fsync``-ed
 ``sync_every`` records or ``sync_interval_s`` seconds, and on close) against power loss. A crash can leave a
 torn last line; the reader skips lines that are not complete JSON objects (counted and reported), and the
 writer starts a fresh line if the file does not end in a newline, so a torn fragment never glues onto the
-next record. Failed requests are never journaled: a rerun retries them.
+next record. Failed requests are never journaled: a rerun retries them. The file is opened at the first record (or
+:meth:`JournalWriter.ensure_open`, before a job sends anything): a job with nothing to send never needs to write;
+a journal that can't be written (disk full, read-only) raises :class:`JournalWriteError`, one line naming the
+directory and the reason.
 
 The journal never holds an API key: records are response fields only (no headers, no request options).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -24,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .errors import ExpectedFailure
 from .schemas import INT32_END, is_token_ids
 
 logger = logging.getLogger("eagle3_data.journal")
@@ -31,6 +37,22 @@ logger = logging.getLogger("eagle3_data.journal")
 
 class JournalError(RuntimeError):
     """The journal directory or a record is unusable (message names the file)."""
+
+
+class JournalWriteError(ExpectedFailure):
+    """The journal can't be written (disk full, read-only, no permission): ``message`` names the directory and the
+    reason, ``hint`` says that a rerun resumes once it can be. The job must stop sending (a reply it can't journal
+    would be paid for again)."""
+
+    @classmethod
+    def of(cls, path: Path, exc: OSError) -> "JournalWriteError":
+        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+               errno.EROFS: "the file system is read-only", errno.EACCES: "no permission to write there",
+               errno.EPERM: "no permission to write there"}.get(exc.errno, exc.strerror or str(exc))
+        return cls(f"cannot write the response journal in {path.parent}/: {why} ({path.name}: "
+                   f"[Errno {exc.errno}] {exc.strerror})",
+                   hint=f"free space in (or make writable) {path.parent}/, then rerun the same command: every "
+                        "response journaled so far is kept and not paid for again; no request was sent after this")
 
 
 def journal_path(journal_dir: str | os.PathLike, dataset: str, shard: str) -> Path:
@@ -140,40 +162,61 @@ class JournalWriter:
         sync_interval_s: float = 1.0,
     ):
         self.path = journal_path(journal_dir, dataset, shard)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.sync_every = max(1, int(sync_every))
         self.sync_interval_s = float(sync_interval_s)
-        created = not self.path.exists()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if created:
-            dfd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        else:
-            size = os.fstat(self._fd).st_size
-            if size:
-                with open(self.path, "rb") as fh:
-                    fh.seek(size - 1)
-                    if fh.read(1) != b"\n":  # torn last line: never glue the next record onto it
-                        os.write(self._fd, b"\n")
+        self._fd: int | None = None  # opened at the first record: a job with nothing to send never writes here
+        self._closed = False
         self._unsynced = 0
         self._last_sync = time.monotonic()
         self.written = 0
 
+    def _open(self) -> int:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            created = not self.path.exists()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if created:
+                dfd = os.open(self.path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            else:
+                size = os.fstat(self._fd).st_size
+                if size:
+                    with open(self.path, "rb") as fh:
+                        fh.seek(size - 1)
+                        if fh.read(1) != b"\n":  # torn last line: never glue the next record onto it
+                            os.write(self._fd, b"\n")
+        except OSError as exc:
+            raise JournalWriteError.of(self.path, exc) from None
+        return self._fd
+
+    def ensure_open(self) -> None:
+        """Open (create) the file now: a job calls it before it sends anything, so an unwritable journal stops it
+        before it pays. Raises :class:`JournalWriteError`."""
+        if self._fd is None and not self._closed:
+            self._open()
+
     def append(self, record: dict) -> bytes:
         """Write one record now (one ``os.write``); fsync when the batch is full or old enough. Returns the line
         written (UTF-8 JSON + newline)."""
-        if self._fd is None:
+        if self._closed:
             raise JournalError(f"{self.path}: journal already closed")
         if not isinstance(record.get("request_key"), str):
             raise JournalError(f"{self.path}: record without a request_key")
         line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        fd = self._fd if self._fd is not None else self._open()
         view = memoryview(line)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        except OSError as exc:
+            if len(view) < len(line):  # a part of the line went out: end it, so the next record starts afresh
+                with contextlib.suppress(OSError):
+                    os.write(fd, b"\n")
+            raise JournalWriteError.of(self.path, exc) from None
         self.written += 1
         self._unsynced += 1
         if self._unsynced >= self.sync_every or time.monotonic() - self._last_sync >= self.sync_interval_s:
@@ -187,11 +230,15 @@ class JournalWriter:
     def sync(self) -> None:
         """fsync what has been written."""
         if self._fd is not None and self._unsynced:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise JournalWriteError.of(self.path, exc) from None
         self._unsynced = 0
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
+        self._closed = True
         if self._fd is not None:
             try:
                 self.sync()
