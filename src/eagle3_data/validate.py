@@ -269,11 +269,14 @@ def _turn_counts(b: Batch, ctx: Context):
 
 @check("reasoning_marker_count")
 def check_reasoning_count(b: Batch, ctx: Context):
-    if not ctx.target.fmt.reasoning or not b.n:
-        return np.zeros(b.n, bool), lambda i: ""
+    if not ctx.target.fmt.reasoning or not b.n or ctx.target.think_open_id is None:
+        return np.zeros(b.n, bool), lambda i: ""  # (gpt-oss: channels, no think markers)
     opens, closes, *_ = _turn_counts(b, ctx)
     kept_cut = ((b.finish == "length") & ctx.keep_truncated).astype(bool)
-    bad = b.generated & ~kept_cut & ((closes == 0) | (opens == 0))
+    if ctx.target.fmt.think_in_prompt:  # DeepSeek-V3.1: "</think>" alone (thinking off) or no block (after tools)
+        bad = b.generated & ~kept_cut & (opens != closes) & ~((opens == 0) & (closes == 1))
+    else:
+        bad = b.generated & ~kept_cut & ((closes == 0) | (opens == 0))
     return bad, lambda i: f"{opens[i]} open / {closes[i]} end-of-reasoning markers in the turn, expected 1 / 1"
 
 

@@ -99,6 +99,10 @@ class CompletionFormat:
     - ``tool_format``: ``kimi`` | ``qwen`` | ``glm`` | ``none``.
     - ``role_markers``: tokens that may never appear inside a completion.
     - ``tool_args_mapping``: the template needs tool-call ``arguments`` as a mapping, not a JSON string (GLM).
+    - ``reasoning_field``: the assistant-message key the template reads a history turn's reasoning from
+      (``reasoning_content``; gpt-oss: ``thinking``); the prompt messages keep it under ``reasoning_content``.
+    - ``think_in_prompt``: the think block is only ever opened by the generation prompt (DeepSeek-V3.1): a prompt
+      holding no think token (a turn after tool results) is answered without reasoning.
     """
 
     name: str
@@ -112,6 +116,8 @@ class CompletionFormat:
     tool_end_of_turn: str | None = None
     tool_args_mapping: bool = False
     generic: bool = False
+    reasoning_field: str = "reasoning_content"
+    think_in_prompt: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -150,6 +156,25 @@ FORMATS: dict[str, CompletionFormat] = {
                                     extra={"tool_calls_unsupported": DEEPSEEK_R1_NO_TOOLS}),
     "generic": CompletionFormat("generic", None, None, None, None, "plain", "none", (), generic=True),
 }
+
+
+#: tool-call writers by ``CompletionFormat.tool_format`` for families in their own modules:
+#: ``writer(target, tool_calls, content, prior_tool_calls) -> [(text, is_token_name), ...]``, the completion from
+#: the content on (content included), without the end-of-turn token
+TOOL_WRITERS: dict[str, Any] = {}
+#: whole-completion writers by ``CompletionFormat.layout`` (gpt-oss harmony channels): the signature of
+#: :meth:`TargetTokens.completion_segments` with the target first
+LAYOUT_WRITERS: dict[str, Any] = {}
+
+
+def register(fmt: CompletionFormat, *, tool_writer=None, layout_writer=None) -> CompletionFormat:
+    """Add family ``fmt`` to :data:`FORMATS` (and its writers); returns it. Used by the family modules."""
+    FORMATS[fmt.name] = fmt
+    if tool_writer is not None:
+        TOOL_WRITERS[fmt.tool_format] = tool_writer
+    if layout_writer is not None:
+        LAYOUT_WRITERS[fmt.layout] = layout_writer
+    return fmt
 
 
 def completion_format(name: str) -> CompletionFormat:
@@ -336,6 +361,14 @@ def split_reasoning_from_content(fmt: CompletionFormat, content: str | None) -> 
     return pre, post
 
 
+def empty_think_block(reasoning: str | None, content: str | None, tool_calls: list | None) -> bool:
+    """True when a reply on a thinking prompt really holds an empty (or whitespace-only) think block: its reasoning
+    is a string (``""``, ``"\\n\\n"``: the server's parser found the markers with nothing between them, or the
+    block came back inside the content) and an answer or tool call follows. Such a reply is kept exact (Qwen3:
+    ``<think>\\n\\n</think>\\n\\n``); a reasoning of None (hidden, e.g. OpenRouter ``reasoning.exclude``) is not."""
+    return reasoning is not None and not reasoning.strip() and bool((content or "").strip() or tool_calls)
+
+
 def thinking_enabled(template: str | None, chat_template_kwargs: dict | None = None) -> bool:
     """True when target family ``template`` reasons after a generation prompt rendered with
     ``chat_template_kwargs``: a reasoning family whose ``thinking`` / ``enable_thinking`` is not false (SGLang's
@@ -389,6 +422,8 @@ class TargetTokens:
         if fmt.tool_format == "kimi":
             for name in KIMI_TOOL_TOKENS:
                 self.special_id(name)
+        for name in fmt.extra.get("tool_tokens", ()):
+            self.special_id(name)
         self.boundary_names: tuple[str, ...] = tuple(
             n for n in (*fmt.role_markers, eot_name, self.tool_eot_name)
             if self.special_id(n, required=False) is not None
@@ -419,6 +454,11 @@ class TargetTokens:
         arguments as mappings for templates that iterate them (GLM)."""
         if self.fmt.tool_format == "kimi":
             messages = rewrite_kimi_tool_call_ids(messages)
+        field_name = self.fmt.reasoning_field
+        if field_name != "reasoning_content":
+            messages = [{**{k: v for k, v in m.items() if k != "reasoning_content"}, field_name: m["reasoning_content"]}
+                        if m.get("role") == "assistant" and m.get("reasoning_content") is not None else m
+                        for m in messages]
         if not self.fmt.tool_args_mapping:
             return messages
         out = []
@@ -513,6 +553,9 @@ class TargetTokens:
         tail = prompt_text[max(start, 0):]
         o = tail.rfind(f.think_open)
         if o < 0:
+            c = tail.rfind(f.think_close) if f.think_close else -1
+            if c >= 0:  # only the end marker: the prompt closed a think block it never opened (DeepSeek-V3.1 off)
+                return "closed", tail[c + len(f.think_close):]
             return "none", ""
         c = tail.find(f.think_close, o)
         if c < 0:
@@ -541,21 +584,29 @@ class TargetTokens:
         ``tool_calls_unsupported``, ``bad_tool_call`` or ``template_mismatch``.
         """
         f = self.fmt
+        if f.layout in LAYOUT_WRITERS:
+            return _merge(LAYOUT_WRITERS[f.layout](self, reasoning, content, tool_calls, prompt_text,
+                                                   prior_tool_calls=prior_tool_calls, truncated=truncated))
         r = reasoning or ""
         c = content or ""
         state, trailing = self.think_state(prompt_text) if f.reasoning else ("none", "")
-        thinking = bool(f.reasoning) and state != "closed"
+        thinking = bool(f.reasoning) and state != "closed" and not (f.think_in_prompt and state == "none")
         if tool_calls and f.extra.get("tool_calls_unsupported"):
             raise TemplateError(f.extra["tool_calls_unsupported"], "tool_calls_unsupported")
         if tool_calls and truncated:
             raise TemplateError("a cut reply (finish_reason length) with parsed tool calls: where the target stopped "
                                 "inside its tool-call section is unknown", "truncated_tool_call")
         segs: list[tuple[str, bool]] = []
-        if f.reasoning:
+        if f.reasoning and not thinking and state == "none" and f.think_in_prompt:
+            if r.strip():
+                raise TemplateError(f"response has reasoning but family {f.name!r} does not think after this prompt "
+                                    "(it opens no think block)", "unexpected_reasoning")
+            segs.append((c, False))
+        elif f.reasoning:
             if state == "closed" and r.strip():
                 raise TemplateError("response has reasoning but the prompt closed the think block (thinking off)",
                                     "unexpected_reasoning")
-            if thinking and not r.strip():
+            if thinking and not r.strip() and not empty_think_block(reasoning, content, tool_calls):
                 raise TemplateError(
                     f"target family {f.name!r} thinks after this prompt but the reply has no reasoning: it was hidden "
                     "(e.g. OpenRouter reasoning.exclude) or returned inside the content without its markers, where "
@@ -583,11 +634,15 @@ class TargetTokens:
                 raise TemplateError(f"response has reasoning but target family {f.name!r} does not reason",
                                     "unexpected_reasoning")
             segs.append((c, False))
-        if tool_calls:
+        if f.tool_format in TOOL_WRITERS:
+            if segs and not segs[-1][1]:
+                segs.pop()  # the content: the writer places it
+            segs += TOOL_WRITERS[f.tool_format](self, tool_calls or [], c, prior_tool_calls)
+        elif tool_calls:
             segs += self._tool_segments(tool_calls, c, prior_tool_calls)
         if not truncated:
             segs.append((self.tool_eot_name if tool_calls else self.eot_name, True))
-        if state != "none":
+        if state != "none" and f.reasoning:
             segs = self._cut_prompt_part(segs, f.think_open if state == "open" else f.think_close, trailing)
         return _merge(segs)
 
