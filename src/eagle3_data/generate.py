@@ -1039,6 +1039,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
 
         jw: list[JournalWriter] = []
         display = progress.JobProgress(state, tag, progress_interval_s, logger)
+        display.backends = names
+        if sample_ids is not None:
+            display.kind = "pilot"
 
         def journaled() -> str:
             n = jstats["records"] + (jw[0].written if jw else 0)
@@ -1074,6 +1077,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                                 (servers_started if srv.started else servers_attached).append(cfg.name)
                                 server_logs[cfg.name] = srv.log_path
                         pool = stack.enter_context(_backend_pool(cfgs, run, backend_jobs, tag))
+                        display.pool = pool
                     journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
                     jw.append(journal)
                     if pool is not None:
@@ -1157,4 +1161,5 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         logger.info("%s summary: %s", tag, json.dumps(summary, sort_keys=True))
         if summary_path is not None:
             write_json(summary, summary_path)
+        display.snapshot(final=True)
         return summary

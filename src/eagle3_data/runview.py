@@ -214,12 +214,16 @@ class _Printer(threading.Thread):
                 self._run_live()
                 return
         last: list[str] = []
-        while not self.stopping.wait(self.interval_s):
+        while True:
+            stopping = self.stopping.wait(self.interval_s)
             with contextlib.suppress(Exception):
                 lines = self.view.lines()
-                if lines and lines != last:
-                    print("\n".join(lines), file=self.stream, flush=True)
+                if lines and lines != last:  # one write: Snakemake's threads write to the same stream
+                    self.stream.write("\n".join(lines) + "\n")
+                    self.stream.flush()
                 last = lines
+            if stopping:  # the run ended: its last state was printed once more (if it changed)
+                return
 
     def _run_live(self) -> None:
         from rich.console import Console
@@ -230,6 +234,7 @@ class _Printer(threading.Thread):
                   redirect_stdout=False, redirect_stderr=False) as live:
             while not self.stopping.wait(self.interval_s):
                 live.update(self.view.table())
+            live.update(self.view.table())
 
 
 _printer: list[_Printer] = []
