@@ -84,3 +84,91 @@ def test_full_disk_stops_sending_and_a_rerun_pays_only_for_the_rest(tmp_path, fs
     s = run(tmp_path, fs, prompts)
     assert s["ok"] == 40 and s["from_journal"] == 5 and fs.app.completed == 35
     assert first + fs.app.completed - 40 <= 5  # paid twice: only replies that arrived after the disk filled
+
+
+def _failed(path) -> dict:
+    rows = pq.read_table(path).to_pylist()
+    return {r["sample_id"]: r["error"] for r in rows if r["status"] == "failed"}
+
+
+def test_undecodable_bytes_are_a_named_reject_bought_once(tmp_path, fs):
+    fs.app.config.update({"pbadbytes": 0.3, "seed": 3})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    s = run(tmp_path, fs, prompts)
+    bad = fs.app.outcomes["badbytes"]
+    assert bad >= 4 and s["failed"] == {"invalid_utf8": bad} and s["ok"] == 30 - bad
+    assert fs.app.requests == 30 and max(fs.app.completed_by_body.values()) == 1  # no retry, nothing bought twice
+    failed = _failed(tmp_path / "out.parquet")
+    assert len(failed) == bad and all(e.startswith("invalid_utf8: the reply held 2 byte(s)") for e in failed.values())
+    assert s["cost_usd"] > 0 and s["total_cost_usd"] == s["cost_usd"]  # the rejects were paid: counted
+    fs.app.reset()
+    again = run(tmp_path, fs, prompts, out="again.parquet")
+    assert fs.app.requests == 0 and again["failed"] == {"invalid_utf8": bad} and again["from_journal"] == 30
+    assert _failed(tmp_path / "again.parquet") == failed
+
+
+def test_client_error_in_a_200_body_is_not_retried(tmp_path, fs):
+    fs.app.config.update({"perror422body": 0.3, "seed": 4})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=6))
+    n = fs.app.outcomes["error422body"]
+    assert n >= 4 and s["failed"] == {"http_422": n} and fs.app.requests == 30 and s["retries"] == 0
+    failed = _failed(tmp_path / "out.parquet")
+    assert all("error 422 inside a 200 body: Unprocessable: max_tokens exceeds" in e for e in failed.values())
+
+
+def test_reply_from_another_model_is_counted_or_refused(tmp_path, fs, caplog):
+    fs.app.config.update({"model": "other-vendor/fallback-model"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(8))
+    s = run(tmp_path, fs, prompts)
+    assert s["ok"] == 8 and s["other_model_replies"] == 8
+    assert any("names model 'other-vendor/fallback-model', not 'vendor/model'" in r.message for r in caplog.records)
+    # refused: a named reject, journaled (other prompts: the journal holds the 8 kept ones)
+    fs.app.reset()
+    with pytest.raises(Exception, match="every request failed"):
+        run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(8, start=20)),
+            gen=gen_cfg(reject_other_models=True), out="o2.parquet")
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    refused = [r for r in recs.values() if r["status"] == "failed"]
+    assert len(refused) == 8 and all(r["error"].startswith("other_model: the reply names model") for r in refused)
+    assert all(r["content"] is None and r["cost_usd"] > 0 for r in refused)
+    assert fs.app.requests == 8
+
+
+def test_a_huge_reply_billed_as_a_few_tokens_is_refused_before_its_bulk_is_journaled(tmp_path, fs):
+    fs.app.config.update({"pad_bytes": 10_000_000, "min_tokens": 29, "max_tokens": 29})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(3))
+    with pytest.raises(Exception, match="every request failed"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, timeout_s=30.0))
+    assert fs.app.requests == 3  # not retried
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 3 and all(r["error"].startswith("reply_too_large: 10,000,") for r in recs.values())
+    assert sum(p.stat().st_size for p in (tmp_path / "journal").rglob("*.jsonl")) < 10_000
+
+
+@pytest.mark.parametrize("key", ["sk-or-CANARY-echoed-9d1f", "k3y9zq"])
+def test_an_api_key_echoed_in_a_reply_is_never_stored(tmp_path, fs, monkeypatch, key):
+    monkeypatch.setenv("E3D_PAID_KEY", key)
+    fs.app.config.update({"require_key": key, "echo_key": True})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(4))
+    log = tmp_path / "logs" / "job.log"
+    with pytest.raises(Exception, match="every request failed"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"), log=log)
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 4 and all(r["error"].startswith("api_key_in_reply:") for r in recs.values())
+    hits = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert hits == []
+
+
+def test_short_keys_are_scrubbed_from_messages():
+    from eagle3_data.backends.client import BackendConfig
+    from eagle3_data.paid import scrub
+
+    os.environ["E3D_SHORT_KEY"] = "abc12"
+    try:
+        cfg = BackendConfig.from_dict("local", {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m",
+                                                "api_key_env": "E3D_SHORT_KEY"})
+        assert cfg.scrub("401: bad key abc12 (Bearer abc12)") == "401: bad key [api key] (Bearer [api key])"
+    finally:
+        del os.environ["E3D_SHORT_KEY"]
+    assert scrub("x ab y", ["ab"]) == "x [api key] y"

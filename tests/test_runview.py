@@ -108,7 +108,7 @@ def test_last_screen_after_an_interrupted_run_counts_what_was_journaled(tmp_path
     p = res / "a" / "responses" / "000.json"
     p.parent.mkdir(parents=True)
     p.write_text(json.dumps({"samples": 50, "ok": 50, "failed_total": 0, "not_sent": 0, "total_cost_usd": 0.5,
-                             "wall_s": 12.0, "stopped_by": "all samples done"}))
+                             "wall_s": 12.0, "stopped_by": "all samples done", "other_model_replies": 3}))
     _write(run_dir, "a", "001", total=50, done=20, ok=19, failed={"timeout": 1}, cost_usd=0.19, new_ok=19)
     _write(run_dir, "b", "000", total=10, done=0)  # started, nothing answered yet
     _rows_file(res / "a" / "validated" / "000.parquet", 48)
@@ -125,5 +125,7 @@ def test_last_screen_after_an_interrupted_run_counts_what_was_journaled(tmp_path
     assert (rows["b"]["shards"], rows["b"]["ok"], rows["b"]["not_sent"]) == ("1/1", 0, 10)
     text = run_summary(CONFIG["datasets"], res, ok=False, run_dir=run_dir)
     assert "Forecast pilot: 8 responses paid for, $0.063 " in text
+    assert "Replies naming another model than asked (kept; generation.reject_other_models: true refuses them): " \
+           "a 3." in text
     cells = {ln.split()[0]: ln.split() for ln in text.splitlines()[3:7]}
     assert cells["a"][:8] == ["a", "2/2", "100", "69", "1", "30", "2", "48"] and cells["a"][8] == "0.69"

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from . import paid
 from . import schemas
 from . import progress
 from . import run as run_mod
@@ -255,6 +256,7 @@ class _State:
     new_ok: int = 0
     stopped_by: str | None = None
     warned_unknown_cost: bool = False
+    other_model: int = 0  # replies naming another model than asked (kept unless reject_other_models)
     by_backend: dict = field(default_factory=dict)
     retry_reasons: dict = field(default_factory=dict)
     last_error: str | None = None  # "<reason>: <text> (backend <name>)" of the last failed request
@@ -322,6 +324,8 @@ class _Runner:
         self.max_backing_off = 0  # how many may (set by _run: the pool's capacity)
         self.target = target  # TargetTokens, for backends with native_generate
         self.stopping: str | None = None  # why the run is stopping: no new request starts (see _run)
+        self.keys: list[str] = []  # the configured API keys (paid.configured_keys): never stored from a reply
+        self.reject_other_models = bool(generation.get("reject_other_models", False))
         fmt = target_format or {}  # the target's family and chat_template_kwargs (+ the dataset's)
         self.template = fmt.get("template")
         self.thinking = thinking_enabled(self.template, {**(fmt.get("chat_template_kwargs") or {}), **(
@@ -357,6 +361,8 @@ class _Runner:
                 return True
             self.state.journal_completion_tokens += rec.get("completion_tokens") or 0
             self.state.journal_cost_usd += rec.get("cost_usd") or 0.0
+            if rec.get("status") == "failed":  # a paid reject: journaled, never bought again
+                return False
             try:
                 item = gen.send(rec)
             except StopIteration:
@@ -372,6 +378,12 @@ class _Runner:
             if rec is not None:
                 st.from_journal += 1
                 self.journal_keys.append(key)
+                if rec.get("status") == "failed":  # a paid reject of an earlier run: its row comes from the journal
+                    reason = (rec.get("error") or "paid_reject").split(":", 1)[0]
+                    st.failed[reason] = st.failed.get(reason, 0) + 1
+                    st.done += 1
+                    st.instant += not requested
+                    return
             else:
                 requested = True
                 try:
@@ -379,6 +391,20 @@ class _Runner:
                 except _BudgetStop:
                     st.not_sent += 1
                     st.done += 1
+                    return
+                except paid.PaidReject as exc:  # paid for, can't be kept: journaled once, a named reject
+                    self.write(self.journal.append(exc.record))
+                    st.completion_tokens += exc.record.get("completion_tokens") or 0
+                    st.prompt_tokens += exc.record.get("prompt_tokens") or 0
+                    st.cost_usd += exc.record.get("cost_usd") or 0.0
+                    st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
+                    st.done += 1
+                    st.last_error = exc.record["error"]
+                    n = st.logged_errors[exc.reason] = st.logged_errors.get(exc.reason, 0) + 1
+                    if n <= 3:
+                        logger.warning("[%s] sample %s: paid reply refused: %s (journaled: not bought again)%s",
+                                       self.dataset, sample.sample_id, st.last_error[:300],
+                                       " (further ones: in the failed rows only)" if n == 3 else "")
                     return
                 except (RetryableError, SampleError) as exc:
                     st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
@@ -533,6 +559,20 @@ class _Runner:
                 raise
             finally:
                 st.in_flight -= 1
+        bad = rec.pop("_bad_bytes", 0)
+        try:
+            warning = paid.check_reply(rec, asked_model=backend.cfg.model, keys=self.keys,
+                                       reject_other_models=self.reject_other_models, bad_bytes=bad)
+        except paid.PaidReject as exc:
+            exc.record = paid.reject_record(exc, {k: rec.get(k) for k in (
+                "sample_id", "dataset", "turn", "request_key", "messages", "tools")}, self.keys)
+            raise
+        if warning:
+            st.other_model += 1
+            if st.other_model <= 3:
+                logger.warning("[%s] sample %s: %s; kept (counted in the summary)%s", self.dataset,
+                               sample.sample_id, paid.scrub(warning, self.keys)[:300],
+                               "; further ones: counted only" if st.other_model == 3 else "")
         return rec
 
 
@@ -1003,7 +1043,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             budget_usd=None if bu is None else float(bu) / div,
         )
         # resume index: spend, and (mode all) what the regenerated history needs; texts stay on disk
-        keep = ("completion_tokens", "cost_usd") + (("content", "reasoning", "tool_calls") if mode == "all" else ())
+        keep = ("completion_tokens", "cost_usd", "status", "error") + (
+            ("content", "reasoning", "tool_calls") if mode == "all" else ())
         key_files: dict = {}  # the file of each journaled record: the end reads back only those files
         records, jstats = read_journal(journal_dir, dataset, fields=keep, key_files=key_files)
         logger.info(
@@ -1085,6 +1126,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                     runner = _Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
                                      journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
                                      writer=writer, write_batch_rows=write_batch_rows, target_format=target_format)
+                    runner.keys = paid.configured_keys(backends)
                     if pool is not None:
                         state.t0 = time.monotonic()  # the rate, ETA and tok/s: of the request phase
                         with display.session():
@@ -1150,7 +1192,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             "cost_usd": round(state.cost_usd, 6), "total_completion_tokens": state.spent_tokens(),
             "total_cost_usd": round(state.spent_usd(), 6), "by_backend": dict(state.by_backend),
             "stopped_by": stopped_by, "servers_started": servers_started, "servers_attached": servers_attached,
-            "journal_bad_lines": jstats["bad_lines"], "rows": n_rows,
+            "journal_bad_lines": jstats["bad_lines"], "rows": n_rows, "other_model_replies": state.other_model,
             "wall_s": round(time.monotonic() - t0, 3), **_job_overhead(state), "cpu_s": _cpu_s(),
         }
         logger.info("%s finished: %s", tag, progress.final_line(state, "").lstrip())

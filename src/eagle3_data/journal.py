@@ -10,7 +10,9 @@ as it arrives (a ``kill -9`` of the job loses nothing written), and ``fsync``-ed
 ``sync_every`` records or ``sync_interval_s`` seconds, and on close) against power loss. A crash can leave a
 torn last line; the reader skips lines that are not complete JSON objects (counted and reported), and the
 writer starts a fresh line if the file does not end in a newline, so a torn fragment never glues onto the
-next record. Failed requests are never journaled: a rerun retries them. The file is opened at the first record (or
+next record. Failed requests are never journaled: a rerun retries them; a *paid reject* (a 200 reply that can't be kept:
+:mod:`eagle3_data.paid`) is, as a record with ``status == "failed"`` and its reason in ``error`` (no text), so a
+rerun neither pays for it again nor loses its cost. The file is opened at the first record (or
 :meth:`JournalWriter.ensure_open`, before a job sends anything): a job with nothing to send never needs to write;
 a journal that can't be written (disk full, read-only) raises :class:`JournalWriteError`, one line naming the
 directory and the reason.

@@ -670,6 +670,7 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
             if snap is not None and (s is None or float(snap.get("updated_at") or 0) > p.stat().st_mtime + 1):
                 # this run's job did not finish (or finished without writing its summary): what it journaled
                 s = {"samples": snap.get("total"), "ok": snap.get("ok"), "failed_total": snap.get("failed"),
+                     "other_model_replies": snap.get("other_model"),
                      "not_sent": int(snap.get("total") or 0) - int(snap.get("done") or 0),
                      "total_cost_usd": snap.get("spent_usd"), "wall_s": snap.get("elapsed_s"),
                      "stopped_by": "stopped" if not snap.get("final") or not p.is_file() else None}
@@ -692,6 +693,7 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
             "cost_usd": None if pre else sum(float(s.get("total_cost_usd") or 0.0) for s in sums),
             "wall_s": max(walls) if walls else None,
             "ended_by": "pre-tokenized" if pre else ", ".join(ended),
+            "other_model": None if pre else sum(int(s.get("other_model_replies") or 0) for s in sums),
         }
         row["time"] = _clock(row["wall_s"]) if row["wall_s"] is not None else ""
         rows.append(row)
@@ -741,6 +743,10 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
              "OK/Failed/Not sent: samples at generate (not sent: kept back by a budget or a stop). Rejected: every "
              "stage. Kept: validated. Cost: journaled responses. Time: the longest generate shard"
              + ("; Total: the run." if run_s is not None else ".")]
+    other = [f"{r['dataset']} {r['other_model']:,}" for r in rows[:-1] if r.get("other_model")]
+    if other:
+        lines.append(f"Replies naming another model than asked (kept; generation.reject_other_models: true refuses "
+                     f"them): {', '.join(other)}.")
     pilot = pilot_spend(datasets_config, results_dir)
     if pilot is not None:
         lines.append(f"Forecast pilot: {pilot['requests']:,} responses paid for, ${format_usd(pilot['cost_usd'])} "

@@ -57,6 +57,7 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
         "last_error": (state.last_error or "")[:200] or None, "down": dict(down or {}),
         "elapsed_s": round(time.monotonic() - state.t0, 3), "last_done_at": state.last_done_at,
         "updated_at": now, "final": bool(final), "pid": os.getpid(), "kind": "generate",
+        "other_model": getattr(state, "other_model", 0),
     }
 
 

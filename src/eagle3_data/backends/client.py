@@ -175,7 +175,7 @@ class BackendConfig:
         """``text`` (from a server: error messages end up in logs and in failed rows) with this backend's API key
         replaced by ``[api key]`` (a server may echo the Authorization header) and unpaired surrogates by ``?``."""
         key = (os.environ.get(self.api_key_env) or "").strip() if self.api_key_env else ""
-        if len(key) >= 8:
+        if key:  # whatever its length: a local server's `--api-key abc` as well
             text = text.replace(key, "[api key]")
         return text.encode("utf-8", "replace").decode("utf-8")
 
@@ -401,10 +401,15 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     completion_tokens, reasoning_tokens, cost_usd (``usage.cost``, OpenRouter credits = USD), backend,
     provider (OpenRouter top-level ``provider``, else the backend name), model, latency_s, output_ids
     (``choices[0].token_ids`` / ``output_ids`` when the server returns them), completed_at.
-    Raises :class:`RetryableError` for malformed JSON and errors inside the body.
+    Raises :class:`RetryableError` for malformed JSON and errors inside the body, :class:`SampleError`
+    ``http_<code>`` for a client error in the body that no retry can fix (:func:`eagle3_data.paid.client_error`).
+    A valid JSON body holding bytes that are not UTF-8 is decoded with replacements (it was paid for): the count
+    of replaced bytes is returned under ``_bad_bytes`` (the caller makes the sample a paid reject).
     """
+    from ..paid import client_error, decode_json
+
     try:
-        data = json.loads(content)
+        data, bad_bytes = decode_json(content)
     except ValueError as exc:
         raise RetryableError("malformed_json", f"{exc} (body starts {content[:80]!r})") from None
     if not isinstance(data, dict):
@@ -416,6 +421,8 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
         if code in (401, 402) or str(code) in ("401", "402"):
             raise FatalBackendError(f"backend {backend.name!r} ({backend.base_url}): error {code} inside a 200 body: "
                                     f"{msg[:300]}", hint="check the key and its credits, then rerun the same command")
+        if client_error(code):
+            raise SampleError(f"http_{client_error(code)}", f"error {code} inside a 200 body: {str(msg)[:300]}")
         raise RetryableError("error_in_body", str(msg)[:300])
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -464,6 +471,7 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
         "output_ids": _token_ids(choice.get("token_ids") or choice.get("output_ids")),
         "completed_at": time.time(),
         "generation_id": _text("generation_id", str(data["id"])) if data.get("id") else None,
+        **({"_bad_bytes": bad_bytes} if bad_bytes else {}),
     }
 
 
