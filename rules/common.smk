@@ -51,7 +51,7 @@ TARGET = config["target"]
 FORECAST = cfg.section(config, "forecast")
 CACHE_DIR = config["cache_dir"]
 
-# The run's state (launched servers, shared request slots) lives under CACHE_DIR/runs/ and reaches the jobs through
+# The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through
 # the environment; the Snakefile's onsuccess/onerror hooks end it (eagle3_data.run).
 from eagle3_data import run as run_state
 

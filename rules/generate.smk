@@ -1,7 +1,7 @@
 # Stage 2: prompts shard -> responses shard, through the dataset's backends (OpenAI-compatible HTTP).
 # Completed responses are journaled under cache/ (outside results/), keyed by a hash of the request, so a
 # failed, killed or deleted target never pays for the same response twice.
-# A backend's max_concurrency holds over all generate jobs of a run on one machine (shared request slots), so
+# A backend's max_concurrency holds over all generate jobs on one machine, of every run (shared request slots), so
 # every shard can be in flight at once; a launched server is started once per run and shared by every job that
 # needs it (eagle3_data.run, eagle3_data.backends.server).
 

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -79,6 +80,9 @@ def test_full_disk_stops_sending_and_a_rerun_pays_only_for_the_rest(tmp_path, fs
     monkeypatch.setattr(journal_mod.os, "write", real_write)
     recs, _ = read_journal(tmp_path / "journal", "ds")
     assert len(recs) == 5
+    deadline = time.monotonic() + 10
+    while fs.app.in_flight and time.monotonic() < deadline:  # requests the stopped job dropped, still answering
+        time.sleep(0.05)
     first = fs.app.completed
     fs.app.reset()
     s = run(tmp_path, fs, prompts)
@@ -161,7 +165,7 @@ def test_an_api_key_echoed_in_a_reply_is_never_stored(tmp_path, fs, monkeypatch,
 
 
 def test_short_keys_are_scrubbed_from_messages():
-    from eagle3_data.backends.client import BackendConfig
+    from eagle3_data.backends.settings import BackendConfig
     from eagle3_data.paid import scrub
 
     os.environ["E3D_SHORT_KEY"] = "abc12"

@@ -436,7 +436,7 @@ def simulate_generation(jobs: list[dict], backends: dict[str, dict], lengths: di
                         retry_max_s: float = 60.0, vary=None) -> dict:
     """Simulate the generation ``runs`` times (event by event) and return its times.
 
-    The model is how generate behaves (:mod:`.backends.limits`, :class:`.backends.client.BackendPool`): every job
+    The model is how generate behaves (:mod:`.backends.limits`, :class:`.backends.pool.BackendPool`): every job
     (shard) runs from t = 0; each backend has ``concurrency`` slots shared by the jobs that use it; a free slot
     goes to the job with requests waiting that has the fewest in flight on that backend (the fair share); a job's
     request takes a free slot of its first backend that has one (overflow, in its priority order). A request's

@@ -50,7 +50,7 @@ def postfix(state) -> str:
     """The counters after the bar: in flight, completion tokens/s, dollars (of the budget), completion tokens of
     their budget, the time left until a budget at this run's spend rate, outcomes, retries and HTTP requests.
 
-    ``state``: the job's ``generate._State`` (``in_flight``, ``completion_tokens``, ``cost_usd``, ``t0``,
+    ``state``: the job's ``generate.JobState`` (``in_flight``, ``completion_tokens``, ``cost_usd``, ``t0``,
     ``spent_usd()``, ``spent_tokens()``, ``budget_usd``, ``budget_tokens``, ``ok``, ``failed``, ``from_journal``,
     ``retries``, ``sent``)."""
     el = max(1e-9, time.monotonic() - state.t0)
@@ -157,7 +157,7 @@ class JobProgress:
     """The progress display of one generate job (see the module docstring).
 
     Args:
-        state: the job's ``generate._State`` (read, never written).
+        state: the job's ``generate.JobState`` (read, never written).
         tag: ``"[dataset/shard]"``, the start of every line.
         interval: seconds between plain lines (config-free: ``generate(progress_interval_s=...)``).
         log: the logger the lines go to (the package logger: the job's log file and stderr).

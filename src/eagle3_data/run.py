@@ -6,9 +6,10 @@ through the environment (``EAGLE3_RUN_DIR``, ``EAGLE3_RUN_OWNER``), never throug
 reruns because of it). Jobs keep there what the run shares:
 
 - ``servers/``: the registry of launched servers (:func:`eagle3_data.backends.server.shared_server`): one per
-  launched backend for the whole run, attached to by every generate job that needs it;
-- ``limits/``: the per-backend request slots shared by the generate jobs on one machine
-  (:mod:`eagle3_data.backends.limits`).
+  launched backend for the whole run, attached to by every generate job that needs it.
+
+A backend's request slots are not the run's: they are shared by every run and job on the machine
+(:mod:`eagle3_data.backends.limits`), and neither a run's start nor its end touches them.
 
 The Snakefile's ``onsuccess`` / ``onerror`` hooks call :func:`end`: it stops the run's servers, prints one line
 for an interrupted run (Ctrl-C, SIGTERM) saying how to resume, and removes the run directory. Snakemake calls
@@ -31,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .processes import Owner, process_start  # noqa: F401 (process_start: part of this module's API)
+
 RUN_DIR_ENV = "EAGLE3_RUN_DIR"
 RUN_OWNER_ENV = "EAGLE3_RUN_OWNER"
 
@@ -39,54 +42,6 @@ _stop_file: list[Path] = []  # main process: the run's stop file, written when S
 STOP_FILE = "stop"  # in the run directory: its jobs stop starting requests (see :func:`stop_reason`)
 OWNER_FILE = "owner.json"  # in the run directory: the snakemake process and its working directory
 _started: list[float] = []  # main process: time.monotonic() when the run began
-
-
-def process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or None if there
-    is no such process: with the pid it names one process, even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields and fields[0] == "Z":  # a zombie has exited
-        return None
-    return fields[19] if len(fields) > 19 else None
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The process a run (or a server) lives for: ``host``, ``pid`` and its ``start`` time (see
-    :func:`process_start`)."""
-
-    host: str
-    pid: int
-    start: str
-
-    @classmethod
-    def me(cls) -> "Owner":
-        return cls(socket.gethostname(), os.getpid(), process_start(os.getpid()) or "0")
-
-    @classmethod
-    def parse(cls, text: str) -> "Owner | None":
-        """``"host:pid:start"`` -> Owner (None if malformed)."""
-        try:
-            host, pid, start = text.rsplit(":", 2)
-            return cls(host, int(pid), start)
-        except ValueError:
-            return None
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.pid}:{self.start}"
-
-    def local(self) -> bool:
-        return self.host == socket.gethostname()
-
-    def alive(self) -> bool:
-        """True if this process still runs (on this host; a process on another host counts as alive)."""
-        if not self.local():
-            return True
-        return process_start(self.pid) == self.start
 
 
 @dataclass(frozen=True)
@@ -99,10 +54,6 @@ class Run:
     @property
     def servers_dir(self) -> Path:
         return self.dir / "servers"
-
-    @property
-    def limits_dir(self) -> Path:
-        return self.dir / "limits"
 
     @property
     def stop_file(self) -> Path:
@@ -195,7 +146,8 @@ def on_start(cache_dir: str | os.PathLike) -> None:
     """Snakefile ``onstart``: make the run directory (with ``owner.json``: pid and working directory), record
     SIGTERM too (snakemake's own handler is installed by then), have SIGINT and SIGTERM write the run's stop file
     (its jobs stop starting requests, :func:`stop_reason`), and remove the directories of earlier runs on this
-    host whose ``snakemake`` process is gone (their servers stopped themselves)."""
+    host whose ``snakemake`` process is gone (their servers stopped themselves). Request slots are left alone:
+    they are the machine's, not a run's (:mod:`.backends.limits`)."""
     me = current()
     if me is not None:
         with contextlib.suppress(OSError):
@@ -211,11 +163,9 @@ def on_start(cache_dir: str | os.PathLike) -> None:
         if not pid.isdigit() or (me is not None and d.resolve() == me.dir.resolve()):
             continue
         if not Owner(socket.gethostname(), int(pid), start).alive():
-            from .backends.limits import HostSlots
             from .backends.server import stop_run_servers
 
             stop_run_servers(d)
-            HostSlots.remove_all(d / "limits")
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -325,11 +275,8 @@ def end(cache_dir: str | os.PathLike, *, ok: bool, out=None, datasets=None) -> N
     if run is not None and run.dir.exists():
         from .backends.server import stop_run_servers
 
-        from .backends.limits import HostSlots
-
         t0 = time.monotonic()
         stopped = stop_run_servers(run.dir)
-        HostSlots.remove_all(run.limits_dir)
         if stopped and ok:  # after a failure the run prints only what went wrong
             print(f"Stopped the launched server(s) {', '.join(stopped)} ({time.monotonic() - t0:.0f} s).", file=out)
         shutil.rmtree(run.dir, ignore_errors=True)
