@@ -133,6 +133,7 @@ def _stop_and_check(wd, fs, proc, how: str) -> tuple[float, str]:
 def _resume(wd, fs, *extra) -> str:
     """Rerun: only the requests not journaled are sent; every prompt ends with one response."""
     before = _journaled(wd)
+    fs.app.config.update({"latency_min_s": 0.0, "latency_max_s": 0.05})  # the resume need not be slow
     fs.app.reset()
     p = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml",
                         *extra], cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=300)
