@@ -154,6 +154,11 @@ def test_a_signal_to_snakemake_stops_the_requests(tmp_path, target_dir, server, 
     assert n >= 12
     line = next(ln for ln in out.splitlines() if "Rerun the same command to resume" in ln)
     assert f" {n:,} responses of this config are journaled" in line, (line, n)
+    # the last screen counts what the stopped shards journaled: OK = the journal's lines, a cost, the rest not sent
+    screen = out[out.index("Run summary (the run failed"):]
+    row = next(ln.split() for ln in screen.splitlines() if ln.startswith("chat "))
+    assert row[:4] == ["chat", "2/2", str(N), str(n)], row
+    assert int(row[4]) + int(row[5]) == N - n and float(row[8]) > 0 and row[-1] == "stopped", row
     _resume(wd, server)
 
 

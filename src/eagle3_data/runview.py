@@ -113,12 +113,14 @@ class RunView:
         from . import config as cfg
 
         snaps = read_snapshots(self.run_dir)
+        pilots = read_snapshots(self.run_dir, "pilot")  # `snakemake forecast`: its pilot jobs
         groups: dict[str, list[dict]] = {}
         for ds in cfg.generated_datasets(self.config):
             names = list(cfg.backends_config(self.config, ds))
             label = names[0] if names else "?"
             for shard in cfg.shard_names(self.config, ds):
-                groups.setdefault(label, []).append(snaps.get((ds, shard)) or {"dataset": ds, "shard": shard})
+                groups.setdefault(label, []).append(snaps.get((ds, shard)) or pilots.get((ds, shard))
+                                                    or {"dataset": ds, "shard": shard})
         return groups
 
     def rows(self, now: float | None = None) -> list[dict]:
@@ -160,6 +162,7 @@ class RunView:
             if all(b is not None for b in budgets):  # each shard's share: the dataset budget over its shards
                 budget = sum(budgets) + (len(snaps) - len(started)) * (sum(budgets) / len(budgets))
             out.append({
+                "stage": "forecast pilot" if all(s.get("kind") == "pilot" for s in started) else "generate",
                 "backend": label, "shards": len(snaps), "started": len(started),
                 "finished": sum(1 for s in started if s.get("final")), "done": done, "total": total,
                 "in_flight": sum(s["in_flight"] for s in active), "limit": limit, "tok_s": tok_s,
@@ -171,7 +174,8 @@ class RunView:
     @staticmethod
     def line(r: dict) -> str:
         """A row of :meth:`rows` as one short line."""
-        parts = [f"generate {r['backend']}: {r['done']:,}/{r['total']:,} samples, {r['started']}/{r['shards']} shards"]
+        parts = [f"{r.get('stage', 'generate')} {r['backend']}: {r['done']:,}/{r['total']:,} samples, "
+                 f"{r['started']}/{r['shards']} shards"]
         parts.append(f"in flight {r['in_flight']}" + (f"/{r['limit']}" if r["limit"] else ""))
         parts.append(f"{r['tok_s']:,.0f} tok/s")
         parts.append(_usd(r["spent_usd"]) + (f" of {_usd(r['budget_usd'])}" if r["budget_usd"] is not None else ""))
