@@ -29,6 +29,10 @@ def _check_config():
         chosen = cfg.resolve_target_template(config)  # target.template: auto -> the family (cached)
         if main and chosen:
             print(chosen, file=sys.stderr)
+        if main:  # what would otherwise fail after paying: the target's tokenizer, draft vocab, launch.python, SLURM
+            from eagle3_data import prerun
+
+            prerun.check_before_run(config, cache_dir=config.get("cache_dir", "cache"), workflow=workflow)
         if main and getattr(workflow, "check_envvars", True):  # not for --lint
             try:
                 cfg.check_api_keys(config, cfg.pending_generation(config))
@@ -65,7 +69,12 @@ CACHE_DIR = config["cache_dir"]
 # (eagle3_data.run).
 from eagle3_data import run as run_state
 
-if workflow.remote_exec:  # this process is a cluster job: the backends' max_concurrency is split over the jobs
+if workflow.is_main_process and "--unlock" not in sys.argv and not getattr(
+        getattr(workflow, "output_settings", None), "dryrun", False):
+    _hint = run_state.stale_lock_hint(CACHE_DIR)  # a kill -9 left Snakemake's lock: say how to go on, in one line
+    if _hint:
+        print(_hint, file=sys.stderr)
+if workflow.remote_exec:  # a cluster job: the backends' max_concurrency is split over the jobs that use them
     os.environ.setdefault("EAGLE3_CONCURRENCY", "split")
 
 # Generate-job seats per backend (one machine): a generate job takes a seat of each backend its dataset uses, so one
@@ -144,13 +153,23 @@ def responses_files(datasets):
     return [f"results/{ds}/responses/{s}.parquet" for ds in datasets if ds in GENERATED for s in shards(ds)]
 
 
+def start_run_view():
+    """Snakefile ``onstart``: the run-wide generation view on the console (eagle3_data.runview)."""
+    run = run_state.current()
+    if run is not None and not workflow.non_local_exec:
+        from eagle3_data import runview
+
+        runview.start(config, run.dir)
+
+
 def print_run_summary(ok):
     """The run's last lines: per dataset done, failed, not sent, rejected, kept, cost and time."""
     from eagle3_data.report import run_summary
 
     try:
+        run = run_state.current()
         text = run_summary(config["datasets"], "results", run_s=run_state.elapsed(), ok=ok,
-                           tally_path="results/reports/tally.md")
+                           tally_path="results/reports/tally.md", run_dir=run.dir if run is not None else None)
     except Exception as exc:  # a damaged file must not keep the end-of-run hook from stopping the servers
         text = f"(no run summary: {type(exc).__name__}: {exc})"
     print(f"\n{text}", file=sys.stderr)

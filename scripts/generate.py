@@ -1,11 +1,15 @@
 """Rules generate (prompts shard -> responses shard through the dataset's backends, journaled in cache/) and
 forecast_pilot (rule generate with its own outputs: the shard's share of the forecast's pilot samples)."""
-from eagle3_data.errors import run_stage
+import logging
+
+from eagle3_data.errors import in_workflow_run, run_stage
 from eagle3_data.generate import generate
 from eagle3_data.logs import setup_logging
 from eagle3_data.settings import GenerateSettings
 
-log = setup_logging(snakemake.log[0])
+# inside a workflow run the console shows the run-wide view (eagle3_data.runview): this shard's progress lines and
+# summary go to its log file, only warnings and errors to the console
+log = setup_logging(snakemake.log[0], console_level=logging.WARNING if in_workflow_run() else None)
 ds, shard = snakemake.wildcards.ds, snakemake.wildcards.shard
 # the whole settings from the config at run time (rule params carry only the part the responses depend on, as
 # rerun triggers): concurrency, timeouts, rate limits, headers, key variables, launch and retries rerun nothing

@@ -283,8 +283,14 @@ def test_run_end_prints_one_interrupt_line_with_the_journal_count(tmp_path, monk
     monkeypatch.delenv("EAGLE3_RUN_DIR", raising=False)
     run_mod.end(tmp_path / "cache", ok=False)
     err = capsys.readouterr().err
-    assert err == (f"Interrupted (Ctrl-C). Rerun the same command to resume; 4 responses are journaled in "
+    assert err == (f"Interrupted (Ctrl-C). Rerun the same command to resume; 4 responses of this config are "
+                   "journaled in "
                    f"{tmp_path / 'cache' / 'journal'}/ and will not be requested again.\n")
+    # this config's datasets only: another config's journal is not "reusable"
+    (tmp_path / "cache" / "journal" / "other").mkdir()
+    (tmp_path / "cache" / "journal" / "other" / "000.jsonl").write_text('{"a": 5}\n' * 10)
+    run_mod.end(tmp_path / "cache", ok=False, datasets=["ds"])
+    assert " 4 responses of this config " in capsys.readouterr().err
     monkeypatch.setattr(run_mod, "_signals", {})
     run_mod.end(tmp_path / "cache", ok=False)
     assert capsys.readouterr().err == ""

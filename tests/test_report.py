@@ -398,8 +398,8 @@ def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
     assert [tuple(r[k] for k in keys) for r in rows] == [
         ("gen", "2/2", 55, 37, 2, 16, 6, 34, "2:11", "all samples done, budget_usd"),
         ("half", "1/2", 10, 10, 0, 0, 0, 0, "0:03", "all samples done"),
-        ("pre", "-", 44, None, None, None, 6, 40, "", "pre-tokenized"),
-        ("Total", "", 109, 47, 2, 16, 12, 74, "", ""),
+        ("pre", "-", 46, None, None, None, 6, 40, "", "pre-tokenized"),  # samples = rejected + kept
+        ("Total", "", 111, 47, 2, 16, 12, 74, "", ""),
     ]
     assert rows[0]["cost_usd"] == pytest.approx(0.7512) and rows[-1]["cost_usd"] == pytest.approx(0.7512)
     assert rows[2]["cost_usd"] is None
@@ -413,7 +413,7 @@ def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
     cells = {ln.split()[0]: ln.split() for ln in lines[3:7]}
     assert cells["gen"] == ["gen", "2/2", "55", "37", "2", "16", "6", "34", "0.75", "2:11", "all", "samples",
                             "done,", "budget_usd"]
-    assert cells["pre"] == ["pre", "-", "44", "6", "40", "pre-tokenized"]
-    assert cells["Total"] == ["Total", "109", "47", "2", "16", "12", "74", "0.75", "1:02:05"]
+    assert cells["pre"] == ["pre", "-", "46", "6", "40", "pre-tokenized"]
+    assert cells["Total"] == ["Total", "111", "47", "2", "16", "12", "74", "0.75", "1:02:05"]
     assert lines[-1] == f"Tokens, rejects by reason, cost by backend: {res}/reports/tally.md (all reports: {res}/reports/)"
     assert len(lines) <= 12                                            # one screen

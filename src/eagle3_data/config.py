@@ -337,6 +337,8 @@ RERUNS: list[tuple[str, str]] = [
     ("generation.max_retries", NOTHING + " (`snakemake --forcerun generate` retries failed requests)"),
     ("generation.retry_initial_s", NOTHING),
     ("generation.retry_max_s", NOTHING),
+    ("generation.stop_grace_s", NOTHING),
+    ("generation.reject_other_models", "as generation.mode"),
     ("datasets.<name>.source.format", _DS_CHAIN),
     ("datasets.<name>.source.path", _DS_CHAIN),
     ("datasets.<name>.source.max_samples", _DS_CHAIN),
@@ -347,6 +349,7 @@ RERUNS: list[tuple[str, str]] = [
     ("datasets.<name>.generation.max_retries", NOTHING),
     ("datasets.<name>.generation.retry_initial_s", NOTHING),
     ("datasets.<name>.generation.retry_max_s", NOTHING),
+    ("datasets.<name>.generation.stop_grace_s", NOTHING),
     ("datasets.<name>.generation.*", "as generation.<key>, for that dataset only"),
     ("normalize.max_reject_rate", NOTHING),
     ("validate.max_reject_rate", NOTHING),
@@ -423,7 +426,8 @@ def datasets_data_settings(config: dict) -> dict:
 
 
 def generation_data_settings(config: dict, ds: str) -> dict:
-    """The generation settings of ``ds`` its responses depend on (:data:`GENERATION_DATA_KEYS`)."""
+    """The generation settings of ``ds`` its responses depend on (:data:`GENERATION_DATA_KEYS`, and
+    ``reject_other_models`` when it is set: left at its default it changes nothing, and reruns nothing)."""
     from .settings import GenerateSettings
 
     return GenerateSettings.from_config(config, ds).params()["generation"]

@@ -434,8 +434,10 @@ class GenerateSettings(_Settings):
 
     def params(self) -> dict:
         """The rule's params: only the generation and backend keys the responses depend on."""
-        return {"target_name": self.target_name, "generation": {k: self.generation.get(k)
-                                                                for k in cfg.GENERATION_DATA_KEYS},
+        generation = {k: self.generation.get(k) for k in cfg.GENERATION_DATA_KEYS}
+        if self.generation.get("reject_other_models"):  # only when set: the default leaves existing params as they are
+            generation["reject_other_models"] = True
+        return {"target_name": self.target_name, "generation": generation,
                 "backends": {name: {**{k: b.get(k) for k in cfg.BACKEND_DATA_KEYS}, "launched": bool(b.get("launch"))}
                              for name, b in self.backends.items()},
                 "num_shards": self.num_shards, "target": self.target, "target_format": self.target_format}

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from . import codec
-from .errors import FatalBackendError, RetryableError
+from .errors import FatalBackendError, RetryableError, SampleError
 from .fields import as_cost, as_count, as_text, as_token_ids, parts_text
 from .request import Payload, Request
 from .settings import BackendConfig
@@ -103,10 +103,15 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     completion_tokens, reasoning_tokens, cost_usd (``usage.cost``, OpenRouter credits = USD), backend,
     provider (OpenRouter top-level ``provider``, else the backend name), model, latency_s, output_ids
     (``choices[0].token_ids`` / ``output_ids`` when the server returns them), completed_at.
-    Raises :class:`RetryableError` for malformed JSON and errors inside the body.
+    Raises :class:`RetryableError` for malformed JSON and errors inside the body, :class:`SampleError`
+    ``http_<code>`` for a client error in the body that no retry can fix (:func:`eagle3_data.paid.client_error`).
+    A valid JSON body holding bytes that are not UTF-8 is decoded with replacements (it was paid for): the count
+    of replaced bytes is returned under ``_bad_bytes`` (the caller makes the sample a paid reject).
     """
+    from ..paid import client_error, decode_json
+
     try:
-        data = codec.loads(content)
+        data, bad_bytes = decode_json(content)
     except ValueError as exc:
         raise RetryableError("malformed_json", f"{exc} (body starts {content[:80]!r})") from None
     if not isinstance(data, dict):
@@ -118,6 +123,8 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
         if code in (401, 402) or str(code) in ("401", "402"):
             raise FatalBackendError(f"backend {backend.name!r} ({backend.base_url}): error {code} inside a 200 body: "
                                     f"{msg[:300]}", hint="check the key and its credits, then rerun the same command")
+        if client_error(code):
+            raise SampleError(f"http_{client_error(code)}", f"error {code} inside a 200 body: {str(msg)[:300]}")
         raise RetryableError("error_in_body", str(msg)[:300])
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -166,5 +173,6 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
         "output_ids": as_token_ids(choice.get("token_ids") or choice.get("output_ids")),
         "completed_at": time.time(),
         "generation_id": as_text("generation_id", str(data["id"])) if data.get("id") else None,
+        **({"_bad_bytes": bad_bytes} if bad_bytes else {}),
     }
 

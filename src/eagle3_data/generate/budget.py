@@ -37,6 +37,7 @@ class JobState:
     new_ok: int = 0
     stopped_by: str | None = None
     warned_unknown_cost: bool = False
+    other_model: int = 0  # replies naming another model than asked (kept unless reject_other_models)
     by_backend: dict = field(default_factory=dict)
     retry_reasons: dict = field(default_factory=dict)
     last_error: str | None = None  # "<reason>: <text> (backend <name>)" of the last failed request

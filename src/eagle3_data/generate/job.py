@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from .. import progress
+from .. import paid, progress
 from .. import run as run_mod
 from .. import schemas
 from ..backends import limits
@@ -245,7 +245,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             budget_usd=None if bu is None else float(bu) / div,
         )
         # resume index: spend, and (mode all) what the regenerated history needs; texts stay on disk
-        keep = ("completion_tokens", "cost_usd") + (("content", "reasoning", "tool_calls") if mode == "all" else ())
+        keep = ("completion_tokens", "cost_usd", "status", "error") + (
+            ("content", "reasoning", "tool_calls") if mode == "all" else ())
         key_files: dict = {}  # the file of each journaled record: the end reads back only those files
         records, jstats = read_journal(journal_dir, dataset, fields=keep, key_files=key_files)
         logger.info(
@@ -281,6 +282,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
 
         jw: list[JournalWriter] = []
         display = progress.JobProgress(state, tag, progress_interval_s, logger)
+        display.backends = names
+        if sample_ids is not None:
+            display.kind = "pilot"
 
         def journaled() -> str:
             n = jstats["records"] + (jw[0].written if jw else 0)
@@ -316,11 +320,15 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                                 (servers_started if srv.started else servers_attached).append(cfg.name)
                                 server_logs[cfg.name] = srv.log_path
                         pool = stack.enter_context(backend_pool(cfgs, run, backend_jobs, tag))
+                        display.pool = pool
                     journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
                     jw.append(journal)
+                    if pool is not None:
+                        journal.ensure_open()  # an unwritable journal stops the job before it pays for anything
                     runner = Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
                                      journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
                                      writer=writer, write_batch_rows=write_batch_rows, target_format=target_format)
+                    runner.keys = paid.configured_keys(backends)
                     if pool is not None:
                         state.t0 = time.monotonic()  # the rate, ETA and tok/s: of the request phase
                         with display.session():
@@ -386,7 +394,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             "cost_usd": round(state.cost_usd, 6), "total_completion_tokens": state.spent_tokens(),
             "total_cost_usd": round(state.spent_usd(), 6), "by_backend": dict(state.by_backend),
             "stopped_by": stopped_by, "servers_started": servers_started, "servers_attached": servers_attached,
-            "journal_bad_lines": jstats["bad_lines"], "rows": n_rows,
+            "journal_bad_lines": jstats["bad_lines"], "rows": n_rows, "other_model_replies": state.other_model,
             "wall_s": round(time.monotonic() - t0, 3), **_job_overhead(state), "cpu_s": _cpu_s(),
         }
         logger.info("%s finished: %s", tag, progress.final_line(state, "").lstrip())
@@ -397,4 +405,5 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         logger.info("%s summary: %s", tag, json.dumps(summary, sort_keys=True))
         if summary_path is not None:
             write_json(summary, summary_path)
+        display.snapshot(final=True)
         return summary

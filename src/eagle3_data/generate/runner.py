@@ -11,7 +11,8 @@ import signal
 import threading
 import time
 
-from .. import progress
+from .. import paid, progress
+from .. import run as run_mod
 from ..backends.errors import FatalBackendError, RetryableError, SampleError, retry_wait
 from ..backends.request import Request
 from ..templates import request_messages, thinking_enabled
@@ -23,6 +24,10 @@ logger = logging.getLogger("eagle3_data.generate")
 
 class Terminated(BaseException):
     """SIGTERM arrived (raised in the main thread, or by :func:`run_requests` when SIGTERM cancelled the loop)."""
+
+
+class StopRequested(BudgetStop):
+    """The run is stopping (:func:`eagle3_data.run.stop_reason`): no new request starts; the sample is not sent."""
 
 
 def failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reason: str, detail: str) -> dict:
@@ -64,6 +69,9 @@ class Runner:
         self.backing_off = 0  # tasks sleeping before a retry without a live permit
         self.max_backing_off = 0  # how many may (set by run_requests: the pool's capacity)
         self.target = target  # TargetTokens, for backends with native_generate
+        self.stopping: str | None = None  # why the run is stopping: no new request starts (see run_requests)
+        self.keys: list[str] = []  # the configured API keys (paid.configured_keys): never stored from a reply
+        self.reject_other_models = bool(generation.get("reject_other_models", False))
         fmt = target_format or {}  # the target's family and chat_template_kwargs (+ the dataset's)
         self.template = fmt.get("template")
         self.thinking = thinking_enabled(self.template, {**(fmt.get("chat_template_kwargs") or {}), **(
@@ -98,6 +106,8 @@ class Runner:
                 return True
             self.state.journal_completion_tokens += rec.get("completion_tokens") or 0
             self.state.journal_cost_usd += rec.get("cost_usd") or 0.0
+            if rec.get("status") == "failed":  # a paid reject: journaled, never bought again
+                return False
             try:
                 item = gen.send(rec)
             except StopIteration:
@@ -113,6 +123,12 @@ class Runner:
             if rec is not None:
                 st.from_journal += 1
                 self.journal_keys.append(key)
+                if rec.get("status") == "failed":  # a paid reject of an earlier run: its row comes from the journal
+                    reason = (rec.get("error") or "paid_reject").split(":", 1)[0]
+                    st.failed[reason] = st.failed.get(reason, 0) + 1
+                    st.done += 1
+                    st.instant += not requested
+                    return
             else:
                 requested = True
                 try:
@@ -120,6 +136,20 @@ class Runner:
                 except BudgetStop:
                     st.not_sent += 1
                     st.done += 1
+                    return
+                except paid.PaidReject as exc:  # paid for, can't be kept: journaled once, a named reject
+                    self.write(self.journal.append(exc.record))
+                    st.completion_tokens += exc.record.get("completion_tokens") or 0
+                    st.prompt_tokens += exc.record.get("prompt_tokens") or 0
+                    st.cost_usd += exc.record.get("cost_usd") or 0.0
+                    st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
+                    st.done += 1
+                    st.last_error = exc.record["error"]
+                    n = st.logged_errors[exc.reason] = st.logged_errors.get(exc.reason, 0) + 1
+                    if n <= 3:
+                        logger.warning("[%s] sample %s: paid reply refused: %s (journaled: not bought again)%s",
+                                       self.dataset, sample.sample_id, st.last_error[:300],
+                                       " (further ones: in the failed rows only)" if n == 3 else "")
                     return
                 except (RetryableError, SampleError) as exc:
                     st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
@@ -210,6 +240,8 @@ class Runner:
                         # budgets gate every attempt (a retry after a 429 costs as much as a new request),
                         # checked when a slot is free so that the spend of everything in flight is counted: the
                         # overshoot is at most what was in flight
+                        if self.stopping:
+                            raise StopRequested()
                         if st.budget_reached():
                             raise BudgetStop()
                         payload = backend.encode(req)  # the backend's dialect (chat or native)
@@ -248,6 +280,20 @@ class Runner:
                 raise
             finally:
                 st.in_flight -= 1
+        bad = rec.pop("_bad_bytes", 0)
+        try:
+            warning = paid.check_reply(rec, asked_model=backend.cfg.model, keys=self.keys,
+                                       reject_other_models=self.reject_other_models, bad_bytes=bad)
+        except paid.PaidReject as exc:
+            exc.record = paid.reject_record(exc, {k: rec.get(k) for k in (
+                "sample_id", "dataset", "turn", "request_key", "messages", "tools")}, self.keys)
+            raise
+        if warning:
+            st.other_model += 1
+            if st.other_model <= 3:
+                logger.warning("[%s] sample %s: %s; kept (counted in the summary)%s", self.dataset,
+                               sample.sample_id, paid.scrub(warning, self.keys)[:300],
+                               "; further ones: counted only" if st.other_model == 3 else "")
         return rec
 
 
@@ -288,6 +334,17 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
         previous = signal.getsignal(signal.SIGTERM)
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     prog = asyncio.create_task(display.run())
+    grace_s = float(runner.generation.get("stop_grace_s", 10.0))
+
+    def on_stop(reason: str) -> None:
+        """The run is stopping: start no request; replies in flight get ``stop_grace_s`` to arrive (journaled),
+        then the job ends as interrupted (its output is not written: a rerun resumes)."""
+        runner.stopping = reason
+        logger.warning("[%s] %s: no new requests; %d in flight get %g s to arrive", runner.dataset, reason,
+                       runner.state.in_flight, grace_s)
+        loop.call_later(grace_s, on_sigterm)
+
+    stopper = asyncio.create_task(run_mod.watch_stop(on_stop))
     try:
         # a permit per sample task in flight or waiting for a slot, at most capacity + 1/8: a 10,000-sample shard
         # does not hold 10,000 coroutines at once (each costs a few KB) and a freed slot always has a task waiting
@@ -304,20 +361,28 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
         async with asyncio.TaskGroup() as tg:
             watcher = tg.create_task(runner.pool.watch())  # raises BackendDown when every backend is down
             for s in samples:
+                if runner.stopping:
+                    break
                 await live.acquire()
+                if runner.stopping:
+                    live.release()
+                    break
                 t = tg.create_task(runner.run_sample(s))
                 pending.add(t)
                 t.add_done_callback(finished)
             if pending:
                 await asyncio.wait(set(pending))
             watcher.cancel()
+        if runner.stopping:  # every task ended before the grace period: the job stops all the same
+            raise asyncio.CancelledError()
     except BaseExceptionGroup as eg:  # a task's exception, unwrapped: a stop before an interrupt before a bug
         raise first_leaf(eg) from None
     except asyncio.CancelledError:
-        if terminated:
+        if terminated or runner.stopping:
             raise Terminated() from None
         raise
     finally:
+        stopper.cancel()
         if previous is not None:  # remove_signal_handler leaves SIG_DFL: put the job's own handler back
             loop.remove_signal_handler(signal.SIGTERM)
             signal.signal(signal.SIGTERM, previous)
