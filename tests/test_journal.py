@@ -35,6 +35,7 @@ def test_batches_are_fsynced_by_the_writer_thread_not_the_appending_one(tmp_path
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(threading.current_thread().name), real(fd))[1])
     j = JournalWriter(tmp_path, "ds", "002", sync_every=3, sync_interval_s=0.2)
+    j.ensure_open()                                       # the file is made at the first record, or here
     calls.clear()                                         # the new file's directory entry, synced at creation
     main = threading.current_thread().name
     for k in "abc":
