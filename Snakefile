@@ -48,17 +48,19 @@ rule all:
 
 
 onstart:
+    run_state.begin(CACHE_DIR)  # the run's state: here, not at parse time, so a dry run or --lint changes nothing
     run_state.on_start(CACHE_DIR)
+    start_run_view()
     # a worker per generate-job seat: generate jobs wait on their longest requests without a core (eagle3_data.run)
     if SEATS:
         run_state.widen_local_workers(workflow, GENERATE_JOBS)
 
 
 onsuccess:
-    run_state.end(CACHE_DIR, ok=True)
     print_run_summary(ok=True)
+    run_state.end(CACHE_DIR, ok=True, datasets=GENERATED)
 
 
 onerror:
     print_run_summary(ok=False)
-    run_state.end(CACHE_DIR, ok=False)
+    run_state.end(CACHE_DIR, ok=False, datasets=GENERATED)

@@ -15,11 +15,11 @@ checkpoint plan:
         json="results/reports/plan.json",
     params:
         model_path=TARGET["path"],
-        extract=cfg.plan_extract_settings(config),
-        plan=config.get("plan") or {},
-        overflow=config["merge"].get("overflow", "truncate"),
+        extract=PLAN.extract_params(),
+        plan=PLAN.params(),
+        overflow=PLAN.overflow,
     resources:
-        gpu=0 if (config.get("plan") or {}).get("tokens_per_s_per_gpu") else cfg.section(config, "extract")["gpus_per_job"],
+        gpu=0 if PLAN.tokens_per_s_per_gpu else EXTRACT.gpus_per_job,
     log:
         "logs/plan.log",
     script:

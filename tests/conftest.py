@@ -76,6 +76,36 @@ def save_tiny_llama(path: Path, *, hidden_size: int, num_layers: int, vocab_size
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_limits_dir(tmp_path_factory):
+    """The session's own machine-wide request slots (``EAGLE3_LIMITS_DIR``, eagle3_data.backends.limits), for the
+    workflow runs of session and module fixtures: none meets a user's runs or another session's; the sets left
+    at the end are removed."""
+    from eagle3_data.backends.limits import LIMITS_DIR_ENV, HostSlots
+
+    d = tmp_path_factory.mktemp("limits-session")
+    old = os.environ.get(LIMITS_DIR_ENV)
+    os.environ[LIMITS_DIR_ENV] = str(d)
+    yield d
+    HostSlots.remove_all(d)
+    if old is None:
+        os.environ.pop(LIMITS_DIR_ENV, None)
+    else:
+        os.environ[LIMITS_DIR_ENV] = old
+
+
+@pytest.fixture(autouse=True)
+def limits_dir(tmp_path_factory, monkeypatch) -> Path:
+    """Each test's own machine-wide request slots: ``EAGLE3_LIMITS_DIR`` set to a fresh directory (inherited by the
+    jobs and workflow runs it starts); the semaphore sets left there at its end are removed."""
+    from eagle3_data.backends.limits import LIMITS_DIR_ENV, HostSlots
+
+    d = tmp_path_factory.mktemp("limits")
+    monkeypatch.setenv(LIMITS_DIR_ENV, str(d))
+    yield d
+    HostSlots.remove_all(d)
+
+
 @pytest.fixture(scope="module")
 def server():
     """A fault-injecting OpenAI/OpenRouter-compatible server on loopback (tests/fault_server.py)."""

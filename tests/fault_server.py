@@ -15,7 +15,10 @@ Endpoints:
   (hangs ``hang_s`` then closes), ``preset`` (TCP reset), ``perror200`` (200 with ``choices[0].error`` +
   ``finish_reason: "error"``), ``pmalformed`` (200 with a truncated JSON body), ``p402``, ``psurrogate`` (200
   whose content ends in an unpaired ``\\ud800``), ``pbadusage`` (200 with a NaN cost, a 1e30 prompt count, a
-  negative reasoning count and an out-of-range token id; counted as completed); ``fail_after``
+  negative reasoning count and an out-of-range token id; counted as completed), ``pbadbytes`` (a paid 200 reply,
+  valid JSON, whose content holds the bytes ``\\xff\\xfe``, not UTF-8; counted as completed), ``perror422body``
+  (200 whose body is ``{"error": {"code": 422, ...}}``); ``pad_bytes`` (every reply's content padded with that many
+  bytes, its billed tokens unchanged); ``echo_key`` (every reply quotes the request's Bearer token); ``fail_after``
   (every request after that many gets HTTP ``fail_status``, e.g. 402, with body ``fail_body`` when set);
   ``require_key`` (401 unless the
   Bearer token matches). ``fault_at`` (fault name -> ``"end"``, ``"start"`` or ``"uniform"``; default ``"end"``
@@ -45,7 +48,8 @@ Endpoints:
 - ``GET /stats``: counters: ``requests``, ``outcomes`` (by fault), ``completed`` (200-ok replies sent),
   ``completed_by_body`` (request-body hash -> ok replies sent; >1 means the client paid twice),
   ``in_flight``, ``max_in_flight``, ``cpu_s`` (the server process's CPU seconds),
-  ``connections`` (TCP connections that sent a request).
+  ``connections`` (TCP connections that sent a request), ``last_request_at`` (unix time the last chat/generate
+  request arrived; every arrival in ``FaultApp.request_times``).
 - ``POST /admin/config`` (JSON: keys above), ``POST /admin/reset`` (zero counters).
 
 Run: ``python tests/fault_server.py --port 8000 [--config '{"p429": 0.1}'] [--startup-delay 1]``, or in a
@@ -67,7 +71,8 @@ import time
 
 DEFAULTS = {
     "p429": 0.0, "p5xx": 0.0, "ptimeout": 0.0, "preset": 0.0, "perror200": 0.0, "pmalformed": 0.0, "p402": 0.0,
-    "psurrogate": 0.0, "pbadusage": 0.0,
+    "psurrogate": 0.0, "pbadusage": 0.0, "pbadbytes": 0.0, "perror422body": 0.0,
+    "pad_bytes": 0, "echo_key": False,
     "retry_after_s": 0.05, "hang_s": 30.0, "fail_after": None, "fail_status": 402, "fail_body": None,
     "require_key": None,
     "latency_min_s": 0.0, "latency_max_s": 0.0, "min_tokens": 5, "max_tokens": 40,
@@ -126,6 +131,7 @@ class FaultApp:
         self.headers: list[dict] = []
         self.costs: dict[str, float] = {}
         self.cost_lookups: dict[str, int] = {}
+        self.request_times: list[float] = []  # time.time() each chat/generate request arrived
 
     def record(self, body: dict, headers: dict) -> None:
         keep = int(self.config.get("record_bodies") or 0)
@@ -167,6 +173,7 @@ class FaultApp:
             "completed_by_body": dict(self.completed_by_body), "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight, "cpu_s": round(time.process_time(), 3),
             "connections": self.connections,
+            "last_request_at": self.request_times[-1] if self.request_times else None,
         }
 
     def _count(self, what: str) -> None:
@@ -178,7 +185,7 @@ class FaultApp:
             return "fail_status"
         r = self.rng.random()
         for name in ("p429", "p5xx", "ptimeout", "preset", "perror200", "pmalformed", "p402", "psurrogate",
-                     "pbadusage"):
+                     "pbadusage", "pbadbytes", "perror422body"):
             r -= float(c[name])
             if r < 0:
                 return name
@@ -277,6 +284,7 @@ class FaultApp:
         native = request.url.path == "/generate"
         c = self.config
         self.requests += 1
+        self.request_times.append(time.time())
         if c["require_key"] and headers.get("authorization") != f"Bearer {c['require_key']}":
             self._count("401")
             return _response(401, {"error": {"code": 401, "message": "No auth credentials found"}})
@@ -332,6 +340,10 @@ class FaultApp:
                 resp = self.completion(body, bh)
                 resp["choices"][0]["message"]["content"] += " \ud800"
                 return _response(200, resp)
+            if fault == "perror422body":  # a client error in a 200 body: no retry can fix it
+                self._count("error422body")
+                return _response(200, {"error": {"code": 422, "message": "Unprocessable: max_tokens exceeds the "
+                                                 "model's context length"}})
             if fault in ("p402", "fail_status"):
                 code = int(c["fail_status"]) if fault == "fail_status" else 402
                 self._count(str(code))
@@ -353,9 +365,18 @@ class FaultApp:
                     resp["usage"].update({"cost": float("nan"), "prompt_tokens": 1e30, "completion_tokens_details":
                                           {"reasoning_tokens": -3}})
                     resp["choices"][0]["token_ids"] = [1, 2**40]
+                if c["echo_key"]:  # a reply quoting the request's API key (a prompt injection, a debug echo)
+                    token = (headers.get("authorization") or "").removeprefix("Bearer ")
+                    resp["choices"][0]["message"]["content"] += f" my key is {token}."
+                if c["pad_bytes"]:  # a reply far larger than its billed tokens
+                    resp["choices"][0]["message"]["content"] += " " + "x" * int(c["pad_bytes"])
             self._count("ok")
             self.completed += 1
             self.completed_by_body[bh] = self.completed_by_body.get(bh, 0) + 1
+            if fault == "pbadbytes" and not native:  # valid JSON holding bytes that are not UTF-8 (paid for)
+                self._count("badbytes")
+                resp["choices"][0]["message"]["content"] += " BADBYTES"
+                return _response(200, json.dumps(resp).encode().replace(b"BADBYTES", b"\xff\xfe"))
             return _response(200, resp)
         finally:
             self.in_flight -= 1

@@ -17,6 +17,7 @@ TOY = {
     "extract": ["--toy"],
     "extract_gpu": ["--tiny"],
     "generation_client": ["--toy"],
+    "generation_run": ["--toy"],
     "tokenize_validate": ["--toy"],
     "rehearsal": ["--toy"],
 }
@@ -28,6 +29,8 @@ KEYS = {
     "extract": ["ours_tokens_per_s", "baseline_batch1_tokens_per_s", "speedup", "bytes_per_token_bf16"],
     "extract_gpu": ["tokens"],
     "generation_client": ["clients", "ideal_schedule_s"],
+    "generation_run": ["client_cpu_ms_per_request", "time_to_first_request_s", "in_flight", "request_phase_s",
+                       "phase_vs_ideal", "server_cpu_ms_per_request", "met"],
     "tokenize_validate": [],
     "rehearsal": ["incremental", "samples", "merged_samples"],
 }
@@ -48,6 +51,16 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
     assert out["benchmark"] == name
     for key in KEYS[name]:
         assert key in out, f"{name}: {key} missing from {line[:500]}"
+    if name == "generation_run":  # 2 datasets x 2 shards x 100 samples at a limit of 50, every figure measured
+        assert out["jobs"] == 4 and out["requests"] == 200 and out["product_ok"] == out["baseline_ok"] == 200
+        assert out["same_bodies"] is True
+        for fig in ("client_cpu_ms_per_request", "time_to_first_request_s", "request_phase_s"):
+            f = out[fig]
+            assert f["product"] > 0 and f["baseline"] > 0, (fig, f)
+            assert f["ratio"] == pytest.approx(f["product"] / f["baseline"], rel=0.02), (fig, f)
+        for who in ("product", "baseline"):
+            assert 0 < out["in_flight"][who]["mean"] <= out["in_flight"][who]["max"] <= out["limit"], out["in_flight"]
+            assert 0.3 < out["phase_vs_ideal"][who] < 10 and out["server_cpu_ms_per_request"][who] > 0
     if name == "rehearsal":  # the incremental scenario: retried requests + 1 new dataset cost what they change
         inc = out["incremental"]
         assert out["samples"] == out["merged_samples"] > 0

@@ -11,6 +11,7 @@ from snakemake.utils import validate
 
 from conftest import ROOT
 from eagle3_data import config as cfg
+from eagle3_data.settings import ExtractSettings, MergeSettings
 from eagle3_data import docgen
 from eagle3_data.backends.limits import jobs_using
 
@@ -48,7 +49,7 @@ def test_defaults_fill_every_section_and_match_the_documented_values():
     assert c["datasets"]["d"]["shards"] == 1
     assert c["generation"] == {"mode": "last", "extra_body": {}, "max_retries": 5, "retry_initial_s": 1.0,
                                "retry_max_s": 60.0, "max_samples": None, "budget_completion_tokens": None,
-                               "budget_usd": None}
+                               "budget_usd": None, "stop_grace_s": 10.0, "reject_other_models": False}
     assert c["validate"] == {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
                              "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}}
     assert c["merge"] == {"datasets": None, "max_samples": {}, "max_len": 32768, "overflow": "truncate", "seed": 0,
@@ -98,8 +99,8 @@ def test_config_errors_are_short_and_say_did_you_mean():
     assert _error(source_typo) == ("Config error in config.yaml: datasets.sharegpt_demo.sources: unknown key; "
                                    "did you mean datasets.sharegpt_demo.source?")
     assert _error(lambda c: c["target"].__setitem__("template", "kimi-k2.5")).endswith(
-        "target.template: 'kimi-k2.5' is not one of kimi-k2, kimi-k2-thinking, kimi-k25, qwen3, glm45, "
-        "deepseek-r1, generic; did you mean kimi-k25?")
+        "target.template: 'kimi-k2.5' is not one of auto, kimi-k2, kimi-k2-thinking, kimi-k25, qwen3, qwen3-coder, "
+        "glm45, deepseek-r1, deepseek-v3.1, gpt-oss, llama3, generic; did you mean kimi-k25?")
     assert _error(lambda c: c["generation"].__setitem__("shards", 2)).endswith(
         "generation.shards: unknown key here; shards is a key of datasets.<name>, merge")
     assert _error(lambda c: c.pop("target")) == (
@@ -297,19 +298,20 @@ def test_rule_params_leave_out_transport_settings():
     assert cfg.backends_data_settings(other, "sharegpt_demo") != before["sharegpt_demo"][1]
     e = yaml.safe_load(yaml.safe_dump(c))
     e["extract"].update(device="cpu", batch_tokens=7, gpu_lock_dir="/x")
-    assert cfg.extract_state_settings(e) == cfg.extract_state_settings(c)
+    assert ExtractSettings.from_config(e).params() == ExtractSettings.from_config(c).params()
+    assert ExtractSettings.from_config(e) != ExtractSettings.from_config(c)  # ... which the job still gets
     e["merge"].update(memory_mb=999, threads=7)
-    assert cfg.merge_data_settings(e) == cfg.merge_data_settings(c)
+    assert MergeSettings.from_config(e).params() == MergeSettings.from_config(c).params()
 
 
-def test_code_defaults_agree_with_the_schema_defaults():
-    """config.DEFAULTS (what cfg.section() falls back to) is what the schema fills in: one set of defaults."""
+def test_section_fills_what_the_schema_fills():
+    """cfg.section() of an unvalidated config gives the schema's defaults: the ones validate_config fills in."""
     c = {"target": {"name": "t", "path": "p", "template": "kimi-k25"},
          "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}}}
+    raw = copy.deepcopy(c)
     cfg.validate_config(c, cfg.load_schema(SCHEMA))
-    for name, defaults in cfg.DEFAULTS.items():
-        assert cfg.deep_merge(c[name], defaults) == c[name], name
-        assert cfg.section(c, name) == c[name]
+    for name in ("normalize", "validate", "merge", "extract", "export", "plan", "forecast", "vocab"):
+        assert cfg.section(raw, name) == c[name], name
 
 
 def test_generation_source_names_where_a_budget_is_set():

@@ -92,15 +92,18 @@ def test_replies_with_unstorable_values_are_retried_or_stored_as_nulls(tmp_path,
 
 
 def test_reply_values_are_checked_one_by_one():
-    from eagle3_data.backends.client import (BackendConfig, RetryableError, _cost, _int, _token_ids,
-                                             parse_native_response, parse_response)
+    from eagle3_data.backends.chat import parse_response
+    from eagle3_data.backends.errors import RetryableError
+    from eagle3_data.backends.fields import as_cost, as_count, as_token_ids
+    from eagle3_data.backends.native import parse_native_response
+    from eagle3_data.backends.settings import BackendConfig
 
-    assert [_int(v) for v in (5, 5.9, "7", None, True, -1, 1e30, float("inf"), float("nan"), "x", 2**31, 2**31 - 1)] \
+    assert [as_count(v) for v in (5, 5.9, "7", None, True, -1, 1e30, float("inf"), float("nan"), "x", 2**31, 2**31 - 1)] \
         == [5, 5, 7, None, None, None, None, None, None, None, None, 2**31 - 1]
-    assert [_cost(v) for v in (0.5, "0.25", 0, -0.1, float("nan"), float("inf"), None, False, "x")] == \
+    assert [as_cost(v) for v in (0.5, "0.25", 0, -0.1, float("nan"), float("inf"), None, False, "x")] == \
         [0.5, 0.25, 0.0, None, None, None, None, None, None]
-    assert _token_ids([0, 5, 2**31 - 1]) == [0, 5, 2**31 - 1]
-    assert [_token_ids(v) for v in ([1, 2**31], [-1], [1, True], [1.0], [], None)] == [None] * 6
+    assert as_token_ids([0, 5, 2**31 - 1]) == [0, 5, 2**31 - 1]
+    assert [as_token_ids(v) for v in ([1, 2**31], [-1], [1, True], [1.0], [], None)] == [None] * 6
     be = BackendConfig.from_dict("b", {"type": "openrouter", "base_url": "http://x/v1", "model": "m"})
     body = {"id": "gen-1", "provider": "P", "choices": [{"finish_reason": "stop", "message": {"content": "hi"}}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.001}}
@@ -363,8 +366,8 @@ def test_priority_overflow_and_ejection(tmp_path, fs):
 
 
 def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatch):
-    """Even with httpx/httpcore/asyncio at DEBUG (they log request lines and response headers), the key or the
-    Authorization header never reaches a log record or a traceback."""
+    """Even with httpx/httpcore/aiohttp/asyncio at DEBUG (they log request lines and response headers), the key or
+    the Authorization header never reaches a log record or a traceback."""
     import logging
 
     canary = "sk-or-CANARY-debug-91b2"
@@ -378,7 +381,7 @@ def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatc
 
     h = Grab(level=logging.DEBUG)
     h.setFormatter(logging.Formatter("%(name)s %(message)s"))
-    names = ("", "httpx", "httpcore", "asyncio", "eagle3_data", "hpack", "h11")
+    names = ("", "httpx", "httpcore", "aiohttp", "asyncio", "eagle3_data", "hpack", "h11")
     old = {n: logging.getLogger(n).level for n in names}
     root = logging.getLogger()
     root.addHandler(h)
@@ -397,7 +400,7 @@ def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatc
         root.removeHandler(h)
         for n, lv in old.items():
             logging.getLogger(n).setLevel(lv)
-    assert any(r.startswith("httpcore") for r in records)             # the DEBUG loggers really were on
+    assert any(r.startswith("asyncio") for r in records)              # the DEBUG loggers really were on
     assert [r for r in records if canary in r or "Bearer" in r] == []
 
 
@@ -485,15 +488,15 @@ def test_a_shard_answered_from_the_journal_reads_back_only_the_journal_files_hol
     """At its end a job writes the responses the journal answered from the files the resume index found them in,
     not from every shard's journal of the dataset (a build after the forecast's pilot would otherwise parse every
     other shard's whole journal, once per shard)."""
-    import eagle3_data.generate as g
+    import eagle3_data.generate.output as g
 
     for k, shard in enumerate(("000", "001")):
         p = write_prompts(tmp_path / f"p{shard}.parquet", simple_convs(6, start=10 * k),
                           ids=[f"k{k}{i}" for i in range(6)])
         run(tmp_path, fs, p, shard=shard, out=f"out{shard}.parquet")
     opened = []
-    real = g._journal_batches
-    monkeypatch.setattr(g, "_journal_batches", lambda path, *a, **kw: (opened.append(Path(path).name),
+    real = g.journal_batches
+    monkeypatch.setattr(g, "journal_batches", lambda path, *a, **kw: (opened.append(Path(path).name),
                                                                        real(path, *a, **kw))[1])
     s = run(tmp_path, fs, tmp_path / "p001.parquet", shard="001", out="again.parquet")
     assert s["from_journal"] == 6 and s["sent"] == 0

@@ -21,15 +21,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_generate import backends_cfg, gen_cfg, rows_by_key, run, simple_convs, write_prompts  # noqa: E402
 
 from eagle3_data import schemas  # noqa: E402
-from eagle3_data.backends.client import Backend, BackendConfig, build_native_body  # noqa: E402
+from eagle3_data.backends import Backend, BackendConfig  # noqa: E402
+from eagle3_data.backends.native import build_native_body  # noqa: E402
+from eagle3_data.backends.request import Payload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    from eagle3_data.settings import TinyTargetSettings
     from eagle3_data.tiny_target import build_tiny_target
 
     path = tmp_path_factory.mktemp("target") / "tiny"
-    facts = build_tiny_target(path, seed=0)
+    facts = build_tiny_target(path, settings=TinyTargetSettings.defaults(seed=0))
     return path, facts["special_token_ids"]
 
 
@@ -284,7 +287,7 @@ def test_checked_writer_rejects_bad_batches_and_leaves_path_untouched(tmp_path):
 
 
 def test_output_writer_arrow_path_and_python_fallback_agree(tmp_path, fs):
-    from eagle3_data.generate import _write_output
+    from eagle3_data.generate import write_output
 
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
     run(tmp_path, fs, prompts, out="ref.parquet")
@@ -296,23 +299,23 @@ def test_output_writer_arrow_path_and_python_fallback_agree(tmp_path, fs):
     ref = rows_by_key(tmp_path / "ref.parquet")
     for block in (1 << 20, 4096, 200):       # whole file in arrow until the torn line; several blocks; too small
         out = tmp_path / f"o{block}.parquet"
-        n = _write_output(out, tmp_path / "journal", "ds", keys, [], batch_rows=7, block_bytes=block)
+        n = write_output(out, tmp_path / "journal", "ds", keys, [], batch_rows=7, block_bytes=block)
         assert n == 30 and rows_by_key(out) == ref
         if block == 4096:                     # ~1 KB records: written batch by batch, never as one table
             assert pq.ParquetFile(out).metadata.num_row_groups >= 5
     with pytest.raises(RuntimeError, match="vanished"):
-        _write_output(tmp_path / "x.parquet", tmp_path / "journal", "ds", keys + ["nope"], [], 7)
+        write_output(tmp_path / "x.parquet", tmp_path / "journal", "ds", keys + ["nope"], [], 7)
     assert not (tmp_path / "x.parquet").exists()
 
 
 def test_wanted_runs_takes_each_key_once_as_contiguous_slices():
-    from eagle3_data.generate import _wanted_runs
+    from eagle3_data.generate import wanted_runs
 
     wanted = {"a", "b", "c", "e"}
-    assert _wanted_runs(["a", "x", "b", "c", "b", "e"], wanted) == [(0, 1), (2, 4), (5, 6)]  # 2nd "b": taken
+    assert wanted_runs(["a", "x", "b", "c", "b", "e"], wanted) == [(0, 1), (2, 4), (5, 6)]  # 2nd "b": taken
     assert wanted == set()
-    assert _wanted_runs(["p", "q"], {"z"}) == [] and _wanted_runs([], {"a"}) == []
-    assert _wanted_runs(["a", "b"], {"a", "b", "c"}) == [(0, 2)]
+    assert wanted_runs(["p", "q"], {"z"}) == [] and wanted_runs([], {"a"}) == []
+    assert wanted_runs(["a", "b"], {"a", "b", "c"}) == [(0, 2)]
 
 
 def test_json_lines_batches_match_from_rows_and_checks_catch_duplicates_within_a_batch(tmp_path):
@@ -379,9 +382,9 @@ print(json.dumps({"mods": mods, "runs": runs}))
 
 
 def test_a_task_backing_off_gives_its_live_permit_back_while_it_sleeps():
-    from eagle3_data.generate import _Runner
+    from eagle3_data.generate import Runner
 
-    runner = _Runner(dataset="d", target_name="t", generation={}, records={}, journal=None, pool=None, state=None,
+    runner = Runner(dataset="d", target_name="t", generation={}, records={}, journal=None, pool=None, state=None,
                      sampling={})
 
     async def scenario():
@@ -408,18 +411,16 @@ def mock_backend(handler, monkeypatch=None, timeout_s=5.0, **cfg):
     """A Backend whose HTTP goes to ``handler`` (an httpx.MockTransport handler) instead of the network."""
     import httpx
 
-    be = Backend(BackendConfig.from_dict("m", {"type": "openrouter", "base_url": "http://mock/v1", "model": "m",
-                                               "timeout_s": timeout_s, **cfg}))
-    be.clients = [httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://mock/v1",
-                                    headers=be.clients[0].headers)]  # Authorization as the backend sets it
-    be._load = [0]
-    return be
+    # the backend's own HTTP session (its headers: Authorization as the backend sets it) over a mock transport
+    return Backend(BackendConfig.from_dict("m", {"type": "openrouter", "base_url": "http://mock/v1", "model": "m",
+                                                 "timeout_s": timeout_s, **cfg}),
+                   transport=httpx.MockTransport(handler))
 
 
 def post(be, body=b"{}"):
     async def go():
         try:
-            return await be.post_chat(body)
+            return await be.send(Payload(body))
         finally:
             await be.aclose()
     return asyncio.run(go())
@@ -435,7 +436,7 @@ def reply(**over):
 def test_odd_reply_shapes_are_parsed_or_retried_never_crash():
     import httpx
 
-    from eagle3_data.backends.client import RetryableError
+    from eagle3_data.backends import RetryableError
 
     def serve(body):
         return mock_backend(lambda req: httpx.Response(200, json=body))
@@ -459,7 +460,7 @@ def test_odd_reply_shapes_are_parsed_or_retried_never_crash():
 def test_transport_failures_and_trickling_replies_are_retryable_timeouts():
     import httpx
 
-    from eagle3_data.backends.client import RetryableError
+    from eagle3_data.backends import RetryableError
 
     bad_gzip = mock_backend(lambda req: httpx.Response(200, content=b"not gzip at all",
                                                        headers={"Content-Encoding": "gzip"}))
@@ -482,7 +483,7 @@ def test_transport_failures_and_trickling_replies_are_retryable_timeouts():
 def test_error_texts_are_scrubbed_of_the_api_key_and_of_surrogates(monkeypatch):
     import httpx
 
-    from eagle3_data.backends.client import FatalBackendError, RetryableError, SampleError
+    from eagle3_data.backends import FatalBackendError, RetryableError, SampleError
 
     monkeypatch.setenv("MOCK_KEY", "sk-or-v1-0123456789abcdef\n")  # pasted with its newline: stripped, works
     seen = []
@@ -524,7 +525,8 @@ def test_looked_up_costs_that_are_not_a_price_count_as_misses():
 
 
 def test_native_reply_with_odd_meta_info_is_retried_or_parsed(tiny):
-    from eagle3_data.backends.client import RetryableError, parse_native_response
+    from eagle3_data.backends import RetryableError
+    from eagle3_data.backends.native import parse_native_response
     from eagle3_data.templates import target_tokens
 
     tt = target_tokens({"path": str(tiny[0]), "template": "kimi-k2"})
@@ -542,7 +544,7 @@ def test_native_reply_with_odd_meta_info_is_retried_or_parsed(tiny):
 def test_journal_read_back_agrees_with_the_resume_index_on_rejected_records(tmp_path, fs):
     """A record the resume index skips (a negative cost, written by hand or a foreign tool) must not reach the
     output through the arrow path either: its valid duplicate later in the journal is the one used."""
-    from eagle3_data.generate import _write_output
+    from eagle3_data.generate import write_output
     from eagle3_data.journal import read_journal
 
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(12))
@@ -557,7 +559,7 @@ def test_journal_read_back_agrees_with_the_resume_index_on_rejected_records(tmp_
     keys = list(rows_by_key(tmp_path / "ref.parquet"))
     for block in (1 << 20, 2048):
         out = tmp_path / f"o{block}.parquet"
-        assert _write_output(out, tmp_path / "journal", "ds", keys, [], batch_rows=5, block_bytes=block) == 12
+        assert write_output(out, tmp_path / "journal", "ds", keys, [], batch_rows=5, block_bytes=block) == 12
         assert rows_by_key(out) == rows_by_key(tmp_path / "ref.parquet")
     s = run(tmp_path, fs, prompts, out="rerun.parquet")                # the stage itself: nothing sent again
     assert s["sent"] == 0 and rows_by_key(tmp_path / "rerun.parquet") == rows_by_key(tmp_path / "ref.parquet")

@@ -8,7 +8,7 @@ import json
 
 import pyarrow.parquet as pq
 
-from eagle3_data.backends.client import history_reasoning
+from eagle3_data.backends.chat import history_reasoning
 from eagle3_data.tokenize import tokenize_rows
 from test_generate import backends_cfg, gen_cfg, run, write_prompts
 from test_templates import target
@@ -117,13 +117,13 @@ def test_kimi_ids_rewritten_on_the_request_path_equal_the_tokenized_prompt(tmp_p
 def test_mode_all_keeps_the_original_turn_when_the_regenerated_one_calls_tools():
     """A regenerated turn that calls tools where the dataset's turn did not has no tool results after it (a server
     answers such a history with 400): the later turns are asked with the original turn in their history."""
-    from eagle3_data.generate import Sample, _Runner, _State
+    from eagle3_data.generate import JobState, Runner, Sample
 
     conv = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
             {"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3"}]
-    runner = _Runner(dataset="ds", target_name="t", generation=gen_cfg(mode="all"), records={}, journal=None,
-                     pool=None, state=_State(total=1, budget_tokens=None, budget_usd=None), sampling={})
+    runner = Runner(dataset="ds", target_name="t", generation=gen_cfg(mode="all"), records={}, journal=None,
+                     pool=None, state=JobState(total=1, budget_tokens=None, budget_usd=None), sampling={})
     sample = Sample("s", json.dumps(conv), None, [1, 3, 5])
     steps = runner.steps(sample)
     turn, prompt, *_ = next(steps)

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_generate import backends_cfg, gen_cfg, run, simple_convs, write_prompts  # noqa: E402
 
 from eagle3_data import config as cfg  # noqa: E402
-from eagle3_data.backends.limits import HostSlots, job_limit, jobs_using, sharing_mode  # noqa: E402
+from eagle3_data.backends import BackendConfig  # noqa: E402
+from eagle3_data.backends.limits import HostSlots, host_slots, job_limit, jobs_using, sharing_mode  # noqa: E402
 from eagle3_data.errors import ExpectedFailure, Interrupted, format_failure, run_stage  # noqa: E402
 from eagle3_data.generate import GenerationStopped  # noqa: E402
 from eagle3_data.journal import read_journal  # noqa: E402
@@ -282,8 +283,14 @@ def test_run_end_prints_one_interrupt_line_with_the_journal_count(tmp_path, monk
     monkeypatch.delenv("EAGLE3_RUN_DIR", raising=False)
     run_mod.end(tmp_path / "cache", ok=False)
     err = capsys.readouterr().err
-    assert err == (f"Interrupted (Ctrl-C). Rerun the same command to resume; 4 responses are journaled in "
+    assert err == (f"Interrupted (Ctrl-C). Rerun the same command to resume; 4 responses of this config are "
+                   "journaled in "
                    f"{tmp_path / 'cache' / 'journal'}/ and will not be requested again.\n")
+    # this config's datasets only: another config's journal is not "reusable"
+    (tmp_path / "cache" / "journal" / "other").mkdir()
+    (tmp_path / "cache" / "journal" / "other" / "000.jsonl").write_text('{"a": 5}\n' * 10)
+    run_mod.end(tmp_path / "cache", ok=False, datasets=["ds"])
+    assert " 4 responses of this config " in capsys.readouterr().err
     monkeypatch.setattr(run_mod, "_signals", {})
     run_mod.end(tmp_path / "cache", ok=False)
     assert capsys.readouterr().err == ""
@@ -297,15 +304,16 @@ def test_host_slots_come_back_after_an_interrupted_job(tmp_path, fs, sig):
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(200))
     args = {"prompts": str(prompts), "out": str(tmp_path / "o.parquet"), "shard": "000", "generation": gen_cfg(),
             "backends": backends_cfg(fs, max_concurrency=5, timeout_s=10), "journal": str(tmp_path / "journal")}
+    watch = host_slots(BackendConfig.from_dict("fault", args["backends"]["fault"]))  # the machine's slots
     p = job(args, env)
     deadline = time.monotonic() + 60
     while fs.stats()["completed"] < 10:
         assert p.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
+    assert watch.free() == 0 and watch.users() == 2  # the job holds all 5 (200 requests wait)
     p.send_signal(sig)
     assert p.wait(30) == 130
-    sem = next((tmp_path / "run" / "limits").glob("*.sem"))
-    assert HostSlots(sem, 5).free() == 5
+    assert watch.free() == 5 and watch.users() == 1
 
 
 def test_rejects_report_shows_the_error_text(tmp_path):
@@ -385,7 +393,7 @@ def test_a_job_that_started_with_few_slots_takes_the_slots_others_give_back(tmp_
     B's waiters take every freed slot: 10 in flight, not the one or two that a release of B's own would pass on."""
     import asyncio
 
-    from eagle3_data.backends.client import Backend, BackendConfig, BackendPool
+    from eagle3_data.backends import Backend, BackendConfig, BackendPool
 
     cfg = BackendConfig.from_dict("b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
                                         "max_concurrency": 10})
@@ -419,7 +427,7 @@ def test_a_job_that_started_with_few_slots_takes_the_slots_others_give_back(tmp_
 
     in_flight, peak = asyncio.run(main())
     assert in_flight == peak == 10
-    assert HostSlots.remove_all(tmp_path) == 1
+    assert HostSlots.remove_all(tmp_path) == 0 and not (tmp_path / "b.sem").exists()  # the last one out removed it
 
 
 SEATS_SNAKEFILE = """
@@ -461,16 +469,16 @@ def test_every_shard_runs_at_once_when_the_shards_fit_in_the_generate_seats(tmp_
 def test_rate_limits_are_split_over_the_jobs_that_use_the_backend(monkeypatch):
     """requests_per_minute / tokens_per_minute have no counter shared between jobs: in a run (here split mode, as
     on a cluster) each of the 4 jobs on the backend sends at a quarter of them; outside a run a job has them all."""
-    from eagle3_data.backends.client import BackendConfig
-    from eagle3_data.generate import _backend_pool
+    from eagle3_data.backends import BackendConfig
+    from eagle3_data.generate import backend_pool
 
     c = BackendConfig.from_dict("b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
                                       "requests_per_minute": 120, "tokens_per_minute": 40_000})
     monkeypatch.setenv("EAGLE3_CONCURRENCY", "split")
-    with _backend_pool([c], None, {"b": 4}, "[t]") as pool:
+    with backend_pool([c], None, {"b": 4}, "[t]") as pool:
         (b,) = pool.backends
         assert (b.limiter.max_rate, b.token_limiter.max_rate, b.tpm) == (30.0, 10_000.0, 10_000.0)
     monkeypatch.delenv("EAGLE3_CONCURRENCY")
-    with _backend_pool([c], None, {"b": 4}, "[t]") as pool:
+    with backend_pool([c], None, {"b": 4}, "[t]") as pool:
         (b,) = pool.backends
         assert (b.limiter.max_rate, b.token_limiter.max_rate) == (120.0, 40_000.0)

@@ -11,6 +11,7 @@ import pytest
 from eagle3_data import schemas
 from eagle3_data.io import content_hash, shard_of
 from eagle3_data.normalize import normalize
+from eagle3_data.settings import NormalizeSettings
 from eagle3_data.sources import SourceFormatError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,7 +22,8 @@ def run(tmp_path, src, fmt, shards=2, **kw):
     out = tmp_path / "out"
     paths = [out / "prompts" / f"{i:03d}.parquet" for i in range(shards)]
     rej = out / "rejected" / "normalize.parquet"
-    counts = normalize(src, fmt, "ds", shards, paths, rej, **kw)
+    kw.setdefault("max_reject_rate", 1.0)  # no ceiling unless a test sets one
+    counts = normalize(NormalizeSettings.defaults("ds", format=fmt, path=src, shards=shards, **kw), paths, rej)
     kind = "tokens" if fmt == "pretokenized" else "prompts"
     tables = [schemas.check(pq.read_table(p), kind, str(p)) for p in paths]  # every file passes its contract
     rejects = schemas.check(pq.read_table(rej), "rejects", str(rej))
@@ -226,7 +228,8 @@ def test_wrong_format_fails_fast_and_late_breakage_is_rejected(tmp_path):
     assert counts["rejected"] == {"malformed_record": 1} and counts["kept"] == 13
     assert rejects[0]["source_row"] == 12 and rejects[0]["detail"].startswith("line 13: got keys ['messages']")
     with pytest.raises(ValueError, match="2 output paths for 3 shards"):
-        normalize(late, "sharegpt", "ds", 3, [tmp_path / "a", tmp_path / "b"], tmp_path / "r.parquet")
+        normalize(NormalizeSettings.defaults("ds", format="sharegpt", path=late, shards=3),
+                  [tmp_path / "a", tmp_path / "b"], tmp_path / "r.parquet")
 
 
 # ------------------------------------------------------------------------------------------ pretokenized

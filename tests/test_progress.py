@@ -12,11 +12,11 @@ import time
 import pytest
 
 from eagle3_data import progress
-from eagle3_data.generate import _State
+from eagle3_data.generate import JobState
 
 
-def make_state(**kw) -> _State:
-    st = _State(total=10, budget_tokens=None, budget_usd=2.0)
+def make_state(**kw) -> JobState:
+    st = JobState(total=10, budget_tokens=None, budget_usd=2.0)
     st.t0 = 990.0
     st.done, st.ok, st.failed, st.in_flight = 4, 3, {"timeout": 1}, 2
     st.completion_tokens, st.cost_usd, st.sent, st.retries = 1000, 0.5, 6, 2
@@ -67,7 +67,7 @@ class FakeTTY(io.StringIO):
         return True
 
 
-def _drive(display: progress.JobProgress, st: _State, log: logging.Logger) -> None:
+def _drive(display: progress.JobProgress, st: JobState, log: logging.Logger) -> None:
     async def main():
         task = asyncio.create_task(display.run())
         for _ in range(6):

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import md_rows
 from eagle3_data import schemas
-from eagle3_data.report import backend_location, format_tally, format_usd, tally
+from eagle3_data.formatting import dollars, format_usd
+from eagle3_data.report import backend_location, format_tally, tally
 
 
 BACKENDS = {
@@ -335,6 +336,12 @@ def test_dollar_format_keeps_two_significant_digits_below_a_dollar():
         "0.00", "0.00020", "0.00021", "0.012", "0.50", "1.00", "86.04", "1,234.50"]
 
 
+def test_log_dollars_are_cents_or_four_significant_digits():
+    """The forecast's log line: $0.016560699999999998 reads $0.01656 (eagle3_data.formatting.dollars)."""
+    assert [dollars(v) for v in (0.016560699999999998, 0.0002, 1.23456, 1234.5, 0, None)] == [
+        "$0.01656", "$0.0002000", "$1.23", "$1,234.50", "$0.00", "unknown"]
+
+
 def test_html_tables_hold_the_markdown_numbers(tmp_path, build):
     validated, rejected, responses, config = build
     rows = tally(validated, rejected, responses, tmp_path / "r", datasets_config=config, backends=BACKENDS)
@@ -391,8 +398,8 @@ def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
     assert [tuple(r[k] for k in keys) for r in rows] == [
         ("gen", "2/2", 55, 37, 2, 16, 6, 34, "2:11", "all samples done, budget_usd"),
         ("half", "1/2", 10, 10, 0, 0, 0, 0, "0:03", "all samples done"),
-        ("pre", "-", 44, None, None, None, 6, 40, "", "pre-tokenized"),
-        ("Total", "", 109, 47, 2, 16, 12, 74, "", ""),
+        ("pre", "-", 46, None, None, None, 6, 40, "", "pre-tokenized"),  # samples = rejected + kept
+        ("Total", "", 111, 47, 2, 16, 12, 74, "", ""),
     ]
     assert rows[0]["cost_usd"] == pytest.approx(0.7512) and rows[-1]["cost_usd"] == pytest.approx(0.7512)
     assert rows[2]["cost_usd"] is None
@@ -406,7 +413,7 @@ def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
     cells = {ln.split()[0]: ln.split() for ln in lines[3:7]}
     assert cells["gen"] == ["gen", "2/2", "55", "37", "2", "16", "6", "34", "0.75", "2:11", "all", "samples",
                             "done,", "budget_usd"]
-    assert cells["pre"] == ["pre", "-", "44", "6", "40", "pre-tokenized"]
-    assert cells["Total"] == ["Total", "109", "47", "2", "16", "12", "74", "0.75", "1:02:05"]
+    assert cells["pre"] == ["pre", "-", "46", "6", "40", "pre-tokenized"]
+    assert cells["Total"] == ["Total", "111", "47", "2", "16", "12", "74", "0.75", "1:02:05"]
     assert lines[-1] == f"Tokens, rejects by reason, cost by backend: {res}/reports/tally.md (all reports: {res}/reports/)"
     assert len(lines) <= 12                                            # one screen

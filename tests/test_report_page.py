@@ -21,11 +21,11 @@ import pytest
 
 from conftest import md_rows, run_snakemake
 from eagle3_data.plots import PLOT_FILES
-from eagle3_data.report import REPORT_FILES
+from eagle3_data.report import REPORT_FILES, RULE_OUTPUTS
 from headless import Browser, find_chromium
 
 # flagged with report(): the tables as HTML pages, the plots, the plan, one loss-mask page per dataset
-REPORTED = sorted([f for f in REPORT_FILES if f.endswith(".html")] + PLOT_FILES + ["plan.html"])
+REPORTED = sorted([file for _, file, caption, *_ in RULE_OUTPUTS if caption] + ["plan.html"])
 
 
 @pytest.fixture(scope="module")

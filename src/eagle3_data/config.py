@@ -234,11 +234,18 @@ def pretokenized_datasets(config: dict) -> list[str]:
     return [d for d in datasets(config) if is_pretokenized(config, d)]
 
 
+def dataset_shards(config: dict, ds: str) -> int:
+    """``datasets.<ds>.shards`` (the schema's default where unset)."""
+    from .settings import NormalizeSettings
+
+    return NormalizeSettings.from_config(config, ds).shards
+
+
 def shard_names(config: dict, ds: str) -> list[str]:
     """Shard file stems of dataset ``ds`` (``000``, ``001``, ...)."""
     from .io import shard_name
 
-    return [shard_name(i) for i in range(int(config["datasets"][ds].get("shards", 1)))]
+    return [shard_name(i) for i in range(dataset_shards(config, ds))]
 
 
 def generation_config(config: dict, ds: str) -> dict:
@@ -272,18 +279,6 @@ VALIDATE_DATA_KEYS = ("keep_truncated", "max_tokens")
 MERGE_DATA_KEYS = ("datasets", "max_samples", "max_len", "overflow", "seed", "shards")
 #: extract keys the stored values depend on (the rest: devices, batch size, attention path, locks)
 EXTRACT_STATE_KEYS = ("backend", "layers", "dtype", "final_norm", "final_states", "aux_format")
-
-DEFAULTS = {
-    "validate": {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
-                 "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}},
-    "merge": {"datasets": None, "max_samples": {}, "overflow": "truncate", "memory_mb": 4000, "threads": 2},
-    "extract": {"backend": "transformers", "layers": None, "dtype": "bfloat16", "device": "auto",
-                "gpus_per_job": 1, "batch_tokens": 8192, "attention": "auto", "final_norm": "post", "final_states": "all",
-                "aux_format": "same", "gpu_lock_dir": None},
-    "normalize": {"max_reject_rate": 0.5},
-    "forecast": {"pilot_samples": 50},
-}
-
 
 _BELOW_MERGE = "merge; extract where a selection's samples change; export, plan, vocab"
 _GEN_CHAIN = ("generate of the datasets using it (only requests the journal lacks are sent), then their tokenize "
@@ -342,6 +337,8 @@ RERUNS: list[tuple[str, str]] = [
     ("generation.max_retries", NOTHING + " (`snakemake --forcerun generate` retries failed requests)"),
     ("generation.retry_initial_s", NOTHING),
     ("generation.retry_max_s", NOTHING),
+    ("generation.stop_grace_s", NOTHING),
+    ("generation.reject_other_models", "as generation.mode"),
     ("datasets.<name>.source.format", _DS_CHAIN),
     ("datasets.<name>.source.path", _DS_CHAIN),
     ("datasets.<name>.source.max_samples", _DS_CHAIN),
@@ -352,6 +349,7 @@ RERUNS: list[tuple[str, str]] = [
     ("datasets.<name>.generation.max_retries", NOTHING),
     ("datasets.<name>.generation.retry_initial_s", NOTHING),
     ("datasets.<name>.generation.retry_max_s", NOTHING),
+    ("datasets.<name>.generation.stop_grace_s", NOTHING),
     ("datasets.<name>.generation.*", "as generation.<key>, for that dataset only"),
     ("normalize.max_reject_rate", NOTHING),
     ("validate.max_reject_rate", NOTHING),
@@ -403,8 +401,11 @@ def reruns_of(key: str) -> str | None:
 
 
 def section(config: dict, name: str) -> dict:
-    """``config[name]`` over :data:`DEFAULTS` (a missing or null section gives the defaults)."""
-    return deep_merge(DEFAULTS.get(name, {}), config.get(name) or {})
+    """``config[name]`` with the schema's defaults where unset (a missing or null section gives the defaults); the
+    stages read theirs through :mod:`eagle3_data.settings`."""
+    from .settings import filled
+
+    return filled(name, config.get(name))
 
 
 #: source keys the prompts depend on (``max_reject_rate`` only decides whether the job fails)
@@ -413,74 +414,38 @@ SOURCE_DATA_KEYS = ("format", "path", "max_samples", "options")
 
 def source_data_settings(config: dict, ds: str) -> dict:
     """The source keys of ``ds`` its normalized rows depend on (:data:`SOURCE_DATA_KEYS`)."""
-    src = config["datasets"][ds]["source"]
-    out = {k: src.get(k) for k in SOURCE_DATA_KEYS}
-    if src.get("on_error", "fail") != "fail":  # only when set: the default leaves existing params unchanged
-        out["on_error"] = src["on_error"]
-    return out
+    from .settings import NormalizeSettings
+
+    return NormalizeSettings.from_config(config, ds).params()
 
 
 def datasets_data_settings(config: dict) -> dict:
     """Every dataset's source keys (:data:`SOURCE_DATA_KEYS`) and shard count: what the reports depend on."""
-    return {ds: {"source": source_data_settings(config, ds), "shards": int(config["datasets"][ds].get("shards", 1))}
+    return {ds: {"source": source_data_settings(config, ds), "shards": dataset_shards(config, ds)}
             for ds in datasets(config)}
 
 
-def normalize_reject_ceiling(config: dict, ds: str) -> float:
-    """The share of a dataset's source rows normalize may reject: ``datasets.<ds>.source.max_reject_rate``, else
-    ``normalize.max_reject_rate``."""
-    own = config["datasets"][ds]["source"].get("max_reject_rate")
-    return float(own if own is not None else section(config, "normalize")["max_reject_rate"])
-
-
 def generation_data_settings(config: dict, ds: str) -> dict:
-    """The generation settings of ``ds`` its responses depend on (:data:`GENERATION_DATA_KEYS`)."""
-    gen = generation_config(config, ds)
-    return {k: gen.get(k) for k in GENERATION_DATA_KEYS}
+    """The generation settings of ``ds`` its responses depend on (:data:`GENERATION_DATA_KEYS`, and
+    ``reject_other_models`` when it is set: left at its default it changes nothing, and reruns nothing)."""
+    from .settings import GenerateSettings
+
+    return GenerateSettings.from_config(config, ds).params()["generation"]
 
 
 def backends_data_settings(config: dict, ds: str) -> dict:
     """Per backend ``ds`` uses (priority order): the keys that say which endpoint answers and how requests
     are shaped (:data:`BACKEND_DATA_KEYS`); ``launch`` counts only as present or not."""
-    return {name: {**{k: b.get(k) for k in BACKEND_DATA_KEYS}, "launched": bool(b.get("launch"))}
-            for name, b in backends_config(config, ds).items()}
+    from .settings import GenerateSettings
+
+    return GenerateSettings.from_config(config, ds).params()["backends"]
 
 
 def target_data_settings(config: dict) -> dict:
     """The target keys prompt rendering and token reconstruction depend on (:data:`TARGET_DATA_KEYS`)."""
-    t = config["target"]
-    return {k: t.get(k) for k in TARGET_DATA_KEYS}
+    from .settings import TargetSettings
 
-
-def validate_data_settings(config: dict) -> dict:
-    """The validate keys that decide rejects: :data:`VALIDATE_DATA_KEYS` and the per-sample count tolerance."""
-    v = section(config, "validate")
-    tol = v.get("count_tolerance") or {}
-    return {**{k: v.get(k) for k in VALIDATE_DATA_KEYS},
-            "count_tolerance": {k: tol.get(k) for k in ("per_sample_abs", "per_sample_rel")}}
-
-
-def merge_data_settings(config: dict) -> dict:
-    """The merge keys the merged rows depend on (:data:`MERGE_DATA_KEYS`)."""
-    m = section(config, "merge")
-    return {k: m.get(k) for k in MERGE_DATA_KEYS}
-
-
-def plan_extract_settings(config: dict) -> dict:
-    """The extract keys the plan depends on: the stored layout (:data:`EXTRACT_STATE_KEYS`), ``gpus_per_job``
-    (wall hours) and, only when the plan measures the throughput itself (no ``plan.tokens_per_s_per_gpu``),
-    ``device``, ``batch_tokens`` and ``attention``."""
-    e = section(config, "extract")
-    keys = EXTRACT_STATE_KEYS + ("gpus_per_job",)
-    if not (config.get("plan") or {}).get("tokens_per_s_per_gpu"):
-        keys += ("device", "batch_tokens", "attention")
-    return {k: e.get(k) for k in keys}
-
-
-def extract_state_settings(config: dict) -> dict:
-    """The extract keys the stored hidden states depend on (:data:`EXTRACT_STATE_KEYS`)."""
-    e = section(config, "extract")
-    return {k: e.get(k) for k in EXTRACT_STATE_KEYS}
+    return TargetSettings.from_config(config).params()
 
 
 _MANIFESTS: dict = {}
@@ -537,7 +502,7 @@ def backend_job_seats(config: dict, generate_jobs: int) -> dict[str, int]:
     uses two backends while one backend's seats are full: in the seed config, 4 of 32 shards started only when
     others ended). Only backends some generated dataset uses are listed.
     """
-    jobs = [(set(backends_config(config, ds)), int(config["datasets"][ds].get("shards", 1)))
+    jobs = [(set(backends_config(config, ds)), dataset_shards(config, ds))
             for ds in generated_datasets(config)]
     used = sorted({b for names, _n in jobs for b in names})
     g = int(generate_jobs)
@@ -558,6 +523,33 @@ def seat_resource(backend: str) -> str:
     """The Snakemake resource name of a backend's generate-job seats: ``generate_jobs_<backend>`` (characters
     other than letters, digits and ``_`` become ``_``)."""
     return "generate_jobs_" + re.sub(r"\W", "_", backend)
+
+
+#: the completion family of the demo's tiny target (``target.build_tiny``; :mod:`eagle3_data.tiny_target`)
+TINY_TARGET_FAMILY = "kimi-k25"
+
+
+def resolve_target_template(config: dict) -> str | None:
+    """Replace ``target.template: auto`` in ``config`` by the family found from the target's own chat template
+    (:func:`eagle3_data.templates.auto.resolve_template`, cached under ``cache_dir``: a cache hit imports no
+    transformers) and return the line saying which was chosen and why; a named family is kept (an override;
+    returns None). A tiny target not built yet (``build_tiny``) takes :data:`TINY_TARGET_FAMILY`. Raises
+    :class:`ConfigError` naming the property of the template that failed, or a missing ``target.path``.
+    """
+    from .templates import TemplateError
+    from .templates.auto import describe, resolve_template
+
+    target = config.get("target") or {}
+    if (target.get("template") or "auto") == "auto" and target.get("build_tiny") and \
+            not Path(str(target.get("path", ""))).exists():
+        target["template"] = TINY_TARGET_FAMILY
+        return f"target.template: auto -> {TINY_TARGET_FAMILY} (the tiny target, built by rule tiny_target)"
+    try:
+        family, info = resolve_template(target, config.get("cache_dir"))
+    except TemplateError as exc:
+        raise ConfigError(f"target.template: {exc}") from None
+    target["template"] = family
+    return None if info["source"] == "named" else describe(info)
 
 
 def check_config(config: dict, *, check_paths: bool = True) -> None:

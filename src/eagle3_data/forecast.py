@@ -53,7 +53,8 @@ import pyarrow.parquet as pq
 from .errors import ExpectedFailure
 from .generate import generate, read_prompts, shard_share
 from .io import content_hash, write_json, write_text
-from .report import format_hours, format_usd, human_tokens, markdown_table
+from .formatting import dollars, format_hours, format_usd, human_tokens
+from .report import markdown_table
 from .templates import TemplateError, request_messages, target_tokens
 
 logger = logging.getLogger("eagle3_data.forecast")
@@ -436,7 +437,7 @@ def simulate_generation(jobs: list[dict], backends: dict[str, dict], lengths: di
                         retry_max_s: float = 60.0, vary=None) -> dict:
     """Simulate the generation ``runs`` times (event by event) and return its times.
 
-    The model is how generate behaves (:mod:`.backends.limits`, :class:`.backends.client.BackendPool`): every job
+    The model is how generate behaves (:mod:`.backends.limits`, :class:`.backends.pool.BackendPool`): every job
     (shard) runs from t = 0; each backend has ``concurrency`` slots shared by the jobs that use it; a free slot
     goes to the job with requests waiting that has the fewest in flight on that backend (the fair share); a job's
     request takes a free slot of its first backend that has one (overflow, in its priority order). A request's
@@ -782,9 +783,10 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
         if paths is None:
             paths = [Path(p).with_suffix(".json") for p in spec["pilot"] if Path(p).with_suffix(".json").exists()]
         summaries += [json.loads(Path(p).read_text()) for p in paths]
-        logger.info("%s: %d requests, %s prompt tokens, %s expected completion tokens, $%s (%.1f s)", ds,
-                    per[ds]["requests"], per[ds]["prompt_tokens"], per[ds]["expected_completion_tokens"],
-                    per[ds]["usd"], time.monotonic() - t0)
+        logger.info("%s: %d requests, %s prompt tokens, %s expected completion tokens, %s (%.1f s)", ds,
+                    per[ds]["requests"], human_tokens(per[ds]["prompt_tokens"]),
+                    human_tokens(round(per[ds]["expected_completion_tokens"])), dollars(per[ds]["usd"]),
+                    time.monotonic() - t0)
     t0 = time.monotonic()
     models = backend_models(list(per.values()), backends, summaries)
     overhead = job_overhead(summaries)

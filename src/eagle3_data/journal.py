@@ -6,24 +6,35 @@ its own shard file, but reads *all* ``*.jsonl`` files of the dataset on start, s
 finds earlier responses.
 
 Durability: each record is written to the OS with one ``os.write`` on an ``O_APPEND`` descriptor as soon
-as it arrives (a ``kill -9`` of the job loses nothing written), and ``fsync``-ed in small batches (every
-``sync_every`` records or ``sync_interval_s`` seconds, and on close) against power loss. A crash can leave a
+as it arrives, before its request counts as done (a ``kill -9`` of the job loses nothing written), and
+``fsync``-ed in small batches (every ``sync_every`` records or ``sync_interval_s`` seconds, and on close) against
+power loss. The batches are fsync-ed by a thread of the writer (the fsync releases the GIL), so an event loop
+appending records never waits for the disk. A crash can leave a
 torn last line; the reader skips lines that are not complete JSON objects (counted and reported), and the
 writer starts a fresh line if the file does not end in a newline, so a torn fragment never glues onto the
-next record. Failed requests are never journaled: a rerun retries them.
+next record. Failed requests are never journaled: a rerun retries them; a *paid reject* (a 200 reply that can't be kept:
+:mod:`eagle3_data.paid`) is, as a record with ``status == "failed"`` and its reason in ``error`` (no text), so a
+rerun neither pays for it again nor loses its cost. The file is opened at the first record (or
+:meth:`JournalWriter.ensure_open`, before a job sends anything): a job with nothing to send never needs to write;
+a journal that can't be written (disk full, read-only) raises :class:`JournalWriteError`, one line naming the
+directory and the reason.
 
 The journal never holds an API key: records are response fields only (no headers, no request options).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .errors import ExpectedFailure
 from .schemas import INT32_END, is_token_ids
 
 logger = logging.getLogger("eagle3_data.journal")
@@ -31,6 +42,22 @@ logger = logging.getLogger("eagle3_data.journal")
 
 class JournalError(RuntimeError):
     """The journal directory or a record is unusable (message names the file)."""
+
+
+class JournalWriteError(ExpectedFailure):
+    """The journal can't be written (disk full, read-only, no permission): ``message`` names the directory and the
+    reason, ``hint`` says that a rerun resumes once it can be. The job must stop sending (a reply it can't journal
+    would be paid for again)."""
+
+    @classmethod
+    def of(cls, path: Path, exc: OSError) -> "JournalWriteError":
+        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+               errno.EROFS: "the file system is read-only", errno.EACCES: "no permission to write there",
+               errno.EPERM: "no permission to write there"}.get(exc.errno, exc.strerror or str(exc))
+        return cls(f"cannot write the response journal in {path.parent}/: {why} ({path.name}: "
+                   f"[Errno {exc.errno}] {exc.strerror})",
+                   hint=f"free space in (or make writable) {path.parent}/, then rerun the same command: every "
+                        "response journaled so far is kept and not paid for again; no request was sent after this")
 
 
 def journal_path(journal_dir: str | os.PathLike, dataset: str, shard: str) -> Path:
@@ -127,7 +154,8 @@ class JournalWriter:
     """Appends completed responses to ``<journal_dir>/<dataset>/<shard>.jsonl``.
 
     Use as a context manager (``close`` fsyncs). ``append(record)`` requires ``record["request_key"]``;
-    values must be JSON-serialisable (lists of ints, strings, numbers, None).
+    values must be JSON-serialisable (lists of ints, strings, numbers, None). A daemon thread (started with the
+    writer, stopped by ``close``) fsyncs the batches; ``sync()`` fsyncs at once in the caller's thread.
     """
 
     def __init__(
@@ -140,44 +168,94 @@ class JournalWriter:
         sync_interval_s: float = 1.0,
     ):
         self.path = journal_path(journal_dir, dataset, shard)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.sync_every = max(1, int(sync_every))
         self.sync_interval_s = float(sync_interval_s)
-        created = not self.path.exists()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if created:
-            dfd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        else:
-            size = os.fstat(self._fd).st_size
-            if size:
-                with open(self.path, "rb") as fh:
-                    fh.seek(size - 1)
-                    if fh.read(1) != b"\n":  # torn last line: never glue the next record onto it
-                        os.write(self._fd, b"\n")
+        self._fd: int | None = None  # opened at the first record: a job with nothing to send never writes here
+        self._closed = False
         self._unsynced = 0
         self._last_sync = time.monotonic()
         self.written = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._sync_error: OSError | None = None
+        self._syncer = threading.Thread(target=self._sync_loop, name=f"journal-sync-{dataset}-{shard}", daemon=True)
+        self._syncer.start()
+
+    def _sync_loop(self) -> None:
+        """The syncer thread: fsync when ``sync_every`` records wait, or ``sync_interval_s`` after the last sync
+        while any does; ends at ``close``."""
+        cond = self._cond
+        while True:
+            with cond:
+                cond.wait_for(lambda: self._closing or self._unsynced >= self.sync_every,
+                              timeout=self.sync_interval_s)
+                if self._closing:
+                    return
+                if not self._unsynced or (self._unsynced < self.sync_every
+                                          and time.monotonic() - self._last_sync < self.sync_interval_s):
+                    continue
+                self._unsynced = 0
+                self._last_sync = time.monotonic()
+            try:
+                os.fsync(self._fd)  # the fd stays open: close() joins this thread first
+            except OSError as exc:  # a full or failing disk: raised by the next append / sync / close
+                self._sync_error = exc
+                return
+
+    def _open(self) -> int:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            created = not self.path.exists()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if created:
+                dfd = os.open(self.path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            else:
+                size = os.fstat(self._fd).st_size
+                if size:
+                    with open(self.path, "rb") as fh:
+                        fh.seek(size - 1)
+                        if fh.read(1) != b"\n":  # torn last line: never glue the next record onto it
+                            os.write(self._fd, b"\n")
+        except OSError as exc:
+            raise JournalWriteError.of(self.path, exc) from None
+        return self._fd
+
+    def ensure_open(self) -> None:
+        """Open (create) the file now: a job calls it before it sends anything, so an unwritable journal stops it
+        before it pays. Raises :class:`JournalWriteError`."""
+        if self._fd is None and not self._closed:
+            self._open()
 
     def append(self, record: dict) -> bytes:
         """Write one record now (one ``os.write``); fsync when the batch is full or old enough. Returns the line
         written (UTF-8 JSON + newline)."""
-        if self._fd is None:
+        if self._closed:
             raise JournalError(f"{self.path}: journal already closed")
         if not isinstance(record.get("request_key"), str):
             raise JournalError(f"{self.path}: record without a request_key")
         line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        if self._sync_error is not None:
+            raise JournalWriteError.of(self.path, self._sync_error) from None
+        fd = self._fd if self._fd is not None else self._open()
         view = memoryview(line)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        except OSError as exc:
+            if len(view) < len(line):  # a part of the line went out: end it, so the next record starts afresh
+                with contextlib.suppress(OSError):
+                    os.write(fd, b"\n")
+            raise JournalWriteError.of(self.path, exc) from None
         self.written += 1
-        self._unsynced += 1
-        if self._unsynced >= self.sync_every or time.monotonic() - self._last_sync >= self.sync_interval_s:
-            self.sync()
+        with self._cond:
+            self._unsynced += 1
+            if self._unsynced >= self.sync_every:
+                self._cond.notify()
         return line
 
     def extend(self, records: Iterable[dict]) -> None:
@@ -185,13 +263,25 @@ class JournalWriter:
             self.append(r)
 
     def sync(self) -> None:
-        """fsync what has been written."""
-        if self._fd is not None and self._unsynced:
-            os.fsync(self._fd)
-        self._unsynced = 0
-        self._last_sync = time.monotonic()
+        """fsync what has been written, now (in the caller's thread). Raises :class:`JournalWriteError`."""
+        if self._sync_error is not None:
+            raise JournalWriteError.of(self.path, self._sync_error) from None
+        with self._cond:
+            pending, self._unsynced = self._unsynced, 0
+            self._last_sync = time.monotonic()
+        if self._fd is not None and pending:
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise JournalWriteError.of(self.path, exc) from None
 
     def close(self) -> None:
+        """Stop the syncer thread, fsync what is left, close the file."""
+        self._closed = True
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._syncer.join()
         if self._fd is not None:
             try:
                 self.sync()

@@ -6,8 +6,12 @@ import logging
 import sys
 
 
-def setup_logging(log_path: str | None = None, level: int = logging.INFO) -> logging.Logger:
+def setup_logging(log_path: str | None = None, level: int = logging.INFO,
+                  console_level: int | None = None) -> logging.Logger:
     """Send the ``eagle3_data`` logger's records to ``log_path`` (if given) and stderr; return it.
+
+    ``console_level``: the least level that reaches stderr (default: ``level``), e.g. WARNING for a generate job of
+    a workflow run, whose progress the run-wide view shows (:mod:`eagle3_data.runview`).
 
     Also installs a ``sys.excepthook`` so an uncaught error (with its traceback) lands in the job's log file.
     """
@@ -18,6 +22,8 @@ def setup_logging(log_path: str | None = None, level: int = logging.INFO) -> log
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
         handlers.append(logging.FileHandler(log_path, mode="w"))
+    if console_level is not None and log_path:
+        handlers[0].setLevel(console_level)
     for h in handlers:
         h.setFormatter(fmt)
         logger.addHandler(h)

@@ -16,8 +16,10 @@ Where it goes (:class:`JobProgress`):
 - a terminal of its own (stderr is a tty and the job is not one of a workflow run's jobs): a tqdm bar redrawn in
   place (log records are written above it, :func:`tqdm.contrib.logging.logging_redirect_tqdm`), and one plain line
   per interval to the job's log files;
-- otherwise (a log file, a pipe, snakemake's console shared by several jobs): one plain log line per interval,
-  never carriage-return fragments.
+- otherwise (a log file, a pipe): one plain log line per interval, never carriage-return fragments;
+- inside a workflow run: the plain lines go to the job's log file only, and the job's counters to a snapshot in
+  the run directory every interval and when the request phase ends (:mod:`eagle3_data.runview`), from which the
+  main ``snakemake`` process prints one run-wide line per backend.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def postfix(state) -> str:
     """The counters after the bar: in flight, completion tokens/s, dollars (of the budget), completion tokens of
     their budget, the time left until a budget at this run's spend rate, outcomes, retries and HTTP requests.
 
-    ``state``: the job's ``generate._State`` (``in_flight``, ``completion_tokens``, ``cost_usd``, ``t0``,
+    ``state``: the job's ``generate.JobState`` (``in_flight``, ``completion_tokens``, ``cost_usd``, ``t0``,
     ``spent_usd()``, ``spent_tokens()``, ``budget_usd``, ``budget_tokens``, ``ok``, ``failed``, ``from_journal``,
     ``retries``, ``sent``)."""
     el = max(1e-9, time.monotonic() - state.t0)
@@ -155,7 +157,7 @@ class JobProgress:
     """The progress display of one generate job (see the module docstring).
 
     Args:
-        state: the job's ``generate._State`` (read, never written).
+        state: the job's ``generate.JobState`` (read, never written).
         tag: ``"[dataset/shard]"``, the start of every line.
         interval: seconds between plain lines (config-free: ``generate(progress_interval_s=...)``).
         log: the logger the lines go to (the package logger: the job's log file and stderr).
@@ -179,6 +181,29 @@ class JobProgress:
             live = bool(isatty and isatty()) and not in_workflow_run()
         self.live = live
         self.bar: _Bar | None = None
+        inner = tag.strip("[]")
+        self.dataset, _, self.shard = inner.rpartition("/")
+        self.backends: list[str] = []  # set by the job: its backends in priority order
+        self.pool = None  # set by the job while its requests run: the backends' down state in the snapshot
+        self.kind = "generate"  # "pilot" for the forecast's pilot (its snapshot is not a generate shard's)
+        from . import run as run_mod
+
+        run = run_mod.current()
+        self.run_dir = run.dir if run is not None else None
+
+    def snapshot(self, final: bool = False) -> None:
+        """Write the job's counters to the run directory (inside a workflow run; see :mod:`.runview`)."""
+        if self.run_dir is None or not self.dataset:
+            return
+        from . import runview
+
+        down = {}
+        for b in getattr(self.pool, "backends", None) or []:
+            if getattr(b, "down", None):
+                down[getattr(b, "name", "?")] = str(b.down)[:160]
+        snap = runview.snapshot(self.state, self.dataset, self.shard, backends=self.backends, down=down, final=final)
+        snap["kind"] = self.kind
+        runview.write_snapshot(self.run_dir, snap)
 
     def start(self) -> None:
         """On a terminal, open the bar."""
@@ -196,7 +221,7 @@ class JobProgress:
     def log_line(self) -> None:
         """The interval's plain line: to the log files only when a bar shows it on the terminal."""
         text = line(self.state, self.tag)
-        if self.bar is not None:
+        if self.bar is not None or self.run_dir is not None:  # a bar, or the run-wide view shows it
             log_to_files(self.log, logging.INFO, "%s", text)
         else:
             self.log.info("%s", text)
@@ -211,6 +236,7 @@ class JobProgress:
             self.tick()
             if time.monotonic() >= next_line - 1e-3:
                 self.log_line()
+                self.snapshot()
                 next_line = time.monotonic() + self.interval
 
     def close(self) -> None:
@@ -224,8 +250,12 @@ class JobProgress:
     def session(self):
         """While the requests run: the bar open and log records written above it (a terminal), else nothing."""
         self.start()
+        self.snapshot()
         if self.bar is None:
-            yield self
+            try:
+                yield self
+            finally:
+                self.snapshot()
             return
         from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -234,3 +264,4 @@ class JobProgress:
                 yield self
         finally:
             self.close()
+            self.snapshot()

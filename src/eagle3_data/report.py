@@ -29,7 +29,6 @@ import contextlib
 import html
 import ipaddress
 import logging
-import math
 import os
 import re
 from pathlib import Path
@@ -39,6 +38,7 @@ import duckdb
 import pyarrow as pa
 
 from . import schemas, sql
+from .formatting import format_clock, format_duration, format_usd, human_tokens
 from .io import atomic_path, write_text
 
 log = logging.getLogger("eagle3_data.report")
@@ -67,9 +67,22 @@ AUDIT_COLUMNS = [
     "prompt_tokens", "billed_prompt_tokens", "prompt_rel", "prompt_equal_samples", "prompt_diff_median",
     "prompt_diff_min", "prompt_diff_max",
 ]
-#: every file :func:`write_reports` writes into its ``out_dir``
+#: every output of rule report, the one list (rules/report.smk makes the rule's outputs from it): (rule output
+#: name, file name under results/reports/, caption file under report/ or None, report category, labels); a file
+#: with a caption is flagged with Snakemake's report() and shown on the `snakemake --report` page
 REPORT_STEMS = ("tally", "rejects", "cost", "throughput", "limits", "audit")
-REPORT_FILES = [f"{stem}.{ext}" for stem in REPORT_STEMS for ext in ("md", "csv", "html")]
+PLOT_STEMS = {"lengths": ("lengths", "lengths"), "completion_vs_time": ("completion_vs_time", "completion vs time"),
+              "cost_over_time": ("cost_over_time", "cost over time"), "rejects": ("rejects_plot", "rejects")}
+RULE_OUTPUTS: list[tuple[str, str, str | None, str | None, dict | None]] = [
+    *[(f"{stem}_{ext}", f"{stem}.{ext}", *((f"{stem}.rst", "1. Tables", {"table": stem}) if ext == "html"
+                                           else (None, None, None)))
+      for stem in REPORT_STEMS for ext in ("md", "csv", "html")],
+    *[(f"{stem}_png", f"{stem}.png", f"{caption}.rst", "2. Plots", {"plot": label})
+      for stem, (caption, label) in PLOT_STEMS.items()],
+    ("front", "front.html", None, None, None),  # tally, cost, rejects on the report page's front (report/workflow.rst)
+]
+#: every file :func:`write_reports` writes into its ``out_dir`` (the plots are :func:`.plots.write_plots`'s)
+REPORT_FILES = [file for _, file, *_ in RULE_OUTPUTS if not file.endswith(".png")]
 #: bucket lengths (seconds) the Markdown throughput table may use; the smallest giving <= MAX_MD_BUCKETS rows
 MD_BUCKETS_S = [60, 300, 600, 900, 1800, 3600, 7200, 4 * 3600, 6 * 3600, 12 * 3600, 86400]
 MAX_MD_BUCKETS = 240
@@ -404,7 +417,7 @@ def write_reports(
     pages = {
         "rejects": ("Rejects by dataset, stage and reason", format_rejects(rejects)),
         "cost": ("Cost and tokens by dataset, backend and provider", format_cost(cost)),
-        "throughput": (f"Throughput ({_duration(bucket)} buckets of completed_at, UTC)",
+        "throughput": (f"Throughput ({format_duration(bucket)} buckets of completed_at, UTC)",
                        format_throughput(throughput_md, bucket)),
         "limits": ("Which limit ended each dataset", format_limits(limits)),
         "audit": ("Token audit: billed counts vs the target's own", format_audit(audit)),
@@ -502,32 +515,6 @@ def write_markdown(md: str, md_path, html_path=None, *, title: str) -> None:
         write_text(markdown_page(md, title), html_path)
 
 
-def human_tokens(n: int) -> str:
-    """``17,012,345 -> "17.0M"``; below a million the exact count with thousands separators."""
-    return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n:,}"
-
-
-def format_hours(hours: float, digits: int = 1) -> str:
-    """A duration given in hours, in seconds, minutes or hours, whichever keeps it >= 1 (``0.006 -> "21.6 s"``);
-    ``digits`` decimals for hours (seconds and minutes get one)."""
-    s = hours * 3600
-    if s < 60:
-        return f"{s:,.1f} s"
-    if s < 3600:
-        return f"{s / 60:,.1f} min"
-    return f"{hours:,.{digits}f} h"
-
-
-def format_usd(v: float) -> str:
-    """Dollars with the precision that keeps them meaningful, the same in every table: cents from $1 up
-    (``1,234.50``), two significant digits below (``0.50``, ``0.0012``, ``0.00023``), ``0.00`` for zero."""
-    if not v:
-        return "0.00"
-    if abs(v) >= 1:
-        return f"{v:,.2f}"
-    return f"{v:.{max(2, 1 - math.floor(math.log10(abs(v))))}f}"
-
-
 def format_tally(rows: list[dict]) -> str:
     """Markdown table of :func:`tally` rows (dataset, samples, tokens, source), with prompt,
     completion, rejects and cost; totals in bold."""
@@ -547,12 +534,6 @@ def format_rejects(rejects: list[dict]) -> str:
     cols = [("dataset", "Dataset", "text"), ("stage", "Stage", "text"), ("reason", "Reason", "text"),
             ("count", "Count", ""), ("example", "Example", "text")]
     return markdown_table(rows, cols)
-
-
-def _duration(seconds: int) -> str:
-    if seconds % 3600 == 0:
-        return f"{seconds // 3600} h"
-    return f"{seconds // 60} min"
 
 
 def _fmt(v, kind: str = "") -> str:
@@ -647,49 +628,63 @@ def _rows_in(paths) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
 
 
-def _clock(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-def run_summary_rows(datasets_config: dict, results_dir="results") -> list[dict]:
+def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None) -> list[dict]:
     """One row per dataset of the config, from what the run left under ``results_dir``, and a ``Total`` row.
 
-    Read: generate's per-shard summaries ``<ds>/responses/<shard>.json`` (samples, ok, failed_total, not_sent,
-    total_cost_usd, wall_s, stopped_by), the row counts of ``<ds>/rejected/*.parquet`` (every stage's rejects)
-    and ``<ds>/validated/*.parquet`` (parquet metadata only). Missing files count as nothing (a failed or
-    interrupted run): ``shards`` says how many shards have a summary.
+    Only this config's files are read: the shards ``000`` .. ``shards - 1`` of each dataset (files an earlier
+    config with more shards left behind are not counted). Per generated shard: generate's summary
+    ``<ds>/responses/<shard>.json`` when the shard finished, else (a failed or stopped job) the last snapshot its
+    job wrote to the run directory ``run_dir`` (:mod:`eagle3_data.runview`: what it had journaled and paid for);
+    ``<ds>/rejected/<shard>.parquet`` (+ ``normalize.parquet``) and ``<ds>/validated/<shard>.parquet`` are
+    counted from parquet metadata.
 
     Returns dicts with dataset, kind (``generated`` / ``pretokenized`` / ``total``), shards (``"1/2"``: shards
-    with a summary of the dataset's ``shards``; ``"-"`` for a pre-tokenized dataset), samples (prompts
-    considered by generate; a pre-tokenized dataset: kept + validate's rejects), ok (samples with every
-    response), failed (samples with a failed response or an unusable prompt), not_sent (samples a budget kept
-    from being sent), rejected (rows of every stage's rejects), kept (validated rows), cost_usd (dollars of the
-    dataset's responses, earlier runs' journaled ones included), wall_s (the longest shard's generate time: the
+    with a summary or a snapshot, of the dataset's ``shards``; ``"-"`` for a pre-tokenized dataset), samples
+    (prompts considered by generate; a pre-tokenized dataset: its rows, kept + rejected), ok (samples with every
+    response), failed (samples with a failed response or an unusable prompt), not_sent (samples a budget or a
+    stop kept from being sent), rejected (rows of every stage's rejects), kept (validated rows), cost_usd (dollars
+    of the dataset's journaled responses, earlier runs' included), wall_s (the longest shard's generate time: the
     shards run at once; None without a summary), time (wall_s as ``m:ss``), ended_by (the shards' distinct
-    ``stopped_by``)."""
+    ``stopped_by``; ``stopped`` for a shard that did not finish)."""
     import json
 
+    from .runview import read_snapshots
+
     results = Path(results_dir)
+    snaps = read_snapshots(run_dir) if run_dir is not None else {}
     rows = []
     for ds, dcfg in (datasets_config or {}).items():
         dcfg = dcfg or {}
         pre = ((dcfg.get("source") or {}).get("format")) == "pretokenized"
         n_shards = int(dcfg.get("shards", 1))
+        names = [f"{i:03d}" for i in range(n_shards)]
         sums = []
-        for p in sorted((results / ds / "responses").glob("*.json")):
-            with contextlib.suppress(OSError, ValueError):
-                sums.append(json.loads(p.read_text()))
-        rejected_paths = sorted((results / ds / "rejected").glob("*.parquet"))
+        for shard in names:
+            p = results / ds / "responses" / f"{shard}.json"
+            s = None
+            if p.is_file():
+                with contextlib.suppress(OSError, ValueError):
+                    s = json.loads(p.read_text())
+            snap = snaps.get((ds, shard))
+            if snap is not None and (s is None or float(snap.get("updated_at") or 0) > p.stat().st_mtime + 1):
+                # this run's job did not finish (or finished without writing its summary): what it journaled
+                s = {"samples": snap.get("total"), "ok": snap.get("ok"), "failed_total": snap.get("failed"),
+                     "other_model_replies": snap.get("other_model"),
+                     "not_sent": int(snap.get("total") or 0) - int(snap.get("done") or 0),
+                     "total_cost_usd": snap.get("spent_usd"), "wall_s": snap.get("elapsed_s"),
+                     "stopped_by": "stopped" if not snap.get("final") or not p.is_file() else None}
+            if s is not None:
+                sums.append(s)
+        rejected_paths = [p for p in [results / ds / "rejected" / "normalize.parquet"]
+                          + [results / ds / "rejected" / f"{s}.parquet" for s in names] if p.is_file()]
         rejected = _rows_in(rejected_paths)
-        kept = _rows_in(sorted((results / ds / "validated").glob("*.parquet")))
+        kept = _rows_in([p for p in (results / ds / "validated" / f"{s}.parquet" for s in names) if p.is_file()])
         walls = [float(s.get("wall_s") or 0.0) for s in sums]
         ended = sorted({str(s.get("stopped_by")) for s in sums if s.get("stopped_by")})
         row = {
             "dataset": ds, "kind": "pretokenized" if pre else "generated",
             "shards": "-" if pre else f"{len(sums)}/{n_shards}",
-            "samples": (kept + _rows_in([p for p in rejected_paths if p.stem != "normalize"]) if pre else
-                        sum(int(s.get("samples") or 0) for s in sums)),
+            "samples": kept + rejected if pre else sum(int(s.get("samples") or 0) for s in sums),
             "ok": None if pre else sum(int(s.get("ok") or 0) for s in sums),
             "failed": None if pre else sum(int(s.get("failed_total") or 0) for s in sums),
             "not_sent": None if pre else sum(int(s.get("not_sent") or 0) for s in sums),
@@ -697,8 +692,9 @@ def run_summary_rows(datasets_config: dict, results_dir="results") -> list[dict]
             "cost_usd": None if pre else sum(float(s.get("total_cost_usd") or 0.0) for s in sums),
             "wall_s": max(walls) if walls else None,
             "ended_by": "pre-tokenized" if pre else ", ".join(ended),
+            "other_model": None if pre else sum(int(s.get("other_model_replies") or 0) for s in sums),
         }
-        row["time"] = _clock(row["wall_s"]) if row["wall_s"] is not None else ""
+        row["time"] = format_clock(row["wall_s"]) if row["wall_s"] is not None else ""
         rows.append(row)
     total = {"dataset": "Total", "kind": "total", "shards": "", "ended_by": "", "time": "", "wall_s": None}
     for key in ("samples", "ok", "failed", "not_sent", "rejected", "kept", "cost_usd"):
@@ -708,24 +704,52 @@ def run_summary_rows(datasets_config: dict, results_dir="results") -> list[dict]
     return rows
 
 
+def pilot_spend(datasets_config: dict, results_dir="results") -> dict | None:
+    """What the forecast pilot (``snakemake forecast``) paid for, from its summaries
+    ``<results_dir>/forecast/pilot/<ds>/<shard>.json`` of this config's shards: ``{"requests": new responses,
+    "cost_usd": their dollars}``; None when there are none."""
+    import json
+
+    requests, cost, found = 0, 0.0, False
+    for ds, dcfg in (datasets_config or {}).items():
+        for i in range(int((dcfg or {}).get("shards", 1))):
+            p = Path(results_dir) / "forecast" / "pilot" / ds / f"{i:03d}.json"
+            with contextlib.suppress(OSError, ValueError):
+                s = json.loads(p.read_text())
+                found = True
+                requests += int(s.get("ok") or 0) - int(s.get("from_journal") or 0)
+                cost += float(s.get("cost_usd") or 0.0)
+    return {"requests": max(0, requests), "cost_usd": cost} if found else None
+
+
 def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | None = None,
-                ok: bool = True, tally_path=None) -> str:
+                ok: bool = True, tally_path=None, run_dir=None) -> str:
     """The run's last lines (Snakefile ``onsuccess`` / ``onerror``): a table of :func:`run_summary_rows` and where
     the full reports are.
 
     ``run_s``: the run's wall time (the Total row's time); ``ok``: False after a failed run (the title says what
-    the table covers); ``tally_path``: the tally file to point to, when it exists."""
+    the table covers); ``tally_path``: the tally file to point to, when it exists; ``run_dir``: the run's
+    directory (snapshots of the shards that did not finish, :func:`run_summary_rows`)."""
     from tabulate import tabulate
 
-    rows = run_summary_rows(datasets_config, results_dir)
+    rows = run_summary_rows(datasets_config, results_dir, run_dir)
     if run_s is not None:
-        rows[-1]["time"] = _clock(run_s)
+        rows[-1]["time"] = format_clock(run_s)
     body = [[_fmt(r.get(key), kind) for key, _, kind in RUN_SUMMARY_COLUMNS] for r in rows]
     table = tabulate(body, headers=[h for _, h, _ in RUN_SUMMARY_COLUMNS], tablefmt="simple", disable_numparse=True,
                      colalign=["left" if k == "text" else "right" for _, _, k in RUN_SUMMARY_COLUMNS])
     lines = ["Run summary" if ok else "Run summary (the run failed; what it had finished):", table,
-             "OK/Failed/Not sent: samples at generate (not sent: kept back by a budget). Rejected: every stage. "
-             "Kept: validated. Time: the longest generate shard" + ("; Total: the run." if run_s is not None else ".")]
+             "OK/Failed/Not sent: samples at generate (not sent: kept back by a budget or a stop). Rejected: every "
+             "stage. Kept: validated. Cost: journaled responses. Time: the longest generate shard"
+             + ("; Total: the run." if run_s is not None else ".")]
+    other = [f"{r['dataset']} {r['other_model']:,}" for r in rows[:-1] if r.get("other_model")]
+    if other:
+        lines.append(f"Replies naming another model than asked (kept; generation.reject_other_models: true refuses "
+                     f"them): {', '.join(other)}.")
+    pilot = pilot_spend(datasets_config, results_dir)
+    if pilot is not None:
+        lines.append(f"Forecast pilot: {pilot['requests']:,} responses paid for, ${format_usd(pilot['cost_usd'])} "
+                     "(journaled: the build does not pay for them again; counted in Cost once generate reads them).")
     if tally_path is not None and Path(tally_path).exists():
         lines.append(f"Tokens, rejects by reason, cost by backend: {tally_path} (all reports: "
                      f"{Path(tally_path).parent}/)")

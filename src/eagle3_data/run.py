@@ -6,9 +6,10 @@ through the environment (``EAGLE3_RUN_DIR``, ``EAGLE3_RUN_OWNER``), never throug
 reruns because of it). Jobs keep there what the run shares:
 
 - ``servers/``: the registry of launched servers (:func:`eagle3_data.backends.server.shared_server`): one per
-  launched backend for the whole run, attached to by every generate job that needs it;
-- ``limits/``: the per-backend request slots shared by the generate jobs on one machine
-  (:mod:`eagle3_data.backends.limits`).
+  launched backend for the whole run, attached to by every generate job that needs it.
+
+A backend's request slots are not the run's: they are shared by every run and job on the machine
+(:mod:`eagle3_data.backends.limits`), and neither a run's start nor its end touches them.
 
 The Snakefile's ``onsuccess`` / ``onerror`` hooks call :func:`end`: it stops the run's servers, prints one line
 for an interrupted run (Ctrl-C, SIGTERM) saying how to resume, and removes the run directory. Snakemake calls
@@ -21,6 +22,7 @@ own server and splits the request limit (see :mod:`eagle3_data.backends.limits`)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -30,59 +32,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .processes import Owner, process_start  # noqa: F401 (process_start: part of this module's API)
+
 RUN_DIR_ENV = "EAGLE3_RUN_DIR"
 RUN_OWNER_ENV = "EAGLE3_RUN_OWNER"
 
 _signals: dict[str, bool] = {}  # main process: which interrupt ended the run ("SIGINT" / "SIGTERM")
+_stop_file: list[Path] = []  # main process: the run's stop file, written when SIGINT / SIGTERM arrives
+STOP_FILE = "stop"  # in the run directory: its jobs stop starting requests (see :func:`stop_reason`)
+OWNER_FILE = "owner.json"  # in the run directory: the snakemake process and its working directory
 _started: list[float] = []  # main process: time.monotonic() when the run began
-
-
-def process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or None if there
-    is no such process: with the pid it names one process, even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields and fields[0] == "Z":  # a zombie has exited
-        return None
-    return fields[19] if len(fields) > 19 else None
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The process a run (or a server) lives for: ``host``, ``pid`` and its ``start`` time (see
-    :func:`process_start`)."""
-
-    host: str
-    pid: int
-    start: str
-
-    @classmethod
-    def me(cls) -> "Owner":
-        return cls(socket.gethostname(), os.getpid(), process_start(os.getpid()) or "0")
-
-    @classmethod
-    def parse(cls, text: str) -> "Owner | None":
-        """``"host:pid:start"`` -> Owner (None if malformed)."""
-        try:
-            host, pid, start = text.rsplit(":", 2)
-            return cls(host, int(pid), start)
-        except ValueError:
-            return None
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.pid}:{self.start}"
-
-    def local(self) -> bool:
-        return self.host == socket.gethostname()
-
-    def alive(self) -> bool:
-        """True if this process still runs (on this host; a process on another host counts as alive)."""
-        if not self.local():
-            return True
-        return process_start(self.pid) == self.start
 
 
 @dataclass(frozen=True)
@@ -97,8 +56,31 @@ class Run:
         return self.dir / "servers"
 
     @property
-    def limits_dir(self) -> Path:
-        return self.dir / "limits"
+    def stop_file(self) -> Path:
+        return self.dir / STOP_FILE
+
+
+def stop_reason(run: "Run | None" = None) -> str | None:
+    """Why the jobs of ``run`` (default: :func:`current`) must stop starting requests, or None.
+
+    ``"snakemake got SIGTERM"`` (or SIGINT) when the run's stop file exists (written by the main process's signal
+    handler, :func:`on_start`); ``"the snakemake process <pid> is gone"`` when the run's owner no longer runs (a
+    ``kill -9``: its jobs would otherwise run on, re-parented to PID 1). Two small file-system checks: cheap
+    enough to poll every half second. None outside a workflow run."""
+    run = current() if run is None else run
+    if run is None:
+        return None
+    try:
+        text = run.stop_file.read_text().strip()
+    except FileNotFoundError:
+        text = None
+    except OSError:
+        text = "stop"
+    if text is not None:
+        return f"snakemake got {text.split()[0] if text else 'a stop signal'}"
+    if not run.owner.alive():
+        return f"the snakemake process {run.owner.pid} is gone"
+    return None
 
 
 def current(env: dict | None = None) -> Run | None:
@@ -115,9 +97,9 @@ def current(env: dict | None = None) -> Run | None:
 def begin(cache_dir: str | os.PathLike, *, main_process: bool = True) -> Run | None:
     """Name the run after this (the main ``snakemake``) process and export it to the jobs; record Ctrl-C.
 
-    Called by the Snakefile at parse time. In a job process (``main_process`` False: a cluster job or a spawned
-    job re-parsing the Snakefile), an inherited run is kept as it is and nothing is installed. Creates nothing on
-    disk (a dry run leaves no trace); the directory appears when a job needs it.
+    Called by the Snakefile's ``onstart`` (never at parse time: a dry run or ``--lint`` changes nothing). In a job
+    process (``main_process`` False: a cluster job or a spawned job re-parsing the Snakefile), an inherited run is
+    kept as it is and nothing is installed. Creates nothing on disk; the directory appears when a job needs it.
     """
     if not main_process:
         return current()
@@ -146,6 +128,9 @@ def _chain_signal(sig: int, name: str) -> None:
 
     def handler(signum, frame):
         _signals[name] = True
+        for path in _stop_file:  # the run's jobs see it within a second and stop starting requests
+            with contextlib.suppress(OSError):
+                path.write_text(f"{name} {time.time():.3f}\n")
         if callable(prev):
             return prev(signum, frame)
         if prev == signal.SIG_IGN:
@@ -158,22 +143,29 @@ def _chain_signal(sig: int, name: str) -> None:
 
 
 def on_start(cache_dir: str | os.PathLike) -> None:
-    """Snakefile ``onstart``: record SIGTERM too (snakemake's own handler is installed by then) and remove the
-    directories of earlier runs on this host whose ``snakemake`` process is gone (their servers stopped
-    themselves)."""
-    _chain_signal(signal.SIGTERM, "SIGTERM")
-    root = Path(cache_dir) / "runs" / socket.gethostname()
+    """Snakefile ``onstart``: make the run directory (with ``owner.json``: pid and working directory), record
+    SIGTERM too (snakemake's own handler is installed by then), have SIGINT and SIGTERM write the run's stop file
+    (its jobs stop starting requests, :func:`stop_reason`), and remove the directories of earlier runs on this
+    host whose ``snakemake`` process is gone (their servers stopped themselves). Request slots are left alone:
+    they are the machine's, not a run's (:mod:`.backends.limits`)."""
     me = current()
+    if me is not None:
+        with contextlib.suppress(OSError):
+            me.dir.mkdir(parents=True, exist_ok=True)
+            (me.dir / OWNER_FILE).write_text(json.dumps({"pid": me.owner.pid, "start": me.owner.start,
+                                                         "workdir": os.getcwd()}))
+            _stop_file[:] = [me.stop_file]
+    _chain_signal(signal.SIGTERM, "SIGTERM")
+    _chain_signal(signal.SIGINT, "SIGINT")
+    root = Path(cache_dir) / "runs" / socket.gethostname()
     for d in root.glob("*-*") if root.is_dir() else []:
         pid, _, start = d.name.partition("-")
         if not pid.isdigit() or (me is not None and d.resolve() == me.dir.resolve()):
             continue
         if not Owner(socket.gethostname(), int(pid), start).alive():
-            from .backends.limits import HostSlots
             from .backends.server import stop_run_servers
 
             stop_run_servers(d)
-            HostSlots.remove_all(d / "limits")
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -209,37 +201,82 @@ def widen_local_workers(workflow, waiting_jobs: int) -> int | None:
     return max(want, workers)
 
 
-def journaled_responses(journal_dir: str | os.PathLike) -> int:
-    """Responses in the journals under ``journal_dir`` (complete lines of ``*.jsonl``; counted, not parsed)."""
+def journaled_responses(journal_dir: str | os.PathLike, datasets=None) -> int:
+    """Responses in the journals under ``journal_dir`` (complete lines of ``*.jsonl``; counted, not parsed);
+    ``datasets``: only those datasets' journals."""
     n = 0
-    for p in Path(journal_dir).glob("*/*.jsonl"):
+    folders = [Path(journal_dir) / d for d in datasets] if datasets is not None else [Path(journal_dir)]
+    for p in (p for f in folders for p in f.glob("*.jsonl" if datasets is not None else "*/*.jsonl")):
         with contextlib.suppress(OSError), open(p, "rb") as fh:
             while chunk := fh.read(1 << 20):
                 n += chunk.count(b"\n")
     return n
 
 
-def interrupt_message(journal_dir: str | os.PathLike, signame: str = "SIGINT") -> str:
-    """The one line printed when a run is interrupted: what happened and how to resume."""
+def interrupt_message(journal_dir: str | os.PathLike, signame: str = "SIGINT", journaled: int | None = None) -> str:
+    """The one line printed when a run is interrupted: what happened and how to resume.
+
+    ``journaled``: this config's requests with a journaled response (the run's jobs count them by request key,
+    :mod:`eagle3_data.runview`); None: every line of the journals under ``journal_dir``."""
     what = "Interrupted (Ctrl-C)" if signame == "SIGINT" else f"Stopped ({signame})"
-    n = journaled_responses(journal_dir)
-    return (f"{what}. Rerun the same command to resume; {n:,} response{'s' if n != 1 else ''} are journaled in "
-            f"{journal_dir}/ and will not be requested again.")
+    n = journaled_responses(journal_dir) if journaled is None else journaled
+    return (f"{what}. Rerun the same command to resume; {n:,} response{'s' if n != 1 else ''} of this config "
+            f"{'are' if n != 1 else 'is'} journaled in {journal_dir}/ and will not be requested again.")
 
 
-def end(cache_dir: str | os.PathLike, *, ok: bool, out=None) -> None:
+def stale_lock_hint(cache_dir: str | os.PathLike, workdir: str | os.PathLike = ".") -> str | None:
+    """One line when Snakemake's lock on ``workdir`` was left by a run whose ``snakemake`` process was killed
+    (``kill -9``, a lost node): the lock files exist, a run of this host for this directory is recorded under
+    ``<cache_dir>/runs/`` and its process is gone, and no such run is alive. None otherwise."""
+    locks = Path(workdir) / ".snakemake" / "locks"
+    if not locks.is_dir() or not any(locks.iterdir()):
+        return None
+    here = os.path.realpath(workdir)
+    dead = []
+    root = Path(cache_dir) / "runs" / socket.gethostname()
+    for d in sorted(root.glob("*-*")) if root.is_dir() else []:
+        try:
+            info = json.loads((d / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if os.path.realpath(str(info.get("workdir", ""))) != here:
+            continue
+        if Owner(socket.gethostname(), int(info["pid"]), str(info["start"])).alive():
+            return None  # a live run holds the lock
+        dead.append(int(info["pid"]))
+    if not dead:
+        return None
+    return (f"The snakemake run {dead[-1]} was killed and left its lock on this directory: run `snakemake --unlock` "
+            "(with the same --configfile, if any), then the same command again to resume.")
+
+
+def stop_summary(datasets=None) -> dict:
+    """Main process: what this run's jobs journaled, from their snapshots (:mod:`eagle3_data.runview`):
+    ``{"journaled": requests answered, "shards": snapshots read}``; ``datasets``: only those."""
+    run = current()
+    if run is None:
+        return {"journaled": None, "shards": 0}
+    from .runview import read_snapshots
+
+    snaps = [s for (ds, _), s in read_snapshots(run.dir).items() if datasets is None or ds in datasets]
+    return {"journaled": sum(int(s.get("journaled") or 0) for s in snaps) if snaps else None, "shards": len(snaps)}
+
+
+def end(cache_dir: str | os.PathLike, *, ok: bool, out=None, datasets=None) -> None:
     """Snakefile ``onsuccess`` / ``onerror``: stop the run's launched servers (waiting until they are gone), print
-    one line if the run was interrupted, remove the run directory."""
+    one line if the run was interrupted (counting the journaled responses of ``datasets``, this config's),
+    remove the run directory."""
     out = out or sys.stderr
     run = current()
+    from .runview import stop as stop_view
+
+    stop_view()
+    counted = stop_summary(datasets) if not ok else {"journaled": None}
     if run is not None and run.dir.exists():
         from .backends.server import stop_run_servers
 
-        from .backends.limits import HostSlots
-
         t0 = time.monotonic()
         stopped = stop_run_servers(run.dir)
-        HostSlots.remove_all(run.limits_dir)
         if stopped and ok:  # after a failure the run prints only what went wrong
             print(f"Stopped the launched server(s) {', '.join(stopped)} ({time.monotonic() - t0:.0f} s).", file=out)
         shutil.rmtree(run.dir, ignore_errors=True)
@@ -249,4 +286,26 @@ def end(cache_dir: str | os.PathLike, *, ok: bool, out=None) -> None:
     if not ok:
         sig = "SIGINT" if _signals.get("SIGINT") else "SIGTERM" if _signals.get("SIGTERM") else None
         if sig:
-            print(interrupt_message(Path(cache_dir) / "journal", sig), file=out)
+            journaled = counted["journaled"]
+            if journaled is None and datasets is not None:
+                journaled = journaled_responses(Path(cache_dir) / "journal", datasets)
+            print(interrupt_message(Path(cache_dir) / "journal", sig, journaled), file=out)
+
+
+async def watch_stop(on_stop, *, run: "Run | None" = None, interval_s: float = 0.5) -> None:
+    """Until cancelled, check :func:`stop_reason` of ``run`` (default :func:`current`) every ``interval_s``; when it
+    gives a reason, call ``on_stop(reason)`` once and return. Returns at once outside a workflow run.
+
+    A generate job runs it beside its requests: it must stop starting requests when the run is stopped (a signal
+    to the ``snakemake`` process, which writes the stop file) or its ``snakemake`` process is gone (``kill -9``)."""
+    import asyncio
+
+    run = current() if run is None else run
+    if run is None:
+        return
+    while True:
+        reason = stop_reason(run)
+        if reason:
+            on_stop(reason)
+            return
+        await asyncio.sleep(interval_s)

@@ -339,7 +339,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _pid_alive(pid: int | None, start: str | None = None) -> bool:
-    from ..run import process_start
+    from ..processes import process_start
 
     if not pid:
         return False
@@ -492,7 +492,7 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
     ``snakemake`` process is gone, no job has held a lease for ``idle_timeout_s``, or the server exits by itself.
     Returns the exit code (0 after a normal stop)."""
     from ..devices import gpu_devices
-    from ..run import Owner, process_start
+    from ..processes import Owner, process_start
 
     spec = json.loads(Path(spec_path).read_text())
     name, entry_path = spec["name"], Path(spec["entry"])

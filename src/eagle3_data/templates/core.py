@@ -25,7 +25,10 @@ end-of-reasoning marker when cut inside the reasoning, never an end-of-turn toke
 rejected ``truncated_tool_call``. A think block returned inside the content (a server without a reasoning parser)
 is split the way the family's template and SGLang's parsers split it, kept, and counted
 (``reasoning_split_from_content`` in the tokenize summary); reasoning prose in the content with no markers, on a
-prompt that leaves thinking on, can't be told from the answer and is rejected ``missing_reasoning``.
+prompt that leaves thinking on, can't be told from the answer and is rejected ``missing_reasoning``. An empty or
+whitespace-only think block the target really emitted (reasoning ``""`` or ``"\\n\\n"`` rather than None, or
+the block inside the content, followed by an answer or a tool call) is kept exact in the family's layout (Qwen3:
+``<think>\\n\\n</think>\\n\\n``; :func:`empty_think_block`).
 
 | family | complete | cut (normalised `length`) | filtered (`content_filter`) | empty answer (reasoning, then nothing) | tool calls | reasoning in content |
 |---|---|---|---|---|---|---|
@@ -35,6 +38,10 @@ prompt that leaves thinking on, can't be told from the answer and is rejected ``
 | `qwen3` (Qwen3, Qwen3-2507 thinking) | `<think>\\nR\\n</think>\\n\\nC<\\|im_end\\|>` (2507: `<think>\\n` in the prompt); `enable_thinking=False`: `C<\\|im_end\\|>` | `<think>\\nR` / `<think>\\nR\\n</think>\\n\\nC` | rejected `content_filter` | rejected `empty_answer` | `…</think>\\n\\n[C\\n]<tool_call>\\n{"name": n, "arguments": a}\\n</tool_call><\\|im_end\\|>` | `<think>…</think>` split; prose: `missing_reasoning` (thinking on) |
 | `glm45` | `\\n<think>R</think>\\nC<\\|user\\|>` (no end token: the next role token); `enable_thinking=False`: `\\nC<\\|user\\|>` | `\\n<think>R` / `\\n<think>R</think>\\nC` | rejected `content_filter` | rejected `empty_answer` | `…\\n<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call><\\|observation\\|>` | split; prose: `missing_reasoning` (thinking on) |
 | `deepseek-r1` | `R\\n</think>\\n\\nC<｜end▁of▁sentence｜>` (`<think>\\n` is a prompt token; R1's separators rebuilt) | `R` / `R\\n</think>\\n\\nC` | rejected `content_filter` | rejected `empty_answer` | rejected `tool_calls_unsupported` (R1's template has no usable call layout) | split; prose: `missing_reasoning` |
+| `deepseek-v3.1` | thinking: `R</think>C<｜end▁of▁sentence｜>` (`<think>` is a prompt token, no R1 newlines); off: `C<｜end▁of▁sentence｜>` (the prompt ends `</think>`); after tool results: `C<｜end▁of▁sentence｜>` | thinking: `R` / `R</think>C`; off: `C` | rejected `content_filter` | rejected `empty_answer` | `C<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>args<｜tool▁call▁end｜>…<｜tool▁calls▁end｜><｜end▁of▁sentence｜>` | split; prose: `missing_reasoning` (thinking on) |
+| `qwen3-coder` | `C<\|im_end\|>` | `C` as emitted | rejected `content_filter` | whitespace-only `C`: `empty_answer`; any reasoning: `unexpected_reasoning` | `[C.strip()\n\n]<tool_call>\n<function=n>\n<parameter=k>\nv\n</parameter>\n</function>\n</tool_call><\|im_end\|>` | a think block: `reasoning_marker_leak` |
+| `llama3` (3.1, 3.3) | `C<\|eot_id\|>` | `C` as emitted | rejected `content_filter` | whitespace-only `C`: `empty_answer` | `{"name": n, "parameters": a}<\|eot_id\|>` (one call per turn, else `tool_calls_unsupported`) | not split |
+| `gpt-oss` | `<\|channel\|>analysis<\|message\|>R<\|end\|><\|start\|>assistant<\|channel\|>final<\|message\|>C<\|return\|>` | in R: `<\|channel\|>analysis<\|message\|>R`; in C: without `<\|return\|>` | rejected `content_filter` | rejected `empty_answer` | `…R<\|end\|><\|start\|>assistant<\|channel\|>commentary to=functions.n <\|constrain\|>json<\|message\|>a<\|call\|>` (one call: generation stops at `<\|call\|>`) | not split; no reasoning at all: `missing_reasoning` |
 | `generic` | the template's render of the finished conversation minus the prompt render | the same without the end-of-turn token | rejected `content_filter` | whitespace-only completion: `empty_answer` (the markers are unknown) | as the template renders them | passed to the template as content (no split); reasoning the template drops: `reasoning_dropped_by_template` |
 
 Completion formats (the real templates' assistant branches; SGLang reasoning parsers):
@@ -99,6 +106,10 @@ class CompletionFormat:
     - ``tool_format``: ``kimi`` | ``qwen`` | ``glm`` | ``none``.
     - ``role_markers``: tokens that may never appear inside a completion.
     - ``tool_args_mapping``: the template needs tool-call ``arguments`` as a mapping, not a JSON string (GLM).
+    - ``reasoning_field``: the assistant-message key the template reads a history turn's reasoning from
+      (``reasoning_content``; gpt-oss: ``thinking``); the prompt messages keep it under ``reasoning_content``.
+    - ``think_in_prompt``: the think block is only ever opened by the generation prompt (DeepSeek-V3.1): a prompt
+      holding no think token (a turn after tool results) is answered without reasoning.
     """
 
     name: str
@@ -112,6 +123,8 @@ class CompletionFormat:
     tool_end_of_turn: str | None = None
     tool_args_mapping: bool = False
     generic: bool = False
+    reasoning_field: str = "reasoning_content"
+    think_in_prompt: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -150,6 +163,25 @@ FORMATS: dict[str, CompletionFormat] = {
                                     extra={"tool_calls_unsupported": DEEPSEEK_R1_NO_TOOLS}),
     "generic": CompletionFormat("generic", None, None, None, None, "plain", "none", (), generic=True),
 }
+
+
+#: tool-call writers by ``CompletionFormat.tool_format`` for families in their own modules:
+#: ``writer(target, tool_calls, content, prior_tool_calls) -> [(text, is_token_name), ...]``, the completion from
+#: the content on (content included), without the end-of-turn token
+TOOL_WRITERS: dict[str, Any] = {}
+#: whole-completion writers by ``CompletionFormat.layout`` (gpt-oss harmony channels): the signature of
+#: :meth:`TargetTokens.completion_segments` with the target first
+LAYOUT_WRITERS: dict[str, Any] = {}
+
+
+def register(fmt: CompletionFormat, *, tool_writer=None, layout_writer=None) -> CompletionFormat:
+    """Add family ``fmt`` to :data:`FORMATS` (and its writers); returns it. Used by the family modules."""
+    FORMATS[fmt.name] = fmt
+    if tool_writer is not None:
+        TOOL_WRITERS[fmt.tool_format] = tool_writer
+    if layout_writer is not None:
+        LAYOUT_WRITERS[fmt.layout] = layout_writer
+    return fmt
 
 
 def completion_format(name: str) -> CompletionFormat:
@@ -336,12 +368,23 @@ def split_reasoning_from_content(fmt: CompletionFormat, content: str | None) -> 
     return pre, post
 
 
+def empty_think_block(reasoning: str | None, content: str | None, tool_calls: list | None) -> bool:
+    """True when a reply on a thinking prompt really holds an empty (or whitespace-only) think block: its reasoning
+    is a string (``""``, ``"\\n\\n"``: the server's parser found the markers with nothing between them, or the
+    block came back inside the content) and an answer or tool call follows. Such a reply is kept exact (Qwen3:
+    ``<think>\\n\\n</think>\\n\\n``); a reasoning of None (hidden, e.g. OpenRouter ``reasoning.exclude``) is not."""
+    return reasoning is not None and not reasoning.strip() and bool((content or "").strip() or tool_calls)
+
+
 def thinking_enabled(template: str | None, chat_template_kwargs: dict | None = None) -> bool:
     """True when target family ``template`` reasons after a generation prompt rendered with
     ``chat_template_kwargs``: a reasoning family whose ``thinking`` / ``enable_thinking`` is not false (SGLang's
-    rule for the kimi_k2, qwen3 and glm45 reasoning parsers). Unknown families: False."""
+    rule for the kimi_k2, qwen3 and glm45 reasoning parsers); ``deepseek-v3.1`` only when one of them is true (its
+    template's default is off, SGLang's deepseek-v3 rule). Unknown families: False."""
     fmt = FORMATS.get(template or "")
     kw = chat_template_kwargs or {}
+    if fmt is not None and fmt.think_in_prompt:  # DeepSeek-V3.1: off unless asked for (SGLang's deepseek-v3 rule)
+        return bool(kw.get("thinking") or kw.get("enable_thinking"))
     return bool(fmt and fmt.reasoning) and kw.get("thinking") is not False and kw.get("enable_thinking") is not False
 
 
@@ -389,6 +432,8 @@ class TargetTokens:
         if fmt.tool_format == "kimi":
             for name in KIMI_TOOL_TOKENS:
                 self.special_id(name)
+        for name in fmt.extra.get("tool_tokens", ()):
+            self.special_id(name)
         self.boundary_names: tuple[str, ...] = tuple(
             n for n in (*fmt.role_markers, eot_name, self.tool_eot_name)
             if self.special_id(n, required=False) is not None
@@ -419,6 +464,11 @@ class TargetTokens:
         arguments as mappings for templates that iterate them (GLM)."""
         if self.fmt.tool_format == "kimi":
             messages = rewrite_kimi_tool_call_ids(messages)
+        field_name = self.fmt.reasoning_field
+        if field_name != "reasoning_content":
+            messages = [{**{k: v for k, v in m.items() if k != "reasoning_content"}, field_name: m["reasoning_content"]}
+                        if m.get("role") == "assistant" and m.get("reasoning_content") is not None else m
+                        for m in messages]
         if not self.fmt.tool_args_mapping:
             return messages
         out = []
@@ -513,6 +563,9 @@ class TargetTokens:
         tail = prompt_text[max(start, 0):]
         o = tail.rfind(f.think_open)
         if o < 0:
+            c = tail.rfind(f.think_close) if f.think_close else -1
+            if c >= 0:  # only the end marker: the prompt closed a think block it never opened (DeepSeek-V3.1 off)
+                return "closed", tail[c + len(f.think_close):]
             return "none", ""
         c = tail.find(f.think_close, o)
         if c < 0:
@@ -541,21 +594,29 @@ class TargetTokens:
         ``tool_calls_unsupported``, ``bad_tool_call`` or ``template_mismatch``.
         """
         f = self.fmt
+        if f.layout in LAYOUT_WRITERS:
+            return _merge(LAYOUT_WRITERS[f.layout](self, reasoning, content, tool_calls, prompt_text,
+                                                   prior_tool_calls=prior_tool_calls, truncated=truncated))
         r = reasoning or ""
         c = content or ""
         state, trailing = self.think_state(prompt_text) if f.reasoning else ("none", "")
-        thinking = bool(f.reasoning) and state != "closed"
+        thinking = bool(f.reasoning) and state != "closed" and not (f.think_in_prompt and state == "none")
         if tool_calls and f.extra.get("tool_calls_unsupported"):
             raise TemplateError(f.extra["tool_calls_unsupported"], "tool_calls_unsupported")
         if tool_calls and truncated:
             raise TemplateError("a cut reply (finish_reason length) with parsed tool calls: where the target stopped "
                                 "inside its tool-call section is unknown", "truncated_tool_call")
         segs: list[tuple[str, bool]] = []
-        if f.reasoning:
+        if f.reasoning and not thinking and state == "none" and f.think_in_prompt:
+            if r.strip():
+                raise TemplateError(f"response has reasoning but family {f.name!r} does not think after this prompt "
+                                    "(it opens no think block)", "unexpected_reasoning")
+            segs.append((c, False))
+        elif f.reasoning:
             if state == "closed" and r.strip():
                 raise TemplateError("response has reasoning but the prompt closed the think block (thinking off)",
                                     "unexpected_reasoning")
-            if thinking and not r.strip():
+            if thinking and not r.strip() and not empty_think_block(reasoning, content, tool_calls):
                 raise TemplateError(
                     f"target family {f.name!r} thinks after this prompt but the reply has no reasoning: it was hidden "
                     "(e.g. OpenRouter reasoning.exclude) or returned inside the content without its markers, where "
@@ -583,11 +644,15 @@ class TargetTokens:
                 raise TemplateError(f"response has reasoning but target family {f.name!r} does not reason",
                                     "unexpected_reasoning")
             segs.append((c, False))
-        if tool_calls:
+        if f.tool_format in TOOL_WRITERS:
+            if segs and not segs[-1][1]:
+                segs.pop()  # the content: the writer places it
+            segs += TOOL_WRITERS[f.tool_format](self, tool_calls or [], c, prior_tool_calls)
+        elif tool_calls:
             segs += self._tool_segments(tool_calls, c, prior_tool_calls)
         if not truncated:
             segs.append((self.tool_eot_name if tool_calls else self.eot_name, True))
-        if state != "none":
+        if state != "none" and f.reasoning:
             segs = self._cut_prompt_part(segs, f.think_open if state == "open" else f.think_close, trailing)
         return _merge(segs)
 
@@ -693,7 +758,8 @@ def _merge(segs: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
 
 def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = False,
                        chat_template_kwargs: dict | None = None) -> TargetTokens:
-    """Load the target tokenizer from a local directory and bind it to a completion format.
+    """Load the target tokenizer from a local directory and bind it to a completion format (family ``template``;
+    ``auto``: the one :func:`eagle3_data.templates.auto.detect_family` finds from its chat template).
 
     ``trust_remote_code`` lets tokenizers that ship their own code load (Kimi's tiktoken-based
     ``tokenization_kimi.py``); never set implicitly. Raises :class:`TemplateError` if the directory has no loadable
@@ -701,7 +767,7 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
     """
     from transformers import AutoTokenizer
 
-    fmt = completion_format(template)
+    fmt = completion_format(template) if template != "auto" else None
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:
@@ -712,6 +778,10 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
     tok = _as_shipped(tok, path)
     if not getattr(tok, "chat_template", None):
         raise TemplateError(f"{path}: the target tokenizer has no chat template")
+    if fmt is None:  # template: auto (the config check resolves it before any job; here for direct callers)
+        from .auto import detect_family
+
+        fmt = completion_format(detect_family(tok, chat_template_kwargs)["family"])
     return TargetTokens(tok, fmt, chat_template_kwargs)
 
 
@@ -764,7 +834,57 @@ def target_tokens(target: dict, chat_template_kwargs: dict | None = None) -> Tar
     kwargs.update(chat_template_kwargs or {})
     return load_target_tokens(
         target["path"],
-        target.get("template", "generic"),
+        target.get("template") or "auto",
         trust_remote_code=bool(target.get("trust_remote_code", False)),
         chat_template_kwargs=kwargs,
     )
+
+
+def prompt_think_state(target, prompt_ids: list[int]) -> str:
+    """``"none" | "open" | "closed"``: whether the prompt ids already opened (or opened and closed) the think
+    block after the last role/end-of-turn marker (the id-level twin of :meth:`TargetTokens.think_state`;
+    ``target`` a :class:`TargetTokens` or None)."""
+    if target is None or target.think_open_id is None:
+        return "none"
+    bound = set(target.role_marker_ids) | set(target.end_ids)
+    o = c = -1
+    for i in range(len(prompt_ids) - 1, -1, -1):
+        t = prompt_ids[i]
+        if t in bound:
+            break
+        if t == target.think_open_id and o < 0:
+            o = i
+        elif t == target.think_close_id and c < 0:
+            c = i
+    if o < 0:
+        return "none"
+    return "closed" if c > o else "open"
+
+
+def split_output_ids(target, output_ids: list[int], state: str = "none") -> tuple[str | None, str]:
+    """Split a completion's ids into ``(reasoning, content)`` text at the target's ``</think>`` id.
+
+    Trailing end-of-turn ids are not text. For a reasoning target: the ids between ``<think>`` (or the prompt's
+    open think block, ``state == "open"``) and ``</think>`` are the reasoning, the ids after it the content; no
+    ``</think>`` in the output means everything is reasoning when the block was opened (truncated thinking), else
+    everything is content. A non-reasoning target: all content, reasoning None. Decoded with special tokens kept
+    and no space clean-up, so the tokenize stage's ``exact`` check sees the same text.
+    """
+    ids = list(output_ids)
+    while ids and ids[-1] in target.end_ids:
+        ids.pop()
+    close, open_ = target.think_close_id, target.think_open_id
+    r_ids: list[int] | None = None
+    if target.fmt.reasoning and close is not None:
+        if close in ids:
+            j = ids.index(close)
+            pre, ids = ids[:j], ids[j + 1:]
+            r_ids = pre[pre.index(open_) + 1:] if open_ in pre else pre
+        elif open_ in ids[:2] or state == "open":
+            r_ids = ids[ids.index(open_) + 1:] if open_ in ids[:2] else ids
+            ids = []
+    if r_ids is None:
+        return None, target.decode_batch([ids])[0] if ids else ""
+    r, c = target.decode_batch([r_ids, ids])
+    return r, c
+

@@ -1,0 +1,65 @@
+"""How a backend request fails, and how long to wait before retrying it.
+
+Failure policy (OpenRouter's and SGLang's documented error codes):
+- retried with exponential backoff and jitter (tenacity), a bounded number of times: 429 (``Retry-After``
+  honoured), 408/409/425/5xx, timeouts, connection errors/resets, malformed JSON, and errors inside an HTTP
+  200 body (top-level ``error``, ``choices[].error``, ``finish_reason == "error"``, no choices, empty reply):
+  :class:`RetryableError`;
+- 401, 402, 403 (except OpenRouter's moderation 403, which fails only its sample) raise
+  :class:`FatalBackendError`: the job stops at once;
+- other 4xx fail the sample without retry (:class:`SampleError`, reason ``http_<code>``).
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..errors import ExpectedFailure
+
+
+class FatalBackendError(ExpectedFailure):
+    """Credentials rejected (401/403), credits exhausted (402), a missing key variable, or every backend down:
+    stop the whole job, keep the journal."""
+
+
+class BackendDown(FatalBackendError):
+    """Every backend of the job refused connections or answered only 5xx for ``down_after_s``."""
+
+
+class RetryableError(Exception):
+    """A transient failure; ``reason`` is a short code (``http_429``, ``timeout``, ``error_in_body`` ...)."""
+
+    def __init__(self, reason: str, message: str = "", retry_after: float | None = None, backend_fault: bool = False):
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after
+        # connection refused / 5xx: counts toward taking the backend out of rotation for a while
+        self.backend_fault = backend_fault
+
+
+class SampleError(Exception):
+    """A permanent failure of one request (e.g. HTTP 400, moderation); not retried."""
+
+    def __init__(self, reason: str, message: str = ""):
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
+        self.message = message
+
+
+
+def retry_wait(initial_s: float, max_s: float):
+    """A tenacity ``wait`` callable: the server's ``Retry-After`` when given (capped at ``max_s``, plus up to
+    10% jitter), else full-jitter exponential backoff ``uniform(0, min(max_s, initial_s * 2**n))``."""
+    import tenacity
+
+    expo = tenacity.wait_random_exponential(multiplier=initial_s, max=max_s)
+
+    def wait(retry_state) -> float:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        ra = getattr(exc, "retry_after", None)
+        if ra is not None:
+            return min(max_s, ra) * (1 + 0.1 * random.random())
+        return max(initial_s / 4, expo(retry_state))
+
+    return wait

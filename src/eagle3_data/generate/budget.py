@@ -1,0 +1,72 @@
+"""The job's running state: counts, spend, and the budgets that stop new requests.
+
+Budgets (per dataset in config; a shard job gets ``1/num_shards`` of each): ``budget_completion_tokens`` and
+``budget_usd`` stop *new* requests once spent + (in flight x mean per completed request) reaches the budget, so the
+overshoot is at most what was in flight (:meth:`JobState.budget_reached`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+class BudgetStop(Exception):
+    """A budget forbids sending this new request."""
+
+
+@dataclass
+class JobState:
+    total: int
+    budget_tokens: float | None
+    budget_usd: float | None
+    done: int = 0
+    from_journal: int = 0
+    ok: int = 0
+    sent: int = 0  # HTTP requests made (attempts)
+    retries: int = 0
+    in_flight: int = 0
+    not_sent: int = 0
+    instant: int = 0  # samples done without a request (bad prompts, answered by the journal): not in the rate
+    failed: dict = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # this run's new responses
+    journal_completion_tokens: int = 0
+    cost_usd: float = 0.0
+    journal_cost_usd: float = 0.0
+    new_ok: int = 0
+    stopped_by: str | None = None
+    warned_unknown_cost: bool = False
+    other_model: int = 0  # replies naming another model than asked (kept unless reject_other_models)
+    by_backend: dict = field(default_factory=dict)
+    retry_reasons: dict = field(default_factory=dict)
+    last_error: str | None = None  # "<reason>: <text> (backend <name>)" of the last failed request
+    logged_errors: dict = field(default_factory=dict)  # reason -> failures logged with their text so far
+    t0: float = field(default_factory=time.monotonic)
+    first_sent_at: float | None = None  # unix time this run's first request asked for a slot
+    last_done_at: float | None = None  # unix time its last attempt ended
+
+    def spent_tokens(self) -> int:
+        return self.completion_tokens + self.journal_completion_tokens
+
+    def spent_usd(self) -> float:
+        return self.cost_usd + self.journal_cost_usd
+
+    def budget_reached(self) -> str | None:
+        """Name of the budget that forbids a request now, counting what is in flight at the running mean per
+        completed request; None if none does. Evaluated afresh at every attempt (not sticky): when requests in
+        flight fail (a 429), the room they held is given back. ``stopped_by`` keeps the last budget that refused
+        a request (the summary's "which limit ended the dataset")."""
+        n = max(1, self.new_ok)
+        reached = None
+        if self.budget_tokens is not None:
+            est = self.completion_tokens / n if self.new_ok else 0.0
+            if self.spent_tokens() + self.in_flight * est >= self.budget_tokens:
+                reached = "budget_completion_tokens"
+        if self.budget_usd is not None and reached is None:
+            est = self.cost_usd / n if self.new_ok else 0.0
+            if self.spent_usd() + self.in_flight * est >= self.budget_usd:
+                reached = "budget_usd"
+        if reached:
+            self.stopped_by = reached
+        return reached

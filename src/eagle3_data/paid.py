@@ -1,0 +1,154 @@
+"""Replies that were paid for: kept, or refused with a named reason and journaled once, never bought again.
+
+A 200 reply is billed whatever it holds. What can't be used becomes a *paid reject*: the sample fails with its
+reason (a failed RESPONSES row, rejected by tokenize under that reason), and a small record of it (request key,
+reason, billed tokens and cost, model; never the reply's text) is journaled, so a rerun does not pay for it again
+and the budgets count it. ``snakemake --forcerun generate`` does not re-buy it either: delete its journal line to.
+
+- :func:`decode_json` -- a body that is valid JSON but holds bytes that are not UTF-8 is decoded with
+  U+FFFD replacements instead of being retried as malformed (the reply was paid for); its sample is then a paid
+  reject ``invalid_utf8`` (a replaced character is not what the model produced, so its token ids can't be
+  reconstructed);
+- :func:`client_error` -- an error code in a 200 body that no retry can fix (4xx other than 408/409/425/429);
+- :func:`check_reply` -- a reply far larger than its billed completion tokens (``reply_too_large``), a reply
+  quoting a configured API key (``api_key_in_reply``), a reply naming another model than the one asked for
+  (counted and warned; ``other_model`` when ``generation.reject_other_models`` is true);
+- :func:`configured_keys` / :func:`scrub` -- every configured key (the values of every backend's
+  ``api_key_env``, whatever their length) replaced by ``[api key]`` in text bound for logs and rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+#: retrying these may help (timeout, conflict, too early, rate limit); every other 4xx can't be fixed by a retry
+RETRYABLE_4XX = {408, 409, 425, 429}
+#: a reply's text (content + reasoning + tool calls) may hold at most this many UTF-8 bytes per billed completion
+#: token, plus :data:`SIZE_SLACK_BYTES` (a token is a few bytes; the longest tokens of real vocabularies are < 100)
+MAX_BYTES_PER_TOKEN = 64
+SIZE_SLACK_BYTES = 16384
+#: keys this short are scrubbed from text but not looked for in replies (they would match ordinary words)
+MIN_KEY_IN_REPLY = 4
+
+
+class PaidReject(Exception):
+    """A paid reply that can't be kept: ``reason`` (a short code), ``message``, ``fields`` (the parsed reply's
+    RESPONSES fields: billed tokens, cost, model, provider; the texts are dropped before it is journaled)."""
+
+    def __init__(self, reason: str, message: str, fields: dict):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+        self.fields = fields
+
+
+def decode_json(content: bytes) -> tuple[object, int]:
+    """``(parsed JSON, number of undecodable bytes replaced)`` of a reply body.
+
+    Raises ValueError when the body is not JSON even with replacements (a truncated body: retried)."""
+    from .backends import codec
+
+    try:
+        return codec.loads(content), 0  # orjson: the fast path; it refuses bytes that are not UTF-8 too
+    except ValueError:
+        try:
+            content.decode("utf-8")
+        except UnicodeDecodeError:
+            text = content.decode("utf-8", "replace")
+            return json.loads(text), text.count("\ufffd") - content.decode("utf-8", "ignore").count("\ufffd")
+        raise
+
+
+def client_error(code) -> int | None:
+    """The HTTP-like ``code`` of an error in a 200 body when it is a client error no retry can fix (4xx other than
+    :data:`RETRYABLE_4XX`), else None (``"422"`` or ``422`` -> 422)."""
+    try:
+        c = int(code)
+    except (TypeError, ValueError):
+        return None
+    return c if 400 <= c < 500 and c not in RETRYABLE_4XX else None
+
+
+def configured_keys(backends: dict | None, environ=None) -> list[str]:
+    """The values of every ``api_key_env`` of ``backends`` (config ``backends:``) that is set, longest first."""
+    env = os.environ if environ is None else environ
+    keys = {(env.get(b.get("api_key_env")) or "").strip() for b in (backends or {}).values()
+            if isinstance(b, dict) and b.get("api_key_env")}
+    return sorted((k for k in keys if k), key=len, reverse=True)
+
+
+def scrub(text: str, keys) -> str:
+    """``text`` with every key of ``keys`` replaced by ``[api key]`` (any length)."""
+    for k in keys:
+        if k:
+            text = text.replace(k, "[api key]")
+    return text
+
+
+def key_in_text(text: str, keys) -> bool:
+    """True if a key of ``keys`` (at least :data:`MIN_KEY_IN_REPLY` characters) occurs in ``text``; a key shorter
+    than 8 characters must stand as a word of its own."""
+    for k in keys:
+        if len(k) < MIN_KEY_IN_REPLY or k not in text:
+            continue
+        if len(k) >= 8 or re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", text):
+            return True
+    return False
+
+
+def same_model(asked: str | None, replied: str | None) -> bool:
+    """Whether a reply's ``model`` names the model asked for: equal, or one a dated/versioned form of the other
+    (``openai/gpt-4o`` vs ``openai/gpt-4o-2024-08-06``), case-insensitive; unknown counts as the same."""
+    if not asked or not replied:
+        return True
+    a, r = asked.strip().lower(), replied.strip().lower()
+    return a == r or r.startswith(a) or a.startswith(r) or a.rsplit("/", 1)[-1] == r.rsplit("/", 1)[-1]
+
+
+def text_bytes(fields: dict) -> int:
+    """UTF-8 bytes of a reply's content, reasoning and tool calls."""
+    return sum(len((fields.get(k) or "").encode("utf-8", "replace")) for k in ("content", "reasoning", "tool_calls"))
+
+
+def check_reply(fields: dict, *, asked_model: str | None, keys=(), reject_other_models: bool = False,
+                bad_bytes: int = 0) -> str | None:
+    """Raise :class:`PaidReject` for a reply that can't be kept (see the module docstring); return a warning
+    (``"other_model: ..."``) for a reply from another model that is kept, else None.
+
+    ``fields``: the parsed reply (RESPONSES fields); ``keys``: :func:`configured_keys`; ``bad_bytes``: bytes
+    :func:`decode_json` replaced."""
+    if bad_bytes:
+        raise PaidReject("invalid_utf8", f"the reply held {bad_bytes} byte(s) that are not UTF-8 (replaced by "
+                         "U+FFFD: not the model's text)", fields)
+    n = text_bytes(fields)
+    billed = fields.get("completion_tokens")
+    if billed is not None and n > MAX_BYTES_PER_TOKEN * int(billed) + SIZE_SLACK_BYTES:
+        raise PaidReject("reply_too_large", f"{n:,} bytes of text for {int(billed):,} billed completion tokens "
+                         f"(more than {MAX_BYTES_PER_TOKEN} bytes a token)", fields)
+    if keys and any(key_in_text(fields.get(k) or "", keys) for k in ("content", "reasoning", "tool_calls")):
+        raise PaidReject("api_key_in_reply", "the reply quotes a configured API key (not stored)", fields)
+    model = fields.get("model")
+    if not same_model(asked_model, model):
+        what = f"the reply names model {model!r}, not {asked_model!r} (a provider fallback?)"
+        if reject_other_models:
+            raise PaidReject("other_model", what + "; generation.reject_other_models is true", fields)
+        return f"other_model: {what}"
+    return None
+
+
+#: the fields a paid reject's journal record keeps (no text: never the reply's content, a key, 10 MB)
+REJECT_FIELDS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd", "backend", "provider",
+                 "model", "latency_s", "completed_at", "finish_reason")
+
+
+def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
+    """The journal record of a paid reject: ``base`` (request_key, sample_id, dataset, turn, messages, tools) with
+    ``status`` ``failed``, ``error`` ``"<reason>: <message>"`` and :data:`REJECT_FIELDS` of the reply."""
+    rec = {**base, **{k: exc.fields.get(k) for k in REJECT_FIELDS}}
+    rec.update(status="failed", error=scrub(f"{exc.reason}: {exc.message}", keys)[:2000], reasoning=None,
+               content=None, tool_calls=None, output_ids=None)
+    if rec.get("model"):
+        rec["model"] = scrub(str(rec["model"]), keys)[:200]
+    return rec

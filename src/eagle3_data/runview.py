@@ -1,0 +1,270 @@
+"""The run-wide view of generation: one line per backend for all the shards of a workflow run, every few seconds.
+
+Each generate job of a run writes a small snapshot of its counters (:func:`snapshot`) to
+``<run dir>/progress/<dataset>.<shard>.json`` (atomic rename) every progress interval and when it ends, also when
+it fails or is stopped. The main ``snakemake`` process (Snakefile ``onstart``, :func:`start`) reads them every
+``interval_s`` and prints, per backend (the shards that generate through it; a dataset with several backends in
+priority order counts under the first)::
+
+    generate openrouter: 1,234/5,000 samples, 12/16 shards | in flight 96/100 | 1,520 tok/s | $3.21 of $50.00 | ETA 41:02
+
+Plain lines, printed when they change (Snakemake's own messages share the console); with
+``EAGLE3_LIVE_VIEW=1`` on a terminal, a ``rich`` live table redrawn in place instead. ``ETA`` is the
+remaining samples at the samples/s of the last minute; a backend whose shards report it down, or that answered
+nothing for ``stall_s`` while work is left, shows ``down`` (with the jobs' last error) instead of an ETA that would
+only grow. The per-shard lines and summaries go to the shard logs (``logs/generate/<ds>/<shard>.log``) and files.
+
+The snapshots are also what the run's last screen counts for a shard that did not finish (failed or stopped):
+what its job had journaled (:func:`read_snapshots`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+PROGRESS_DIR = "progress"
+
+
+def snapshot_path(run_dir: str | os.PathLike, dataset: str, shard: str, kind: str = "generate") -> Path:
+    """``<run_dir>/progress/<kind>.<dataset>.<shard>.json`` (kind ``generate``, or ``pilot`` for the forecast's)."""
+    return Path(run_dir) / PROGRESS_DIR / f"{kind}.{dataset}.{shard}.json"
+
+
+def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None = None, final: bool = False) -> dict:
+    """The counters of one generate job (``state``: ``generate._State``) as a JSON-able dict.
+
+    Keys: dataset, shard, backends (names, priority order), total, done (samples with an outcome), ok, failed,
+    not_sent, in_flight, new_ok (responses this job received and journaled), from_journal (requests of this
+    config answered by the journal), journaled (both: this config's responses that will not be requested
+    again), completion_tokens, cost_usd (dollars of this job's new, journaled responses), spent_usd (with the
+    journal's), retries, sent, last_error, down (backend -> why it is out), elapsed_s (of the request phase),
+    last_done_at (unix s of the last finished request), updated_at (unix s), final (the job ended), pid."""
+    now = time.time()
+    return {
+        "dataset": dataset, "shard": shard, "backends": list(backends), "total": state.total,
+        "done": state.done - state.not_sent, "ok": state.ok, "failed": sum(state.failed.values()),
+        "not_sent": state.not_sent, "in_flight": state.in_flight, "new_ok": state.new_ok,
+        "from_journal": state.from_journal, "journaled": state.new_ok + state.from_journal,
+        "instant": state.instant, "completion_tokens": state.completion_tokens,
+        "cost_usd": round(state.cost_usd, 8), "spent_usd": round(state.spent_usd(), 8),
+        "budget_usd": state.budget_usd, "retries": state.retries, "sent": state.sent,
+        "last_error": (state.last_error or "")[:200] or None, "down": dict(down or {}),
+        "elapsed_s": round(time.monotonic() - state.t0, 3), "last_done_at": state.last_done_at,
+        "updated_at": now, "final": bool(final), "pid": os.getpid(), "kind": "generate",
+        "other_model": getattr(state, "other_model", 0),
+    }
+
+
+def write_snapshot(run_dir, snap: dict) -> None:
+    """Write ``snap`` to its :func:`snapshot_path` (temp file + rename; errors ignored: the view is best effort)."""
+    path = snapshot_path(run_dir, snap["dataset"], snap["shard"], snap.get("kind") or "generate")
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(snap))
+        os.replace(tmp, path)
+
+
+def read_snapshots(run_dir, kind: str = "generate") -> dict[tuple[str, str], dict]:
+    """``(dataset, shard)`` -> the latest snapshot of each job of the run of that ``kind`` (unreadable files left
+    out)."""
+    out = {}
+    folder = Path(run_dir) / PROGRESS_DIR
+    for p in sorted(folder.glob(f"{kind}.*.json")) if folder.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError):
+            s = json.loads(p.read_text())
+            out[(s["dataset"], s["shard"])] = s
+    return out
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(max(0.0, seconds)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _usd(v: float) -> str:
+    return f"${v:,.4f}" if v < 100 else f"${v:,.2f}"
+
+
+class RunView:
+    """Aggregates the run's snapshots per backend (see the module docstring).
+
+    Args:
+        config: the workflow config (dataset shard counts, backends' ``max_concurrency``, budgets).
+        run_dir: the run directory whose ``progress/`` the jobs write.
+        stall_s: a backend with work left and no finished request for this long shows as down.
+        window_s: the samples/s of the ETA is measured over this window.
+    """
+
+    def __init__(self, config: dict, run_dir, *, stall_s: float = 120.0, window_s: float = 60.0):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.stall_s = float(stall_s)
+        self.window_s = float(window_s)
+        self.history: dict[str, list[tuple[float, int, int]]] = {}  # backend -> (t, done, completion tokens)
+
+    def _groups(self) -> dict[str, list[dict]]:
+        from . import config as cfg
+
+        snaps = read_snapshots(self.run_dir)
+        pilots = read_snapshots(self.run_dir, "pilot")  # `snakemake forecast`: its pilot jobs
+        groups: dict[str, list[dict]] = {}
+        for ds in cfg.generated_datasets(self.config):
+            names = list(cfg.backends_config(self.config, ds))
+            label = names[0] if names else "?"
+            for shard in cfg.shard_names(self.config, ds):
+                groups.setdefault(label, []).append(snaps.get((ds, shard)) or pilots.get((ds, shard))
+                                                    or {"dataset": ds, "shard": shard})
+        return groups
+
+    def rows(self, now: float | None = None) -> list[dict]:
+        """One dict per backend with started shards: backend, shards, started, finished, done, total, in_flight,
+        limit, tok_s, spent_usd, budget_usd, eta_s (None: unknown), down (why, or None)."""
+        now = time.time() if now is None else now
+        out = []
+        for label, snaps in self._groups().items():
+            started = [s for s in snaps if "total" in s]
+            if not started:
+                continue
+            done = sum(s["done"] for s in started)
+            total = sum(s["total"] for s in started)
+            tokens = sum(s["completion_tokens"] for s in started)
+            hist = self.history.setdefault(label, [])
+            hist.append((now, done, tokens))
+            while len(hist) > 2 and hist[1][0] <= now - self.window_s:
+                hist.pop(0)
+            t0, d0, k0 = hist[0]
+            span = now - t0
+            rate = (done - d0) / span if span > 0 else 0.0
+            tok_s = (tokens - k0) / span if span > 0 else 0.0
+            if span <= 0:  # the first look: the jobs' own mean rates
+                el = max((s["elapsed_s"] for s in started), default=0.0)
+                rate = (done - sum(s.get("instant", 0) for s in started)) / el if el > 0 else 0.0
+                tok_s = tokens / el if el > 0 else 0.0
+            # shards not started yet: their samples are unknown until they start; counted as the mean started shard
+            left = total - done + (len(snaps) - len(started)) * (total / len(started))
+            downs = sorted({f"{b}: {why}" for s in started for b, why in (s.get("down") or {}).items()})
+            last = max((s.get("last_done_at") or 0.0 for s in started), default=0.0)
+            first = min((s["updated_at"] - s["elapsed_s"] for s in started), default=now)
+            active = [s for s in started if not s.get("final")]
+            if not downs and active and left > 0 and now - max(last, first) >= self.stall_s:
+                err = next((s["last_error"] for s in active if s.get("last_error")), None)
+                downs = [f"no reply for {now - max(last, first):.0f} s" + (f" (last error: {err})" if err else "")]
+            limit = ((self.config.get("backends") or {}).get(label) or {}).get("max_concurrency")
+            budgets = [s.get("budget_usd") for s in started]
+            budget = None
+            if all(b is not None for b in budgets):  # each shard's share: the dataset budget over its shards
+                budget = sum(budgets) + (len(snaps) - len(started)) * (sum(budgets) / len(budgets))
+            out.append({
+                "stage": "forecast pilot" if all(s.get("kind") == "pilot" for s in started) else "generate",
+                "backend": label, "shards": len(snaps), "started": len(started),
+                "finished": sum(1 for s in started if s.get("final")), "done": done, "total": total,
+                "in_flight": sum(s["in_flight"] for s in active), "limit": limit, "tok_s": tok_s,
+                "spent_usd": sum(s["spent_usd"] for s in started), "budget_usd": budget,
+                "eta_s": None if downs or rate <= 0 else left / rate, "down": "; ".join(downs) or None,
+            })
+        return out
+
+    @staticmethod
+    def line(r: dict) -> str:
+        """A row of :meth:`rows` as one short line."""
+        parts = [f"{r.get('stage', 'generate')} {r['backend']}: {r['done']:,}/{r['total']:,} samples, "
+                 f"{r['started']}/{r['shards']} shards"]
+        parts.append(f"in flight {r['in_flight']}" + (f"/{r['limit']}" if r["limit"] else ""))
+        parts.append(f"{r['tok_s']:,.0f} tok/s")
+        parts.append(_usd(r["spent_usd"]) + (f" of {_usd(r['budget_usd'])}" if r["budget_usd"] is not None else ""))
+        if r["down"]:
+            parts.append(f"DOWN: {r['down']}"[:160])
+        elif r["started"] == r["finished"] == r["shards"]:
+            parts.append("done")
+        else:
+            parts.append(f"ETA {_clock(r['eta_s'])}" if r["eta_s"] is not None else "ETA -")
+        return " | ".join(parts)
+
+    def lines(self, now: float | None = None) -> list[str]:
+        return [self.line(r) for r in self.rows(now)]
+
+    def table(self, now: float | None = None):
+        """The rows as a ``rich`` table (the live view on a terminal)."""
+        from rich.table import Table
+
+        t = Table(title="generation", box=None, pad_edge=False)
+        for h in ("backend", "samples", "shards", "in flight", "tok/s", "spent", "ETA"):
+            t.add_column(h, justify="left" if h == "backend" else "right")
+        for r in self.rows(now):
+            eta = ("down" if r["down"] else "done" if r["finished"] == r["shards"]
+                   else _clock(r["eta_s"]) if r["eta_s"] is not None else "-")
+            t.add_row(r["backend"], f"{r['done']:,}/{r['total']:,}", f"{r['started']}/{r['shards']}",
+                      f"{r['in_flight']}" + (f"/{r['limit']}" if r["limit"] else ""), f"{r['tok_s']:,.0f}",
+                      _usd(r["spent_usd"]) + (f" of {_usd(r['budget_usd'])}" if r["budget_usd"] is not None else ""),
+                      eta)
+        return t
+
+
+class _Printer(threading.Thread):
+    def __init__(self, view: RunView, interval_s: float, stream, live: bool):
+        super().__init__(name="eagle3-run-view", daemon=True)
+        self.view, self.interval_s, self.stream, self.live = view, interval_s, stream, live
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        if self.live:
+            with contextlib.suppress(Exception):
+                self._run_live()
+                return
+        last: list[str] = []
+        while True:
+            stopping = self.stopping.wait(self.interval_s)
+            with contextlib.suppress(Exception):
+                lines = self.view.lines()
+                if lines and lines != last:  # one write: Snakemake's threads write to the same stream
+                    self.stream.write("\n".join(lines) + "\n")
+                    self.stream.flush()
+                last = lines
+            if stopping:  # the run ended: its last state was printed once more (if it changed)
+                return
+
+    def _run_live(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console(file=self.stream)
+        with Live(self.view.table(), console=console, refresh_per_second=1, transient=False,
+                  redirect_stdout=False, redirect_stderr=False) as live:
+            while not self.stopping.wait(self.interval_s):
+                live.update(self.view.table())
+            live.update(self.view.table())
+
+
+_printer: list[_Printer] = []
+
+
+def start(config: dict, run_dir, *, interval_s: float = 5.0, stream=None, live: bool | None = None) -> None:
+    """Print the run-wide view from a background thread of the main ``snakemake`` process until :func:`stop`.
+
+    ``live``: redraw a table in place (default: ``stream`` is a terminal and ``EAGLE3_LIVE_VIEW=1``); plain
+    lines otherwise, printed when they change. Nothing is printed for a run without generated datasets."""
+    from . import config as cfg
+
+    if _printer or not cfg.generated_datasets(config):
+        return
+    stream = stream or sys.stderr
+    if live is None:
+        live = bool(getattr(stream, "isatty", lambda: False)()) and os.environ.get("EAGLE3_LIVE_VIEW") == "1"
+    p = _Printer(RunView(config, run_dir), interval_s, stream, live)
+    _printer.append(p)
+    p.start()
+
+
+def stop() -> None:
+    """Stop the thread of :func:`start` (Snakefile ``onsuccess`` / ``onerror``)."""
+    while _printer:
+        p = _printer.pop()
+        p.stopping.set()
+        p.join(timeout=5)

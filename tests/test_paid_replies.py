@@ -1,0 +1,178 @@
+"""Paid replies are kept or refused with a named reason, never bought twice; errors no retry can fix are not
+retried; a journal that can't be written stops the job in one line before it pays for more."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_generate import backends_cfg, gen_cfg, run, simple_convs, write_prompts  # noqa: E402
+
+from eagle3_data import journal as journal_mod  # noqa: E402
+from eagle3_data.journal import JournalWriteError, read_journal  # noqa: E402
+
+
+def _read_only(monkeypatch, root: Path) -> None:
+    """The file system under ``root`` is read-only (EROFS for every write open; works as root too)."""
+    real_open = os.open
+
+    def ro_open(path, flags, *a, **kw):
+        if str(path).startswith(str(root)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(journal_mod.os, "open", ro_open)
+
+
+def test_read_only_journal_is_one_line_and_nothing_is_sent(tmp_path, fs, monkeypatch):
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(6))
+    run(tmp_path, fs, prompts)
+    _read_only(monkeypatch, tmp_path / "journal")
+    # everything journaled: the job needs no write and succeeds
+    fs.app.reset()
+    s = run(tmp_path, fs, prompts, out="again.parquet")
+    assert s["from_journal"] == 6 and fs.app.requests == 0
+    more = write_prompts(tmp_path / "p2.parquet", simple_convs(6, start=50))
+    with pytest.raises(JournalWriteError) as e:
+        run(tmp_path, fs, more, out="more.parquet")
+    assert "\n" not in str(e.value) and e.value.message.startswith(
+        f"cannot write the response journal in {tmp_path / 'journal' / 'ds'}/: the file system is read-only")
+    assert fs.app.requests == 0
+
+
+def test_unwritable_journal_directory_stops_before_any_request(tmp_path, fs):
+    (tmp_path / "journal").write_text("a file where the journal directory should be")
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
+    with pytest.raises(JournalWriteError) as e:
+        run(tmp_path, fs, prompts)
+    assert e.value.message.startswith(f"cannot write the response journal in {tmp_path / 'journal' / 'ds'}/:")
+    assert "rerun the same command" in e.value.hint and fs.app.requests == 0
+
+
+def test_full_disk_stops_sending_and_a_rerun_pays_only_for_the_rest(tmp_path, fs, monkeypatch):
+    """ENOSPC at the 6th record: the job ends with one line naming the directory and 'the disk is full'; it sent
+    at most what was in flight after that; the rerun (space freed) sends only the requests not journaled."""
+    fs.app.config.update({"latency_min_s": 0.02, "latency_max_s": 0.05})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
+    real_write = os.write
+    calls = {"n": 0}
+
+    def write(fd, data):
+        if fd > 2 and bytes(data[:2]) == b'{"':
+            calls["n"] += 1
+            if calls["n"] > 5:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(journal_mod.os, "write", write)
+    with pytest.raises(JournalWriteError) as e:
+        run(tmp_path, fs, prompts, gen=gen_cfg(), bk=backends_cfg(fs, max_concurrency=4))
+    assert "the disk is full" in e.value.message and str(tmp_path / "journal" / "ds") in e.value.message
+    assert fs.app.completed <= 6 + 4  # at most the requests in flight when the write failed
+    monkeypatch.setattr(journal_mod.os, "write", real_write)
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 5
+    deadline = time.monotonic() + 10
+    while fs.app.in_flight and time.monotonic() < deadline:  # requests the stopped job dropped, still answering
+        time.sleep(0.05)
+    first = fs.app.completed
+    fs.app.reset()
+    s = run(tmp_path, fs, prompts)
+    assert s["ok"] == 40 and s["from_journal"] == 5 and fs.app.completed == 35
+    assert first + fs.app.completed - 40 <= 5  # paid twice: only replies that arrived after the disk filled
+
+
+def _failed(path) -> dict:
+    rows = pq.read_table(path).to_pylist()
+    return {r["sample_id"]: r["error"] for r in rows if r["status"] == "failed"}
+
+
+def test_undecodable_bytes_are_a_named_reject_bought_once(tmp_path, fs):
+    fs.app.config.update({"pbadbytes": 0.3, "seed": 3})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    s = run(tmp_path, fs, prompts)
+    bad = fs.app.outcomes["badbytes"]
+    assert bad >= 4 and s["failed"] == {"invalid_utf8": bad} and s["ok"] == 30 - bad
+    assert fs.app.requests == 30 and max(fs.app.completed_by_body.values()) == 1  # no retry, nothing bought twice
+    failed = _failed(tmp_path / "out.parquet")
+    assert len(failed) == bad and all(e.startswith("invalid_utf8: the reply held 2 byte(s)") for e in failed.values())
+    assert s["cost_usd"] > 0 and s["total_cost_usd"] == s["cost_usd"]  # the rejects were paid: counted
+    fs.app.reset()
+    again = run(tmp_path, fs, prompts, out="again.parquet")
+    assert fs.app.requests == 0 and again["failed"] == {"invalid_utf8": bad} and again["from_journal"] == 30
+    assert _failed(tmp_path / "again.parquet") == failed
+
+
+def test_client_error_in_a_200_body_is_not_retried(tmp_path, fs):
+    fs.app.config.update({"perror422body": 0.3, "seed": 4})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=6))
+    n = fs.app.outcomes["error422body"]
+    assert n >= 4 and s["failed"] == {"http_422": n} and fs.app.requests == 30 and s["retries"] == 0
+    failed = _failed(tmp_path / "out.parquet")
+    assert all("error 422 inside a 200 body: Unprocessable: max_tokens exceeds" in e for e in failed.values())
+
+
+def test_reply_from_another_model_is_counted_or_refused(tmp_path, fs, caplog):
+    fs.app.config.update({"model": "other-vendor/fallback-model"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(8))
+    s = run(tmp_path, fs, prompts)
+    assert s["ok"] == 8 and s["other_model_replies"] == 8
+    assert any("names model 'other-vendor/fallback-model', not 'vendor/model'" in r.message for r in caplog.records)
+    # refused: a named reject, journaled (other prompts: the journal holds the 8 kept ones)
+    fs.app.reset()
+    with pytest.raises(Exception, match="every request failed"):
+        run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(8, start=20)),
+            gen=gen_cfg(reject_other_models=True), out="o2.parquet")
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    refused = [r for r in recs.values() if r["status"] == "failed"]
+    assert len(refused) == 8 and all(r["error"].startswith("other_model: the reply names model") for r in refused)
+    assert all(r["content"] is None and r["cost_usd"] > 0 for r in refused)
+    assert fs.app.requests == 8
+
+
+def test_a_huge_reply_billed_as_a_few_tokens_is_refused_before_its_bulk_is_journaled(tmp_path, fs):
+    fs.app.config.update({"pad_bytes": 10_000_000, "min_tokens": 29, "max_tokens": 29})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(3))
+    with pytest.raises(Exception, match="every request failed"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, timeout_s=30.0))
+    assert fs.app.requests == 3  # not retried
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 3 and all(r["error"].startswith("reply_too_large: 10,000,") for r in recs.values())
+    assert sum(p.stat().st_size for p in (tmp_path / "journal").rglob("*.jsonl")) < 10_000
+
+
+@pytest.mark.parametrize("key", ["sk-or-CANARY-echoed-9d1f", "k3y9zq"])
+def test_an_api_key_echoed_in_a_reply_is_never_stored(tmp_path, fs, monkeypatch, key):
+    monkeypatch.setenv("E3D_PAID_KEY", key)
+    fs.app.config.update({"require_key": key, "echo_key": True})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(4))
+    log = tmp_path / "logs" / "job.log"
+    with pytest.raises(Exception, match="every request failed"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"), log=log)
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 4 and all(r["error"].startswith("api_key_in_reply:") for r in recs.values())
+    hits = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert hits == []
+
+
+def test_short_keys_are_scrubbed_from_messages():
+    from eagle3_data.backends.settings import BackendConfig
+    from eagle3_data.paid import scrub
+
+    os.environ["E3D_SHORT_KEY"] = "abc12"
+    try:
+        cfg = BackendConfig.from_dict("local", {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m",
+                                                "api_key_env": "E3D_SHORT_KEY"})
+        assert cfg.scrub("401: bad key abc12 (Bearer abc12)") == "401: bad key [api key] (Bearer [api key])"
+    finally:
+        del os.environ["E3D_SHORT_KEY"]
+    assert scrub("x ab y", ["ab"]) == "x [api key] y"
