@@ -89,7 +89,7 @@ def run_ours(a) -> dict:
     wall = time.monotonic() - t0
     cpu1, peak = usage()
     return {"wall_s": wall, "cpu_s": cpu1 - cpu0, "peak_rss_mb": peak, "base_rss_mb": base_rss, "ok": s["ok"],
-            "failed": s["failed_total"], "completion_tokens": s["completion_tokens"]}
+            "failed": s["failed_total"], "completion_tokens": s["completion_tokens"], "startup_s": s["startup_s"]}
 
 
 def run_openai(a, same_io: bool = False) -> dict:

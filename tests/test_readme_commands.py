@@ -28,7 +28,8 @@ SHELLS = ("bash", "sh", "shell", "console")
 PREPARED = {
     "models/Kimi-K2.5": "the demo's tiny Kimi K2.5-style target (results/target/tiny-kimi), as README step 1 "
                         "fetches the real tokenizer there",
-    "my.yaml": "resources/configs/openrouter.yaml, as README step 2 copies it (docs/ use the name too)",
+    "my.yaml": "resources/configs/openrouter.yaml, as README step 2 copies it (docs/ use the name too), with a "
+               "draft vocabulary that fits the stand-in target",
 }
 
 
@@ -45,6 +46,8 @@ TEST_SETUP = "python3.11 -m venv .venv && . .venv/bin/activate && pip install -e
 HF_TOKENIZER = ('hf download moonshotai/Kimi-K2.5 --local-dir models/Kimi-K2.5 --include "*.json" --include '
                 '"*.py" --include "*.model" --include "*.jinja"')
 NETWORK = "network (a paid endpoint)"
+#: the stand-in target's vocabulary is 272 tokens: a draft vocabulary that fits it (the real one holds the default)
+STANDIN_VOCAB = "printf 'vocab:\\n  draft_vocab_size: 256\\n' >> my.yaml"
 
 #: how a command is run, keyed by the command as written (continuation lines joined); unlisted: as written
 HOW: dict[str, How] = {
@@ -56,6 +59,10 @@ HOW: dict[str, How] = {
     HF_TOKENIZER: How("network (the Hugging Face Hub): run offline with --dry-run, so its options must parse "
                       "and it gets as far as asking the Hub",
                       run=f"{{ HF_HUB_OFFLINE=1 {HF_TOKENIZER} --dry-run 2>&1 || true; }} | grep 'cannot be accessed'"),
+    "cp resources/configs/openrouter.yaml my.yaml": How(
+        "as written, then a draft vocabulary that fits the stand-in target of models/Kimi-K2.5 (272 tokens; the "
+        "real Kimi vocabulary holds the default 32,000)", run=f"cp resources/configs/openrouter.yaml my.yaml && "
+                                                              f"{STANDIN_VOCAB}"),
     "snakemake forecast --cores 2 --configfile my.yaml": How(NETWORK, dry=True),
     "snakemake --cores 8 --configfile my.yaml --until merge": How(NETWORK, dry=True),
     "snakemake --cores 8 --configfile my.yaml --until plan": How(NETWORK + " and the plan's GPU measurement",
@@ -146,7 +153,7 @@ def test_document_commands_run_as_written(doc, demo_run, tmp_path):
     (wd / "models").mkdir()
     (wd / "models" / "Kimi-K2.5").symlink_to(wd / "results" / "target" / "tiny-kimi")
     shutil.copy(wd / "resources" / "configs" / "openrouter.yaml", wd / "my.yaml")
-    script = ["set -o pipefail"]
+    script = ["set -o pipefail", STANDIN_VOCAB]
     ran = []
     for n, cmd in enumerate(commands):
         line = shell_line(cmd)
