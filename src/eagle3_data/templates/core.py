@@ -762,20 +762,28 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
     ``auto``: the one :func:`eagle3_data.templates.auto.detect_family` finds from its chat template).
 
     ``trust_remote_code`` lets tokenizers that ship their own code load (Kimi's tiktoken-based
-    ``tokenization_kimi.py``); never set implicitly. Raises :class:`TemplateError` if the directory has no loadable
+    ``tokenization_kimi.py``); never set implicitly. The loaded tokenizer comes from the local cache of
+    :mod:`eagle3_data.tokenizer_cache` when the directory's files were loaded before (same hashes, same library
+    versions). Raises :class:`TemplateError` if the directory has no loadable
     tokenizer (the message says when ``target.trust_remote_code: true`` is needed) or no chat template.
     """
     from transformers import AutoTokenizer
 
+    from ..tokenizer_cache import load_tokenizer
+
     fmt = completion_format(template) if template != "auto" else None
-    try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        hint = ""
-        if not trust_remote_code and ("trust_remote_code" in str(exc) or "custom code" in str(exc)):
-            hint = " (this tokenizer ships its own code: set target.trust_remote_code: true)"
-        raise TemplateError(f"{path}: cannot load the target tokenizer: {exc}{hint}") from exc
-    tok = _as_shipped(tok, path)
+
+    def load():
+        try:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except Exception as exc:
+            hint = ""
+            if not trust_remote_code and ("trust_remote_code" in str(exc) or "custom code" in str(exc)):
+                hint = " (this tokenizer ships its own code: set target.trust_remote_code: true)"
+            raise TemplateError(f"{path}: cannot load the target tokenizer: {exc}{hint}") from exc
+        return _as_shipped(tok, path)
+
+    tok = load_tokenizer(path, template, trust_remote_code, load)  # once per machine (tokenizer_cache)
     if not getattr(tok, "chat_template", None):
         raise TemplateError(f"{path}: the target tokenizer has no chat template")
     if fmt is None:  # template: auto (the config check resolves it before any job; here for direct callers)
