@@ -2,7 +2,7 @@
 #   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> export, report (+ view:
 #   loss-mask examples for the report)
 # merge is a checkpoint: extraction runs per validated shard and reruns only where the merge's selection
-# of that shard changed.
+# of that shard changed. plan is one too: the extract jobs are made only once the plan is written.
 # `snakemake --cores N` rebuilds only stale targets; see README.md.
 
 from snakemake.utils import min_version
@@ -48,6 +48,7 @@ rule all:
 
 
 onstart:
+    run_state.begin(CACHE_DIR)  # the run's state: here, not at parse time, so a dry run or --lint changes nothing
     run_state.on_start(CACHE_DIR)
     start_run_view()
     # a worker per generate-job seat: generate jobs wait on their longest requests without a core (eagle3_data.run)

@@ -105,6 +105,7 @@ def main() -> None:
     from eagle3_data import extract as ex
     from eagle3_data.extract.transformers_backend import load_target
     from eagle3_data import schemas
+    from eagle3_data.settings import ExtractSettings
 
     with tempfile.TemporaryDirectory(prefix="bench-extract-") as tmp:
         tmp = Path(tmp)
@@ -119,23 +120,21 @@ def main() -> None:
         loaded = load_target(model_dir, dtype="float32", device="cpu")
         # warm-up both paths once on a few samples (allocator, kernels)
         baseline_dump(loaded[0], rows[:4], layers, tmp / "warm")
-        ex.extract_states(merged, tmp / "warm.safetensors", model_path=model_dir, layers=layers, model=loaded,
-                   batch_tokens=a.batch_tokens)
+        s32 = ExtractSettings.defaults(model_dir, layers=layers, batch_tokens=a.batch_tokens, dtype="float32")
+        ex.extract_states(merged, tmp / "warm.safetensors", settings=s32, model=loaded)
 
         base_s = baseline_dump(loaded[0], rows, layers, tmp / "baseline")
         t0 = time.perf_counter()
-        info = ex.extract_states(merged, tmp / "ours.safetensors", model_path=model_dir, layers=layers, model=loaded,
-                          batch_tokens=a.batch_tokens)
+        info = ex.extract_states(merged, tmp / "ours.safetensors", settings=s32, model=loaded)
         ours_s = time.perf_counter() - t0
         base_bytes32 = sum(p.stat().st_size for p in (tmp / "baseline").iterdir())
 
         # storage at bf16
         loaded16 = load_target(model_dir, dtype="bfloat16", device="cpu")
-        i16 = ex.extract_states(merged, tmp / "ours16.safetensors", model_path=model_dir, layers=layers, model=loaded16,
-                         dtype="bfloat16", batch_tokens=a.batch_tokens)
-        isv = ex.extract_states(merged, tmp / "saved16.safetensors", model_path=model_dir, layers=layers, model=loaded16,
-                         dtype="bfloat16", batch_tokens=a.batch_tokens, final_states="supervised",
-                         aux_format="fp8_e4m3")
+        s16 = s32.replace(dtype="bfloat16")
+        i16 = ex.extract_states(merged, tmp / "ours16.safetensors", settings=s16, model=loaded16)
+        isv = ex.extract_states(merged, tmp / "saved16.safetensors", model=loaded16,
+                                settings=s16.replace(final_states="supervised", aux_format="fp8_e4m3"))
         sf_bytes = specforge_padded_bytes(rows, a.hidden, tmp / "specforge")
         padded_tokens = sum(max(len(r["input_ids"]) for r in rows[b:b + 32]) * len(rows[b:b + 32])
                             for b in range(0, len(rows), 32))

@@ -201,6 +201,7 @@ def main() -> None:
     import torch
 
     from eagle3_data import extract as ex
+    from eagle3_data.settings import ExtractSettings
 
     cfg_dict = TINY if a.tiny else LLAMA_31_8B
     device = "cpu" if a.tiny else "cuda"
@@ -250,19 +251,18 @@ def main() -> None:
         shard = tmp / "000.parquet"
         lengths = make_shard(shard, tokens, cfg_dict["vocab_size"], max_len)
         flops = useful_flops(cfg_dict, lengths)
-        kw = dict(model_path=model_dir, layers=layers, dtype=dtype, model=loaded)
+        settings = ExtractSettings.defaults(model_dir, layers=layers, dtype=dtype)
 
         for attention, batch_tokens in runs:
             try:  # one failing layout/kernel must not cost the others' figures (one GPU session, one try)
-                ex.extract_states(warm[batch_tokens], tmp / "warm.safetensors", attention=attention,
-                                  batch_tokens=batch_tokens, **kw)
+                run = settings.replace(attention=attention, batch_tokens=batch_tokens)
+                ex.extract_states(warm[batch_tokens], tmp / "warm.safetensors", settings=run, model=loaded)
                 (tmp / "warm.safetensors").unlink()
                 if device == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                info = ex.extract_states(shard, tmp / "000.safetensors", attention=attention,
-                                         batch_tokens=batch_tokens, **kw)
+                info = ex.extract_states(shard, tmp / "000.safetensors", settings=run, model=loaded)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0

@@ -97,8 +97,12 @@ def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
 
         outs = [Path(out_dir) / f"{k:03d}.parquet" for k in range(shards)]
         sels = [Path(out_dir) / "selection" / Path(p).name for p in inputs]
-        man = merge(inputs, outs, Path(out_dir) / "manifest.json", selections=sels, max_len=8192,
-                    overflow="truncate", seed=0)
+        from eagle3_data.settings import MergeSettings
+
+        # DuckDB: 2 GB and its own thread count (threads=0), as this benchmark measured before merge took settings
+        man = merge(inputs, outs, Path(out_dir) / "manifest.json", selections=sels,
+                    settings=MergeSettings.defaults(max_len=8192, overflow="truncate", seed=0),
+                    memory_limit="2GB", threads=0)
         rows = man["totals"]["samples"]
     seconds = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import tokenizer_fixtures as F  # noqa: E402
 from eagle3_data import schemas  # noqa: E402
 from eagle3_data.templates import TargetTokens, completion_format  # noqa: E402
+from eagle3_data.settings import TokenizeSettings, ValidateSettings  # noqa: E402
 from eagle3_data.tokenize import tokenize  # noqa: E402
 from eagle3_data.validate import validate  # noqa: E402
 
@@ -174,10 +175,11 @@ def run_fixture(name: str, rows: list[dict], args) -> dict:
         n_tok = validated = 0
         for k in range(args.shards):
             t0 = time.perf_counter()
-            s = tokenize(str(d / f"resp{k}.parquet"), str(d / f"tok{k}.parquet"), target=target)
+            s = tokenize(str(d / f"resp{k}.parquet"), str(d / f"tok{k}.parquet"),
+                         settings=TokenizeSettings.defaults(target))
             t1 = time.perf_counter()
             v = validate(str(d / f"tok{k}.parquet"), str(d / f"val{k}.parquet"), str(d / f"rej{k}.parquet"),
-                         target=target, settings=settings, shard=str(k))
+                         settings=ValidateSettings.defaults(target, **settings), shard=str(k))
             t2 = time.perf_counter()
             t_tok += t1 - t0
             t_val += t2 - t1

@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 from eagle3_data import config as cfg
+from eagle3_data.settings import (ExportSettings, ExtractSettings, MergeSettings, NormalizeSettings, PlanSettings,
+                                  TargetSettings, TinyTargetSettings, TokenizeSettings, ValidateSettings,
+                                  VocabSettings)
 
 
 def _check_config():
@@ -23,6 +26,9 @@ def _check_config():
             cfg.check_layering(files)
         cfg.validate_config(config, cfg.load_schema(Path(workflow.basedir) / "schemas/config.schema.yaml"), files=files)
         cfg.check_config(config)
+        chosen = cfg.resolve_target_template(config)  # target.template: auto -> the family (cached)
+        if main and chosen:
+            print(chosen, file=sys.stderr)
         if main:  # what would otherwise fail after paying: the target's tokenizer, draft vocab, launch.python, SLURM
             from eagle3_data import prerun
 
@@ -46,16 +52,23 @@ GENERATED = cfg.generated_datasets(config)
 PRETOKENIZED = cfg.pretokenized_datasets(config)
 MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
-EXPORT_LAYOUTS = (config.get("export") or {}).get("layouts", [])  # no export section: no export
+EXPORT = ExportSettings.from_config(config)
+EXPORT_LAYOUTS = EXPORT.layouts
 TARGET = config["target"]
+# each stage's settings, built once from the validated config (defaults: the schema's); rule params are their
+# content keys (params()), so a change reruns exactly the rules whose output depends on it
+MERGE = MergeSettings.from_config(config)
+EXTRACT = ExtractSettings.from_config(config)
+PLAN = PlanSettings.from_config(config)
+VALIDATE = ValidateSettings.from_config(config)
 FORECAST = cfg.section(config, "forecast")
 CACHE_DIR = config["cache_dir"]
 
-# The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through
-# the environment; the Snakefile's onsuccess/onerror hooks end it (eagle3_data.run).
+# The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through the environment: the
+# Snakefile's onstart begins it (so `snakemake -n` and --lint change nothing), its onsuccess/onerror hooks end it
+# (eagle3_data.run).
 from eagle3_data import run as run_state
 
-run_state.begin(CACHE_DIR, main_process=workflow.is_main_process)
 if workflow.is_main_process and "--unlock" not in sys.argv and not getattr(
         getattr(workflow, "output_settings", None), "dryrun", False):
     _hint = run_state.stale_lock_hint(CACHE_DIR)  # a kill -9 left Snakemake's lock: say how to go on, in one line
@@ -123,6 +136,10 @@ def extract_input(wildcards):
     """The selection to forward, once the merge checkpoint has run. ancient(): a merge that rewrites the file
     with the same rows must not rerun the job; a changed selection does, through its digest in params."""
     checkpoints.merge.get()
+    # the plan first (a checkpoint): no extract job exists before plan.md is written and its one-line summary
+    # printed, so `--until plan` stops before any GPU extracts; the plan's file is no input (a rewritten plan
+    # reruns no extraction)
+    checkpoints.plan.get()
     return {"selection": ancient(selection_path(wildcards.ds, wildcards.shard)), "target": target_input()}
 
 
@@ -155,4 +172,4 @@ def print_run_summary(ok):
                            tally_path="results/reports/tally.md", run_dir=run.dir if run is not None else None)
     except Exception as exc:  # a damaged file must not keep the end-of-run hook from stopping the servers
         text = f"(no run summary: {type(exc).__name__}: {exc})"
-    print("\n" + text, file=sys.stderr)
+    print(f"\n{text}", file=sys.stderr)

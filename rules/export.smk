@@ -12,7 +12,7 @@ rule export:
     output:
         "results/export/{layout}/{k}.json",
     params:
-        group_size=(config.get("export") or {}).get("group_size", 2000),
+        **EXPORT.params(),  # group_size
         out_dir=lambda wc: f"results/export/{wc.layout}",
     wildcard_constraints:
         layout="specforge|speculators",

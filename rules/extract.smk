@@ -14,9 +14,9 @@ rule extract:
     params:
         selection=selection_digest,
         model_path=TARGET["path"],
-        states=cfg.extract_state_settings(config),
+        states=EXTRACT.params(),
     resources:
-        gpu=cfg.section(config, "extract")["gpus_per_job"],
+        gpu=EXTRACT.gpus_per_job,
     log:
         "logs/extract/{ds}/{shard}.log",
     script:

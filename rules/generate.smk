@@ -3,7 +3,22 @@
 # failed, killed or deleted target never pays for the same response twice.
 # A backend's max_concurrency holds over all generate jobs on one machine, of every run (shared request slots), so
 # every shard can be in flight at once; a launched server is started once per run and shared by every job that
-# needs it (eagle3_data.run, eagle3_data.backends.server).
+# needs it (eagle3_data.run, eagle3_data.backends.server). Rule forecast_pilot (rules/forecast.smk) is this rule with
+# its own outputs and pilot size.
+import functools
+
+from eagle3_data.settings import GenerateSettings
+
+
+@functools.cache
+def generate_settings(ds):
+    """The settings of rule generate for dataset ``ds`` (built once per dataset)."""
+    return GenerateSettings.from_config(config, ds)
+
+
+def generate_param(key):
+    """A params function: ``key`` of generate_settings(ds).params()."""
+    return lambda wc: generate_settings(wc.ds).params()[key]
 
 
 rule generate:
@@ -15,20 +30,12 @@ rule generate:
         summary="results/{ds}/responses/{shard}.json",
     wildcard_constraints:
         ds=_alternation(GENERATED),
-    # params: what the responses depend on (cfg.generation_data_settings / backends_data_settings); the
-    # script reads the rest (concurrency, timeouts, rate limits, headers, key variables, launch, retries)
-    # from the config at run time, so changing those reruns nothing
+    # params: what the responses depend on (GenerateSettings.params: cfg.GENERATION_DATA_KEYS, BACKEND_DATA_KEYS,
+    # the target name and format, the target for SGLang's native /generate); the script reads the rest
+    # (concurrency, timeouts, rate limits, headers, key variables, launch, retries) from the config at run time, so
+    # changing those reruns nothing
     params:
-        target_name=TARGET["name"],
-        generation=lambda wc: cfg.generation_data_settings(config, wc.ds),
-        backends=lambda wc: cfg.backends_data_settings(config, wc.ds),
-        num_shards=lambda wc: len(shards(wc.ds)),
-        # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
-        # config is not a dependency of generation
-        target=lambda wc: cfg.target_data_settings(config) if any(b.get("native_generate") for b in cfg.backends_config(config, wc.ds).values()) else None,
-        # the target's family: Kimi history tool-call ids, empty reasoning on tool-call turns of thinking targets
-        target_format={"template": TARGET.get("template", "generic"),
-                       "chat_template_kwargs": TARGET.get("chat_template_kwargs") or {}},
+        **{key: generate_param(key) for key in GenerateSettings.CONTENT},
     # an HTTP client waiting on its backends: it takes no core from --cores, so CPU stages keep running beside
     # it; how many run at once is the `generate_jobs` resource (profiles/default: 32; the run gives each a worker,
     # eagle3_data.run.widen_local_workers), shared out over the backends in use (seat_resources, rules/common.smk)

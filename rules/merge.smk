@@ -11,10 +11,10 @@ checkpoint merge:
         selections=selection_files(MERGE_DATASETS),
         manifest="results/merged/manifest.json",
     params:
-        settings=cfg.merge_data_settings(config),
-    threads: cfg.section(config, "merge")["threads"]
+        settings=MERGE.params(),
+    threads: MERGE.threads
     resources:
-        mem_mb=cfg.section(config, "merge")["memory_mb"],
+        mem_mb=MERGE.memory_mb,
     log:
         "logs/merge.log",
     conda:

@@ -17,7 +17,7 @@ for _ds in DATASETS:
             rejects=f"results/{_ds}/rejected/normalize.parquet",
         params:
             dataset=_ds,
-            source=cfg.source_data_settings(config, _ds),  # max_reject_rate is a check: read at run time
+            source=NormalizeSettings.from_config(config, _ds).params(),  # max_reject_rate is a check: not a param
             num_shards=len(shards(_ds)),
         log:
             f"logs/normalize/{_ds}.log",

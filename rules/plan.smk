@@ -1,9 +1,10 @@
-# Extraction plan (before extract): storage and GPU hours per merged shard and in total for the configured
-# layout, with alternatives (cap at N tokens, drop a dataset). Throughput: plan.tokens_per_s_per_gpu, or
-# measured on the start of the first merged shard with the extract settings (then the job holds GPUs).
+# Extraction plan, before extract (a checkpoint: extract jobs are made only once it has run; extract_input):
+# storage and GPU hours per merged shard and in total for the configured layout, with alternatives (cap at N
+# tokens, drop a dataset). Throughput: plan.tokens_per_s_per_gpu, or measured on the start of the first merged
+# shard with the extract settings (then the job holds GPUs).
 
 
-rule plan:
+checkpoint plan:
     input:
         manifest="results/merged/manifest.json",
         merged=expand("results/merged/{k}.parquet", k=MERGED_SHARDS),
@@ -14,11 +15,11 @@ rule plan:
         json="results/reports/plan.json",
     params:
         model_path=TARGET["path"],
-        extract=cfg.plan_extract_settings(config),
-        plan=config.get("plan") or {},
-        overflow=config["merge"].get("overflow", "truncate"),
+        extract=PLAN.extract_params(),
+        plan=PLAN.params(),
+        overflow=PLAN.overflow,
     resources:
-        gpu=0 if (config.get("plan") or {}).get("tokens_per_s_per_gpu") else cfg.section(config, "extract")["gpus_per_job"],
+        gpu=0 if PLAN.tokens_per_s_per_gpu else EXTRACT.gpus_per_job,
     log:
         "logs/plan.log",
     script:

@@ -6,7 +6,7 @@ if TARGET.get("build_tiny"):
         output:
             directory(TARGET["path"]),
         params:
-            tiny=TARGET.get("tiny", {}),
+            tiny=TinyTargetSettings.from_config(config).params(),
         log:
             "logs/tiny_target.log",
         conda:

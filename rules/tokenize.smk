@@ -10,13 +10,11 @@ rule tokenize:
     wildcard_constraints:
         ds=_alternation(GENERATED),
     params:
-        target=cfg.target_data_settings(config),
+        target=TargetSettings.from_config(config).params(),
         # a dataset's chat_template_kwargs (e.g. thinking off) change the prompt the target saw
-        chat_template_kwargs=lambda wc: (cfg.generation_config(config, wc.ds).get("extra_body") or {}).get(
-            "chat_template_kwargs"
-        ),
+        chat_template_kwargs=lambda wc: TokenizeSettings.from_config(config, wc.ds).chat_template_kwargs,
         # the requests' max_tokens: a billed completion count at it means the reply was cut
-        max_tokens=lambda wc: cfg.generation_config(config, wc.ds).get("max_tokens"),
+        max_tokens=lambda wc: TokenizeSettings.from_config(config, wc.ds).max_tokens,
     log:
         "logs/tokenize/{ds}/{shard}.log",
     conda:

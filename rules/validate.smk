@@ -11,8 +11,8 @@ rule validate:
     wildcard_constraints:
         ds=_alternation(GENERATED),
     params:
-        target=cfg.target_data_settings(config),
-        settings=cfg.validate_data_settings(config),  # the rest (reject ceilings) is read from the config
+        target=VALIDATE.target.params(),
+        settings=VALIDATE.params(),  # the rest (reject ceilings) only fails the job: not a param
     log:
         "logs/validate/{ds}/{shard}.log",
     conda:

@@ -11,8 +11,7 @@ rule vocab:
         freq="results/vocab/token_frequencies.parquet",
         summary="results/vocab/vocab.json",
     params:
-        model_path=TARGET["path"],
-        draft_vocab_size=(config.get("vocab") or {}).get("draft_vocab_size", 32000),
+        **VocabSettings.from_config(config).params(),  # draft_vocab_size, model_path
     log:
         "logs/vocab.log",
     conda:

@@ -1,23 +1,20 @@
 """Rule merge: validated shards -> merged, shuffled shards + one selection per validated shard + manifest."""
+from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging
-from eagle3_data.merge import merge, source_key
+from eagle3_data.merge import memory_limit_of, merge, source_key
+from eagle3_data.settings import MergeSettings
 
-setup_logging(snakemake.log[0])
-s = snakemake.params.settings
+log = setup_logging(snakemake.log[0])
+settings = MergeSettings.from_config(snakemake.config)
 validated = list(snakemake.input)
-merge(
+run_stage(lambda: merge(
     validated,
     list(snakemake.output.shards),
     snakemake.output.manifest,
+    settings=settings,
     selections=list(snakemake.output.selections),
     sources=[source_key(p) for p in validated],
-    datasets=s.get("datasets"),
-    max_samples=s.get("max_samples") or {},
-    max_len=s["max_len"],
-    overflow=s.get("overflow", "truncate"),
-    seed=s["seed"],
-    # DuckDB's budget: the job's memory (resources mem_mb: merge.memory_mb, a profile or --set-resources) less a
-    # quarter for the parquet writers and Python; its threads: the job's
-    memory_limit=f"{max(256, int(snakemake.resources.mem_mb * 0.75))}MB",
+    # DuckDB's budget: the job's resources (merge.memory_mb and merge.threads, or a profile's set-resources)
+    memory_limit=memory_limit_of(snakemake.resources.mem_mb),
     threads=snakemake.threads,
-)
+), log=log)

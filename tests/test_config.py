@@ -11,6 +11,8 @@ from snakemake.utils import validate
 
 from conftest import ROOT
 from eagle3_data import config as cfg
+from eagle3_data.settings import ExtractSettings, MergeSettings
+from eagle3_data import docgen
 from eagle3_data.backends.limits import jobs_using
 
 SCHEMA = ROOT / "schemas" / "config.schema.yaml"
@@ -97,8 +99,8 @@ def test_config_errors_are_short_and_say_did_you_mean():
     assert _error(source_typo) == ("Config error in config.yaml: datasets.sharegpt_demo.sources: unknown key; "
                                    "did you mean datasets.sharegpt_demo.source?")
     assert _error(lambda c: c["target"].__setitem__("template", "kimi-k2.5")).endswith(
-        "target.template: 'kimi-k2.5' is not one of kimi-k2, kimi-k2-thinking, kimi-k25, qwen3, glm45, "
-        "deepseek-r1, generic; did you mean kimi-k25?")
+        "target.template: 'kimi-k2.5' is not one of auto, kimi-k2, kimi-k2-thinking, kimi-k25, qwen3, qwen3-coder, "
+        "glm45, deepseek-r1, deepseek-v3.1, gpt-oss, llama3, generic; did you mean kimi-k25?")
     assert _error(lambda c: c["generation"].__setitem__("shards", 2)).endswith(
         "generation.shards: unknown key here; shards is a key of datasets.<name>, merge")
     assert _error(lambda c: c.pop("target")) == (
@@ -154,12 +156,12 @@ def test_bad_value_error_names_the_key():
         validate(c, str(SCHEMA))
 
 
-def test_readme_config_reference_matches_the_schema():
-    readme = (ROOT / "README.md").read_text()
+def test_docs_config_reference_matches_the_schema():
+    doc = (ROOT / "docs" / "config.md").read_text()
     schema = yaml.safe_load(SCHEMA.read_text())
-    assert cfg.readme_with_reference(readme, schema) == readme, "run: python -m eagle3_data.config README.md"
+    assert docgen.with_generated_tables(doc, schema) == doc, "run: python -m eagle3_data.docgen"
     for key in ("merge.max_len", "backends.<name>.api_key_env", "datasets.<name>.source.format"):
-        assert f"| `{key}` |" in readme
+        assert f"| `{key}` |" in doc
 
 
 def test_cross_key_checks_name_the_key(tmp_path):
@@ -253,7 +255,7 @@ def test_pending_generation_lists_datasets_with_responses_to_generate(tmp_path):
 
 
 def _schema_keys() -> list[str]:
-    rows = cfg.schema_reference(yaml.safe_load(SCHEMA.read_text())).splitlines()[2:]
+    rows = docgen.schema_reference(yaml.safe_load(SCHEMA.read_text())).splitlines()[2:]
     return [r.split("|")[1].strip().strip("`") for r in rows]
 
 
@@ -274,8 +276,8 @@ def test_every_config_key_says_what_its_change_reruns():
     assert cfg.reruns_of("datasets.<name>.generation.max_retries") == cfg.NOTHING
     assert cfg.reruns_of("datasets.<name>.generation.temperature") == "as generation.<key>, for that dataset only"
     assert "extract" in cfg.reruns_of("merge.max_len")
-    readme = (ROOT / "README.md").read_text()
-    assert cfg.reruns_table() in readme, "run: python -m eagle3_data.config README.md"
+    doc = (ROOT / "docs" / "config.md").read_text()
+    assert docgen.reruns_table() in doc, "run: python -m eagle3_data.docgen"
 
 
 def test_rule_params_leave_out_transport_settings():
@@ -296,19 +298,20 @@ def test_rule_params_leave_out_transport_settings():
     assert cfg.backends_data_settings(other, "sharegpt_demo") != before["sharegpt_demo"][1]
     e = yaml.safe_load(yaml.safe_dump(c))
     e["extract"].update(device="cpu", batch_tokens=7, gpu_lock_dir="/x")
-    assert cfg.extract_state_settings(e) == cfg.extract_state_settings(c)
+    assert ExtractSettings.from_config(e).params() == ExtractSettings.from_config(c).params()
+    assert ExtractSettings.from_config(e) != ExtractSettings.from_config(c)  # ... which the job still gets
     e["merge"].update(memory_mb=999, threads=7)
-    assert cfg.merge_data_settings(e) == cfg.merge_data_settings(c)
+    assert MergeSettings.from_config(e).params() == MergeSettings.from_config(c).params()
 
 
-def test_code_defaults_agree_with_the_schema_defaults():
-    """config.DEFAULTS (what cfg.section() falls back to) is what the schema fills in: one set of defaults."""
+def test_section_fills_what_the_schema_fills():
+    """cfg.section() of an unvalidated config gives the schema's defaults: the ones validate_config fills in."""
     c = {"target": {"name": "t", "path": "p", "template": "kimi-k25"},
          "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}}}
+    raw = copy.deepcopy(c)
     cfg.validate_config(c, cfg.load_schema(SCHEMA))
-    for name, defaults in cfg.DEFAULTS.items():
-        assert cfg.deep_merge(c[name], defaults) == c[name], name
-        assert cfg.section(c, name) == c[name]
+    for name in ("normalize", "validate", "merge", "extract", "export", "plan", "forecast", "vocab"):
+        assert cfg.section(raw, name) == c[name], name
 
 
 def test_generation_source_names_where_a_budget_is_set():

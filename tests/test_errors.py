@@ -98,9 +98,13 @@ def test_malformed_input_row_names_file_and_line(tmp_path):
     out = proc.stdout + proc.stderr
     log = (wd / "logs/normalize/ultrachat_demo.log").read_text()
     assert proc.returncode != 0
-    assert "ultrachat.jsonl" in log and "line 5" in log, log[-2000:]
+    assert "ultrachat.jsonl:5: invalid JSON" in log, log[-2000:]  # file:line
     assert not (wd / "results/ultrachat_demo/prompts/000.parquet").exists()
     assert "normalize_ultrachat_demo" in out
+    # an expected failure (errors.run_stage): one ERROR line naming the file and line, no traceback anywhere
+    errors = [ln for ln in log.splitlines() if " ERROR " in ln]
+    assert len(errors) == 1 and "ultrachat.jsonl:5:" in errors[0], log[-2000:]
+    assert "Traceback" not in log and "Traceback" not in out, out[-3000:]
 
 
 def test_missing_source_file_names_the_key(tmp_path):

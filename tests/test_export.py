@@ -13,6 +13,7 @@ from conftest import save_tiny_llama
 from eagle3_data import export as exp
 from eagle3_data import extract as ex
 from eagle3_data import schemas
+from eagle3_data.settings import ExportSettings, ExtractSettings
 from eagle3_data.extract.transformers_backend import load_target
 
 H, L, V = 32, 8, 300
@@ -46,7 +47,7 @@ def merged(tmp_path_factory):
     return path, rows
 
 
-def extract_selections(tmp_path, rows, **kw) -> tuple:
+def extract_selections(tmp_path, rows, model=None, **kw) -> tuple:
     """The extract stage's files for ``rows``: one selection per ``source`` (rows in another order than the
     merged shard, as merge writes them), extracted into ``<tmp>/states/<source>.safetensors``; returns the
     states dir and the selections mapping a merge manifest would hold."""
@@ -55,7 +56,8 @@ def extract_selections(tmp_path, rows, **kw) -> tuple:
         part = sorted((r for r in rows if r["source"] == src), key=lambda r: r["sample_id"], reverse=True)
         sel = tmp_path / "selection" / f"{src}.parquet"
         schemas.write_checked(schemas.from_rows(part, schemas.MERGED), "merged", sel)
-        ex.extract_states(sel, states / f"{src}.safetensors", selection_digest=f"digest-{src}", **kw)
+        ex.extract_states(sel, states / f"{src}.safetensors", selection_digest=f"digest-{src}", model=model,
+                          settings=ExtractSettings.defaults(**{"dtype": "float32", **kw}))
         selections[src] = {"digest": f"digest-{src}"}
     return states, {"shards": [{"samples": len(rows)}], "selections": selections}
 
@@ -105,14 +107,14 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
                                      model=loaded)
     out = tmp_path / "specforge"
     got = exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=man, start_index=1998,
-                     group_size=2000, manifest_path=tmp_path / "m.json")
+                     settings=ExportSettings.defaults(group_size=2000), manifest_path=tmp_path / "m.json")
     assert json.loads((tmp_path / "m.json").read_text())["end_index"] == 1998 + len(rows)
     files = specforge_list_local_files(out)
     assert len(files) == len(rows) == got["num_samples"]
     assert (out / "rows_0-2000" / "data_1999.ckpt").exists() and (out / "rows_2000-4000" / "data_2000.ckpt").exists()
     model, _ = loaded
     for j, r in enumerate(rows):  # the merged shard's order, whatever order the selections hold the samples in
-        f = exp.specforge_path(out, 1998 + j)
+        f = exp.specforge_path(out, 1998 + j, 2000)
         raw = torch.load(f, weights_only=True)
         assert set(raw) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
         T = len(r["input_ids"])
@@ -130,15 +132,16 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
         torch.testing.assert_close(d["target"][0], ref[-1][0], atol=1e-5, rtol=1e-5)  # post-norm
     # rerun overwrites in place, byte for byte, and leaves no temporary files
     before = {f: open(f, "rb").read() for f in files}
-    exp.export(path, out, layout="specforge", states_dir=states, start_index=1998)
+    exp.export(path, out, layout="specforge", states_dir=states, start_index=1998, settings=ExportSettings.defaults())
     assert {f: open(f, "rb").read() for f in specforge_list_local_files(out)} == before
     assert not [p for p in out.rglob(".*")]
     with pytest.raises(ValueError, match="pre-norm"):
-        exp.export(path, tmp_path / "spec", layout="speculators", states_dir=states)
+        exp.export(path, tmp_path / "spec", layout="speculators", states_dir=states, settings=ExportSettings.defaults())
     # states computed for another selection (the merge's digest moved on) are refused by name
     stale = dict(man, selections={k: {"digest": "newer"} for k in man["selections"]})
     with pytest.raises(ValueError, match="another selection"):
-        exp.export(path, tmp_path / "stale", layout="specforge", states_dir=states, merge_manifest=stale)
+        exp.export(path, tmp_path / "stale", layout="specforge", states_dir=states, merge_manifest=stale,
+                   settings=ExportSettings.defaults())
 
 
 def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
@@ -148,7 +151,8 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
                                      final_norm="pre")
     out = tmp_path / "speculators"
-    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=5)
+    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=5,
+                     settings=ExportSettings.defaults())
     assert got["final_norm"] == "pre"
     arrow = pq.read_table(out / "samples_000000005.parquet").to_pylist()
     assert [a["index"] for a in arrow] == list(range(5, 5 + len(rows)))
@@ -169,7 +173,7 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
             torch.testing.assert_close(decoder.norm(pre), ref[-1][0], atol=1e-5, rtol=1e-5)
         assert (pre - ref[-1][0]).abs().max() > 1e-2
     with pytest.raises(ValueError, match="post-norm"):
-        exp.export(path, tmp_path / "sf", layout="specforge", states_dir=states)
+        exp.export(path, tmp_path / "sf", layout="specforge", states_dir=states, settings=ExportSettings.defaults())
 
 
 def error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -182,9 +186,13 @@ def test_storage_savers_error_and_size(tmp_path, tiny_model, merged):
     path, rows = merged
     model16 = load_target(tiny_model, dtype="bfloat16", device="cpu")
     base, saved = tmp_path / "bf16.safetensors", tmp_path / "saved" / "d" / "all.safetensors"
-    ib = ex.extract_states(path, base, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", model=model16)
-    isv = ex.extract_states(path, saved, model_path=tiny_model, layers=LAYERS, dtype="bfloat16", model=model16,
-                            final_states="supervised", aux_format="fp8_e4m3")
+    ib = ex.extract_states(path, base,
+                           settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="bfloat16"),
+                           model=model16)
+    isv = ex.extract_states(path, saved,
+                            settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="bfloat16",
+                                                              final_states="supervised", aux_format="fp8_e4m3"),
+                            model=model16)
     tb, _ = ex.load_states(base)
     ts, meta = ex.load_states(saved)
     assert meta["aux_format"] == "fp8_e4m3" and meta["final_states"] == "supervised"
@@ -222,8 +230,8 @@ def test_storage_savers_error_and_size(tmp_path, tiny_model, merged):
     out = tmp_path / "sf"
     one = tmp_path / "one.parquet"  # a merged shard whose rows all come from selection "d/all"
     schemas.write_checked(schemas.from_rows([dict(r, source="d/all") for r in rows], schemas.MERGED), "merged", one)
-    exp.export(one, out, layout="specforge", states_dir=tmp_path / "saved")
-    d = specforge_process_data(exp.specforge_path(out, 0), 4096)
+    exp.export(one, out, layout="specforge", states_dir=tmp_path / "saved", settings=ExportSettings.defaults())
+    d = specforge_process_data(exp.specforge_path(out, 0, 2000), 4096)
     T0 = len(rows[0]["input_ids"])
     assert d["hidden_state"].shape == (1, T0, 3 * H) and d["target"].shape == (1, T0, H)
     assert d["hidden_state"].dtype == torch.bfloat16
@@ -236,7 +244,7 @@ def test_start_indices(tmp_path):
     p.write_text(json.dumps(man))
     assert exp.start_indices(p) == [0, 3, 3]
     with pytest.raises(ValueError, match="layout"):
-        exp.export(p, tmp_path, layout="eagle", states_dir=tmp_path)
+        exp.export(p, tmp_path, layout="eagle", states_dir=tmp_path, settings=ExportSettings.defaults())
 
 
 def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, loaded, merged):
@@ -250,12 +258,13 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded)
     out = tmp_path / "sf"
     two = dict(man, shards=[{"samples": 2}, {"samples": n}])  # this shard second, after 2 samples
-    exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=two, start_index=2, group_size=4)
+    exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=two, start_index=2,
+               settings=ExportSettings.defaults(group_size=4))
     assert len(specforge_list_local_files(out)) == n
     # the set shrinks by the 2 samples before it: this shard starts at 0 now, with 4 per folder -> rows_*/ of 3
     # and the old indices n, n+1 past the new end
     got = exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=man, start_index=0,
-                     group_size=3)
+                     settings=ExportSettings.defaults(group_size=3))
     files = specforge_list_local_files(out)
     assert files == sorted(str(exp.specforge_path(out, i, 3)) for i in range(n))
     assert got["removed_stale"] == n  # every old file: moved folders or past the end
@@ -268,7 +277,7 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     stray.write_bytes(b"x")
     first = dict(man, shards=[{"samples": n}, {"samples": 10}])
     assert exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=first, start_index=0,
-                      group_size=3)["removed_stale"] == 0
+                      settings=ExportSettings.defaults(group_size=3))["removed_stale"] == 0
     assert stray.exists()
     # at its own path in a shard's range it is that shard's to overwrite; past the end, the last shard removes it
     assert exp.prune_stale(out, "specforge", start=n, end=n + 10, total=n + 10, group_size=3) == []
@@ -279,9 +288,11 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     states, man = extract_selections(tmp_path / "pre", rows, model_path=tiny_model, layers=LAYERS, model=loaded,
                                      final_norm="pre")
     out = tmp_path / "spec"
-    exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=two, start_index=2)
+    exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=two, start_index=2,
+               settings=ExportSettings.defaults())
     assert (out / "samples_000000002.parquet").exists()
-    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=0)
+    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=0,
+                     settings=ExportSettings.defaults())
     assert sorted(p.name for p in out.glob("samples_*.parquet")) == ["samples_000000000.parquet"]
     assert sorted(int(p.stem[3:]) for p in (out / "hidden_states").glob("hs_*.safetensors")) == list(range(n))
     assert got["removed_stale"] == 1 + 2  # the old samples file, hs_n and hs_{n+1}
@@ -290,5 +301,5 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     empty = tmp_path / "empty.parquet"
     schemas.write_checked(schemas.from_rows([], schemas.MERGED), "merged", empty)
     exp.export(empty, out, layout="speculators", states_dir=states, merge_manifest=dict(man, shards=[
-        {"samples": 0}, {"samples": n}]), start_index=0)
+        {"samples": 0}, {"samples": n}]), start_index=0, settings=ExportSettings.defaults())
     assert pq.read_table(out / "samples_000000000.parquet").num_rows == n

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from conftest import save_tiny_llama
 from eagle3_data import extract as ex
 from eagle3_data import schemas
+from eagle3_data.settings import ExtractSettings
 from eagle3_data.extract import batching, transformers_backend as tb
 
 H, L, V = 32, 6, 300
@@ -130,7 +131,9 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
     path, rows = merged
     out = tmp_path / "hs" / "000.safetensors"
     layers = [0, 2, 4]
-    info = ex.extract_states(path, out, model_path=tiny_model, layers=layers, batch_tokens=256, model=loaded,
+    info = ex.extract_states(path, out,
+                             settings=ExtractSettings.defaults(model_path=tiny_model, layers=layers, batch_tokens=256,
+                                                               dtype="float32"), model=loaded,
                              selection_digest="abc")
     T = sum(len(r["input_ids"]) for r in rows)
     assert info["num_tokens"] == T and info["num_samples"] == len(rows) and info["batches"] > 1
@@ -181,8 +184,12 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
 def test_batched_equals_one_at_a_time_and_default_layers(tmp_path, tiny_model, loaded, merged):
     path, rows = merged
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    ia = ex.extract_states(path, a, model_path=tiny_model, batch_tokens=4096, model=loaded)
-    ib = ex.extract_states(path, b, model_path=tiny_model, batch_tokens=1, model=loaded)
+    ia = ex.extract_states(path, a,
+                           settings=ExtractSettings.defaults(model_path=tiny_model, batch_tokens=4096, dtype="float32"),
+                           model=loaded)
+    ib = ex.extract_states(path, b,
+                           settings=ExtractSettings.defaults(model_path=tiny_model, batch_tokens=1, dtype="float32"),
+                           model=loaded)
     assert ia["batches"] < ib["batches"] == len(rows)
     assert ia["layers"] == [1, 2]
     ta, ma = ex.read_hidden_states(a)
@@ -199,7 +206,8 @@ def test_rerun_forwards_only_new_or_longer_samples(tmp_path, tiny_model, loaded)
     rows = make_rows(10, seed=5)
     sel = write_selection(tmp_path / "sel.parquet", rows)
     out, stash = tmp_path / "hs" / "d" / "000.safetensors", tmp_path / "cache" / "d" / "000.safetensors"
-    kw = dict(model_path=tiny_model, layers=[1, 3, 4], batch_tokens=200, model=loaded)
+    settings = ExtractSettings.defaults(tiny_model, layers=[1, 3, 4], batch_tokens=200, dtype="float32")
+    kw = dict(settings=settings, model=loaded)
     counter = TokenCounter(loaded[1])
     try:
         first = ex.extract_states(sel, out, reuse_path=stash, **kw)
@@ -246,15 +254,16 @@ def test_rerun_forwards_only_new_or_longer_samples(tmp_path, tiny_model, loaded)
         # the same selection again, nothing stored but the link: nothing forwarded, no model needed
         os.unlink(out)
         counter.tokens = 0
-        third = ex.extract_states(sel2, out, reuse_path=stash, model_path=tiny_model, layers=[1, 3, 4],
-                                  batch_tokens=200)
+        third = ex.extract_states(sel2, out, reuse_path=stash,
+                                  settings=ExtractSettings.defaults(model_path=tiny_model, layers=[1, 3, 4],
+                                                                    batch_tokens=200, dtype="float32"))
         assert counter.tokens == 0 and third["forwarded_tokens"] == 0 and third["device"] == "none"
         assert torch.equal(ex.read_hidden_states(out)[0]["aux_hidden_states"], t2["aux_hidden_states"])
 
         # other settings (layers): nothing reusable, everything forwarded
         counter.tokens = 0
         fourth = ex.extract_states(sel2, tmp_path / "other.safetensors", reuse_path=stash,
-                                   **dict(kw, layers=[0, 2, 4]))
+                                   **dict(kw, settings=settings.replace(layers=[0, 2, 4])))
         assert fourth["reused_tokens"] == 0 and counter.tokens == sum(r["num_tokens"] for r in new_rows)
     finally:
         counter.remove()
@@ -264,8 +273,8 @@ def test_reuse_keeps_storage_savers_exact(tmp_path, tiny_model):
     """fp8 auxiliary states and supervised-only final rows are copied byte for byte, truncations included."""
     loaded16 = tb.load_target(tiny_model, dtype="bfloat16", device="cpu")
     rows = make_rows(6, seed=8)
-    kw = dict(model_path=tiny_model, layers=[1, 2, 3], dtype="bfloat16", model=loaded16,
-              final_states="supervised", aux_format="fp8_e4m3")
+    kw = dict(settings=ExtractSettings.defaults(tiny_model, layers=[1, 2, 3], dtype="bfloat16",
+                                                final_states="supervised", aux_format="fp8_e4m3"), model=loaded16)
     a = tmp_path / "a.safetensors"
     ex.extract_states(write_selection(tmp_path / "a.parquet", rows), a, **kw)
     longest = max(range(len(rows)), key=lambda k: rows[k]["num_tokens"])
@@ -290,7 +299,9 @@ def test_bf16_and_crash_leaves_no_file(tmp_path, tiny_model, merged, monkeypatch
     path, rows = merged
     loaded16 = tb.load_target(tiny_model, dtype="bfloat16", device="cpu")
     out = tmp_path / "bf.safetensors"
-    ex.extract_states(path, out, model_path=tiny_model, layers=[1, 2, 3], dtype="bfloat16", model=loaded16)
+    ex.extract_states(path, out,
+                      settings=ExtractSettings.defaults(model_path=tiny_model, layers=[1, 2, 3], dtype="bfloat16"),
+                      model=loaded16)
     t, meta = ex.read_hidden_states(out)
     assert t["aux_hidden_states"].dtype == torch.bfloat16 and meta["dtype"] == "bfloat16"
     assert torch.isfinite(t["aux_hidden_states"].float()).all()
@@ -314,7 +325,9 @@ def test_bf16_and_crash_leaves_no_file(tmp_path, tiny_model, merged, monkeypatch
     monkeypatch.setattr(tb.Capture, "_hook", flaky)
     crash = tmp_path / "crash" / "000.safetensors"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        ex.extract_states(path, crash, model_path=tiny_model, batch_tokens=128, model=loaded16, dtype="bfloat16")
+        ex.extract_states(path, crash,
+                          settings=ExtractSettings.defaults(model_path=tiny_model, batch_tokens=128, dtype="bfloat16"),
+                          model=loaded16)
     assert not crash.exists()
     assert list(crash.parent.iterdir()) == []
 
@@ -322,7 +335,8 @@ def test_bf16_and_crash_leaves_no_file(tmp_path, tiny_model, merged, monkeypatch
 def test_empty_selection_and_bad_ids(tmp_path, tiny_model, loaded):
     empty = write_selection(tmp_path / "empty.parquet", [])
     out = tmp_path / "empty.safetensors"
-    info = ex.extract_states(empty, out, model_path=tiny_model, model=loaded)
+    info = ex.extract_states(empty, out,
+                             settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32"), model=loaded)
     t, meta = ex.read_hidden_states(out)
     assert info["num_tokens"] == 0 and t["aux_hidden_states"].shape == (0, 2 * H)
     assert t["sample_offsets"].tolist() == [0] and meta["num_samples"] == "0"
@@ -331,10 +345,12 @@ def test_empty_selection_and_bad_ids(tmp_path, tiny_model, loaded):
                                                       "loss_mask": [0, 1], "num_tokens": 2, "num_supervised": 1,
                                                       "truncated": False}])
     with pytest.raises(ValueError, match="vocabulary"):
-        ex.extract_states(bad, tmp_path / "bad.safetensors", model_path=tiny_model, model=loaded)
+        ex.extract_states(bad, tmp_path / "bad.safetensors",
+                          settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32"), model=loaded)
     assert not (tmp_path / "bad.safetensors").exists()
     with pytest.raises(ValueError, match="backend"):
-        ex.extract_states(empty, out, model_path=tiny_model, backend="vllm")
+        ex.extract_states(empty, out,
+                          settings=ExtractSettings.defaults(model_path=tiny_model, backend="vllm", dtype="float32"))
 
 
 def test_keep_link_across_filesystems_turns_reuse_off(tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ import torch
 
 from eagle3_data import extract as ex
 from eagle3_data import schemas
+from eagle3_data.settings import ExtractSettings
 from eagle3_data.extract import layout
 from eagle3_data.extract import transformers_backend as tb
 from eagle3_data.io import write_parquet
@@ -83,8 +84,9 @@ def bf16(model_dir):
     return tb.load_target(model_dir, dtype="bfloat16", device="cuda")
 
 
-def extract(selection, out, model_dir, loaded, **kw):
-    info = ex.extract_states(selection, out, model_path=model_dir, layers=LAYERS, model=loaded, **kw)
+def extract(selection, out, model_dir, loaded, overlap=True, **kw):
+    settings = ExtractSettings.defaults(model_dir, **{"layers": LAYERS, "dtype": "float32", **kw})
+    info = ex.extract_states(selection, out, settings=settings, model=loaded, overlap=overlap)
     return info, ex.read_hidden_states(out)[0]
 
 
@@ -213,9 +215,10 @@ def test_gpu_device_locks_with_real_devices(tmp_path, model_dir, selection):
         holder.wait(timeout=60)
     # ... and gets one as soon as they are released: a whole extraction on one locked device
     code = ("import json, sys\nfrom eagle3_data.extract import extract_states\n"
+            "from eagle3_data.settings import ExtractSettings\n"
             f"info = extract_states({str(selection)!r}, {str(tmp_path / 'x.safetensors')!r}, "
-            f"model_path={str(model_dir)!r}, layers={LAYERS}, dtype='bfloat16', device='cuda', gpus=1, "
-            f"lock_dir={str(locks)!r})\nprint(json.dumps(info))")
+            f"settings=ExtractSettings.defaults({str(model_dir)!r}, layers={LAYERS}, dtype='bfloat16', "
+            f"device='cuda', gpus_per_job=1, gpu_lock_dir={str(locks)!r}))\nprint(json.dumps(info))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     info = json.loads(out.stdout.strip().splitlines()[-1])

@@ -14,6 +14,7 @@ import torch
 from conftest import save_tiny_llama
 from eagle3_data import extract as ex
 from eagle3_data import schemas
+from eagle3_data.settings import ExtractSettings
 from eagle3_data.extract import layout
 from eagle3_data.extract import transformers_backend as tb
 
@@ -72,7 +73,7 @@ class InputCounter:
 def test_packed_equals_padded_equals_one_by_one(tmp_path, tiny_model, loaded, selection):
     path, rows = selection
     T = sum(LENGTHS)
-    kw = dict(model_path=tiny_model, layers=LAYERS, model=loaded, dtype="float32")
+    settings = ExtractSettings.defaults(tiny_model, layers=LAYERS, dtype="float32")
     runs = {}
     counter = InputCounter(loaded[1])
     try:
@@ -80,7 +81,8 @@ def test_packed_equals_padded_equals_one_by_one(tmp_path, tiny_model, loaded, se
                                               ("packed", "packed", 700)]:
             counter.per_forward = []
             out = tmp_path / f"{name}.safetensors"
-            info = ex.extract_states(path, out, attention=attention, batch_tokens=batch_tokens, **kw)
+            info = ex.extract_states(path, out, model=loaded,
+                                     settings=settings.replace(attention=attention, batch_tokens=batch_tokens))
             runs[name] = (info, ex.read_hidden_states(out), list(counter.per_forward))
     finally:
         counter.remove()
@@ -170,7 +172,8 @@ def test_attention_modes_resolve_per_device(monkeypatch):
 
 def test_bad_attention_is_rejected_before_any_work(tmp_path, tiny_model, selection):
     with pytest.raises(ValueError, match="attention must be one of"):
-        ex.extract_states(selection[0], tmp_path / "x.safetensors", model_path=tiny_model, attention="ragged")
+        ex.extract_states(selection[0], tmp_path / "x.safetensors",
+                          settings=ExtractSettings.defaults(model_path=tiny_model, attention="ragged", dtype="float32"))
     assert not (tmp_path / "x.safetensors").exists()
 
 
@@ -247,7 +250,8 @@ def test_overlapped_writes_equal_in_order_writes(tmp_path, tiny_model, loaded, s
     real_sync = layout.HiddenStateWriter.sync
     monkeypatch.setattr(layout.HiddenStateWriter, "sync", lambda self: (syncs.append(1), real_sync(self)))
     monkeypatch.setattr(writeback, "SYNC_BYTES", 1)  # the writer thread syncs after every batch
-    kw = dict(model_path=tiny_model, layers=LAYERS, model=loaded, attention="packed", batch_tokens=400, **savers)
+    kw = dict(model=loaded, settings=ExtractSettings.defaults(tiny_model, layers=LAYERS, attention="packed",
+                                                              batch_tokens=400, dtype="float32", **savers))
     a, b = tmp_path / "overlap.safetensors", tmp_path / "inorder.safetensors"
     ia = ex.extract_states(path, a, overlap=True, **kw)
     assert len(syncs) == ia["batches"]
@@ -278,8 +282,9 @@ def test_writer_thread_error_surfaces_and_leaves_no_file(tmp_path, tiny_model, l
     out = tmp_path / "hs" / "000.safetensors"
     out.parent.mkdir()
     with pytest.raises(OSError, match="No space left"):
-        ex.extract_states(path, out, model_path=tiny_model, layers=LAYERS, model=loaded, attention="packed",
-                          batch_tokens=100)
+        ex.extract_states(path, out,
+                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, attention="packed",
+                                                            batch_tokens=100, dtype="float32"), model=loaded)
     assert calls["n"] == 4  # the writer stopped at its error
     assert list(out.parent.iterdir()) == []  # no output, no temporary file
     assert _writeback_threads() == []
@@ -300,8 +305,9 @@ def test_forward_error_stops_the_writer_and_leaves_no_file(tmp_path, tiny_model,
     out = tmp_path / "hs" / "000.safetensors"
     out.parent.mkdir()
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        ex.extract_states(path, out, model_path=tiny_model, layers=LAYERS, model=loaded, attention="packed",
-                          batch_tokens=100)
+        ex.extract_states(path, out,
+                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, attention="packed",
+                                                            batch_tokens=100, dtype="float32"), model=loaded)
     assert list(out.parent.iterdir()) == [] and _writeback_threads() == []
     assert loaded[0].config._attn_implementation == "sdpa"
 

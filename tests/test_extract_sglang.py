@@ -17,6 +17,7 @@ import torch
 from conftest import save_tiny_llama
 from eagle3_data import extract as ex
 from eagle3_data import schemas
+from eagle3_data.settings import ExtractSettings
 from eagle3_data.extract import default_layers
 from eagle3_data.extract import sglang_backend as sx
 from eagle3_data.extract.transformers_backend import load_target
@@ -335,7 +336,9 @@ def test_stand_in_writes_the_transformers_file_in_layers_order(tmp_path, tiny_mo
     path, rows = merged
     loaded = load_target(tiny_model, dtype="float32", device="cpu")
     ref = tmp_path / "hf.safetensors"
-    ex.extract_states(path, ref, model_path=tiny_model, layers=LAYERS, model=loaded)
+    ex.extract_states(path, ref,
+                      settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32"),
+                      model=loaded)
     seen = {}
     real_init = sx.SglangBackend.__init__
 
@@ -345,8 +348,11 @@ def test_stand_in_writes_the_transformers_file_in_layers_order(tmp_path, tiny_mo
 
     monkeypatch.setattr(sx.SglangBackend, "__init__", spy)
     out = tmp_path / "sg.safetensors"
-    info = ex.extract_states(path, out, model_path=tiny_model, layers=LAYERS, dtype="float32", batch_tokens=100,
-                             backend="sglang", trust_remote_code=True, capture=hf_capture(loaded[0], LAYERS))
+    info = ex.extract_states(path, out,
+                             settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32",
+                                                               batch_tokens=100, backend="sglang",
+                                                               trust_remote_code=True),
+                             capture=hf_capture(loaded[0], LAYERS))
     assert seen["trust_remote_code"] is True and seen["layers"] == LAYERS
     assert info["backend"] == "sglang" and info["batches"] > 1
     ta, ma = ex.read_hidden_states(ref)
@@ -360,11 +366,17 @@ def test_stand_in_writes_the_transformers_file_in_layers_order(tmp_path, tiny_mo
     # a short capture (prefix-cache symptom) fails the shard and leaves no file
     bad = tmp_path / "bad" / "000.safetensors"
     with pytest.raises(RuntimeError, match="capture length must equal input length"):
-        ex.extract_states(path, bad, model_path=tiny_model, layers=LAYERS, dtype="float32", backend="sglang",
+        ex.extract_states(path, bad,
+                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32",
+                                                            backend="sglang"),
                           capture=hf_capture(loaded[0], LAYERS, short_by=1))
     assert not bad.exists() and list(bad.parent.iterdir()) == []
     with pytest.raises(ValueError, match="post-norm"):
-        ex.extract_states(path, bad, model_path=tiny_model, backend="sglang", final_norm="pre")
+        ex.extract_states(path, bad,
+                          settings=ExtractSettings.defaults(model_path=tiny_model, backend="sglang", final_norm="pre",
+                                                            dtype="float32"))
     with pytest.raises(ValueError, match="cannot capture the last decoder layer"):
-        ex.extract_states(path, bad, model_path=tiny_model, layers=[1, L - 1], backend="sglang",
+        ex.extract_states(path, bad,
+                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=[1, L - 1],
+                                                            backend="sglang", dtype="float32"),
                           capture=hf_capture(loaded[0], [1, L - 1]))

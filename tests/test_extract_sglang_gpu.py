@@ -32,12 +32,15 @@ def _needs_gpu_and_sglang():
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     _needs_gpu_and_sglang()
+    from eagle3_data.settings import TinyTargetSettings
     from eagle3_data.tiny_target import build_tiny_target
 
     path = tmp_path_factory.mktemp("tiny") / "tiny-target"
     # head_dim 64: a size every SGLang attention backend supports
-    info = build_tiny_target(path, seed=3, hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=2,
-                             intermediate_size=512, max_position_embeddings=4096)
+    info = build_tiny_target(path,
+                             settings=TinyTargetSettings.defaults(seed=3, hidden_size=256, num_layers=8, num_heads=4,
+                                                                  num_kv_heads=2, intermediate_size=512,
+                                                                  max_position_embeddings=4096))
     return path, info
 
 
@@ -67,8 +70,10 @@ def _run(code: str) -> None:
 def _extract(selection, out, model, backend):
     _run(f"""
         from eagle3_data import extract as ex
-        ex.extract_states({str(selection)!r}, {str(out)!r}, model_path={str(model)!r}, layers={LAYERS!r},
-                          dtype="bfloat16", device="cuda", gpus=1, backend={backend!r}, batch_tokens=2048)
+        from eagle3_data.settings import ExtractSettings
+        ex.extract_states({str(selection)!r}, {str(out)!r}, settings=ExtractSettings.defaults(
+            {str(model)!r}, layers={LAYERS!r}, dtype="bfloat16", device="cuda", gpus_per_job=1, backend={backend!r},
+            batch_tokens=2048))
     """)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import tokenizer_fixtures as F
-from eagle3_data.templates import TargetTokens, completion_format
+from eagle3_data.templates import TargetTokens, completion_format, thinking_enabled
 from eagle3_data.tokenize import tokenize_rows
 from test_real_vocab import CASES, MULTI, ROME, SINGLE, TOOL_HISTORY, WEATHER, final_message, ok, template_ids
 from test_templates import row
@@ -108,6 +108,21 @@ def test_gpt_oss_tool_call_parses_back_with_the_reference_parser(oss):
     assert two[0]["reject_reason"] == "tool_calls_unsupported"
 
 
+def test_gpt_oss_reasoning_reaches_the_template_as_thinking(oss):
+    """gpt-oss's template reads `thinking`; generic passes reasoning as reasoning_content, which only a
+    transformers that aliases the reasoning fields (5.24 does, the 5.19 floor does not) hands on as `thinking`."""
+    from transformers.utils import chat_template_utils
+
+    msgs, reply = CASES["single"]
+    assert oss._template_messages([{"role": "assistant", "content": "C", "reasoning_content": "R"}]) == \
+        [{"role": "assistant", "content": "C", "thinking": "R"}]
+    generic = TargetTokens(F.gpt_oss_real(), completion_format("generic"))
+    (out,) = tokenize_rows([row(msgs, **reply)], generic)
+    aliases = hasattr(chat_template_utils, "_alias_reasoning_fields")
+    assert out["reject_reason"] == (None if aliases else "reasoning_dropped_by_template")
+    assert ok(oss, msgs, **reply)["reject_reason"] is None
+
+
 def test_gpt_oss_multi_turn_with_tool_results_equals_the_template(oss):
     history = TOOL_HISTORY + [{"role": "assistant", "content": "Paris is sunny."},
                               {"role": "user", "content": "And tomorrow?"}]
@@ -119,6 +134,12 @@ def test_gpt_oss_multi_turn_with_tool_results_equals_the_template(oss):
     assert "<|channel|>analysis<|message|>Paris first.<|end|>" in oss.render(pending, [WEATHER])
     missing = tokenize_rows([row(SINGLE, reasoning=None, content="4")], oss)
     assert missing[0]["reject_reason"] == "missing_reasoning"
+    empty = tokenize_rows([row(SINGLE, reasoning="Thinking.", content=" ")], oss)
+    assert empty[0]["reject_reason"] == "empty_answer"
+    # cut inside the reasoning: the analysis message so far, no <|end|>
+    (cut,) = tokenize_rows([row(SINGLE, reasoning="Thinking about", content="", finish_reason="length")], oss)
+    assert oss.tok.decode(cut["input_ids"][cut["num_prompt_tokens"]:], skip_special_tokens=False) == \
+        "<|channel|>analysis<|message|>Thinking about"
 
 
 # ------------------------------------------------------------------------------------------------ DeepSeek-V3.1
@@ -168,6 +189,9 @@ def test_deepseek_v31_tool_calls_and_tool_results_equal_the_template():
     assert rendered(tt, TOOL_HISTORY, reply, [WEATHER]) == out["input_ids"]
     bad = tokenize_rows([row(TOOL_HISTORY, tools=[WEATHER], reasoning="hmm", content="x")], tt)[0]
     assert bad["reject_reason"] == "unexpected_reasoning"
+    # the template's default is non-thinking (SGLang's deepseek-v3 parser: reasoning only when thinking is true)
+    assert not thinking_enabled("deepseek-v3.1", {}) and thinking_enabled("deepseek-v3.1", {"thinking": True})
+    assert thinking_enabled("gpt-oss", {}) and not thinking_enabled("qwen3-coder", {})
 
 
 # ------------------------------------------------------------------------------------------------ Qwen3-Coder
@@ -253,6 +277,21 @@ def test_empty_think_blocks_are_kept_exact_on_every_reasoning_family():
     assert k.tok.decode(out["input_ids"][out["num_prompt_tokens"]:], skip_special_tokens=False) == \
         "<think></think>Sunny.<|im_end|>"
     assert rendered(k, MULTI, {"reasoning": "", "content": "Sunny."}) == out["input_ids"]
+    k25 = TargetTokens(F.kimi_k25(), completion_format("kimi-k25"))
+    out = ok(k25, SINGLE, reasoning="", content="4")
+    assert k25.tok.decode(out["input_ids"][out["num_prompt_tokens"]:], skip_special_tokens=False) == \
+        "</think>4<|im_end|>"
     g = TargetTokens(F.glm45_real_template(), completion_format("glm45"))
     out = ok(g, SINGLE, reasoning="", content="4")
     assert rendered(g, SINGLE, {"reasoning": "", "content": "4"}) == out["input_ids"][:-1]
+
+
+# ------------------------------------------------------------------------------------------------ many rows
+@pytest.mark.parametrize("index", range(6))
+def test_sixty_synthetic_conversations_per_family_are_all_exact(index):
+    """tests/family_rows.py: single, multi-turn, tool-call, tool-result and empty-think conversations (seeded)."""
+    import family_rows
+
+    name, tt, kinds, thinking, oracle, _ = family_rows.families()[index]
+    got = family_rows.run(name, tt, kinds, thinking, oracle, n=60)
+    assert got == {"family": name, "tried": 60, "exact": 60, "rejected": {}}, got

@@ -20,6 +20,7 @@ from test_generate import backends_cfg, gen_cfg, simple_convs, write_prompts  # 
 from eagle3_data import forecast as fc  # noqa: E402
 from eagle3_data.generate import generate, request_key  # noqa: E402
 from eagle3_data.journal import read_journal  # noqa: E402
+from eagle3_data.settings import TokenizeSettings  # noqa: E402
 from eagle3_data.tokenize import tokenize  # noqa: E402
 
 SHARDS = ("000", "001")
@@ -129,7 +130,8 @@ def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_imp
     # prompt tokens: exactly the prompt lengths the tokenize stage finds in the build's responses
     tok_prompt = 0
     for s in SHARDS:
-        tokenize(str(tmp_path / "responses" / f"{s}.parquet"), str(tmp_path / "tokens" / f"{s}.parquet"), target=target)
+        tokenize(str(tmp_path / "responses" / f"{s}.parquet"), str(tmp_path / "tokens" / f"{s}.parquet"),
+                 settings=TokenizeSettings.defaults(target))
         tok_prompt += sum(pq.read_table(tmp_path / "tokens" / f"{s}.parquet").column("num_prompt_tokens").to_pylist())
     assert d["prompt_tokens"] == tok_prompt > 0
 

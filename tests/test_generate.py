@@ -366,8 +366,8 @@ def test_priority_overflow_and_ejection(tmp_path, fs):
 
 
 def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatch):
-    """Even with httpx/httpcore/asyncio at DEBUG (they log request lines and response headers), the key or the
-    Authorization header never reaches a log record or a traceback."""
+    """Even with httpx/httpcore/aiohttp/asyncio at DEBUG (they log request lines and response headers), the key or
+    the Authorization header never reaches a log record or a traceback."""
     import logging
 
     canary = "sk-or-CANARY-debug-91b2"
@@ -381,7 +381,7 @@ def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatc
 
     h = Grab(level=logging.DEBUG)
     h.setFormatter(logging.Formatter("%(name)s %(message)s"))
-    names = ("", "httpx", "httpcore", "asyncio", "eagle3_data", "hpack", "h11")
+    names = ("", "httpx", "httpcore", "aiohttp", "asyncio", "eagle3_data", "hpack", "h11")
     old = {n: logging.getLogger(n).level for n in names}
     root = logging.getLogger()
     root.addHandler(h)
@@ -400,7 +400,7 @@ def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatc
         root.removeHandler(h)
         for n, lv in old.items():
             logging.getLogger(n).setLevel(lv)
-    assert any(r.startswith("httpcore") for r in records)             # the DEBUG loggers really were on
+    assert any(r.startswith("asyncio") for r in records)              # the DEBUG loggers really were on
     assert [r for r in records if canary in r or "Bearer" in r] == []
 
 

@@ -28,10 +28,11 @@ from eagle3_data.backends.request import Payload  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    from eagle3_data.settings import TinyTargetSettings
     from eagle3_data.tiny_target import build_tiny_target
 
     path = tmp_path_factory.mktemp("target") / "tiny"
-    facts = build_tiny_target(path, seed=0)
+    facts = build_tiny_target(path, settings=TinyTargetSettings.defaults(seed=0))
     return path, facts["special_token_ids"]
 
 

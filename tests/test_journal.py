@@ -24,6 +24,35 @@ def test_append_and_read_back(tmp_path):
     assert journal_path(tmp_path, "ds", "000").read_text().count("\n") == 3
 
 
+def test_batches_are_fsynced_by_the_writer_thread_not_the_appending_one(tmp_path, monkeypatch):
+    """append never waits for the disk: a full batch, and a partial one after sync_interval_s, are fsync-ed by the
+    writer's thread; close fsyncs the rest."""
+    import os
+    import threading
+    import time
+
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(threading.current_thread().name), real(fd))[1])
+    j = JournalWriter(tmp_path, "ds", "002", sync_every=3, sync_interval_s=0.2)
+    j.ensure_open()                                       # the file is made at the first record, or here
+    calls.clear()                                         # the new file's directory entry, synced at creation
+    main = threading.current_thread().name
+    for k in "abc":
+        j.append(rec(k))                                  # a full batch: the thread syncs it
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls and main not in calls
+    j.append(rec("d"))                                    # a partial batch: synced after the interval
+    time.sleep(0.6)
+    assert len(calls) == 2 and main not in calls
+    j.append(rec("e"))
+    j.close()                                             # the rest: at close, in the caller's thread
+    assert calls[-1] == main and len(calls) == 3
+    assert set(read_journal(tmp_path, "ds")[0]) == set("abcde")
+
+
 def test_records_visible_before_close(tmp_path):
     # each record reaches the OS at once (a kill -9 after append loses nothing)
     j = JournalWriter(tmp_path, "ds", "001", sync_every=1000, sync_interval_s=1000)

@@ -11,6 +11,7 @@ import pytest
 
 from eagle3_data import schemas
 from eagle3_data.merge import merge
+from eagle3_data.settings import MergeSettings
 
 
 def make_rows(n: int, datasets: list[str], seed: int = 1, min_len: int = 4, max_len: int = 60) -> list[dict]:
@@ -115,8 +116,10 @@ def test_matches_reference_and_is_independent_of_input_sharding(tmp_path):
     settings = dict(max_samples={"b": 50}, max_len=40, overflow="truncate", seed=7)
     outs1 = [tmp_path / "m1" / f"{i:03d}.parquet" for i in range(3)]
     outs7 = [tmp_path / "m7" / f"{i:03d}.parquet" for i in range(3)]
-    man1 = merge(write_inputs(tmp_path, rows, 1, tag="one"), outs1, tmp_path / "m1.json", **settings)
-    man7 = merge(write_inputs(tmp_path, rows, 7, shuffle_seed=11, tag="seven"), outs7, tmp_path / "m7.json", **settings)
+    man1 = merge(write_inputs(tmp_path, rows, 1, tag="one"), outs1, tmp_path / "m1.json",
+                 settings=MergeSettings.defaults(**settings))
+    man7 = merge(write_inputs(tmp_path, rows, 7, shuffle_seed=11, tag="seven"), outs7, tmp_path / "m7.json",
+                 settings=MergeSettings.defaults(**settings))
 
     got1, got7 = read_shards(outs1), read_shards(outs7)
     assert got1 == got7
@@ -144,7 +147,8 @@ def test_truncate_cuts_ids_and_mask_and_drops_unsupervised(tmp_path):
         row("a", "short", [1, 2, 3], [0, 1, 1]),
     ]
     outs = [tmp_path / "m" / "000.parquet"]
-    man = merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json", max_len=10, overflow="truncate", seed=0)
+    man = merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json",
+                settings=MergeSettings.defaults(max_len=10, overflow="truncate", seed=0))
     got = {r["sample_id"]: r for r in pq.read_table(outs[0]).to_pylist()}
     assert set(got) == {"long", "short"}
     assert got["long"]["input_ids"] == list(range(100, 110))
@@ -154,8 +158,8 @@ def test_truncate_cuts_ids_and_mask_and_drops_unsupervised(tmp_path):
     assert man["datasets"]["a"]["dropped"] == {"no_supervised_after_truncation": 1}
     assert man["totals"]["truncated"] == 1
 
-    man = merge(write_inputs(tmp_path, rows, 1, tag="d"), outs, tmp_path / "m.json", max_len=10, overflow="drop",
-                seed=0)
+    man = merge(write_inputs(tmp_path, rows, 1, tag="d"), outs, tmp_path / "m.json",
+                settings=MergeSettings.defaults(max_len=10, overflow="drop", seed=0))
     assert [r["sample_id"] for r in pq.read_table(outs[0]).to_pylist()] == ["short"]
     assert man["datasets"]["a"]["dropped"] == {"over_max_len": 2}
 
@@ -164,7 +168,8 @@ def test_nothing_left_after_max_len_is_an_error_naming_the_setting(tmp_path):
     rows = [row("a", "late", list(range(200, 220)), [0] * 15 + [1] * 5), row("a", "late2", [5] * 30, [0] * 29 + [1])]
     outs = [tmp_path / "m" / "000.parquet", tmp_path / "m" / "001.parquet"]
     with pytest.raises(ValueError, match=r"no sample left of 2 .*no_supervised_after_truncation.*merge.max_len=10"):
-        merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json", max_len=10, overflow="truncate", seed=0)
+        merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json",
+              settings=MergeSettings.defaults(max_len=10, overflow="truncate", seed=0))
     assert not any(p.exists() for p in outs) and not (tmp_path / "m.json").exists()
 
 
@@ -172,7 +177,8 @@ def test_dataset_filter_seed_and_balance(tmp_path):
     rows = make_rows(600, ["a", "b", "c"], seed=5, max_len=80)
     inputs = write_inputs(tmp_path, rows, 4)
     outs = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(4)]
-    man = merge(inputs, outs, tmp_path / "m.json", datasets=["a", "c"], max_len=1000, seed=1)
+    man = merge(inputs, outs, tmp_path / "m.json",
+                settings=MergeSettings.defaults(datasets=["a", "c"], max_len=1000, seed=1))
     got = read_shards(outs)
     assert {r["dataset"] for s in got for r in s} == {"a", "c"}
     assert sum(len(s) for s in got) == 400
@@ -188,7 +194,8 @@ def test_dataset_filter_seed_and_balance(tmp_path):
     on_disk = json.loads((tmp_path / "m.json").read_text())
     assert on_disk["totals"] == man["totals"]
     # another seed: same set, different order
-    man2 = merge(inputs, outs, tmp_path / "m2.json", datasets=["a", "c"], max_len=1000, seed=2)
+    man2 = merge(inputs, outs, tmp_path / "m2.json",
+                 settings=MergeSettings.defaults(datasets=["a", "c"], max_len=1000, seed=2))
     got2 = read_shards(outs)
     ids1 = [r["sample_id"] for s in got for r in s]
     ids2 = [r["sample_id"] for s in got2 for r in s]
@@ -199,7 +206,8 @@ def test_dataset_filter_seed_and_balance(tmp_path):
 def test_more_shards_than_samples_and_conflicting_ids(tmp_path):
     rows = make_rows(2, ["a"], seed=2)
     outs = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(4)]
-    man = merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json", max_len=100, seed=0)
+    man = merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json",
+                settings=MergeSettings.defaults(max_len=100, seed=0))
     assert [pq.read_table(p).num_rows for p in outs] == [s["samples"] for s in man["shards"]]
     assert sum(s["samples"] for s in man["shards"]) == 2
     assert all(p.exists() for p in outs)
@@ -210,7 +218,7 @@ def test_more_shards_than_samples_and_conflicting_ids(tmp_path):
     p2 = write_inputs(tmp_path, bad2, 1, tag="c2")
     out = tmp_path / "c" / "000.parquet"
     with pytest.raises(ValueError, match=r"a/x: 2 versions"):
-        merge(p1 + p2, [out], tmp_path / "c.json", max_len=10, seed=0)
+        merge(p1 + p2, [out], tmp_path / "c.json", settings=MergeSettings.defaults(max_len=10, seed=0))
     assert not out.exists()
     assert not list((tmp_path / "c").glob(".*tmp"))
 
@@ -218,11 +226,13 @@ def test_more_shards_than_samples_and_conflicting_ids(tmp_path):
 def test_bad_arguments(tmp_path):
     p = write_inputs(tmp_path, make_rows(3, ["a"]), 1)
     with pytest.raises(ValueError, match="overflow"):
-        merge(p, [tmp_path / "o.parquet"], tmp_path / "m.json", max_len=10, overflow="cut")
+        merge(p, [tmp_path / "o.parquet"], tmp_path / "m.json",
+              settings=MergeSettings.defaults(max_len=10, overflow="cut"))
     with pytest.raises(ValueError, match="max_len"):
-        merge(p, [tmp_path / "o.parquet"], tmp_path / "m.json", max_len=0)
+        merge(p, [tmp_path / "o.parquet"], tmp_path / "m.json", settings=MergeSettings.defaults(max_len=0))
     with pytest.raises(FileNotFoundError, match="nope"):
-        merge([tmp_path / "nope.parquet"], [tmp_path / "o.parquet"], tmp_path / "m.json", max_len=10)
+        merge([tmp_path / "nope.parquet"], [tmp_path / "o.parquet"], tmp_path / "m.json",
+              settings=MergeSettings.defaults(max_len=10))
 
 
 def test_crash_mid_write_leaves_no_partial_shard(tmp_path, monkeypatch):
@@ -241,7 +251,7 @@ def test_crash_mid_write_leaves_no_partial_shard(tmp_path, monkeypatch):
 
     monkeypatch.setattr(merge_mod, "check_merged_batch", flaky)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        merge(inputs, outs, tmp_path / "m.json", max_len=100, seed=0, batch_rows=64)
+        merge(inputs, outs, tmp_path / "m.json", settings=MergeSettings.defaults(max_len=100, seed=0), batch_rows=64)
     assert not outs[1].exists() and not (tmp_path / "m.json").exists()
     assert not [p for p in (tmp_path / "m").iterdir() if p.name.startswith(".")]
 

@@ -11,6 +11,7 @@ import pytest
 from eagle3_data import schemas
 from eagle3_data.io import content_hash, shard_of
 from eagle3_data.normalize import normalize
+from eagle3_data.settings import NormalizeSettings
 from eagle3_data.sources import SourceFormatError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,7 +22,8 @@ def run(tmp_path, src, fmt, shards=2, **kw):
     out = tmp_path / "out"
     paths = [out / "prompts" / f"{i:03d}.parquet" for i in range(shards)]
     rej = out / "rejected" / "normalize.parquet"
-    counts = normalize(src, fmt, "ds", shards, paths, rej, **kw)
+    kw.setdefault("max_reject_rate", 1.0)  # no ceiling unless a test sets one
+    counts = normalize(NormalizeSettings.defaults("ds", format=fmt, path=src, shards=shards, **kw), paths, rej)
     kind = "tokens" if fmt == "pretokenized" else "prompts"
     tables = [schemas.check(pq.read_table(p), kind, str(p)) for p in paths]  # every file passes its contract
     rejects = schemas.check(pq.read_table(rej), "rejects", str(rej))
@@ -189,9 +191,24 @@ def test_json_array_and_jsonl_sources_agree_on_broken_unicode(tmp_path):
 def test_invalid_json_line_raises_naming_file_and_line(tmp_path):
     src = tmp_path / "x.jsonl"
     src.write_text('{"id": "a", "conversations": []}\n{"id": "b" "conversations": []}\n')
-    with pytest.raises(SourceFormatError, match=r"x\.jsonl line 2: invalid JSON \(Expecting ',' delimiter"):
+    with pytest.raises(SourceFormatError, match=r"x\.jsonl:2: invalid JSON \(Expecting ',' delimiter"):
         run(tmp_path, src, "sharegpt")
     assert not (tmp_path / "out" / "prompts").exists() or not list((tmp_path / "out" / "prompts").glob("*.parquet"))
+
+
+def test_on_error_skip_rejects_and_counts_invalid_lines_with_their_numbers(tmp_path):
+    good = [json.dumps(sg(i, [H(f"q{i}"), G("a")])) for i in range(6)]
+    lines = good[:2] + ['{"id": "b" "conversations": []}'] + good[2:5] + ["{truncated"] + good[5:]
+    src = tmp_path / "x.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    counts, tables, rejects = run(tmp_path, src, "sharegpt", on_error="skip")
+    assert counts["rows_read"] == 8 and counts["kept"] == 6 and counts["skipped_lines"] == [3, 7]
+    assert counts["rejected"] == {"invalid_json": 2}
+    assert sorted(sum((t.column("sample_id").to_pylist() for t in tables), [])) == [f"id{i}_0" for i in range(6)]
+    assert [(r["reason"], r["detail"].split(": ")[0]) for r in rejects] == [("invalid_json", f"{src}:3"),
+                                                                           ("invalid_json", f"{src}:7")]
+    with pytest.raises(SourceFormatError, match=r"x\.jsonl:3: invalid JSON .*source\.on_error: skip"):
+        run(tmp_path, src, "sharegpt")  # the default: fail, naming file:line
 
 
 def test_wrong_format_fails_fast_and_late_breakage_is_rejected(tmp_path):
@@ -211,7 +228,8 @@ def test_wrong_format_fails_fast_and_late_breakage_is_rejected(tmp_path):
     assert counts["rejected"] == {"malformed_record": 1} and counts["kept"] == 13
     assert rejects[0]["source_row"] == 12 and rejects[0]["detail"].startswith("line 13: got keys ['messages']")
     with pytest.raises(ValueError, match="2 output paths for 3 shards"):
-        normalize(late, "sharegpt", "ds", 3, [tmp_path / "a", tmp_path / "b"], tmp_path / "r.parquet")
+        normalize(NormalizeSettings.defaults("ds", format="sharegpt", path=late, shards=3),
+                  [tmp_path / "a", tmp_path / "b"], tmp_path / "r.parquet")
 
 
 # ------------------------------------------------------------------------------------------ pretokenized

@@ -10,11 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3_data.report import format_hours
+from eagle3_data.formatting import format_bytes, format_hours
 
 from eagle3_data import plan as pl
 from eagle3_data import schemas
 from eagle3_data.merge import merge
+from eagle3_data.settings import ExtractSettings, MergeSettings, PlanSettings
 
 # The seed's table (samples, tokens) per dataset; A1: 2,800 samples, ~44.9M tokens, ~16k average.
 SEED = {
@@ -65,8 +66,9 @@ def test_seed_figures(tmp_path):
     assert round(manifest["totals"]["tokens"] / 1e6, 1) == 138.4 and manifest["totals"]["samples"] == 40114
     # throughput: what the seed's 91 h for 138.4M tokens on 8 GPUs implies (422.5 tokens/s, 52.8 per GPU)
     tps = 138.4e6 / (91 * 3600) / 8
-    p = pl.build_plan(manifest, paths, model_path=KIMI_K25, dtype="bfloat16", tokens_per_s_per_gpu=tps,
-                      gpus_per_job=8, gpus_total=8, caps=[8192], drop=["A1_deepswekimi"])
+    p = pl.build_plan(manifest, paths, settings=PlanSettings.defaults(
+        ExtractSettings.defaults(KIMI_K25, dtype="bfloat16", gpus_per_job=8), tokens_per_s_per_gpu=tps, gpus_total=8,
+        caps=[8192], drop=["A1_deepswekimi"]))
     assert p["layers"] == [1, 29, 57] and p["model"]["hidden_size"] == 7168
     sc = {s["name"]: s for s in p["scenarios"]}
     seed_key = "aux_only_bf16"
@@ -105,7 +107,7 @@ def test_bytes_per_token_and_model_dims(tmp_path):
     with pytest.raises(KeyError, match="num_hidden_layers"):
         pl.model_dims({"foo": 1})
     with pytest.raises(ValueError, match="throughput"):
-        pl.build_plan({"shards": []}, [], model_path=KIMI_K25)
+        pl.build_plan({"shards": []}, [], settings=PlanSettings.defaults(ExtractSettings.defaults(KIMI_K25)))
 
 
 def _rows(n, seed=3):
@@ -132,10 +134,10 @@ def test_cap_alternative_equals_merge_with_that_max_len(tmp_path, overflow):
     val = tmp_path / "v.parquet"
     schemas.write_checked(schemas.from_rows(rows, schemas.VALIDATED), "validated", val)
     full = [tmp_path / "full" / f"{i:03d}.parquet" for i in range(2)]
-    merge([val], full, tmp_path / "full.json", max_len=1000, seed=0)
+    merge([val], full, tmp_path / "full.json", settings=MergeSettings.defaults(max_len=1000, seed=0))
     for cap in (10, 50):
-        capped = merge([val], [tmp_path / f"c{cap}.parquet"], tmp_path / f"c{cap}.json", max_len=cap,
-                       overflow=overflow, seed=0)
+        capped = merge([val], [tmp_path / f"c{cap}.parquet"], tmp_path / f"c{cap}.json",
+                       settings=MergeSettings.defaults(max_len=cap, overflow=overflow, seed=0))
         got = pl.scenario_totals(full, cap=cap, overflow=overflow)
         assert (got["samples"], got["tokens"], got["supervised_tokens"]) == (
             capped["totals"]["samples"], capped["totals"]["tokens"], capped["totals"]["supervised_tokens"])
@@ -154,9 +156,10 @@ def test_plan_measures_throughput(tmp_path):
     val = tmp_path / "v.parquet"
     schemas.write_checked(schemas.from_rows(_rows(60), schemas.VALIDATED), "validated", val)
     merged = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(2)]
-    merge([val], merged, tmp_path / "m.json", max_len=1000, seed=0)
-    p = pl.plan(tmp_path / "m.json", merged, tmp_path / "plan.md", tmp_path / "plan.json", model_path=model_dir,
-                dtype="float32", measure={"device": "cpu", "max_tokens": 500}, gpus_total=1, caps=[32], drop=["a"])
+    merge([val], merged, tmp_path / "m.json", settings=MergeSettings.defaults(max_len=1000, seed=0))
+    extract = ExtractSettings.defaults(model_dir, dtype="float32", device="cpu")
+    p = pl.plan(tmp_path / "m.json", merged, tmp_path / "plan.md", tmp_path / "plan.json",
+                settings=PlanSettings.defaults(extract, measure_tokens=500, gpus_total=1, caps=[32], drop=["a"]))
     assert p["throughput"]["source"] == "measured" and p["throughput"]["tokens_per_s_per_gpu"] > 0
     assert p["throughput"]["measured"]["tokens"] >= 500
     assert p["bytes_per_token"]["configured"]["total"] == 3 * 32 * 4 + 32 * 4 + 5
@@ -168,10 +171,10 @@ def test_plan_measures_throughput(tmp_path):
 
 def test_units_scale_with_the_size_of_the_build():
     # bytes: the largest decimal unit keeping the number >= 1, the binary one beside it
-    assert pl._fmt_bytes(512) == "512 B"
-    assert pl._fmt_bytes(43_818_936) == "43.82 MB (41.79 MiB)"  # the demo: 42,584 tokens x 1,029 B
-    assert pl._fmt_bytes(5_952_307_200_000) == "5.95 TB (5.41 TiB)"  # the seed: 138.4M x 43,008 B
-    assert pl._fmt_bytes(2_000) == "2.00 KB (1.95 KiB)"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(43_818_936) == "43.82 MB (41.79 MiB)"  # the demo: 42,584 tokens x 1,029 B
+    assert format_bytes(5_952_307_200_000) == "5.95 TB (5.41 TiB)"  # the seed: 138.4M x 43,008 B
+    assert format_bytes(2_000) == "2.00 KB (1.95 KiB)"
     # durations given in hours: seconds, minutes or hours
     assert format_hours(42_584 / 1978.1 / 3600) == "21.5 s"
     assert format_hours(0.5) == "30.0 min"

@@ -75,7 +75,7 @@ def _opt(argv: list[str], flag: str) -> str | None:
 def submitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm")
     work = copy_workflow(tmp / "w")
-    # placeholder files for every stage up to the merge checkpoint, oldest first: with --allowed-rules nothing
+    # placeholder files for every stage up to the merge and plan checkpoints, oldest first: with --allowed-rules nothing
     # upstream is scheduled and the jobs never run; the manifest gives the extract job its selection digest
     cfg = yaml.safe_load((work / "config.yaml").read_text())
     shards = [(ds, f"{s:03d}") for ds, d in cfg["datasets"].items() for s in range(d.get("shards", 1))]
@@ -86,6 +86,7 @@ def submitted(tmp_path_factory):
     placeholders += [f"results/{ds}/responses/{s}.json" for ds, s in shards]
     placeholders += [f"results/merged/{k:03d}.parquet" for k in range(cfg["merge"]["shards"])]
     placeholders += [f"results/merged/selection/{ds}/{s}.parquet" for ds, s in shards]
+    placeholders += [f"results/reports/plan.{ext}" for ext in ("md", "html", "json")]  # extract waits for the plan
     for f in placeholders:
         (work / f).parent.mkdir(parents=True, exist_ok=True)
         (work / f).touch()

@@ -1,5 +1,5 @@
 """Every kind of reply a backend returns, per template family: what is supervised, what is rejected and why
-(the table in ``templates.py``): finish reasons, cut prefixes, empty answers, reasoning outside its markers and
+(the table in ``templates/core.py``): finish reasons, cut prefixes, empty answers, reasoning outside its markers and
 think blocks returned inside the content."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 import tokenizer_fixtures as F
 from eagle3_data import schemas
 from eagle3_data.templates import FINISH_REASONS, TemplateError, normalize_finish_reason
+from eagle3_data.settings import TokenizeSettings
 from eagle3_data.tokenize import tokenize, tokenize_rows
 from eagle3_data.validate import Context, validate_rows
 from test_templates import MULTI, row, target
@@ -171,7 +172,8 @@ def test_stage_counts_split_rows_and_passes_max_tokens(tmp_path):
             dict(row(MULTI, reasoning="r", content="C", completion_tokens=9), sample_id="c")]
     resp = tmp_path / "responses.parquet"
     pq.write_table(schemas.from_rows(rows, schemas.RESPONSES), resp)
-    s = tokenize(str(resp), str(tmp_path / "t.parquet"), target={"path": path, "template": "qwen3"}, max_tokens=64)
+    s = tokenize(str(resp), str(tmp_path / "t.parquet"),
+                 settings=TokenizeSettings.defaults({"path": path, "template": "qwen3"}, max_tokens=64))
     assert s["reasoning_split_from_content"] == 1 and s["tokenized"] == 3
     got = {r["sample_id"]: r for r in pq.read_table(tmp_path / "t.parquet").to_pylist()}
     assert [got[k]["finish_reason"] for k in "abc"] == ["stop", "length", "stop"]

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import md_rows
 from eagle3_data import schemas
-from eagle3_data.report import backend_location, format_tally, format_usd, tally
+from eagle3_data.formatting import dollars, format_usd
+from eagle3_data.report import backend_location, format_tally, tally
 
 
 BACKENDS = {
@@ -333,6 +334,12 @@ def test_tally_without_pretokenized_data_and_dollars_as_in_the_cost_table(tmp_pa
 def test_dollar_format_keeps_two_significant_digits_below_a_dollar():
     assert [format_usd(v) for v in (0, 0.0002, 0.00021, 0.01234, 0.5, 0.999, 86.04, 1234.5)] == [
         "0.00", "0.00020", "0.00021", "0.012", "0.50", "1.00", "86.04", "1,234.50"]
+
+
+def test_log_dollars_are_cents_or_four_significant_digits():
+    """The forecast's log line: $0.016560699999999998 reads $0.01656 (eagle3_data.formatting.dollars)."""
+    assert [dollars(v) for v in (0.016560699999999998, 0.0002, 1.23456, 1234.5, 0, None)] == [
+        "$0.01656", "$0.0002000", "$1.23", "$1,234.50", "$0.00", "unknown"]
 
 
 def test_html_tables_hold_the_markdown_numbers(tmp_path, build):

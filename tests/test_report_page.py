@@ -21,11 +21,11 @@ import pytest
 
 from conftest import md_rows, run_snakemake
 from eagle3_data.plots import PLOT_FILES
-from eagle3_data.report import REPORT_FILES
+from eagle3_data.report import REPORT_FILES, RULE_OUTPUTS
 from headless import Browser, find_chromium
 
 # flagged with report(): the tables as HTML pages, the plots, the plan, one loss-mask page per dataset
-REPORTED = sorted([f for f in REPORT_FILES if f.endswith(".html")] + PLOT_FILES + ["plan.html"])
+REPORTED = sorted([file for _, file, caption, *_ in RULE_OUTPUTS if caption] + ["plan.html"])
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,33 @@ def test_report_page_is_self_contained_with_every_table_and_plot(demo):
     assert "data:text/csv" not in html
     for caption in ("a short-biased sample", "Which limit ended each generated dataset", "What the draft model is trained on"):
         assert caption in html
+
+
+def test_report_front_page_shows_the_tally_cost_and_rejects(demo):
+    """The page's front (the workflow description, report/workflow.rst) carries the report rule's
+    results/reports/front.html: the tally, cost and rejects tables, each cell as the Markdown reports have it."""
+    html = (demo / "report.html").read_text()
+    front = (demo / "results" / "reports" / "front.html").read_text()
+    assert json.dumps(front)[1:-1] in html  # embedded verbatim in the page's description
+    titles = re.findall(r"<h3>(.*?)</h3>", front)
+    assert titles == ["Tally", "Cost and tokens by dataset, backend and provider",
+                      "Rejects by dataset, stage and reason"], titles
+    sections = re.split(r"<h3>.*?</h3>", front)[1:]
+    entities = {"&amp;": "&", "&lt;": "<", "&gt;": ">", "&quot;": '"'}
+
+    def text(cell: str) -> str:
+        return re.sub("&[a-z]+;", lambda m: entities[m.group(0)], re.sub(r"<[^>]+>", "", cell))
+
+    for section, stem in zip(sections, ("tally", "cost", "rejects")):
+        shown = ["|".join(text(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row))
+                 for row in re.findall(r"<tr>(.*?)</tr>", section, flags=re.S)]
+        # md_rows splits escaped pipes too: joined again, the row's text (bold marks and escapes dropped)
+        expected = ["|".join(row).replace("**", "").replace("\\|", "|")
+                    for row in md_rows((demo / "results" / "reports" / f"{stem}.md").read_text())]
+        assert [row for row in shown if row] == expected, stem
+    tally = md_rows((demo / "results" / "reports" / "tally.md").read_text())
+    datasets = sorted(p.name for p in (demo / "results").iterdir() if (p / "validated").is_dir())
+    assert {r[0] for r in tally} >= set(datasets)
 
 
 def test_report_rule_graph_lists_every_rule_once(demo):

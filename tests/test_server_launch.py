@@ -199,7 +199,7 @@ def test_launch_runs_in_its_own_environment(tmp_path):
     with pytest.raises(ServerLaunchError, match=r"launch.python: /nonexistent/env does not exist") as ei:
         with launch_server({**launch, "python": "/nonexistent/env"}, "m", tmp_path / "s2.log"):
             pass
-    assert "README" in str(ei.value)
+    assert "docs/environments.md" in str(ei.value)
 
 
 def fake_gpus(monkeypatch, tmp_path: Path, n: int) -> None:

@@ -361,7 +361,7 @@ def test_json_array_reader_errors(tmp_path):
 def test_jsonl_reader_lines_blank_lines_gzip_and_errors(tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text('{"a": 1}\n\n{"a": 2}\n{"a": 3,}\n')
-    with pytest.raises(SourceFormatError, match=r"x\.jsonl line 4: invalid JSON \(Expecting property name"):
+    with pytest.raises(SourceFormatError, match=r"x\.jsonl:4: invalid JSON \(Expecting property name"):
         list(iter_records(p))
     p.write_text('{"a": 1}\n\n{"a": 2}\n')
     assert [(i, r, w) for i, r, w in iter_records(p)] == [(0, {"a": 1}, "line 1"), (1, {"a": 2}, "line 3")]

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3_data.settings import TinyTargetSettings
 from eagle3_data.tiny_target import (
     ALLOWED_COMPLETION_BYTES,
     CONTENT_BYTES,
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("target") / "tiny-kimi"
-    facts = build_tiny_target(out, seed=0)
+    facts = build_tiny_target(out, settings=TinyTargetSettings.defaults(seed=0))
     return out, facts
 
 
@@ -54,7 +55,7 @@ def model(built):
 
 def test_build_is_deterministic_and_seeded(built, tmp_path):
     out, facts = built
-    again = build_tiny_target(tmp_path / "again", seed=0)
+    again = build_tiny_target(tmp_path / "again", settings=TinyTargetSettings.defaults(seed=0))
     assert again == facts
     a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert a.keys() == b.keys() and len(a) > 10
@@ -62,7 +63,7 @@ def test_build_is_deterministic_and_seeded(built, tmp_path):
         assert torch.equal(a[name], b[name]), name
     assert (out / "tokenizer.json").read_bytes() == (tmp_path / "again" / "tokenizer.json").read_bytes()
     assert (out / "chat_template.jinja").read_text() == (tmp_path / "again" / "chat_template.jinja").read_text()
-    other = build_tiny_target(tmp_path / "other", seed=1)
+    other = build_tiny_target(tmp_path / "other", settings=TinyTargetSettings.defaults(seed=1))
     c = load_file(tmp_path / "other" / "model.safetensors")
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
     assert other["special_token_ids"] == facts["special_token_ids"]
@@ -72,7 +73,7 @@ def test_build_replaces_existing_dir_atomically(tmp_path):
     out = tmp_path / "t"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    build_tiny_target(out, seed=3, num_layers=2)
+    build_tiny_target(out, settings=TinyTargetSettings.defaults(seed=3, num_layers=2))
     assert not (out / "stale.txt").exists()
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]  # no temp dirs left behind
@@ -80,13 +81,14 @@ def test_build_replaces_existing_dir_atomically(tmp_path):
 
 def test_build_rejects_bad_sizes(tmp_path):
     with pytest.raises(ValueError, match="num_heads"):
-        build_tiny_target(tmp_path / "x", hidden_size=64, num_heads=5)
+        build_tiny_target(tmp_path / "x", settings=TinyTargetSettings.defaults(hidden_size=64, num_heads=5))
     with pytest.raises(ValueError, match="mean_completion_tokens must be > 2"):
-        build_tiny_target(tmp_path / "x", mean_completion_tokens=2)
+        build_tiny_target(tmp_path / "x", settings=TinyTargetSettings.defaults(mean_completion_tokens=2))
     with pytest.raises(ValueError, match="mean_reasoning_tokens must be > 2"):
-        build_tiny_target(tmp_path / "x", mean_reasoning_tokens=1)
+        build_tiny_target(tmp_path / "x", settings=TinyTargetSettings.defaults(mean_reasoning_tokens=1))
     with pytest.raises(ValueError, match="hidden_size must be at least 12"):
-        build_tiny_target(tmp_path / "x", hidden_size=8, num_heads=2, num_kv_heads=1)
+        build_tiny_target(tmp_path / "x",
+                          settings=TinyTargetSettings.defaults(hidden_size=8, num_heads=2, num_kv_heads=1))
     assert not (tmp_path / "x").exists()
 
 
@@ -246,7 +248,9 @@ def test_forward_and_sampling_follow_the_thinking_format(built, tok, model):
 def test_mean_lengths_change_with_the_settings(tmp_path, tok):
     from transformers import AutoModelForCausalLM
 
-    build_tiny_target(tmp_path / "short", mean_reasoning_tokens=40, mean_completion_tokens=6, num_layers=2)
+    build_tiny_target(tmp_path / "short",
+                      settings=TinyTargetSettings.defaults(mean_reasoning_tokens=40, mean_completion_tokens=6,
+                                                           num_layers=2))
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "short").eval()
     prompt = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)

@@ -11,6 +11,7 @@ import pytest
 import tokenizer_fixtures as F
 from eagle3_data import schemas
 from eagle3_data.templates import TargetTokens, TemplateError, completion_format, load_target_tokens
+from eagle3_data.settings import TokenizeSettings
 from eagle3_data.tokenize import tokenize, tokenize_batch, tokenize_rows, tokens_table
 from test_templates import MULTI, row, target
 
@@ -81,7 +82,8 @@ def test_stage_writes_tokens_parquet(tmp_path):
     resp = tmp_path / "responses.parquet"
     pq.write_table(schemas.from_rows(rows, schemas.RESPONSES), resp)
     out = tmp_path / "tokens.parquet"
-    summary = tokenize(str(resp), str(out), target={"path": path, "template": "kimi-k2-thinking"})
+    summary = tokenize(str(resp), str(out),
+                       settings=TokenizeSettings.defaults({"path": path, "template": "kimi-k2-thinking"}))
     assert summary["rows"] == summary["tokenized"] == 4 and summary["rejected"] == {}
     got = pq.read_table(out)
     assert got.schema.equals(schemas.TOKENS) and got.num_rows == 4
@@ -89,7 +91,8 @@ def test_stage_writes_tokens_parquet(tmp_path):
     assert got.column("billed_prompt_tokens").to_pylist() == [40, 41, 42, None]  # usage.prompt_tokens, for the audit
     assert got.column("billed_completion_tokens").to_pylist() == [9] * 4
     with pytest.raises(ValueError, match="not a responses file"):
-        tokenize(str(out), str(tmp_path / "x.parquet"), target={"path": path, "template": "kimi-k2-thinking"})
+        tokenize(str(out), str(tmp_path / "x.parquet"),
+                 settings=TokenizeSettings.defaults({"path": path, "template": "kimi-k2-thinking"}))
 
 
 def test_dataset_chat_template_kwargs_change_the_rendered_prompt(tmp_path):
@@ -101,8 +104,9 @@ def test_dataset_chat_template_kwargs_change_the_rendered_prompt(tmp_path):
     pq.write_table(schemas.from_rows([row(MULTI, reasoning="r", content="plain answer", completion_tokens=3)],
                                      schemas.RESPONSES), resp_on)
     target = {"path": path, "template": "kimi-k25", "chat_template_kwargs": {"thinking": True}}
-    tokenize(str(resp_on), str(tmp_path / "on.parquet"), target=target)
-    tokenize(str(resp), str(tmp_path / "off.parquet"), target=target, chat_template_kwargs={"thinking": False})
+    tokenize(str(resp_on), str(tmp_path / "on.parquet"), settings=TokenizeSettings.defaults(target))
+    tokenize(str(resp), str(tmp_path / "off.parquet"),
+             settings=TokenizeSettings.defaults(target, chat_template_kwargs={"thinking": False}))
     tok = F.FIXTURES["kimi-k25"]()
     on, off = (pq.read_table(tmp_path / f).to_pylist()[0] for f in ("on.parquet", "off.parquet"))
     prompt_on = tok.decode(on["input_ids"][: on["num_prompt_tokens"]], skip_special_tokens=False)

@@ -8,6 +8,7 @@ import pytest
 
 import tokenizer_fixtures as F
 from eagle3_data import schemas
+from eagle3_data.settings import ValidateSettings
 from eagle3_data.tokenize import tokenize_rows
 from eagle3_data.validate import CHECKS, REASONS, Context, CountAuditFailed, RejectRateExceeded, validate, validate_rows
 from test_templates import MULTI, row, target
@@ -225,14 +226,16 @@ def test_trimmed_whitespace_is_caught_by_the_count_audit(tmp_path):
     settings = {"max_reject_rate": 0.5, "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02,
                                                             "aggregate_rel": 0.0004}}
     with pytest.raises(CountAuditFailed, match="aggregate_rel"):  # ...but the shard's aggregate does not
-        validate(str(tokens), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"), target=tgt, settings=settings)
+        validate(str(tokens), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"),
+                 settings=ValidateSettings.defaults(tgt, **settings))
     ok = tmp_path / "ok.parquet"
     good = trimmed_rows(20, trim=False)
     for i, r in enumerate(good):  # the prompt audit: billed prompt counts, 5 of them off by one (reported only)
         r["billed_prompt_tokens"] = r["num_prompt_tokens"] + (1 if i % 4 == 0 else 0)
     good[1]["billed_prompt_tokens"] = None
     pq.write_table(schemas.from_rows(good, schemas.TOKENS), ok)
-    s = validate(str(ok), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"), target=tgt, settings=settings)
+    s = validate(str(ok), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"),
+                 settings=ValidateSettings.defaults(tgt, **settings))
     assert s["validated"] == 20 and s["count_rel"] == 0.0
     assert s["billed_completion_tokens"] == s["reconstructed_completion_tokens"] > 20 * 100
     rendered = sum(r["num_prompt_tokens"] for i, r in enumerate(good) if i != 1)
@@ -242,7 +245,8 @@ def test_trimmed_whitespace_is_caught_by_the_count_audit(tmp_path):
     # a tokens file from before the billed_prompt_tokens column still validates (the column comes out null)
     old = tmp_path / "old.parquet"
     pq.write_table(schemas.from_rows(good, schemas.TOKENS).drop_columns(["billed_prompt_tokens"]), old)
-    s = validate(str(old), str(tmp_path / "v2.parquet"), str(tmp_path / "r2.parquet"), target=tgt, settings=settings)
+    s = validate(str(old), str(tmp_path / "v2.parquet"), str(tmp_path / "r2.parquet"),
+                 settings=ValidateSettings.defaults(tgt, **settings))
     assert s["validated"] == 20 and s["prompt_samples_billed"] == 0
 
 
@@ -255,7 +259,8 @@ def test_stage_writes_validated_and_rejects_and_enforces_ceiling(tmp_path):
     pq.write_table(schemas.from_rows(rows, schemas.TOKENS), tokens)
     tgt = {"path": path, "template": "kimi-k2-thinking"}
     v, rj = tmp_path / "v.parquet", tmp_path / "r.parquet"
-    s = validate(str(tokens), str(v), str(rj), target=tgt, settings={"max_reject_rate": 0.3}, shard="000")
+    s = validate(str(tokens), str(v), str(rj), settings=ValidateSettings.defaults(tgt, max_reject_rate=0.3),
+                 shard="000")
     assert s["rows"] == 8 and s["validated"] == 6
     assert s["rejected"] == {"reasoning_marker_leak": 1, "truncated": 1}
     got = pq.read_table(v)
@@ -265,5 +270,5 @@ def test_stage_writes_validated_and_rejects_and_enforces_ceiling(tmp_path):
     assert {(r["sample_id"], r["stage"], r["reason"]) for r in rej} == {("leak", "validate", "reasoning_marker_leak"),
                                                                          ("cut", "validate", "truncated")}
     with pytest.raises(RejectRateExceeded, match="2/8"):
-        validate(str(tokens), str(v), str(rj), target=tgt, settings={"max_reject_rate": 0.2})
+        validate(str(tokens), str(v), str(rj), settings=ValidateSettings.defaults(tgt, max_reject_rate=0.2))
     assert pq.read_table(rj).num_rows == 2  # both files are written before the shard fails

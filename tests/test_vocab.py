@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eagle3_data import schemas
+from eagle3_data.settings import VocabSettings
 from eagle3_data import vocab as vb
 
 
@@ -68,7 +69,8 @@ def test_build_vocab_writes_loadable_map(tmp_path):
     (tmp_path / "model" / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 64}}))
     f = merged_file(tmp_path / "m.parquet", [([1, 2, 2, 3, 60], [0, 1, 1, 1, 1]), ([2, 4], [1, 0])])
     s = vb.build_vocab([f], tmp_path / "out" / "vocab_mapping.pt", tmp_path / "out" / "freq.parquet",
-                       tmp_path / "out" / "vocab.json", draft_vocab_size=6, model_path=tmp_path / "model")
+                       tmp_path / "out" / "vocab.json",
+                       settings=VocabSettings.defaults(tmp_path / "model", draft_vocab_size=6))
     assert s["distinct_supervised_ids"] == 3 and s["padded_ids"] == 3 and s["coverage"] == 1.0
     vm = torch.load(tmp_path / "out" / "vocab_mapping.pt", weights_only=True)
     assert set(vm) == {"d2t", "t2d"} and vm["t2d"].shape == (64,) and vm["d2t"].shape == (6,)

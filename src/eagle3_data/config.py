@@ -11,7 +11,8 @@ generation). Settings that change how a stage runs but not what it writes (concu
 limits, headers, key variable names, launch commands, retries, devices, batch sizes, memory, reject
 ceilings) are never params: the stage's script reads them from ``snakemake.config`` at run time, so
 changing them reruns nothing. :data:`RERUNS` lists, for every config key, what its change reruns; the
-README's table is generated from it and a test checks both against the schema and dry runs.
+table in docs/config.md is generated from it (``eagle3_data.docgen``) and tests check both against the schema
+and dry runs.
 """
 
 from __future__ import annotations
@@ -233,11 +234,18 @@ def pretokenized_datasets(config: dict) -> list[str]:
     return [d for d in datasets(config) if is_pretokenized(config, d)]
 
 
+def dataset_shards(config: dict, ds: str) -> int:
+    """``datasets.<ds>.shards`` (the schema's default where unset)."""
+    from .settings import NormalizeSettings
+
+    return NormalizeSettings.from_config(config, ds).shards
+
+
 def shard_names(config: dict, ds: str) -> list[str]:
     """Shard file stems of dataset ``ds`` (``000``, ``001``, ...)."""
     from .io import shard_name
 
-    return [shard_name(i) for i in range(int(config["datasets"][ds].get("shards", 1)))]
+    return [shard_name(i) for i in range(dataset_shards(config, ds))]
 
 
 def generation_config(config: dict, ds: str) -> dict:
@@ -272,18 +280,6 @@ MERGE_DATA_KEYS = ("datasets", "max_samples", "max_len", "overflow", "seed", "sh
 #: extract keys the stored values depend on (the rest: devices, batch size, attention path, locks)
 EXTRACT_STATE_KEYS = ("backend", "layers", "dtype", "final_norm", "final_states", "aux_format")
 
-DEFAULTS = {
-    "validate": {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
-                 "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}},
-    "merge": {"datasets": None, "max_samples": {}, "overflow": "truncate", "memory_mb": 4000, "threads": 2},
-    "extract": {"backend": "transformers", "layers": None, "dtype": "bfloat16", "device": "auto",
-                "gpus_per_job": 1, "batch_tokens": 8192, "attention": "auto", "final_norm": "post", "final_states": "all",
-                "aux_format": "same", "gpu_lock_dir": None},
-    "normalize": {"max_reject_rate": 0.5},
-    "forecast": {"pilot_samples": 50},
-}
-
-
 _BELOW_MERGE = "merge; extract where a selection's samples change; export, plan, vocab"
 _GEN_CHAIN = ("generate of the datasets using it (only requests the journal lacks are sent), then their tokenize "
               "and validate, report, view, " + _BELOW_MERGE)
@@ -291,8 +287,8 @@ _DS_CHAIN = "the dataset's own chain (normalize or generate onward), report, vie
 NOTHING = "nothing"
 
 #: For every config key, what changing it reruns (leaves: the key; ``*`` covers every key under a prefix). The
-#: README's table is rendered from this; tests/test_config.py checks every schema key has an entry and
-#: tests/test_workflow.py checks the claims with dry runs of the demo build.
+#: table in docs/config.md is rendered from this (eagle3_data.docgen); tests/test_config.py checks every schema
+#: key has an entry and tests/test_workflow.py checks the claims with dry runs of the demo build.
 RERUNS: list[tuple[str, str]] = [
     ("cache_dir", NOTHING + " (move the directory with it: it holds the journals, the extraction links and what "
                             "the forecast pilot saw)"),
@@ -348,6 +344,7 @@ RERUNS: list[tuple[str, str]] = [
     ("datasets.<name>.source.max_samples", _DS_CHAIN),
     ("datasets.<name>.source.options", _DS_CHAIN),
     ("datasets.<name>.source.max_reject_rate", NOTHING),
+    ("datasets.<name>.source.on_error", _DS_CHAIN),
     ("datasets.<name>.shards", _DS_CHAIN + " (every selection of the dataset is new: its states are recomputed)"),
     ("datasets.<name>.generation.max_retries", NOTHING),
     ("datasets.<name>.generation.retry_initial_s", NOTHING),
@@ -403,16 +400,12 @@ def reruns_of(key: str) -> str | None:
     return None
 
 
-def reruns_table() -> str:
-    """:data:`RERUNS` as a markdown table (the README's "What a config change reruns")."""
-    lines = ["| config key | a change reruns |", "|---|---|"]
-    lines += [f"| `{k}` | {v} |" for k, v in RERUNS]
-    return "\n".join(lines) + "\n"
-
-
 def section(config: dict, name: str) -> dict:
-    """``config[name]`` over :data:`DEFAULTS` (a missing or null section gives the defaults)."""
-    return deep_merge(DEFAULTS.get(name, {}), config.get(name) or {})
+    """``config[name]`` with the schema's defaults where unset (a missing or null section gives the defaults); the
+    stages read theirs through :mod:`eagle3_data.settings`."""
+    from .settings import filled
+
+    return filled(name, config.get(name))
 
 
 #: source keys the prompts depend on (``max_reject_rate`` only decides whether the job fails)
@@ -421,75 +414,38 @@ SOURCE_DATA_KEYS = ("format", "path", "max_samples", "options")
 
 def source_data_settings(config: dict, ds: str) -> dict:
     """The source keys of ``ds`` its normalized rows depend on (:data:`SOURCE_DATA_KEYS`)."""
-    src = config["datasets"][ds]["source"]
-    return {k: src.get(k) for k in SOURCE_DATA_KEYS}
+    from .settings import NormalizeSettings
+
+    return NormalizeSettings.from_config(config, ds).params()
 
 
 def datasets_data_settings(config: dict) -> dict:
     """Every dataset's source keys (:data:`SOURCE_DATA_KEYS`) and shard count: what the reports depend on."""
-    return {ds: {"source": source_data_settings(config, ds), "shards": int(config["datasets"][ds].get("shards", 1))}
+    return {ds: {"source": source_data_settings(config, ds), "shards": dataset_shards(config, ds)}
             for ds in datasets(config)}
-
-
-def normalize_reject_ceiling(config: dict, ds: str) -> float:
-    """The share of a dataset's source rows normalize may reject: ``datasets.<ds>.source.max_reject_rate``, else
-    ``normalize.max_reject_rate``."""
-    own = config["datasets"][ds]["source"].get("max_reject_rate")
-    return float(own if own is not None else section(config, "normalize")["max_reject_rate"])
 
 
 def generation_data_settings(config: dict, ds: str) -> dict:
     """The generation settings of ``ds`` its responses depend on (:data:`GENERATION_DATA_KEYS`, and
     ``reject_other_models`` when it is set: left at its default it changes nothing, and reruns nothing)."""
-    gen = generation_config(config, ds)
-    out = {k: gen.get(k) for k in GENERATION_DATA_KEYS}
-    if gen.get("reject_other_models"):
-        out["reject_other_models"] = True
-    return out
+    from .settings import GenerateSettings
+
+    return GenerateSettings.from_config(config, ds).params()["generation"]
 
 
 def backends_data_settings(config: dict, ds: str) -> dict:
     """Per backend ``ds`` uses (priority order): the keys that say which endpoint answers and how requests
     are shaped (:data:`BACKEND_DATA_KEYS`); ``launch`` counts only as present or not."""
-    return {name: {**{k: b.get(k) for k in BACKEND_DATA_KEYS}, "launched": bool(b.get("launch"))}
-            for name, b in backends_config(config, ds).items()}
+    from .settings import GenerateSettings
+
+    return GenerateSettings.from_config(config, ds).params()["backends"]
 
 
 def target_data_settings(config: dict) -> dict:
     """The target keys prompt rendering and token reconstruction depend on (:data:`TARGET_DATA_KEYS`)."""
-    t = config["target"]
-    return {k: t.get(k) for k in TARGET_DATA_KEYS}
+    from .settings import TargetSettings
 
-
-def validate_data_settings(config: dict) -> dict:
-    """The validate keys that decide rejects: :data:`VALIDATE_DATA_KEYS` and the per-sample count tolerance."""
-    v = section(config, "validate")
-    tol = v.get("count_tolerance") or {}
-    return {**{k: v.get(k) for k in VALIDATE_DATA_KEYS},
-            "count_tolerance": {k: tol.get(k) for k in ("per_sample_abs", "per_sample_rel")}}
-
-
-def merge_data_settings(config: dict) -> dict:
-    """The merge keys the merged rows depend on (:data:`MERGE_DATA_KEYS`)."""
-    m = section(config, "merge")
-    return {k: m.get(k) for k in MERGE_DATA_KEYS}
-
-
-def plan_extract_settings(config: dict) -> dict:
-    """The extract keys the plan depends on: the stored layout (:data:`EXTRACT_STATE_KEYS`), ``gpus_per_job``
-    (wall hours) and, only when the plan measures the throughput itself (no ``plan.tokens_per_s_per_gpu``),
-    ``device``, ``batch_tokens`` and ``attention``."""
-    e = section(config, "extract")
-    keys = EXTRACT_STATE_KEYS + ("gpus_per_job",)
-    if not (config.get("plan") or {}).get("tokens_per_s_per_gpu"):
-        keys += ("device", "batch_tokens", "attention")
-    return {k: e.get(k) for k in keys}
-
-
-def extract_state_settings(config: dict) -> dict:
-    """The extract keys the stored hidden states depend on (:data:`EXTRACT_STATE_KEYS`)."""
-    e = section(config, "extract")
-    return {k: e.get(k) for k in EXTRACT_STATE_KEYS}
+    return TargetSettings.from_config(config).params()
 
 
 _MANIFESTS: dict = {}
@@ -546,7 +502,7 @@ def backend_job_seats(config: dict, generate_jobs: int) -> dict[str, int]:
     uses two backends while one backend's seats are full: in the seed config, 4 of 32 shards started only when
     others ended). Only backends some generated dataset uses are listed.
     """
-    jobs = [(set(backends_config(config, ds)), int(config["datasets"][ds].get("shards", 1)))
+    jobs = [(set(backends_config(config, ds)), dataset_shards(config, ds))
             for ds in generated_datasets(config)]
     used = sorted({b for names, _n in jobs for b in names})
     g = int(generate_jobs)
@@ -567,6 +523,33 @@ def seat_resource(backend: str) -> str:
     """The Snakemake resource name of a backend's generate-job seats: ``generate_jobs_<backend>`` (characters
     other than letters, digits and ``_`` become ``_``)."""
     return "generate_jobs_" + re.sub(r"\W", "_", backend)
+
+
+#: the completion family of the demo's tiny target (``target.build_tiny``; :mod:`eagle3_data.tiny_target`)
+TINY_TARGET_FAMILY = "kimi-k25"
+
+
+def resolve_target_template(config: dict) -> str | None:
+    """Replace ``target.template: auto`` in ``config`` by the family found from the target's own chat template
+    (:func:`eagle3_data.templates.auto.resolve_template`, cached under ``cache_dir``: a cache hit imports no
+    transformers) and return the line saying which was chosen and why; a named family is kept (an override;
+    returns None). A tiny target not built yet (``build_tiny``) takes :data:`TINY_TARGET_FAMILY`. Raises
+    :class:`ConfigError` naming the property of the template that failed, or a missing ``target.path``.
+    """
+    from .templates import TemplateError
+    from .templates.auto import describe, resolve_template
+
+    target = config.get("target") or {}
+    if (target.get("template") or "auto") == "auto" and target.get("build_tiny") and \
+            not Path(str(target.get("path", ""))).exists():
+        target["template"] = TINY_TARGET_FAMILY
+        return f"target.template: auto -> {TINY_TARGET_FAMILY} (the tiny target, built by rule tiny_target)"
+    try:
+        family, info = resolve_template(target, config.get("cache_dir"))
+    except TemplateError as exc:
+        raise ConfigError(f"target.template: {exc}") from None
+    target["template"] = family
+    return None if info["source"] == "named" else describe(info)
 
 
 def check_config(config: dict, *, check_paths: bool = True) -> None:
@@ -760,84 +743,3 @@ def merge_datasets(config: dict) -> list[str]:
     if unknown:
         raise KeyError(f"merge.datasets: unknown dataset(s) {unknown}; defined: {datasets(config)}")
     return list(chosen)
-
-
-def schema_reference(schema: dict) -> str:
-    """A markdown table of every config key in the JSON ``schema`` (path, type, allowed values, description).
-
-    The README's config reference is this function's output; a test keeps the two equal.
-    """
-    def kind(node: dict) -> str:
-        t = node.get("type", "object" if "properties" in node else "")
-        t = " or ".join(t) if isinstance(t, list) else t
-        if node.get("type") == "array" or (isinstance(node.get("type"), list) and "array" in node["type"]):
-            item = node.get("items", {}).get("type")
-            if item:
-                t = t.replace("array", f"list of {item}")
-        return t
-
-    def note(node: dict) -> str:
-        parts = []
-        if "enum" in node:
-            parts.append("one of " + ", ".join(f"`{v}`" for v in node["enum"]))
-        for key, word in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<=")):
-            if key in node:
-                parts.append(f"{word} {node[key]}")
-        if "default" in node:
-            parts.append(f"default `{json.dumps(node['default'])}`")
-        if node.get("description"):
-            parts.append(node["description"])
-        return "; ".join(parts)
-
-    rows = []
-    for p, node in _key_paths(schema):
-        if p.endswith(".<name>"):
-            rows.append((p, "object", "one entry per name"))
-        else:
-            rows.append((p, kind(node), note(node)))
-    lines = ["| key | type | values / meaning |", "|---|---|---|"]
-    lines += [f"| `{p}` | {t} | {n.replace('|', '/')} |" for p, t, n in rows]
-    return "\n".join(lines) + "\n"
-
-
-README_START = "<!-- config-reference:start -->"
-README_END = "<!-- config-reference:end -->"
-RERUNS_START = "<!-- reruns:start -->"
-RERUNS_END = "<!-- reruns:end -->"
-
-
-def _replace_between(text: str, start: str, end: str, body: str) -> str:
-    if start not in text or end not in text:
-        raise ValueError(f"README has no {start} ... {end} section")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    return f"{head}{start}\n{body}{end}{tail}"
-
-
-def readme_with_reference(readme: str, schema: dict) -> str:
-    """``readme`` with the text between the config-reference markers replaced by :func:`schema_reference`, and
-    the text between the reruns markers (if present) by :func:`reruns_table`.
-
-    Raises ``ValueError`` if the config-reference markers are missing.
-    """
-    text = _replace_between(readme, README_START, README_END, schema_reference(schema))
-    if RERUNS_START in text:
-        text = _replace_between(text, RERUNS_START, RERUNS_END, reruns_table())
-    return text
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m eagle3_data.config README.md [schema]``: rewrite the README's config reference."""
-    import sys
-    from pathlib import Path
-
-    import yaml
-
-    args = sys.argv[1:] if argv is None else argv
-    readme = Path(args[0] if args else "README.md")
-    schema = Path(args[1]) if len(args) > 1 else readme.parent / "schemas" / "config.schema.yaml"
-    readme.write_text(readme_with_reference(readme.read_text(), yaml.safe_load(schema.read_text())))
-
-
-if __name__ == "__main__":
-    main()

@@ -44,6 +44,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -52,13 +53,16 @@ import pyarrow.parquet as pq
 from .extract.layout import StatesFile
 from .io import atomic_path, write_json, write_parquet
 
+if TYPE_CHECKING:
+    from .settings import ExportSettings
+
 log = logging.getLogger("eagle3_data.export")
 
 LAYOUTS = ("specforge", "speculators")
 REQUIRED_NORM = {"specforge": "post", "speculators": "pre"}
 
 
-def specforge_path(out_dir, index: int, group_size: int = 2000) -> Path:
+def specforge_path(out_dir, index: int, group_size: int) -> Path:
     """Where SpecForge's ``prepare_hidden_states.py`` puts sample ``index``: ``rows_{g}-{g+size}/data_{i}.ckpt``."""
     g = (index // group_size) * group_size
     return Path(out_dir) / f"rows_{g}-{g + group_size}" / f"data_{index}.ckpt"
@@ -117,29 +121,29 @@ def export(
     merged_path,
     out_dir,
     *,
+    settings: "ExportSettings",
     layout: str,
     states_dir,
     merge_manifest=None,
     start_index: int = 0,
-    group_size: int = 2000,
     manifest_path=None,
-    allow_norm_mismatch: bool = False,
 ) -> dict:
     """Write the samples of one merged shard, in its order, in a trainer's per-sample layout (module docstring).
 
     Args:
         merged_path: a MERGED parquet shard (``sample_id``, ``dataset``, ``input_ids``, ``source``).
         out_dir: the layout's root directory (shared by all shards).
+        settings: :class:`~eagle3_data.settings.ExportSettings` (the ``export`` section): ``group_size``
+            (SpecForge's ``--file-group-size``: files per ``rows_*`` directory) and ``allow_norm_mismatch``
+            (export even when the files' ``final_norm`` is not what the trainer expects).
         layout: ``specforge`` | ``speculators``.
         states_dir: directory of the hidden-states files (``<states_dir>/<source>.safetensors``).
         merge_manifest: the merge manifest (path or dict), to refuse stale hidden-states files.
         start_index: global index of this shard's first sample (samples of the merged shards before it;
             :func:`start_indices` computes it from the merge manifest).
-        group_size: SpecForge's ``--file-group-size`` (files per ``rows_*`` directory).
         manifest_path: optional JSON written last (atomically): layout, source, start/end index, files,
             tokens, removed_stale (files of an earlier export removed, :func:`prune_stale`; only with
             ``merge_manifest``), seconds. Snakemake uses it as the rule's output.
-        allow_norm_mismatch: export even when the files' ``final_norm`` is not what the trainer expects.
 
     Returns: the manifest dict.
 
@@ -148,6 +152,8 @@ def export(
         or a sample missing).
     """
     import torch
+
+    group_size, allow_norm_mismatch = settings.group_size, settings.allow_norm_mismatch
 
     if layout not in LAYOUTS:
         raise ValueError(f"export layout must be one of {LAYOUTS}, got {layout!r}")
@@ -256,7 +262,7 @@ _GROUP = re.compile(r"^rows_(\d+)-(\d+)$")
 _SAMPLES = re.compile(r"^samples_(\d+)\.parquet$")
 
 
-def prune_stale(out_dir, layout: str, *, start: int, end: int, total: int, group_size: int = 2000) -> list[str]:
+def prune_stale(out_dir, layout: str, *, start: int, end: int, total: int, group_size: int) -> list[str]:
     """Remove the files of an earlier export in ``out_dir`` that this export does not write, among those this
     shard owns: sample indices in ``[start, end)`` (its rows) and, for the shard that ends the set
     (``end >= total``), every index from ``total`` on. A sample file is stale when its index is owned and it is not

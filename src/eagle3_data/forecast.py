@@ -53,7 +53,8 @@ import pyarrow.parquet as pq
 from .errors import ExpectedFailure
 from .generate import generate, read_prompts, shard_share
 from .io import content_hash, write_json, write_text
-from .report import format_hours, format_usd, human_tokens, markdown_table
+from .formatting import dollars, format_hours, format_usd, human_tokens
+from .report import markdown_table
 from .templates import TemplateError, request_messages, target_tokens
 
 logger = logging.getLogger("eagle3_data.forecast")
@@ -782,9 +783,10 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
         if paths is None:
             paths = [Path(p).with_suffix(".json") for p in spec["pilot"] if Path(p).with_suffix(".json").exists()]
         summaries += [json.loads(Path(p).read_text()) for p in paths]
-        logger.info("%s: %d requests, %s prompt tokens, %s expected completion tokens, $%s (%.1f s)", ds,
-                    per[ds]["requests"], per[ds]["prompt_tokens"], per[ds]["expected_completion_tokens"],
-                    per[ds]["usd"], time.monotonic() - t0)
+        logger.info("%s: %d requests, %s prompt tokens, %s expected completion tokens, %s (%.1f s)", ds,
+                    per[ds]["requests"], human_tokens(per[ds]["prompt_tokens"]),
+                    human_tokens(round(per[ds]["expected_completion_tokens"])), dollars(per[ds]["usd"]),
+                    time.monotonic() - t0)
     t0 = time.monotonic()
     models = backend_models(list(per.values()), backends, summaries)
     overhead = job_overhead(summaries)

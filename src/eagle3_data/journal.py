@@ -6,8 +6,10 @@ its own shard file, but reads *all* ``*.jsonl`` files of the dataset on start, s
 finds earlier responses.
 
 Durability: each record is written to the OS with one ``os.write`` on an ``O_APPEND`` descriptor as soon
-as it arrives (a ``kill -9`` of the job loses nothing written), and ``fsync``-ed in small batches (every
-``sync_every`` records or ``sync_interval_s`` seconds, and on close) against power loss. A crash can leave a
+as it arrives, before its request counts as done (a ``kill -9`` of the job loses nothing written), and
+``fsync``-ed in small batches (every ``sync_every`` records or ``sync_interval_s`` seconds, and on close) against
+power loss. The batches are fsync-ed by a thread of the writer (the fsync releases the GIL), so an event loop
+appending records never waits for the disk. A crash can leave a
 torn last line; the reader skips lines that are not complete JSON objects (counted and reported), and the
 writer starts a fresh line if the file does not end in a newline, so a torn fragment never glues onto the
 next record. Failed requests are never journaled: a rerun retries them; a *paid reject* (a 200 reply that can't be kept:
@@ -27,6 +29,7 @@ import errno
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -151,7 +154,8 @@ class JournalWriter:
     """Appends completed responses to ``<journal_dir>/<dataset>/<shard>.jsonl``.
 
     Use as a context manager (``close`` fsyncs). ``append(record)`` requires ``record["request_key"]``;
-    values must be JSON-serialisable (lists of ints, strings, numbers, None).
+    values must be JSON-serialisable (lists of ints, strings, numbers, None). A daemon thread (started with the
+    writer, stopped by ``close``) fsyncs the batches; ``sync()`` fsyncs at once in the caller's thread.
     """
 
     def __init__(
@@ -171,6 +175,32 @@ class JournalWriter:
         self._unsynced = 0
         self._last_sync = time.monotonic()
         self.written = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._sync_error: OSError | None = None
+        self._syncer = threading.Thread(target=self._sync_loop, name=f"journal-sync-{dataset}-{shard}", daemon=True)
+        self._syncer.start()
+
+    def _sync_loop(self) -> None:
+        """The syncer thread: fsync when ``sync_every`` records wait, or ``sync_interval_s`` after the last sync
+        while any does; ends at ``close``."""
+        cond = self._cond
+        while True:
+            with cond:
+                cond.wait_for(lambda: self._closing or self._unsynced >= self.sync_every,
+                              timeout=self.sync_interval_s)
+                if self._closing:
+                    return
+                if not self._unsynced or (self._unsynced < self.sync_every
+                                          and time.monotonic() - self._last_sync < self.sync_interval_s):
+                    continue
+                self._unsynced = 0
+                self._last_sync = time.monotonic()
+            try:
+                os.fsync(self._fd)  # the fd stays open: close() joins this thread first
+            except OSError as exc:  # a full or failing disk: raised by the next append / sync / close
+                self._sync_error = exc
+                return
 
     def _open(self) -> int:
         try:
@@ -208,6 +238,8 @@ class JournalWriter:
         if not isinstance(record.get("request_key"), str):
             raise JournalError(f"{self.path}: record without a request_key")
         line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        if self._sync_error is not None:
+            raise JournalWriteError.of(self.path, self._sync_error) from None
         fd = self._fd if self._fd is not None else self._open()
         view = memoryview(line)
         try:
@@ -220,9 +252,10 @@ class JournalWriter:
                     os.write(fd, b"\n")
             raise JournalWriteError.of(self.path, exc) from None
         self.written += 1
-        self._unsynced += 1
-        if self._unsynced >= self.sync_every or time.monotonic() - self._last_sync >= self.sync_interval_s:
-            self.sync()
+        with self._cond:
+            self._unsynced += 1
+            if self._unsynced >= self.sync_every:
+                self._cond.notify()
         return line
 
     def extend(self, records: Iterable[dict]) -> None:
@@ -230,17 +263,25 @@ class JournalWriter:
             self.append(r)
 
     def sync(self) -> None:
-        """fsync what has been written."""
-        if self._fd is not None and self._unsynced:
+        """fsync what has been written, now (in the caller's thread). Raises :class:`JournalWriteError`."""
+        if self._sync_error is not None:
+            raise JournalWriteError.of(self.path, self._sync_error) from None
+        with self._cond:
+            pending, self._unsynced = self._unsynced, 0
+            self._last_sync = time.monotonic()
+        if self._fd is not None and pending:
             try:
                 os.fsync(self._fd)
             except OSError as exc:
                 raise JournalWriteError.of(self.path, exc) from None
-        self._unsynced = 0
-        self._last_sync = time.monotonic()
 
     def close(self) -> None:
+        """Stop the syncer thread, fsync what is left, close the file."""
         self._closed = True
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._syncer.join()
         if self._fd is not None:
             try:
                 self.sync()

@@ -27,6 +27,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import numpy as np
@@ -36,6 +37,9 @@ import pyarrow.parquet as pq
 
 from . import schemas, sql
 from .io import atomic_path, write_json
+
+if TYPE_CHECKING:
+    from .settings import MergeSettings
 
 log = logging.getLogger("eagle3_data.merge")
 
@@ -57,19 +61,21 @@ def source_key(path) -> str:
     return str(p.with_suffix(""))
 
 
+def memory_limit_of(memory_mb: int) -> str:
+    """DuckDB's memory limit for a merge job of ``memory_mb`` MB: three quarters of it (the rest for the parquet
+    writers and Python), at least 256 MB; e.g. ``4000 -> "3000MB"``."""
+    return f"{max(256, int(memory_mb * 0.75))}MB"
+
+
 def merge(
     validated_paths,
     out_paths,
     manifest_path,
     *,
+    settings: "MergeSettings",
     selections=None,
     sources=None,
-    datasets=None,
-    max_samples=None,
-    max_len: int,
-    overflow: str = "truncate",
-    seed: int | str = 0,
-    memory_limit: str = "2GB",
+    memory_limit: str | None = None,
     threads: int | None = None,
     temp_dir: str | os.PathLike | None = None,
     batch_rows: int = 1024,
@@ -95,16 +101,19 @@ def merge(
             kept samples of that file, their ids or masks, or their truncation change.
         sources: one key per validated file (same order; default :func:`source_key`): the ``source`` column
             and the manifest's ``selections`` keys.
-        datasets: names to keep (``None`` = all). A name with no rows in the inputs is logged and listed
+        settings: :class:`~eagle3_data.settings.MergeSettings` (the ``merge`` section):
+            ``datasets``: names to keep (``None`` = all); a name with no rows in the inputs is logged and listed
             in the manifest under ``missing_datasets``.
-        max_samples: ``{dataset: n}`` caps; the first n of the dataset in the seeded shuffle order are kept
-            (after dedup and the max_len rule, so a cap yields n usable samples when there are n).
-        max_len: token cap per sample (>= 1).
-        overflow: ``"truncate"`` (cut ``input_ids`` and ``loss_mask`` to max_len; drop the sample if no
+            ``max_samples``: ``{dataset: n}`` caps; the first n of the dataset in the seeded shuffle order are
+            kept (after dedup and the max_len rule, so a cap yields n usable samples when there are n).
+            ``max_len``: token cap per sample (>= 1).
+            ``overflow``: ``"truncate"`` (cut ``input_ids`` and ``loss_mask`` to max_len; drop the sample if no
             supervised token remains) or ``"drop"`` (drop samples longer than max_len).
-        seed: shuffle seed (int or str; part of the shuffle key).
-        memory_limit, threads, temp_dir: DuckDB settings (spill directory defaults to a temporary
-            directory next to the first output).
+            ``seed``: shuffle seed (int or str; part of the shuffle key).
+            ``memory_mb``, ``threads``: DuckDB's budget when ``memory_limit`` / ``threads`` are not given.
+        memory_limit, threads, temp_dir: DuckDB settings (the job's resources; default three quarters of
+            ``settings.memory_mb`` and ``settings.threads``; spill directory defaults to a temporary directory
+            next to the first output).
         batch_rows: rows per streamed record batch.
         check: run :func:`check_merged_batch` (the MERGED contract, with arrow compute) on every batch
             written.
@@ -116,6 +125,11 @@ def merge(
             ``input_ids`` (the message names the id and the files).
         schemas.SchemaError: a merged batch breaks the MERGED contract.
     """
+    datasets, max_samples, max_len = settings.datasets, settings.max_samples, settings.max_len
+    overflow, seed = settings.overflow, settings.seed
+    if memory_limit is None:
+        memory_limit = memory_limit_of(settings.memory_mb)
+    threads = settings.threads if threads is None else threads
     files = _paths(validated_paths)
     outs = _paths(out_paths)
     if not files:

@@ -28,18 +28,23 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import pyarrow.parquet as pq
 
 from . import schemas
+from .errors import ExpectedFailure
 from .io import atomic_path, content_hash, shard_of
 from .sources import FORMAT_PROBE_RECORDS, RowReject, SourceFormatError, get_adapter, iter_records
+from .sources.readers import InvalidLine
+
+if TYPE_CHECKING:
+    from .settings import NormalizeSettings
 
 PROGRESS_EVERY_S = 10.0
 
 
-class RejectCeilingError(ValueError):
+class RejectCeilingError(ExpectedFailure, ValueError):
     """Normalize rejected more than ``max_reject_rate`` of a source's rows: almost always the wrong ``format``
     (or options) for the file. Nothing is written."""
 
@@ -131,38 +136,39 @@ def _prompt_json(sample) -> tuple[str, str | None]:
 
 
 def normalize(
-    source_path: str | os.PathLike,
-    source_format: str,
-    dataset: str,
-    num_shards: int,
+    settings: NormalizeSettings,
     out_paths: Sequence[str | os.PathLike],
     rejects_path: str | os.PathLike,
     *,
-    max_samples: int | None = None,
-    options: dict | None = None,
     log: logging.Logger | None = None,
     batch_rows: int = 2048,
-    max_reject_rate: float = 1.0,
 ) -> dict:
-    """Normalize one source file into ``num_shards`` shard files and one rejects file.
+    """Normalize one dataset's source file into ``settings.shards`` shard files and one rejects file.
 
-    ``source_path``: ``.jsonl``, ``.json`` (array) or ``.parquet`` (``.gz`` allowed on the JSON kinds), read
-    streaming. ``source_format``: a name from ``sources.ADAPTERS``; ``options``: that adapter's options.
+    ``settings``: the dataset's source (:class:`~eagle3_data.settings.NormalizeSettings`): ``path`` (``.jsonl``,
+    ``.json`` array or ``.parquet``, ``.gz`` allowed on the JSON kinds; read streaming), ``format`` (a name from
+    ``sources.ADAPTERS``), ``options`` (that adapter's options), ``max_samples``, ``max_reject_rate``, ``shards``
+    and the ``dataset`` name.
     ``out_paths[i]``: shard ``i``'s file — PROMPTS rows, or TOKENS rows (``ids_source="pretokenized"``) for the
     ``pretokenized`` format. Every shard file is written (an empty table when the shard has no rows), and
     ``rejects_path`` (REJECTS rows, stage ``normalize``), all atomically and checked against ``schemas``.
-    ``max_samples``: keep the first N usable rows, then stop reading. ``max_reject_rate``: the largest share of
+    ``max_samples``: keep the first N usable rows (None: all), then stop reading. ``max_reject_rate``: the largest share of
     the rows read that may be rejected; above it nothing is written and :class:`RejectCeilingError` names the
-    format, the file and the top reasons (a wrong ``format`` rejects nearly every row).
+    format, the file and the top reasons (a wrong ``format`` rejects nearly every row). ``on_error="skip"``: a
+    JSONL line that is not valid JSON is rejected ``invalid_json`` (detail ``file:line: error``), counted and
+    logged with its line number, instead of raising.
 
     Returns ``{"rows_read": int, "kept": int, "rejected": {reason: n}, "per_shard": [n, ...],
-    "repaired": {note: n}, "output": "prompts"|"tokens"}``; ``repaired`` counts kept rows that were fixed up
-    (e.g. ``merged_consecutive_turns``).
+    "repaired": {note: n}, "output": "prompts"|"tokens", "skipped_lines": [1-based line, ...]}``;
+    ``repaired`` counts kept rows that were fixed up (e.g. ``merged_consecutive_turns``).
 
     Raises SourceFormatError (file not the named format: invalid JSON anywhere, naming the line/record; a
     record without the format's required field among the first 10), RejectCeilingError (too many rows
-    rejected), ValueError (unknown format/option, ``len(out_paths) != num_shards``), FileNotFoundError.
+    rejected), ValueError (unknown format/option, ``len(out_paths) != settings.shards``), FileNotFoundError.
     """
+    source_path, source_format, dataset = settings.path, settings.format, settings.dataset
+    num_shards, max_samples, options = settings.shards, settings.max_samples, settings.options
+    max_reject_rate, on_error = settings.max_reject_rate, settings.on_error
     log = log or logging.getLogger("eagle3_data.normalize")
     if len(out_paths) != num_shards:
         raise ValueError(f"normalize: {len(out_paths)} output paths for {num_shards} shards")
@@ -177,6 +183,7 @@ def normalize(
     examples: dict[str, str] = {}
     repaired: Counter = Counter()
     seen: set[str] = set()
+    skipped_lines: list[int] = []
     rows_read = kept = 0
     t0 = last = time.monotonic()
 
@@ -190,11 +197,15 @@ def normalize(
     log.info("normalize %s: reading %s as %s -> %d shard(s) of %s", dataset, source_path, source_format, num_shards, kind)
     with contextlib.ExitStack() as stack:
         shards = [_ShardWriter(p, kind, stack, batch_rows) for p in out_paths]
-        records = stack.enter_context(contextlib.closing(iter_records(source_path)))
+        records = stack.enter_context(contextlib.closing(iter_records(source_path, on_error=on_error)))
         for index, record, where in records:
             if max_samples is not None and kept >= max_samples:
                 break
             rows_read += 1
+            if isinstance(record, InvalidLine):  # on_error: skip
+                reject("invalid_json", f"{source_path}:{where.removeprefix('line ')}: {record.message}", None, index)
+                skipped_lines.append(int(where.removeprefix("line ")))
+                continue
             problem = adapter.shape_problem(record)
             if problem is not None:
                 if index < FORMAT_PROBE_RECORDS:
@@ -259,7 +270,12 @@ def normalize(
         "per_shard": [s.count for s in shards],
         "repaired": dict(sorted(repaired.items())),
         "output": kind,
+        "skipped_lines": skipped_lines,
     }
+    if skipped_lines:
+        shown = ", ".join(map(str, skipped_lines[:20])) + (", ..." if len(skipped_lines) > 20 else "")
+        log.warning("normalize %s: skipped %d line(s) of %s that are not valid JSON (source.on_error: skip; "
+                    "rejected invalid_json): line(s) %s", dataset, len(skipped_lines), source_path, shown)
     log.info(
         "normalize %s: done in %.1fs: %d read, %d kept, rejected %s, per shard %s",
         dataset, time.monotonic() - t0, rows_read, kept, counts["rejected"] or "{}", counts["per_shard"],

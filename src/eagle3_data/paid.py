@@ -48,11 +48,17 @@ def decode_json(content: bytes) -> tuple[object, int]:
     """``(parsed JSON, number of undecodable bytes replaced)`` of a reply body.
 
     Raises ValueError when the body is not JSON even with replacements (a truncated body: retried)."""
+    from .backends import codec
+
     try:
-        return json.loads(content), 0
-    except UnicodeDecodeError:
-        text = content.decode("utf-8", "replace")
-        return json.loads(text), text.count("\ufffd") - content.decode("utf-8", "ignore").count("\ufffd")
+        return codec.loads(content), 0  # orjson: the fast path; it refuses bytes that are not UTF-8 too
+    except ValueError:
+        try:
+            content.decode("utf-8")
+        except UnicodeDecodeError:
+            text = content.decode("utf-8", "replace")
+            return json.loads(text), text.count("\ufffd") - content.decode("utf-8", "ignore").count("\ufffd")
+        raise
 
 
 def client_error(code) -> int | None:

@@ -30,12 +30,16 @@ import logging
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 
 from .extract.model import default_layers, model_dims
 from .io import write_json, write_text
-from .report import format_hours
+from .formatting import format_bytes, format_hours
+
+if TYPE_CHECKING:
+    from .settings import PlanSettings
 
 __all__ = ["model_dims", "bytes_per_token", "scenario_totals", "measure_throughput", "build_plan", "render_markdown",
            "plan"]
@@ -114,16 +118,18 @@ def scenario_totals(files, *, cap: int | None = None, drop=(), overflow: str = "
             "supervised_tokens": sum(v["supervised_tokens"] for v in per.values()), "per_dataset": per}
 
 
-def measure_throughput(merged_path, *, model_path, layers=None, dtype: str = "bfloat16", device: str = "auto",
-                       batch_tokens: int = 8192, max_tokens: int = 200_000, gpus: int = 1, **extract_kw) -> dict:
-    """Extract the first samples of ``merged_path`` (up to ``max_tokens`` tokens) into a temporary file and
-    return ``{tokens, seconds, tokens_per_s, tokens_per_s_per_gpu, device, samples}`` (model time only; the
-    model load is excluded). Uses the extract stage's code (``extract.extract_states``) and devices."""
+def measure_throughput(merged_path, *, settings: "PlanSettings") -> dict:
+    """Extract the first samples of ``merged_path`` (up to ``settings.measure_tokens`` tokens, at least one sample)
+    into a temporary file with the extract settings (``settings.extract``: layout, device, batch size, attention,
+    ``gpus_per_job`` devices) and return ``{tokens, seconds, tokens_per_s, tokens_per_s_per_gpu, device,
+    samples}`` (model time only; the model load is excluded). Uses the extract stage's code
+    (``extract.extract_states``) and devices."""
     import pyarrow.parquet as pq
 
     from . import schemas
     from .extract import extract_states
 
+    max_tokens = settings.measure_tokens
     table = pq.read_table(merged_path)
     lengths = table.column("num_tokens").to_pylist()
     n, acc = 0, 0
@@ -135,63 +141,43 @@ def measure_throughput(merged_path, *, model_path, layers=None, dtype: str = "bf
     with tempfile.TemporaryDirectory(prefix=".plan-measure-") as tmp:
         part = Path(tmp) / "part.parquet"
         schemas.write_checked(table.slice(0, n).select(schemas.MERGED.names).cast(schemas.MERGED), "merged", part)
-        info = extract_states(part, Path(tmp) / "part.safetensors", model_path=model_path, layers=layers,
-                              dtype=dtype, device=device, batch_tokens=batch_tokens, gpus=gpus, **extract_kw)
+        info = extract_states(part, Path(tmp) / "part.safetensors", settings=settings.extract)
     per_job = info["tokens_per_s"] or 0.0
     used = max(1, len(info.get("devices") or [])) if str(info["device"]).startswith("cuda") else 1
     return {"tokens": info["num_tokens"], "seconds": info["model_seconds"], "tokens_per_s": per_job,
             "tokens_per_s_per_gpu": per_job / used, "device": info["device"], "samples": n}
 
 
-def _fmt_bytes(x: float) -> str:
-    """Bytes in the largest decimal unit that keeps the number >= 1, with the binary unit beside it:
-    ``43_800_000 -> "43.80 MB (41.77 MiB)"``, ``512 -> "512 B"``."""
-    k = 0
-    while k < 4 and abs(x) >= 1000 ** (k + 1):
-        k += 1
-    if k == 0:
-        return f"{x:,.0f} B"
-    j = 0
-    while j < 4 and abs(x) >= 1024 ** (j + 1):
-        j += 1
-    return f"{x / 1000 ** k:,.2f} {'B KB MB GB TB'.split()[k]} ({x / 1024 ** j:,.2f} {'B KiB MiB GiB TiB'.split()[j]})"
-
-
-
 def build_plan(
     manifest,
     merged_paths,
     *,
-    model_path,
-    layers=None,
-    dtype: str = "bfloat16",
-    aux_format: str = "same",
-    final_states: str = "all",
-    tokens_per_s_per_gpu: float | None = None,
+    settings: "PlanSettings",
     measured: dict | None = None,
-    gpus_per_job: int = 1,
-    gpus_total: int = 8,
-    caps=(),
-    drop=(),
-    overflow: str = "truncate",
 ) -> dict:
     """Compute the plan (a JSON-able dict); :func:`render_markdown` turns it into the report.
 
     Args:
         manifest: the merge manifest (path or dict): per-shard ``samples``, ``tokens``, ``supervised_tokens``.
         merged_paths: the merged shards (for the alternatives; may be empty: then only "as merged").
-        model_path: target directory (or its config dict): layer count and hidden size.
-        layers: auxiliary layers (``None``: EAGLE-3 default for the layer count) -> A = len(layers).
-        dtype, aux_format, final_states: the configured extract layout.
-        tokens_per_s_per_gpu: configured throughput; or ``measured`` (from :func:`measure_throughput`).
-        gpus_per_job, gpus_total: devices per extract job and in the pool (wall hours = GPU hours / the
-            GPUs busy at once = ``gpus_per_job * floor(gpus_total / gpus_per_job)``).
-        caps: alternative per-sample token caps; drop: alternative datasets to leave out (each alone and
-            each combined with each cap).
-        overflow: ``merge.overflow`` (how a cap treats longer samples).
+        settings: :class:`~eagle3_data.settings.PlanSettings`:
+            ``extract.model_path``: target directory (or its config dict): layer count and hidden size.
+            ``extract.layers``: auxiliary layers (``None``: EAGLE-3 default for the layer count) -> A = len(layers).
+            ``extract.dtype``, ``extract.aux_format``, ``extract.final_states``: the configured extract layout.
+            ``tokens_per_s_per_gpu``: configured throughput; or ``measured`` (from :func:`measure_throughput`).
+            ``extract.gpus_per_job``, ``gpus_total``: devices per extract job and in the pool (wall hours = GPU
+            hours / the GPUs busy at once = ``gpus_per_job * floor(gpus_total / gpus_per_job)``).
+            ``caps``: alternative per-sample token caps; ``drop``: alternative datasets to leave out (each alone
+            and each combined with each cap).
+            ``overflow``: ``merge.overflow`` (how a cap treats longer samples).
+        measured: the throughput :func:`measure_throughput` measured, or None.
 
     Raises: ValueError when no throughput is given (neither configured nor measured).
     """
+    e = settings.extract
+    model_path, layers, dtype, aux_format, final_states = e.model_path, e.layers, e.dtype, e.aux_format, e.final_states
+    gpus_per_job, gpus_total, tokens_per_s_per_gpu = e.gpus_per_job, settings.gpus_total, settings.tokens_per_s_per_gpu
+    caps, drop, overflow = settings.caps, settings.drop, settings.overflow
     m = json.loads(Path(manifest).read_text()) if not isinstance(manifest, dict) else manifest
     dims = model_dims(model_path)
     H, L = dims["hidden_size"], dims["num_layers"]
@@ -269,6 +255,50 @@ def build_plan(
     }
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def measured_on_cpu(thr: dict) -> bool:
+    """Whether the plan's throughput was measured on a CPU (then it is no GPU's rate)."""
+    m = thr.get("measured") or {}
+    return thr.get("source") == "measured" and not str(m.get("device", "")).startswith("cuda")
+
+
+def throughput_phrase(thr: dict) -> str:
+    """The plan's throughput in words: per GPU when configured or measured on GPUs; a CPU measurement says so
+    (its GPU hours are the hours at the CPU's rate)."""
+    rate = f"{thr['tokens_per_s_per_gpu']:,.1f} tokens/s"
+    if measured_on_cpu(thr):
+        return (f"{rate} measured on the CPU (no GPU here): every GPU figure below assumes a GPU this slow; set "
+                "plan.tokens_per_s_per_gpu, or run plan on a GPU node, for a GPU's rate")
+    return f"{rate} per GPU ({thr['source']})"
+
+
+def wall_line(thr: dict, tot: dict) -> str:
+    """The plan's wall-time bullet: on the GPUs in use, or (measured on a CPU) what that rate would give."""
+    gpus = (f"{_count(thr['gpus_busy'], 'GPU')} ({thr['gpus_per_job']} per job, of plan.gpus_total = "
+            f"{thr['gpus_total']})")
+    if measured_on_cpu(thr):
+        return (f"- wall time if {gpus} each ran at the CPU's rate: {format_hours(tot['wall_hours'])} (no GPU was "
+                "used for this plan)")
+    return f"- wall time on {gpus}: {format_hours(tot['wall_hours'])}"
+
+
+def summary_line(plan: dict, md_path) -> str:
+    """One line of the plan: tokens, storage, GPU hours and wall time (``md_path``: where the full plan is)."""
+    tot, thr = plan["totals"], plan["throughput"]
+    head = (f"plan: {tot['tokens']:,} tokens in {tot['samples']:,} samples -> {format_bytes(tot['bytes'])} of "
+            "hidden states")
+    tail = f"; read {md_path} before extraction starts"
+    if measured_on_cpu(thr):
+        return (f"{head}; extraction at this CPU's measured {thr['tokens_per_s_per_gpu']:,.0f} tokens/s: "
+                f"{format_hours(tot['gpu_hours'])} (no GPU here: plan on the GPU node, or set "
+                f"plan.tokens_per_s_per_gpu, for GPU hours){tail}")
+    return (f"{head}, {tot['gpu_hours']:,.4g} GPU hours ({format_hours(tot['wall_hours'])} on "
+            f"{_count(thr['gpus_busy'], 'GPU')}){tail}")
+
+
 def render_markdown(plan: dict) -> str:
     """The plan as a markdown report that shows its arithmetic."""
     H = plan["model"]["hidden_size"]
@@ -289,7 +319,7 @@ def render_markdown(plan: dict) -> str:
             "| layout | auxiliary | final | ids+mask | total | x 1M tokens |", "|---|---:|---:|---:|---:|---:|"]
     for name, v in bpt.items():
         out.append(f"| {name} | {v['aux']:,.0f} | {v['final']:,.0f} | {v['ids']:,.0f} | {v['total']:,.0f} | "
-                   f"{_fmt_bytes(v['total'] * 1e6)} |")
+                   f"{format_bytes(v['total'] * 1e6)} |")
     b = 2 if lay["dtype"] != "float32" else 4
     out += ["", f"Configured: auxiliary {A} x {H:,} x {b if lay['aux_format'] == 'same' else 1} B"
             + (" + 4 B scale per layer" if lay["aux_format"] == "fp8_e4m3" else "")
@@ -297,23 +327,22 @@ def render_markdown(plan: dict) -> str:
             f"total {cfg['total']:,.0f} B/token.", ""]
     out += ["## Totals (as merged)", "",
             f"- tokens: {tot['tokens']:,} in {tot['samples']:,} samples ({tot['supervised_tokens']:,} supervised)",
-            f"- storage: {tot['tokens']:,} x {cfg['total']:,.0f} B = {_fmt_bytes(tot['bytes'])}",
-            f"- throughput: {thr['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU ({thr['source']})",
+            f"- storage: {tot['tokens']:,} x {cfg['total']:,.0f} B = {format_bytes(tot['bytes'])}",
+            f"- throughput: {throughput_phrase(thr)}",
             f"- GPU time: {tot['tokens']:,} / {thr['tokens_per_s_per_gpu']:,.1f} / 3600 = {tot['gpu_hours']:,.4g} GPU "
             f"hours ({format_hours(tot['gpu_hours'])})",
-            f"- wall time on {thr['gpus_busy']} GPU(s) ({thr['gpus_per_job']} per job): {format_hours(tot['wall_hours'])}",
-            ""]
+            wall_line(thr, tot), ""]
     out += ["## Per extraction job (one per validated dataset shard)", "",
             "| job | samples | tokens | storage | GPU time |", "|---|---:|---:|---:|---:|"]
     for s in plan["shards"]:
-        out.append(f"| {s['job']} | {s['samples']:,} | {s['tokens']:,} | {_fmt_bytes(s['bytes'])} | "
+        out.append(f"| {s['job']} | {s['samples']:,} | {s['tokens']:,} | {format_bytes(s['bytes'])} | "
                    f"{format_hours(s['gpu_hours'])} |")
     out += ["", "## Alternatives", "",
             "| alternative | samples | tokens | configured layout | aux only bf16 | GPU time | wall time |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     for sc in plan["scenarios"]:
-        out.append(f"| {sc['name']} | {sc['samples']:,} | {sc['tokens']:,} | {_fmt_bytes(sc['bytes']['configured'])} | "
-                   f"{_fmt_bytes(sc['bytes']['aux_only_bf16'])} | {format_hours(sc['gpu_hours'])} | "
+        out.append(f"| {sc['name']} | {sc['samples']:,} | {sc['tokens']:,} | {format_bytes(sc['bytes']['configured'])} | "
+                   f"{format_bytes(sc['bytes']['aux_only_bf16'])} | {format_hours(sc['gpu_hours'])} | "
                    f"{format_hours(sc['wall_hours'])} |")
     aux_only = bpt["aux_only_bf16"]["total"]
     full = bpt["SpecForge .ckpt export"]["total"]
@@ -341,40 +370,26 @@ def plan(
     out_md,
     out_json,
     *,
-    model_path,
-    layers=None,
-    dtype: str = "bfloat16",
-    aux_format: str = "same",
-    final_states: str = "all",
-    tokens_per_s_per_gpu: float | None = None,
-    measure: dict | None = None,
-    gpus_per_job: int = 1,
-    gpus_total: int = 8,
-    caps=(),
-    drop=(),
-    overflow: str = "truncate",
+    settings: "PlanSettings",
 ) -> dict:
     """Write the plan report (``out_md``) and its figures (``out_json``); return the plan dict.
 
-    ``tokens_per_s_per_gpu``: configured throughput; when ``None`` the throughput is measured on the first
-    merged shard with ``measure`` (keyword arguments of :func:`measure_throughput`, e.g. ``device``,
-    ``batch_tokens``, ``max_tokens``). Other arguments: see :func:`build_plan`.
+    ``settings.tokens_per_s_per_gpu``: configured throughput; when ``None`` the throughput is measured on the first
+    merged shard (:func:`measure_throughput`: ``settings.measure_tokens`` tokens with the extract settings).
+    ``settings``: see :func:`build_plan`.
     """
     merged_paths = [str(p) for p in merged_paths]
     measured = None
-    if not tokens_per_s_per_gpu:
+    if not settings.tokens_per_s_per_gpu:
         if not merged_paths:
             raise ValueError("plan: no throughput configured and no merged shard to measure it on")
         t0 = time.perf_counter()
-        kw = dict(measure or {})
-        measured = measure_throughput(merged_paths[0], model_path=model_path, layers=layers, dtype=dtype,
-                                      gpus=gpus_per_job, **kw)
-        log.info("measured %.1f tokens/s per GPU on %s (%d tokens, %.1fs)", measured["tokens_per_s_per_gpu"],
+        measured = measure_throughput(merged_paths[0], settings=settings)
+        unit = "per GPU" if str(measured["device"]).startswith("cuda") else f"on {measured['device']}"
+        log.info("measured %.1f tokens/s %s on %s (%d tokens, %.1fs)", measured["tokens_per_s_per_gpu"], unit,
                  merged_paths[0], measured["tokens"], time.perf_counter() - t0)
-    p = build_plan(manifest_path, merged_paths, model_path=model_path, layers=layers, dtype=dtype,
-                   aux_format=aux_format, final_states=final_states, tokens_per_s_per_gpu=tokens_per_s_per_gpu,
-                   measured=measured, gpus_per_job=gpus_per_job, gpus_total=gpus_total, caps=caps, drop=drop,
-                   overflow=overflow)
+    p = build_plan(manifest_path, merged_paths, settings=settings, measured=measured)
     write_json(p, out_json)
     write_text(render_markdown(p), out_md)
+    log.info("%s", summary_line(p, out_md))
     return p

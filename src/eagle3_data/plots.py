@@ -27,11 +27,11 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from .io import atomic_path
-from .report import open_report_db, query
+from .report import PLOT_STEMS, open_report_db, query
 
 log = logging.getLogger("eagle3_data.plots")
 
-PLOT_FILES = ["lengths.png", "completion_vs_time.png", "cost_over_time.png", "rejects.png"]
+PLOT_FILES = [f"{stem}.png" for stem in PLOT_STEMS]
 DPI = 100
 #: throughput bin lengths (seconds): the smallest giving at most MAX_BINS bars
 BINS_S = [1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400]

@@ -29,7 +29,6 @@ import contextlib
 import html
 import ipaddress
 import logging
-import math
 import os
 import re
 from pathlib import Path
@@ -39,6 +38,7 @@ import duckdb
 import pyarrow as pa
 
 from . import schemas, sql
+from .formatting import format_clock, format_duration, format_usd, human_tokens
 from .io import atomic_path, write_text
 
 log = logging.getLogger("eagle3_data.report")
@@ -67,9 +67,22 @@ AUDIT_COLUMNS = [
     "prompt_tokens", "billed_prompt_tokens", "prompt_rel", "prompt_equal_samples", "prompt_diff_median",
     "prompt_diff_min", "prompt_diff_max",
 ]
-#: every file :func:`write_reports` writes into its ``out_dir``
+#: every output of rule report, the one list (rules/report.smk makes the rule's outputs from it): (rule output
+#: name, file name under results/reports/, caption file under report/ or None, report category, labels); a file
+#: with a caption is flagged with Snakemake's report() and shown on the `snakemake --report` page
 REPORT_STEMS = ("tally", "rejects", "cost", "throughput", "limits", "audit")
-REPORT_FILES = [f"{stem}.{ext}" for stem in REPORT_STEMS for ext in ("md", "csv", "html")]
+PLOT_STEMS = {"lengths": ("lengths", "lengths"), "completion_vs_time": ("completion_vs_time", "completion vs time"),
+              "cost_over_time": ("cost_over_time", "cost over time"), "rejects": ("rejects_plot", "rejects")}
+RULE_OUTPUTS: list[tuple[str, str, str | None, str | None, dict | None]] = [
+    *[(f"{stem}_{ext}", f"{stem}.{ext}", *((f"{stem}.rst", "1. Tables", {"table": stem}) if ext == "html"
+                                           else (None, None, None)))
+      for stem in REPORT_STEMS for ext in ("md", "csv", "html")],
+    *[(f"{stem}_png", f"{stem}.png", f"{caption}.rst", "2. Plots", {"plot": label})
+      for stem, (caption, label) in PLOT_STEMS.items()],
+    ("front", "front.html", None, None, None),  # tally, cost, rejects on the report page's front (report/workflow.rst)
+]
+#: every file :func:`write_reports` writes into its ``out_dir`` (the plots are :func:`.plots.write_plots`'s)
+REPORT_FILES = [file for _, file, *_ in RULE_OUTPUTS if not file.endswith(".png")]
 #: bucket lengths (seconds) the Markdown throughput table may use; the smallest giving <= MAX_MD_BUCKETS rows
 MD_BUCKETS_S = [60, 300, 600, 900, 1800, 3600, 7200, 4 * 3600, 6 * 3600, 12 * 3600, 86400]
 MAX_MD_BUCKETS = 240
@@ -404,13 +417,14 @@ def write_reports(
     pages = {
         "rejects": ("Rejects by dataset, stage and reason", format_rejects(rejects)),
         "cost": ("Cost and tokens by dataset, backend and provider", format_cost(cost)),
-        "throughput": (f"Throughput ({_duration(bucket)} buckets of completed_at, UTC)",
+        "throughput": (f"Throughput ({format_duration(bucket)} buckets of completed_at, UTC)",
                        format_throughput(throughput_md, bucket)),
         "limits": ("Which limit ended each dataset", format_limits(limits)),
         "audit": ("Token audit: billed counts vs the target's own", format_audit(audit)),
     }
     for stem, (title, table) in pages.items():
         write_markdown(f"# {title}\n\n{table}\n", out_dir / f"{stem}.md", out_dir / f"{stem}.html", title=title)
+    write_text(front_page_fragment(out_dir), out_dir / FRONT_PAGE)
     total_audit = audit[-1] if audit else {}
     if total_audit.get("prompt_billed_samples") and \
             total_audit["prompt_equal_samples"] < total_audit["prompt_billed_samples"]:
@@ -459,6 +473,28 @@ code { font-size: 90%; background: #f6f8fa; padding: 0 .2rem; border-radius: 3px
 """
 
 
+#: the report page's front (report/workflow.rst shows it): tally, cost and rejects as one HTML fragment
+FRONT_PAGE = "front.html"
+FRONT_STEMS = ("tally", "cost", "rejects")
+
+
+def front_page_fragment(out_dir) -> str:
+    """The HTML fragment (no ``<html>``/``<body>``) of ``out_dir``'s tally, cost and rejects Markdown tables,
+    each under its title, for the front of ``snakemake --report``'s page. Raises ``FileNotFoundError`` when
+    one of the three ``.md`` files is missing."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark", {"html": False}).enable("table")
+    parts = []
+    for stem in FRONT_STEMS:
+        text = (Path(out_dir) / f"{stem}.md").read_text()
+        parts.append(md.render(re.sub(r"(?m)^# ", "### ", text)))
+    style = ("<style>.eagle3-front table{border-collapse:collapse;margin:0.5em 0 1.5em}"
+             ".eagle3-front th,.eagle3-front td{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+             ".eagle3-front td:first-child,.eagle3-front th:first-child{text-align:left}</style>")
+    return f'{style}\n<div class="eagle3-front">\n' + "".join(parts) + "</div>\n"
+
+
 def markdown_page(md: str, title: str) -> str:
     """A self-contained HTML page (no external resource) of the Markdown text ``md`` (CommonMark + pipe
     tables, rendered by ``markdown-it-py``; raw HTML in ``md`` is escaped), titled ``title``."""
@@ -477,32 +513,6 @@ def write_markdown(md: str, md_path, html_path=None, *, title: str) -> None:
     write_text(md, md_path)
     if html_path is not None:
         write_text(markdown_page(md, title), html_path)
-
-
-def human_tokens(n: int) -> str:
-    """``17,012,345 -> "17.0M"``; below a million the exact count with thousands separators."""
-    return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n:,}"
-
-
-def format_hours(hours: float, digits: int = 1) -> str:
-    """A duration given in hours, in seconds, minutes or hours, whichever keeps it >= 1 (``0.006 -> "21.6 s"``);
-    ``digits`` decimals for hours (seconds and minutes get one)."""
-    s = hours * 3600
-    if s < 60:
-        return f"{s:,.1f} s"
-    if s < 3600:
-        return f"{s / 60:,.1f} min"
-    return f"{hours:,.{digits}f} h"
-
-
-def format_usd(v: float) -> str:
-    """Dollars with the precision that keeps them meaningful, the same in every table: cents from $1 up
-    (``1,234.50``), two significant digits below (``0.50``, ``0.0012``, ``0.00023``), ``0.00`` for zero."""
-    if not v:
-        return "0.00"
-    if abs(v) >= 1:
-        return f"{v:,.2f}"
-    return f"{v:.{max(2, 1 - math.floor(math.log10(abs(v))))}f}"
 
 
 def format_tally(rows: list[dict]) -> str:
@@ -524,12 +534,6 @@ def format_rejects(rejects: list[dict]) -> str:
     cols = [("dataset", "Dataset", "text"), ("stage", "Stage", "text"), ("reason", "Reason", "text"),
             ("count", "Count", ""), ("example", "Example", "text")]
     return markdown_table(rows, cols)
-
-
-def _duration(seconds: int) -> str:
-    if seconds % 3600 == 0:
-        return f"{seconds // 3600} h"
-    return f"{seconds // 60} min"
 
 
 def _fmt(v, kind: str = "") -> str:
@@ -624,11 +628,6 @@ def _rows_in(paths) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
 
 
-def _clock(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
 def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None) -> list[dict]:
     """One row per dataset of the config, from what the run left under ``results_dir``, and a ``Total`` row.
 
@@ -695,7 +694,7 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
             "ended_by": "pre-tokenized" if pre else ", ".join(ended),
             "other_model": None if pre else sum(int(s.get("other_model_replies") or 0) for s in sums),
         }
-        row["time"] = _clock(row["wall_s"]) if row["wall_s"] is not None else ""
+        row["time"] = format_clock(row["wall_s"]) if row["wall_s"] is not None else ""
         rows.append(row)
     total = {"dataset": "Total", "kind": "total", "shards": "", "ended_by": "", "time": "", "wall_s": None}
     for key in ("samples", "ok", "failed", "not_sent", "rejected", "kept", "cost_usd"):
@@ -735,7 +734,7 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
 
     rows = run_summary_rows(datasets_config, results_dir, run_dir)
     if run_s is not None:
-        rows[-1]["time"] = _clock(run_s)
+        rows[-1]["time"] = format_clock(run_s)
     body = [[_fmt(r.get(key), kind) for key, _, kind in RUN_SUMMARY_COLUMNS] for r in rows]
     table = tabulate(body, headers=[h for _, h, _ in RUN_SUMMARY_COLUMNS], tablefmt="simple", disable_numparse=True,
                      colalign=["left" if k == "text" else "right" for _, _, k in RUN_SUMMARY_COLUMNS])

@@ -97,9 +97,9 @@ def current(env: dict | None = None) -> Run | None:
 def begin(cache_dir: str | os.PathLike, *, main_process: bool = True) -> Run | None:
     """Name the run after this (the main ``snakemake``) process and export it to the jobs; record Ctrl-C.
 
-    Called by the Snakefile at parse time. In a job process (``main_process`` False: a cluster job or a spawned
-    job re-parsing the Snakefile), an inherited run is kept as it is and nothing is installed. Creates nothing on
-    disk (a dry run leaves no trace); the directory appears when a job needs it.
+    Called by the Snakefile's ``onstart`` (never at parse time: a dry run or ``--lint`` changes nothing). In a job
+    process (``main_process`` False: a cluster job or a spawned job re-parsing the Snakefile), an inherited run is
+    kept as it is and nothing is installed. Creates nothing on disk; the directory appears when a job needs it.
     """
     if not main_process:
         return current()

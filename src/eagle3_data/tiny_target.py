@@ -57,6 +57,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .settings import TinyTargetSettings
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -302,16 +306,7 @@ def build_tokenizer():
 
 def build_tiny_target(
     out_dir: str | os.PathLike,
-    *,
-    seed: int = 0,
-    hidden_size: int = 64,
-    num_layers: int = 8,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 8192,
-    mean_reasoning_tokens: float = 16,
-    mean_completion_tokens: float = 16,
+    settings: "TinyTargetSettings",
 ) -> dict:
     """Write the tiny Kimi-style target (tokenizer + random-weight Llama causal LM + generation config) to ``out_dir``.
 
@@ -322,6 +317,7 @@ def build_tiny_target(
     Args:
         out_dir: directory to create; loadable afterwards with ``AutoTokenizer``/``AutoModelForCausalLM``
             ``.from_pretrained(out_dir)`` and servable with ``transformers serve out_dir``.
+        settings: :class:`~eagle3_data.settings.TinyTargetSettings` (``target.tiny``), fields:
         seed: seed of the weight initialization and of the calibration text.
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings:
             Llama config values (``head_dim = hidden_size // num_heads``); ``hidden_size`` must leave room for the
@@ -344,6 +340,11 @@ def build_tiny_target(
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    s = settings
+    seed, hidden_size, num_layers, num_heads, num_kv_heads = (s.seed, s.hidden_size, s.num_layers, s.num_heads,
+                                                              s.num_kv_heads)
+    intermediate_size, max_position_embeddings = s.intermediate_size, s.max_position_embeddings
+    mean_reasoning_tokens, mean_completion_tokens = s.mean_reasoning_tokens, s.mean_completion_tokens
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(
             f"tiny target: hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) and "

@@ -1,7 +1,7 @@
 """Stage 3, tokenize: exact target token ids and loss mask for every generated response.
 
 ``input_ids = prompt_ids + completion_ids`` and ``loss_mask = [0]*len(prompt_ids) + [1]*len(completion_ids)``:
-the loss mask is 1 exactly on the generated completion, including its end-of-turn token (``templates.py`` gives
+the loss mask is 1 exactly on the generated completion, including its end-of-turn token (the ``templates`` package gives
 the prompt/completion recipe per template family and its sources).
 
 ``ids_source`` says where the completion ids came from:
@@ -26,6 +26,7 @@ import json
 import logging
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +42,9 @@ from .templates import (
     split_reasoning_from_content,
     target_tokens,
 )
+
+if TYPE_CHECKING:
+    from .settings import TokenizeSettings
 
 log = logging.getLogger("eagle3_data.tokenize")
 
@@ -236,23 +240,22 @@ def read_responses(path: str) -> list[dict]:
     return pf.read(columns=cols).to_pylist()
 
 
-def tokenize(responses_path: str, out_path: str, *, target: dict, chat_template_kwargs: dict | None = None,
-             max_tokens: int | None = None, log_path: str | None = None) -> dict:
+def tokenize(responses_path: str, out_path: str, *, settings: "TokenizeSettings", log_path: str | None = None) -> dict:
     """Stage entry point: RESPONSES parquet -> TOKENS parquet (schema-checked, written atomically).
 
-    ``target`` is the config ``target`` slice: ``path`` (local tokenizer dir), ``template`` (family name),
-    ``trust_remote_code``, ``chat_template_kwargs``; ``chat_template_kwargs`` here (the dataset's
-    ``generation.extra_body.chat_template_kwargs``) update the target's, as they did for the request;
-    ``max_tokens`` is the dataset's ``generation.max_tokens`` (a billed count at it means cut). Returns counts
+    ``settings`` (:class:`~eagle3_data.settings.TokenizeSettings`): ``target`` (``path``: local tokenizer dir,
+    ``template``: family name, ``trust_remote_code``, ``chat_template_kwargs``); ``chat_template_kwargs`` (the
+    dataset's ``generation.extra_body.chat_template_kwargs``) update the target's, as they did for the request;
+    ``max_tokens`` is the dataset's ``generation.max_tokens`` (a billed count at it means cut; None: no limit). Returns counts
     ``{rows, tokenized, rejected: {reason: n}, reasoning_split_from_content, tokens, completion_tokens, seconds,
     tokens_per_s}`` (``reasoning_split_from_content``: kept rows whose think block came back inside the content).
     Raises :class:`templates.TemplateError` if the tokenizer
     can't be loaded, ``ValueError`` if ``responses_path`` is not a responses file.
     """
     t0 = time.time()
-    tt = target_tokens(target, chat_template_kwargs)
+    tt = target_tokens(settings.target.params(), settings.chat_template_kwargs)
     rows = read_responses(responses_path)
-    meta, ids, plens = tokenize_batch(rows, tt, max_tokens)
+    meta, ids, plens = tokenize_batch(rows, tt, settings.max_tokens)
     table = tokens_table(meta, ids, plens)
     schemas.write_checked(table, "tokens", out_path)
     rejected = Counter(m["reject_reason"] for m in meta if m["reject_reason"])

@@ -10,7 +10,7 @@ code                     meaning
                          ``prompt_render_failed``, ``template_not_prefix``, ``unexpected_reasoning``,
                          ``missing_reasoning``, ``unknown_finish_reason``, ``content_filter``,
                          ``truncated_tool_call``, ``tool_calls_unsupported``, ``exact_ids_text_mismatch``,
-                         ``round_trip`` (text -> ids -> text, reconstructed ids); see the table in ``templates.py``
+                         ``round_trip`` (text -> ids -> text, reconstructed ids); see the table in ``templates/core.py``
 empty_sequence           no token ids
 length_mismatch          ``loss_mask``/``input_ids`` lengths or the ``num_*`` counts disagree
 id_out_of_vocab          an id is negative or >= the target vocabulary size (``len(tokenizer)``)
@@ -57,7 +57,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -65,16 +65,20 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas
+from .errors import ExpectedFailure
 from .templates import KIMI_TOOL_TOKENS, TargetTokens, target_tokens
+
+if TYPE_CHECKING:
+    from .settings import ValidateSettings
 
 log = logging.getLogger("eagle3_data.validate")
 
 
-class RejectRateExceeded(RuntimeError):
+class RejectRateExceeded(ExpectedFailure, RuntimeError):
     """A shard rejected more than ``validate.max_reject_rate`` of its samples."""
 
 
-class CountAuditFailed(RuntimeError):
+class CountAuditFailed(ExpectedFailure, RuntimeError):
     """The shard's reconstructed completion tokens differ from the billed ones by more than ``aggregate_rel``."""
 
 
@@ -103,17 +107,17 @@ class Context:
         self.marker_ids = np.array(sorted(markers), dtype=np.int64)
 
     @classmethod
-    def from_settings(cls, target: TargetTokens, settings: dict) -> "Context":
-        """Context from the config ``validate`` slice (``keep_truncated``, ``count_tolerance``, ``max_tokens``)."""
-        tol = settings.get("count_tolerance") or {}
-        agg = tol.get("aggregate_rel")
+    def from_settings(cls, target: TargetTokens, settings: "ValidateSettings") -> "Context":
+        """Context from the validate settings (``keep_truncated``, ``count_tolerance``, ``max_tokens``)."""
+        tol = settings.count_tolerance
+        agg = tol["aggregate_rel"]
         return cls(
             target,
-            keep_truncated=bool(settings.get("keep_truncated", False)),
-            per_sample_abs=int(tol.get("per_sample_abs", 3)),
-            per_sample_rel=float(tol.get("per_sample_rel", 0.02)),
+            keep_truncated=bool(settings.keep_truncated),
+            per_sample_abs=int(tol["per_sample_abs"]),
+            per_sample_rel=float(tol["per_sample_rel"]),
             aggregate_rel=None if agg is None else float(agg),
-            max_tokens=settings.get("max_tokens"),
+            max_tokens=settings.max_tokens,
         )
 
 
@@ -439,15 +443,14 @@ def validate(
     validated_path: str,
     rejected_path: str,
     *,
-    target: dict,
-    settings: dict,
+    settings: "ValidateSettings",
     shard: str = "",
 ) -> dict:
     """Stage entry point: TOKENS parquet -> VALIDATED + REJECTS parquet (both schema-checked, atomic).
 
-    ``target``: the config ``target`` slice (tokenizer path, template family, ...). ``settings``: the config
-    ``validate`` slice (``max_reject_rate``, ``keep_truncated``, ``count_tolerance: {per_sample_abs, per_sample_rel,
-    aggregate_rel}``, ``max_tokens``). Returns ``{rows, validated, rejected: {reason: n}, reject_rate,
+    ``settings``: :class:`~eagle3_data.settings.ValidateSettings`: the ``validate`` section (``max_reject_rate``,
+    ``keep_truncated``, ``count_tolerance: {per_sample_abs, per_sample_rel, aggregate_rel}``, ``max_tokens``) and
+    the ``target`` (tokenizer path, template family, ...). Returns ``{rows, validated, rejected: {reason: n}, reject_rate,
     billed_completion_tokens, reconstructed_completion_tokens, count_rel, billed_prompt_tokens,
     rendered_prompt_tokens, prompt_samples_billed, prompt_samples_differ, seconds}``; the completion sums cover the
     validated rows that carry a billed count (the aggregate count audit; ``count_rel = |recon - billed| / billed``),
@@ -456,7 +459,7 @@ def validate(
     and :class:`CountAuditFailed` when ``count_rel`` is above ``count_tolerance.aggregate_rel`` (when set).
     """
     t0 = time.time()
-    tt = target_tokens(target)
+    tt = target_tokens(settings.target.params())
     ctx = Context.from_settings(tt, settings)
     table = pq.read_table(tokens_path)
     if "billed_prompt_tokens" not in table.column_names:  # a tokens file written before the column existed
@@ -512,7 +515,7 @@ def validate(
                     "the server may render another prompt (a default system prompt, another template version, "
                     "tools rendered differently); see results/reports/audit.md", tokens_path, p_differ, n_bp,
                     rendered_p, billed_p)
-    ceiling = float(settings.get("max_reject_rate", 1.0))
+    ceiling = float(settings.max_reject_rate)
     if rate > ceiling:
         examples = "; ".join(f"{b['sample_id']}: {b['reason']} ({b['detail'][:80]})" for b in bad[:5])
         raise RejectRateExceeded(

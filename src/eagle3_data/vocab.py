@@ -17,12 +17,16 @@ import contextlib
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
 from .io import atomic_path, write_json, write_parquet
+
+if TYPE_CHECKING:
+    from .settings import VocabSettings
 
 log = logging.getLogger("eagle3_data.vocab")
 
@@ -100,8 +104,8 @@ def target_vocab_size(model_path) -> int:
     raise KeyError(f"{model_path}/config.json has no vocab_size")
 
 
-def build_vocab(merged_paths, out_path, freq_path=None, summary_path=None, *, draft_vocab_size: int,
-                model_path=None, target_vocab: int | None = None) -> dict:
+def build_vocab(merged_paths, out_path, freq_path=None, summary_path=None, *, settings: "VocabSettings",
+                target_vocab: int | None = None) -> dict:
     """Count supervised tokens in the merged shards and write the draft vocabulary map.
 
     Args:
@@ -109,13 +113,16 @@ def build_vocab(merged_paths, out_path, freq_path=None, summary_path=None, *, dr
         out_path: ``torch.save({"d2t", "t2d"})`` file (SpecForge's ``vocab_mapping.pt`` keys), atomic.
         freq_path: optional parquet of the frequencies (``token_id``, ``count``).
         summary_path: optional JSON: sizes, distinct ids, padded ids, coverage, top 20 ids.
-        draft_vocab_size: size of the draft vocabulary (SpecForge configs use 32000).
-        model_path / target_vocab: the target vocabulary size (``vocab_size`` of its config.json, or given).
+        settings: :class:`~eagle3_data.settings.VocabSettings`: ``draft_vocab_size`` (size of the draft
+            vocabulary; SpecForge configs use 32000) and ``model_path`` (the target directory: its config.json's
+            ``vocab_size`` is the target vocabulary unless ``target_vocab`` is given; None: give ``target_vocab``).
+        target_vocab: the target vocabulary size, or None (read from ``settings.model_path``).
 
     Returns: the summary dict.
     """
     import torch
 
+    draft_vocab_size, model_path = settings.draft_vocab_size, settings.model_path
     if target_vocab is None:
         if model_path is None:
             raise ValueError("vocab: give model_path or target_vocab")

@@ -10,6 +10,7 @@ import json
 import time
 from typing import Any
 
+from . import codec
 from .errors import FatalBackendError, RetryableError, SampleError
 from .fields import as_cost, as_count, as_text, as_token_ids, parts_text
 from .request import Payload, Request
@@ -24,8 +25,8 @@ def url(backend: BackendConfig) -> str:
 def encode(backend: BackendConfig, request: Request) -> Payload:
     """The request's body as UTF-8 JSON bytes; ``est_tokens`` (charged to ``tokens_per_minute``): body bytes / 4 +
     ``max_tokens``."""
-    body = json.dumps(build_body(backend, request.messages, request.tools, request.sampling,
-                                 thinking=request.thinking), ensure_ascii=False).encode()
+    body = codec.dumps(build_body(backend, request.messages, request.tools, request.sampling,
+                                  thinking=request.thinking))
     return Payload(body, len(body) // 4 + int(request.sampling.get("max_tokens") or 0))
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import time
 
@@ -20,7 +19,6 @@ from .settings import BackendConfig
 
 RETRYABLE_STATUS = {408, 409, 425, 429}
 FATAL_STATUS = {401, 402, 403}
-POOL_SHARD = 32  # connections per httpx client (see HttpSession)
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
@@ -119,11 +117,79 @@ def _ssl_context():
 
 
 
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """An httpx transport over one aiohttp ``ClientSession``: httpx's API (requests, responses, exceptions) with
+    aiohttp's HTTP/1.1 connection pool underneath, which costs a fraction of httpcore's CPU per request at
+    thousands of connections (``benchmarks/generation_client.py``).
+
+    ``max_connections`` connections at most (kept alive ``keepalive_s``), TLS with ``ssl_context``. The reply is
+    read whole (the stage never streams). aiohttp's failures become httpx's: a refused or failed connect
+    ``httpx.ConnectError``, a connection closed or reset mid-exchange ``httpx.RemoteProtocolError`` /
+    ``httpx.ReadError``, httpx's connect/read timeouts ``httpx.ConnectTimeout`` / ``httpx.ReadTimeout``. The
+    response body is handed to httpx as received (``Content-Encoding`` decoded by httpx, as with its own
+    transport)."""
+
+    def __init__(self, *, max_connections: int, keepalive_s: float = 60.0, ssl_context=None):
+        self.max_connections = int(max_connections)
+        self.keepalive_s = float(keepalive_s)
+        self.ssl_context = ssl_context
+        self._session = None
+
+    def _open(self):
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
+                                         keepalive_timeout=self.keepalive_s,
+                                         ssl=self.ssl_context if self.ssl_context is not None else True)
+        # no cookies, no proxies from the environment, no default headers (httpx sets them): a plain pool
+        self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+                                              trust_env=False, auto_decompress=False, skip_auto_headers=(
+                                                  "User-Agent", "Accept", "Accept-Encoding"))
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        import aiohttp
+
+        session = self._session or self._open()
+        t = request.extensions.get("timeout") or {}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.get("connect"), sock_read=t.get("read"))
+        try:
+            async with session.request(request.method, str(request.url), headers=request.headers.multi_items(),
+                                       data=request.content or None, allow_redirects=False,
+                                       timeout=timeout) as resp:
+                content = await resp.read()
+                status, headers = resp.status, resp.raw_headers
+        except aiohttp.ClientConnectorError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise httpx.ConnectTimeout(str(exc) or "connect timeout", request=request) from exc
+        except (aiohttp.SocketTimeoutError, aiohttp.ServerTimeoutError, TimeoutError) as exc:
+            raise httpx.ReadTimeout(str(exc) or "read timeout", request=request) from exc
+        except aiohttp.ServerDisconnectedError as exc:
+            raise httpx.RemoteProtocolError(str(exc) or "Server disconnected without sending a response.",
+                                            request=request) from exc
+        except (aiohttp.ClientPayloadError, aiohttp.ClientResponseError) as exc:
+            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+        except (aiohttp.ClientOSError, aiohttp.ClientConnectionError, OSError) as exc:
+            raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
+        return httpx.Response(status, headers=headers, content=content, request=request,
+                              extensions={"http_version": b"HTTP/1.1"})
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 class HttpSession:
-    """The HTTP connections of one backend for one job: httpx clients with at most ``cap`` connections in all,
-    the backend's headers (``Authorization: Bearer <key>`` from ``api_key_env``, raising
-    :class:`.errors.FatalBackendError` when it is missing) and timeouts. ``transport``: an httpx transport to use
-    instead of the network (tests: ``httpx.MockTransport``)."""
+    """The HTTP connections of one backend for one job: one connection pool of at most ``cap`` connections
+    (:class:`AiohttpTransport`, or ``transport``: any httpx transport, e.g. ``httpx.MockTransport`` in tests), the
+    backend's headers (``Authorization: Bearer <key>`` from ``api_key_env``, raising
+    :class:`.errors.FatalBackendError` when it is missing) and timeouts.
+
+    :meth:`post` hands an ``httpx.Request`` built from prepared parts (the base URL and headers parsed once) to the
+    transport directly: the per-request work of ``httpx.AsyncClient`` (URL merging, cookies, auth and redirect
+    flows) is skipped on the hot path; :meth:`get` goes through an ``httpx.AsyncClient`` on the same transport."""
 
     def __init__(self, cfg: BackendConfig, cap: int, transport: httpx.AsyncBaseTransport | None = None):
         self.cfg = cfg
@@ -131,43 +197,44 @@ class HttpSession:
         headers = {"Content-Type": "application/json", **cfg.headers}
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        # httpcore's pool scans every connection for every queued request and, for each idle connection, builds
-        # a list of all connections (O(n^2) per pool event): at 2,000 connections in one pool the client spends
-        # most of its CPU there and falls behind. Sharding the connections over several clients of at most
-        # POOL_SHARD connections keeps each scan small; a request takes the least-loaded shard, and since the
-        # backend never has more than max_concurrency requests in flight, a shard with a free connection always
-        # exists (no request ever queues inside httpx). Keep-alive outlives the longest idle gap.
-        n = cap
-        k = max(1, math.ceil(n / POOL_SHARD))
-        caps = [n // k + (1 if i < n % k else 0) for i in range(k)]
-        # one SSL context for all shards: httpx builds a new one (loading the CA bundle, ~1 MB) per client otherwise
-        ctx = _ssl_context()
-        self.clients = [
-            httpx.AsyncClient(
-                base_url=cfg.base_url,
-                headers=headers,
-                verify=ctx,
-                timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),
-                limits=httpx.Limits(max_connections=c, max_keepalive_connections=c,
-                                    keepalive_expiry=max(60.0, cfg.timeout_s)),
-                trust_env=False,
-                transport=transport,
-            )
-            for c in caps
-        ]
-        self._load = [0] * k
+        timeout = httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s))
+        keepalive = max(60.0, cfg.timeout_s)  # keep-alive outlives the longest idle gap
+        if transport is None:
+            # one SSL context per process: httpx builds a new one (loading the CA bundle, ~1 MB) per client otherwise
+            transport = AiohttpTransport(max_connections=cap, keepalive_s=keepalive, ssl_context=_ssl_context())
+        self.transport = transport
+        self.client = httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=timeout, trust_env=False,
+                                        transport=transport)
+        self._headers = self.client.headers  # httpx's defaults (Host comes from the URL) + the backend's
+        self._timeout = timeout.as_dict()
+        self._urls: dict[str, httpx.URL] = {}
+
+    def _url(self, url: str) -> httpx.URL:
+        """``url`` as httpx's client resolves it: relative to ``base_url`` (``/chat/completions``), or absolute."""
+        u = self._urls.get(url)
+        if u is None:
+            u = httpx.URL(url)
+            if u.is_relative_url:
+                u = httpx.URL(self.cfg.base_url.rstrip("/") + "/" + url.lstrip("/"))
+            self._urls[url] = u
+        return u
 
     async def post(self, url: str, body: bytes) -> httpx.Response:
         """POST ``body`` to ``url`` (relative to ``base_url``, or absolute) within ``timeout_s`` for the whole
-        exchange. Raises :class:`.errors.RetryableError` (``timeout``, ``connection_error``: a refused connection
-        is a backend fault, ``http_error``)."""
-        i = self._load.index(min(self._load))
-        self._load[i] += 1
+        exchange; return the response, read. Raises :class:`.errors.RetryableError` (``timeout``,
+        ``connection_error``: a refused connection is a backend fault, ``http_error``)."""
+        request = httpx.Request("POST", self._url(url), headers=self._headers, content=body,
+                                extensions={"timeout": self._timeout})
         try:
             # httpx's timeouts are per read: a reply trickling a byte at a time would never end without a
             # deadline for the whole request
             async with asyncio.timeout(self.cfg.timeout_s):
-                return await self.clients[i].post(url, content=body)
+                resp = await self.transport.handle_async_request(request)
+                try:
+                    await resp.aread()
+                finally:
+                    await resp.aclose()
+                return resp
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise RetryableError("timeout", f"{type(exc).__name__} (timeout_s {self.cfg.timeout_s:g})") from None
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
@@ -176,13 +243,10 @@ class HttpSession:
                                  backend_fault=isinstance(exc, httpx.ConnectError)) from None
         except httpx.HTTPError as exc:  # a body that fails to decode (Content-Encoding), another protocol error
             raise RetryableError("http_error", f"{type(exc).__name__}: {str(exc)[:200]}") from None
-        finally:
-            self._load[i] -= 1
 
     async def get(self, url: str, params: dict | None = None) -> httpx.Response:
         """GET ``url`` (no deadline or error mapping: the caller's); raises what httpx raises."""
-        return await self.clients[0].get(url, params=params)
+        return await self.client.get(url, params=params)
 
     async def aclose(self) -> None:
-        for c in self.clients:
-            await c.aclose()
+        await self.client.aclose()  # closes the transport too

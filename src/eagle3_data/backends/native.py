@@ -4,11 +4,11 @@ content are decoded from them (:func:`..templates.split_output_ids`)."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from ..templates import TemplateError, prompt_think_state, split_output_ids
+from . import codec
 from .errors import RetryableError, SampleError
 from .fields import as_count, as_token_ids
 from .request import Payload, Request
@@ -41,7 +41,7 @@ def encode(backend: BackendConfig, request: Request) -> Payload:
     """The request's ``/generate`` body as JSON bytes (:func:`build_native_body`); ``est_tokens``: prompt ids +
     ``max_tokens``. Raises :class:`SampleError` (see :func:`prompt_ids`)."""
     ids, think = prompt_ids(request)
-    body = json.dumps(build_native_body(backend, ids, request.sampling)).encode()
+    body = codec.dumps(build_native_body(backend, ids, request.sampling))
     return Payload(body, len(ids) + int(request.sampling.get("max_tokens") or 0), request.target, think)
 
 
@@ -96,7 +96,7 @@ def parse_native_response(backend: BackendConfig, content: bytes, latency_s: flo
     ``length``; ``abort`` and a missing/malformed ``output_ids`` raise :class:`RetryableError`.
     """
     try:
-        data = json.loads(content)
+        data = codec.loads(content)
     except ValueError as exc:
         raise RetryableError("malformed_json", f"{exc} (body starts {content[:80]!r})") from None
     if isinstance(data, list) and len(data) == 1:  # batch of one

@@ -36,8 +36,9 @@ class Backend:
     + in-flight count. ``transport``: see :class:`.http.HttpSession`.
 
     Concurrency: at most ``cap`` requests in flight from this job (default ``max_concurrency``); with ``slots`` (a
-    :class:`.limits.HostSlots` shared by the jobs of a run on this machine) each request also holds one of the
-    backend's ``max_concurrency`` slots, so the limit holds over all jobs together (see :class:`BackendPool`).
+    :class:`.limits.HostSlots` shared by every generate job on this machine, of any run) each request also holds
+    one of the backend's ``max_concurrency`` slots, so the limit holds over all jobs together (see
+    :class:`BackendPool`).
     Rate limits (``requests_per_minute``, ``tokens_per_minute``): this job sends at ``rate_share`` of them
     (1 / the jobs that use the backend, in a workflow run), so the jobs together stay under them.
 

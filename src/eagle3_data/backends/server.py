@@ -32,7 +32,7 @@ The server runs in its own process group (so its workers are stopped with it), w
 The command must bind 127.0.0.1: a command that asks for ``0.0.0.0``/``::`` is refused. Example for SGLang::
 
     command: python -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port} --tp 8
-    python: .venv-sglang              # the venv of envs/sglang-gpu.txt (README, "Environments")
+    python: .venv-sglang              # the venv of envs/sglang-gpu.txt (docs/environments.md)
     gpus: 8
 """
 
@@ -123,7 +123,7 @@ def launch_python(launch: dict) -> tuple[str, Path | None]:
     if p.is_file() and os.access(p, os.X_OK):
         return str(p.absolute()), p.absolute().parent
     raise ServerLaunchError(f"launch.python: {spec} does not exist",
-                            hint="create the server's environment first (README: 'Environments'), or leave "
+                            hint="create the server's environment first (docs/environments.md), or leave "
                                  "launch.python out to use the workflow's own interpreter")
 
 

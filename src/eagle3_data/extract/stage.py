@@ -33,12 +33,16 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..io import write_json
 from .layout import (AUX_FORMATS, DTYPES, FINAL_NORMS, FINAL_STATES, FORMAT, HiddenStateWriter, StatesFile,
                      TokenShard, reusable)
 from .model import LAYER_CONVENTION, model_dims, model_fingerprint, resolve_layers
 from .writeback import Writeback
+
+if TYPE_CHECKING:
+    from ..settings import ExtractSettings
 
 log = logging.getLogger("eagle3_data.extract")
 
@@ -134,19 +138,7 @@ def extract_states(
     selection_path,
     out_path,
     *,
-    model_path,
-    layers=None,
-    dtype: str = "float32",
-    device: str = "auto",
-    batch_tokens: int = 8192,
-    attention: str = "auto",
-    backend: str = "transformers",
-    gpus: int = 1,
-    lock_dir=None,
-    final_states: str = "all",
-    aux_format: str = "same",
-    final_norm: str = "post",
-    trust_remote_code: bool = False,
+    settings: "ExtractSettings",
     reuse_path=None,
     selection_digest: str = "",
     summary_path=None,
@@ -161,6 +153,7 @@ def extract_states(
             ``loss_mask`` list<int8>): a merge selection, or any merged shard. The file keeps its row order.
         out_path: the safetensors file (layout in ``extract.layout``); written to a temporary name in the same
             directory and renamed when complete.
+        settings: :class:`~eagle3_data.settings.ExtractSettings` (the ``extract`` section and the target), fields:
         model_path: local directory of the target (config + weights); never downloaded.
         layers: 0-based decoder layers whose OUTPUT is stored as auxiliary states, in this order; ``None`` ->
             EAGLE-3 defaults (``model.default_layers``).
@@ -174,13 +167,14 @@ def extract_states(
             what is computed. The SGLang backend always packs.
         backend: ``transformers`` | ``sglang`` (GPU only, tensor parallel over the ``gpus`` devices held;
             post-norm final states only).
-        gpus: devices this job holds on CUDA (the rule's ``resources: gpu``), see :func:`device_context`.
-        lock_dir: lock directory for :func:`eagle3_data.devices.gpu_devices` (default there).
+        gpus_per_job: devices this job holds on CUDA (the rule's ``resources: gpu``), see :func:`device_context`.
+        gpu_lock_dir: lock directory for :func:`eagle3_data.devices.gpu_devices` (default there).
         final_states: ``all`` | ``supervised`` (final states only where the loss reads them).
         aux_format: ``same`` (``dtype``) | ``fp8_e4m3`` (per-token, per-layer scales).
         final_norm: ``post`` (output of the final norm; SpecForge, Model-Optimizer) | ``pre`` (its input;
             vLLM / speculators, which apply the norm themselves).
         trust_remote_code: load the target with its own code (Kimi).
+        (``cache_dir``: where the script puts ``reuse_path``.)
         reuse_path: where the job keeps a hard link of its last output (module docstring); its rows (and
             those of an existing ``out_path``) are reused when their settings and ids match.
         selection_digest: the merge's digest of this selection, stored in the metadata so that consumers can
@@ -206,6 +200,11 @@ def extract_states(
         empty sample, ids out of the vocabulary, more GPUs than the machine has), RuntimeError (a captured
         length differs from the input length: no file is written), TimeoutError (no free GPUs).
     """
+    s = settings
+    model_path, layers, dtype, device, batch_tokens = s.model_path, s.layers, s.dtype, s.device, s.batch_tokens
+    attention, backend, gpus, lock_dir = s.attention, s.backend, s.gpus_per_job, s.gpu_lock_dir
+    final_states, aux_format, final_norm, trust_remote_code = s.final_states, s.aux_format, s.final_norm, \
+        s.trust_remote_code
     if final_states not in FINAL_STATES:
         raise ValueError(f"extract final_states must be one of {FINAL_STATES}, got {final_states!r}")
     if final_norm not in FINAL_NORMS:

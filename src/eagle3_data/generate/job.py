@@ -15,8 +15,6 @@ from .. import run as run_mod
 from .. import schemas
 from ..backends import limits
 from ..backends.errors import BackendDown, FatalBackendError
-from ..backends.pool import Backend, BackendPool
-from ..backends.server import launch_server, shared_server
 from ..backends.settings import BackendConfig
 from ..errors import ExpectedFailure, Interrupted, log_to_file
 from ..io import content_hash, remove_stale_partials, write_json
@@ -69,6 +67,8 @@ def _cpu_s() -> float:
 def backend_pool(cfgs: list[BackendConfig], run, backend_jobs: dict | None, tag: str):
     """The job's :class:`BackendPool`: each backend capped at this job's share of its ``max_concurrency``
     (:func:`.limits.job_limit`), with the run's host slots when the limit is shared on this machine."""
+    from ..backends import pool  # httpx and the transport: only for a job that sends requests
+
     mode = limits.sharing_mode(run)
     backends = []
     for c in cfgs:
@@ -77,13 +77,13 @@ def backend_pool(cfgs: list[BackendConfig], run, backend_jobs: dict | None, tag:
         slots = limits.host_slots(c) if mode == "host" else None
         # rate limits have no shared counter: each job of the run takes an even share of them
         share = 1.0 / max(1, n_jobs) if mode in ("host", "split") else 1.0
-        backends.append(Backend(c, cap=cap, slots=slots, rate_share=share))
+        backends.append(pool.Backend(c, cap=cap, slots=slots, rate_share=share))
         logger.info("%s backend %s: at most %d request(s) in flight from this job%s%s", tag, c.name, cap,
                     f", {c.max_concurrency} over all jobs on this machine" if slots else
                     f" ({c.max_concurrency} split over {n_jobs} jobs)" if mode == "split" else "",
                     f"; rate limits: 1/{n_jobs} of the backend's each" if share < 1 and (
                         c.requests_per_minute or c.tokens_per_minute) else "")
-    yield BackendPool(backends)
+    yield pool.BackendPool(backends)
 
 
 
@@ -308,6 +308,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                         run = run_mod.current()
                         for cfg in cfgs:
                             if cfg.launch:
+                                from ..backends.server import launch_server, shared_server
+
                                 if run is not None:  # one server per backend for the whole workflow run
                                     srv = stack.enter_context(shared_server(
                                         cfg.launch, cfg.model, name=cfg.name, run=run,

@@ -370,6 +370,9 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
                 t = tg.create_task(runner.run_sample(s))
                 pending.add(t)
                 t.add_done_callback(finished)
+                # the new task runs now, up to its request: the first requests leave at once, not after the
+                # producer has created capacity + 1/8 tasks (acquire does not yield while permits are free)
+                await asyncio.sleep(0)
             if pending:
                 await asyncio.wait(set(pending))
             watcher.cancel()

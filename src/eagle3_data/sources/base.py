@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ..errors import ExpectedFailure
+
 # Reason codes written to ``results/<ds>/rejected/normalize.parquet`` (column ``reason``), stage "normalize".
 REJECT_REASONS: dict[str, str] = {
     "malformed_record": "record is not an object, or lacks the format's required top-level field "
@@ -40,8 +42,8 @@ FORMAT_PROBE_RECORDS = 10
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class SourceFormatError(ValueError):
-    """The source file is not the named format (or not valid JSON/parquet).
+class SourceFormatError(ExpectedFailure, ValueError):
+    """The source file is not the named format (or not valid JSON/parquet): reported as one line (no traceback).
 
     The message names the file, the line (JSONL, 1-based) or the record index (0-based), and what was expected.
     """

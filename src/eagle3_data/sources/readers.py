@@ -46,8 +46,26 @@ def _open_binary(path: Path):
     return open(path, "rb")
 
 
-def iter_records(path: str | os.PathLike, *, batch_rows: int = 1024) -> Iterator[tuple[int, Any, str]]:
+class InvalidLine:
+    """A JSONL line that is not valid JSON, yielded in place of its record by :func:`iter_records` with
+    ``on_error="skip"``; ``message``: the parser's error."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"InvalidLine({self.message!r})"
+
+
+def iter_records(path: str | os.PathLike, *, batch_rows: int = 1024,
+                 on_error: str = "fail") -> Iterator[tuple[int, Any, str]]:
     """Yield ``(index, record, where)`` for every record of ``path``.
+
+    ``on_error="skip"``: a JSONL line that is not valid JSON yields an :class:`InvalidLine` as its record
+    (the caller rejects and counts it) instead of raising; JSON arrays and parquet files still raise (a JSON
+    array cannot be resynchronised after a bad record).
 
     ``index``: 0-based record number (blank JSONL lines are skipped and not counted); ``where``: a location
     for messages, ``"line N"`` (1-based) for JSONL, ``"record N"`` otherwise. Records are whatever the file
@@ -61,15 +79,17 @@ def iter_records(path: str | os.PathLike, *, batch_rows: int = 1024) -> Iterator
     kind = file_kind(path)
     if not path.exists():
         raise FileNotFoundError(f"source file not found: {path}")
+    if on_error not in ("fail", "skip"):
+        raise ValueError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
     if kind == "jsonl":
-        yield from _iter_jsonl(path)
+        yield from _iter_jsonl(path, skip=on_error == "skip")
     elif kind == "json":
         yield from _iter_json_array(path)
     else:
         yield from _iter_parquet(path, batch_rows)
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str]]:
+def _iter_jsonl(path: Path, skip: bool = False) -> Iterator[tuple[int, Any, str]]:
     index = 0
     with _open_binary(path) as fh:
         for lineno, raw in enumerate(fh, start=1):
@@ -80,8 +100,13 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str]]:
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
                 col = f" column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+                if skip:
+                    yield index, InvalidLine(f"invalid JSON ({msg}{col})"), f"line {lineno}"
+                    index += 1
+                    continue
                 raise SourceFormatError(
-                    f"{path} line {lineno}: invalid JSON ({msg}{col}); expected one JSON object per line"
+                    f"{path}:{lineno}: invalid JSON ({msg}{col}); expected one JSON object per line "
+                    "(source.on_error: skip rejects and counts such lines instead)"
                 ) from None
             yield index, record, f"line {lineno}"
             index += 1

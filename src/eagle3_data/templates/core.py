@@ -25,7 +25,10 @@ end-of-reasoning marker when cut inside the reasoning, never an end-of-turn toke
 rejected ``truncated_tool_call``. A think block returned inside the content (a server without a reasoning parser)
 is split the way the family's template and SGLang's parsers split it, kept, and counted
 (``reasoning_split_from_content`` in the tokenize summary); reasoning prose in the content with no markers, on a
-prompt that leaves thinking on, can't be told from the answer and is rejected ``missing_reasoning``.
+prompt that leaves thinking on, can't be told from the answer and is rejected ``missing_reasoning``. An empty or
+whitespace-only think block the target really emitted (reasoning ``""`` or ``"\\n\\n"`` rather than None, or
+the block inside the content, followed by an answer or a tool call) is kept exact in the family's layout (Qwen3:
+``<think>\\n\\n</think>\\n\\n``; :func:`empty_think_block`).
 
 | family | complete | cut (normalised `length`) | filtered (`content_filter`) | empty answer (reasoning, then nothing) | tool calls | reasoning in content |
 |---|---|---|---|---|---|---|
@@ -35,6 +38,10 @@ prompt that leaves thinking on, can't be told from the answer and is rejected ``
 | `qwen3` (Qwen3, Qwen3-2507 thinking) | `<think>\\nR\\n</think>\\n\\nC<\\|im_end\\|>` (2507: `<think>\\n` in the prompt); `enable_thinking=False`: `C<\\|im_end\\|>` | `<think>\\nR` / `<think>\\nR\\n</think>\\n\\nC` | rejected `content_filter` | rejected `empty_answer` | `…</think>\\n\\n[C\\n]<tool_call>\\n{"name": n, "arguments": a}\\n</tool_call><\\|im_end\\|>` | `<think>…</think>` split; prose: `missing_reasoning` (thinking on) |
 | `glm45` | `\\n<think>R</think>\\nC<\\|user\\|>` (no end token: the next role token); `enable_thinking=False`: `\\nC<\\|user\\|>` | `\\n<think>R` / `\\n<think>R</think>\\nC` | rejected `content_filter` | rejected `empty_answer` | `…\\n<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call><\\|observation\\|>` | split; prose: `missing_reasoning` (thinking on) |
 | `deepseek-r1` | `R\\n</think>\\n\\nC<｜end▁of▁sentence｜>` (`<think>\\n` is a prompt token; R1's separators rebuilt) | `R` / `R\\n</think>\\n\\nC` | rejected `content_filter` | rejected `empty_answer` | rejected `tool_calls_unsupported` (R1's template has no usable call layout) | split; prose: `missing_reasoning` |
+| `deepseek-v3.1` | thinking: `R</think>C<｜end▁of▁sentence｜>` (`<think>` is a prompt token, no R1 newlines); off: `C<｜end▁of▁sentence｜>` (the prompt ends `</think>`); after tool results: `C<｜end▁of▁sentence｜>` | thinking: `R` / `R</think>C`; off: `C` | rejected `content_filter` | rejected `empty_answer` | `C<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>args<｜tool▁call▁end｜>…<｜tool▁calls▁end｜><｜end▁of▁sentence｜>` | split; prose: `missing_reasoning` (thinking on) |
+| `qwen3-coder` | `C<\|im_end\|>` | `C` as emitted | rejected `content_filter` | whitespace-only `C`: `empty_answer`; any reasoning: `unexpected_reasoning` | `[C.strip()\n\n]<tool_call>\n<function=n>\n<parameter=k>\nv\n</parameter>\n</function>\n</tool_call><\|im_end\|>` | a think block: `reasoning_marker_leak` |
+| `llama3` (3.1, 3.3) | `C<\|eot_id\|>` | `C` as emitted | rejected `content_filter` | whitespace-only `C`: `empty_answer` | `{"name": n, "parameters": a}<\|eot_id\|>` (one call per turn, else `tool_calls_unsupported`) | not split |
+| `gpt-oss` | `<\|channel\|>analysis<\|message\|>R<\|end\|><\|start\|>assistant<\|channel\|>final<\|message\|>C<\|return\|>` | in R: `<\|channel\|>analysis<\|message\|>R`; in C: without `<\|return\|>` | rejected `content_filter` | rejected `empty_answer` | `…R<\|end\|><\|start\|>assistant<\|channel\|>commentary to=functions.n <\|constrain\|>json<\|message\|>a<\|call\|>` (one call: generation stops at `<\|call\|>`) | not split; no reasoning at all: `missing_reasoning` |
 | `generic` | the template's render of the finished conversation minus the prompt render | the same without the end-of-turn token | rejected `content_filter` | whitespace-only completion: `empty_answer` (the markers are unknown) | as the template renders them | passed to the template as content (no split); reasoning the template drops: `reasoning_dropped_by_template` |
 
 Completion formats (the real templates' assistant branches; SGLang reasoning parsers):
@@ -372,9 +379,12 @@ def empty_think_block(reasoning: str | None, content: str | None, tool_calls: li
 def thinking_enabled(template: str | None, chat_template_kwargs: dict | None = None) -> bool:
     """True when target family ``template`` reasons after a generation prompt rendered with
     ``chat_template_kwargs``: a reasoning family whose ``thinking`` / ``enable_thinking`` is not false (SGLang's
-    rule for the kimi_k2, qwen3 and glm45 reasoning parsers). Unknown families: False."""
+    rule for the kimi_k2, qwen3 and glm45 reasoning parsers); ``deepseek-v3.1`` only when one of them is true (its
+    template's default is off, SGLang's deepseek-v3 rule). Unknown families: False."""
     fmt = FORMATS.get(template or "")
     kw = chat_template_kwargs or {}
+    if fmt is not None and fmt.think_in_prompt:  # DeepSeek-V3.1: off unless asked for (SGLang's deepseek-v3 rule)
+        return bool(kw.get("thinking") or kw.get("enable_thinking"))
     return bool(fmt and fmt.reasoning) and kw.get("thinking") is not False and kw.get("enable_thinking") is not False
 
 
@@ -748,7 +758,8 @@ def _merge(segs: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
 
 def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = False,
                        chat_template_kwargs: dict | None = None) -> TargetTokens:
-    """Load the target tokenizer from a local directory and bind it to a completion format.
+    """Load the target tokenizer from a local directory and bind it to a completion format (family ``template``;
+    ``auto``: the one :func:`eagle3_data.templates.auto.detect_family` finds from its chat template).
 
     ``trust_remote_code`` lets tokenizers that ship their own code load (Kimi's tiktoken-based
     ``tokenization_kimi.py``); never set implicitly. Raises :class:`TemplateError` if the directory has no loadable
@@ -756,7 +767,7 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
     """
     from transformers import AutoTokenizer
 
-    fmt = completion_format(template)
+    fmt = completion_format(template) if template != "auto" else None
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:
@@ -767,6 +778,10 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
     tok = _as_shipped(tok, path)
     if not getattr(tok, "chat_template", None):
         raise TemplateError(f"{path}: the target tokenizer has no chat template")
+    if fmt is None:  # template: auto (the config check resolves it before any job; here for direct callers)
+        from .auto import detect_family
+
+        fmt = completion_format(detect_family(tok, chat_template_kwargs)["family"])
     return TargetTokens(tok, fmt, chat_template_kwargs)
 
 
@@ -819,7 +834,7 @@ def target_tokens(target: dict, chat_template_kwargs: dict | None = None) -> Tar
     kwargs.update(chat_template_kwargs or {})
     return load_target_tokens(
         target["path"],
-        target.get("template", "generic"),
+        target.get("template") or "auto",
         trust_remote_code=bool(target.get("trust_remote_code", False)),
         chat_template_kwargs=kwargs,
     )

@@ -31,7 +31,7 @@ def completion_segments(target, reasoning, content, tool_calls, prompt_text, *, 
     """The harmony completion after ``<|start|>assistant`` as ``[(text, is_token_name), ...]``.
 
     Raises :class:`TemplateError`: ``missing_reasoning`` (no reasoning at all: gpt-oss always writes an analysis
-    message, so it was hidden), ``tool_calls_unsupported`` (more than one call: generation stops at the first
+    message, so it was hidden), ``empty_answer`` (reasoning, then an empty final message), ``tool_calls_unsupported`` (more than one call: generation stops at the first
     ``<|call|>``), ``truncated_tool_call``, ``template_mismatch`` (the prompt does not end ``<|start|>assistant``).
     """
     if not prompt_text.endswith("<|start|>assistant"):
@@ -47,6 +47,8 @@ def completion_segments(target, reasoning, content, tool_calls, prompt_text, *, 
     if tool_calls and len(tool_calls) > 1:
         raise TemplateError(f"{len(tool_calls)} tool calls in one gpt-oss reply: generation ends at the first "
                             "<|call|>", "tool_calls_unsupported")
+    if not truncated and not tool_calls and not c.strip():
+        raise TemplateError("the reply has reasoning and then an empty final message", "empty_answer")
     segs: list[tuple[str, bool]] = [("<|channel|>", True), ("analysis", False), ("<|message|>", True), (r, False)]
     if truncated and not c:
         return segs  # cut inside the reasoning

@@ -1,0 +1,494 @@
+"""One typed settings object per stage, built once from the validated config; defaults only from the schema.
+
+Every stage's script builds its settings with ``<Stage>Settings.from_config(snakemake.config, ...)`` and passes
+that one object to the stage's entry point; no stage function restates a config default in its signature
+(``tests/test_settings.py`` checks both). A field missing from the config (a config that was never validated, a
+test's partial config) takes the schema's ``default``, read from ``schemas/config.schema.yaml`` (a key without
+a default: ``None``); :meth:`defaults` builds a stage's settings from the schema alone, with overrides, for
+library use and tests.
+
+Rule ``params`` are each settings object's :meth:`params`: the content keys a stage's OUTPUT depends on
+(:data:`eagle3_data.config.MERGE_DATA_KEYS` and the other ``*_DATA_KEYS``), the same values as before these
+objects existed, so a change reruns exactly the rules whose output it changes. The other fields (memory,
+threads, devices, reject ceilings) are read at run time and rerun nothing.
+
+The objects are frozen dataclasses; their mapping-valued fields hold the config's plain values (lists, dicts),
+so ``params()`` stays JSON-like and equal to the config's slices.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+from . import config as cfg
+
+#: the workflow's config schema (the repository's ``schemas/``; the package is installed editable from it)
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
+
+
+@functools.lru_cache(maxsize=1)
+def schema() -> dict:
+    """The config schema (parsed once per process)."""
+    return cfg.load_schema(SCHEMA_PATH)
+
+
+def schema_node(path: str) -> dict:
+    """The schema node of dotted key ``path`` (``"validate.count_tolerance"``, ``"target.tiny"``), ``$ref`` resolved.
+
+    Raises KeyError naming the path when the schema has no such key.
+    """
+    s = schema()
+    defs = s.get("$defs", {})
+    node = s
+    for part in path.split(".") if path else []:
+        props = cfg._resolve(node, defs).get("properties") or {}
+        if part not in props:
+            raise KeyError(f"config schema: no key {path!r}")
+        node = props[part]
+    return cfg._resolve(node, defs)
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults_table() -> dict:
+    return {p: node["default"] for p, node in cfg._key_paths(schema()) if "default" in node}
+
+
+def _default(path: str) -> Any:
+    """The schema's ``default`` of dotted key ``path`` (``<name>`` for a free-form name); KeyError if none."""
+    try:
+        return copy.deepcopy(_defaults_table()[path])
+    except KeyError:
+        raise KeyError(f"config schema: no default for {path!r}") from None
+
+
+def filled(path: str, value: dict | None) -> dict:
+    """``value`` (the config's section at ``path``) with every key of the schema's section at ``path``: the
+    config's value where set, else the schema's ``default`` (deep copy), else None; nested sections with
+    properties (``count_tolerance``) filled the same way. Keys the schema doesn't know are kept."""
+    node = schema_node(path)
+    defs = schema().get("$defs", {})
+    value = dict(value or {})
+    out = {}
+    for name, child in (node.get("properties") or {}).items():
+        child = cfg._resolve(child, defs)
+        if name in value:
+            v = value.pop(name)
+        elif "default" in child:
+            v = copy.deepcopy(child["default"])
+        else:
+            v = None
+        if isinstance(v, dict) and child.get("properties"):
+            v = filled(f"{path}.{name}" if path else name, v)
+        out[name] = v
+    out.update(value)
+    return out
+
+
+def _build(cls, values: dict, **extra):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names}, **extra)
+
+
+class _Settings:
+    """Common part of the stage settings: :meth:`params` (the content keys) and :meth:`as_dict`."""
+
+    #: the fields a stage's output depends on: its rule's params
+    CONTENT: ClassVar[tuple[str, ...]] = ()
+
+    def params(self) -> dict:
+        """The content keys and their values (the rule's params: a change reruns the stage)."""
+        out = {}
+        for k in self.CONTENT:
+            v = getattr(self, k)
+            out[k] = v.params() if isinstance(v, _Settings) else v
+        return out
+
+    def as_dict(self) -> dict:
+        """Every field as a plain dict (nested settings as dicts too)."""
+        return {f.name: (lambda v: v.as_dict() if isinstance(v, _Settings) else v)(getattr(self, f.name))
+                for f in fields(self)}
+
+    def replace(self, **changes):
+        """A copy with ``changes`` (field name -> value)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TargetSettings(_Settings):
+    """The ``target`` section: identity, tokenizer directory, template family, chat-template variables."""
+
+    name: str
+    path: str
+    build_tiny: bool
+    trust_remote_code: bool
+    template: str
+    chat_template_kwargs: dict
+
+    CONTENT: ClassVar = cfg.TARGET_DATA_KEYS
+
+    @classmethod
+    def from_config(cls, config: dict) -> "TargetSettings":
+        return _build(cls, filled("target", config["target"]))
+
+    @classmethod
+    def defaults(cls, **values) -> "TargetSettings":
+        """Schema defaults; ``name``, ``path`` and ``template`` have none (``"target"``, ``"."``, ``"generic"``
+        unless given)."""
+        return _build(cls, filled("target", {"name": "target", "path": ".", "template": "generic", **values}))
+
+
+@dataclass(frozen=True)
+class TinyTargetSettings(_Settings):
+    """``target.tiny``: the demo's random-weight target (rule tiny_target)."""
+
+    seed: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    mean_reasoning_tokens: float
+    mean_completion_tokens: float
+
+    CONTENT: ClassVar = ("seed", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                         "max_position_embeddings", "mean_reasoning_tokens", "mean_completion_tokens")
+
+    @classmethod
+    def from_config(cls, config: dict) -> "TinyTargetSettings":
+        return _build(cls, filled("target.tiny", config["target"].get("tiny")))
+
+    @classmethod
+    def defaults(cls, **values) -> "TinyTargetSettings":
+        return _build(cls, filled("target.tiny", values))
+
+
+@dataclass(frozen=True)
+class NormalizeSettings(_Settings):
+    """One dataset's source (``datasets.<ds>.source``) and shard count; ``max_reject_rate`` is the ceiling in
+    force: the dataset's own, else ``normalize.max_reject_rate``."""
+
+    dataset: str
+    format: str
+    path: str
+    max_samples: int | None
+    options: dict | None
+    shards: int
+    max_reject_rate: float
+    #: ``source.on_error``: ``fail`` (the default) or ``skip`` (an invalid JSONL line rejected and counted)
+    on_error: str = "fail"
+
+    CONTENT: ClassVar = cfg.SOURCE_DATA_KEYS
+
+    def params(self) -> dict:
+        """The content keys; ``on_error`` only when set off its default, so existing params stay unchanged."""
+        out = super().params()
+        if self.on_error != "fail":
+            out["on_error"] = self.on_error
+        return out
+
+    @classmethod
+    def from_config(cls, config: dict, ds: str) -> "NormalizeSettings":
+        entry = config["datasets"][ds]
+        src = {k: entry["source"].get(k) for k in cls.CONTENT}  # no schema defaults: None when left out
+        own = entry["source"].get("max_reject_rate")
+        ceiling = own if own is not None else filled("normalize", config.get("normalize"))["max_reject_rate"]
+        shards = entry.get("shards", _default("datasets.<name>.shards"))
+        return _build(cls, src, dataset=ds, shards=int(shards), max_reject_rate=float(ceiling),
+                      on_error=entry["source"].get("on_error") or "fail")
+
+    @classmethod
+    def defaults(cls, dataset: str = "ds", **values) -> "NormalizeSettings":
+        """``format`` and ``path`` have no default (``"sharegpt"``, ``""`` unless given)."""
+        source = {k: values.pop(k) for k in ("format", "path", "max_samples", "options", "max_reject_rate",
+                                             "on_error")
+                  if k in values}
+        source = {"format": "sharegpt", "path": "", **source}
+        return cls.from_config({"datasets": {dataset: {"source": source, **values}}}, dataset)
+
+
+@dataclass(frozen=True)
+class TokenizeSettings(_Settings):
+    """Rule tokenize for one dataset: the target, the dataset's ``generation.extra_body.chat_template_kwargs``
+    (they update the target's, as they did for the request) and its ``generation.max_tokens`` (a billed
+    completion count at it means the reply was cut)."""
+
+    target: TargetSettings
+    chat_template_kwargs: dict | None
+    max_tokens: int | None
+
+    CONTENT: ClassVar = ("target", "chat_template_kwargs", "max_tokens")
+
+    @classmethod
+    def from_config(cls, config: dict, ds: str) -> "TokenizeSettings":
+        gen = cfg.generation_config(config, ds)
+        return cls(TargetSettings.from_config(config), (gen.get("extra_body") or {}).get("chat_template_kwargs"),
+                   gen.get("max_tokens"))
+
+    @classmethod
+    def defaults(cls, target: TargetSettings | dict | None = None, **values) -> "TokenizeSettings":
+        t = target if isinstance(target, TargetSettings) else TargetSettings.defaults(**(target or {}))
+        return cls(t, values.get("chat_template_kwargs"), values.get("max_tokens"))
+
+
+@dataclass(frozen=True)
+class ValidateSettings(_Settings):
+    """The ``validate`` section and the target. ``keep_truncated``, ``max_tokens`` and the per-sample count
+    tolerance decide the rejects (params); ``max_reject_rate`` and ``count_tolerance.aggregate_rel`` only whether
+    the job fails (read at run time)."""
+
+    target: TargetSettings
+    max_reject_rate: float
+    keep_truncated: bool
+    count_tolerance: dict
+    max_tokens: int | None
+
+    CONTENT: ClassVar = cfg.VALIDATE_DATA_KEYS + ("count_tolerance",)
+
+    def params(self) -> dict:
+        """The keys that decide rejects (the aggregate tolerance only fails the job: not a rerun trigger)."""
+        out = {k: getattr(self, k) for k in cfg.VALIDATE_DATA_KEYS}
+        out["count_tolerance"] = {k: self.count_tolerance[k] for k in ("per_sample_abs", "per_sample_rel")}
+        return out
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ValidateSettings":
+        return _build(cls, filled("validate", config.get("validate")), target=TargetSettings.from_config(config))
+
+    @classmethod
+    def defaults(cls, target: TargetSettings | dict | None = None, **values) -> "ValidateSettings":
+        t = target if isinstance(target, TargetSettings) else TargetSettings.defaults(**(target or {}))
+        return _build(cls, filled("validate", values), target=t)
+
+
+@dataclass(frozen=True)
+class MergeSettings(_Settings):
+    """The ``merge`` section. ``memory_mb`` and ``threads`` are the job's resources (a profile may override
+    them; the job then gets the profile's)."""
+
+    datasets: list | None
+    max_samples: dict
+    max_len: int
+    overflow: str
+    seed: int
+    shards: int
+    memory_mb: int
+    threads: int
+
+    CONTENT: ClassVar = cfg.MERGE_DATA_KEYS
+
+    @classmethod
+    def from_config(cls, config: dict) -> "MergeSettings":
+        return _build(cls, filled("merge", config.get("merge")))
+
+    @classmethod
+    def defaults(cls, **values) -> "MergeSettings":
+        return _build(cls, filled("merge", values))
+
+
+@dataclass(frozen=True)
+class ExtractSettings(_Settings):
+    """The ``extract`` section with the target's directory and ``trust_remote_code`` and the run's
+    ``cache_dir`` (where the extraction links that outlive results/ are kept). The stored layout
+    (:data:`eagle3_data.config.EXTRACT_STATE_KEYS`) is the rule's params; devices, batch size, attention path and
+    locks change how it runs, not what it writes."""
+
+    backend: str
+    layers: list | None
+    dtype: str
+    device: str
+    gpus_per_job: int
+    batch_tokens: int
+    attention: str
+    final_norm: str
+    final_states: str
+    aux_format: str
+    gpu_lock_dir: str | None
+    model_path: str
+    trust_remote_code: bool
+    cache_dir: str
+
+    CONTENT: ClassVar = cfg.EXTRACT_STATE_KEYS
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ExtractSettings":
+        t = TargetSettings.from_config(config)
+        return _build(cls, filled("extract", config.get("extract")), model_path=t.path,
+                      trust_remote_code=t.trust_remote_code, cache_dir=config.get("cache_dir", _default("cache_dir")))
+
+    @classmethod
+    def defaults(cls, model_path: str = ".", **values) -> "ExtractSettings":
+        cache_dir = values.pop("cache_dir", _default("cache_dir"))
+        trc = values.pop("trust_remote_code", _default("target.trust_remote_code"))
+        return _build(cls, filled("extract", values), model_path=model_path, trust_remote_code=trc,
+                      cache_dir=cache_dir)
+
+    def reuse_path(self, ds: str, shard: str) -> str:
+        """The hard link under ``cache_dir`` that keeps a selection's computed rows across reruns."""
+        return f"{self.cache_dir}/hidden_states/{ds}/{shard}.safetensors"
+
+
+@dataclass(frozen=True)
+class PlanSettings(_Settings):
+    """The ``plan`` section, the extract settings it plans for and ``merge.overflow`` (what a cap does)."""
+
+    tokens_per_s_per_gpu: float | None
+    measure_tokens: int
+    gpus_total: int
+    caps: list
+    drop: list
+    extract: ExtractSettings
+    overflow: str
+
+    CONTENT: ClassVar = ("tokens_per_s_per_gpu", "measure_tokens", "gpus_total", "caps", "drop")
+
+    def extract_params(self) -> dict:
+        """The extract keys the plan depends on: the stored layout, ``gpus_per_job`` (wall hours) and, only when
+        the plan measures the throughput itself, ``device``, ``batch_tokens`` and ``attention``."""
+        keys = cfg.EXTRACT_STATE_KEYS + ("gpus_per_job",)
+        if not self.tokens_per_s_per_gpu:
+            keys += ("device", "batch_tokens", "attention")
+        return {k: getattr(self.extract, k) for k in keys}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "PlanSettings":
+        return _build(cls, filled("plan", config.get("plan")), extract=ExtractSettings.from_config(config),
+                      overflow=filled("merge", config.get("merge"))["overflow"])
+
+    @classmethod
+    def defaults(cls, extract: ExtractSettings | None = None, **values) -> "PlanSettings":
+        overflow = values.pop("overflow", filled("merge", {})["overflow"])
+        return _build(cls, filled("plan", values), extract=extract or ExtractSettings.defaults(), overflow=overflow)
+
+
+@dataclass(frozen=True)
+class VocabSettings(_Settings):
+    """The ``vocab`` section and the target directory (its ``config.json`` gives the target vocabulary)."""
+
+    draft_vocab_size: int
+    model_path: str
+
+    CONTENT: ClassVar = ("draft_vocab_size", "model_path")
+
+    @classmethod
+    def from_config(cls, config: dict) -> "VocabSettings":
+        return _build(cls, filled("vocab", config.get("vocab")), model_path=config["target"]["path"])
+
+    @classmethod
+    def defaults(cls, model_path: str = ".", **values) -> "VocabSettings":
+        return _build(cls, filled("vocab", values), model_path=model_path)
+
+
+@dataclass(frozen=True)
+class ExportSettings(_Settings):
+    """The ``export`` section (``allow_norm_mismatch`` is a check: read at run time)."""
+
+    layouts: list
+    group_size: int
+    allow_norm_mismatch: bool
+
+    CONTENT: ClassVar = ("group_size",)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ExportSettings":
+        return _build(cls, filled("export", config.get("export")))
+
+    @classmethod
+    def defaults(cls, **values) -> "ExportSettings":
+        return _build(cls, filled("export", values))
+
+
+@dataclass(frozen=True)
+class GenerateSettings(_Settings):
+    """Rule generate (and forecast_pilot, which sends through it) for one dataset: the dataset's generation
+    settings (the global ``generation`` under the dataset's own), its backends' whole definitions (priority
+    order), the target, the journal directory under ``cache_dir`` and the shard count.
+
+    :meth:`params` are the rule's params, what the responses depend on (``cfg.generation_data_settings``,
+    ``cfg.backends_data_settings``, the target name and, for SGLang's native ``/generate``, the target); the rest
+    (concurrency, timeouts, rate limits, headers, key variables, launch, retries) is read at run time and reruns
+    nothing."""
+
+    dataset: str
+    target_name: str
+    generation: dict
+    backends: dict
+    backend_jobs: dict
+    num_shards: int
+    target: dict | None
+    target_format: dict
+    cache_dir: str
+    budget_sources: dict
+
+    CONTENT: ClassVar = ("target_name", "generation", "backends", "num_shards", "target", "target_format")
+
+    @property
+    def journal_dir(self) -> str:
+        """Where the responses are journaled: ``<cache_dir>/journal``."""
+        return f"{self.cache_dir}/journal"
+
+    def params(self) -> dict:
+        """The rule's params: only the generation and backend keys the responses depend on."""
+        generation = {k: self.generation.get(k) for k in cfg.GENERATION_DATA_KEYS}
+        if self.generation.get("reject_other_models"):  # only when set: the default leaves existing params as they are
+            generation["reject_other_models"] = True
+        return {"target_name": self.target_name, "generation": generation,
+                "backends": {name: {**{k: b.get(k) for k in cfg.BACKEND_DATA_KEYS}, "launched": bool(b.get("launch"))}
+                             for name, b in self.backends.items()},
+                "num_shards": self.num_shards, "target": self.target, "target_format": self.target_format}
+
+    def generate_kwargs(self) -> dict:
+        """Keyword arguments of :func:`eagle3_data.generate.generate` (and of the forecast's ``pilot``) these
+        settings give: everything but the paths, the shard, the log and the summary path."""
+        return {"dataset": self.dataset, "target_name": self.target_name, "generation": self.generation,
+                "backends": self.backends, "backend_jobs": self.backend_jobs, "journal_dir": self.journal_dir,
+                "num_shards": self.num_shards, "target": self.target, "target_format": self.target_format,
+                "budget_sources": self.budget_sources}
+
+    @classmethod
+    def from_config(cls, config: dict, ds: str) -> "GenerateSettings":
+        from .backends.limits import jobs_using
+
+        t = TargetSettings.from_config(config)
+        backends = cfg.backends_config(config, ds)
+        native = any((b or {}).get("native_generate") for b in backends.values())
+        return cls(
+            dataset=ds, target_name=t.name, generation=cfg.generation_config(config, ds), backends=backends,
+            backend_jobs={name: jobs_using(config, name) for name in backends},
+            num_shards=cfg.dataset_shards(config, ds),
+            # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
+            # config is not a dependency of generation
+            target=t.params() if native else None,
+            # the target's family: Kimi history tool-call ids, empty reasoning on tool-call turns of thinking targets
+            target_format={"template": t.template, "chat_template_kwargs": t.chat_template_kwargs or {}},
+            cache_dir=config.get("cache_dir", _default("cache_dir")),
+            # where the config sets each budget: named when a budget stops the shard
+            budget_sources={k: cfg.generation_source(config, ds, k) for k in ("budget_usd", "budget_completion_tokens")},
+        )
+
+
+#: every settings class and the schema section its own fields come from (tests/test_settings.py)
+SECTIONS: dict[type, str] = {
+    TargetSettings: "target",
+    TinyTargetSettings: "target.tiny",
+    ValidateSettings: "validate",
+    MergeSettings: "merge",
+    ExtractSettings: "extract",
+    PlanSettings: "plan",
+    VocabSettings: "vocab",
+    ExportSettings: "export",
+}
+
+
+def stage_value(config: dict, path: str) -> Any:
+    """The value of dotted config key ``path`` (``"merge.threads"``), the schema's default where unset."""
+    head, _, key = path.rpartition(".")
+    tree: Any = config
+    for part in head.split(".") if head else []:
+        tree = (tree or {}).get(part)
+    return filled(head, tree)[key]
