@@ -124,6 +124,9 @@ def _stop_and_check(wd, fs, proc, how: str) -> tuple[float, str]:
         out, _ = proc.communicate()
         raise AssertionError(f"snakemake did not exit within 60 s of {how}:\n{out[-4000:]}")
     _wait_quiet(fs)
+    after = [t - t_sig for t in fs.app.request_times if t > t_sig]
+    print(f"\n{how}: {fs.app.requests} requests, {len(after)} after the signal (the last "
+          f"{max(after, default=0):.2f} s after it), {fs.app.completed} completed, {_journaled(wd)} journaled")
     late = [t - t_sig for t in fs.app.request_times if t > t_sig + STOP_S]
     assert not late, f"{len(late)} requests started more than {STOP_S} s after {how} (last {max(late):.1f} s)"
     assert fs.app.completed < N, "the build ran to its end"
