@@ -246,6 +246,27 @@ def test_limits_mixed_and_partial_summaries(tmp_path):
     assert row["ended_by"] == "all samples done (1 of 3 shards); max_samples (1 of 3 shards)"
 
 
+def test_limits_count_replies_from_another_model_per_dataset(tmp_path):
+    """Replies naming another model than the backend's (generate's summary ``other_model_replies``) are counted per
+    dataset in the limits table (Markdown column "Other model"); a shard without the field counts 0."""
+    import json as _json
+
+    from eagle3_data.report import write_reports
+
+    paths = []
+    for ds, shard, other in (("ds_a", "000", 3), ("ds_a", "001", 2), ("ds_b", "000", None)):
+        paths.append(_responses(tmp_path, ds, shard, [_resp(ds, f"{shard}-{i}", 1e9 + i, 5, 0.0) for i in range(2)]))
+        summary = {"stopped_by": "all samples done", **({"other_model_replies": other} if other is not None else {})}
+        (tmp_path / ds / "responses" / f"{shard}.json").write_text(_json.dumps(summary))
+    res = write_reports([], [], paths, tmp_path / "r", datasets_config={"ds_a": {"shards": 2}, "ds_b": {"shards": 1}})
+    lim = {r["dataset"]: r["other_model_replies"] for r in res["limits"]}
+    assert lim == {"ds_a": 5, "ds_b": 0}
+    md = (tmp_path / "r" / "limits.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| Dataset"))
+    assert header.rstrip(" |").endswith("Other model")
+    assert md_rows(md)[0][0] == "ds_a" and md_rows(md)[0][-1] == "5"
+
+
 def test_audit_report_compares_billed_and_own_counts_per_dataset_and_ids_source(tmp_path):
     from eagle3_data.report import AUDIT_COLUMNS, write_reports
 

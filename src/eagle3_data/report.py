@@ -88,7 +88,8 @@ MD_BUCKETS_S = [60, 300, 600, 900, 1800, 3600, 7200, 4 * 3600, 6 * 3600, 12 * 36
 MAX_MD_BUCKETS = 240
 SUMMARY_COLUMNS = {
     "dataset": "VARCHAR", "shard": "VARCHAR", "stopped_by": "VARCHAR", "samples": "BIGINT", "ok": "BIGINT",
-    "failed_total": "BIGINT", "not_sent": "BIGINT", "over_max_samples": "BIGINT", "filename": "VARCHAR",
+    "failed_total": "BIGINT", "not_sent": "BIGINT", "over_max_samples": "BIGINT", "other_model_replies": "BIGINT",
+    "filename": "VARCHAR",
 }
 
 
@@ -608,7 +609,8 @@ def format_limits(rows: list[dict]) -> str:
     cols = [("dataset", "Dataset", "text"), ("ended_by", "Ended by", "text"), ("evidence", "Evidence", "text"),
             ("samples_ok", "Samples", ""), ("not_sent", "Not sent", ""), ("max_samples", "Max samples", ""),
             ("completion_tokens", "Completion tokens", ""), ("budget_completion_tokens", "Token budget", ""),
-            ("cost_usd", "Cost $", "usd"), ("budget_usd", "Budget $", "usd")]
+            ("cost_usd", "Cost $", "usd"), ("budget_usd", "Budget $", "usd"),
+            ("other_model_replies", "Other model", "")]
     return markdown_table(rows, cols)
 
 

@@ -4,16 +4,19 @@
 -- ended_by: the shards' stopped_by ("x" when all agree, else "x (3 of 4 shards); y (1 of 4 shards)");
 -- evidence: summary (every shard reported), partial summary (some did) or inferred (none did: the dataset's
 -- spend against its limits, a budget counting as reached from 95% on, since generation stops new requests
--- when spent + in flight would reach it).
+-- when spent + in flight would reach it). other_model_replies: replies that named another model than the
+-- backend's (a provider fallback), kept unless generation.reject_other_models.
 WITH s AS (
     SELECT dataset, coalesce(stopped_by, 'unknown') AS stopped_by, count(*)::BIGINT AS n,
-           sum(not_sent)::BIGINT AS not_sent, sum(over_max_samples)::BIGINT AS over_max_samples
+           sum(not_sent)::BIGINT AS not_sent, sum(over_max_samples)::BIGINT AS over_max_samples,
+           sum(other_model_replies)::BIGINT AS other_model_replies
     FROM shard_summaries
     GROUP BY ALL
 ), st AS (
     SELECT dataset, sum(n)::BIGINT AS shards_reported, list(stopped_by ORDER BY n DESC, stopped_by) AS reasons,
            list(n ORDER BY n DESC, stopped_by) AS counts,
-           sum(not_sent)::BIGINT AS not_sent, sum(over_max_samples)::BIGINT AS over_max_samples
+           sum(not_sent)::BIGINT AS not_sent, sum(over_max_samples)::BIGINT AS over_max_samples,
+           sum(other_model_replies)::BIGINT AS other_model_replies
     FROM s
     GROUP BY dataset
 ), r AS (
@@ -28,6 +31,7 @@ WITH s AS (
     SELECT dataset FROM dataset_limits UNION SELECT dataset FROM r UNION SELECT dataset FROM st
 ), j AS (
     SELECT n.dataset, l.shards, st.shards_reported, st.reasons, st.counts, st.not_sent, st.over_max_samples,
+           st.other_model_replies,
            coalesce(r.samples_ok, 0) AS samples_ok, coalesce(r.responses_failed, 0) AS responses_failed,
            coalesce(r.completion_tokens, 0) AS completion_tokens, coalesce(r.cost_usd, 0.0) AS cost_usd,
            l.max_samples, l.budget_completion_tokens, l.budget_usd
@@ -61,6 +65,7 @@ SELECT
     responses_failed,
     not_sent,
     over_max_samples,
+    coalesce(other_model_replies, 0)::BIGINT AS other_model_replies,
     max_samples,
     completion_tokens,
     budget_completion_tokens,

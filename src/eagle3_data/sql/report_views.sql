@@ -22,7 +22,7 @@ CREATE OR REPLACE TEMP VIEW shard_summaries AS
     SELECT
         coalesce(dataset, regexp_extract(filename, '([^/\\]+)[/\\]responses[/\\][^/\\]+\.json$', 1)) AS dataset,
         coalesce(shard, regexp_extract(filename, '([^/\\]+)\.json$', 1)) AS shard,
-        stopped_by, samples, ok, failed_total, not_sent, over_max_samples, filename
+        stopped_by, samples, ok, failed_total, not_sent, over_max_samples, other_model_replies, filename
     FROM read_json(getvariable('summary_files'), filename = true, columns = {
         dataset: 'VARCHAR', shard: 'VARCHAR', stopped_by: 'VARCHAR', samples: 'BIGINT', ok: 'BIGINT',
-        failed_total: 'BIGINT', not_sent: 'BIGINT', over_max_samples: 'BIGINT'});
+        failed_total: 'BIGINT', not_sent: 'BIGINT', over_max_samples: 'BIGINT', other_model_replies: 'BIGINT'});
