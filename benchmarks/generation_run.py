@@ -262,7 +262,7 @@ def write_sources(work: Path, datasets: int, samples: int, seed: int = 0) -> dic
 def build_config(sources: dict[str, Path], port: int, shards: int, limit: int, cap: int) -> dict:
     return {
         "cache_dir": "cache",
-        "target": {"name": "bench-target", "path": "results/target/none", "build_tiny": False,
+        "target": {"name": "bench-target", "path": "results/target/none", "build_tiny": True,
                    "template": "generic"},
         "backends": {"openrouter": {"type": "openrouter", "base_url": f"http://127.0.0.1:{port}/v1", "model": MODEL,
                                     "api_key_env": "BENCH_OPENROUTER_KEY", "max_concurrency": limit,

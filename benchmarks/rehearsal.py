@@ -191,6 +191,8 @@ def build_config(sources: dict, port: int, scale: float, local_concurrency: int 
     for ds, (_n, _tok, shards) in SEED_A.items():
         cfg["datasets"][ds] = {"source": {"format": "pretokenized", "path": sources[ds]["path"]},
                                "shards": min(shards, max_shards or shards)}
+    # the draft vocabulary must fit the tiny target's (checked before any job runs): the demo's size
+    cfg["vocab"] = {**(seed.get("vocab") or {}), **(demo.get("vocab") or {})}
     cfg["extract"] = {**seed["extract"], "dtype": "float32", "gpus_per_job": 1}  # never run here
     # the plan's throughput: the seed's own (138.4M tokens in its 91 h estimate on 8 GPUs = 52.8 tokens/s per
     # GPU for Kimi-K2.5), not a measurement of the tiny CPU target, which would say nothing about the real run

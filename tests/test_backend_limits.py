@@ -112,7 +112,7 @@ def workdir(path: Path, fs, datasets: dict[str, int], *, shards: int = 1) -> Pat
     wd = copy_workflow(path)
     conf = {
         "cache_dir": "cache",
-        "target": {"name": "t", "path": "results/target/none", "build_tiny": False, "template": "generic"},
+        "target": {"name": "t", "path": "results/target/none", "build_tiny": True, "template": "generic"},
         "backends": {"fault": backend(fs.url)},
         "generation": {"backends": ["fault"], "max_tokens": 30, "temperature": 1.0, "top_p": 1.0,
                        "max_retries": 3},

@@ -50,8 +50,11 @@ def test_unknown_config_key_is_rejected(tmp_path):
     assert "merge.max_lenght: unknown key; did you mean merge.max_len?" in out
 
 
-def test_missing_key_variable_stops_before_any_job_and_a_dry_run_only_warns(tmp_path):
+def test_missing_key_variable_stops_before_any_job_and_a_dry_run_only_warns(tmp_path, demo_run):
     wd = copy_workflow(tmp_path)
+    # the config's target (checked before any job): the demo's tiny Kimi K2.5-style target, as in the README route
+    (wd / "models").mkdir()
+    (wd / "models" / "Kimi-K2.5").symlink_to(demo_run / "results" / "target" / "tiny-kimi")
     env = {"OPENROUTER_KEY": "sk-or-v1-NOT-TO-BE-PRINTED"}
     cmd = ["--configfile", "resources/configs/openrouter.yaml"]
     proc = run_snakemake(wd, "--cores", "1", *cmd, check=False, env=env, unset=["OPENROUTER_API_KEY"])

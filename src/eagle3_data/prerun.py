@@ -57,8 +57,8 @@ def check_target(config: dict, cache_dir: str | os.PathLike | None = None, *, lo
     target = config.get("target") or {}
     path = str(target.get("path") or "")
     d = Path(path)
-    if target.get("build_tiny") and not d.exists():
-        return  # the build makes it (rule tiny_target)
+    if target.get("build_tiny"):
+        return  # the build makes (and remakes) it: rule tiny_target
     if not path or not d.exists():
         raise ConfigError(f"Config error: target.path: {path or '(empty)'} does not exist; it must be a local "
                           "directory with the target model's tokenizer and chat template (download a Hub model "
