@@ -142,3 +142,13 @@ def demo_run(tmp_path_factory) -> Path:
     proc = run_snakemake(wd, "--cores", "2", timeout=2400)  # minutes on a busy 2-core machine
     (wd / "run.out").write_text(proc.stdout + proc.stderr)
     return wd
+
+
+@pytest.fixture(autouse=True)
+def tokenizer_cache_dir(tmp_path_factory, monkeypatch) -> Path:
+    """Each test's own tokenizer cache (``EAGLE3_TOKENIZER_CACHE``, eagle3_data.tokenizer_cache), inherited by the
+    jobs it starts: a test sees the loader's warnings and the jobs' cold loads, whatever ran before it."""
+    d = tmp_path_factory.mktemp("tokenizer-cache")
+    os.chmod(d, 0o700)
+    monkeypatch.setenv("EAGLE3_TOKENIZER_CACHE", str(d))
+    return d
