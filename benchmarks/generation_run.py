@@ -262,7 +262,7 @@ def write_sources(work: Path, datasets: int, samples: int, seed: int = 0) -> dic
 def build_config(sources: dict[str, Path], port: int, shards: int, limit: int, cap: int) -> dict:
     return {
         "cache_dir": "cache",
-        "target": {"name": "bench-target", "path": "results/target/none", "build_tiny": True,
+        "target": {"name": "bench-target", "path": "results/target/tokenizer", "build_tiny": False,
                    "template": "generic"},
         "backends": {"openrouter": {"type": "openrouter", "base_url": f"http://127.0.0.1:{port}/v1", "model": MODEL,
                                     "api_key_env": "BENCH_OPENROUTER_KEY", "max_concurrency": limit,
@@ -350,6 +350,11 @@ def main(argv=None) -> int:
     server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=open(work / "server.err", "wb"))
     assert server.stdout.readline().strip() == b"serving", (work / "server.err").read_text()
     cfg = build_config(sources, port, args.shards, args.limit, args.cap)
+    from eagle3_data.tiny_target import build_tokenizer
+
+    # the target's tokenizer and chat template, checked before any job runs (generate itself never loads it)
+    build_tokenizer().save_pretrained(work / "results" / "target" / "tokenizer")
+    cfg["vocab"] = {"draft_vocab_size": 256}
     (work / "bench.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {**os.environ, "BENCH_OPENROUTER_KEY": "bench-not-a-secret", "EAGLE3_LIMITS_DIR": str(work / "limits"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}

@@ -109,10 +109,15 @@ def write_sharegpt(path: Path, n: int, tag: str) -> Path:
 
 def workdir(path: Path, fs, datasets: dict[str, int], *, shards: int = 1) -> Path:
     """A workflow copy whose config generates ``datasets`` (name -> samples) through the fault server at LIMIT."""
+    from eagle3_data.tiny_target import build_tokenizer
+
     wd = copy_workflow(path)
+    # the target's tokenizer and chat template (checked before any job runs; generate itself never loads it)
+    build_tokenizer().save_pretrained(wd / "results" / "target" / "tokenizer")
     conf = {
         "cache_dir": "cache",
-        "target": {"name": "t", "path": "results/target/none", "build_tiny": True, "template": "generic"},
+        "target": {"name": "t", "path": "results/target/tokenizer", "build_tiny": False, "template": "generic"},
+        "vocab": {"draft_vocab_size": 256},
         "backends": {"fault": backend(fs.url)},
         "generation": {"backends": ["fault"], "max_tokens": 30, "temperature": 1.0, "top_p": 1.0,
                        "max_retries": 3},

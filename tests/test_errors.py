@@ -55,8 +55,11 @@ def test_missing_key_variable_stops_before_any_job_and_a_dry_run_only_warns(tmp_
     # the config's target (checked before any job): the demo's tiny Kimi K2.5-style target, as in the README route
     (wd / "models").mkdir()
     (wd / "models" / "Kimi-K2.5").symlink_to(demo_run / "results" / "target" / "tiny-kimi")
+    # the README route's step 2: a copy of the OpenRouter config with a draft vocabulary that fits the tiny target
+    (wd / "my.yaml").write_text((wd / "resources/configs/openrouter.yaml").read_text()
+                                + "\nvocab:\n  draft_vocab_size: 256\n")
     env = {"OPENROUTER_KEY": "sk-or-v1-NOT-TO-BE-PRINTED"}
-    cmd = ["--configfile", "resources/configs/openrouter.yaml"]
+    cmd = ["--configfile", "my.yaml"]
     proc = run_snakemake(wd, "--cores", "1", *cmd, check=False, env=env, unset=["OPENROUTER_API_KEY"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1

@@ -121,7 +121,8 @@ def test_ctrl_c_stops_the_server_and_prints_how_to_resume_once(prompts_built, tm
     assert "Traceback" not in text
     said = [ln for ln in after if ln.startswith("Interrupted (Ctrl-C).")]
     assert said == [f"Interrupted (Ctrl-C). Rerun the same command to resume; {n:,} response{'s' if n != 1 else ''} "
-                    f"of this config are journaled in cache/journal/ and will not be requested again."], "\n".join(after)
+                    f"of this config {'are' if n != 1 else 'is'} journaled in cache/journal/ and will not be requested "
+                    "again."], "\n".join(after)
     assert not any("interrupted. Rerun" in ln for ln in after)     # the jobs' own lines went to their log files
     pids = server_pids(wd)
     assert len(pids) == 1 and gone(pids[0], within=1.0)
