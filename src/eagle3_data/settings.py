@@ -113,6 +113,19 @@ class _Settings:
         return {f.name: (lambda v: v.as_dict() if isinstance(v, _Settings) else v)(getattr(self, f.name))
                 for f in fields(self)}
 
+    #: the config section a settings class is filled from as it is (``from_config`` / ``defaults`` below), if any
+    SECTION: ClassVar[str | None] = None
+
+    @classmethod
+    def from_config(cls, config: dict):
+        """The settings of ``config[SECTION]`` with the schema's defaults where unset."""
+        return _build(cls, filled(cls.SECTION, config.get(cls.SECTION)))
+
+    @classmethod
+    def defaults(cls, **values):
+        """The schema's defaults, updated by ``values``."""
+        return _build(cls, filled(cls.SECTION, values))
+
     def replace(self, **changes):
         """A copy with ``changes`` (field name -> value)."""
         return dataclasses.replace(self, **changes)
@@ -282,13 +295,7 @@ class MergeSettings(_Settings):
 
     CONTENT: ClassVar = cfg.MERGE_DATA_KEYS
 
-    @classmethod
-    def from_config(cls, config: dict) -> "MergeSettings":
-        return _build(cls, filled("merge", config.get("merge")))
-
-    @classmethod
-    def defaults(cls, **values) -> "MergeSettings":
-        return _build(cls, filled("merge", values))
+    SECTION: ClassVar = "merge"
 
 
 @dataclass(frozen=True)
@@ -394,13 +401,7 @@ class ExportSettings(_Settings):
 
     CONTENT: ClassVar = ("group_size",)
 
-    @classmethod
-    def from_config(cls, config: dict) -> "ExportSettings":
-        return _build(cls, filled("export", config.get("export")))
-
-    @classmethod
-    def defaults(cls, **values) -> "ExportSettings":
-        return _build(cls, filled("export", values))
+    SECTION: ClassVar = "export"
 
 
 @dataclass(frozen=True)
