@@ -1,11 +1,15 @@
 """Rules generate (prompts shard -> responses shard through the dataset's backends, journaled in cache/) and
 forecast_pilot (rule generate with its own outputs: the shard's share of the forecast's pilot samples)."""
-import logging
+from eagle3_data import startup
 
-from eagle3_data.errors import in_workflow_run, run_stage
-from eagle3_data.generate import generate
-from eagle3_data.logs import setup_logging
-from eagle3_data.settings import GenerateSettings
+startup.acquire()  # one job per CPU core starts at a time, so the first requests leave early (eagle3_data.startup)
+
+import logging  # noqa: E402
+
+from eagle3_data.errors import in_workflow_run, run_stage  # noqa: E402
+from eagle3_data.generate import generate  # noqa: E402
+from eagle3_data.logs import setup_logging  # noqa: E402
+from eagle3_data.settings import GenerateSettings  # noqa: E402
 
 # inside a workflow run the console shows the run-wide view (eagle3_data.runview): this shard's progress lines and
 # summary go to its log file, only warnings and errors to the console

@@ -202,6 +202,9 @@ def generate(
                                     "every response received so far is journaled") from None
     finally:
         pa.set_memory_pool(old_pool)
+        from .. import startup
+
+        startup.release()  # a job that sent nothing gives its start-up slot back here (eagle3_data.startup)
 
 
 def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation, backends, journal_dir, log,

@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 
-from .. import paid, progress
+from .. import paid, progress, startup
 from .. import run as run_mod
 from ..backends.errors import FatalBackendError, RetryableError, SampleError, retry_wait
 from ..backends.request import Request
@@ -236,6 +236,7 @@ class Runner:
                         st.retries += 1
                     if st.first_sent_at is None:  # before the wait for a slot: that wait is the requests' time
                         st.first_sent_at = time.time()
+                        startup.release()  # the next job on this machine may start (eagle3_data.startup)
                     async with self.pool.slot(avoid=avoid) as backend:
                         # budgets gate every attempt (a retry after a 429 costs as much as a new request),
                         # checked when a slot is free so that the spend of everything in flight is counted: the
