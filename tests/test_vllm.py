@@ -136,3 +136,66 @@ def test_late_mismatch_is_a_tokenize_reject(tmp_path, fs, tiny):
     assert reasons.count("server_prompt_mismatch") == 10 and reasons.count(None) == 30
     bad = next(t for t in toks if t["reject_reason"])
     assert "at token 3" in bad["reject_detail"] and bad["input_ids"] == []
+
+
+# ------------------------------------------------------------------------------------------ a launched vLLM server
+
+FAKE_VLLM = '''#!{python}
+"""A stand-in for vLLM's CLI: `vllm serve MODEL --host H --port P ...`; /health answers 200 once "loaded"."""
+import http.server, json, sys, time
+args = sys.argv[1:]
+assert args[0] == "serve", args
+host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+open(sys.argv[0] + ".argv", "w").write(json.dumps(args))
+time.sleep(0.5)  # loading the model: /health is not up yet
+
+
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+http.server.HTTPServer((host, port), H).serve_forever()
+'''
+
+
+def fake_vllm_env(tmp_path) -> Path:
+    env = tmp_path / ".venv-vllm"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").symlink_to(sys.executable)
+    prog = env / "bin" / "vllm"
+    prog.write_text(FAKE_VLLM.replace("{python}", sys.executable))
+    prog.chmod(0o755)
+    return env
+
+
+def test_launched_vllm_command_line_and_ready_check(tmp_path):
+    from eagle3_data.backends.server import launch_server
+
+    env = fake_vllm_env(tmp_path)
+    launch = {"command": "vllm serve {model} --host 127.0.0.1 --port {port} --tensor-parallel-size 1",
+              "python": str(env), "ready_path": "/health", "ready_timeout_s": 30}
+    with launch_server(launch, "org/model", tmp_path / "server.log", name="vllm") as srv:
+        assert srv.command[0] == str(env / "bin" / "vllm")
+        assert srv.command[1:] == ["serve", "org/model", "--host", "127.0.0.1", "--port", str(srv.port),
+                                   "--tensor-parallel-size", "1"]
+        import httpx
+
+        assert httpx.get(f"http://127.0.0.1:{srv.port}/health", trust_env=False).status_code == 200
+        argv = json.loads((env / "bin" / "vllm.argv").read_text())
+        assert argv[:2] == ["serve", "org/model"]
+    assert not srv.alive()
+
+
+def test_launched_vllm_without_host_is_refused(tmp_path):
+    from eagle3_data.backends.server import launch_server
+
+    env = fake_vllm_env(tmp_path)
+    launch = {"command": "vllm serve {model} --port {port}", "python": str(env)}
+    with pytest.raises(ValueError, match="vLLM listens on every interface.*--host 127.0.0.1"):
+        with launch_server(launch, "org/model", tmp_path / "server.log", name="vllm"):
+            pass

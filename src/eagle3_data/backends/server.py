@@ -34,6 +34,13 @@ The command must bind 127.0.0.1: a command that asks for ``0.0.0.0``/``::`` is r
     command: python -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port} --tp 8
     python: .venv-sglang              # the venv of envs/sglang-gpu.txt (docs/environments.md)
     gpus: 8
+
+and for vLLM (with the backend's ``return_token_ids: true``; vLLM binds every interface unless ``--host`` is
+given, so a vLLM command without it is refused; ``/health`` answers 200 once the model is loaded)::
+
+    command: vllm serve {model} --host 127.0.0.1 --port {port} --tensor-parallel-size 8
+    python: .venv-vllm                # the venv of envs/vllm-gpu.txt (docs/environments.md)
+    gpus: 8
 """
 
 from __future__ import annotations
@@ -150,7 +157,16 @@ def _format_command(launch: dict, model: str, port: int) -> list[str]:
             host = a.split("=", 1)[1]
         if host is not None and host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"launch command binds {host!r}: a local server must listen on 127.0.0.1 only")
+    if is_vllm(argv) and not any(a in ("--host", "--bind") or a.startswith("--host=") for a in argv):
+        raise ValueError("launch command starts vLLM without --host: vLLM listens on every interface unless told; "
+                         "add --host 127.0.0.1")
     return argv
+
+
+def is_vllm(argv: list[str]) -> bool:
+    """The command starts a vLLM server: ``vllm serve ...`` or ``python -m vllm.entrypoints.openai.api_server``."""
+    prog = os.path.basename(argv[0]) if argv else ""
+    return (prog == "vllm" and argv[1:2] == ["serve"]) or "vllm.entrypoints.openai.api_server" in argv
 
 
 def server_env(launch: dict, base: dict | None = None) -> dict:
