@@ -14,7 +14,8 @@ exclude, enabled) put into the body, ``headers`` (non-secret; ``Authorization`` 
 chat-completions API for token ids: the reply's ``choices[0].token_ids`` are kept as the exact ``output_ids`` and its
 top-level ``prompt_token_ids`` as ``prompt_ids`` (checked against the target's render of the prompt: the job's first
 replies stop it on a mismatch, :mod:`..prompt_check`; later ones are rejects at tokenize). ``cost_lookup: true``
-(type openrouter) looks the cost up by generation id when ``usage.cost`` is missing (:meth:`.pool.Backend.lookup_cost`; first retry after ``cost_lookup_delay_s``).
+(type openrouter) looks the cost up by generation id when ``usage.cost`` is missing
+(:meth:`.pool.Backend.lookup_cost`; first retry after ``cost_lookup_delay_s``).
 
 Messages never contain the API key: it is only ever placed in the ``Authorization`` header.
 """
