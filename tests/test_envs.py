@@ -50,3 +50,19 @@ def test_without_the_override_the_project_torch_pin_conflicts_with_sglang():
     out = compile_env()
     assert out.returncode != 0
     assert "torch==2.13.0" in out.stderr and re.search(r"sglang.*depends on torch==", out.stderr.replace("\n", " "))
+
+
+def test_vllm_gpu_env_resolves_with_vllms_torch():
+    """envs/vllm-gpu.txt with its override and the project: vllm at its pin (>= 0.10.2, return_token_ids), the
+    override's torch, the project's own dependencies within their ranges."""
+    cmd = [sys.executable, "-m", "uv", "pip", "compile", "--no-header", *TARGET, "pyproject.toml",
+           "envs/vllm-gpu.txt", "--override", "envs/vllm-gpu-overrides.txt"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, f"the vLLM GPU environment does not resolve:\n{out.stderr[-4000:]}"
+    got = pins(out.stdout)
+    want = re.search(r"^vllm==(\S+)", (ROOT / "envs/vllm-gpu.txt").read_text(), re.M).group(1)
+    assert got["vllm"] == want and tuple(int(x) for x in want.split(".")[:3]) >= (0, 10, 2)
+    override = re.search(r"^torch==(\S+)", (ROOT / "envs/vllm-gpu-overrides.txt").read_text(), re.M).group(1)
+    assert got["torch"] == override
+    for name in ("snakemake", "duckdb", "pyarrow", "transformers", "tokenizers"):
+        assert name in got, name

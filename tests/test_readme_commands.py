@@ -76,6 +76,11 @@ HOW: dict[str, How] = {
         skip=True),
     "uv pip install -e . -r envs/sglang-gpu.txt --override envs/sglang-gpu-overrides.txt": How(
         "the SGLang GPU environment, as above", skip=True),
+    "python3.11 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install uv": How(
+        "the vLLM GPU environment (Linux x86_64, CUDA, GBs of wheels); tests/test_envs.py resolves it with uv",
+        skip=True),
+    "uv pip install -e . -r envs/vllm-gpu.txt --override envs/vllm-gpu-overrides.txt": How(
+        "the vLLM GPU environment, as above", skip=True),
 }
 
 

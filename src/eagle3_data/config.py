@@ -312,6 +312,9 @@ RERUNS: list[tuple[str, str]] = [
     ("backends.<name>.reasoning", "as backends.<name>.type"),
     ("backends.<name>.native_generate", "as backends.<name>.type"),
     ("backends.<name>.cost_lookup", "as backends.<name>.type"),
+    ("backends.<name>.return_token_ids", "generate of the datasets using it (replies the journal already holds keep "
+                                         "what they had: no ids), then their tokenize and validate, report, view, "
+                                         + _BELOW_MERGE),
     ("backends.<name>.api_key_env", NOTHING),
     ("backends.<name>.max_concurrency", NOTHING),
     ("backends.<name>.max_jobs", NOTHING),

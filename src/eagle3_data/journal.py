@@ -88,9 +88,10 @@ def record_problem(rec: dict) -> str | None:
         v = rec.get(k)
         if v is not None and (type(v) not in (int, float) or not math.isfinite(v) or (k == "cost_usd" and v < 0)):
             return f"field {k!r} is {v!r}, not a finite number"
-    ids = rec.get("output_ids")
-    if ids is not None and not is_token_ids(ids):
-        return "field 'output_ids' is not a list of token ids"
+    for k in ("output_ids", "prompt_ids"):  # prompt_ids: absent from journals written before it existed
+        ids = rec.get(k)
+        if ids is not None and not is_token_ids(ids):
+            return f"field {k!r} is not a list of token ids"
     return None
 
 

@@ -148,7 +148,8 @@ def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
     ``status`` ``failed``, ``error`` ``"<reason>: <message>"`` and :data:`REJECT_FIELDS` of the reply."""
     rec = {**base, **{k: exc.fields.get(k) for k in REJECT_FIELDS}}
     rec.update(status="failed", error=scrub(f"{exc.reason}: {exc.message}", keys)[:2000], reasoning=None,
-               content=None, tool_calls=None, output_ids=None)
+               content=None, tool_calls=None, output_ids=None,
+               prompt_ids=None)
     if rec.get("model"):
         rec["model"] = scrub(str(rec["model"]), keys)[:200]
     return rec

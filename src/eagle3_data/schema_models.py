@@ -63,6 +63,12 @@ class ResponsesModel(pa_pd.DataFrameModel):
     status: Series[str] = pa_pd.Field(isin=["ok", "failed"])
     completion_tokens: Series[float] = pa_pd.Field(nullable=True, ge=0, coerce=True)
     cost_usd: Series[float] = pa_pd.Field(nullable=True, ge=0)
+    prompt_ids: Series[object] = pa_pd.Field(nullable=True)  # list<int32> or null (vLLM's prompt_token_ids)
+
+    @pa_pd.check("prompt_ids")
+    def _prompt_ids_non_empty(cls, s):
+        """Server prompt ids, when present, are a non-empty list (the prompt always has tokens)."""
+        return s.map(lambda v: v is None or len(v) > 0)
 
     class Config:
         unique = ["request_key"]

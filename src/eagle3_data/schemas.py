@@ -76,6 +76,9 @@ RESPONSES = pa.schema(
         ("latency_s", pa.float64()),
         ("output_ids", IDS),  # exact ids when the backend returns them, else null
         ("completed_at", pa.float64()),  # unix time the response arrived
+        # the prompt's ids as the server rendered them (vLLM return_token_ids: prompt_token_ids), else null;
+        # tokenize compares them with its own render (reject server_prompt_mismatch)
+        ("prompt_ids", IDS),
     ]
 )
 

@@ -411,9 +411,9 @@ class GenerateSettings(_Settings):
     order), the target, the journal directory under ``cache_dir`` and the shard count.
 
     :meth:`params` are the rule's params, what the responses depend on (``cfg.generation_data_settings``,
-    ``cfg.backends_data_settings``, the target name and, for SGLang's native ``/generate``, the target); the rest
-    (concurrency, timeouts, rate limits, headers, key variables, launch, retries) is read at run time and reruns
-    nothing."""
+    ``cfg.backends_data_settings``, the target name and, for SGLang's native ``/generate`` and vLLM's
+    ``return_token_ids``, the target); the rest (concurrency, timeouts, rate limits, headers, key variables,
+    launch, retries) is read at run time and reruns nothing."""
 
     dataset: str
     target_name: str
@@ -439,7 +439,9 @@ class GenerateSettings(_Settings):
         if self.generation.get("reject_other_models"):  # only when set: the default leaves existing params as they are
             generation["reject_other_models"] = True
         return {"target_name": self.target_name, "generation": generation,
-                "backends": {name: {**{k: b.get(k) for k in cfg.BACKEND_DATA_KEYS}, "launched": bool(b.get("launch"))}
+                "backends": {name: {**{k: b.get(k) for k in cfg.BACKEND_DATA_KEYS}, "launched": bool(b.get("launch")),
+                                    # only when set: a backend without it keeps its params (nothing reruns)
+                                    **({"return_token_ids": True} if b.get("return_token_ids") else {})}
                              for name, b in self.backends.items()},
                 "num_shards": self.num_shards, "target": self.target, "target_format": self.target_format}
 
@@ -457,13 +459,14 @@ class GenerateSettings(_Settings):
 
         t = TargetSettings.from_config(config)
         backends = cfg.backends_config(config, ds)
-        native = any((b or {}).get("native_generate") for b in backends.values())
+        # the target tokenizer: SGLang's native /generate renders the prompt ids with it, vLLM's return_token_ids
+        # checks the server's prompt ids against it
+        native = any((b or {}).get("native_generate") or (b or {}).get("return_token_ids") for b in backends.values())
         return cls(
             dataset=ds, target_name=t.name, generation=cfg.generation_config(config, ds), backends=backends,
             backend_jobs={name: jobs_using(config, name) for name in backends},
             num_shards=cfg.dataset_shards(config, ds),
-            # the target tokenizer renders prompt ids only for SGLang's native /generate; otherwise the target
-            # config is not a dependency of generation
+            # otherwise the target config is not a dependency of generation
             target=t.params() if native else None,
             # the target's family: Kimi history tool-call ids, empty reasoning on tool-call turns of thinking targets
             target_format={"template": t.template, "chat_template_kwargs": t.chat_template_kwargs or {}},

@@ -9,6 +9,9 @@ the prompt/completion recipe per template family and its sources).
 - ``exact``: the backend returned the sampled ``output_ids`` (SGLang ``/generate``); they are used as they are
   (plus the end-of-turn id when the backend left the stop token out) and their decoded text must equal the
   response text in the target's completion format, else the row is rejected ``exact_ids_text_mismatch``;
+A row whose server returned its own prompt ids (``prompt_ids``, vLLM's ``return_token_ids``) that differ from this
+render is rejected ``server_prompt_mismatch`` (the message names the first differing position and both tokens).
+
 - ``reconstructed``: re-tokenized from the response text (OpenRouter and other text-only APIs); the ids must decode
   back to exactly that text (text -> ids -> text), else the row is rejected ``round_trip`` (a tokenizer whose
   normalizer or unknown-token handling loses text can't give the target's ids).
@@ -34,6 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas
+from .prompt_check import mismatch_detail
 from .templates import (
     TargetTokens,
     TemplateError,
@@ -51,7 +55,7 @@ log = logging.getLogger("eagle3_data.tokenize")
 _RESPONSE_COLUMNS = ("sample_id", "dataset", "turn", "messages", "tools", "status", "error", "reasoning", "content",
                      "tool_calls", "finish_reason", "completion_tokens", "prompt_tokens", "backend", "provider",
                      "cost_usd",
-                     "output_ids")
+                     "output_ids", "prompt_ids")
 
 
 def _base(r: dict, sid: str) -> dict:
@@ -134,7 +138,7 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
                      "reject_detail": None, "reasoning_split": split is not None})
         texts.append(prompt)
         texts.extend(t for t, special in segs if not special)
-        work.append((len(meta) - 1, segs, exact, truncated))
+        work.append((len(meta) - 1, segs, exact, truncated, r.get("prompt_ids") or None))
 
     encoded = target.encode_texts(texts)  # the one batched encode of the shard
     ids_out: list[list[int] | None] = [None] * len(meta)
@@ -143,9 +147,17 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
     want: list[str] = []
     k = 0
     sid = target.special_id
-    for i, segs, exact, truncated in work:
+    mismatched: set[int] = set()
+    for i, segs, exact, truncated, server_ids in work:
         prompt_ids = encoded[k]
         k += 1
+        if server_ids is not None:  # the server rendered the prompt itself (vLLM return_token_ids)
+            detail = mismatch_detail(target, prompt_ids, [int(x) for x in server_ids])
+            if detail is not None:
+                mismatched.add(i)
+                meta[i] = _reject({k2: v for k2, v in meta[i].items()
+                                   if not k2.startswith("reject_") and k2 != "ids_source"},
+                                  "tokenize", "server_prompt_mismatch", detail)
         comp: list[int] = []
         for t, special in segs:
             if special:
@@ -153,6 +165,8 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
             else:
                 comp += encoded[k]
                 k += 1
+        if i in mismatched:
+            continue
         if exact is not None:
             exact = [int(x) for x in exact]
             if not truncated and (not exact or exact[-1] not in target.end_ids):
@@ -166,7 +180,7 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
 
     # text -> ids -> text: one batched decode of every completion
     got = target.decode_batch(comps)
-    for (i, *_), g, w in zip(work, got, want):
+    for (i, *_), g, w in zip([w for w in work if w[0] not in mismatched], got, want):
         if g != w:
             exact = meta[i]["ids_source"] == "exact"
             j = next((n for n, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))

@@ -10,7 +10,9 @@ code                     meaning
                          ``prompt_render_failed``, ``template_not_prefix``, ``unexpected_reasoning``,
                          ``missing_reasoning``, ``unknown_finish_reason``, ``content_filter``,
                          ``truncated_tool_call``, ``tool_calls_unsupported``, ``exact_ids_text_mismatch``,
-                         ``round_trip`` (text -> ids -> text, reconstructed ids); see the table in ``templates/core.py``
+                         ``server_prompt_mismatch`` (the server's prompt ids, vLLM ``return_token_ids``, differ
+                         from the target's render), ``round_trip`` (text -> ids -> text, reconstructed ids); see
+                         the table in ``templates/core.py``
 empty_sequence           no token ids
 length_mismatch          ``loss_mask``/``input_ids`` lengths or the ``num_*`` counts disagree
 id_out_of_vocab          an id is negative or >= the target vocabulary size (``len(tokenizer)``)

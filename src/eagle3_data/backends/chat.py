@@ -77,8 +77,10 @@ def build_body(backend: BackendConfig, messages: list, tools: list | None, sampl
     ``extra_body`` (the dataset's ``generation.extra_body``: part of the request key).
     Merge order (later wins): sampling fields < backend ``extra_body`` (e.g. SGLang ``chat_template_kwargs``,
     ``separate_reasoning``) < backend ``provider`` / ``reasoning`` (OpenRouter routing and reasoning; SGLang
-    accepts ``reasoning`` too) < ``sampling["extra_body"]``; ``stream`` is always false. Backend settings are
-    not part of the request key (a response is the same request whichever backend served it).
+    accepts ``reasoning`` too) < ``sampling["extra_body"]``; ``stream`` is always false. A backend with
+    ``return_token_ids`` (vLLM >= 0.10.2) gets ``"return_token_ids": true`` last (nothing overrides it; a backend
+    without it gets no such key: its bodies are byte for byte what they were). Backend settings are not part of
+    the request key (a response is the same request whichever backend served it).
     """
     body: dict[str, Any] = {"model": backend.model, "messages": history_reasoning(backend.type, messages, thinking)}
     if tools:
@@ -93,6 +95,8 @@ def build_body(backend: BackendConfig, messages: list, tools: list | None, sampl
         body["reasoning"] = backend.reasoning
     body.update(sampling.get("extra_body") or {})
     body["stream"] = False
+    if backend.return_token_ids:
+        body["return_token_ids"] = True
     return body
 
 
@@ -102,7 +106,8 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     Returns keys: reasoning, content, tool_calls (JSON text or None), finish_reason, prompt_tokens,
     completion_tokens, reasoning_tokens, cost_usd (``usage.cost``, OpenRouter credits = USD), backend,
     provider (OpenRouter top-level ``provider``, else the backend name), model, latency_s, output_ids
-    (``choices[0].token_ids`` / ``output_ids`` when the server returns them), completed_at.
+    (``choices[0].token_ids`` / ``output_ids`` when the server returns them), prompt_ids (vLLM's top-level
+    ``prompt_token_ids`` with ``return_token_ids``, else None), completed_at.
     Raises :class:`RetryableError` for malformed JSON and errors inside the body, :class:`SampleError`
     ``http_<code>`` for a client error in the body that no retry can fix (:func:`eagle3_data.paid.client_error`).
     A valid JSON body holding bytes that are not UTF-8 is decoded with replacements (it was paid for): the count
@@ -171,6 +176,7 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
         "model": as_text("model", str(data.get("model") or backend.model)),
         "latency_s": float(latency_s),
         "output_ids": as_token_ids(choice.get("token_ids") or choice.get("output_ids")),
+        "prompt_ids": as_token_ids(data.get("prompt_token_ids")),
         "completed_at": time.time(),
         "generation_id": as_text("generation_id", str(data["id"])) if data.get("id") else None,
         **({"_bad_bytes": bad_bytes} if bad_bytes else {}),

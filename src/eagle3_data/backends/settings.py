@@ -10,8 +10,12 @@ settings (not part of the request key): ``extra_body`` (merged into every body, 
 allow_fallbacks, quantizations, require_parameters, data_collection ...) and ``reasoning`` (effort | max_tokens,
 exclude, enabled) put into the body, ``headers`` (non-secret; ``Authorization`` refused). ``native_generate: true``
 (type sglang) sends ``POST {root}/generate`` with the target-rendered ``input_ids`` and keeps the exact
-``output_ids`` (:mod:`.native`). ``cost_lookup: true`` (type openrouter) looks the cost up by generation id when
-``usage.cost`` is missing (:meth:`.pool.Backend.lookup_cost`; first retry after ``cost_lookup_delay_s``).
+``output_ids`` (:mod:`.native`). ``return_token_ids: true`` (type openai, a vLLM >= 0.10.2 server) asks the
+chat-completions API for token ids: the reply's ``choices[0].token_ids`` are kept as the exact ``output_ids`` and its
+top-level ``prompt_token_ids`` as ``prompt_ids`` (checked against the target's render of the prompt: the job's first
+replies stop it on a mismatch, :mod:`..prompt_check`; later ones are rejects at tokenize). ``cost_lookup: true``
+(type openrouter) looks the cost up by generation id when ``usage.cost`` is missing
+(:meth:`.pool.Backend.lookup_cost`; first retry after ``cost_lookup_delay_s``).
 
 Messages never contain the API key: it is only ever placed in the ``Authorization`` header.
 """
@@ -45,6 +49,7 @@ class BackendConfig:
     provider: dict | None = None  # OpenRouter provider routing
     reasoning: dict | None = None  # OpenRouter / SGLang reasoning settings
     native_generate: bool = False  # SGLang: POST {root}/generate with input_ids (exact output_ids)
+    return_token_ids: bool = False  # vLLM: ask for prompt_token_ids and choices[].token_ids in the chat reply
     cost_lookup: bool = False  # OpenRouter: GET /generation?id= when usage.cost is missing
     cost_lookup_delay_s: float = 1.0  # first wait before a cost lookup retry (doubles, 5 tries)
     down_after_s: float = 30.0  # refused connections / only 5xx for this long: the backend is out for the job
@@ -69,6 +74,9 @@ class BackendConfig:
             raise ValueError(f"backend {name!r}: reasoning settings need type openrouter or sglang")
         if cfg.get("native_generate") and cfg["type"] != "sglang":
             raise ValueError(f"backend {name!r}: native_generate needs type sglang, got {cfg['type']!r}")
+        if cfg.get("return_token_ids") and cfg["type"] != "openai":
+            raise ValueError(f"backend {name!r}: return_token_ids is a vLLM option (type openai), got type "
+                             f"{cfg['type']!r}")
         if cfg.get("cost_lookup") and cfg["type"] != "openrouter":
             raise ValueError(f"backend {name!r}: cost_lookup needs type openrouter, got {cfg['type']!r}")
         bad_headers = [h for h in (cfg.get("headers") or {}) if str(h).lower() in ("authorization", "x-api-key")]
@@ -91,6 +99,7 @@ class BackendConfig:
             provider=dict(cfg["provider"]) if cfg.get("provider") else None,
             reasoning=dict(cfg["reasoning"]) if cfg.get("reasoning") else None,
             native_generate=bool(cfg.get("native_generate", False)),
+            return_token_ids=bool(cfg.get("return_token_ids", False)),
             cost_lookup=bool(cfg.get("cost_lookup", False)),
             cost_lookup_delay_s=float(cfg.get("cost_lookup_delay_s", 1.0)),
             down_after_s=float(cfg.get("down_after_s") or 30.0),

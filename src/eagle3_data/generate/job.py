@@ -88,12 +88,13 @@ def backend_pool(cfgs: list[BackendConfig], run, backend_jobs: dict | None, tag:
 
 
 def _load_target(target: dict | None, generation: dict, dataset: str):
-    """TargetTokens for native ``/generate`` prompts (chat_template_kwargs: target's, then the dataset's)."""
+    """TargetTokens for native ``/generate`` prompts and the check of a ``return_token_ids`` server's prompt ids
+    (chat_template_kwargs: target's, then the dataset's)."""
     from ..templates import target_tokens
 
     if not target or not target.get("path"):
-        raise ValueError(f"dataset {dataset}: a backend has native_generate: true, which needs the target "
-                         "tokenizer: pass generate(target=config['target'])")
+        raise ValueError(f"dataset {dataset}: a backend has native_generate or return_token_ids: true, which "
+                         "needs the target tokenizer: pass generate(target=config['target'])")
     return target_tokens(target, (generation.get("extra_body") or {}).get("chat_template_kwargs"))
 
 
@@ -306,7 +307,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                             cfg.api_key()  # a missing key variable stops the job before any server starts
                             if "{port}" in cfg.base_url and not cfg.launch:
                                 raise ValueError(f"backend {cfg.name!r}: base_url has {{port}} but no launch: config")
-                        if any(c.native_generate for c in cfgs):
+                        if any(c.native_generate or c.return_token_ids for c in cfgs):
                             target_tokens = _load_target(target, generation, dataset)
                         run = run_mod.current()
                         for cfg in cfgs:

@@ -62,7 +62,7 @@ def wanted_runs(keys: list, wanted: set) -> list[tuple[int, int]]:
 
 def batch_suspect(rb) -> bool:
     """True if a journal batch holds a value :func:`journal.record_problem` rejects that parsing alone lets
-    through (a negative count or cost, a non-finite number, a negative token id): the arrow path and
+    through (a negative count or cost, a non-finite number, a negative output or prompt token id): the arrow path and
     :func:`journal.read_journal` must agree on which records exist."""
     for name in ("turn", "prompt_tokens", "completion_tokens", "reasoning_tokens"):
         if any(v is not None and v < 0 for v in rb.column(name).to_pylist()):
@@ -71,12 +71,14 @@ def batch_suspect(rb) -> bool:
         if any(v is not None and (not math.isfinite(v) or (name == "cost_usd" and v < 0))
                for v in rb.column(name).to_pylist()):
             return True
-    ids = rb.column("output_ids").values  # the int32 child (a freshly parsed batch: no slicing offsets)
-    if not len(ids):
-        return False
     import numpy as np  # already loaded by pyarrow; np.frombuffer, unlike to_numpy, loads no pyarrow.compute
 
-    return int(np.frombuffer(ids.buffers()[1], dtype=np.int32, count=len(ids), offset=4 * ids.offset).min()) < 0
+    for name in ("output_ids", "prompt_ids"):  # prompt_ids: null in journals written before it existed
+        ids = rb.column(name).values  # the int32 child (a freshly parsed batch: no slicing offsets)
+        if len(ids) and int(np.frombuffer(ids.buffers()[1], dtype=np.int32, count=len(ids),
+                                          offset=4 * ids.offset).min()) < 0:
+            return True
+    return False
 
 
 def write_journaled(w: schemas.CheckedParquetWriter, folder: Path, wanted: set, batch_rows: int,

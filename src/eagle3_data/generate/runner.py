@@ -15,6 +15,7 @@ from .. import paid, progress, startup
 from .. import run as run_mod
 from ..backends.errors import FatalBackendError, RetryableError, SampleError, retry_wait
 from ..backends.request import Request
+from ..prompt_check import EARLY_REPLIES
 from ..templates import request_messages, thinking_enabled
 from .budget import BudgetStop
 from .prompts import Sample, assistant_message, request_key
@@ -68,7 +69,8 @@ class Runner:
         self.live: asyncio.Semaphore | None = None  # set by run_requests
         self.backing_off = 0  # tasks sleeping before a retry without a live permit
         self.max_backing_off = 0  # how many may (set by run_requests: the pool's capacity)
-        self.target = target  # TargetTokens, for backends with native_generate
+        self.target = target  # TargetTokens, for backends with native_generate or return_token_ids
+        self.prompt_checks = 0  # replies with server prompt ids checked against our render (prompt_check)
         self.stopping: str | None = None  # why the run is stopping: no new request starts (see run_requests)
         self.keys: list[str] = []  # the configured API keys (paid.configured_keys): never stored from a reply
         self.reject_other_models = bool(generation.get("reject_other_models", False))
@@ -289,6 +291,8 @@ class Runner:
             exc.record = paid.reject_record(exc, {k: rec.get(k) for k in (
                 "sample_id", "dataset", "turn", "request_key", "messages", "tools")}, self.keys)
             raise
+        if rec.get("prompt_ids") and self.target is not None and self.prompt_checks < EARLY_REPLIES:
+            self.check_server_prompt(rec, backend, prompt, tools)
         if warning:
             st.other_model += 1
             if st.other_model <= 3:
@@ -296,6 +300,30 @@ class Runner:
                                sample.sample_id, paid.scrub(warning, self.keys)[:300],
                                "; further ones: counted only" if st.other_model == 3 else "")
         return rec
+
+
+    def check_server_prompt(self, rec: dict, backend, prompt: list, tools: list | None) -> None:
+        """One of the shard's first :data:`..prompt_check.EARLY_REPLIES` replies with server prompt ids: compare
+        them with the target's render of ``prompt`` (rendered and encoded as tokenize does). On a mismatch the paid
+        reply is journaled (tokenize rejects it ``server_prompt_mismatch``) and :class:`FatalBackendError` stops the
+        job before more is paid, naming the first differing position and both tokens as text."""
+        from ..prompt_check import mismatch_detail
+        from ..templates import TemplateError
+
+        self.prompt_checks += 1
+        try:
+            ours = self.target.encode_texts([self.target.render(prompt, tools, True)])[0]
+        except TemplateError:
+            return  # our template can't render it: tokenize names that reject
+        detail = mismatch_detail(self.target, ours, rec["prompt_ids"])
+        if detail is None:
+            return
+        self.write(self.journal.append(rec))
+        raise FatalBackendError(
+            f"backend {backend.cfg.name!r} ({backend.cfg.base_url}), sample {rec['sample_id']}: {detail}",
+            hint="the server renders prompts with another chat template than the one the build trains on: set "
+                 "target.template / target.chat_template_kwargs to what the server uses, or start the server with "
+                 "the target's own chat template, then rerun the same command")
 
 
 def first_leaf(eg: BaseExceptionGroup) -> BaseException:
