@@ -8,7 +8,8 @@ import json
 from typing import Sequence
 
 from .formats import CompletionFormat, KIMI_TOOL_TOKENS, LAYOUT_WRITERS, TOOL_WRITERS, TemplateError
-from .replies import _KIMI_CALL_ID, _args_mapping, _args_text, empty_think_block, normalize_ids, rewrite_kimi_tool_call_ids
+from .replies import (_KIMI_CALL_ID, _args_mapping, _args_text, empty_think_block, normalize_ids,
+                      rewrite_kimi_tool_call_ids)
 
 
 class TargetTokens:
