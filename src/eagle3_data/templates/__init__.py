@@ -1,8 +1,16 @@
 """Target chat templates: prompt rendering with the target's own template and each family's exact completion format.
 
-The shared machinery (:class:`TargetTokens`, :class:`CompletionFormat`, finish reasons, the Kimi / Qwen3 / GLM-4.5 /
-DeepSeek-R1 / generic families and the per-family table) is in :mod:`eagle3_data.templates.core`; families with a
-layout of their own live in one module each and register themselves on import:
+The table of what each family supervises is in :mod:`eagle3_data.templates.core`, which also re-exports every name
+below; the shared machinery lives in modules named for what they do:
+
+- :mod:`.formats` - :class:`CompletionFormat`, the family table ``FORMATS`` (Kimi / Qwen3 / GLM-4.5 / DeepSeek-R1 /
+  generic ...), :func:`register`;
+- :mod:`.replies` - reply normalisation (ids, tool calls, finish reasons, think blocks inside the content);
+- :mod:`.target` - :class:`TargetTokens`: prompt and completion ids and the loss mask of one sample;
+- :mod:`.loading` - :func:`load_target_tokens` / :func:`target_tokens`;
+- :mod:`.think_state` - :func:`prompt_think_state` / :func:`split_output_ids` (id-level think-block state).
+
+Families with a layout of their own live in one module each and register themselves on import:
 
 - :mod:`.deepseek_v31` - DeepSeek-V3.1 (thinking and non-thinking, its tool-call section);
 - :mod:`.qwen3_coder` - Qwen3-Coder (XML tool calls);
