@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("eagle3_data.merge")
 
 OVERFLOW_MODES = ("truncate", "drop")
+#: MERGED columns written with dictionary encoding (every one but the token ids)
+_DICT_COLUMNS = [n for n in schemas.MERGED.names if n != "input_ids"]
 
 
 def _paths(paths) -> list[str]:
@@ -255,7 +257,9 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
     def open_shard(i: int) -> None:
         s = contextlib.ExitStack()
         tmp = s.enter_context(atomic_path(outs[i]))
-        state.update(shard=i, stack=s, writer=pq.ParquetWriter(tmp, schemas.MERGED, compression="zstd"))
+        # input_ids plain-encoded (zstd only): a dictionary of token ids costs more write time than it saves
+        state.update(shard=i, stack=s, writer=pq.ParquetWriter(tmp, schemas.MERGED, compression="zstd",
+                                                               use_dictionary=_DICT_COLUMNS))
 
     def close_shard() -> None:
         if state["writer"] is not None:
