@@ -164,8 +164,10 @@ def start_run_view():
 
 def print_run_summary(ok):
     """The run's last lines: per dataset done, failed, not sent, rejected, kept, cost and time."""
+    from eagle3_data import runview
     from eagle3_data.report import run_summary
 
+    runview.stop()  # the live table's last state first, then the summary below it, not under a redrawn table
     try:
         run = run_state.current()
         text = run_summary(config["datasets"], "results", run_s=run_state.elapsed(), ok=ok,

@@ -8,8 +8,9 @@ priority order counts under the first)::
 
     generate openrouter: 1,234/5,000 samples, 12/16 shards | in flight 96/100 | 1,520 tok/s | $3.21 of $50.00 | ETA 41:02
 
-Plain lines, printed when they change (Snakemake's own messages share the console); with
-``EAGLE3_LIVE_VIEW=1`` on a terminal, a ``rich`` live table redrawn in place instead. ``ETA`` is the
+On a terminal, a ``rich`` live table redrawn in place at the bottom, with Snakemake's own messages (and
+anything else the main process prints) scrolling above it; in logs, CI and other non-terminals, plain lines,
+printed when they change. ``EAGLE3_LIVE_VIEW=0`` asks for the plain lines on a terminal too. ``ETA`` is the
 remaining samples at the samples/s of the last minute; a backend whose shards report it down, or that answered
 nothing for ``stall_s`` while work is left, shows ``down`` (with the jobs' last error) instead of an ETA that would
 only grow. The per-shard lines and summaries go to the shard logs (``logs/generate/<ds>/<shard>.log``) and files.
@@ -235,11 +236,40 @@ class _Printer(threading.Thread):
         from rich.live import Live
 
         console = Console(file=self.stream)
+        # rich puts whatever is written to sys.stdout / sys.stderr above the table; Snakemake's console handler
+        # holds its own reference to the stream, so it is pointed at the same place while the table is up
         with Live(self.view.table(), console=console, refresh_per_second=1, transient=False,
-                  redirect_stdout=False, redirect_stderr=False) as live:
+                  redirect_stdout=True, redirect_stderr=True) as live, _log_handlers_to(sys.stderr, self.stream):
             while not self.stopping.wait(self.interval_s):
                 live.update(self.view.table())
             live.update(self.view.table())
+
+
+@contextlib.contextmanager
+def _log_handlers_to(proxy, stream):
+    """Point every ``logging.StreamHandler`` writing to ``stream`` (or to the process's stdout / stderr) at
+    ``proxy`` (rich's stand-in for ``sys.stderr`` while a live table is up) for the duration, then back.
+    Nothing is changed when rich did not redirect (``proxy`` is not its ``FileProxy``)."""
+    import logging
+
+    from rich.file_proxy import FileProxy
+
+    targets = {id(stream), id(sys.__stderr__), id(sys.__stdout__)}
+    moved = []
+    if isinstance(proxy, FileProxy):
+        loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                           if isinstance(lg, logging.Logger)]
+        for lg in loggers:
+            for h in lg.handlers:
+                if (isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+                        and id(h.stream) in targets):
+                    moved.append((h, h.setStream(proxy)))
+    try:
+        yield
+    finally:
+        for h, old in moved:
+            with contextlib.suppress(Exception):
+                h.setStream(old)
 
 
 _printer: list[_Printer] = []
@@ -248,15 +278,16 @@ _printer: list[_Printer] = []
 def start(config: dict, run_dir, *, interval_s: float = 5.0, stream=None, live: bool | None = None) -> None:
     """Print the run-wide view from a background thread of the main ``snakemake`` process until :func:`stop`.
 
-    ``live``: redraw a table in place (default: ``stream`` is a terminal and ``EAGLE3_LIVE_VIEW=1``); plain
-    lines otherwise, printed when they change. Nothing is printed for a run without generated datasets."""
+    ``live``: redraw a table in place (default: when ``stream`` is a terminal, unless ``EAGLE3_LIVE_VIEW=0`` or
+    ``TERM=dumb``); plain lines otherwise, printed when they change. Nothing is printed for a run without generated datasets."""
     from . import config as cfg
 
     if _printer or not cfg.generated_datasets(config):
         return
     stream = stream or sys.stderr
     if live is None:
-        live = bool(getattr(stream, "isatty", lambda: False)()) and os.environ.get("EAGLE3_LIVE_VIEW") == "1"
+        live = (bool(getattr(stream, "isatty", lambda: False)()) and os.environ.get("EAGLE3_LIVE_VIEW") != "0"
+                and os.environ.get("TERM") != "dumb")
     p = _Printer(RunView(config, run_dir), interval_s, stream, live)
     _printer.append(p)
     p.start()

@@ -1,0 +1,96 @@
+"""The run-wide view on a terminal: a live table at the bottom of the console, Snakemake's own messages above it,
+the run's last screen after the table's last state; plain lines when asked (``EAGLE3_LIVE_VIEW=0``).
+
+``snakemake`` runs under a pseudo-terminal (``pty``) against the fault server in this process, on the scratch
+workflow of ``test_stop.py`` (2 shards).
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import snakemake_env
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_server import FaultServer  # noqa: E402
+from test_stop import TARGETS, _workflow, target_dir  # noqa: E402,F401  (the fixture is used by name)
+
+pytestmark = pytest.mark.slow
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _run_in_pty(wd: Path, env: dict, timeout: float = 300) -> tuple[int, str]:
+    """Run the build with a terminal as its stdout and stderr; return (exit code, everything it printed)."""
+    master, slave = pty.openpty()
+    os.set_blocking(master, False)
+    proc = subprocess.Popen([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile",
+                             "mine.yaml"], cwd=wd, env=snakemake_env({"COLUMNS": "160", "TERM": "xterm", **env}),
+                            stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the terminal's other side closed: every writer ended
+                data = b""
+            if not data and proc.poll() is not None:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    else:
+        proc.kill()
+        raise AssertionError("the build did not end within the timeout")
+    os.close(master)
+    return proc.wait(), b"".join(chunks).decode("utf-8", "replace")
+
+
+@pytest.fixture
+def server():
+    fs = FaultServer({"latency_min_s": 0.05, "latency_max_s": 0.15, "min_tokens": 3, "max_tokens": 8}).start()
+    yield fs
+    fs.stop()
+
+
+def test_a_terminal_gets_a_live_table_with_snakemakes_lines_above_it(tmp_path, target_dir, server):  # noqa: F811
+    wd = _workflow(tmp_path, target_dir, server)
+    rc, out = _run_in_pty(wd, {})
+    text = ANSI.sub("", out)
+    assert rc == 0, text[-3000:]
+    # the table: its header and the backend's row with every sample done
+    header = [i for i, ln in enumerate(text.splitlines()) if re.search(r"backend\s+samples\s+shards\s+in flight", ln)]
+    assert header, text[-3000:]
+    rows = re.findall(r"^\s*fake\s+(\d+)/200\s+(\d+)/2\s", text, re.M)
+    assert rows and rows[-1] == ("200", "2"), rows
+    assert "generate fake:" not in text  # no plain lines on a terminal
+    # Snakemake's own messages reached the console (through the table's redirect, not lost)
+    assert "steps (100%) done" in text
+    # the last screen comes after the table's last state, not under a redrawn table
+    lines = text.splitlines()
+    summary = max(i for i, ln in enumerate(lines) if ln.startswith("Run summary"))
+    assert summary > max(header)
+    assert re.search(r"^chat\s+2/2\s+200\s+200\s", text, re.M), text[-2000:]
+    assert "\x1b[?25l" in out  # rich hid the cursor to redraw in place ...
+    assert out.rfind("\x1b[?25h") > out.rfind("\x1b[?25l")  # ... and gave it back
+
+
+def test_plain_lines_on_a_terminal_when_asked(tmp_path, target_dir, server):  # noqa: F811
+    wd = _workflow(tmp_path, target_dir, server)
+    rc, out = _run_in_pty(wd, {"EAGLE3_LIVE_VIEW": "0"})
+    text = ANSI.sub("", out)
+    assert rc == 0, text[-3000:]
+    assert re.search(r"^generate fake: 200/200 samples, 2/2 shards", text, re.M), text[-3000:]
+    assert not re.search(r"backend\s+samples\s+shards", text)
+    assert "\x1b[?25l" not in out
