@@ -1,5 +1,6 @@
 """Stop means stop: however a build is stopped, its generate jobs start no request more than 5 s after the signal,
-journal what they have, and a rerun sends only what is missing.
+journal every reply already paid for (the jobs' own SIGINT / SIGTERM, as from a terminal's Ctrl-C, stops them
+as the stop file does: the replies in flight get the grace period), and a rerun sends only what is missing.
 
 A scratch workflow with one generated dataset (200 prompts in 2 shards) against the fault server in this process
 (replies take 0.3-0.6 s, 4 at a time per shard: a shard takes ~11 s). Each test starts ``snakemake`` in a session
@@ -130,6 +131,8 @@ def _stop_and_check(wd, fs, proc, how: str) -> tuple[float, str]:
     late = [t - t_sig for t in fs.app.request_times if t > t_sig + STOP_S]
     assert not late, f"{len(late)} requests started more than {STOP_S} s after {how} (last {max(late):.1f} s)"
     assert fs.app.completed < N, "the build ran to its end"
+    # every reply the server sent (paid for) arrived within the grace period and was journaled: none lost
+    assert _journaled(wd) == fs.app.completed, (_journaled(wd), fs.app.completed)
     return t_sig, out
 
 

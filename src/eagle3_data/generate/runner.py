@@ -347,27 +347,44 @@ def first_leaf(eg: BaseExceptionGroup) -> BaseException:
 
 
 async def run_requests(runner: Runner, samples: list[Sample], display: progress.JobProgress) -> None:
-    # SIGTERM during the request phase cancels this task through the event loop: a Python-level handler that
-    # raises (what sigterm_as_exception installs for the rest of the job) can land inside an event-loop callback,
-    # where asyncio logs and swallows it, and the job would then run to its end. Raised here as Terminated.
+    # SIGTERM or SIGINT during the request phase (a cancelled cluster job, a terminal's Ctrl-C reaching the whole
+    # process group) stops the job as the run's stop file does: no new request, the replies in flight (paid for)
+    # get stop_grace_s to arrive and be journaled, then Terminated. A second signal ends it at once. Handled
+    # through the event loop: a Python-level handler that raises (what sigterm_as_exception installs for the rest
+    # of the job) can land inside an event-loop callback, where asyncio logs and swallows it.
     loop, main = asyncio.get_running_loop(), asyncio.current_task()
     terminated = False
-    previous = None
+    previous: dict[int, object] = {}
 
     def on_sigterm() -> None:
         nonlocal terminated
         terminated = True
         main.cancel()
 
+    signals: list[str] = []
+
+    def on_signal(name: str) -> None:
+        signals.append(name)
+        if len(signals) > 1:
+            on_sigterm()
+        else:
+            on_stop(f"{name} received")
+
     if threading.current_thread() is threading.main_thread():
-        previous = signal.getsignal(signal.SIGTERM)
-        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(sig) is signal.SIG_IGN:  # e.g. SIGINT in a background job: left ignored
+                continue
+            previous[sig] = signal.getsignal(sig)
+            loop.add_signal_handler(sig, on_signal, sig.name)
     prog = asyncio.create_task(display.run())
     grace_s = float(runner.generation.get("stop_grace_s", 10.0))
 
     def on_stop(reason: str) -> None:
         """The run is stopping: start no request; replies in flight get ``stop_grace_s`` to arrive (journaled),
-        then the job ends as interrupted (its output is not written: a rerun resumes)."""
+        then the job ends as interrupted (its output is not written: a rerun resumes). Once: a later call (the
+        stop file seen after a signal) changes nothing."""
+        if runner.stopping:
+            return
         runner.stopping = reason
         logger.warning("[%s] %s: no new requests; %d in flight get %g s to arrive", runner.dataset, reason,
                        runner.state.in_flight, grace_s)
@@ -415,9 +432,9 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
         raise
     finally:
         stopper.cancel()
-        if previous is not None:  # remove_signal_handler leaves SIG_DFL: put the job's own handler back
-            loop.remove_signal_handler(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():  # remove_signal_handler leaves its default: the job's own back
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
         prog.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await prog
