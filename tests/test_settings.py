@@ -167,7 +167,7 @@ def test_no_stage_signature_restates_a_config_default(fn, cls):
 
 
 def test_the_schema_is_the_only_place_with_stage_defaults():
-    """config.py has no table of defaults of its own (cfg.section is the schema's)."""
+    """The config package has no table of defaults of its own (cfg.section is the schema's)."""
     assert not hasattr(cfg, "DEFAULTS")
     assert cfg.section({}, "merge") == st.filled("merge", {})
     assert cfg.section({}, "merge")["memory_mb"] == schema_section("merge")["memory_mb"]["default"]

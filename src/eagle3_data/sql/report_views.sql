@@ -8,7 +8,7 @@
 --       t(dataset, shards, max_samples, budget_completion_tokens, budget_usd);   -- from config generation:
 --   .read src/eagle3_data/sql/report_views.sql
 --   .read src/eagle3_data/sql/tally.sql          -- or cost.sql, throughput.sql, limits.sql, ...
--- (report.py registers an empty table of the right schema instead when a file list is empty, and fills
+-- (report/db.py registers an empty table of the right schema instead when a file list is empty, and fills
 -- backend_kinds / dataset_limits from the config.)
 CREATE OR REPLACE TEMP VIEW validated AS
     SELECT * FROM read_parquet(getvariable('validated_files'), union_by_name = true);

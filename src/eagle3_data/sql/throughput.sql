@@ -1,7 +1,7 @@
 -- throughput: responses, completion tokens and dollars per time bucket of completed_at (unix seconds),
 -- from the first response on, gaps included (needs the responses view of report_views.sql). Run by hand:
---   SET VARIABLE bucket_s = 60;     -- bucket length in seconds (report.py: 60 for the CSV, coarser for
---   .read src/eagle3_data/sql/throughput.sql      -- the Markdown so it stays under ~240 rows)
+--   SET VARIABLE bucket_s = 60;     -- bucket length in seconds (report/write.py: 60 for the CSV, coarser
+--   .read src/eagle3_data/sql/throughput.sql      -- for the Markdown so it stays under ~240 rows)
 -- completion_tokens_per_min normalises each bucket to one minute; cumulative_mean_completion_tokens is
 -- the mean completion length of every response finished so far (it climbs when long requests finish last).
 WITH r AS (

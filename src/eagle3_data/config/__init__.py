@@ -1,0 +1,102 @@
+"""The workflow config: validation with defaults and short errors, cross-key checks, and the slices rules get.
+
+``rules/common.smk`` calls :func:`validate_config` (JSON schema ``schemas/config.schema.yaml``; every key with a
+``default`` may be left out), :func:`check_layering`, :func:`check_config` and :func:`check_api_keys` before any
+job runs; each raises :class:`ConfigError`, whose message is a few lines naming the config file and the key path
+(with a "did you mean" for a misspelt key), never a schema dump or a key's value.
+
+Rules pass exactly these slices as ``params:`` — the settings a stage's OUTPUT depends on — so a change
+reruns only the rules whose output it changes (e.g. ``merge.max_len`` reruns merge and below, never
+generation). Settings that change how a stage runs but not what it writes (concurrency, timeouts, rate
+limits, headers, key variable names, launch commands, retries, devices, batch sizes, memory, reject
+ceilings) are never params: the stage's script reads them from ``snakemake.config`` at run time, so
+changing them reruns nothing. :data:`RERUNS` lists, for every config key, what its change reruns; the
+table in docs/config.md is generated from it (``eagle3_data.docgen``) and tests check both against the schema
+and dry runs.
+
+The config's jobs live in modules named for what they do; this package re-exports every name the single
+``config`` module used to define, so ``from eagle3_data.config import X`` and ``cfg.X`` still work:
+
+- :mod:`.validation` - :func:`validate_config`, :func:`load_schema`, :class:`ConfigError`;
+- :mod:`.checks` - :func:`check_config`, :func:`check_layering`, :func:`check_api_keys`,
+  :func:`config_sources`, :func:`pending_generation`, :func:`resolve_target_template`;
+- :mod:`.lookup` - datasets, shards, generation settings and backends of the config (:func:`datasets`,
+  :func:`generated_datasets`, :func:`shard_names`, :func:`generation_config`, :func:`backends_config`, ...);
+- :mod:`.params` - the slices rules get (``*_data_settings``, :func:`section`, :func:`selection_digest`);
+- :mod:`.reruns` - :data:`RERUNS`, :func:`reruns_of`;
+- :mod:`.resources` - :func:`backend_job_seats`, :func:`seat_resource`, :func:`launch_gpus`.
+"""
+
+from __future__ import annotations
+
+from .validation import (  # noqa: F401
+    ConfigError,
+    MAX_LISTED_PROBLEMS,
+    _contains,
+    _dotted,
+    _key_paths,
+    _problems,
+    _resolve,
+    _secret_path,
+    _short,
+    _source_of,
+    _validator,
+    load_schema,
+    validate_config,
+)
+from .lookup import (  # noqa: F401
+    PRETOKENIZED_FORMATS,
+    backends_config,
+    dataset_shards,
+    datasets,
+    deep_merge,
+    generated_datasets,
+    generation_config,
+    generation_source,
+    is_pretokenized,
+    merge_datasets,
+    merged_shard_names,
+    pretokenized_datasets,
+    shard_names,
+)
+from .params import (  # noqa: F401
+    BACKEND_DATA_KEYS,
+    EXTRACT_STATE_KEYS,
+    GENERATION_DATA_KEYS,
+    MERGE_DATA_KEYS,
+    SOURCE_DATA_KEYS,
+    TARGET_DATA_KEYS,
+    VALIDATE_DATA_KEYS,
+    _MANIFESTS,
+    backends_data_settings,
+    datasets_data_settings,
+    generation_data_settings,
+    section,
+    selection_digest,
+    source_data_settings,
+    target_data_settings,
+)
+from .reruns import (  # noqa: F401
+    NOTHING,
+    RERUNS,
+    _BELOW_MERGE,
+    _DS_CHAIN,
+    _GEN_CHAIN,
+    reruns_of,
+)
+from .resources import (  # noqa: F401
+    backend_job_seats,
+    launch_gpus,
+    seat_resource,
+)
+from .checks import (  # noqa: F401
+    TINY_TARGET_FAMILY,
+    _check_template_kwargs,
+    _close_names,
+    check_api_keys,
+    check_config,
+    check_layering,
+    config_sources,
+    pending_generation,
+    resolve_target_template,
+)

@@ -1,0 +1,215 @@
+"""The checks run before any job: cross-key checks the schema can't express, config layering, API keys, and
+``target.template: auto`` resolved."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from .lookup import (backends_config, datasets, generated_datasets, generation_config, is_pretokenized,
+                     merge_datasets, shard_names)
+from .validation import ConfigError
+
+
+#: the completion family of the demo's tiny target (``target.build_tiny``; :mod:`eagle3_data.tiny_target`)
+TINY_TARGET_FAMILY = "kimi-k25"
+
+
+def resolve_target_template(config: dict) -> str | None:
+    """Replace ``target.template: auto`` in ``config`` by the family found from the target's own chat template
+    (:func:`eagle3_data.templates.auto.resolve_template`, cached under ``cache_dir``: a cache hit imports no
+    transformers) and return the line saying which was chosen and why; a named family is kept (an override;
+    returns None). A tiny target not built yet (``build_tiny``) takes :data:`TINY_TARGET_FAMILY`. Raises
+    :class:`ConfigError` naming the property of the template that failed, or a missing ``target.path``.
+    """
+    from ..templates import TemplateError
+    from ..templates.auto import describe, resolve_template
+
+    target = config.get("target") or {}
+    if (target.get("template") or "auto") == "auto" and target.get("build_tiny") and \
+            not Path(str(target.get("path", ""))).exists():
+        target["template"] = TINY_TARGET_FAMILY
+        return f"target.template: auto -> {TINY_TARGET_FAMILY} (the tiny target, built by rule tiny_target)"
+    try:
+        family, info = resolve_template(target, config.get("cache_dir"))
+    except TemplateError as exc:
+        raise ConfigError(f"target.template: {exc}") from None
+    target["template"] = family
+    return None if info["source"] == "named" else describe(info)
+
+
+def check_config(config: dict, *, check_paths: bool = True) -> None:
+    """Cross-key checks the JSON schema can't express; raises :class:`ConfigError` naming the key.
+
+    Backend names in ``generation.backends`` and every ``datasets.<name>.generation.backends`` must be defined,
+    and every generated dataset must have one; dataset names in ``merge.datasets``, ``merge.max_samples`` and
+    ``plan.drop`` must exist. With ``check_paths``: every ``datasets.<name>.source.path`` must exist (Snakemake
+    would otherwise keep using the outputs of an earlier build when a source path is changed to a missing file),
+    and with ``target.build_tiny`` the ``target.path`` must be absent or a tiny target built earlier (the build
+    replaces that directory; it must never be a real model's).
+    """
+    defined = sorted(config.get("backends") or {})
+    for name in (config.get("generation") or {}).get("backends") or []:
+        if name not in defined:
+            raise ConfigError(f"generation.backends: unknown backend {name!r}; defined: {defined}")
+    names = datasets(config)
+    for ds in names:
+        try:
+            used = backends_config(config, ds)
+        except KeyError as exc:
+            raise ConfigError(exc.args[0]) from None
+        if not used and not is_pretokenized(config, ds):
+            raise ConfigError(f"datasets.{ds}: no backend to generate its responses with; set generation.backends "
+                              f"(for every dataset) or datasets.{ds}.generation.backends")
+        path = config["datasets"][ds]["source"]["path"]
+        if check_paths and not Path(path).exists():
+            raise ConfigError(f"datasets.{ds}.source.path: {path} does not exist")
+        _check_template_kwargs(config, ds, used)
+    try:
+        merge_datasets(config)
+    except KeyError as exc:
+        raise ConfigError(exc.args[0]) from None
+    for key, given in (("merge.max_samples", (config.get("merge") or {}).get("max_samples") or {}),
+                       ("plan.drop", (config.get("plan") or {}).get("drop") or [])):
+        unknown = [d for d in given if d not in names]
+        if unknown:
+            raise ConfigError(f"{key}: unknown dataset(s) {unknown}; defined: {names}")
+    target = config.get("target") or {}
+    tpath = Path(str(target.get("path", "")))
+    if check_paths and target.get("build_tiny") and tpath.exists() and not (tpath / "tiny_target.json").exists():
+        raise ConfigError(f"target.path: {tpath} exists and is not a tiny target this build made, but "
+                          "target.build_tiny is true (the build would replace it); set target.build_tiny: false "
+                          "for a real model")
+
+
+def _check_template_kwargs(config: dict, ds: str, used: dict) -> None:
+    """Raise :class:`ConfigError` when a backend would render the prompts of ``ds`` with chat-template variables
+    other than the ones tokenize renders them with.
+
+    tokenize renders with ``target.chat_template_kwargs`` updated by the dataset's
+    ``generation.extra_body.chat_template_kwargs``; a backend's server receives the dataset's
+    ``chat_template_kwargs`` when it sets them (the request's ``extra_body`` replaces the backend's), else the
+    backend's own ``extra_body.chat_template_kwargs``. A variable the server gets with another value than tokenize
+    uses (e.g. ``thinking: false`` on the backend, ``thinking: true`` on the target) would make every prompt's
+    ids differ from what the target saw. A variable tokenize uses but the server is not sent is allowed (the
+    server's template default, e.g. OpenRouter's, is the user's to know). A ``native_generate`` backend is sent
+    the prompt's ids, rendered as tokenize renders them."""
+    if is_pretokenized(config, ds):
+        return
+    target_kw = dict((config.get("target") or {}).get("chat_template_kwargs") or {})
+    ds_extra = generation_config(config, ds).get("extra_body") or {}
+    rendered = {**target_kw, **(ds_extra.get("chat_template_kwargs") or {})}
+    for name, b in used.items():
+        if (b or {}).get("native_generate"):  # the prompt ids are rendered here, as tokenize renders them
+            continue
+        if "chat_template_kwargs" in ds_extra:
+            sent, where = ds_extra["chat_template_kwargs"] or {}, f"datasets.{ds}.generation.extra_body"
+        else:
+            sent, where = ((b or {}).get("extra_body") or {}).get("chat_template_kwargs") or {}, \
+                f"backends.{name}.extra_body"
+        for k, v in sent.items():
+            if rendered.get(k, None) != v:
+                have = f"{rendered[k]!r} (target.chat_template_kwargs)" if k in rendered else "not set"
+                raise ConfigError(
+                    f"{where}.chat_template_kwargs.{k} is {v!r}, but tokenize renders the prompts of {ds} with {k} "
+                    f"{have}: the token ids would not be the prompt the target saw. Set target.chat_template_kwargs."
+                    f"{k} to {v!r} too (or set it in datasets.{ds}.generation.extra_body.chat_template_kwargs, which "
+                    "both use)")
+
+
+def config_sources(paths: Sequence[str | os.PathLike], default: str | os.PathLike | None = None) -> list[tuple[str, dict]]:
+    """The config files a run merges, as ``(path, parsed YAML)`` in merge order (paths under the working directory
+    shown relative to it).
+
+    ``paths``: the ``--configfile`` arguments (Snakemake's ``workflow.overwrite_configfiles``); none given: the
+    embedded ``default``. A file that can't be read or parsed is left out (Snakemake reports it itself).
+    """
+    import yaml
+
+    names = [str(p) for p in paths] or ([str(default)] if default is not None else [])
+    out = []
+    for name in names:
+        try:
+            tree = yaml.safe_load(Path(name).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        shown = os.path.relpath(name) if os.path.isabs(name) else name
+        out.append((name if shown.startswith("..") else shown, tree if isinstance(tree, dict) else {}))
+    return out
+
+
+def check_layering(files: Sequence[tuple[str, dict]]) -> None:
+    """Refuse a merge of several config files that would build datasets the user did not mean to.
+
+    Snakemake merges ``--configfile a.yaml b.yaml`` key by key, so the datasets of ``a.yaml`` are kept next to
+    ``b.yaml``'s and get ``b.yaml``'s target and backends (e.g. the demo's datasets sent to a paid endpoint).
+    Rule: a file that is a config of its own (it sets ``target`` or ``backends``, and defines datasets of its
+    own: entries with a ``source``) must name every dataset defined by the files before it; naming one
+    (``name: {}`` keeps it as it is) is how to keep it. Files that only add datasets or change keys
+    (``merge.max_len: 512``, ``datasets.x.shards: 4``) layer as usual.
+    Raises :class:`ConfigError` naming both files and the datasets.
+    """
+    defined_by: dict[str, str] = {}
+    for name, tree in files:
+        entries = tree.get("datasets") if isinstance(tree.get("datasets"), dict) else {}
+        own = [ds for ds, e in entries.items() if isinstance(e, dict) and "source" in e and ds not in defined_by]
+        earlier = [ds for ds in defined_by if ds not in entries]
+        if own and earlier and ({"target", "backends"} & set(tree)):
+            origins = sorted({defined_by[ds] for ds in earlier})
+            raise ConfigError(
+                f"Config error: {name} is a config of its own (target or backends, and datasets), so the datasets "
+                f"of {', '.join(origins)} ({', '.join(earlier)}) would be built too, with its target and backends "
+                f"(--configfile files are merged key by key). Use {name} alone (keys it leaves out take their "
+                f"defaults), or name in it each dataset to keep (e.g. `{earlier[0]}: {{}}`)."
+            )
+        for ds in own:
+            defined_by[ds] = name
+
+
+def pending_generation(config: dict, root: str | os.PathLike = ".") -> list[str]:
+    """Generated datasets with a responses shard not written yet under ``root/results/`` (those that will send
+    requests; a dataset whose responses all exist needs no API key for a rerun of later stages)."""
+    root = Path(root)
+    return [ds for ds in generated_datasets(config)
+            if not all((root / f"results/{ds}/responses/{s}.parquet").exists() for s in shard_names(config, ds))]
+
+
+def check_api_keys(config: dict, dataset_names: Iterable[str], environ: Mapping[str, str] | None = None) -> None:
+    """Every ``api_key_env`` of the backends that ``dataset_names`` generate with must be set (non-empty).
+
+    Raises :class:`ConfigError` naming each missing variable, the backend and datasets using it, and any set
+    variable with a close name (a typo or another spelling). Never reads out a value.
+    """
+    env = os.environ if environ is None else environ
+    users: dict[str, list[str]] = {}
+    for ds in dataset_names:
+        for name in backends_config(config, ds):
+            users.setdefault(name, []).append(ds)
+    lines = []
+    for name, dss in users.items():
+        var = (config["backends"][name] or {}).get("api_key_env")
+        if not var or env.get(var):
+            continue
+        close = _close_names(var, [k for k, v in env.items() if v])
+        also = f"; set, with a close name: {', '.join(close)}" if close else ""
+        lines.append(f"{var} is not set (backends.{name}.api_key_env, used by {', '.join(dss)}){also}")
+    if not lines:
+        return
+    todo = "export the key under the name the config gives (or correct api_key_env), then run again"
+    if len(lines) == 1:
+        raise ConfigError(f"Config error: {lines[0]}. {todo[0].upper() + todo[1:]}.")
+    raise ConfigError("Config error:" + "".join(f"\n  {line}" for line in lines) + f"\n  {todo[0].upper() + todo[1:]}.")
+
+
+def _close_names(name: str, candidates: Sequence[str]) -> list[str]:
+    """Environment variable names close to ``name``: other case, a close spelling, or sharing a word (3+ letters)
+    such as ``OPENROUTER`` in ``OPENROUTER_KEY``; at most three."""
+    upper = {c.upper(): c for c in candidates}
+    found = [upper[k] for k in difflib.get_close_matches(name.upper(), list(upper), n=3, cutoff=0.75)]
+    words = {w for w in name.upper().split("_") if len(w) >= 3 and w not in ("API", "KEY", "TOKEN", "SECRET")}
+    for c in sorted(candidates):
+        if c not in found and words & set(c.upper().split("_")) and any(w in c.upper() for w in ("KEY", "TOKEN")):
+            found.append(c)
+    return [c for c in found if c != name][:3]

@@ -1,0 +1,125 @@
+"""What a change of each config key reruns (:data:`RERUNS`, the source of the table in docs/config.md)."""
+
+from __future__ import annotations
+
+
+_BELOW_MERGE = "merge; extract where a selection's samples change; export, plan, vocab"
+_GEN_CHAIN = ("generate of the datasets using it (only requests the journal lacks are sent), then their tokenize "
+              "and validate, report, view, " + _BELOW_MERGE)
+_DS_CHAIN = "the dataset's own chain (normalize or generate onward), report, view, " + _BELOW_MERGE
+NOTHING = "nothing"
+#: For every config key, what changing it reruns (leaves: the key; ``*`` covers every key under a prefix). The
+#: table in docs/config.md is rendered from this (eagle3_data.docgen); tests/test_config.py checks every schema
+#: key has an entry and tests/test_workflow.py checks the claims with dry runs of the demo build.
+RERUNS: list[tuple[str, str]] = [
+    ("cache_dir", NOTHING + " (move the directory with it: it holds the journals, the extraction links and what "
+                            "the forecast pilot saw)"),
+    ("target.name", "generate of every generated dataset (the journal is keyed by the target: new requests), "
+                    "tokenize, validate, report, view, " + _BELOW_MERGE),
+    ("target.path", "tokenize, validate (the tokenizer), report, view, " + _BELOW_MERGE + " (every selection: another "
+                    "checkpoint; rows are reused only if its weights are the same); generate only for "
+                    "native_generate backends"),
+    ("target.build_tiny", "tiny_target, then as target.path"),
+    ("target.trust_remote_code", "tokenize, validate, report, view, " + _BELOW_MERGE),
+    ("target.template", "generate of every generated dataset (the request history depends on the family: Kimi "
+                        "tool-call ids, reasoning on tool-call turns; the journal answers every request whose prompt "
+                        "is unchanged), tokenize, validate, report, view, " + _BELOW_MERGE),
+    ("target.chat_template_kwargs", "as target.template"),
+    ("target.tiny.*", "tiny_target (the demo's target), then everything that reads it"),
+    ("backends.<name>.type", _GEN_CHAIN),
+    ("backends.<name>.base_url", "as backends.<name>.type"),
+    ("backends.<name>.model", "as backends.<name>.type"),
+    ("backends.<name>.extra_body", "as backends.<name>.type"),
+    ("backends.<name>.provider", "as backends.<name>.type"),
+    ("backends.<name>.reasoning", "as backends.<name>.type"),
+    ("backends.<name>.native_generate", "as backends.<name>.type"),
+    ("backends.<name>.cost_lookup", "as backends.<name>.type"),
+    ("backends.<name>.return_token_ids", "generate of the datasets using it (replies the journal already holds keep "
+                                         "what they had: no ids), then their tokenize and validate, report, view, "
+                                         + _BELOW_MERGE),
+    ("backends.<name>.api_key_env", NOTHING),
+    ("backends.<name>.max_concurrency", NOTHING),
+    ("backends.<name>.max_jobs", NOTHING),
+    ("backends.<name>.timeout_s", NOTHING),
+    ("backends.<name>.requests_per_minute", NOTHING),
+    ("backends.<name>.tokens_per_minute", NOTHING),
+    ("backends.<name>.headers", NOTHING),
+    ("backends.<name>.cost_lookup_delay_s", NOTHING),
+    ("backends.<name>.down_after_s", NOTHING),
+    ("backends.<name>.price_per_m.*", "forecast (its dollars; the pilot is not sent again)"),
+    ("backends.<name>.launch.*", NOTHING + " (adding or removing launch: as base_url)"),
+    ("generation.backends", "generate of the datasets that don't set their own (only requests the journal lacks "
+                            "are sent), then as backends.<name>.type"),
+    ("generation.mode", "generate of the datasets that don't set their own (new requests), then " + _DS_CHAIN),
+    ("generation.max_tokens", "as generation.mode"),
+    ("generation.temperature", "as generation.mode"),
+    ("generation.top_p", "as generation.mode"),
+    ("generation.extra_body", "as generation.mode"),
+    ("generation.max_samples", "generate of the datasets that don't set their own (a larger cap sends only the "
+                               "new requests), then " + _DS_CHAIN),
+    ("generation.budget_completion_tokens", "as generation.max_samples"),
+    ("generation.budget_usd", "as generation.max_samples"),
+    ("generation.max_retries", NOTHING + " (`snakemake --forcerun generate` retries failed requests)"),
+    ("generation.retry_initial_s", NOTHING),
+    ("generation.retry_max_s", NOTHING),
+    ("generation.stop_grace_s", NOTHING),
+    ("generation.reject_other_models", "as generation.mode"),
+    ("datasets.<name>.source.format", _DS_CHAIN),
+    ("datasets.<name>.source.path", _DS_CHAIN),
+    ("datasets.<name>.source.max_samples", _DS_CHAIN),
+    ("datasets.<name>.source.options", _DS_CHAIN),
+    ("datasets.<name>.source.max_reject_rate", NOTHING),
+    ("datasets.<name>.source.on_error", _DS_CHAIN),
+    ("datasets.<name>.shards", _DS_CHAIN + " (every selection of the dataset is new: its states are recomputed)"),
+    ("datasets.<name>.generation.max_retries", NOTHING),
+    ("datasets.<name>.generation.retry_initial_s", NOTHING),
+    ("datasets.<name>.generation.retry_max_s", NOTHING),
+    ("datasets.<name>.generation.stop_grace_s", NOTHING),
+    ("datasets.<name>.generation.*", "as generation.<key>, for that dataset only"),
+    ("normalize.max_reject_rate", NOTHING),
+    ("validate.max_reject_rate", NOTHING),
+    ("validate.count_tolerance.aggregate_rel", NOTHING),
+    ("validate.keep_truncated", "validate of every shard, report, view, " + _BELOW_MERGE),
+    ("validate.count_tolerance.per_sample_abs", "as validate.keep_truncated"),
+    ("validate.count_tolerance.per_sample_rel", "as validate.keep_truncated"),
+    ("validate.max_tokens", "as validate.keep_truncated"),
+    ("merge.datasets", _BELOW_MERGE),
+    ("merge.max_samples", _BELOW_MERGE + " (a lower cap forwards nothing; a higher one only the samples added)"),
+    ("merge.max_len", _BELOW_MERGE + " (a lower cap forwards nothing: a truncation's states are a prefix of the "
+                      "stored ones)"),
+    ("merge.overflow", _BELOW_MERGE),
+    ("merge.seed", "merge, export, plan, vocab (no extraction: the selections are the same)"),
+    ("merge.shards", "merge, export, plan, vocab (no extraction)"),
+    ("merge.memory_mb", NOTHING),
+    ("merge.threads", NOTHING),
+    ("extract.backend", "extract (every selection; nothing reusable), export, plan"),
+    ("extract.layers", "as extract.backend"),
+    ("extract.dtype", "as extract.backend"),
+    ("extract.final_norm", "as extract.backend"),
+    ("extract.final_states", "as extract.backend"),
+    ("extract.aux_format", "as extract.backend"),
+    ("extract.gpus_per_job", "plan (wall hours)"),
+    ("extract.device", NOTHING + " (plan, when it measures the throughput)"),
+    ("extract.batch_tokens", NOTHING + " (plan, when it measures the throughput)"),
+    ("extract.attention", NOTHING + " (plan, when it measures the throughput)"),
+    ("extract.gpu_lock_dir", NOTHING),
+    ("export.layouts", "export of the layouts added"),
+    ("export.group_size", "export"),
+    ("export.allow_norm_mismatch", NOTHING),
+    ("plan.*", "plan"),
+    ("forecast.pilot_samples", "forecast_pilot and forecast (a larger pilot sends only the samples the journal "
+                               "lacks)"),
+    ("vocab.draft_vocab_size", "vocab"),
+]
+
+
+def reruns_of(key: str) -> str | None:
+    """What changing config key ``key`` (a schema path such as ``backends.<name>.timeout_s``) reruns, from
+    :data:`RERUNS` (exact entries before ``prefix.*`` ones); None when no entry covers it."""
+    for k, v in RERUNS:
+        if k == key:
+            return v
+    for k, v in RERUNS:
+        if k.endswith(".*") and key.startswith(k[:-1]):
+            return v
+    return None

@@ -1,0 +1,186 @@
+"""Validation of the config against the JSON schema: defaults filled in, and short errors naming the file and the key
+path (with a "did you mean" for a misspelt key), never a schema dump or a key's value."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+
+#: At most this many problems are listed in one :class:`ConfigError` (the rest are counted).
+MAX_LISTED_PROBLEMS = 8
+
+
+class ConfigError(ValueError):
+    """A problem in the user's config: the message is short, names the file and key path, and says what to do."""
+
+
+def _dotted(path: Iterable) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _secret_path(path: Sequence) -> bool:
+    """Keys whose values may be credentials: never echoed in a message."""
+    return any(p in ("api_key_env", "headers") for p in path)
+
+
+def _contains(tree, path: Sequence) -> bool:
+    for p in path:
+        if isinstance(tree, dict) and p in tree:
+            tree = tree[p]
+        elif isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree):
+            tree = tree[p]
+        else:
+            return False
+    return True
+
+
+def _source_of(path: Sequence, files: Sequence[tuple[str, dict]]) -> str | None:
+    """The last of ``files`` (name, parsed YAML) that sets ``path`` (the one whose value the merge kept)."""
+    for name, tree in reversed(files):
+        if _contains(tree, path):
+            return name
+    return None
+
+
+def _key_paths(schema: dict) -> list[tuple[str, dict]]:
+    """Every key of the schema as ``(dotted path with <name> for free-form names, resolved node)``."""
+    defs = schema.get("$defs", {})
+    out: list[tuple[str, dict]] = []
+
+    def walk(node: dict, path: str) -> None:
+        node = _resolve(node, defs)
+        for name, child in (node.get("properties") or {}).items():
+            child = _resolve(child, defs)
+            p = f"{path}.{name}" if path else name
+            out.append((p, child))
+            walk(child, p)
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict) and ("properties" in extra or "$ref" in extra):
+            p = f"{path}.<name>"
+            out.append((p, _resolve(extra, defs)))
+            walk(extra, p)
+
+    walk(schema, "")
+    return out
+
+
+def _resolve(node: dict, defs: dict) -> dict:
+    """``node`` with its ``$ref`` (``#/$defs/x``) expanded; sibling keywords win, sibling ``properties`` are merged
+    key by key (that is how the top-level ``generation`` adds its defaults to the shared definition)."""
+    ref = node.get("$ref")
+    if not ref:
+        return node
+    base = defs[ref.split("/")[-1]]
+    out = {**base, **{k: v for k, v in node.items() if k not in ("$ref", "properties")}}
+    if "properties" in node:
+        props = dict(base.get("properties") or {})
+        for k, v in node["properties"].items():
+            props[k] = {**props.get(k, {}), **v}
+        out["properties"] = props
+    return out
+
+
+def _validator(schema: dict):
+    """A draft 2020-12 validator that fills in ``default`` values (deep copies) as it validates."""
+    from jsonschema import Draft202012Validator, validators
+
+    check_properties = Draft202012Validator.VALIDATORS["properties"]
+
+    def properties_with_defaults(validator, properties, instance, node):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if isinstance(sub, dict) and "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from check_properties(validator, properties, instance, node)
+
+    return validators.extend(Draft202012Validator, {"properties": properties_with_defaults})(schema)
+
+
+def _problems(err, all_keys: list[str]) -> list[tuple[list, str, str | None]]:
+    """``[(key path, message, suggested key)]`` for one jsonschema error; never echoes a possible secret."""
+    path = list(err.absolute_path)
+    where = _dotted(path) or "config"
+    inst = err.instance
+    kind = err.validator
+    if kind == "additionalProperties" and isinstance(inst, dict):
+        allowed = list((err.schema.get("properties") or {}).keys())
+        out = []
+        for key in sorted((k for k in inst if k not in allowed), key=str):
+            full = _dotted([*path, key])
+            close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+            if close:
+                out.append(([*path, key], f"{full}: unknown key; did you mean {_dotted([*path, close[0]])}?", close[0]))
+                continue
+            elsewhere = [k.rsplit(".", 1)[0] for k in all_keys if "." in k and k.rsplit(".", 1)[-1] == key]
+            if elsewhere:
+                out.append(([*path, key], f"{full}: unknown key here; {key} is a key of {', '.join(elsewhere[:3])}", None))
+            else:
+                out.append(([*path, key], f"{full}: unknown key; valid keys here: {', '.join(allowed)}", None))
+        return out
+    if kind == "required":
+        absent = [k for k in err.validator_value if not (isinstance(inst, dict) and k in inst)]
+        where = f"{where}: missing key" if path else "missing top-level key"
+        return [(path, f"{where} {', '.join(absent)} (it has no default)", None)]
+    if _secret_path(path):
+        return [(path, f"{where}: not a valid value here; api_key_env is the NAME of an environment variable "
+                       "(letters, digits, _), never the key itself", None)]
+    if kind == "enum":
+        opts = [str(o) for o in err.validator_value]
+        close = difflib.get_close_matches(str(inst), opts, n=1, cutoff=0.6) if isinstance(inst, str) else []
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return [(path, f"{where}: {_short(inst)} is not one of {', '.join(opts)}{hint}", None)]
+    if kind == "type":
+        want = err.validator_value
+        want = " or ".join(want) if isinstance(want, list) else want
+        return [(path, f"{where}: {_short(inst)} is not of type {want!r}", None)]
+    msg = err.message if len(err.message) <= 200 else err.message[:197] + "..."
+    return [(path, f"{where}: {msg}", None)]
+
+
+def load_schema(path: str | os.PathLike) -> dict:
+    """The config JSON schema (YAML) at ``path``."""
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())
+
+
+def validate_config(config: dict, schema: dict, *, files: Sequence[tuple[str, dict]] = ()) -> dict:
+    """Check ``config`` against the JSON ``schema`` and fill in every ``default`` (in place; also returned).
+
+    ``files``: the config files the config was merged from, as ``(name, parsed YAML)`` in merge order; each
+    problem names the last one that sets the key. Raises :class:`ConfigError` with one line per problem
+    (``path: what is wrong``; an unknown key gets the closest valid key at its level, "did you mean", or the
+    section it belongs to), at most :data:`MAX_LISTED_PROBLEMS` of them.
+    """
+    all_keys = [p for p, _ in _key_paths(schema)]
+    errors = list(_validator(schema).iter_errors(config))
+    if not errors:
+        return config
+    problems = [p for e in errors for p in _problems(e, all_keys)]
+    # "missing key x" next to a misspelt key the message already corrects to x is one problem, not two
+    fixed = {(tuple(map(str, path[:-1])), sug) for path, _, sug in problems if sug}
+    problems = [p for p in problems
+                if not any(tuple(map(str, p[0])) == at and p[1].endswith(f" {sug} (it has no default)")
+                           for at, sug in fixed)]
+    problems.sort(key=lambda p: tuple(map(str, p[0])))
+    sources = [_source_of(path, files) for path, _, _ in problems]
+    one_file = len(set(sources)) == 1 and sources[0] is not None
+    lines = [text if one_file or src is None else f"{src}: {text}" for (_, text, _), src in zip(problems, sources)]
+    head = f"Config error in {sources[0]}:" if one_file else "Config error:"
+    if len(lines) == 1:
+        raise ConfigError(f"{head} {lines[0]}")
+    shown = lines[:MAX_LISTED_PROBLEMS]
+    more = f"\n  ... and {len(lines) - len(shown)} more" if len(lines) > len(shown) else ""
+    raise ConfigError(head + "".join(f"\n  {line}" for line in shown) + more)

@@ -1,0 +1,151 @@
+"""The run's last lines (Snakefile ``onsuccess`` / ``onerror``): a table per dataset of what the run left under
+``results/``, and what the forecast pilot paid for."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from ..formatting import format_clock, format_usd
+from .markdown import _fmt
+
+
+RUN_SUMMARY_COLUMNS = [
+    ("dataset", "Dataset", "text"), ("shards", "Shards", "text"), ("samples", "Samples", ""), ("ok", "OK", ""),
+    ("failed", "Failed", ""), ("not_sent", "Not sent", ""), ("rejected", "Rejected", ""), ("kept", "Kept", ""),
+    ("cost_usd", "Cost $", "usd"), ("time", "Time", "text"), ("ended_by", "Ended by", "text"),
+]
+
+
+def _rows_in(paths) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+
+
+def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None) -> list[dict]:
+    """One row per dataset of the config, from what the run left under ``results_dir``, and a ``Total`` row.
+
+    Only this config's files are read: the shards ``000`` .. ``shards - 1`` of each dataset (files an earlier
+    config with more shards left behind are not counted). Per generated shard: generate's summary
+    ``<ds>/responses/<shard>.json`` when the shard finished, else (a failed or stopped job) the last snapshot its
+    job wrote to the run directory ``run_dir`` (:mod:`eagle3_data.runview`: what it had journaled and paid for);
+    ``<ds>/rejected/<shard>.parquet`` (+ ``normalize.parquet``) and ``<ds>/validated/<shard>.parquet`` are
+    counted from parquet metadata.
+
+    Returns dicts with dataset, kind (``generated`` / ``pretokenized`` / ``total``), shards (``"1/2"``: shards
+    with a summary or a snapshot, of the dataset's ``shards``; ``"-"`` for a pre-tokenized dataset), samples
+    (prompts considered by generate; a pre-tokenized dataset: its rows, kept + rejected), ok (samples with every
+    response), failed (samples with a failed response or an unusable prompt), not_sent (samples a budget or a
+    stop kept from being sent), rejected (rows of every stage's rejects), kept (validated rows), cost_usd (dollars
+    of the dataset's journaled responses, earlier runs' included), wall_s (the longest shard's generate time: the
+    shards run at once; None without a summary), time (wall_s as ``m:ss``), ended_by (the shards' distinct
+    ``stopped_by``; ``stopped`` for a shard that did not finish)."""
+    import json
+
+    from ..runview import read_snapshots
+
+    results = Path(results_dir)
+    snaps = read_snapshots(run_dir) if run_dir is not None else {}
+    rows = []
+    for ds, dcfg in (datasets_config or {}).items():
+        dcfg = dcfg or {}
+        pre = ((dcfg.get("source") or {}).get("format")) == "pretokenized"
+        n_shards = int(dcfg.get("shards", 1))
+        names = [f"{i:03d}" for i in range(n_shards)]
+        sums = []
+        for shard in names:
+            p = results / ds / "responses" / f"{shard}.json"
+            s = None
+            if p.is_file():
+                with contextlib.suppress(OSError, ValueError):
+                    s = json.loads(p.read_text())
+            snap = snaps.get((ds, shard))
+            if snap is not None and (s is None or float(snap.get("updated_at") or 0) > p.stat().st_mtime + 1):
+                # this run's job did not finish (or finished without writing its summary): what it journaled
+                s = {"samples": snap.get("total"), "ok": snap.get("ok"), "failed_total": snap.get("failed"),
+                     "other_model_replies": snap.get("other_model"),
+                     "not_sent": int(snap.get("total") or 0) - int(snap.get("done") or 0),
+                     "total_cost_usd": snap.get("spent_usd"), "wall_s": snap.get("elapsed_s"),
+                     "stopped_by": "stopped" if not snap.get("final") or not p.is_file() else None}
+            if s is not None:
+                sums.append(s)
+        rejected_paths = [p for p in [results / ds / "rejected" / "normalize.parquet"]
+                          + [results / ds / "rejected" / f"{s}.parquet" for s in names] if p.is_file()]
+        rejected = _rows_in(rejected_paths)
+        kept = _rows_in([p for p in (results / ds / "validated" / f"{s}.parquet" for s in names) if p.is_file()])
+        walls = [float(s.get("wall_s") or 0.0) for s in sums]
+        ended = sorted({str(s.get("stopped_by")) for s in sums if s.get("stopped_by")})
+        row = {
+            "dataset": ds, "kind": "pretokenized" if pre else "generated",
+            "shards": "-" if pre else f"{len(sums)}/{n_shards}",
+            "samples": kept + rejected if pre else sum(int(s.get("samples") or 0) for s in sums),
+            "ok": None if pre else sum(int(s.get("ok") or 0) for s in sums),
+            "failed": None if pre else sum(int(s.get("failed_total") or 0) for s in sums),
+            "not_sent": None if pre else sum(int(s.get("not_sent") or 0) for s in sums),
+            "rejected": rejected, "kept": kept,
+            "cost_usd": None if pre else sum(float(s.get("total_cost_usd") or 0.0) for s in sums),
+            "wall_s": max(walls) if walls else None,
+            "ended_by": "pre-tokenized" if pre else ", ".join(ended),
+            "other_model": None if pre else sum(int(s.get("other_model_replies") or 0) for s in sums),
+        }
+        row["time"] = format_clock(row["wall_s"]) if row["wall_s"] is not None else ""
+        rows.append(row)
+    total = {"dataset": "Total", "kind": "total", "shards": "", "ended_by": "", "time": "", "wall_s": None}
+    for key in ("samples", "ok", "failed", "not_sent", "rejected", "kept", "cost_usd"):
+        vals = [r[key] for r in rows if r[key] is not None]
+        total[key] = sum(vals) if vals else None
+    rows.append(total)
+    return rows
+
+
+def pilot_spend(datasets_config: dict, results_dir="results") -> dict | None:
+    """What the forecast pilot (``snakemake forecast``) paid for, from its summaries
+    ``<results_dir>/forecast/pilot/<ds>/<shard>.json`` of this config's shards: ``{"requests": new responses,
+    "cost_usd": their dollars}``; None when there are none."""
+    import json
+
+    requests, cost, found = 0, 0.0, False
+    for ds, dcfg in (datasets_config or {}).items():
+        for i in range(int((dcfg or {}).get("shards", 1))):
+            p = Path(results_dir) / "forecast" / "pilot" / ds / f"{i:03d}.json"
+            with contextlib.suppress(OSError, ValueError):
+                s = json.loads(p.read_text())
+                found = True
+                requests += int(s.get("ok") or 0) - int(s.get("from_journal") or 0)
+                cost += float(s.get("cost_usd") or 0.0)
+    return {"requests": max(0, requests), "cost_usd": cost} if found else None
+
+
+def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | None = None,
+                ok: bool = True, tally_path=None, run_dir=None) -> str:
+    """The run's last lines (Snakefile ``onsuccess`` / ``onerror``): a table of :func:`run_summary_rows` and where
+    the full reports are.
+
+    ``run_s``: the run's wall time (the Total row's time); ``ok``: False after a failed run (the title says what
+    the table covers); ``tally_path``: the tally file to point to, when it exists; ``run_dir``: the run's
+    directory (snapshots of the shards that did not finish, :func:`run_summary_rows`)."""
+    from tabulate import tabulate
+
+    rows = run_summary_rows(datasets_config, results_dir, run_dir)
+    if run_s is not None:
+        rows[-1]["time"] = format_clock(run_s)
+    body = [[_fmt(r.get(key), kind) for key, _, kind in RUN_SUMMARY_COLUMNS] for r in rows]
+    table = tabulate(body, headers=[h for _, h, _ in RUN_SUMMARY_COLUMNS], tablefmt="simple", disable_numparse=True,
+                     colalign=["left" if k == "text" else "right" for _, _, k in RUN_SUMMARY_COLUMNS])
+    lines = ["Run summary" if ok else "Run summary (the run failed; what it had finished):", table,
+             "OK/Failed/Not sent: samples at generate (not sent: kept back by a budget or a stop). Rejected: every "
+             "stage. Kept: validated. Cost: journaled responses. Time: the longest generate shard"
+             + ("; Total: the run." if run_s is not None else ".")]
+    other = [f"{r['dataset']} {r['other_model']:,}" for r in rows[:-1] if r.get("other_model")]
+    if other:
+        lines.append(f"Replies naming another model than asked (kept; generation.reject_other_models: true refuses "
+                     f"them): {', '.join(other)}.")
+    pilot = pilot_spend(datasets_config, results_dir)
+    if pilot is not None:
+        lines.append(f"Forecast pilot: {pilot['requests']:,} responses paid for, ${format_usd(pilot['cost_usd'])} "
+                     "(journaled: the build does not pay for them again; counted in Cost once generate reads them).")
+    if tally_path is not None and Path(tally_path).exists():
+        lines.append(f"Tokens, rejects by reason, cost by backend: {tally_path} (all reports: "
+                     f"{Path(tally_path).parent}/)")
+    return "\n".join(lines)
