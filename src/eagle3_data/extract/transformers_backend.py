@@ -24,12 +24,14 @@ Two batch layouts (``attention``, the ``extract.attention`` config key):
 
   ``packed`` picks ``varlen`` on CUDA in bf16/fp16, ``flex`` on CUDA otherwise, ``loop`` on CPU;
   ``packed-varlen`` / ``packed-flex`` / ``packed-loop`` force one. ``auto`` is ``packed`` on every device (on
-  CPU ``loop``, measured faster than ``padded`` at every batch budget of ``benchmarks/extract.py``: no padding
-  computed, and each sample's attention runs through the fused causal CPU kernel without a mask). The packed path needs a model whose attention layers call transformers'
-  ``AttentionInterface`` and know their sample only from ``position_ids``, all with full causal attention
-  (Llama, Qwen3, Mistral without a sliding window, ...; :func:`packed_unsupported`): ``auto`` falls back to padded
-  for any other model, an explicit ``packed`` raises. Every packed forward also checks that each decoder
-  layer ran the packed attention exactly once, else it raises (its states would mix samples).
+  CPU ``loop``: no padding computed, each sample's attention through the fused causal CPU kernel without a mask;
+  measured faster than ``padded`` at every ``batch_tokens`` from 1,024 to 8,192 on the model of
+  ``benchmarks/extract.py``; ``flex`` runs eagerly there, materialising tokens x tokens scores). The packed
+  path needs a model whose attention layers call transformers' ``AttentionInterface`` and know their sample
+  only from ``position_ids``, all with full causal attention (Llama, Qwen3, Mistral without a sliding window,
+  ...; :func:`packed_unsupported`): ``auto`` falls back to padded for any other model, an explicit ``packed``
+  raises. Every packed forward also checks that each decoder layer ran the packed attention exactly once, else
+  it raises (its states would mix samples).
 
 On CPU the backend also makes glibc keep freed tensor memory for reuse (:func:`keep_freed_host_memory`): by
 default every tensor of a batch's activations over glibc's moving mmap threshold is a fresh mapping whose pages
