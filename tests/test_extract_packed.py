@@ -4,6 +4,8 @@ as writing in order (tiny random Llama, fp32, CPU)."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import random
 import threading
 
@@ -78,7 +80,7 @@ def test_packed_equals_padded_equals_one_by_one(tmp_path, tiny_model, loaded, se
     counter = InputCounter(loaded[1])
     try:
         for name, attention, batch_tokens in [("one_by_one", "padded", 1), ("padded", "padded", 700),
-                                              ("packed", "packed", 700)]:
+                                              ("packed", "packed", 700), ("auto", "auto", 700)]:
             counter.per_forward = []
             out = tmp_path / f"{name}.safetensors"
             info = ex.extract_states(path, out, model=loaded,
@@ -87,9 +89,14 @@ def test_packed_equals_padded_equals_one_by_one(tmp_path, tiny_model, loaded, se
     finally:
         counter.remove()
 
-    one, padded, packed = (runs[k] for k in ("one_by_one", "padded", "packed"))
+    one, padded, packed, auto = (runs[k] for k in ("one_by_one", "padded", "packed", "auto"))
     assert one[0]["batches"] == len(rows) and one[0]["attention"] == "padded"
     assert packed[0]["attention"] == "packed:loop"
+    # auto on CPU is the packed layout: the same forwards and the same bytes as an explicit packed
+    assert auto[0]["attention"] == "packed:loop" and auto[2] == packed[2]
+    assert auto[1][1] == packed[1][1]
+    for k, v in packed[1][0].items():
+        assert torch.equal(auto[1][0][k], v), k
     # packed: each forward holds only real tokens: MAX_LEN alone (the next sample would pass the budget of
     # 700), then the 12 others together; padded computes padding
     assert packed[2] == [MAX_LEN, T - MAX_LEN] and packed[0]["batches"] == 2
@@ -154,7 +161,8 @@ def test_packed_batches_take_real_tokens(tiny_model, loaded):
 
 
 def test_attention_modes_resolve_per_device(monkeypatch):
-    assert tb.resolve_attention("auto", "cpu", "float32") == ("padded", "")
+    assert tb.resolve_attention("auto", "cpu", "float32") == ("packed", "loop")
+    assert tb.resolve_attention("auto", "cpu", "bfloat16", 128) == ("packed", "loop")
     assert tb.resolve_attention("padded", "cuda", "bfloat16") == ("padded", "")
     assert tb.resolve_attention("packed", "cpu", "bfloat16") == ("packed", "loop")
     assert tb.resolve_attention("packed-flex", "cpu", "float32") == ("packed", "flex")
@@ -168,6 +176,28 @@ def test_attention_modes_resolve_per_device(monkeypatch):
         tb.resolve_attention("packed-varlen", "cpu", "bfloat16")
     with pytest.raises(ValueError, match="attention must be one of"):
         tb.resolve_attention("ragged", "cuda", "bfloat16")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt / mallinfo2")
+def test_cpu_backend_keeps_freed_host_memory(tiny_model, loaded):
+    """After a CPU backend starts, a 16 MiB tensor comes from malloc's heap, not from a fresh mapping (whose
+    pages would fault in on first touch), while one over the threshold is still mapped."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    be = tb.TransformersBackend(tiny_model, layers=LAYERS, loaded=loaded, attention="auto")
+    be.close()
+    assert tb.keep_freed_host_memory() is True  # set once; again: still True
+    before = libc.mallinfo2().hblkhd  # bytes in mmapped chunks
+    held = torch.empty(16 << 20, dtype=torch.uint8)
+    assert libc.mallinfo2().hblkhd == before
+    big = torch.empty(tb.HOST_MMAP_THRESHOLD + (1 << 20), dtype=torch.uint8)
+    assert libc.mallinfo2().hblkhd >= before + tb.HOST_MMAP_THRESHOLD
+    del held, big
 
 
 def test_bad_attention_is_rejected_before_any_work(tmp_path, tiny_model, selection):

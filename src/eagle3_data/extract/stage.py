@@ -161,8 +161,8 @@ def extract_states(
         device: ``auto`` (cuda if the machine has a GPU, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
         batch_tokens: tokens per forward (padded tokens for the transformers padded layout, real tokens for the
             packed layout and for SGLang).
-        attention: transformers backend: batch layout and attention kernel, ``auto`` (packed on CUDA, padded on
-            CPU) | ``padded`` | ``packed`` | ``packed-varlen`` | ``packed-flex`` | ``packed-loop``
+        attention: transformers backend: batch layout and attention kernel, ``auto`` (packed on every device;
+            padded for a model packing cannot express) | ``padded`` | ``packed`` | ``packed-varlen`` | ``packed-flex`` | ``packed-loop``
             (``transformers_backend`` module docstring). Not in :func:`settings_digest`: it changes rounding, not
             what is computed. The SGLang backend always packs.
         backend: ``transformers`` | ``sglang`` (GPU only, tensor parallel over the ``gpus`` devices held;

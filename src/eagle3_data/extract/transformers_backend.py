@@ -23,12 +23,19 @@ Two batch layouts (``attention``, the ``extract.attention`` config key):
   * ``loop``: ``scaled_dot_product_attention`` once per sample (``is_causal``); any device, exact.
 
   ``packed`` picks ``varlen`` on CUDA in bf16/fp16, ``flex`` on CUDA otherwise, ``loop`` on CPU;
-  ``packed-varlen`` / ``packed-flex`` / ``packed-loop`` force one. ``auto`` is ``packed`` on CUDA and
-  ``padded`` on CPU. The packed path needs a model whose attention layers call transformers'
-  ``AttentionInterface`` and know their sample only from ``position_ids``, all with full causal attention
-  (Llama, Qwen3, Mistral without a sliding window, ...; :func:`packed_unsupported`): ``auto`` falls back to padded
-  for any other model, an explicit ``packed`` raises. Every packed forward also checks that each decoder
-  layer ran the packed attention exactly once, else it raises (its states would mix samples).
+  ``packed-varlen`` / ``packed-flex`` / ``packed-loop`` force one. ``auto`` is ``packed`` on every device (on
+  CPU ``loop``: no padding computed, each sample's attention through the fused causal CPU kernel without a mask;
+  measured faster than ``padded`` at every ``batch_tokens`` from 1,024 to 8,192 on the model of
+  ``benchmarks/extract.py``; ``flex`` runs eagerly there, materialising tokens x tokens scores). The packed
+  path needs a model whose attention layers call transformers' ``AttentionInterface`` and know their sample
+  only from ``position_ids``, all with full causal attention (Llama, Qwen3, Mistral without a sliding window,
+  ...; :func:`packed_unsupported`): ``auto`` falls back to padded for any other model, an explicit ``packed``
+  raises. Every packed forward also checks that each decoder layer ran the packed attention exactly once, else
+  it raises (its states would mix samples).
+
+On CPU the backend also makes glibc keep freed tensor memory for reuse (:func:`keep_freed_host_memory`): by
+default every tensor of a batch's activations over glibc's moving mmap threshold is a fresh mapping whose pages
+fault in on first touch (costly in a VM), and the heap top is returned to the kernel at each free.
 
 Both layouts give the same states (up to floating-point rounding; tests/test_extract_packed.py checks packed ==
 padded == one sample at a time in fp32 on CPU, tests/test_extract_gpu.py every kernel in bf16 on a GPU).
@@ -65,7 +72,7 @@ def resolve_attention(attention: str, device_type: str, dtype: str, head_dim: in
     an unknown mode, or a kernel the device cannot run (``varlen`` off CUDA, or in float32)."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"extract attention must be one of {ATTENTION_MODES}, got {attention!r}")
-    if attention == "padded" or (attention == "auto" and device_type != "cuda"):
+    if attention == "padded":
         return "padded", ""
     if attention.startswith("packed-"):
         kernel = attention.split("-", 1)[1]
@@ -94,6 +101,40 @@ def packed_unsupported(model) -> str:
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         return f"it uses sliding-window attention (sliding_window={cfg.sliding_window})"
     return ""
+
+
+#: glibc ``mallopt`` parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: bytes: allocations up to this come from the heap (glibc's largest mmap threshold on 64-bit systems)
+HOST_MMAP_THRESHOLD = 32 << 20
+#: bytes of free memory at the heap's top that glibc keeps before returning it to the kernel
+HOST_TRIM_THRESHOLD = 1 << 30
+_host_memory_kept = False
+
+
+def keep_freed_host_memory() -> bool:
+    """Make glibc's malloc (process-wide, once) serve allocations up to :data:`HOST_MMAP_THRESHOLD` bytes from
+    its heap and keep up to :data:`HOST_TRIM_THRESHOLD` bytes of freed memory there, so the activations of one
+    CPU forward reuse the pages of the previous one instead of mapping, faulting in and unmapping fresh ones
+    (``mallopt`` ``M_MMAP_THRESHOLD`` / ``M_TRIM_THRESHOLD``; the process's resident memory then stays at its
+    peak). Returns True when set (now or before), False where the C library has no working ``mallopt`` (not
+    glibc: nothing changes). Never raises."""
+    global _host_memory_kept
+    if _host_memory_kept:
+        return True
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _host_memory_kept = (mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) == 1
+                         and mallopt(_M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD) == 1)
+    return _host_memory_kept
 
 
 def _flash_available() -> bool:
@@ -383,6 +424,8 @@ class TransformersBackend:
                                      "padded")
                 log.warning("%s: padded batches (%s)", self.model_name, why)
                 self.layout, self.kernel, self.attention = "padded", "", "padded"
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         self._cap = Capture(self.decoder, self.layers, final_norm)
 
     def batches(self, lengths: list[int], batch_tokens: int) -> list[list[int]]:
