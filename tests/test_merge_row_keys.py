@@ -92,3 +92,70 @@ def test_row_keys_any_thread_count(tmp_path, threads):
                    "GROUP BY 1 ORDER BY 1").fetchall()
     assert rows == [(f, 5, hashlib.md5(f"[{i}, {10 * i}, {100 * i}]".encode()).hexdigest(), 1)
                     for i, f in enumerate(files)]
+
+
+def _sql_selections(files, keys, settings, k):
+    """The selections as sql/merge_selection_rows.sql gives them (the reference the merge's own writer matches)."""
+    con = duckdb.connect()
+    sql.set_variables(con, validated_files=files, datasets=settings.datasets)
+    sql.set_variables(con, max_samples=dict(settings.max_samples or {}))
+    con.execute("SET VARIABLE max_len = ?::BIGINT", [settings.max_len])
+    con.execute("SET VARIABLE num_shards = ?::BIGINT", [k])
+    con.execute("SET VARIABLE overflow = ?::VARCHAR", [settings.overflow])
+    con.execute("SET VARIABLE seed = ?::VARCHAR", [str(settings.seed)])
+    con.execute("CREATE TEMP TABLE merge_sources (filename VARCHAR, source VARCHAR, idx BIGINT)")
+    con.executemany("INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, s, i] for i, (f, s) in enumerate(zip(files, keys))])
+    con.execute(sql.load("merge_row_keys"))
+    con.execute(sql.load("merge_plan"))
+    rows = con.sql(sql.load("merge_selection_rows")).to_arrow_table().to_pylist()
+    return [[{c: v for c, v in r.items() if c != "shard"} for r in rows if r["shard"] == i] for i in range(len(files))]
+
+
+def test_selections_are_the_rows_of_the_selection_query(tmp_path):
+    from eagle3_data.merge import merge
+    from eagle3_data.settings import MergeSettings
+
+    from test_merge import make_rows, row, write_inputs
+
+    rows = make_rows(300, ["a", "b", "c"], seed=5, max_len=40)
+    rows.append(row("b", "b-dup", rows[4]["input_ids"], rows[4]["loss_mask"]))
+    files = [str(p) for p in write_inputs(tmp_path, rows, 4, shuffle_seed=3)]
+    files.append(_write(tmp_path / "in" / "only_d.parquet", [[1, 2, 3]], [[0, 1, 1]], ["d"]))
+    keys = [f"k{i}" for i in range(len(files))]
+    truncated = []
+    for settings in (MergeSettings.defaults(max_len=20, overflow="truncate", seed=1, max_samples={"a": 30}),
+                     MergeSettings.defaults(max_len=25, overflow="drop", seed=2, datasets=["a", "c"])):
+        sels = [tmp_path / "sel" / f"{i}.parquet" for i in range(len(files))]
+        man = merge(files, [tmp_path / "m" / "0.parquet", tmp_path / "m" / "1.parquet"], tmp_path / "m.json",
+                    settings=settings, selections=sels, sources=keys, batch_rows=16)
+        want = _sql_selections(files, keys, settings, 2)
+        got = [pq.read_table(p).to_pylist() for p in sels]
+        assert got == want
+        assert [len(g) for g in got] == [man["selections"][k]["samples"] for k in keys]
+        assert sum(map(len, got)) == man["totals"]["samples"] and sum(r["truncated"] for g in got for r in g) == (
+            man["totals"]["truncated"])
+        truncated.append(man["totals"]["truncated"])
+        assert all(pq.read_schema(p).equals(pq.read_schema(tmp_path / "m" / "0.parquet")) for p in sels)
+    assert got[-1] == []  # dataset d not selected: an empty selection is still written
+    assert truncated[0] > 20 and truncated[1] == 0  # cut rows (truncate) and none (drop) both checked
+
+
+def test_a_failing_merged_shard_leaves_no_file_of_the_run(tmp_path, monkeypatch):
+    from eagle3_data import merge as merge_mod
+    from eagle3_data.settings import MergeSettings
+
+    from test_merge import make_rows, write_inputs
+
+    files = write_inputs(tmp_path, make_rows(300, ["a"], seed=9), 3)
+    sels = [tmp_path / "sel" / f"{i}.parquet" for i in range(3)]
+    outs = [tmp_path / "m" / f"{i}.parquet" for i in range(2)]
+
+    def broken(table, path="<memory>", first_row=0):
+        raise merge_mod.schemas.SchemaError("simulated bad batch")
+
+    monkeypatch.setattr(merge_mod, "check_merged_batch", broken)
+    with pytest.raises(merge_mod.schemas.SchemaError, match="simulated bad batch"):
+        merge_mod.merge(files, outs, tmp_path / "m.json", settings=MergeSettings.defaults(max_len=100, seed=0),
+                        selections=sels, batch_rows=32)
+    assert not any(p.exists() for p in outs + sels) and not (tmp_path / "m.json").exists()
+    assert not [p for d in ("m", "sel") if (tmp_path / d).exists() for p in (tmp_path / d).iterdir()]

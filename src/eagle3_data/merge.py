@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -354,23 +355,45 @@ def merge(
         sel_stats = con.sql(sql.load("merge_selections")).fetchall()
         t_stats = time.perf_counter() - t0 - t_plan
 
-        # Stream rows in (shard, shuffle_key) order into one writer per merged shard, then (if asked) rows in
-        # (validated file, row) order into one writer per selection.
+        # Stream rows in (shard, shuffle_key) order into one writer per merged shard and, at the same time in a
+        # second thread, each selection straight from its validated file (kept rows in file order); files are
+        # renamed into place only when both are complete (on an error none of this run's files is left).
         timing: dict = {}
-        t1 = time.perf_counter()
-        written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), outs, check,
-                                timing, "shards")
-        timing["shards"] = time.perf_counter() - t1
+        commit = stack.enter_context(contextlib.ExitStack())
+        stop = threading.Event()
+        sel_job = None
+        pool = stack.enter_context(ThreadPoolExecutor(1)) if sel_outs is not None else None
         if sel_outs is not None:
+            plan = con.sql(sql.load("merge_selection_plan")).to_arrow_table()
+            plan = {name: plan.column(name).to_numpy() for name in plan.column_names}
+
+            def write_selections() -> dict[int, int]:
+                t1 = time.perf_counter()
+                batches = _selection_batches(files, keys, plan, max_len, batch_rows, stop)
+                # not re-checked: a selection's rows are the merged rows checked in the other thread (same
+                # plan, same values, only another order); its row count is compared with the plan below
+                out = _write_groups(batches, sel_outs, False, timing, "selections", commit=commit)
+                timing["selections"] = time.perf_counter() - t1
+                return out
+
+            sel_job = pool.submit(write_selections)
+        try:
             t1 = time.perf_counter()
-            # not re-checked: a selection's rows are the merged rows just checked (same plan, same
-            # expressions, only another order); its row count is compared with the plan below
-            sel_written = _write_groups(con.sql(sql.load("merge_selection_rows")).to_arrow_reader(batch_rows),
-                                        sel_outs, False, timing, "selections")
-            timing["selections"] = time.perf_counter() - t1
+            written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), outs, check,
+                                    timing, "shards", commit=commit)
+            timing["shards"] = time.perf_counter() - t1
+        except BaseException:
+            stop.set()
+            if sel_job is not None:
+                with contextlib.suppress(BaseException):
+                    sel_job.result()
+            raise
+        if sel_job is not None:
+            sel_written = sel_job.result()
             for (idx, key, n, _tok, _dig) in sel_stats:
                 if sel_written[idx] != n:
                     raise RuntimeError(f"merge: selection {sel_outs[idx]} has {sel_written[idx]} rows, plan says {n}")
+        _check_written(outs, stats, written)  # before the files are renamed into place
 
     manifest = _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len, overflow, seed)
     manifest["selections"] = {
@@ -398,10 +421,13 @@ def merge(
     return manifest
 
 
-def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = None, name: str = "") -> dict[int, int]:
+def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = None, name: str = "",
+                  commit: contextlib.ExitStack | None = None) -> dict[int, int]:
     """Write a stream of MERGED rows carrying a ``shard`` column (non-decreasing) into one parquet file per
-    group: ``outs[shard]``. Every file is written (an empty table for a group without rows), each under a
-    temporary name renamed when complete; on an error none of the unfinished files is left. Returns rows
+    group: ``outs[shard]``. ``reader``: record batches (an arrow reader or any iterable). Every file is written
+    (an empty table for a group without rows), each under a temporary name renamed when complete, or, with
+    ``commit``, when ``commit`` closes without an error (on an error its temporary files are removed); on an
+    error none of the unfinished files is left. Returns rows
     written per group. ``timing`` (if given) gets ``<name>_read`` (seconds waiting for DuckDB's batches),
     ``<name>_check`` (:func:`check_merged_batch`) and ``<name>_write`` (casts and parquet writes)."""
     timing = {} if timing is None else timing
@@ -412,7 +438,7 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
 
     def open_shard(i: int) -> None:
         s = contextlib.ExitStack()
-        tmp = s.enter_context(atomic_path(outs[i]))
+        tmp = (commit if commit is not None else s).enter_context(atomic_path(outs[i]))
         # input_ids plain-encoded (zstd only): a dictionary of token ids costs more write time than it saves
         state.update(shard=i, stack=s, writer=pq.ParquetWriter(tmp, schemas.MERGED, compression="zstd",
                                                                use_dictionary=_DICT_COLUMNS))
@@ -431,6 +457,12 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
                 err = RuntimeError("merge aborted")
                 state["stack"].__exit__(RuntimeError, err, None)
         state.update(shard=None, stack=None, writer=None)
+
+    def write_empty(j: int) -> None:
+        if commit is None:
+            schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
+        else:
+            schemas.write_checked(schemas.empty(schemas.MERGED), "merged", commit.enter_context(atomic_path(outs[j])))
 
     next_empty = 0
     try:
@@ -452,7 +484,7 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
                 if state["shard"] != i:
                     close_shard()
                     for j in range(next_empty, i):  # groups that got no rows
-                        schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
+                        write_empty(j)
                     next_empty = i + 1
                     open_shard(i)
                 c0 = clock()
@@ -467,7 +499,7 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
                 start = end
         close_shard()
         for j in range(next_empty, len(outs)):
-            schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
+            write_empty(j)
     except BaseException:
         abort()
         raise
@@ -540,6 +572,58 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
     return table
 
 
+def _check_written(outs, stats, written) -> None:
+    """Raise ``RuntimeError`` when a merged shard got another number of rows than the plan's ``stats`` say."""
+    planned = {i: 0 for i in range(len(outs))}
+    for shard, _ds, n, *_ in stats:
+        planned[shard] += n
+    for i, n in planned.items():
+        if n != written[i]:
+            raise RuntimeError(f"merge: shard {outs[i]} has {written[i]} rows written, plan says {n}")
+
+
+def _selection_batches(files: list[str], keys: list[str], plan: dict, max_len: int, batch_rows: int,
+                       stop: threading.Event):
+    """Record batches of each selection's rows (MERGED columns + ``shard`` = the file's index), file after file,
+    read straight from the validated files: the kept rows (``plan``: ``sql/merge_selection_plan.sql`` as numpy
+    arrays idx, file_row_number, out_tokens, out_supervised, truncated) in file row order, ``input_ids`` and
+    ``loss_mask`` cut to ``max_len`` where truncated: the rows of ``sql/merge_selection_rows.sql``. Raises
+    ``RuntimeError`` once ``stop`` is set (the merged shards failed)."""
+    idx = plan["idx"]
+    bounds = np.searchsorted(idx, np.arange(len(files) + 1))
+    cols = ["sample_id", "dataset", "input_ids", "loss_mask"]
+    for i, path in enumerate(files):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        if lo == hi:
+            continue
+        rows = plan["file_row_number"][lo:hi]
+        first = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=cols, use_threads=False):
+            if stop.is_set():
+                raise RuntimeError("merge: selections stopped (the merged shards failed)")
+            a, b = np.searchsorted(rows, [first, first + batch.num_rows])
+            n_batch, first = batch.num_rows, first + batch.num_rows
+            if a == b:
+                continue
+            pos = rows[a:b] - (first - n_batch)
+            if b - a < n_batch:
+                batch = batch.take(pa.array(pos))
+            trunc = plan["truncated"][lo + a: lo + b]
+            ids, mask = batch.column("input_ids"), batch.column("loss_mask")
+            if trunc.any():
+                flag = pa.array(trunc)
+                ids = pc.if_else(flag, pc.list_slice(ids, 0, max_len), ids)
+                mask = pc.if_else(flag, pc.list_slice(mask, 0, max_len), mask)
+            n = b - a
+            yield pa.RecordBatch.from_arrays(
+                [batch.column("sample_id"), batch.column("dataset"), ids, mask,
+                 pa.array(plan["out_tokens"][lo + a: lo + b], pa.int64()),
+                 pa.array(plan["out_supervised"][lo + a: lo + b], pa.int64()),
+                 pa.array(trunc, pa.bool_()), pa.array([keys[i]] * n, pa.string()), pa.array(np.full(n, i, np.int64))],
+                names=[*schemas.MERGED.names, "shard"],
+            )
+
+
 def _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len, overflow, seed) -> dict:
     shards = [
         {"path": p, "samples": 0, "tokens": 0, "supervised_tokens": 0, "truncated": 0, "datasets": {}}
@@ -552,9 +636,6 @@ def _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len
         s["supervised_tokens"] += sup
         s["truncated"] += trunc
         s["datasets"][ds] = n
-    for i, s in enumerate(shards):
-        if s["samples"] != written[i]:
-            raise RuntimeError(f"merge: shard {outs[i]} has {written[i]} rows written, plan says {s['samples']}")
     per_ds: dict = {}
     for ds, decision, n, tok in drops:
         d = per_ds.setdefault(ds, {"input_samples": 0, "input_tokens": 0, "kept": 0, "dropped": {}})
