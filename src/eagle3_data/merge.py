@@ -1,11 +1,13 @@
 """Merge stage: validated dataset shards -> deduplicated, length-capped, shuffled merged shards, one selection
 per validated shard, and a manifest.
 
-Out of core: DuckDB plans the merge over the validated parquet files reading only ids, lengths and hashes
-(``sql/merge_plan.sql``), then streams the kept rows in shard order (``sql/merge_rows.sql``, an external
-sort that spills to disk past ``memory_limit``) into one parquet writer per merged shard, and again in
-validated-file order (``sql/merge_selection_rows.sql``) into one selection per validated file. Python never
-holds more than one record batch of token ids.
+Out of core: numpy computes each validated row's keys (md5 of ``input_ids`` and ``loss_mask`` as DuckDB writes
+them as VARCHAR, lengths, supervised counts: :func:`row_keys`, the values of ``sql/merge_row_keys.sql``), DuckDB
+plans the merge over those keys, ids and hashes (``sql/merge_plan.sql``), then streams the kept rows in shard
+order (``sql/merge_rows.sql``, an external sort that spills to disk past ``memory_limit``) into one parquet
+writer per merged shard while a second thread writes each selection straight from its validated file (the kept
+rows of ``sql/merge_selection_plan.sql``, in file order: the rows of ``sql/merge_selection_rows.sql``). Python
+never holds more than a record batch of token ids per thread.
 
 Selections are what extraction forwards: one job per validated shard, re-run only when the manifest's digest
 of its selection (``sql/merge_selections.sql``) changes, so adding a dataset or retrying a request costs the
@@ -270,8 +272,9 @@ def merge(
             ``memory_mb``, ``threads``: DuckDB's budget when ``memory_limit`` / ``threads`` are not given.
         memory_limit, threads, temp_dir: DuckDB settings (the job's resources; default three quarters of
             ``settings.memory_mb`` and ``settings.threads``; spill directory defaults to a temporary directory
-            next to the first output).
-        batch_rows: rows per streamed record batch.
+            next to the first output). ``threads`` also bounds the threads computing the row keys (0 or None:
+            one per CPU); the selections are written in one more thread, alongside the merged shards.
+        batch_rows: rows per streamed record batch (and per batch read from a validated file).
         check: run :func:`check_merged_batch` (the MERGED contract, with arrow compute) on every batch of
             the merged shards (the selections hold the same rows in another order and are not checked again).
 
@@ -395,7 +398,7 @@ def merge(
                     raise RuntimeError(f"merge: selection {sel_outs[idx]} has {sel_written[idx]} rows, plan says {n}")
         _check_written(outs, stats, written)  # before the files are renamed into place
 
-    manifest = _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len, overflow, seed)
+    manifest = _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed)
     manifest["selections"] = {
         key: {"path": sel_outs[idx] if sel_outs is not None else None, "input": files[idx], "samples": n,
               "tokens": tok, "digest": dig}
@@ -624,7 +627,7 @@ def _selection_batches(files: list[str], keys: list[str], plan: dict, max_len: i
             )
 
 
-def _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len, overflow, seed) -> dict:
+def _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed) -> dict:
     shards = [
         {"path": p, "samples": 0, "tokens": 0, "supervised_tokens": 0, "truncated": 0, "datasets": {}}
         for p in outs
