@@ -13,13 +13,15 @@ and for the selections each: waiting for DuckDB's joined and sorted batches (``*
 (``*_check``) and the casts and zstd parquet writes (``*_write``); the selections are written in a second thread
 while the merged shards stream. ``bookkeeping_parts_wall_cpu_s`` times each part of the selections' bookkeeping
 alone (fourth process, see :func:`parts`). Ends with one JSON line: seconds, tokens/s, ratio merge/baseline
-(target <= 1.2), peak RSS at both sizes and their ratio (target: flat, <= 1.25).
+(target <= 1.2), peak RSS at both sizes and their ratio (target: flat, <= 1.25), and, to read a run on a shared
+machine, each run's CPU seconds (all its threads) and the 1-minute load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -89,7 +91,7 @@ def pc_sum(col) -> int:
 
 
 def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if kind == "parts":
         return {"parts": parts(inputs)}
     if kind == "baseline":
@@ -114,7 +116,7 @@ def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
         timing = man["timing_s"]
     seconds = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {"seconds": seconds, "rows": rows, "peak_rss_mb": peak_kib / 1024}
+    out = {"seconds": seconds, "cpu_s": time.process_time() - c0, "rows": rows, "peak_rss_mb": peak_kib / 1024}
     if kind != "baseline":
         out["timing_s"] = timing
     return out
@@ -211,6 +213,7 @@ def main() -> None:
         a.tokens, a.files, a.shards = 200_000, 4, 2
     with tempfile.TemporaryDirectory(prefix="bench-merge-") as tmp:
         tmp = Path(tmp)
+        load_before = os.getloadavg()[0]
         t0 = time.perf_counter()
         inputs, tokens, samples = make_inputs(tmp / "validated", a.tokens, a.files)
         gen_s = time.perf_counter() - t0
@@ -229,6 +232,8 @@ def main() -> None:
         "baseline_pyarrow_s": round(base["seconds"], 2), "merge_s": round(full["seconds"], 2),
         "merge_tokens_per_s": round(tokens / full["seconds"]),
         "ratio_merge_vs_baseline": round(ratio, 2), "target_ratio_max": 1.2, "ratio_ok": ratio <= 1.2,
+        "cpu_s": {"baseline": round(base["cpu_s"], 2), "merge": round(full["cpu_s"], 2)},
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "merge_breakdown_s": full["timing_s"],
         "bookkeeping_parts_wall_cpu_s": book,
         "peak_rss_mb": {"baseline": round(base["peak_rss_mb"]), "merge_half": round(small["peak_rss_mb"]),
