@@ -100,8 +100,8 @@ def _list_parts(lists: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _row_sums(vals: np.ndarray, rel: np.ndarray) -> np.ndarray:
-    """Per-row sums (int64) of small non-negative ``vals`` (< 128) for rows ``rel[i]:rel[i+1]`` (``rel``: offsets
-    from 0), empty rows 0."""
+    """Per-row sums (int64) of int8-sized ``vals`` (|v| <= 128) for rows ``rel[i]:rel[i+1]`` (``rel``: int64
+    offsets from 0), empty rows 0."""
     out = np.zeros(len(rel) - 1, np.int64)
     full = np.flatnonzero(rel[1:] > rel[:-1])
     if len(full):  # int32 sums are exact below 2**24 values a batch
@@ -564,8 +564,7 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
             hit[row_of] = True
             flag(hit, f"{name} has values outside [{low}, {'inf' if high is None else high}]")
         if name == "loss_mask":
-            cs = np.concatenate([[0], np.cumsum(vals, dtype=np.int64)])
-            sums[name] = cs[rel[1:]] - cs[rel[:-1]]
+            sums[name] = _row_sums(vals, rel.astype(np.int64, copy=False))
     flag(sums["loss_mask"] != nsup, "num_supervised differs from sum(loss_mask)")
     if bad:
         bad.sort()
