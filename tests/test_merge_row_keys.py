@@ -159,3 +159,11 @@ def test_a_failing_merged_shard_leaves_no_file_of_the_run(tmp_path, monkeypatch)
                         selections=sels, batch_rows=32)
     assert not any(p.exists() for p in outs + sels) and not (tmp_path / "m.json").exists()
     assert not [p for d in ("m", "sel") if (tmp_path / d).exists() for p in (tmp_path / d).iterdir()]
+
+
+def test_list_text_md5_in_chunks_equals_one_pass(monkeypatch):
+    lists = pa.array([[7] * 5, [], [123, 4], [1] * 9, [99_999]], pa.list_(pa.int32()))
+    whole = M.list_text_md5(lists)
+    monkeypatch.setattr(M, "_TEXT_CHUNK", 3)  # rows longer than a chunk, empty rows, chunk edges
+    assert M.list_text_md5(lists) == whole == [
+        hashlib.md5(("[" + ", ".join(map(str, x)) + "]").encode()).hexdigest() for x in lists.to_pylist()]

@@ -76,6 +76,7 @@ def memory_limit_of(memory_mb: int) -> str:
 
 #: row keys are computed with numpy for ids below this (6 digits + ", " = 8 bytes, one uint64 per id)
 _FAST_ID_LIMIT = 10**6
+_TEXT_CHUNK = 1 << 20  # values formatted at a time (8 MB of text for ids)
 _ID_TEXT: dict = {}  # "text table" of ids 0..n-1: (uint64 per id: its digits and ", " left-aligned, length)
 
 
@@ -139,6 +140,17 @@ def list_text_md5(lists: pa.Array) -> list[str] | None:
     rel, vals = _list_parts(lists)
     if len(vals) and (int(vals.min()) < 0 or int(vals.max()) >= _FAST_ID_LIMIT):
         return None
+    out: list[str] = []
+    n, r = len(rel) - 1, 0
+    while r < n:  # rows in chunks of about _TEXT_CHUNK values: the text buffers stay small
+        e = min(n, max(r + 1, int(np.searchsorted(rel, rel[r] + _TEXT_CHUNK, side="right")) - 1))
+        out += _text_md5(vals[rel[r]: rel[e]], rel[r: e + 1] - rel[r])
+        r = e
+    return out
+
+
+def _text_md5(vals: np.ndarray, rel: np.ndarray) -> list[str]:
+    """:func:`list_text_md5` of the rows ``rel[i]:rel[i+1]`` of ``vals`` (values in ``[0, 10**6)``)."""
     if len(vals) and int(vals.max()) <= 9:  # masks: one digit each, "d, " = 3 bytes a value
         buf = np.empty(3 * len(vals), np.uint8)
         buf[0::3] = vals.astype(np.uint8) + 48
