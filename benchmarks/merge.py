@@ -8,10 +8,11 @@ separate processes (so peak RSS is per run): (1) the baseline: read every file w
 rows back out as zstd parquet in ``--shards`` files; (2) merge of all the files; (3) merge of half the files
 (peak memory at two data sizes). The merge writes the merged shards AND one selection per input file (what
 extraction reads), as the workflow's merge does. ``merge_breakdown_s`` splits the merge's time (its
-manifest's ``timing_s``): the plan (DuckDB over ids, lengths and hashes), the stats, then for the merged shards
-and for the selections each: waiting for DuckDB's joined and sorted batches (``*_read``), the MERGED check
-(``*_check``) and the casts and zstd parquet writes (``*_write``); the selections are written in a second thread
-while the merged shards stream. ``bookkeeping_parts_wall_cpu_s`` times each part of the selections' bookkeeping
+manifest's ``timing_s``): the plan (``plan_row_keys``: numpy's per-row md5 keys, lengths and supervised counts,
+then DuckDB over them), the stats, then for the merged shards and for the selections each: waiting for the
+batches (``*_read``: DuckDB's joined and sorted rows for the shards, the validated files read straight for the
+selections), the MERGED check (``*_check``) and the casts and zstd parquet writes (``*_write``); the selections
+are written in a second thread while the merged shards stream. ``bookkeeping_parts_wall_cpu_s`` times each part of the selections' bookkeeping
 alone (fourth process, see :func:`parts`). Ends with one JSON line: seconds, tokens/s, ratio merge/baseline
 (target <= 1.2), peak RSS at both sizes and their ratio (target: flat, <= 1.25), and, to read a run on a shared
 machine, each run's CPU seconds (all its threads) and the 1-minute load average before and after.
