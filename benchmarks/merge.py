@@ -8,16 +8,21 @@ separate processes (so peak RSS is per run): (1) the baseline: read every file w
 rows back out as zstd parquet in ``--shards`` files; (2) merge of all the files; (3) merge of half the files
 (peak memory at two data sizes). The merge writes the merged shards AND one selection per input file (what
 extraction reads), as the workflow's merge does. ``merge_breakdown_s`` splits the merge's time (its
-manifest's ``timing_s``): the plan (DuckDB over ids, lengths and hashes), the stats, then for the merged shards
-and for the selections each: waiting for DuckDB's joined and sorted batches (``*_read``), the MERGED check
-(``*_check``) and the casts and zstd parquet writes (``*_write``). Ends with one JSON line: seconds, tokens/s, ratio merge/baseline
-(target <= 1.2), peak RSS at both sizes and their ratio (target: flat, <= 1.25).
+manifest's ``timing_s``): the plan (``plan_row_keys``: numpy's per-row md5 keys, lengths and supervised counts,
+then DuckDB over them), the stats, then for the merged shards and for the selections each: waiting for the
+batches (``*_read``: DuckDB's joined and sorted rows for the shards, the validated files read straight for the
+selections), the MERGED check (``*_check``) and the casts and zstd parquet writes (``*_write``); the selections
+are written in a second thread while the merged shards stream. ``bookkeeping_parts_wall_cpu_s`` times each part of the selections' bookkeeping
+alone (fourth process, see :func:`parts`). Ends with one JSON line: seconds, tokens/s, ratio merge/baseline
+(target <= 1.2), peak RSS at both sizes and their ratio (target: flat, <= 1.25), and, to read a run on a shared
+machine, each run's CPU seconds (all its threads) and the 1-minute load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -87,7 +92,9 @@ def pc_sum(col) -> int:
 
 
 def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
+    if kind == "parts":
+        return {"parts": parts(inputs)}
     if kind == "baseline":
         rows = 0
         tables = [pq.read_table(p) for p in inputs]
@@ -110,9 +117,73 @@ def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
         timing = man["timing_s"]
     seconds = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {"seconds": seconds, "rows": rows, "peak_rss_mb": peak_kib / 1024}
+    out = {"seconds": seconds, "cpu_s": time.process_time() - c0, "rows": rows, "peak_rss_mb": peak_kib / 1024}
     if kind != "baseline":
         out["timing_s"] = timing
+    return out
+
+
+def parts(inputs: list[str], max_len: int = 8192) -> dict:
+    """The selections' bookkeeping, each part timed alone on the same inputs: ``{part: [wall_s, cpu_s]}``.
+
+    DuckDB (its own thread count): the scan of both token lists (the floor every pass pays), md5 of each list
+    as VARCHAR (the digests' per-row keys, the pre-numpy way), the supervised head ``list_sum(loss_mask[1:max_len])``
+    on every row (the pre-numpy way), the whole ``merge_row_keys.sql`` query (the fallback); numpy: the same row
+    keys (:func:`eagle3_data.merge.row_keys`, what the merge runs); the selections' rows as
+    ``merge_selection_rows.sql`` streams them (join + sort) vs read straight from the files (no writes in either).
+    """
+    import threading
+
+    import duckdb
+
+    from eagle3_data import merge as M
+    from eagle3_data import sql
+    from eagle3_data.settings import MergeSettings
+
+    def timed(fn) -> list[float]:
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        return [round(time.perf_counter() - w, 3), round(time.process_time() - c, 3)]
+
+    con = duckdb.connect()
+    sql.set_variables(con, validated_files=inputs, datasets=None)
+    con.execute("SET VARIABLE max_len = ?::BIGINT", [max_len])
+    scan = "FROM read_parquet(getvariable('validated_files'))"
+    out = {
+        "duckdb_scan_token_lists": timed(lambda: con.execute(
+            f"SELECT sum(len(input_ids)), sum(len(loss_mask)) {scan}").fetchall()),
+        "duckdb_md5_input_ids_varchar": timed(lambda: con.execute(
+            f"SELECT max(md5(input_ids::VARCHAR)) {scan}").fetchall()),
+        "duckdb_md5_loss_mask_varchar": timed(lambda: con.execute(
+            f"SELECT max(md5(loss_mask::VARCHAR)) {scan}").fetchall()),
+        "duckdb_supervised_head_every_row": timed(lambda: con.execute(
+            f"SELECT sum(list_sum(loss_mask[1:getvariable('max_len')])) {scan}").fetchall()),
+        "duckdb_row_keys_query": timed(lambda: con.execute(sql.load("merge_row_keys"))),
+        "numpy_row_keys": timed(lambda: M.row_keys(con, inputs, max_len=max_len, datasets=None, threads=None)),
+    }
+    # the plan, then the selections' rows both ways (read, not written)
+    s = MergeSettings.defaults(max_len=max_len, overflow="truncate", seed=0)
+    sql.set_variables(con, max_samples={})
+    con.execute("SET VARIABLE num_shards = 4::BIGINT")
+    con.execute("SET VARIABLE overflow = ?::VARCHAR", [s.overflow])
+    con.execute("SET VARIABLE seed = '0'")
+    con.execute("CREATE TEMP TABLE merge_sources AS SELECT unnest(?::VARCHAR[]) AS filename, "
+                "unnest(?::VARCHAR[]) AS source, unnest(range(?)) AS idx", [inputs, inputs, len(inputs)])
+    out["duckdb_plan_over_row_keys"] = timed(lambda: con.execute(sql.load("merge_plan")))
+    out["duckdb_selection_digests"] = timed(lambda: con.execute(sql.load("merge_selections")).fetchall())
+
+    def old_rows():
+        for _ in con.sql(sql.load("merge_selection_rows")).to_arrow_reader(1024):
+            pass
+
+    def new_rows():
+        plan = con.sql(sql.load("merge_selection_plan")).to_arrow_table()
+        plan = {n: plan.column(n).to_numpy() for n in plan.column_names}
+        for _ in M._selection_batches(inputs, inputs, plan, max_len, 1024, threading.Event()):
+            pass
+
+    out["selection_rows_duckdb_join_sort"] = timed(old_rows)
+    out["selection_rows_from_files"] = timed(new_rows)
     return out
 
 
@@ -143,6 +214,7 @@ def main() -> None:
         a.tokens, a.files, a.shards = 200_000, 4, 2
     with tempfile.TemporaryDirectory(prefix="bench-merge-") as tmp:
         tmp = Path(tmp)
+        load_before = os.getloadavg()[0]
         t0 = time.perf_counter()
         inputs, tokens, samples = make_inputs(tmp / "validated", a.tokens, a.files)
         gen_s = time.perf_counter() - t0
@@ -151,6 +223,7 @@ def main() -> None:
         base = run_worker("baseline", inputs, tmp / "base", a.shards)
         full = run_worker("merge", inputs, tmp / "full", a.shards)
         small = run_worker("merge", half, tmp / "half", a.shards)
+        book = run_worker("parts", inputs, tmp / "parts", a.shards)["parts"]
     ratio = full["seconds"] / base["seconds"]
     mem_ratio = full["peak_rss_mb"] / small["peak_rss_mb"]
     print(json.dumps({
@@ -160,7 +233,10 @@ def main() -> None:
         "baseline_pyarrow_s": round(base["seconds"], 2), "merge_s": round(full["seconds"], 2),
         "merge_tokens_per_s": round(tokens / full["seconds"]),
         "ratio_merge_vs_baseline": round(ratio, 2), "target_ratio_max": 1.2, "ratio_ok": ratio <= 1.2,
+        "cpu_s": {"baseline": round(base["cpu_s"], 2), "merge": round(full["cpu_s"], 2)},
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "merge_breakdown_s": full["timing_s"],
+        "bookkeeping_parts_wall_cpu_s": book,
         "peak_rss_mb": {"baseline": round(base["peak_rss_mb"]), "merge_half": round(small["peak_rss_mb"]),
                         "merge_full": round(full["peak_rss_mb"])},
         "tokens_half_vs_full": [half_tokens, tokens],

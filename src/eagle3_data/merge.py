@@ -1,11 +1,13 @@
 """Merge stage: validated dataset shards -> deduplicated, length-capped, shuffled merged shards, one selection
 per validated shard, and a manifest.
 
-Out of core: DuckDB plans the merge over the validated parquet files reading only ids, lengths and hashes
-(``sql/merge_plan.sql``), then streams the kept rows in shard order (``sql/merge_rows.sql``, an external
-sort that spills to disk past ``memory_limit``) into one parquet writer per merged shard, and again in
-validated-file order (``sql/merge_selection_rows.sql``) into one selection per validated file. Python never
-holds more than one record batch of token ids.
+Out of core: numpy computes each validated row's keys (md5 of ``input_ids`` and ``loss_mask`` as DuckDB writes
+them as VARCHAR, lengths, supervised counts: :func:`row_keys`, the values of ``sql/merge_row_keys.sql``), DuckDB
+plans the merge over those keys, ids and hashes (``sql/merge_plan.sql``), then streams the kept rows in shard
+order (``sql/merge_rows.sql``, an external sort that spills to disk past ``memory_limit``) into one parquet
+writer per merged shard while a second thread writes each selection straight from its validated file (the kept
+rows of ``sql/merge_selection_plan.sql``, in file order: the rows of ``sql/merge_selection_rows.sql``). Python
+never holds more than a record batch of token ids per thread.
 
 Selections are what extraction forwards: one job per validated shard, re-run only when the manifest's digest
 of its selection (``sql/merge_selections.sql``) changes, so adding a dataset or retrying a request costs the
@@ -22,10 +24,13 @@ or order of the input files (only ``source`` names them).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +72,170 @@ def memory_limit_of(memory_mb: int) -> str:
     """DuckDB's memory limit for a merge job of ``memory_mb`` MB: three quarters of it (the rest for the parquet
     writers and Python), at least 256 MB; e.g. ``4000 -> "3000MB"``."""
     return f"{max(256, int(memory_mb * 0.75))}MB"
+
+
+#: row keys are computed with numpy for ids below this (6 digits + ", " = 8 bytes, one uint64 per id)
+_FAST_ID_LIMIT = 10**6
+_TEXT_CHUNK = 1 << 20  # values formatted at a time (8 MB of text for ids)
+_ID_TEXT: dict = {}  # "text table" of ids 0..n-1: (uint64 per id: its digits and ", " left-aligned, length)
+
+
+def _id_text_table(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """For ids ``0..m-1`` (``m >= n``: a power of two, at most ``_FAST_ID_LIMIT``): each id's decimal digits followed by ``", "``, left-aligned
+    in one little-endian ``uint64`` (zero bytes after), and the byte length of that text (``int32``)."""
+    m = min(_FAST_ID_LIMIT, 1 << max(16, int(n - 1).bit_length()))
+    if _ID_TEXT.get("m", 0) < m:
+        text = pc.binary_join_element_wise(pc.cast(pa.array(np.arange(m, dtype=np.int32)), pa.string()), ", ", "")
+        lens = np.diff(np.frombuffer(text.buffers()[1], np.int32)[: m + 1])
+        table = np.zeros((m, 8), np.uint8)
+        table[np.arange(8) < lens[:, None]] = np.frombuffer(text.buffers()[2], np.uint8)[: int(lens.sum())]
+        _ID_TEXT.update(m=m, table=table.view(np.uint64).ravel(), lens=lens.astype(np.int32))
+    return _ID_TEXT["table"], _ID_TEXT["lens"]
+
+
+def _list_parts(lists: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets (int64, rebased to 0, ``len + 1``) and the values (no copy) of a list array without nulls."""
+    off = np.frombuffer(lists.buffers()[1], np.int32)[lists.offset: lists.offset + len(lists) + 1].astype(np.int64)
+    vals = lists.values.to_numpy(zero_copy_only=False)[off[0]: off[-1]]
+    return off - off[0], vals
+
+
+def _row_sums(vals: np.ndarray, rel: np.ndarray) -> np.ndarray:
+    """Per-row sums (int64) of int8-sized ``vals`` (|v| <= 128) for rows ``rel[i]:rel[i+1]`` (``rel``: int64
+    offsets from 0), empty rows 0."""
+    out = np.zeros(len(rel) - 1, np.int64)
+    full = np.flatnonzero(rel[1:] > rel[:-1])
+    if len(full):  # int32 sums are exact below 2**24 values a batch
+        out[full] = np.add.reduceat(vals, rel[full], dtype=np.int32 if len(vals) < 2**24 else np.int64)
+    return out
+
+
+def _md5_rows(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> list[str]:
+    """Hex md5 of ``"[" + buf[a:b] + "]"`` for each row ``(a, b)`` of ``starts``/``ends`` (byte positions)."""
+    mv = memoryview(buf)
+    md5 = hashlib.md5
+    out = []
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        h = md5(b"[")
+        h.update(mv[a:b])
+        h.update(b"]")
+        out.append(h.hexdigest())
+    return out
+
+
+def list_text_md5(lists: pa.Array) -> list[str] | None:
+    """Hex md5 of each list as DuckDB writes it as VARCHAR (``md5(l::VARCHAR)``: ``"[3, 0, 17]"``, ``"[]"``),
+    computed with numpy; ``None`` (the caller asks DuckDB) for a list array with a null list or value, or a value
+    outside ``[0, 10**6)``.
+
+    Args:
+        lists: ``list<int8>`` / ``list<int32>`` (or any integer ``list``) array of ``n`` rows.
+
+    Returns: ``n`` 32-character lowercase hex strings, or ``None``.
+    """
+    if not (pa.types.is_list(lists.type) and pa.types.is_integer(lists.type.value_type)):
+        return None
+    if lists.null_count or lists.values.null_count:
+        return None
+    rel, vals = _list_parts(lists)
+    if len(vals) and (int(vals.min()) < 0 or int(vals.max()) >= _FAST_ID_LIMIT):
+        return None
+    out: list[str] = []
+    n, r = len(rel) - 1, 0
+    while r < n:  # rows in chunks of about _TEXT_CHUNK values: the text buffers stay small
+        e = min(n, max(r + 1, int(np.searchsorted(rel, rel[r] + _TEXT_CHUNK, side="right")) - 1))
+        out += _text_md5(vals[rel[r]: rel[e]], rel[r: e + 1] - rel[r])
+        r = e
+    return out
+
+
+def _text_md5(vals: np.ndarray, rel: np.ndarray) -> list[str]:
+    """:func:`list_text_md5` of the rows ``rel[i]:rel[i+1]`` of ``vals`` (values in ``[0, 10**6)``)."""
+    if len(vals) and int(vals.max()) <= 9:  # masks: one digit each, "d, " = 3 bytes a value
+        buf = np.empty(3 * len(vals), np.uint8)
+        buf[0::3] = vals.astype(np.uint8) + 48
+        buf[1::3] = 44  # ","
+        buf[2::3] = 32  # " "
+        pos = 3 * rel
+    else:
+        table, lens = _id_text_table(int(vals.max()) + 1 if len(vals) else 1)
+        text = np.take(table, vals).view(np.uint8)
+        buf = text[text != 0]  # every text byte is non-zero, the padding is zero
+        pos = np.concatenate([[0], np.cumsum(_row_sums(np.take(lens, vals), rel))])
+    starts = pos[:-1]
+    return _md5_rows(buf, starts, np.maximum(starts, pos[1:] - 2))  # without the last ", "
+
+
+def _file_row_keys(path: str, max_len: int, datasets: list[str] | None, batch_rows: int) -> pa.Table | None:
+    """The ``merge_row_keys`` rows of one validated file (``sql/merge_row_keys.sql``, same values) computed with
+    numpy, or ``None`` when a batch holds what :func:`list_text_md5` leaves to DuckDB."""
+    cols = ["input_ids", "loss_mask"] + (["dataset"] if datasets is not None else [])
+    parts = []
+    first = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=cols, use_threads=False):
+        rows = np.arange(first, first + batch.num_rows, dtype=np.int64)
+        first += batch.num_rows
+        if datasets is not None:
+            keep = pc.is_in(batch.column("dataset"), pa.array(datasets, pa.string())).fill_null(False)
+            batch, rows = batch.filter(keep), rows[keep.to_numpy(zero_copy_only=False)]
+        ids, mask = batch.column("input_ids"), batch.column("loss_mask")
+        content, masks = list_text_md5(ids), list_text_md5(mask)
+        if content is None or masks is None:
+            return None
+        ids_rel, _ = _list_parts(ids)
+        mask_rel, mvals = _list_parts(mask)
+        sup = _row_sums(mvals, mask_rel)
+        cut = sup.copy()
+        for r in np.flatnonzero(np.diff(mask_rel) > max_len).tolist():  # rows past max_len: sum of the head
+            cut[r] = int(mvals[mask_rel[r]: mask_rel[r] + max_len].sum(dtype=np.int64))
+        parts.append(pa.table({
+            "filename": pa.array([path] * batch.num_rows, pa.string()),
+            "file_row_number": pa.array(rows, pa.int64()),
+            "content_key": pa.array(content, pa.string()),
+            "mask_key": pa.array(masks, pa.string()),
+            "num_tokens": pa.array(np.diff(ids_rel), pa.int64()),
+            "num_supervised": pa.array(sup, pa.int64()),
+            "num_supervised_cut": pa.array(cut, pa.int64()),
+        }))
+    return pa.concat_tables(parts) if parts else None
+
+
+def row_keys(con, files: list[str], *, max_len: int, datasets: list[str] | None, threads: int | None,
+             batch_rows: int = 1024) -> dict:
+    """Create DuckDB temp table ``merge_row_keys`` (``sql/merge_row_keys.sql``: per row of ``files``, md5 of
+    ``input_ids`` and of ``loss_mask`` as VARCHAR, num_tokens, num_supervised, num_supervised_cut; only rows of
+    ``datasets`` when given) on connection ``con``, the same values as that query, computed with numpy in
+    ``threads`` threads (default: the CPU count) one ``batch_rows`` batch at a time; a file with a null list or
+    value, an id outside ``[0, 10**6)`` or a mask value outside 0..9 goes through the query instead.
+
+    Needs the ``validated_files``, ``datasets`` and ``max_len`` variables set on ``con`` (restored after).
+    Returns ``{"numpy_files": n, "sql_files": m}``.
+    """
+    workers = max(1, min(len(files), threads or os.cpu_count() or 1))
+    con.execute(
+        "CREATE OR REPLACE TEMP TABLE merge_row_keys_np (filename VARCHAR, file_row_number BIGINT, "
+        "content_key VARCHAR, mask_key VARCHAR, num_tokens BIGINT, num_supervised BIGINT, "
+        "num_supervised_cut BIGINT)"
+    )
+    slow = []
+    with ThreadPoolExecutor(workers) as pool:
+        for path, keys in zip(files, pool.map(lambda f: _file_row_keys(f, max_len, datasets, batch_rows), files)):
+            if keys is None:
+                # (a file with no rows lands here too: the query reads nothing of it)
+                slow.append(path)
+            else:
+                con.register("_merge_row_keys_part", keys)
+                con.execute("INSERT INTO merge_row_keys_np SELECT * FROM _merge_row_keys_part")
+                con.unregister("_merge_row_keys_part")
+    if slow:
+        sql.set_variables(con, validated_files=slow)
+        con.execute(sql.load("merge_row_keys"))
+        sql.set_variables(con, validated_files=files)
+        con.execute("INSERT INTO merge_row_keys SELECT * FROM merge_row_keys_np")
+    else:
+        con.execute("CREATE OR REPLACE TEMP TABLE merge_row_keys AS SELECT * FROM merge_row_keys_np")
+    con.execute("DROP TABLE merge_row_keys_np")
+    return {"numpy_files": len(files) - len(slow), "sql_files": len(slow)}
 
 
 def merge(
@@ -115,8 +284,9 @@ def merge(
             ``memory_mb``, ``threads``: DuckDB's budget when ``memory_limit`` / ``threads`` are not given.
         memory_limit, threads, temp_dir: DuckDB settings (the job's resources; default three quarters of
             ``settings.memory_mb`` and ``settings.threads``; spill directory defaults to a temporary directory
-            next to the first output).
-        batch_rows: rows per streamed record batch.
+            next to the first output). ``threads`` also bounds the threads computing the row keys (0 or None:
+            one per CPU); the selections are written in one more thread, alongside the merged shards.
+        batch_rows: rows per streamed record batch (and per batch read from a validated file).
         check: run :func:`check_merged_batch` (the MERGED contract, with arrow compute) on every batch of
             the merged shards (the selections hold the same rows in another order and are not checked again).
 
@@ -184,6 +354,8 @@ def merge(
         con.execute("CREATE TEMP TABLE merge_sources (filename VARCHAR, source VARCHAR, idx BIGINT)")
         con.executemany("INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, key, i] for i, (f, key) in enumerate(zip(files, keys))])
 
+        row_keys(con, files, max_len=max_len, datasets=datasets, threads=threads or None, batch_rows=batch_rows)
+        t_keys = time.perf_counter() - t0
         con.execute(sql.load("merge_plan"))
         conflicts = con.sql(sql.load("merge_conflicts")).fetchall()
         if conflicts:
@@ -198,31 +370,53 @@ def merge(
         sel_stats = con.sql(sql.load("merge_selections")).fetchall()
         t_stats = time.perf_counter() - t0 - t_plan
 
-        # Stream rows in (shard, shuffle_key) order into one writer per merged shard, then (if asked) rows in
-        # (validated file, row) order into one writer per selection.
+        # Stream rows in (shard, shuffle_key) order into one writer per merged shard and, at the same time in a
+        # second thread, each selection straight from its validated file (kept rows in file order); files are
+        # renamed into place only when both are complete (on an error none of this run's files is left).
         timing: dict = {}
-        t1 = time.perf_counter()
-        written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), outs, check,
-                                timing, "shards")
-        timing["shards"] = time.perf_counter() - t1
+        commit = stack.enter_context(contextlib.ExitStack())
+        stop = threading.Event()
+        sel_job = None
+        pool = stack.enter_context(ThreadPoolExecutor(1)) if sel_outs is not None else None
         if sel_outs is not None:
+            plan = con.sql(sql.load("merge_selection_plan")).to_arrow_table()
+            plan = {name: plan.column(name).to_numpy() for name in plan.column_names}
+
+            def write_selections() -> dict[int, int]:
+                t1 = time.perf_counter()
+                batches = _selection_batches(files, keys, plan, max_len, batch_rows, stop)
+                # not re-checked: a selection's rows are the merged rows checked in the other thread (same
+                # plan, same values, only another order); its row count is compared with the plan below
+                out = _write_groups(batches, sel_outs, False, timing, "selections", commit=commit)
+                timing["selections"] = time.perf_counter() - t1
+                return out
+
+            sel_job = pool.submit(write_selections)
+        try:
             t1 = time.perf_counter()
-            # not re-checked: a selection's rows are the merged rows just checked (same plan, same
-            # expressions, only another order); its row count is compared with the plan below
-            sel_written = _write_groups(con.sql(sql.load("merge_selection_rows")).to_arrow_reader(batch_rows),
-                                        sel_outs, False, timing, "selections")
-            timing["selections"] = time.perf_counter() - t1
+            written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), outs, check,
+                                    timing, "shards", commit=commit)
+            timing["shards"] = time.perf_counter() - t1
+        except BaseException:
+            stop.set()
+            if sel_job is not None:
+                with contextlib.suppress(BaseException):
+                    sel_job.result()
+            raise
+        if sel_job is not None:
+            sel_written = sel_job.result()
             for (idx, key, n, _tok, _dig) in sel_stats:
                 if sel_written[idx] != n:
                     raise RuntimeError(f"merge: selection {sel_outs[idx]} has {sel_written[idx]} rows, plan says {n}")
+        _check_written(outs, stats, written)  # before the files are renamed into place
 
-    manifest = _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len, overflow, seed)
+    manifest = _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed)
     manifest["selections"] = {
         key: {"path": sel_outs[idx] if sel_outs is not None else None, "input": files[idx], "samples": n,
               "tokens": tok, "digest": dig}
         for idx, key, n, tok, dig in sel_stats
     }
-    manifest["timing_s"] = {"plan": round(t_plan, 3), "stats": round(t_stats, 3),
+    manifest["timing_s"] = {"plan": round(t_plan, 3), "plan_row_keys": round(t_keys, 3), "stats": round(t_stats, 3),
                             **{k_: round(v, 3) for k_, v in timing.items()},
                             "total": round(time.perf_counter() - t0, 3)}
     tot = manifest["totals"]
@@ -242,10 +436,13 @@ def merge(
     return manifest
 
 
-def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = None, name: str = "") -> dict[int, int]:
+def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = None, name: str = "",
+                  commit: contextlib.ExitStack | None = None) -> dict[int, int]:
     """Write a stream of MERGED rows carrying a ``shard`` column (non-decreasing) into one parquet file per
-    group: ``outs[shard]``. Every file is written (an empty table for a group without rows), each under a
-    temporary name renamed when complete; on an error none of the unfinished files is left. Returns rows
+    group: ``outs[shard]``. ``reader``: record batches (an arrow reader or any iterable). Every file is written
+    (an empty table for a group without rows), each under a temporary name renamed when complete, or, with
+    ``commit``, when ``commit`` closes without an error (on an error its temporary files are removed); on an
+    error none of the unfinished files is left. Returns rows
     written per group. ``timing`` (if given) gets ``<name>_read`` (seconds waiting for DuckDB's batches),
     ``<name>_check`` (:func:`check_merged_batch`) and ``<name>_write`` (casts and parquet writes)."""
     timing = {} if timing is None else timing
@@ -256,7 +453,7 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
 
     def open_shard(i: int) -> None:
         s = contextlib.ExitStack()
-        tmp = s.enter_context(atomic_path(outs[i]))
+        tmp = (commit if commit is not None else s).enter_context(atomic_path(outs[i]))
         # input_ids plain-encoded (zstd only): a dictionary of token ids costs more write time than it saves
         state.update(shard=i, stack=s, writer=pq.ParquetWriter(tmp, schemas.MERGED, compression="zstd",
                                                                use_dictionary=_DICT_COLUMNS))
@@ -275,6 +472,12 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
                 err = RuntimeError("merge aborted")
                 state["stack"].__exit__(RuntimeError, err, None)
         state.update(shard=None, stack=None, writer=None)
+
+    def write_empty(j: int) -> None:
+        if commit is None:
+            schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
+        else:
+            schemas.write_checked(schemas.empty(schemas.MERGED), "merged", commit.enter_context(atomic_path(outs[j])))
 
     next_empty = 0
     try:
@@ -296,7 +499,7 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
                 if state["shard"] != i:
                     close_shard()
                     for j in range(next_empty, i):  # groups that got no rows
-                        schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
+                        write_empty(j)
                     next_empty = i + 1
                     open_shard(i)
                 c0 = clock()
@@ -311,7 +514,7 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
                 start = end
         close_shard()
         for j in range(next_empty, len(outs)):
-            schemas.write_checked(schemas.empty(schemas.MERGED), "merged", outs[j])
+            write_empty(j)
     except BaseException:
         abort()
         raise
@@ -373,8 +576,7 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
             hit[row_of] = True
             flag(hit, f"{name} has values outside [{low}, {'inf' if high is None else high}]")
         if name == "loss_mask":
-            cs = np.concatenate([[0], np.cumsum(vals, dtype=np.int64)])
-            sums[name] = cs[rel[1:]] - cs[rel[:-1]]
+            sums[name] = _row_sums(vals, rel.astype(np.int64, copy=False))
     flag(sums["loss_mask"] != nsup, "num_supervised differs from sum(loss_mask)")
     if bad:
         bad.sort()
@@ -384,7 +586,59 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
     return table
 
 
-def _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len, overflow, seed) -> dict:
+def _check_written(outs, stats, written) -> None:
+    """Raise ``RuntimeError`` when a merged shard got another number of rows than the plan's ``stats`` say."""
+    planned = {i: 0 for i in range(len(outs))}
+    for shard, _ds, n, *_ in stats:
+        planned[shard] += n
+    for i, n in planned.items():
+        if n != written[i]:
+            raise RuntimeError(f"merge: shard {outs[i]} has {written[i]} rows written, plan says {n}")
+
+
+def _selection_batches(files: list[str], keys: list[str], plan: dict, max_len: int, batch_rows: int,
+                       stop: threading.Event):
+    """Record batches of each selection's rows (MERGED columns + ``shard`` = the file's index), file after file,
+    read straight from the validated files: the kept rows (``plan``: ``sql/merge_selection_plan.sql`` as numpy
+    arrays idx, file_row_number, out_tokens, out_supervised, truncated) in file row order, ``input_ids`` and
+    ``loss_mask`` cut to ``max_len`` where truncated: the rows of ``sql/merge_selection_rows.sql``. Raises
+    ``RuntimeError`` once ``stop`` is set (the merged shards failed)."""
+    idx = plan["idx"]
+    bounds = np.searchsorted(idx, np.arange(len(files) + 1))
+    cols = ["sample_id", "dataset", "input_ids", "loss_mask"]
+    for i, path in enumerate(files):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        if lo == hi:
+            continue
+        rows = plan["file_row_number"][lo:hi]
+        first = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=cols, use_threads=False):
+            if stop.is_set():
+                raise RuntimeError("merge: selections stopped (the merged shards failed)")
+            a, b = np.searchsorted(rows, [first, first + batch.num_rows])
+            n_batch, first = batch.num_rows, first + batch.num_rows
+            if a == b:
+                continue
+            pos = rows[a:b] - (first - n_batch)
+            if b - a < n_batch:
+                batch = batch.take(pa.array(pos))
+            trunc = plan["truncated"][lo + a: lo + b]
+            ids, mask = batch.column("input_ids"), batch.column("loss_mask")
+            if trunc.any():
+                flag = pa.array(trunc)
+                ids = pc.if_else(flag, pc.list_slice(ids, 0, max_len), ids)
+                mask = pc.if_else(flag, pc.list_slice(mask, 0, max_len), mask)
+            n = b - a
+            yield pa.RecordBatch.from_arrays(
+                [batch.column("sample_id"), batch.column("dataset"), ids, mask,
+                 pa.array(plan["out_tokens"][lo + a: lo + b], pa.int64()),
+                 pa.array(plan["out_supervised"][lo + a: lo + b], pa.int64()),
+                 pa.array(trunc, pa.bool_()), pa.array([keys[i]] * n, pa.string()), pa.array(np.full(n, i, np.int64))],
+                names=[*schemas.MERGED.names, "shard"],
+            )
+
+
+def _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed) -> dict:
     shards = [
         {"path": p, "samples": 0, "tokens": 0, "supervised_tokens": 0, "truncated": 0, "datasets": {}}
         for p in outs
@@ -396,9 +650,6 @@ def _manifest(outs, files, stats, drops, written, datasets, max_samples, max_len
         s["supervised_tokens"] += sup
         s["truncated"] += trunc
         s["datasets"][ds] = n
-    for i, s in enumerate(shards):
-        if s["samples"] != written[i]:
-            raise RuntimeError(f"merge: shard {outs[i]} has {written[i]} rows written, plan says {s['samples']}")
     per_ds: dict = {}
     for ds, decision, n, tok in drops:
         d = per_ds.setdefault(ds, {"input_samples": 0, "input_tokens": 0, "kept": 0, "dropped": {}})

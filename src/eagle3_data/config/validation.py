@@ -150,10 +150,11 @@ def _problems(err, all_keys: list[str]) -> list[tuple[list, str, str | None]]:
 
 
 def load_schema(path: str | os.PathLike) -> dict:
-    """The config JSON schema (YAML) at ``path``."""
+    """The config JSON schema (YAML) at ``path`` (libyaml's safe loader where PyYAML has it: the same tree, ~9x
+    faster than the pure-Python one, which every job pays once)."""
     import yaml
 
-    return yaml.safe_load(Path(path).read_text())
+    return yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def validate_config(config: dict, schema: dict, *, files: Sequence[tuple[str, dict]] = ()) -> dict:

@@ -6,6 +6,7 @@
 --   SET VARIABLE max_samples = MAP(['ds_a'], [100]::BIGINT[]); -- per-dataset caps (MAP {} for none)
 --   SET VARIABLE max_len = 2048;  SET VARIABLE overflow = 'truncate';  -- or 'drop'
 --   SET VARIABLE seed = '0';      SET VARIABLE num_shards = 2;
+--   .read src/eagle3_data/sql/merge_row_keys.sql              -- merge_row_keys (merge.py: numpy, same values)
 --   .read src/eagle3_data/sql/merge_plan.sql
 --   SELECT shard, count(*), sum(out_tokens) FROM merge_plan WHERE drop_reason IS NULL GROUP BY ALL ORDER BY 1;
 --
@@ -23,18 +24,19 @@
 
 CREATE OR REPLACE TEMP TABLE merge_keys AS
 SELECT
-    filename,
-    file_row_number,
-    dataset,
-    sample_id,
-    md5(getvariable('seed')::VARCHAR || chr(31) || dataset || chr(31) || sample_id) AS shuffle_key,
-    md5(input_ids::VARCHAR) AS content_key,
-    md5(loss_mask::VARCHAR) AS mask_key,
-    len(input_ids)::BIGINT AS num_tokens,
-    coalesce(list_sum(loss_mask), 0)::BIGINT AS num_supervised,
-    coalesce(list_sum(loss_mask[1:getvariable('max_len')]), 0)::BIGINT AS num_supervised_cut
-FROM read_parquet(getvariable('validated_files'), filename = true, file_row_number = true)
-WHERE getvariable('datasets') IS NULL OR list_contains(getvariable('datasets'), dataset);
+    v.filename,
+    v.file_row_number,
+    v.dataset,
+    v.sample_id,
+    md5(getvariable('seed')::VARCHAR || chr(31) || v.dataset || chr(31) || v.sample_id) AS shuffle_key,
+    k.content_key,
+    k.mask_key,
+    k.num_tokens,
+    k.num_supervised,
+    k.num_supervised_cut
+FROM read_parquet(getvariable('validated_files'), filename = true, file_row_number = true) AS v
+JOIN merge_row_keys AS k ON k.filename = v.filename AND k.file_row_number = v.file_row_number
+WHERE getvariable('datasets') IS NULL OR list_contains(getvariable('datasets'), v.dataset);
 
 CREATE OR REPLACE TEMP TABLE merge_plan AS
 WITH ranked AS (
