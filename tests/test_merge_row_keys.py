@@ -1,4 +1,4 @@
-"""merge.row_keys (numpy) gives exactly the rows of sql/merge_row_keys.sql (DuckDB), which the selections'
+"""merge_row_keys.row_keys (numpy) gives exactly the rows of sql/merge_row_keys.sql (DuckDB), which the selections'
 digests and the dedup are built from; files numpy leaves alone go through the query."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3_data import merge as M
+from eagle3_data import merge_row_keys as M
 from eagle3_data import sql
 
 

@@ -6,7 +6,7 @@
 --   SET VARIABLE max_samples = MAP(['ds_a'], [100]::BIGINT[]); -- per-dataset caps (MAP {} for none)
 --   SET VARIABLE max_len = 2048;  SET VARIABLE overflow = 'truncate';  -- or 'drop'
 --   SET VARIABLE seed = '0';      SET VARIABLE num_shards = 2;
---   .read src/eagle3_data/sql/merge_row_keys.sql              -- merge_row_keys (merge.py: numpy, same values)
+--   .read src/eagle3_data/sql/merge_row_keys.sql              -- merge_row_keys (merge_row_keys.py: numpy, same values)
 --   .read src/eagle3_data/sql/merge_plan.sql
 --   SELECT shard, count(*), sum(out_tokens) FROM merge_plan WHERE drop_reason IS NULL GROUP BY ALL ORDER BY 1;
 --

@@ -1,7 +1,7 @@
 -- merge_row_keys: per validated row, what the merge plan needs of its token lists: md5 of input_ids and of
 -- loss_mask as DuckDB writes them as VARCHAR ('[1, 2, 3]'; the selections' digests are built from these),
 -- the length, the supervised tokens and the supervised tokens within the first max_len positions.
--- merge.py computes the same values with numpy (merge.row_keys, checked against this query by
+-- merge_row_keys.py computes the same values with numpy (row_keys, checked against this query by
 -- tests/test_merge.py) and falls back to this query for a file it cannot (nulls, ids >= 10^6 or < 0, mask values
 -- outside 0..9). By hand (duckdb CLI), before merge_plan.sql (same variables):
 --   .read src/eagle3_data/sql/merge_row_keys.sql
