@@ -35,7 +35,9 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
 
     Returns dicts with dataset, kind (``generated`` / ``pretokenized`` / ``total``), shards (``"1/2"``: shards
     with a summary or a snapshot, of the dataset's ``shards``; ``"-"`` for a pre-tokenized dataset), samples
-    (prompts considered by generate; a pre-tokenized dataset: its rows, kept + rejected), ok (samples with every
+    (the source rows: the prompts considered by generate plus the rows normalize rejected; a pre-tokenized
+    dataset: its rows, kept + rejected; once every shard has ended, samples = kept + rejected + not_sent, generate's
+    failures being rejects too), ok (samples with every
     response), failed (samples with a failed response or an unusable prompt), not_sent (samples a budget or a
     stop kept from being sent), rejected (rows of every stage's rejects), kept (validated rows), cost_usd (dollars
     of the dataset's journaled responses, earlier runs' included), wall_s (the longest shard's generate time: the
@@ -73,13 +75,15 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
         rejected_paths = [p for p in [results / ds / "rejected" / "normalize.parquet"]
                           + [results / ds / "rejected" / f"{s}.parquet" for s in names] if p.is_file()]
         rejected = _rows_in(rejected_paths)
+        # the source rows normalize rejected are samples of the dataset too: Samples = Kept + Rejected + Not sent
+        source_rejects = _rows_in([p for p in rejected_paths if p.name == "normalize.parquet"])
         kept = _rows_in([p for p in (results / ds / "validated" / f"{s}.parquet" for s in names) if p.is_file()])
         walls = [float(s.get("wall_s") or 0.0) for s in sums]
         ended = sorted({str(s.get("stopped_by")) for s in sums if s.get("stopped_by")})
         row = {
             "dataset": ds, "kind": "pretokenized" if pre else "generated",
             "shards": "-" if pre else f"{len(sums)}/{n_shards}",
-            "samples": kept + rejected if pre else sum(int(s.get("samples") or 0) for s in sums),
+            "samples": kept + rejected if pre else source_rejects + sum(int(s.get("samples") or 0) for s in sums),
             "ok": None if pre else sum(int(s.get("ok") or 0) for s in sums),
             "failed": None if pre else sum(int(s.get("failed_total") or 0) for s in sums),
             "not_sent": None if pre else sum(int(s.get("not_sent") or 0) for s in sums),
@@ -134,8 +138,8 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
     table = tabulate(body, headers=[h for _, h, _ in RUN_SUMMARY_COLUMNS], tablefmt="simple", disable_numparse=True,
                      colalign=["left" if k == "text" else "right" for _, _, k in RUN_SUMMARY_COLUMNS])
     lines = ["Run summary" if ok else "Run summary (the run failed; what it had finished):", table,
-             "OK/Failed/Not sent: samples at generate (not sent: kept back by a budget or a stop). Rejected: every "
-             "stage. Kept: validated. Cost: journaled responses. Time: the longest generate shard"
+             "Samples: source rows (= Kept + Rejected + Not sent). OK/Failed/Not sent: samples at generate (not "
+             "sent: kept back by a budget or a stop). Rejected: every stage, normalize's included. Kept: validated. Cost: journaled responses. Time: the longest generate shard"
              + ("; Total: the run." if run_s is not None else ".")]
     other = [f"{r['dataset']} {r['other_model']:,}" for r in rows[:-1] if r.get("other_model")]
     if other:
