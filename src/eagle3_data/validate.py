@@ -461,7 +461,9 @@ def validate(
     and :class:`CountAuditFailed` when ``count_rel`` is above ``count_tolerance.aggregate_rel`` (when set).
     """
     t0 = time.time()
-    tt = target_tokens(settings.target.params())
+    # lazy: the checks need the target's special ids and vocabulary size (cached facts); the tokenizer itself is
+    # loaded only when a check decodes (short answers, round trips) or names a token in a reject detail
+    tt = target_tokens(settings.target.params(), lazy=True)
     ctx = Context.from_settings(tt, settings)
     table = pq.read_table(tokens_path)
     if "billed_prompt_tokens" not in table.column_names:  # a tokens file written before the column existed
