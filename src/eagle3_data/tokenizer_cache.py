@@ -10,7 +10,11 @@ tokenizer file or an upgraded library is a cache miss, never a stale hit.
 
 Where: ``$EAGLE3_TOKENIZER_CACHE``, else ``<tmp>/eagle3-data-<uid>/tokenizers`` (mode 0700: only this user's own
 processes write what this user's processes unpickle; a directory owned by someone else or open to others is not
-used). ``EAGLE3_TOKENIZER_CACHE=off`` turns the cache off. A tokenizer that cannot be pickled (remote code) or a
+used). Beside each entry, ``<key>.facts.json`` holds what the validate checks ask of the tokenizer (its length,
+the ids of the template family's special tokens, :func:`tokenizer_facts`), so a validate job answers them from a
+:class:`LazyTokenizer` and loads the tokenizer only when a check decodes. A BPE model's merges are stored as
+``"a b"`` strings (:func:`backend_json`, checked to rebuild the same tokenizer): about half the Rust load time
+of the ``["a", "b"]`` form. ``EAGLE3_TOKENIZER_CACHE=off`` turns the cache off. A tokenizer that cannot be pickled (remote code) or a
 cache entry that fails to load is loaded from its directory as before; a cache problem never fails a job.
 """
 
