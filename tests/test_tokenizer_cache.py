@@ -82,3 +82,50 @@ def test_an_unreadable_entry_is_replaced(tmp_path, monkeypatch):
     tt = load_target_tokens(path, "qwen3")
     assert tt.tok.encode("Hello", add_special_tokens=False)
     assert entry.stat().st_size > 1000
+
+
+def test_entries_store_bpe_merges_as_strings_and_rebuild_the_same_tokenizer():
+    import pickle
+
+    tok = F.qwen3()  # byte-level BPE: no raw space in any merge part
+    backend = tok.backend_tokenizer
+    text = tc.backend_json(backend)
+    merges = json.loads(text)["model"]["merges"]
+    assert merges and all(isinstance(m, str) and len(m.split(" ")) == 2 for m in merges)
+    assert [m.split(" ") for m in merges] == json.loads(backend.to_str())["model"]["merges"]
+    again = pickle.loads(tc.dumps(tok))
+    assert again.backend_tokenizer.to_str() == backend.to_str()
+    assert again.encode(TEXT, add_special_tokens=False) == tok.encode(TEXT, add_special_tokens=False)
+    assert again.chat_template == tok.chat_template and len(again) == len(tok)
+
+
+def test_merges_with_a_space_keep_the_pair_form():
+    from tokenizers import Tokenizer, models
+
+    t = Tokenizer(models.BPE({"a": 0, " ": 1, "a ": 2, "b": 3, "ab": 4}, [("a", " "), ("a", "b")]))
+    assert tc.backend_json(t) == t.to_str()  # "a  " would not split back into ("a", " ")
+
+
+def test_lazy_target_answers_from_the_facts_and_loads_only_to_decode(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(tc.CACHE_ENV, str(cache))
+    path = F.save_fixture("qwen3", tmp_path / "tok")
+    assert tc.cached_facts(path, "qwen3", False) is None
+    first = load_target_tokens(path, "qwen3", lazy=True)  # nothing cached yet: a full load, which stores the facts
+    assert not isinstance(first.tok, tc.LazyTokenizer)
+    assert tc.cached_facts(path, "qwen3", False)["len"] == len(first.tok)
+    loads = []
+    real_load = tc.pickle.load
+    monkeypatch.setattr(tc.pickle, "load", lambda fh: loads.append(1) or real_load(fh))
+    lazy = load_target_tokens(path, "qwen3", lazy=True)
+    assert isinstance(lazy.tok, tc.LazyTokenizer) and not lazy.tok.loaded
+    for attr in ("vocab_size", "eot_id", "tool_eot_id", "end_ids", "think_open_id", "think_close_id",
+                 "role_marker_ids", "boundary_names"):
+        assert getattr(lazy, attr) == getattr(first, attr), attr
+    assert lazy.tok.all_special_ids == first.tok.all_special_ids
+    assert lazy.special_id("<|im_start|>") == first.special_id("<|im_start|>")
+    assert loads == [] and not lazy.tok.loaded
+    ids = first.encode_texts(["Hello world <think>"])[0]
+    assert lazy.decode_batch([ids]) == first.decode_batch([ids])  # a decode loads the tokenizer, from the cache
+    assert lazy.tok.loaded and loads == [1]
+    assert lazy.tok.convert_ids_to_tokens(ids) == first.tok.convert_ids_to_tokens(ids)

@@ -272,3 +272,38 @@ def test_stage_writes_validated_and_rejects_and_enforces_ceiling(tmp_path):
     with pytest.raises(RejectRateExceeded, match="2/8"):
         validate(str(tokens), str(v), str(rj), settings=ValidateSettings.defaults(tgt, max_reject_rate=0.2))
     assert pq.read_table(rj).num_rows == 2  # both files are written before the shard fails
+
+
+def test_turn_counts_match_the_dense_prefix_sums():
+    """The reasoning checks' sparse per-row counts equal the prefix-sum formulas over every position."""
+    import numpy as np
+    import pyarrow as pa
+
+    from eagle3_data.validate import Batch, _turn_counts
+
+    tt = target("qwen3")
+    ctx = Context(tt)
+    rng = np.random.default_rng(0)
+    pool = np.array([tt.think_open_id, tt.think_close_id, *sorted(ctx.boundary_ids), 5, 6, 7, 8], dtype=np.int64)
+    ids, masks = [], []
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        ids.append(rng.choice(pool, n).tolist())
+        p = int(rng.integers(0, n + 1))
+        masks.append([0] * p + [1] * (n - p) if rng.random() < 0.8 else rng.integers(0, 2, n).tolist())
+    table = pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())), "loss_mask": pa.array(masks, pa.list_(pa.int8())),
+                      "num_completion_tokens": [sum(m) for m in masks], "num_prompt_tokens": [0] * len(ids),
+                      "num_tokens": [len(x) for x in ids]})
+    b = Batch(table, np.arange(len(ids)))
+    got = _turn_counts(b, ctx)
+    bound = np.isin(b.ids, ctx.boundary_ids) & (b.mask == 0)
+    turn_start = np.maximum(b.per_row(np.where(bound, b.pos, -1), np.maximum) + 1, b.starts)
+    is_open, is_close = b.ids == tt.think_open_id, b.ids == tt.think_close_id
+    co, cc = b.cum(is_open), b.cum(is_close)
+    want = (co[b.ends] - co[turn_start], cc[b.ends] - cc[turn_start],
+            b.per_row(np.where(is_open, b.pos, -1), np.maximum), b.per_row(np.where(is_close, b.pos, -1), np.maximum),
+            b.per_row(((is_open | is_close) & (b.mask == 1)).astype(np.int64)))
+    for g, w in zip(got, want):
+        assert g.tolist() == w.tolist()
+    assert _turn_counts(b, ctx) is got  # once per batch
+    assert sum(want[0]) > 50 and sum(want[4]) > 50  # the random rows do exercise the markers

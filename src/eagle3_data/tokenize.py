@@ -146,7 +146,13 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
     comps: list[list[int]] = []
     want: list[str] = []
     k = 0
-    sid = target.special_id
+    special_ids: dict[str, int] = {}  # name -> id, looked up once per shard (not once per segment)
+
+    def sid(name: str) -> int:
+        if name not in special_ids:
+            special_ids[name] = target.special_id(name)
+        return special_ids[name]
+
     mismatched: set[int] = set()
     for i, segs, exact, truncated, server_ids in work:
         prompt_ids = encoded[k]

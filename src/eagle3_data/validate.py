@@ -170,6 +170,21 @@ class Batch:
         np.cumsum(flags, out=c[1:])
         return c
 
+    def count_in(self, where: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Per row, how many of the sorted flat positions ``where`` lie in ``[lo, hi)`` (the same counts as
+        ``cum(flags)[hi] - cum(flags)[lo]`` for ``where = flatnonzero(flags)``, without a pass over every
+        position: for sparse flags such as think markers)."""
+        return np.searchsorted(where, hi) - np.searchsorted(where, lo)
+
+    def last_in_row(self, where: np.ndarray) -> np.ndarray:
+        """Per row, the largest of the sorted flat positions ``where`` inside the row, else -1 (the same as
+        ``per_row(np.where(flags, pos, -1), np.maximum)`` for ``where = flatnonzero(flags)``)."""
+        if not self.n:
+            return np.zeros(0, dtype=np.int64)
+        k = np.searchsorted(where, self.ends) - 1
+        cand = where[np.maximum(k, 0)] if len(where) else np.full(self.n, -1, dtype=np.int64)
+        return np.where((k >= 0) & (cand >= self.starts), cand, -1).astype(np.int64)
+
     def completion(self, i: int) -> np.ndarray:
         s, e = self.starts[i], self.ends[i]
         return self.ids[s:e][self.mask[s:e] == 1]
@@ -257,20 +272,26 @@ def check_empty_completion(b: Batch, ctx: Context):
 
 
 def _turn_counts(b: Batch, ctx: Context):
-    """Per row: think open/close counts in the assistant turn (after the last role/end marker of the prompt)."""
+    """Per row: think open/close counts in the assistant turn (after the last role/end marker of the prompt),
+    the last open/close positions (-1: none) and the think markers in the completion. Computed once per batch
+    (both reasoning checks use it) on the sorted positions of the (sparse) markers."""
+    memo = b.__dict__.setdefault("_memo", {})
+    if "turn_counts" in memo:
+        return memo["turn_counts"]
     t = ctx.target
-    bound = np.isin(b.ids, ctx.boundary_ids) & (b.mask == 0)
-    last_bound = b.per_row(np.where(bound, b.pos, -1), np.maximum)
+    bound = np.flatnonzero(np.isin(b.ids, ctx.boundary_ids) & (b.mask == 0))
+    last_bound = b.last_in_row(bound)
     turn_start = np.maximum(last_bound + 1, b.starts)
-    is_open = b.ids == (t.think_open_id if t.think_open_id is not None else -1)
-    is_close = b.ids == (t.think_close_id if t.think_close_id is not None else -1)
-    co, cc = b.cum(is_open), b.cum(is_close)
-    opens = co[b.ends] - co[turn_start]
-    closes = cc[b.ends] - cc[turn_start]
-    last_open = b.per_row(np.where(is_open, b.pos, -1), np.maximum)
-    last_close = b.per_row(np.where(is_close, b.pos, -1), np.maximum)
-    in_comp = b.per_row(((is_open | is_close) & (b.mask == 1)).astype(np.int64))
-    return opens, closes, last_open, last_close, in_comp
+    is_open = np.flatnonzero(b.ids == (t.think_open_id if t.think_open_id is not None else -1))
+    is_close = np.flatnonzero(b.ids == (t.think_close_id if t.think_close_id is not None else -1))
+    opens = b.count_in(is_open, turn_start, b.ends)
+    closes = b.count_in(is_close, turn_start, b.ends)
+    last_open = b.last_in_row(is_open)
+    last_close = b.last_in_row(is_close)
+    marks = np.union1d(is_open, is_close)
+    in_comp = b.count_in(marks[b.mask[marks] == 1], b.starts, b.ends)
+    memo["turn_counts"] = opens, closes, last_open, last_close, in_comp
+    return memo["turn_counts"]
 
 
 @check("reasoning_marker_count")
@@ -461,7 +482,9 @@ def validate(
     and :class:`CountAuditFailed` when ``count_rel`` is above ``count_tolerance.aggregate_rel`` (when set).
     """
     t0 = time.time()
-    tt = target_tokens(settings.target.params())
+    # lazy: the checks need the target's special ids and vocabulary size (cached facts); the tokenizer itself is
+    # loaded only when a check decodes (short answers, round trips) or names a token in a reject detail
+    tt = target_tokens(settings.target.params(), lazy=True)
     ctx = Context.from_settings(tt, settings)
     table = pq.read_table(tokens_path)
     if "billed_prompt_tokens" not in table.column_names:  # a tokens file written before the column existed

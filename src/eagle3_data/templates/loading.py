@@ -4,24 +4,28 @@ slice), and the check that a tokenizer encodes as its shipped ``tokenizer.json``
 
 from __future__ import annotations
 
-from .formats import TemplateError, completion_format
+from .formats import KIMI_TOOL_TOKENS, TemplateError, completion_format
 from .target import TargetTokens
 
 
 def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = False,
-                       chat_template_kwargs: dict | None = None) -> TargetTokens:
+                       chat_template_kwargs: dict | None = None, lazy: bool = False) -> TargetTokens:
     """Load the target tokenizer from a local directory and bind it to a completion format (family ``template``;
     ``auto``: the one :func:`eagle3_data.templates.auto.detect_family` finds from its chat template).
 
     ``trust_remote_code`` lets tokenizers that ship their own code load (Kimi's tiktoken-based
     ``tokenization_kimi.py``); never set implicitly. The loaded tokenizer comes from the local cache of
     :mod:`eagle3_data.tokenizer_cache` when the directory's files were loaded before (same hashes, same library
-    versions). Raises :class:`TemplateError` if the directory has no loadable
+    versions). ``lazy``: when a job already cached the tokenizer's facts (its length, its ids of the format's
+    special tokens, :func:`eagle3_data.tokenizer_cache.tokenizer_facts`), the :class:`TargetTokens` wraps a
+    :class:`~eagle3_data.tokenizer_cache.LazyTokenizer` that loads the tokenizer only when it must encode,
+    decode or render (a validate job that only checks ids does not); the ids and answers are the same. Raises
+    :class:`TemplateError` if the directory has no loadable
     tokenizer (the message says when ``target.trust_remote_code: true`` is needed) or no chat template.
     """
     from transformers import AutoTokenizer
 
-    from ..tokenizer_cache import load_tokenizer
+    from ..tokenizer_cache import LazyTokenizer, cached_facts, load_tokenizer, tokenizer_facts
 
     fmt = completion_format(template) if template != "auto" else None
 
@@ -35,7 +39,16 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
             raise TemplateError(f"{path}: cannot load the target tokenizer: {exc}{hint}") from exc
         return _as_shipped(tok, path)
 
-    tok = load_tokenizer(path, template, trust_remote_code, load)  # once per machine (tokenizer_cache)
+    facts = None
+    if fmt is not None:
+        names = format_token_names(fmt)
+        facts = lambda t: tokenizer_facts(t, names)  # noqa: E731
+
+    def full():
+        return load_tokenizer(path, template, trust_remote_code, load, facts)  # once per machine (tokenizer_cache)
+
+    known = cached_facts(path, template, trust_remote_code) if lazy and fmt is not None else None
+    tok = LazyTokenizer(known, full) if known is not None else full()
     if not getattr(tok, "chat_template", None):
         raise TemplateError(f"{path}: the target tokenizer has no chat template")
     if fmt is None:  # template: auto (the config check resolves it before any job; here for direct callers)
@@ -43,6 +56,13 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
 
         fmt = completion_format(detect_family(tok, chat_template_kwargs)["family"])
     return TargetTokens(tok, fmt, chat_template_kwargs)
+
+
+def format_token_names(fmt) -> list[str]:
+    """Every special-token name :class:`TargetTokens` and the validate checks look up for format ``fmt``."""
+    names = [fmt.end_of_turn, fmt.tool_end_of_turn, fmt.think_open, fmt.think_close, *fmt.role_markers,
+             *KIMI_TOOL_TOKENS, *fmt.extra.get("tool_tokens", ())]
+    return [n for n in names if isinstance(n, str)]
 
 
 #: text whose encoding tells a tokenizer pipeline that keeps spaces, newlines, digits and CJK from one that does not
@@ -85,10 +105,11 @@ def _as_shipped(tok, path: str):
     return fixed
 
 
-def target_tokens(target: dict, chat_template_kwargs: dict | None = None) -> TargetTokens:
+def target_tokens(target: dict, chat_template_kwargs: dict | None = None, lazy: bool = False) -> TargetTokens:
     """:func:`load_target_tokens` from the config ``target`` slice (path, template, trust_remote_code,
     chat_template_kwargs); ``chat_template_kwargs`` given here update the target's (a dataset's
     ``generation.extra_body.chat_template_kwargs``, so generation and tokenize render the same prompt).
+    ``lazy``: see :func:`load_target_tokens`.
     """
     kwargs = dict(target.get("chat_template_kwargs") or {})
     kwargs.update(chat_template_kwargs or {})
@@ -97,4 +118,5 @@ def target_tokens(target: dict, chat_template_kwargs: dict | None = None) -> Tar
         target.get("template") or "auto",
         trust_remote_code=bool(target.get("trust_remote_code", False)),
         chat_template_kwargs=kwargs,
+        lazy=lazy,
     )
