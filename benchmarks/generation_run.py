@@ -16,6 +16,9 @@ measured, so that it is seen not to be the bottleneck.
    bodies the server received from the product, in the order it received them, each reply read and decoded
    (``json.loads``) and kept. Its CPU is the process's own (``getrusage``, imports and reading the bodies
    included), its time to first request is from its launch.
+3. beside the targets (not one of them): the same bare client run as one process per job, the bodies split into
+   equal parts, all at once, each with its share of the limit; its CPU per request and the product's ratio to it
+   (``baseline_one_process_per_job``) show what one interpreter per job costs by itself.
 
 Figures, for both: client CPU per request (and the ratio); time to the first request at the server from the launch
 of ``snakemake`` / the process; the requests in flight at the server from the 2,000th request's arrival to the last
@@ -399,6 +402,24 @@ def main(argv=None) -> int:
         server_base = http(port, "/admin/stats")
         http(port, "/admin/dump", {"log": str(work / "baseline.log.json")})
         base_log = json.loads((work / "baseline.log.json").read_text())
+
+        # 3. the same bare client as one process per job (a comparison beside the targets, not one of them): the
+        # bodies in len(targets) equal parts, all processes at once, each with its share of the limit
+        http(port, "/admin/reset", {})
+        bodies = read_bodies(work / "bodies.bin")
+        per_job = []
+        for j in range(len(targets)):
+            part = work / f"bodies.{j:03d}.bin"
+            part.write_bytes(b"".join(struct.pack("<I", len(b)) + b for b in bodies[j::len(targets)]))
+            per_job.append(subprocess.Popen(
+                [sys.executable, __file__, "--baseline", "--bodies", str(part), "--url", f"http://127.0.0.1:{port}",
+                 "--limit", str(max(1, args.limit // len(targets)))], stdout=subprocess.PIPE, text=True))
+        per_job_runs = [json.loads(pj.communicate(timeout=3600)[0].strip().splitlines()[-1]) for pj in per_job]
+        if any(pj.returncode for pj in per_job):
+            print("a per-job baseline process failed")
+            return 1
+        per_job_cpu = sum(r["cpu_s"] for r in per_job_runs)
+        per_job_requests = sum(r["replies"] for r in per_job_runs)
     finally:
         server.terminate()
         server.wait(30)
@@ -416,6 +437,11 @@ def main(argv=None) -> int:
         "client_cpu_ms_per_request": {"product": round(cpu_p, 3), "baseline": round(cpu_b, 3),
                                       "ratio": round(cpu_p / cpu_b, 3)},
         "product_cpu_s": round(prod_cpu, 2), "baseline_cpu_s": round(base["cpu_s"], 2),
+        # beside the targets: the bare client run as one process per job, as the product's jobs are
+        "baseline_one_process_per_job": {
+            "processes": len(per_job_runs), "requests": per_job_requests, "cpu_s": round(per_job_cpu, 2),
+            "cpu_ms_per_request": round(per_job_cpu / max(1, per_job_requests) * 1e3, 3),
+            "product_ratio": round(cpu_p / max(1e-9, per_job_cpu / max(1, per_job_requests) * 1e3), 3)},
         "time_to_first_request_s": {"product": round(ttfr_p, 2), "baseline": round(ttfr_b, 2),
                                     "ratio": round(ttfr_p / ttfr_b, 3)},
         "product_job_startup_s_mean": round(sum(s.get("startup_s", 0) for s in summaries) / len(summaries), 2),

@@ -61,6 +61,10 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         for who in ("product", "baseline"):
             assert 0 < out["in_flight"][who]["mean"] <= out["in_flight"][who]["max"] <= out["limit"], out["in_flight"]
             assert 0.3 < out["phase_vs_ideal"][who] < 10 and out["server_cpu_ms_per_request"][who] > 0
+        per_job = out["baseline_one_process_per_job"]  # the bare client as one process per job: every body sent
+        assert per_job["processes"] == 4 and per_job["requests"] == 200 and per_job["cpu_ms_per_request"] > 0
+        assert per_job["product_ratio"] == pytest.approx(
+            out["client_cpu_ms_per_request"]["product"] / per_job["cpu_ms_per_request"], rel=0.02), per_job
     if name == "rehearsal":  # the incremental scenario: retried requests + 1 new dataset cost what they change
         inc = out["incremental"]
         assert out["samples"] == out["merged_samples"] > 0
