@@ -26,7 +26,7 @@ HELPERS = {"rehearsal_data", "rehearsal_server"}
 #: keys each JSON line must have, beyond "benchmark"
 KEYS = {
     "merge": ["merge_s", "baseline_pyarrow_s", "ratio_merge_vs_baseline", "merge_memory_ratio_full_vs_half"],
-    "extract": ["ours_tokens_per_s", "baseline_batch1_tokens_per_s", "speedup", "bytes_per_token_bf16"],
+    "extract": ["ours_tokens_per_s", "baseline_batch1_tokens_per_s", "speedup", "bytes_per_token_bf16", "flop_bound"],
     "extract_gpu": ["tokens"],
     "generation_client": ["clients", "ideal_schedule_s"],
     "generation_run": ["client_cpu_ms_per_request", "time_to_first_request_s", "in_flight", "request_phase_s",
