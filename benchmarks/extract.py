@@ -17,8 +17,9 @@ The storage figures (two bf16 runs: CPU bf16 matmuls are emulated, hence slow) u
 ``--storage-samples`` samples (default 32; bytes per token do not depend on the count), so the default size ends
 within minutes on 2 cores. ``flop_bound`` is the ceiling on the speed-up that any layout could reach on this CPU:
 the decoder's FLOPs (no lm_head; counted as ``benchmarks/extract_gpu.py`` counts them, attention included) at the
-best float32 matmul rate measured on the model's own shapes, against the baseline's measured time. Ends with one
-JSON line (ratios and targets: speed >= 2x).
+best float32 matmul rate measured on the model's own shapes, against the baseline's measured time; beside it, ours'
+time split into matmuls, attention and the rest (the shares of one more run under the torch profiler) against the
+time the 2x target allows. Ends with one JSON line (ratios and targets: speed >= 2x).
 """
 
 from __future__ import annotations
@@ -110,6 +111,26 @@ def gemm_rate(hidden: int, intermediate: int, dtype=torch.float32, reps: int = 5
     return best
 
 
+def time_shares(fn) -> dict:
+    """Run ``fn()`` under the torch profiler (CPU) and return the shares of its operators' self CPU time: ``matmul``
+    (``aten::mm`` / ``addmm`` / ``bmm``), ``attention`` (the scaled-dot-product kernels), ``other`` (norms,
+    rotary, activations, copies, ...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for ev in prof.key_averages():
+        if ev.key in ("aten::mm", "aten::addmm", "aten::bmm"):
+            parts["matmul"] += ev.self_cpu_time_total
+        elif "scaled_dot_product" in ev.key or "flash_attention" in ev.key:
+            parts["attention"] += ev.self_cpu_time_total
+        else:
+            parts["other"] += ev.self_cpu_time_total
+    total = sum(parts.values()) or 1.0
+    return {k: round(v / total, 3) for k, v in parts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=160)
@@ -149,6 +170,9 @@ def main() -> None:
         t0 = time.perf_counter()
         info = ex.extract_states(merged, tmp / "ours.safetensors", settings=s32, model=loaded)
         ours_s = time.perf_counter() - t0
+        # where ours spends its time (one more run, profiled: shares of the operators' CPU time)
+        shares = time_shares(lambda: ex.extract_states(merged, tmp / "profiled.safetensors", settings=s32,
+                                                       model=loaded))
 
         # storage at bf16, on the first --storage-samples samples
         srows = rows[: max(1, a.storage_samples)]
@@ -193,7 +217,10 @@ def main() -> None:
         "flop_bound": {"useful_gflops": round(flops / 1e9, 2), "best_matmul_gflops_per_s": round(rate / 1e9, 1),
                        "ours_achieved_gflops_per_s": round(flops / ours_s / 1e9, 1),
                        "floor_s": round(floor_s, 3), "ours_s": round(ours_s, 3), "baseline_s": round(base_s, 3),
-                       "speedup_ceiling": round(base_s / floor_s, 2)},
+                       "speedup_ceiling": round(base_s / floor_s, 2),
+                       # the run's time split by the profiled shares, against the time the 2x target allows
+                       "ours_s_by_part": {k: round(v * ours_s, 3) for k, v in shares.items()},
+                       "target_s": round(base_s / 2.0, 3)},
         "storage_samples": len(srows), "storage_tokens": sT,
         "bytes_per_token_bf16": {
             "ours": round(i16["bytes"] / sT, 1),
