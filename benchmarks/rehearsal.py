@@ -34,7 +34,7 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    log), the total, the peak memory, the merge manifest and the extraction plan if one was produced, the forecast
    against the actual cost, completion tokens and generation time (the span of the generate jobs) with their ratios
    (target: within 15 %), and ends
-   with ONE JSON line (figures + targets: total < 30 min on 2 cores, peak < 8 GB).
+   with ONE JSON line (figures + targets: peak < 8 GB, and the time target of the size run, see Run below).
 
 6. then the incremental scenario (issue 11; ``--no-incremental`` skips it): 10 validated samples' journal lines
    are removed, as if their requests had failed, and a small new dataset is added (a ShareGPT file, one shard);
@@ -45,9 +45,9 @@ What it does, in a scratch directory (``--workdir``, default a temp dir):
    the tokens a full build forwards.
 
 Run: ``python benchmarks/rehearsal.py`` (the default size: a 5 % rehearsal, ``--scale 0.05``, with both backends
-streaming 4x faster, 400 and 2,000 tokens/s, so that it finishes in under 10 minutes on 2 cores; target total
-10 min) or ``python benchmarks/rehearsal.py --full`` (the seed's full scale, ~40k samples at 100 / 500 tokens/s;
-target total 30 min). At a scale below 1 the backends' ``max_concurrency`` scale with it (``--limit-scale``), so each
+streaming 4x faster, 400 and 2,000 tokens/s, so that it finishes in under 10 minutes on 2 cores; target: the
+whole rehearsal, forecast + build + incremental scenario, ``run_s`` < 10 min) or ``python benchmarks/rehearsal.py
+--full`` (the seed's full scale, ~40k samples at 100 / 500 tokens/s; target: the build, ``total_s`` < 30 min). At a scale below 1 the backends' ``max_concurrency`` scale with it (``--limit-scale``), so each
 shard holds the same share of its backend's limit and the generation keeps the full run's shape while the CPU
 stages shrink. ``--toy`` is the CI size (three datasets, 0.2 % of their samples, one shard each, a few minutes).
 ``--keep`` keeps the scratch directory.
@@ -857,6 +857,9 @@ def main(argv=None) -> int:
         inc = incremental(work, cfg, args.scale, cmd, env, server.pid, args.retried)
     server.terminate()
     server.wait(10)
+    run_s = time.monotonic() - t_all  # the whole rehearsal: forecast, build and incremental scenario
+    # the full scale's target is the build's (the seed run's); the default size's is the whole benchmark's
+    judged_s = total_s if args.full else run_s
     peak_gb = mem.peak / 2**30
     print(f"\ntotal wall {total_s:.0f} s (sources {t_sources:.0f} s + workflow {t_workflow:.0f} s); "
           f"peak RSS of the process tree {peak_gb:.2f} GB at t={mem.peak_at:.0f} s: "
@@ -878,10 +881,12 @@ def main(argv=None) -> int:
         "forecast_s": round(t_forecast, 1), **(fc_cmp or {"forecast_cost_ratio": None, "forecast_time_ratio": None}),
         "forecast_pilot_samples": (fc or {}).get("pilot_samples"), "target_forecast_tolerance": FORECAST_TOLERANCE,
         "full_scale": args.full, "openrouter_tok_s": args.openrouter_tok_s, "local_tok_s": args.local_tok_s,
-        "target_total_s": target_total_s, "target_peak_gb": TARGET_PEAK_GB,
-        "total_ratio_to_target": round(total_s / target_total_s, 3),
+        "run_s": round(run_s, 1), "target_total_s": target_total_s,
+        "target_applies_to": "total_s (the build)" if args.full else "run_s (forecast + build + incremental)",
+        "target_peak_gb": TARGET_PEAK_GB,
+        "total_ratio_to_target": round(judged_s / target_total_s, 3),
         "peak_ratio_to_target": round(peak_gb / TARGET_PEAK_GB, 3),
-        "meets_targets": rc == 0 and total_s < target_total_s and peak_gb < TARGET_PEAK_GB,
+        "meets_targets": rc == 0 and judged_s < target_total_s and peak_gb < TARGET_PEAK_GB,
         "workdir": str(work),
     }
     if inc is not None:

@@ -68,6 +68,8 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
     if name == "rehearsal":  # the incremental scenario: retried requests + 1 new dataset cost what they change
         inc = out["incremental"]
         assert out["samples"] == out["merged_samples"] > 0
+        # the default sizes' time target is the whole rehearsal's: forecast + build + incremental scenario
+        assert out["run_s"] > out["total_s"] + inc["wall_s"] * 0.9 and out["target_applies_to"].startswith("run_s")
         assert inc["snakemake_rc"] == 0 and inc["retried_requests"] == 2  # --toy retries 2 of ~20 samples
         assert inc["requests_sent"] == inc["retried_requests"] + inc["new_dataset_samples"], inc
         # every retried or new sample is forwarded unless the fault-injecting server failed it (0.3 % per request)
