@@ -414,10 +414,11 @@ def main(argv=None) -> int:
             per_job.append(subprocess.Popen(
                 [sys.executable, __file__, "--baseline", "--bodies", str(part), "--url", f"http://127.0.0.1:{port}",
                  "--limit", str(max(1, args.limit // len(targets)))], stdout=subprocess.PIPE, text=True))
-        per_job_runs = [json.loads(pj.communicate(timeout=3600)[0].strip().splitlines()[-1]) for pj in per_job]
+        outs = [pj.communicate(timeout=3600)[0] for pj in per_job]
         if any(pj.returncode for pj in per_job):
-            print("a per-job baseline process failed")
+            print("a per-job baseline process failed:", [pj.returncode for pj in per_job])
             return 1
+        per_job_runs = [json.loads(o.strip().splitlines()[-1]) for o in outs]
         per_job_cpu = sum(r["cpu_s"] for r in per_job_runs)
         per_job_requests = sum(r["replies"] for r in per_job_runs)
     finally:
