@@ -17,9 +17,9 @@ The storage figures (two bf16 runs: CPU bf16 matmuls are emulated, hence slow) u
 ``--storage-samples`` samples (default 32; bytes per token do not depend on the count), so the default size ends
 within minutes on 2 cores. ``flop_bound`` is the ceiling on the speed-up that any layout could reach on this CPU:
 the decoder's FLOPs (no lm_head; counted as ``benchmarks/extract_gpu.py`` counts them, attention included) at the
-best float32 matmul rate measured on the model's own shapes, against the baseline's measured time; beside it, ours'
-time split into matmuls, attention and the rest (the shares of one more run under the torch profiler) against the
-time the 2x target allows. Ends with one JSON line (ratios and targets: speed >= 2x).
+best float32 matmul rate measured on the model's own shapes, against the baseline's measured time; beside it, the
+time of ours split into matmuls, attention and the rest (the shares of one more run under the torch profiler)
+against the time the 2x target allows. Ends with one JSON line (ratios and targets: speed >= 2x).
 """
 
 from __future__ import annotations
