@@ -114,9 +114,7 @@ class Server:
             req = json.loads(body)
             Path(req["log"]).write_text(json.dumps(self.log))
             if req.get("bodies"):
-                with open(req["bodies"], "wb") as fh:
-                    for b in self.bodies:
-                        fh.write(struct.pack("<I", len(b)) + b)
+                write_bodies(req["bodies"], self.bodies)
             return b'{"ok": true}'
         if path == b"/admin/reset":
             self.reset()
@@ -183,6 +181,11 @@ def serve(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- the baseline
+
+
+def write_bodies(path, bodies: list[bytes]) -> None:
+    """Request bodies to ``path``, each as a little-endian uint32 length and the bytes (read by :func:`read_bodies`)."""
+    Path(path).write_bytes(b"".join(struct.pack("<I", len(b)) + b for b in bodies))
 
 
 def read_bodies(path: Path) -> list[bytes]:
@@ -410,7 +413,7 @@ def main(argv=None) -> int:
         per_job = []
         for j in range(len(targets)):
             part = work / f"bodies.{j:03d}.bin"
-            part.write_bytes(b"".join(struct.pack("<I", len(b)) + b for b in bodies[j::len(targets)]))
+            write_bodies(part, bodies[j::len(targets)])
             per_job.append(subprocess.Popen(
                 [sys.executable, __file__, "--baseline", "--bodies", str(part), "--url", f"http://127.0.0.1:{port}",
                  "--limit", str(max(1, args.limit // len(targets)))], stdout=subprocess.PIPE, text=True))
