@@ -65,6 +65,14 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         assert per_job["processes"] == 4 and per_job["requests"] == 200 and per_job["cpu_ms_per_request"] > 0
         assert per_job["product_ratio"] == pytest.approx(
             out["client_cpu_ms_per_request"]["product"] / per_job["cpu_ms_per_request"], rel=0.02), per_job
+    if name == "extract":  # the ceiling: the decoder's FLOPs at the best matmul rate; no run gets below its floor
+        fb = out["flop_bound"]
+        assert 0 < fb["floor_s"] < fb["ours_s"] and fb["target_s"] == pytest.approx(fb["baseline_s"] / 2, abs=1e-3)
+        # the figures are rounded to 3 decimals (ms), the ceiling to 2
+        lo, hi = fb["baseline_s"] / (fb["floor_s"] + 6e-4), fb["baseline_s"] / max(1e-9, fb["floor_s"] - 6e-4)
+        assert lo - 0.01 <= fb["speedup_ceiling"] <= hi + 0.01, fb
+        assert sum(fb["ours_s_by_part"].values()) == pytest.approx(fb["ours_s"], rel=0.01)
+        assert fb["ours_s_by_part"]["matmul"] > 0 and fb["ours_s_by_part"]["attention"] > 0
     if name == "rehearsal":  # the incremental scenario: retried requests + 1 new dataset cost what they change
         inc = out["incremental"]
         assert out["samples"] == out["merged_samples"] > 0
