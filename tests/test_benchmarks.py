@@ -71,7 +71,8 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         # the figures are rounded to 3 decimals (ms), the ceiling to 2
         lo, hi = fb["baseline_s"] / (fb["floor_s"] + 6e-4), fb["baseline_s"] / max(1e-9, fb["floor_s"] - 6e-4)
         assert lo - 0.01 <= fb["speedup_ceiling"] <= hi + 0.01, fb
-        assert sum(fb["ours_s_by_part"].values()) == pytest.approx(fb["ours_s"], rel=0.01)
+        # three parts and the total, each rounded to 1 ms; shares rounded to 0.001 of the total
+        assert sum(fb["ours_s_by_part"].values()) == pytest.approx(fb["ours_s"], rel=0.005, abs=2.5e-3), fb
         assert fb["ours_s_by_part"]["matmul"] > 0 and fb["ours_s_by_part"]["attention"] > 0
     if name == "rehearsal":  # the incremental scenario: retried requests + 1 new dataset cost what they change
         inc = out["incremental"]
