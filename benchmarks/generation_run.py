@@ -446,7 +446,7 @@ def main(argv=None) -> int:
             "processes": len(per_job_runs), "requests": per_job_requests, "cpu_s": round(per_job_cpu, 2),
             "cpu_ms_per_request": round(per_job_cpu / max(1, per_job_requests) * 1e3, 3),
             "product_ratio": round(cpu_p / max(1e-9, per_job_cpu / max(1, per_job_requests) * 1e3), 3)},
-        "time_to_first_request_s": {"product": round(ttfr_p, 2), "baseline": round(ttfr_b, 2),
+        "time_to_first_request_s": {"product": round(ttfr_p, 3), "baseline": round(ttfr_b, 3),
                                     "ratio": round(ttfr_p / ttfr_b, 3)},
         "product_job_startup_s_mean": round(sum(s.get("startup_s", 0) for s in summaries) / len(summaries), 2),
         "product_snakemake_wall_s": round(t_done - t_launch, 1),
