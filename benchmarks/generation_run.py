@@ -19,6 +19,10 @@ measured, so that it is seen not to be the bottleneck.
 3. beside the targets (not one of them): the same bare client run as one process per job, the bodies split into
    equal parts, all at once, each with its share of the limit; its CPU per request and the product's ratio to it
    (``baseline_one_process_per_job``) show what one interpreter per job costs by itself.
+4. beside the targets: the floor of any design whose jobs ``snakemake`` launches (``snakemake_floor``): a workflow
+   of as many thin ``script:`` jobs, each only reading its prompts shard and writing it back as parquet, run as
+   the product is. Its time from launch to the first job's start over the bare client's time to first request,
+   and its jobs' CPU plus the bare client's over the bare client's, are the least ratios such a design reaches.
 
 Figures, for both: client CPU per request (and the ratio); time to the first request at the server from the launch
 of ``snakemake`` / the process; the requests in flight at the server from the 2,000th request's arrival to the last
@@ -280,6 +284,51 @@ def build_config(sources: dict[str, Path], port: int, shards: int, limit: int, c
     }
 
 
+FLOOR_JOB = """\
+import json, resource, time
+
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+started, cpu_at_start = time.time(), cpu()
+import pyarrow.parquet as pq  # noqa: E402
+
+pq.write_table(pq.read_table(snakemake.input[0]), snakemake.output[0])
+with open(snakemake.output[1], "w") as fh:
+    json.dump({"started": started, "cpu_at_start_s": cpu_at_start, "cpu_s": cpu()}, fh)
+"""
+
+
+def snakemake_floor(work: Path, prompts: list[Path], cores: int) -> dict:
+    """The least any generate job launched by ``snakemake`` can cost: a workflow of ``len(prompts)`` thin jobs,
+    each a ``script:`` job that only reads its prompts shard and writes it back as a parquet file (what every
+    generate job must do besides its requests), run with ``snakemake --cores cores`` as the product is. Returns
+    the time from the launch of ``snakemake`` to the first job's script start (s), and the jobs' CPU (each job
+    process's ``getrusage`` from its start: at its script's first line and at its end, s)."""
+    floor = work / "floor"
+    (floor / "out").mkdir(parents=True, exist_ok=True)
+    (floor / "job.py").write_text(FLOOR_JOB)
+    jobs = {f"j{i:03d}": str(p) for i, p in enumerate(prompts)}
+    (floor / "Snakefile").write_text(
+        f"PROMPTS = {jobs!r}\n\n"
+        "rule all:\n    input: expand('out/{j}.parquet', j=PROMPTS)\n\n"
+        "rule job:\n    input: lambda wc: PROMPTS[wc.j]\n"
+        "    output: 'out/{j}.parquet', 'out/{j}.json'\n    script: 'job.py'\n")
+    t_launch = time.time()
+    with open(floor / "snakemake.log", "wb") as fh:
+        rc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(floor / "Snakefile"), "-d", str(floor),
+                             "--cores", str(cores)], stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc:
+        raise RuntimeError(f"the thin-job workflow failed: {(floor / 'snakemake.log').read_text()[-3000:]}")
+    runs = [json.loads((floor / "out" / f"{j}.json").read_text()) for j in jobs]
+    return {"jobs": len(runs), "time_to_first_job_s": min(r["started"] for r in runs) - t_launch,
+            "cpu_s_at_script_start_mean": sum(r["cpu_at_start_s"] for r in runs) / len(runs),
+            "cpu_s": sum(r["cpu_s"] for r in runs)}
+
+
 def in_flight(log: list, limit: int) -> dict:
     """Requests in flight at the server from the ``limit``-th arrival to the last arrival: time-weighted mean and
     max; the request phase (first arrival to last reply), the ideal schedule (sum of planned times / limit + the
@@ -424,6 +473,8 @@ def main(argv=None) -> int:
         per_job_runs = [json.loads(o.strip().splitlines()[-1]) for o in outs]
         per_job_cpu = sum(r["cpu_s"] for r in per_job_runs)
         per_job_requests = sum(r["replies"] for r in per_job_runs)
+        # 4. the floor of any design whose jobs snakemake launches (beside the targets): thin jobs, no requests
+        floor = snakemake_floor(work, [work / t for t in prompts], args.cores)
     finally:
         server.terminate()
         server.wait(30)
@@ -448,6 +499,15 @@ def main(argv=None) -> int:
             "product_ratio": round(cpu_p / max(1e-9, per_job_cpu / max(1, per_job_requests) * 1e3), 3)},
         "time_to_first_request_s": {"product": round(ttfr_p, 3), "baseline": round(ttfr_b, 3),
                                     "ratio": round(ttfr_p / ttfr_b, 3)},
+        # beside the targets: what snakemake's jobs cost before any request (the thin-job workflow above); the
+        # ratios are the least any snakemake-launched design can reach: its first job's start over the bare
+        # client's first request, and the thin jobs' CPU plus the bare client's over the bare client's
+        "snakemake_floor": {
+            "jobs": floor["jobs"], "time_to_first_job_s": round(floor["time_to_first_job_s"], 3),
+            "ttfr_ratio": round(floor["time_to_first_job_s"] / ttfr_b, 3),
+            "job_cpu_s_at_script_start_mean": round(floor["cpu_s_at_script_start_mean"], 3),
+            "job_cpu_s_mean": round(floor["cpu_s"] / floor["jobs"], 3),
+            "cpu_ratio": round((floor["cpu_s"] + base["cpu_s"]) / base["cpu_s"], 3)},
         "product_job_startup_s_mean": round(sum(s.get("startup_s", 0) for s in summaries) / len(summaries), 2),
         "product_snakemake_wall_s": round(t_done - t_launch, 1),
         "in_flight": {"product": {"mean": p["in_flight_mean"], "max": p["in_flight_max"]},

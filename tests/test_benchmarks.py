@@ -30,7 +30,8 @@ KEYS = {
     "extract_gpu": ["tokens"],
     "generation_client": ["clients", "ideal_schedule_s"],
     "generation_run": ["client_cpu_ms_per_request", "time_to_first_request_s", "in_flight", "request_phase_s",
-                       "phase_vs_ideal", "server_cpu_ms_per_request", "met"],
+                       "phase_vs_ideal", "server_cpu_ms_per_request", "baseline_one_process_per_job",
+                       "snakemake_floor", "met"],
     "tokenize_validate": [],
     "rehearsal": ["incremental", "samples", "merged_samples"],
 }
@@ -69,6 +70,12 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         assert per_job["processes"] == 4 and per_job["requests"] == 200 and per_job["cpu_ms_per_request"] > 0
         assert per_job["product_ratio"] == pytest.approx(
             out["client_cpu_ms_per_request"]["product"] / per_job["cpu_ms_per_request"], rel=0.02), per_job
+        floor = out["snakemake_floor"]  # thin script jobs (read + write their shard), launched as the product's are
+        assert floor["jobs"] == 4 and 0 < floor["job_cpu_s_at_script_start_mean"] < floor["job_cpu_s_mean"], floor
+        assert floor["ttfr_ratio"] == pytest.approx(
+            floor["time_to_first_job_s"] / out["time_to_first_request_s"]["baseline"], rel=0.01), floor
+        assert floor["cpu_ratio"] == pytest.approx(
+            (floor["job_cpu_s_mean"] * 4 + out["baseline_cpu_s"]) / out["baseline_cpu_s"], rel=0.05), floor
     if name == "extract":  # the ceiling: the decoder's FLOPs at the best matmul rate; no run gets below its floor
         fb = out["flop_bound"]
         assert 0 < fb["floor_s"] < fb["ours_s"] and fb["target_s"] == pytest.approx(fb["baseline_s"] / 2, abs=1e-3)
