@@ -42,7 +42,8 @@ class How:
 
 
 QUICKSTART_SETUP = "python3.11 -m venv .venv && . .venv/bin/activate && pip install -e . && "
-TEST_SETUP = "python3.11 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
+TEST_SETUP = ("python3.11 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
+              "pip install --no-deps -r envs/no-deps.txt && ")
 HF_TOKENIZER = ('hf download moonshotai/Kimi-K2.5 --local-dir models/Kimi-K2.5 --include "*.json" --include '
                 '"*.py" --include "*.model" --include "*.jinja"')
 NETWORK = "network (a paid endpoint)"
