@@ -44,6 +44,7 @@ rule all:
         plan=rules.plan.output.md,
         vocab=rules.vocab.output.mapping,
         exports=expand("results/export/{layout}/{k}.json", layout=EXPORT_LAYOUTS, k=MERGED_SHARDS),
+        speculators_dataset=rules.export_dataset.output if "speculators" in EXPORT_LAYOUTS else [],
     default_target: True
 
 

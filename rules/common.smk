@@ -54,6 +54,7 @@ MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
 EXPORT = ExportSettings.from_config(config)
 EXPORT_LAYOUTS = EXPORT.layouts
+from eagle3_data.export import SPECULATORS_DATASET_FILES
 TARGET = config["target"]
 # each stage's settings, built once from the validated config (defaults: the schema's); rule params are their
 # content keys (params()), so a change reruns exactly the rules whose output depends on it

@@ -22,3 +22,22 @@ rule export:
         "../envs/cpu.yaml"
     script:
         "../scripts/export.py"
+
+
+# speculators trains on a data directory: a Hugging Face `datasets` directory (input_ids, loss_mask, seq_len) beside
+# hidden_states/hs_{i}.safetensors, and token_freq.pt for its draft vocabulary. Written once every shard is exported
+# (eagle3_data.export.write_speculators_dataset), so `speculators train --data-path results/export/speculators` reads
+# the export as it is.
+rule export_dataset:
+    input:
+        shards=expand("results/export/speculators/{k}.json", k=MERGED_SHARDS),
+        token_frequencies=rules.vocab.output.freq,
+    output:
+        files=[f"results/export/speculators/{name}" for name in SPECULATORS_DATASET_FILES],
+        token_freq="results/export/speculators/token_freq.pt",
+    log:
+        "logs/export/speculators/dataset.log",
+    conda:
+        "../envs/cpu.yaml"
+    script:
+        "../scripts/export_dataset.py"

