@@ -22,3 +22,29 @@ rule export:
         "../envs/cpu.yaml"
     script:
         "../scripts/export.py"
+
+
+# The held-out set (merge.heldout > 0; rule all asks for it only then): the same layout, indices from 0, in
+# results/export/heldout/<layout>/, beside the training directories and never under them (SpecForge reads every
+# *.ckpt under its --train-hidden-states-path; point --eval-hidden-states-path here). Its own JSON is the output.
+
+
+rule export_heldout:
+    input:
+        merged=HELDOUT_MERGED,
+        manifest="results/merged/manifest.json",
+        states=states_files(MERGE_DATASETS),
+    output:
+        "results/export/heldout/{layout}.json",
+    params:
+        **EXPORT.params(),  # group_size
+        out_dir=lambda wc: f"results/export/heldout/{wc.layout}",
+        heldout=True,
+    wildcard_constraints:
+        layout="specforge|speculators",
+    log:
+        "logs/export/heldout/{layout}.log",
+    conda:
+        "../envs/cpu.yaml"
+    script:
+        "../scripts/export.py"
