@@ -462,8 +462,8 @@ def test_heldout_off_changes_nothing(tmp_path):
     def run(tag, **kw):
         outs = [tmp_path / tag / f"{i:03d}.parquet" for i in range(2)]
         sels = [tmp_path / tag / "sel" / f"{i:03d}.parquet" for i in range(2)]
-        man = merge(inputs, outs, tmp_path / f"{tag}.json", selections=sels, settings=MergeSettings.defaults(**settings),
-                    **kw)
+        man = merge(inputs, outs, tmp_path / f"{tag}.json", selections=sels,
+                    settings=MergeSettings.defaults(**settings), **kw)
         return man, [p.read_bytes() for p in outs + sels]
 
     man_a, files_a = run("plain")
@@ -489,7 +489,8 @@ def test_heldout_bad_settings(tmp_path):
             merge(p, [out], tmp_path / "m.json", heldout_path=tmp_path / "h.parquet",
                   settings=MergeSettings.defaults(max_len=100, heldout=bad))
     with pytest.raises(ValueError, match="also a merged shard path"):
-        merge(p, [out], tmp_path / "m.json", heldout_path=out, settings=MergeSettings.defaults(max_len=100, heldout=0.1))
+        merge(p, [out], tmp_path / "m.json", heldout_path=out,
+              settings=MergeSettings.defaults(max_len=100, heldout=0.1))
     # everything held out: no training sample is an error naming the share
     with pytest.raises(ValueError, match=r"no sample left of 20 .*held out 20.*merge.heldout=0.9999"):
         merge(p, [out], tmp_path / "m.json", heldout_path=tmp_path / "h.parquet",

@@ -36,8 +36,8 @@ training rows).
 from __future__ import annotations
 
 import contextlib
-import logging
 import hashlib
+import logging
 import os
 import re
 import tempfile
