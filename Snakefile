@@ -1,6 +1,6 @@
 # EAGLE-3 training-data build. Stages (one rule file each in rules/):
-#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> export, report (+ view:
-#   loss-mask examples for the report)
+#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> export (+ export_heldout
+#   with merge.heldout), report (+ view: loss-mask examples for the report)
 # merge is a checkpoint: extraction runs per validated shard and reruns only where the merge's selection
 # of that shard changed. plan is one too: the extract jobs are made only once the plan is written.
 # `snakemake --cores N` rebuilds only stale targets; see README.md.
@@ -44,7 +44,11 @@ rule all:
         plan=rules.plan.output.md,
         vocab=rules.vocab.output.mapping,
         exports=expand("results/export/{layout}/{k}.json", layout=EXPORT_LAYOUTS, k=MERGED_SHARDS),
-        speculators_dataset=rules.export_dataset.output if "speculators" in EXPORT_LAYOUTS else [],
+        # the held-out set's exports, only with merge.heldout > 0
+        heldout_exports=expand("results/export/heldout/{layout}.json", layout=EXPORT_LAYOUTS) if MERGE.heldout else [],
+        # speculators' data directories (the `datasets` files beside hidden_states/)
+        speculators_dataset=(rules.export_dataset.output + (rules.export_dataset_heldout.output if MERGE.heldout else [])
+                             if "speculators" in EXPORT_LAYOUTS else []),
     default_target: True
 
 

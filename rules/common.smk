@@ -129,6 +129,19 @@ def selection_files(datasets):
     return [selection_path(ds, s) for ds in datasets for s in shards(ds)]
 
 
+HELDOUT_MERGED = "results/merged/heldout.parquet"
+
+
+def heldout_merged_output():
+    """Rule merge's held-out output, only when merge.heldout > 0 (off, the DAG is as without the split)."""
+    return {"heldout": HELDOUT_MERGED} if MERGE.heldout else {}
+
+
+def heldout_merged():
+    """The held-out merged file as an input list: ``[HELDOUT_MERGED]`` when merge.heldout > 0, else ``[]``."""
+    return list(heldout_merged_output().values())
+
+
 def states_files(datasets):
     return [f"results/hidden_states/{ds}/{s}.safetensors" for ds in datasets for s in shards(ds)]
 

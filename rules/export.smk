@@ -24,10 +24,36 @@ rule export:
         "../scripts/export.py"
 
 
+# The held-out set (merge.heldout > 0; rule all asks for it only then): the same layout, indices from 0, in
+# results/export/heldout/<layout>/, beside the training directories and never under them (SpecForge reads every
+# *.ckpt under its --train-hidden-states-path; point --eval-hidden-states-path here). Its own JSON is the output.
+
+
+rule export_heldout:
+    input:
+        merged=HELDOUT_MERGED,
+        manifest="results/merged/manifest.json",
+        states=states_files(MERGE_DATASETS),
+    output:
+        "results/export/heldout/{layout}.json",
+    params:
+        **EXPORT.params(),  # group_size
+        out_dir=lambda wc: f"results/export/heldout/{wc.layout}",
+        heldout=True,
+    wildcard_constraints:
+        layout="specforge|speculators",
+    log:
+        "logs/export/heldout/{layout}.log",
+    conda:
+        "../envs/cpu.yaml"
+    script:
+        "../scripts/export.py"
+
+
 # speculators trains on a data directory: a Hugging Face `datasets` directory (input_ids, loss_mask, seq_len) beside
-# hidden_states/hs_{i}.safetensors, and token_freq.pt for its draft vocabulary. Written once every shard is exported
-# (eagle3_data.export.write_speculators_dataset), so `speculators train --data-path results/export/speculators` reads
-# the export as it is.
+# hidden_states/hs_{i}.safetensors, and token_freq.pt for its draft vocabulary (the training set's, in both). Written
+# once every shard of the set is exported (eagle3_data.export.write_speculators_dataset), so
+# `speculators train --data-path results/export/speculators` reads the export as it is.
 rule export_dataset:
     input:
         shards=expand("results/export/speculators/{k}.json", k=MERGED_SHARDS),
@@ -41,3 +67,14 @@ rule export_dataset:
         "../envs/cpu.yaml"
     script:
         "../scripts/export_dataset.py"
+
+
+use rule export_dataset as export_dataset_heldout with:
+    input:
+        shards="results/export/heldout/speculators.json",
+        token_frequencies=rules.vocab.output.freq,
+    output:
+        files=[f"results/export/heldout/speculators/{name}" for name in SPECULATORS_DATASET_FILES],
+        token_freq="results/export/heldout/speculators/token_freq.pt",
+    log:
+        "logs/export/heldout/speculators-dataset.log",

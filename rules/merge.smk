@@ -1,6 +1,8 @@
 # Stage 5: chosen datasets -> deduplicated, length-capped, seeded-shuffled merged shards balanced by tokens,
 # plus one selection per validated shard (its kept rows) for extraction. A checkpoint: after it runs, the
-# extract jobs are re-evaluated and only those whose selection digest changed run again.
+# extract jobs are re-evaluated and only those whose selection digest changed run again. With merge.heldout > 0
+# the held-out set (never in the training shards) is one more output, results/merged/heldout.parquet; its rows
+# stay in the selections, so the held-out share changes no extraction (src/eagle3_data/merge.py).
 
 
 checkpoint merge:
@@ -10,6 +12,7 @@ checkpoint merge:
         shards=expand("results/merged/{k}.parquet", k=MERGED_SHARDS),
         selections=selection_files(MERGE_DATASETS),
         manifest="results/merged/manifest.json",
+        **heldout_merged_output(),
     params:
         settings=MERGE.params(),
     threads: MERGE.threads

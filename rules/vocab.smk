@@ -1,5 +1,6 @@
 # Draft vocabulary: token frequencies over supervised tokens of the merged shards (DuckDB) and the
-# SpecForge-convention d2t/t2d map for vocab.draft_vocab_size (padded when the corpus has fewer ids).
+# SpecForge-convention d2t/t2d map for vocab.draft_vocab_size (padded when the corpus has fewer ids). The
+# training set's: the held-out set (merge.heldout) is not in the merged shards and is not read.
 
 
 rule vocab:

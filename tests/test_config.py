@@ -53,7 +53,7 @@ def test_defaults_fill_every_section_and_match_the_documented_values():
     assert c["validate"] == {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
                              "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}}
     assert c["merge"] == {"datasets": None, "max_samples": {}, "max_len": 32768, "overflow": "truncate", "seed": 0,
-                          "shards": 1, "memory_mb": 4000, "threads": 2}
+                          "shards": 1, "heldout": 0.0, "memory_mb": 4000, "threads": 2}
     assert c["normalize"] == {"max_reject_rate": 0.5}
     assert c["extract"]["dtype"] == "bfloat16" and c["extract"]["gpus_per_job"] == 1
     assert c["export"]["layouts"] == [] and c["plan"]["tokens_per_s_per_gpu"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,3 +304,56 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     exp.export(empty, out, layout="speculators", states_dir=states, merge_manifest=dict(man, shards=[
         {"samples": 0}, {"samples": n}]), start_index=0, settings=ExportSettings.defaults())
     assert pq.read_table(out / "samples_000000000.parquet").num_rows == n
+
+
+def test_heldout_set_exports_beside_the_training_set(tmp_path, tiny_model, loaded, merged):
+    """merge.heldout: the held-out file exports into its own directory (rule export_heldout:
+    results/export/heldout/<layout>/), indices from 0 in its shuffled order, read from the same states files; a
+    trainer reading the training directory finds none of it, and each set's pruning leaves the other alone."""
+    import pyarrow.parquet as pq
+
+    path, rows = merged
+    train_rows, held_rows = rows[:6], rows[6:]
+    root = tmp_path / "export"
+    train_p, held_p = tmp_path / "000.parquet", tmp_path / "heldout.parquet"
+    schemas.write_checked(schemas.from_rows(train_rows, schemas.MERGED), "merged", train_p)
+    schemas.write_checked(schemas.from_rows(held_rows, schemas.MERGED), "merged", held_p)
+    for layout, norm in (("specforge", "post"), ("speculators", "pre")):
+        states, man = extract_selections(tmp_path / norm, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
+                                         final_norm=norm)  # one selection file per source: both sets' rows
+        man = dict(man, shards=[{"samples": len(train_rows)}], heldout={"samples": len(held_rows)})
+        train_dir, held_dir = root / layout, root / "heldout" / layout
+        # what an earlier, larger held-out export left past the end; and a training file at index 7
+        stale_held = (exp.specforge_path(held_dir, 7, 2000) if layout == "specforge"
+                      else exp.speculators_path(held_dir, 7))
+        stale_train = (exp.specforge_path(train_dir, 7, 2000) if layout == "specforge"
+                       else exp.speculators_path(train_dir, 7))
+        for p in (stale_held, stale_train):
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(b"old")
+        got = exp.export(held_p, held_dir, layout=layout, states_dir=states, merge_manifest=man, heldout=True,
+                         settings=ExportSettings.defaults(), manifest_path=root / "heldout" / f"{layout}.json")
+        assert (got["set"], got["start_index"], got["end_index"], got["removed_stale"]) == ("heldout", 0, 3, 1)
+        assert not stale_held.exists() and stale_train.exists()  # its own set only
+        exp.export(train_p, train_dir, layout=layout, states_dir=states, merge_manifest=man,
+                   settings=ExportSettings.defaults())
+        assert not stale_train.exists()  # past the training set's end (6): the training export's to remove
+        if layout == "specforge":
+            train_files, held_files = specforge_list_local_files(train_dir), specforge_list_local_files(held_dir)
+            assert held_files == [str(exp.specforge_path(held_dir, i, 2000)) for i in range(3)]
+            assert len(train_files) == 6 and all(Path(f).parent.parent == train_dir for f in train_files)
+            ids = [torch.load(f, weights_only=True)["input_ids"].tolist() for f in held_files]
+            assert ids == [r["input_ids"] for r in held_rows]  # the held-out file's order
+            train_ids = [torch.load(f, weights_only=True)["input_ids"].tolist() for f in train_files]
+            assert sorted(train_ids) == sorted(r["input_ids"] for r in train_rows)
+        else:
+            arrow = pq.read_table(held_dir / "samples_000000000.parquet").to_pylist()
+            assert [a["index"] for a in arrow] == [0, 1, 2]
+            assert [a["sample_id"] for a in arrow] == [r["sample_id"] for r in held_rows]
+            for j, r in enumerate(held_rows):
+                d = speculators_get_raw(held_dir, j, arrow[j])
+                assert d["loss_mask"].tolist() == r["loss_mask"]
+            assert sorted(p.name for p in (held_dir / "hidden_states").iterdir()) == [
+                f"hs_{i}.safetensors" for i in range(3)]
+            assert len(list((train_dir / "hidden_states").iterdir())) == 6
+        assert json.loads((root / "heldout" / f"{layout}.json").read_text())["num_samples"] == 3

@@ -6,11 +6,13 @@ checked against the model's input in tests/test_extract.py) and which hidden-sta
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 from conftest import run_snakemake
@@ -144,3 +146,69 @@ def test_cap_and_max_len_changes_forward_only_the_affected_samples(scratch):
     assert ran == {k for k, v in before_sel.items() if max(v.values(), default=0) > cut} != set()
     assert all(after_sum[k]["forwarded_tokens"] == 0 for k in ran)
     assert all(after_states[k] == before_states[k] for k in after_states if k not in ran)
+
+
+def _dry_run_rules(wd: Path, *args: str) -> set[str]:
+    """The rules a dry run would run (``--quiet rules``' job stats)."""
+    out = run_snakemake(wd, "-n", "--quiet", "rules", *args)
+    text = out.stdout + out.stderr
+    if "Nothing to be done" in text:
+        return set()
+    table = text.split("Job stats:")[1].split("Reasons:")[0]
+    return {m.group(1) for m in re.finditer(r"^(\S+)\s+\d+\s*$", table, flags=re.M)} - {"job", "total"}
+
+
+def _mtimes(wd: Path, *patterns: str) -> dict[str, int]:
+    return {str(p.relative_to(wd)): p.stat().st_mtime_ns for pat in patterns for p in sorted(wd.glob(pat))}
+
+
+def test_heldout_split_reruns_merge_and_exports_and_forwards_nothing(scratch):
+    """merge.heldout on: merge, the exports (both sets), plan and vocab rerun; generation, tokenize and validate
+    do not, and no extract job runs (the held-out rows stay in the selections). Off again: the training set is
+    whole again and the held-out merged file is gone."""
+    man0 = json.loads((scratch / "results/merged/manifest.json").read_text())
+    upstream = ("results/*/responses/*.parquet", "results/*/tokens/*.parquet", "results/*/validated/*.parquet",
+                "results/*/prompts/*.parquet", "results/merged/selection/*/*.parquet")
+    before_up = _mtimes(scratch, *upstream[:-1])
+    before_states, before_sum = states(scratch), summaries(scratch)
+    vocab_before = (scratch / "results/vocab/vocab.json").stat().st_mtime_ns
+    args = _overrides(scratch, "merge:\n  heldout: 0.3\n")
+    # the dry run lists every extract job as waiting on the merge checkpoint; the real run below runs none
+    assert _dry_run_rules(scratch, *args) == {"merge", "extract", "export", "export_heldout", "plan", "vocab", "all"}
+    run_snakemake(scratch, "--cores", "2", *args)
+    assert _mtimes(scratch, *upstream[:-1]) == before_up  # generate, tokenize, validate, normalize: not rerun
+    assert rerun_jobs(before_sum, summaries(scratch)) == set() and states(scratch) == before_states
+    assert (scratch / "results/vocab/vocab.json").stat().st_mtime_ns != vocab_before
+
+    man = json.loads((scratch / "results/merged/manifest.json").read_text())
+    held = pq.read_table(scratch / "results/merged/heldout.parquet").to_pylist()
+    train = [r for k in range(len(man["shards"]))
+             for r in pq.read_table(scratch / f"results/merged/{k:03d}.parquet").to_pylist()]
+    key = lambda r: (r["dataset"], r["sample_id"])  # noqa: E731
+    assert len(held) == man["heldout"]["samples"] > 0 and len(train) == man["totals"]["samples"]
+    assert not {key(r) for r in held} & {key(r) for r in train}
+    assert len(held) + len(train) == man0["totals"]["samples"]  # the same kept rows, split (the demo has no cap)
+    assert man["selections"] == man0["selections"]  # same digests: nothing to extract
+    # exports: the training directory holds the training set only; the held-out one beside it, from index 0
+    spec = sorted((scratch / "results/export/specforge").rglob("data_*.ckpt"))
+    assert len(spec) == len(train)  # the files past the smaller training set's end were removed
+    held_files = sorted((scratch / "results/export/heldout/specforge").rglob("data_*.ckpt"))
+    assert sorted(int(p.stem[5:]) for p in held_files) == list(range(len(held)))
+    first = torch.load(scratch / "results/export/heldout/specforge/rows_0-2000/data_0.ckpt", weights_only=True)
+    assert first["input_ids"].tolist() == held[0]["input_ids"]
+    info = json.loads((scratch / "results/export/heldout/specforge.json").read_text())
+    assert (info["set"], info["num_samples"]) == ("heldout", len(held))
+    # the vocabulary counts the training set's supervised tokens; the plan counts both sets (both are extracted)
+    assert json.loads((scratch / "results/vocab/vocab.json").read_text())["supervised_tokens"] == man["totals"][
+        "supervised_tokens"]
+    plan = json.loads((scratch / "results/reports/plan.json").read_text())
+    assert plan["totals"]["tokens"] == man0["totals"]["tokens"] == man["totals"]["tokens"] + man["heldout"]["tokens"]
+    assert plan["totals"]["heldout_samples"] == len(held)
+
+    # off again: everything trained on is the whole set again, the held-out merged file is removed
+    before_sum = summaries(scratch)
+    run_snakemake(scratch, "--cores", "2", *_overrides(scratch, "merge:\n  heldout: 0\n"))
+    assert rerun_jobs(before_sum, summaries(scratch)) == set()
+    assert not (scratch / "results/merged/heldout.parquet").exists()
+    assert len(list((scratch / "results/export/specforge").rglob("data_*.ckpt"))) == man0["totals"]["samples"]
+    assert "results/export/heldout" in (scratch / "logs/merge.log").read_text()  # the leftover export, named

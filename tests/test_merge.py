@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -64,8 +65,21 @@ def shuffle_key(seed, ds, sid) -> str:
     return hashlib.md5(f"{seed}\x1f{ds}\x1f{sid}".encode()).hexdigest()
 
 
+def heldout_draw(seed, sid) -> float:
+    """The documented held-out rule, restated: md5 of (seed, 'heldout', sample_id less a trailing @<turn>), its
+    first 8 hex digits over 2^32."""
+    base = re.sub(r"@[0-9]+$", "", sid)
+    return int(hashlib.md5(f"{seed}\x1fheldout\x1f{base}".encode()).hexdigest()[:8], 16) / 2 ** 32
+
+
 def reference_merge(rows, *, k, datasets=None, max_samples=None, max_len, overflow, seed):
     """Plain-Python statement of the merge rules, to compare against the DuckDB implementation."""
+    return reference_split(rows, k=k, datasets=datasets, max_samples=max_samples, max_len=max_len,
+                           overflow=overflow, seed=seed, heldout=0.0)[0]
+
+
+def reference_split(rows, *, k, datasets=None, max_samples=None, max_len, overflow, seed, heldout):
+    """:func:`reference_merge` with a held-out share: ``(training shards, held-out rows)``."""
     rows = [r for r in rows if datasets is None or r["dataset"] in datasets]
     seen, kept = set(), []
     for r in sorted(rows, key=lambda r: (r["dataset"], r["sample_id"])):
@@ -83,6 +97,8 @@ def reference_merge(rows, *, k, datasets=None, max_samples=None, max_len, overfl
         kept.append({"sample_id": r["sample_id"], "dataset": r["dataset"], "input_ids": ids, "loss_mask": mask,
                      "num_tokens": len(ids), "num_supervised": sum(mask), "truncated": trunc})
     kept.sort(key=lambda r: shuffle_key(seed, r["dataset"], r["sample_id"]))
+    held = [r for r in kept if heldout_draw(seed, r["sample_id"]) < heldout]
+    kept = [r for r in kept if heldout_draw(seed, r["sample_id"]) >= heldout]
     caps = max_samples or {}
     count: dict = {}
     final = []
@@ -96,7 +112,7 @@ def reference_merge(rows, *, k, datasets=None, max_samples=None, max_len, overfl
     for r in final:
         shards[min(k - 1, before * k // total)].append(r)
         before += r["num_tokens"]
-    return shards
+    return shards, held
 
 
 def read_shards(paths, keep_source=False):
@@ -314,3 +330,177 @@ def test_fast_batch_check_names_wrong_schema():
     table = merged_table(good_rows()).drop_columns(["truncated"])
     with pytest.raises(schemas.SchemaError, match="truncated"):
         check_merged_batch(table, "x.parquet")
+
+
+# --- the held-out split (merge.heldout) ----------------------------------------------------------------------
+
+def turn_rows(n: int, datasets: list[str], seed: int = 1) -> list[dict]:
+    """``make_rows`` plus multi-turn conversations (generation mode ``all``: ``<id>@<turn>`` rows)."""
+    rows = make_rows(n, datasets, seed=seed)
+    rng = random.Random(seed + 100)
+    for c in range(40):
+        for turn in (1, 3, 5)[: rng.randint(2, 3)]:
+            ids = [rng.randrange(0, 1000) for _ in range(rng.randint(6, 40))]
+            rows.append(row(datasets[c % len(datasets)], f"conv-{c:03d}@{turn}", ids, [0] * 3 + [1] * (len(ids) - 3)))
+    return rows
+
+
+def key(r) -> tuple:
+    return r["dataset"], r["sample_id"]
+
+
+def test_heldout_rows_follow_the_documented_rule_and_never_reach_the_training_shards(tmp_path):
+    rows = turn_rows(400, ["a", "b"], seed=12)
+    settings = dict(max_len=50, overflow="truncate", seed=5)
+    outs = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(3)]
+    held_path = tmp_path / "m" / "heldout.parquet"
+    inputs = write_inputs(tmp_path, rows, 3)
+    sels = [tmp_path / "sel" / f"{i:03d}.parquet" for i in range(3)]
+    man = merge(inputs, outs, tmp_path / "m.json", heldout_path=held_path, selections=sels,
+                settings=MergeSettings.defaults(heldout=0.2, **settings))
+    train = [r for s in read_shards(outs) for r in s]
+    held = pq.read_table(held_path).drop_columns(["source"]).to_pylist()
+    want_train, want_held = reference_split(rows, k=3, heldout=0.2, **settings)
+    assert read_shards(outs) == want_train  # the training shards: the rules above, over the training rows
+    assert held == want_held  # every survivor whose draw is below 0.2, in shuffle-key order
+    assert [shuffle_key(5, *key(r)) for r in held] == sorted(shuffle_key(5, *key(r)) for r in held)
+    assert not {key(r) for r in train} & {key(r) for r in held}
+    # the share is roughly the fraction (binomial: 0.2 +- 0.03 for ~500 rows), and held-out rows are real rows
+    kept = len(train) + len(held)
+    assert kept > 450 and 0.15 < len(held) / kept < 0.25, (len(held), kept)
+    assert all(heldout_draw(5, r["sample_id"]) < 0.2 for r in held)
+    assert all(heldout_draw(5, r["sample_id"]) >= 0.2 for r in train)
+    # a conversation's turns go the same way, and some multi-turn ones are held out
+    side: dict = {}
+    for r in train + held:
+        if "@" in r["sample_id"]:
+            side.setdefault(r["sample_id"].split("@")[0], set()).add(r in held)
+    assert all(len(v) == 1 for v in side.values()) and {True} in side.values() and {False} in side.values()
+    # the manifest: the training totals, the held-out set apart, per dataset held-out counts and tokens
+    h = man["heldout"]
+    assert (h["path"], h["fraction"], h["samples"], h["tokens"]) == (
+        str(held_path), 0.2, len(held), sum(r["num_tokens"] for r in held))
+    assert h["supervised_tokens"] == sum(r["num_supervised"] for r in held)
+    assert man["totals"]["samples"] == len(train) == sum(s["samples"] for s in man["shards"])
+    for ds in ("a", "b"):
+        d = man["datasets"][ds]
+        assert d["heldout"] == sum(r["dataset"] == ds for r in held) > 0
+        assert d["heldout_tokens"] == sum(r["num_tokens"] for r in held if r["dataset"] == ds)
+        assert d["kept"] == sum(r["dataset"] == ds for r in train)
+        assert d["input_samples"] == d["kept"] + d["heldout"] + sum(d["dropped"].values())
+    # the selections hold both sets (extraction covers the held-out rows), as without the split
+    sel_rows = {key(r) for p in sels for r in pq.read_table(p).to_pylist()}
+    assert sel_rows == {key(r) for r in train + held}
+    man0 = merge(inputs, [tmp_path / "z" / "000.parquet"], tmp_path / "z.json", selections=[
+        tmp_path / "z" / "sel" / f"{i:03d}.parquet" for i in range(3)], settings=MergeSettings.defaults(**settings))
+    assert {k_: v["digest"] for k_, v in man0["selections"].items()} == {
+        k_: v["digest"] for k_, v in man["selections"].items()}
+    assert [pq.read_table(p).to_pylist() for p in sels] == [
+        pq.read_table(tmp_path / "z" / "sel" / f"{i:03d}.parquet").to_pylist() for i in range(3)]
+
+
+def test_heldout_membership_depends_only_on_seed_and_base_id(tmp_path):
+    """Not on the dataset's name (two datasets of one source hold out the same prompts), the number of input
+    files or merged shards, nor on the other rows (adding data moves no sample in or out)."""
+    rows = turn_rows(300, ["regen"], seed=3)
+    # the same prompts with the dataset's original answers: same ids, other token ids
+    orig = [dict(r, dataset="orig", input_ids=[(t + 7) % 1000 for t in r["input_ids"]]) for r in rows]
+
+    def run(tag, rws, n_files, k, seed=9, **kw):
+        outs = [tmp_path / tag / f"{i:03d}.parquet" for i in range(k)]
+        held = tmp_path / tag / "heldout.parquet"
+        inputs = []  # one dataset per validated file (a file's sample ids are unique)
+        for ds in sorted({r["dataset"] for r in rws}):
+            inputs += write_inputs(tmp_path, [r for r in rws if r["dataset"] == ds], n_files, shuffle_seed=n_files,
+                                   tag=f"in-{tag}-{ds}")
+        merge(inputs, outs, tmp_path / f"{tag}.json", heldout_path=held,
+              settings=MergeSettings.defaults(max_len=100, seed=seed, heldout=0.25, **kw))
+        train = [r for s in read_shards(outs) for r in s]
+        return train, pq.read_table(held).drop_columns(["source"]).to_pylist()
+
+    train1, held1 = run("one", rows + orig, 1, 1)
+    ids = {ds: {r["sample_id"] for r in held1 if r["dataset"] == ds} for ds in ("regen", "orig")}
+    assert ids["regen"] == ids["orig"] and len(ids["regen"]) > 40
+    train4, held4 = run("four", rows + orig, 4, 3)
+    assert held4 == held1 and sorted(map(key, train4)) == sorted(map(key, train1))
+    alone = run("alone", rows, 2, 2)[1]  # without the other dataset
+    assert [r for r in held1 if r["dataset"] == "regen"] == alone
+    # more data: every earlier held-out sample stays held out, no earlier training sample becomes one
+    more = make_rows(200, ["regen"], seed=44)
+    more = [dict(r, sample_id=f"new-{i}") for i, r in enumerate(more)]
+    train_m, held_m = run("more", rows + orig + more, 3, 2)
+    assert {key(r) for r in held1} <= {key(r) for r in held_m}
+    assert not {key(r) for r in train1} & {key(r) for r in held_m}
+    assert any(r["sample_id"].startswith("new-") for r in held_m)
+    # another seed: another held-out set
+    assert {key(r) for r in run("seed", rows + orig, 1, 1, seed=10)[1]} != {key(r) for r in held1}
+
+
+def test_max_samples_caps_count_training_rows_only(tmp_path):
+    rows = make_rows(300, ["a", "b"], seed=8)
+    outs = [tmp_path / "m" / "000.parquet"]
+    held_path = tmp_path / "m" / "heldout.parquet"
+    settings = dict(max_samples={"b": 40}, max_len=100, overflow="truncate", seed=2, heldout=0.3)
+    man = merge(write_inputs(tmp_path, rows, 2), outs, tmp_path / "m.json", heldout_path=held_path,
+                settings=MergeSettings.defaults(**settings))
+    train = read_shards(outs)[0]
+    held = pq.read_table(held_path).drop_columns(["source"]).to_pylist()
+    assert sum(r["dataset"] == "b" for r in train) == 40  # the cap: 40 training rows of b
+    held_b = [r for r in held if r["dataset"] == "b"]
+    assert len(held_b) == sum(r["dataset"] == "b" and heldout_draw(2, r["sample_id"]) < 0.3 for r in rows) > 40 * 0.3
+    assert ([train], held) == reference_split(rows, k=1, **settings)
+    assert man["datasets"]["b"]["dropped"] == {"over_max_samples": 150 - 40 - len(held_b)}
+
+
+def test_heldout_off_changes_nothing(tmp_path):
+    """merge.heldout = 0 (the default): the same files as without the split, byte for byte, whether a held-out
+    path is given (then written empty, with the MERGED schema) or not."""
+    rows = turn_rows(200, ["a", "b"], seed=6)
+    inputs = write_inputs(tmp_path, rows, 2)
+    settings = dict(max_samples={"a": 80}, max_len=40, seed=1)
+
+    def run(tag, **kw):
+        outs = [tmp_path / tag / f"{i:03d}.parquet" for i in range(2)]
+        sels = [tmp_path / tag / "sel" / f"{i:03d}.parquet" for i in range(2)]
+        man = merge(inputs, outs, tmp_path / f"{tag}.json", selections=sels,
+                    settings=MergeSettings.defaults(**settings), **kw)
+        return man, [p.read_bytes() for p in outs + sels]
+
+    man_a, files_a = run("plain")
+    man_b, files_b = run("with", heldout_path=tmp_path / "with" / "heldout.parquet")
+    assert files_a == files_b
+    assert read_shards([tmp_path / "plain" / f"{i:03d}.parquet" for i in range(2)]) == reference_merge(
+        rows, k=2, overflow="truncate", **settings)
+    empty = pq.read_table(tmp_path / "with" / "heldout.parquet")
+    assert empty.num_rows == 0 and empty.schema.equals(schemas.MERGED, check_metadata=False)
+    for m in (man_a, man_b):
+        assert (m["heldout"]["samples"], m["heldout"]["fraction"]) == (0, 0.0)
+        assert all(d["heldout"] == 0 for d in m["datasets"].values())
+    assert man_a["totals"] == man_b["totals"] and man_a["selections"].keys() == man_b["selections"].keys()
+
+
+def test_heldout_bad_settings(tmp_path):
+    p = write_inputs(tmp_path, make_rows(20, ["a"]), 1)
+    out = tmp_path / "o" / "000.parquet"
+    with pytest.raises(ValueError, match=r"merge.heldout=0.1 needs a held-out output file"):
+        merge(p, [out], tmp_path / "m.json", settings=MergeSettings.defaults(max_len=100, heldout=0.1))
+    for bad in (1.0, -0.1, "0.1"):
+        with pytest.raises(ValueError, match=r"merge.heldout must be a number in \[0, 1\)"):
+            merge(p, [out], tmp_path / "m.json", heldout_path=tmp_path / "h.parquet",
+                  settings=MergeSettings.defaults(max_len=100, heldout=bad))
+    with pytest.raises(ValueError, match="also a merged shard path"):
+        merge(p, [out], tmp_path / "m.json", heldout_path=out,
+              settings=MergeSettings.defaults(max_len=100, heldout=0.1))
+    # everything held out: no training sample is an error naming the share
+    with pytest.raises(ValueError, match=r"no sample left of 20 .*held out 20.*merge.heldout=0.9999"):
+        merge(p, [out], tmp_path / "m.json", heldout_path=tmp_path / "h.parquet",
+              settings=MergeSettings.defaults(max_len=100, heldout=0.9999))
+    assert not out.exists() and not (tmp_path / "h.parquet").exists()
+
+
+def test_python_draw_equals_the_sql_one():
+    from eagle3_data import merge as merge_mod
+
+    for seed, sid in ((0, "x"), (7, "conv@12"), ("s", "a@b"), (3, "ünï@0")):
+        assert merge_mod.heldout_draw(seed, sid) == heldout_draw(seed, sid)
+    assert merge_mod.base_id("a@3") == "a" and merge_mod.base_id("a@b") == "a@b" and merge_mod.base_id("a@3x") == "a@3x"

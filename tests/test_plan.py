@@ -179,3 +179,30 @@ def test_units_scale_with_the_size_of_the_build():
     assert format_hours(42_584 / 1978.1 / 3600) == "21.5 s"
     assert format_hours(0.5) == "30.0 min"
     assert format_hours(91.04) == "91.0 h" and format_hours(91.04, 2) == "91.04 h"
+
+
+def test_heldout_tokens_are_planned_for_extraction(tmp_path):
+    """merge.heldout: the held-out rows are extracted too, so the plan's totals and alternatives count them: the
+    same figures as the merge without the split (whose selections hold the same rows), the held-out part named."""
+    val = tmp_path / "v.parquet"
+    schemas.write_checked(schemas.from_rows(_rows(300), schemas.VALIDATED), "validated", val)
+    full = [tmp_path / "full" / "000.parquet"]
+    m0 = merge([val], full, tmp_path / "full.json", settings=MergeSettings.defaults(max_len=1000, seed=0))
+    split = [tmp_path / "split" / "000.parquet"]
+    held = tmp_path / "split" / "heldout.parquet"
+    m1 = merge([val], split, tmp_path / "split.json", heldout_path=held,
+               settings=MergeSettings.defaults(max_len=1000, seed=0, heldout=0.25))
+    assert 0 < m1["heldout"]["samples"] < m0["totals"]["samples"] and m1["totals"]["tokens"] < m0["totals"]["tokens"]
+    settings = PlanSettings.defaults(ExtractSettings.defaults(KIMI_K25), tokens_per_s_per_gpu=100.0, caps=[50],
+                                     drop=["a"])
+    p0 = pl.build_plan(m0, full, settings=settings)
+    p1 = pl.build_plan(m1, split + [held], settings=settings)
+    for key in ("samples", "tokens", "supervised_tokens", "bytes", "gpu_hours"):
+        assert p1["totals"][key] == p0["totals"][key], key
+    assert (p1["totals"]["heldout_samples"], p1["totals"]["heldout_tokens"]) == (
+        m1["heldout"]["samples"], m1["heldout"]["tokens"])
+    assert [(s["name"], s["samples"], s["tokens"]) for s in p1["scenarios"]] == [
+        (s["name"], s["samples"], s["tokens"]) for s in p0["scenarios"]]
+    md = pl.render_markdown(p1)
+    assert f"of which {m1['heldout']['tokens']:,} tokens in {m1['heldout']['samples']:,} samples are the held-out" in md
+    assert "held-out" not in pl.render_markdown(p0)

@@ -35,7 +35,7 @@ def schema_reference(schema: dict) -> str:
         parts = []
         if "enum" in node:
             parts.append("one of " + ", ".join(f"`{v}`" for v in node["enum"]))
-        for key, word in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<=")):
+        for key, word in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<")):
             if key in node:
                 parts.append(f"{word} {node[key]}")
         if "default" in node:

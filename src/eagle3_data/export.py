@@ -24,6 +24,13 @@ Layouts (each file written to a temporary name and renamed; file names use the G
     ``loss_mask``, ``seq_len``) to build it from. Needs ``final_norm == "pre"`` (speculators applies the
     target's norm before its lm_head); pass ``allow_norm_mismatch=True`` to export anyway.
 
+Held-out set (``merge.heldout`` > 0): the merge's held-out file (``results/merged/heldout.parquet``, MERGED rows
+indexing the same hidden-states files through ``source``) is exported the same way, indices from 0, by rule
+``export_heldout`` into ``results/export/heldout/<layout>/``: beside the training directories, never under
+them, since SpecForge collects ``*.ckpt`` recursively under its training path (its evaluation path is
+``--eval-hidden-states-path``). Call with ``heldout=True``: the set's size for pruning is the manifest's
+``heldout.samples``.
+
 Storage savers are undone on export (fp8 auxiliary states dequantised to the extract dtype; final-state rows
 not stored are written as zeros: they are never read by the loss, see ``extract.layout``).
 
@@ -129,6 +136,7 @@ def export(
     merge_manifest=None,
     start_index: int = 0,
     manifest_path=None,
+    heldout: bool = False,
 ) -> dict:
     """Write the samples of one merged shard, in its order, in a trainer's per-sample layout (module docstring).
 
@@ -143,9 +151,11 @@ def export(
         merge_manifest: the merge manifest (path or dict), to refuse stale hidden-states files.
         start_index: global index of this shard's first sample (samples of the merged shards before it;
             :func:`start_indices` computes it from the merge manifest).
-        manifest_path: optional JSON written last (atomically): layout, source, start/end index, files,
-            tokens, removed_stale (files of an earlier export removed, :func:`prune_stale`; only with
-            ``merge_manifest``), seconds. Snakemake uses it as the rule's output.
+        manifest_path: optional JSON written last (atomically): layout, set (``train`` | ``heldout``), source,
+            start/end index, files, tokens, removed_stale (files of an earlier export removed,
+            :func:`prune_stale`; only with ``merge_manifest``), seconds. Snakemake uses it as the rule's output.
+        heldout: ``merged_path`` is the held-out set (one file, ``start_index`` 0; the set's size for
+            :func:`prune_stale` is the manifest's ``heldout.samples``, not the training shards' total).
 
     Returns: the manifest dict.
 
@@ -234,7 +244,10 @@ def export(
         write_parquet(table, out_dir / f"samples_{start_index:09d}.parquet")
     removed = []
     if merge_manifest is not None:
-        total = sum(int(sh["samples"]) for sh in m.get("shards") or [])
+        if heldout:
+            total = int((m.get("heldout") or {}).get("samples", n))
+        else:
+            total = sum(int(sh["samples"]) for sh in m.get("shards") or [])
         removed = prune_stale(out_dir, layout, start=start_index, end=start_index + n, total=total,
                               group_size=group_size)
         if removed:
@@ -242,6 +255,7 @@ def export(
                      len(removed), removed[0])
     manifest = {
         "layout": layout,
+        "set": "heldout" if heldout else "train",
         "source": str(merged_path),
         "out_dir": str(out_dir),
         "start_index": start_index,

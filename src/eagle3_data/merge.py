@@ -19,13 +19,27 @@ Determinism: a sample's place depends only on ``(seed, dataset, sample_id)`` (sh
 ``md5(seed, dataset, sample_id)``) and dedup keeps the first of equal ``input_ids`` in
 ``(dataset, sample_id)`` order, so the merged shards hold the same rows in the same order whatever the number
 or order of the input files (only ``source`` names them).
+
+Held-out set (``merge.heldout`` = f in [0, 1), 0: off): among the rows that survive dedup, the supervision and
+the length rules, a row is held out when :func:`heldout_draw` of ``(seed, base_id)`` is below f, i.e.
+``int(md5(f"{seed}\\x1fheldout\\x1f{base_id}").hexdigest()[:8], 16) / 2**32 < f`` with ``base_id`` the
+``sample_id`` without a trailing ``@<turn>`` (:func:`base_id`; generation mode ``all`` writes one row per turn:
+a conversation's turns go together). The draw depends on nothing else: not the dataset (two datasets built from
+the same source, e.g. regenerated replies and the original answers, hold out the same prompts), not the other
+rows, the shard counts or the input files (adding data moves no sample in or out). Held-out rows are never in
+the merged shards; they are written, in the same shuffle-key order, to their own MERGED file (``heldout_path``),
+and ``max_samples`` caps count training rows only. They stay in the selections (extraction covers both sets, and
+a change of f alone leaves every selection's digest as it was, unless a ``max_samples`` cap then admits other
+training rows).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -49,6 +63,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("eagle3_data.merge")
 
 OVERFLOW_MODES = ("truncate", "drop")
+#: the held-out rule, as the manifest states it
+HELDOUT_RULE = ("held out when int(md5(f'{seed}\\x1fheldout\\x1f{base_id}')[:8], 16) / 2**32 < heldout; base_id = "
+                "sample_id without a trailing @<turn>; decided among rows no dedup / supervision / length rule drops; "
+                "max_samples caps count training rows only")
+_TURN = re.compile(r"@[0-9]+$")
 #: MERGED columns written with dictionary encoding (every one but the token ids)
 _DICT_COLUMNS = [n for n in schemas.MERGED.names if n != "input_ids"]
 
@@ -68,6 +87,19 @@ def source_key(path) -> str:
     return str(p.with_suffix(""))
 
 
+def base_id(sample_id: str) -> str:
+    """The conversation a row belongs to: ``sample_id`` without a trailing ``@<turn>`` (``"a@3"`` -> ``"a"``,
+    ``"a@b"`` and ``"a"`` unchanged)."""
+    return _TURN.sub("", sample_id)
+
+
+def heldout_draw(seed, sample_id: str) -> float:
+    """The held-out draw of a row, in [0, 1): ``int(md5(f"{seed}\\x1fheldout\\x1f{base_id}")[:8], 16) / 2**32``
+    (``sql/merge_plan.sql`` computes the same). A row is held out when its draw is below ``merge.heldout``."""
+    digest = hashlib.md5(f"{seed}\x1fheldout\x1f{base_id(sample_id)}".encode()).hexdigest()
+    return int(digest[:8], 16) / 2**32
+
+
 def memory_limit_of(memory_mb: int) -> str:
     """DuckDB's memory limit for a merge job of ``memory_mb`` MB: three quarters of it (the rest for the parquet
     writers and Python), at least 256 MB; e.g. ``4000 -> "3000MB"``."""
@@ -82,6 +114,7 @@ def merge(
     settings: "MergeSettings",
     selections=None,
     sources=None,
+    heldout_path=None,
     memory_limit: str | None = None,
     threads: int | None = None,
     temp_dir: str | os.PathLike | None = None,
@@ -99,24 +132,30 @@ def merge(
             the validated file the row came from), written to a temporary name and renamed; a shard with no
             rows is still written (empty table).
         manifest_path: JSON manifest: ``shards`` (path, samples, tokens, supervised_tokens, truncated,
-            datasets {name: samples}), ``selections`` ({source: path, samples, tokens, digest}),
-            ``totals``, ``datasets`` (per dataset: input samples/tokens and kept/dropped counts by reason),
-            ``inputs`` (files), ``settings``.
+            datasets {name: samples}), ``heldout`` (the held-out set, the same keys + ``fraction`` and
+            ``rule``; path None when not written), ``selections`` ({source: path, samples, tokens, digest}),
+            ``totals`` (the training shards'), ``datasets`` (per dataset: input samples/tokens, ``kept``
+            (training), ``heldout`` / ``heldout_tokens``, dropped counts by reason), ``inputs`` (files),
+            ``settings``.
         selections: one output path per validated file (same order), or ``None`` for none: the file's kept
             rows (``schemas.MERGED``), truncated like the merged shards, in the validated file's row order.
             Extraction forwards one selection per job; its ``digest`` in the manifest changes only when the
             kept samples of that file, their ids or masks, or their truncation change.
         sources: one key per validated file (same order; default :func:`source_key`): the ``source`` column
             and the manifest's ``selections`` keys.
+        heldout_path: the held-out set's MERGED file (its rows in shuffle-key order; written empty when
+            ``settings.heldout`` is 0), or ``None`` (then ``settings.heldout`` must be 0).
         settings: :class:`~eagle3_data.settings.MergeSettings` (the ``merge`` section):
             ``datasets``: names to keep (``None`` = all); a name with no rows in the inputs is logged and listed
             in the manifest under ``missing_datasets``.
-            ``max_samples``: ``{dataset: n}`` caps; the first n of the dataset in the seeded shuffle order are
-            kept (after dedup and the max_len rule, so a cap yields n usable samples when there are n).
+            ``max_samples``: ``{dataset: n}`` caps; the first n of the dataset's training rows in the seeded
+            shuffle order are kept (after dedup, the max_len rule and the held-out draw, so a cap yields n usable
+            training samples when there are n; held-out rows are not capped).
             ``max_len``: token cap per sample (>= 1).
             ``overflow``: ``"truncate"`` (cut ``input_ids`` and ``loss_mask`` to max_len; drop the sample if no
             supervised token remains) or ``"drop"`` (drop samples longer than max_len).
-            ``seed``: shuffle seed (int or str; part of the shuffle key).
+            ``seed``: shuffle seed (int or str; part of the shuffle key and of the held-out draw).
+            ``heldout``: the held-out share f in [0, 1) (module docstring; 0: off).
             ``memory_mb``, ``threads``: DuckDB's budget when ``memory_limit`` / ``threads`` are not given.
         memory_limit, threads, temp_dir: DuckDB settings (the job's resources; default three quarters of
             ``settings.memory_mb`` and ``settings.threads``; spill directory defaults to a temporary directory
@@ -129,12 +168,13 @@ def merge(
     Returns: the manifest dict.
 
     Raises:
-        ValueError: bad arguments, no input files, or one ``(dataset, sample_id)`` with two different
-            ``input_ids`` (the message names the id and the files).
+        ValueError: bad arguments (``heldout`` outside [0, 1), or > 0 without ``heldout_path``), no input files,
+            no training sample left, or one ``(dataset, sample_id)`` with two different ``input_ids`` (the
+            message names the id and the files).
         schemas.SchemaError: a merged batch breaks the MERGED contract.
     """
     datasets, max_samples, max_len = settings.datasets, settings.max_samples, settings.max_len
-    overflow, seed = settings.overflow, settings.seed
+    overflow, seed, heldout = settings.overflow, settings.seed, settings.heldout
     if memory_limit is None:
         memory_limit = memory_limit_of(settings.memory_mb)
     threads = settings.threads if threads is None else threads
@@ -154,6 +194,16 @@ def merge(
     keys = [str(k) for k in sources] if sources is not None else [source_key(f) for f in files]
     if len(keys) != len(files) or len(set(keys)) != len(keys):
         raise ValueError(f"merge: need one distinct source key per validated file, got {keys[:5]}...")
+    heldout = 0.0 if heldout is None else heldout
+    if isinstance(heldout, bool) or not isinstance(heldout, (int, float)) or not 0 <= heldout < 1:
+        raise ValueError(f"merge: merge.heldout must be a number in [0, 1), got {heldout!r}")
+    heldout = float(heldout)
+    if heldout > 0 and heldout_path is None:
+        raise ValueError(f"merge: merge.heldout={heldout} needs a held-out output file (heldout_path)")
+    if heldout_path is not None:
+        heldout_path = _paths(heldout_path)[0]
+        if heldout_path in outs:
+            raise ValueError(f"merge: heldout_path {heldout_path} is also a merged shard path")
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"merge: overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
@@ -170,8 +220,10 @@ def merge(
 
     t0 = time.perf_counter()
     k = len(outs)
+    # the writer's groups: the K training shards, then (group K) the held-out file
+    groups = outs + ([heldout_path] if heldout_path is not None else [])
     with contextlib.ExitStack() as stack:
-        for o in outs + (sel_outs or []):
+        for o in groups + (sel_outs or []):
             Path(o).parent.mkdir(parents=True, exist_ok=True)
         spill = temp_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix=".merge-spill-", dir=Path(outs[0]).parent)
@@ -187,6 +239,7 @@ def merge(
         con.execute("SET VARIABLE num_shards = ?::BIGINT", [k])
         con.execute("SET VARIABLE overflow = ?::VARCHAR", [overflow])
         con.execute("SET VARIABLE seed = ?::VARCHAR", [str(seed)])
+        con.execute("SET VARIABLE heldout = ?::DOUBLE", [heldout])
         con.execute("CREATE TEMP TABLE merge_sources (filename VARCHAR, source VARCHAR, idx BIGINT)")
         con.executemany("INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, key, i] for i, (f, key) in enumerate(zip(files, keys))])
 
@@ -230,7 +283,7 @@ def merge(
             sel_job = pool.submit(write_selections)
         try:
             t1 = time.perf_counter()
-            written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), outs, check,
+            written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), groups, check,
                                     timing, "shards", commit=commit)
             timing["shards"] = time.perf_counter() - t1
         except BaseException:
@@ -244,9 +297,10 @@ def merge(
             for (idx, key, n, _tok, _dig) in sel_stats:
                 if sel_written[idx] != n:
                     raise RuntimeError(f"merge: selection {sel_outs[idx]} has {sel_written[idx]} rows, plan says {n}")
-        _check_written(outs, stats, written)  # before the files are renamed into place
+        _check_written(groups, stats, written)  # before the files are renamed into place
 
-    manifest = _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed)
+    manifest = _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed,
+                         heldout=heldout, heldout_path=heldout_path)
     manifest["selections"] = {
         key: {"path": sel_outs[idx] if sel_outs is not None else None, "input": files[idx], "samples": n,
               "tokens": tok, "digest": dig}
@@ -257,11 +311,12 @@ def merge(
                             "total": round(time.perf_counter() - t0, 3)}
     tot = manifest["totals"]
     if tot["samples"] == 0 and tot.get("input_samples", 0) > 0:
-        for p in outs + (sel_outs or []):  # an empty merged set is a configuration error, not a result
+        for p in groups + (sel_outs or []):  # an empty merged set is a configuration error, not a result
             Path(p).unlink(missing_ok=True)
         raise ValueError(
-            f"merge: no sample left of {tot['input_samples']} (dropped {tot['dropped']}) with merge.max_len="
-            f"{max_len}, merge.overflow={overflow!r}, merge.datasets={datasets}, merge.max_samples={max_samples}"
+            f"merge: no sample left of {tot['input_samples']} (dropped {tot['dropped']}, held out "
+            f"{manifest['heldout']['samples']}) with merge.max_len={max_len}, merge.overflow={overflow!r}, "
+            f"merge.datasets={datasets}, merge.max_samples={max_samples}, merge.heldout={heldout}"
         )
     write_json(manifest, manifest_path)
     log.info(
@@ -269,7 +324,27 @@ def merge(
         tot["samples"], tot["tokens"], tot["supervised_tokens"], len(files), k,
         manifest["timing_s"]["total"], tot["dropped"],
     )
+    if heldout:
+        h = manifest["heldout"]
+        log.info("held out %d samples (%d tokens; merge.heldout = %s) in %s", h["samples"], h["tokens"], heldout,
+                 heldout_path)
     return manifest
+
+
+def remove_leftover_heldout(path, export_dir=None) -> bool:
+    """With the held-out set off: remove the held-out file ``path`` an earlier merge wrote (its rows are training
+    rows now) and warn when ``export_dir`` (the held-out exports) still exists. Returns whether a file was
+    removed."""
+    p = Path(path)
+    removed = p.is_file()
+    if removed:
+        p.unlink()
+        log.warning("merge.heldout is 0: removed %s, left by an earlier merge (its samples are training samples now)",
+                    p)
+    if export_dir is not None and Path(export_dir).is_dir():
+        log.warning("merge.heldout is 0: %s holds an earlier held-out export whose samples are now trained on; "
+                    "delete it", export_dir)
+    return removed
 
 
 def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = None, name: str = "",
@@ -474,25 +549,37 @@ def _selection_batches(files: list[str], keys: list[str], plan: dict, max_len: i
             )
 
 
-def _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed) -> dict:
+def _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed, *, heldout=0.0,
+              heldout_path=None) -> dict:
+    """The manifest dict from the SQL results: ``stats`` (merge_stats.sql; shard ``len(outs)`` is the held-out
+    set) and ``drops`` (merge_drops.sql)."""
     shards = [
         {"path": p, "samples": 0, "tokens": 0, "supervised_tokens": 0, "truncated": 0, "datasets": {}}
         for p in outs
     ]
+    held = {"path": heldout_path, "fraction": heldout, "rule": HELDOUT_RULE, "samples": 0, "tokens": 0,
+            "supervised_tokens": 0, "truncated": 0, "datasets": {}}
+    held_tokens: dict = {}
     for shard, ds, n, tok, sup, trunc in stats:
-        s = shards[shard]
+        s = shards[shard] if shard < len(outs) else held
         s["samples"] += n
         s["tokens"] += tok
         s["supervised_tokens"] += sup
         s["truncated"] += trunc
         s["datasets"][ds] = n
+        if shard >= len(outs):
+            held_tokens[ds] = tok
     per_ds: dict = {}
     for ds, decision, n, tok in drops:
-        d = per_ds.setdefault(ds, {"input_samples": 0, "input_tokens": 0, "kept": 0, "dropped": {}})
+        d = per_ds.setdefault(ds, {"input_samples": 0, "input_tokens": 0, "kept": 0, "heldout": 0,
+                                   "heldout_tokens": 0, "dropped": {}})
         d["input_samples"] += n
         d["input_tokens"] += tok
         if decision == "kept":
             d["kept"] = n
+        elif decision == "heldout":
+            d["heldout"] = n
+            d["heldout_tokens"] = held_tokens.get(ds, 0)
         else:
             d["dropped"][decision] = n
     dropped: dict = {}
@@ -507,6 +594,7 @@ def _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflo
         log.warning("merge: max_samples names datasets absent from the inputs: %s", unknown_caps)
     return {
         "shards": shards,
+        "heldout": held,
         "totals": {
             "samples": sum(s["samples"] for s in shards),
             "tokens": sum(s["tokens"] for s in shards),
@@ -527,5 +615,6 @@ def _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflo
             "num_shards": len(outs),
             "shuffle": "order by md5(seed, dataset, sample_id); shards = contiguous token-balanced ranges",
             "dedup": "equal input_ids: keep the first in (dataset, sample_id) order",
+            "heldout": heldout,
         },
     }

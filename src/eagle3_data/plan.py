@@ -1,7 +1,8 @@
 """Plan stage: storage and GPU hours of hidden-state extraction, before it runs, with alternatives.
 
-Inputs: the merge manifest (tokens per extraction job, i.e. per merge selection), the merged shards'
-``dataset``, ``num_tokens`` and ``num_supervised`` columns (DuckDB; for the cap and drop alternatives), the
+Inputs: the merge manifest (tokens per extraction job, i.e. per merge selection), the merged files'
+``dataset``, ``num_tokens`` and ``num_supervised`` columns (DuckDB; for the cap and drop alternatives; the
+training shards and, with ``merge.heldout`` > 0, the held-out file: both sets are extracted), the
 target's ``config.json`` (layer count, hidden size) and a throughput (tokens/s per GPU: configured, or
 measured by :func:`measure_throughput` on the start of the first merged shard).
 
@@ -158,8 +159,10 @@ def build_plan(
     """Compute the plan (a JSON-able dict); :func:`render_markdown` turns it into the report.
 
     Args:
-        manifest: the merge manifest (path or dict): per-shard ``samples``, ``tokens``, ``supervised_tokens``.
-        merged_paths: the merged shards (for the alternatives; may be empty: then only "as merged").
+        manifest: the merge manifest (path or dict): per-shard ``samples``, ``tokens``, ``supervised_tokens``
+            and the held-out set's (``heldout``; extracted too, so counted in every total).
+        merged_paths: the merged shards and the held-out file if any (for the alternatives; may be empty: then
+            only "as merged").
         settings: :class:`~eagle3_data.settings.PlanSettings`:
             ``extract.model_path``: target directory (or its config dict): layer count and hidden size.
             ``extract.layers``: auxiliary layers (``None``: EAGLE-3 default for the layer count) -> A = len(layers).
@@ -192,9 +195,13 @@ def build_plan(
     busy = max(1, gpus_total // max(1, gpus_per_job)) * max(1, gpus_per_job)
 
     totals = m.get("totals") or {}
-    T = int(totals.get("tokens", sum(s["tokens"] for s in m["shards"])))
-    N = int(totals.get("samples", sum(s["samples"] for s in m["shards"])))
+    held = m.get("heldout") or {}
+    # extraction covers the training shards and the held-out set (merge.heldout): both are in every total
+    HN, HT = int(held.get("samples", 0)), int(held.get("tokens", 0))
+    T = int(totals.get("tokens", sum(s["tokens"] for s in m["shards"]))) + HT
+    N = int(totals.get("samples", sum(s["samples"] for s in m["shards"]))) + HN
     S = int(totals.get("supervised_tokens", sum(s.get("supervised_tokens", 0) for s in m["shards"])))
+    S += int(held.get("supervised_tokens", 0))
     # rows a supervised-only final store keeps: supervised + at most one per sample (the row after a span)
     share = min(1.0, (S + N) / T) if T else 0.0
 
@@ -248,7 +255,8 @@ def build_plan(
         "bytes_per_token": layouts,
         "throughput": {"tokens_per_s_per_gpu": tps, "source": tps_source, "measured": measured,
                        "gpus_per_job": gpus_per_job, "gpus_total": gpus_total, "gpus_busy": busy},
-        "totals": {"samples": N, "tokens": T, "supervised_tokens": S, "bytes": T * bpt + 8 * (N + len(shards)),
+        "totals": {"samples": N, "tokens": T, "supervised_tokens": S, "heldout_samples": HN, "heldout_tokens": HT,
+                   "bytes": T * bpt + 8 * (N + len(shards)),
                    "gpu_hours": T / tps / 3600.0, "wall_hours": T / tps / 3600.0 / busy},
         "shards": shards,
         "scenarios": scenarios,
@@ -325,8 +333,13 @@ def render_markdown(plan: dict) -> str:
             + (" + 4 B scale per layer" if lay["aux_format"] == "fp8_e4m3" else "")
             + f" = {cfg['aux']:,.0f} B; final {cfg['final']:,.0f} B; ids int32 + mask int8 = {cfg['ids']:.0f} B; "
             f"total {cfg['total']:,.0f} B/token.", ""]
+    held = ""
+    if tot.get("heldout_samples"):
+        held = (f"; of which {tot['heldout_tokens']:,} tokens in {tot['heldout_samples']:,} samples are the held-out "
+                "set (merge.heldout: extracted and exported for evaluation, never trained on)")
     out += ["## Totals (as merged)", "",
-            f"- tokens: {tot['tokens']:,} in {tot['samples']:,} samples ({tot['supervised_tokens']:,} supervised)",
+            f"- tokens: {tot['tokens']:,} in {tot['samples']:,} samples ({tot['supervised_tokens']:,} supervised)"
+            + held,
             f"- storage: {tot['tokens']:,} x {cfg['total']:,.0f} B = {format_bytes(tot['bytes'])}",
             f"- throughput: {throughput_phrase(thr)}",
             f"- GPU time: {tot['tokens']:,} / {thr['tokens_per_s_per_gpu']:,.1f} / 3600 = {tot['gpu_hours']:,.4g} GPU "

@@ -282,7 +282,7 @@ class ValidateSettings(_Settings):
 @dataclass(frozen=True)
 class MergeSettings(_Settings):
     """The ``merge`` section. ``memory_mb`` and ``threads`` are the job's resources (a profile may override
-    them; the job then gets the profile's)."""
+    them; the job then gets the profile's). ``heldout``: the held-out share in [0, 1) (0: off)."""
 
     datasets: list | None
     max_samples: dict
@@ -292,10 +292,19 @@ class MergeSettings(_Settings):
     shards: int
     memory_mb: int
     threads: int
+    heldout: float
 
     CONTENT: ClassVar = cfg.MERGE_DATA_KEYS
 
     SECTION: ClassVar = "merge"
+
+    def params(self) -> dict:
+        """The content keys; ``heldout`` only when on (> 0), so a build that leaves it off keeps its params (nothing
+        reruns)."""
+        out = super().params()
+        if self.heldout:
+            out["heldout"] = self.heldout
+        return out
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,8 @@ def build_vocab(merged_paths, out_path, freq_path=None, summary_path=None, *, se
     """Count supervised tokens in the merged shards and write the draft vocabulary map.
 
     Args:
-        merged_paths: MERGED parquet files.
+        merged_paths: MERGED parquet files (the workflow passes the training shards: the draft vocabulary is the
+            training set's, the held-out file of ``merge.heldout`` is left out).
         out_path: ``torch.save({"d2t", "t2d"})`` file (SpecForge's ``vocab_mapping.pt`` keys), atomic.
         freq_path: optional parquet of the frequencies (``token_id``, ``count``).
         summary_path: optional JSON: sizes, distinct ids, padded ids, coverage, top 20 ids.

@@ -10,7 +10,8 @@ _DS_CHAIN = "the dataset's own chain (normalize or generate onward), report, vie
 NOTHING = "nothing"
 #: For every config key, what changing it reruns (leaves: the key; ``*`` covers every key under a prefix). The
 #: table in docs/config.md is rendered from this (eagle3_data.docgen); tests/test_config.py checks every schema
-#: key has an entry and tests/test_workflow.py checks the claims with dry runs of the demo build.
+#: key has an entry and tests/test_workflow.py checks the claims with dry runs of the demo build. With
+#: ``merge.heldout`` > 0, rule ``export_heldout`` reruns wherever ``export`` does.
 RERUNS: list[tuple[str, str]] = [
     ("cache_dir", NOTHING + " (move the directory with it: it holds the journals, the extraction links and what "
                             "the forecast pilot saw)"),
@@ -90,6 +91,9 @@ RERUNS: list[tuple[str, str]] = [
     ("merge.overflow", _BELOW_MERGE),
     ("merge.seed", "merge, export, plan, vocab (no extraction: the selections are the same)"),
     ("merge.shards", "merge, export, plan, vocab (no extraction)"),
+    ("merge.heldout", "merge, export, export_heldout, plan, vocab (no extraction: the held-out rows stay in the "
+                      "selections; only under a merge.max_samples cap, which counts training rows, extract where a "
+                      "selection's samples change)"),
     ("merge.memory_mb", NOTHING),
     ("merge.threads", NOTHING),
     ("extract.backend", "extract (every selection; nothing reusable), export, plan"),

@@ -1,5 +1,6 @@
 -- merge_rows: the kept rows in merged-shard order (shard, then shuffle_key), truncated to max_len, with the
--- key of the validated shard each came from (its selection, whose hidden states hold the row's states).
+-- key of the validated shard each came from (its selection, whose hidden states hold the row's states). The
+-- held-out rows come last, as shard = num_shards (merge.py writes them to the held-out file).
 -- Needs the merge_plan table (run merge_plan.sql first with the same variables) and a merge_sources table
 -- (filename VARCHAR, source VARCHAR, idx BIGINT) naming each validated file's selection, e.g. by hand:
 --   CREATE TEMP TABLE merge_sources AS SELECT * FROM (VALUES

@@ -1,6 +1,8 @@
 -- merge_selection_rows: the kept rows grouped by the validated file they came from (its selection), in that
 -- file's row order, truncated to max_len; `shard` is the selection's index in merge_sources. Extraction
--- forwards one selection per job. Needs merge_plan (merge_plan.sql) and merge_sources (see merge_rows.sql).
+-- forwards one selection per job; it holds the training and the held-out rows alike, so the held-out share
+-- (merge.heldout) changes a selection only under a merge.max_samples cap (it counts training rows).
+-- Needs merge_plan (merge_plan.sql) and merge_sources (see merge_rows.sql).
 SELECT
     v.sample_id,
     v.dataset,

@@ -1,5 +1,5 @@
--- merge_stats: per merged shard and dataset, the kept samples, tokens and supervised tokens
--- (needs the merge_plan table from merge_plan.sql).
+-- merge_stats: per merged shard and dataset, the kept samples, tokens and supervised tokens; shard = num_shards
+-- is the held-out set (needs the merge_plan table from merge_plan.sql).
 SELECT shard, dataset,
        count(*)::BIGINT AS samples,
        sum(out_tokens)::BIGINT AS tokens,
