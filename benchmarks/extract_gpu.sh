@@ -65,8 +65,9 @@ step() {  # step NAME MAX_S MIN_S COMMAND...: run within min(MAX_S, time left) (
   git log -1 --format='commit %H %s' 2>/dev/null
 } 2>&1 | tee "$OUTDIR/env.txt"
 
-# the benchmark's files go to the working tree's disk (deleted after each run), not to a RAM-backed /tmp
-BENCH_TMP=$(mktemp -d "$PWD/.extract_gpu_tmp.XXXXXX")
+# the benchmark's files go to the working tree's disk (deleted after each run), not to a RAM-backed /tmp (unless the
+# working tree is read-only)
+BENCH_TMP=$(mktemp -d "$PWD/.extract_gpu_tmp.XXXXXX" 2>/dev/null || mktemp -d)
 trap 'rm -rf "$BENCH_TMP"' EXIT
 
 BENCH=("$PY" benchmarks/extract_gpu.py $TINY --block-imports --jsonl "$JSONL" --out-dir "$BENCH_TMP")
