@@ -8,6 +8,7 @@ import ctypes
 import platform
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -357,3 +358,34 @@ def test_writeback_rejects_a_wrong_length_before_queueing(tmp_path, selection):
             finally:
                 sink.abort()
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_writeback_wait_counts_each_blocked_second_once(tmp_path, selection, monkeypatch):
+    """With a writer slower than the stage, the stage's thread blocks in ``put`` (queue full) and at ``close``
+    (draining): ``wait_s`` sums those disjoint intervals once each, so it stays within the wall time from the
+    first ``put`` to the end of ``close``; ``drain_s`` is the part spent in ``close``."""
+    from eagle3_data.extract.writeback import Writeback
+
+    shard = layout.TokenShard(selection[0])
+    real = layout.HiddenStateWriter.put
+
+    def slow(self, i, parts):
+        time.sleep(0.03)
+        return real(self, i, parts)
+
+    monkeypatch.setattr(layout.HiddenStateWriter, "put", slow)
+    w = layout.HiddenStateWriter(tmp_path / "w.safetensors", shard, hidden_size=4, num_aux=2, dtype="float32",
+                                 final_states="all", aux_format="same", metadata={})
+    with w:
+        sink = Writeback(w)  # depth 2: the third put waits for the writer
+        t0 = time.perf_counter()
+        for i, n in enumerate(shard.lengths):
+            sink.put([i], [(torch.full((n, 8), float(i)), torch.full((n, 4), -float(i)))])
+        sink.close()
+        wall = time.perf_counter() - t0
+    s = sink.stats
+    assert s["write_s"] >= 0.03 * shard.n
+    assert 0.03 * (shard.n - 3) <= s["wait_s"] <= wall  # every blocked second counted once, none twice
+    assert 0.03 <= s["drain_s"] <= s["wait_s"]
+    aux = ex.load_states(tmp_path / "w.safetensors")[0]["aux_hidden_states"]
+    assert aux[shard.offsets[-2]:, 0].tolist() == [float(shard.n - 1)] * shard.lengths[-1]

@@ -193,8 +193,8 @@ def extract_states(
         tokens_per_s`` (forwarded tokens per second of model time), ``bytes, final_rows, final_states,
         aux_format, final_norm, backend, attention`` (``padded``, ``packed:<kernel>``, or the SGLang backend's
         ``packed``) and ``timing``: seconds of ``forward_s`` (the captures: CUDA event time on a GPU),
-        ``copy_s``, ``write_s``, ``wait_s`` (``writeback.Writeback.stats``) and ``flush_s`` (the file's flush,
-        fsync and rename).
+        ``copy_s``, ``write_s``, ``wait_s``, ``drain_s`` (the part of ``wait_s`` after the last forward;
+        ``writeback.Writeback.stats``) and ``flush_s`` (the file's flush, fsync and rename).
 
     Raises: FileNotFoundError (model dir / selection), ValueError (bad layers, dtype, saver option, backend,
         empty sample, ids out of the vocabulary, more GPUs than the machine has), RuntimeError (a captured
@@ -265,7 +265,7 @@ def extract_states(
     writer = HiddenStateWriter(out_path, shard, hidden_size=H, num_aux=len(chosen), dtype=dtype,
                                final_states=final_states, aux_format=aux_format, metadata=metadata)
     run = {"device": "none", "devices": [], "batches": 0, "model_seconds": 0.0, "attention": "none",
-           "timing": {"forward_s": 0.0, "copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0}}
+           "timing": {"forward_s": 0.0, "copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0, "drain_s": 0.0}}
     try:
         with writer:
             for i, j in reuse.items():

@@ -24,7 +24,9 @@ thread before the memory map is closed when the forward fails.
 Timings (seconds, :attr:`Writeback.stats`): ``copy_s`` (device-to-host copies: CUDA event time on the copy
 stream; on CPU the conversion in the stage's thread), ``write_s`` (the writer thread in memory-map writes and
 syncs),
-``wait_s`` (the stage's thread blocked on the writeback: no free buffer, or draining at the end).
+``wait_s`` (the stage's thread blocked on the writeback: no free buffer, a full queue, or draining at the end),
+``drain_s`` (the part of ``wait_s`` spent draining in :meth:`close`: the last batches' copies and writes, which no
+forward hides).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class Writeback:
         self.writer = writer
         self.overlap = overlap
         self._stream = None  # the copy stream, made at the first put of CUDA tensors
-        self.stats = {"copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0}
+        self.stats = {"copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0, "drain_s": 0.0}
         self._events: list = []  # (start, end) CUDA events of each batch's copies
         self._error: BaseException | None = None
         self._unsynced = 0  # bytes the writer thread put since its last sync
@@ -122,11 +124,12 @@ class Writeback:
     def close(self) -> None:
         """Wait until every queued sample is in the file; raise the writer thread's error if it had one."""
         if self._thread is not None:
-            t0 = time.perf_counter()
-            self._put_item(None)
+            t0, waited = time.perf_counter(), self.stats["wait_s"]
+            self._put_item(None)  # (counts its own wait: replaced below by the whole drain, counted once)
             self._thread.join()
             self._thread = None
-            self.stats["wait_s"] += time.perf_counter() - t0
+            self.stats["drain_s"] = time.perf_counter() - t0
+            self.stats["wait_s"] = waited + self.stats["drain_s"]
         self._raise()
         self._collect_copy_times()
 
