@@ -48,7 +48,9 @@ def _check_config():
 _check_config()
 
 DATASETS = cfg.datasets(config)
-GENERATED = cfg.generated_datasets(config)
+GENERATED = cfg.generated_datasets(config)  # they send requests (rule generate)
+ORIGINAL = cfg.original_datasets(config)  # answers: original (rule original_answers, no request)
+RESPONDED = cfg.response_datasets(config)  # both: a responses shard each, then tokenize and validate
 PRETOKENIZED = cfg.pretokenized_datasets(config)
 MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
@@ -164,7 +166,7 @@ def selection_digest(wildcards):
 
 
 def responses_files(datasets):
-    return [f"results/{ds}/responses/{s}.parquet" for ds in datasets if ds in GENERATED for s in shards(ds)]
+    return [f"results/{ds}/responses/{s}.parquet" for ds in datasets if ds in RESPONDED for s in shards(ds)]
 
 
 def start_run_view():

@@ -8,7 +8,7 @@ rule tokenize:
     output:
         "results/{ds}/tokens/{shard}.parquet",
     wildcard_constraints:
-        ds=_alternation(GENERATED),
+        ds=_alternation(RESPONDED),
     params:
         target=TargetSettings.from_config(config).params(),
         # a dataset's chat_template_kwargs (e.g. thinking off) change the prompt the target saw

@@ -9,7 +9,7 @@ rule validate:
         validated="results/{ds}/validated/{shard}.parquet",
         rejected="results/{ds}/rejected/{shard}.parquet",
     wildcard_constraints:
-        ds=_alternation(GENERATED),
+        ds=_alternation(RESPONDED),
     params:
         target=VALIDATE.target.params(),
         settings=VALIDATE.params(),  # the rest (reject ceilings) only fails the job: not a param

@@ -240,8 +240,10 @@ class TokenizeSettings(_Settings):
     @classmethod
     def from_config(cls, config: dict, ds: str) -> "TokenizeSettings":
         gen = cfg.generation_config(config, ds)
+        # an answers: original dataset sends no request: no max_tokens cut its answers (nothing billed either)
+        max_tokens = None if cfg.is_original(config, ds) else gen.get("max_tokens")
         return cls(TargetSettings.from_config(config), (gen.get("extra_body") or {}).get("chat_template_kwargs"),
-                   gen.get("max_tokens"))
+                   max_tokens)
 
     @classmethod
     def defaults(cls, target: TargetSettings | dict | None = None, **values) -> "TokenizeSettings":
@@ -483,6 +485,44 @@ class GenerateSettings(_Settings):
             # where the config sets each budget: named when a budget stops the shard
             budget_sources={k: cfg.generation_source(config, ds, k) for k in ("budget_usd", "budget_completion_tokens")},
         )
+
+
+@dataclass(frozen=True)
+class OriginalAnswersSettings(_Settings):
+    """Rule original_answers for one dataset (``answers: original``): the responses are the source's own assistant
+    answers, no request is sent. What they depend on (:meth:`params`): ``generation.mode`` (which turns),
+    ``generation.max_samples`` and the shard count (which samples: the same ones generate would take) and the
+    target family's form of history tool-call ids (``tool_call_ids``: ``kimi`` rewrites them as the requests to a
+    Kimi target are, ``source`` keeps them)."""
+
+    dataset: str
+    answers: str
+    mode: str
+    max_samples: int | None
+    num_shards: int
+    tool_call_ids: str
+
+    CONTENT: ClassVar = ("answers", "mode", "max_samples", "num_shards", "tool_call_ids")
+
+    @classmethod
+    def from_config(cls, config: dict, ds: str) -> "OriginalAnswersSettings":
+        from .templates.formats import FORMATS
+
+        gen = cfg.generation_config(config, ds)
+        fmt = FORMATS.get(TargetSettings.from_config(config).template or "")
+        return cls(dataset=ds, answers=cfg.answers_of(config["datasets"][ds]),
+                   mode=gen.get("mode") or _default("generation.mode"), max_samples=gen.get("max_samples"),
+                   num_shards=cfg.dataset_shards(config, ds),
+                   tool_call_ids="kimi" if fmt is not None and fmt.tool_format == "kimi" else "source")
+
+    @classmethod
+    def defaults(cls, dataset: str = "ds", **values) -> "OriginalAnswersSettings":
+        """The schema's defaults (``generation.mode``, ``generation.max_samples``, ``datasets.<name>.shards``; ids
+        as in the source), updated by ``values``."""
+        out = {"dataset": dataset, "answers": "original", "mode": _default("generation.mode"),
+               "max_samples": _default("generation.max_samples"), "num_shards": _default("datasets.<name>.shards"),
+               "tool_call_ids": "source"}
+        return cls(**{**out, **values})
 
 
 #: every settings class and the schema section its own fields come from (tests/test_settings.py)

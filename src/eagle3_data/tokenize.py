@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas
+from .config.lookup import ORIGINAL_BACKEND
 from .prompt_check import mismatch_detail
 from .templates import (
     TargetTokens,
@@ -98,7 +99,9 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
         if r.get("status") != "ok":
             err = r.get("error") or "generation_failed"
             code = err.split(":", 1)[0].strip() or "generation_failed"
-            meta.append(_reject(base, "generate", code, err))
+            # the stage that failed it: rule original_answers for a dataset's own answers, else generate
+            meta.append(_reject(base, "original_answers" if r.get("backend") == ORIGINAL_BACKEND else "generate",
+                                code, err))
             continue
         try:
             try:

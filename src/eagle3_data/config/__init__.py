@@ -21,7 +21,8 @@ The config's jobs live in modules named for what they do; this package re-export
 - :mod:`.checks` - :func:`check_config`, :func:`check_layering`, :func:`check_api_keys`,
   :func:`config_sources`, :func:`pending_generation`, :func:`resolve_target_template`;
 - :mod:`.lookup` - datasets, shards, generation settings and backends of the config (:func:`datasets`,
-  :func:`generated_datasets`, :func:`shard_names`, :func:`generation_config`, :func:`backends_config`, ...);
+  :func:`generated_datasets`, :func:`original_datasets`, :func:`response_datasets`, :func:`shard_names`,
+  :func:`generation_config`, :func:`backends_config`, ...);
 - :mod:`.params` - the slices rules get (``*_data_settings``, :func:`section`, :func:`selection_digest`);
 - :mod:`.reruns` - :data:`RERUNS`, :func:`reruns_of`;
 - :mod:`.resources` - :func:`backend_job_seats`, :func:`seat_resource`, :func:`launch_gpus`.
@@ -45,7 +46,9 @@ from .validation import (  # noqa: F401
     validate_config,
 )
 from .lookup import (  # noqa: F401
+    ORIGINAL_BACKEND,
     PRETOKENIZED_FORMATS,
+    answers_of,
     backends_config,
     dataset_shards,
     datasets,
@@ -53,10 +56,13 @@ from .lookup import (  # noqa: F401
     generated_datasets,
     generation_config,
     generation_source,
+    is_original,
     is_pretokenized,
     merge_datasets,
     merged_shard_names,
+    original_datasets,
     pretokenized_datasets,
+    response_datasets,
     shard_names,
 )
 from .params import (  # noqa: F401

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .lookup import (backends_config, datasets, generated_datasets, generation_config, is_pretokenized,
-                     merge_datasets, shard_names)
+from .lookup import (ORIGINAL_BACKEND, answers_of, backends_config, datasets, generated_datasets, generation_config,
+                     is_original, is_pretokenized, merge_datasets, original_datasets, shard_names)
 from .validation import ConfigError
 
 
@@ -44,8 +44,9 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
     """Cross-key checks the JSON schema can't express; raises :class:`ConfigError` naming the key.
 
     Backend names in ``generation.backends`` and every ``datasets.<name>.generation.backends`` must be defined,
-    and every generated dataset must have one; dataset names in ``merge.datasets``, ``merge.max_samples`` and
-    ``plan.drop`` must exist. With ``check_paths``: every ``datasets.<name>.source.path`` must exist (Snakemake
+    and every generated dataset must have one (an ``answers: original`` dataset needs none; it can't be
+    pre-tokenized, and no backend may then be named ``original``, its answers' label); dataset names in
+    ``merge.datasets``, ``merge.max_samples`` and ``plan.drop`` must exist. With ``check_paths``: every ``datasets.<name>.source.path`` must exist (Snakemake
     would otherwise keep using the outputs of an earlier build when a source path is changed to a missing file),
     and with ``target.build_tiny`` the ``target.path`` must be absent or a tiny target built earlier (the build
     replaces that directory; it must never be a real model's).
@@ -55,14 +56,22 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
         if name not in defined:
             raise ConfigError(f"generation.backends: unknown backend {name!r}; defined: {defined}")
     names = datasets(config)
+    if original_datasets(config) and ORIGINAL_BACKEND in defined:
+        raise ConfigError(f"backends.{ORIGINAL_BACKEND}: the name is reserved for the answers of the datasets with "
+                          f"answers: original ({', '.join(original_datasets(config))}) in the responses and reports; "
+                          "rename the backend")
     for ds in names:
+        if is_pretokenized(config, ds) and answers_of(config["datasets"][ds]) == "original":
+            raise ConfigError(f"datasets.{ds}.answers: original needs a conversation source, but source.format is "
+                              "pretokenized (its token ids are trained on as they are); remove answers")
         try:
             used = backends_config(config, ds)
         except KeyError as exc:
             raise ConfigError(exc.args[0]) from None
-        if not used and not is_pretokenized(config, ds):
+        if not used and not is_pretokenized(config, ds) and not is_original(config, ds):
             raise ConfigError(f"datasets.{ds}: no backend to generate its responses with; set generation.backends "
-                              f"(for every dataset) or datasets.{ds}.generation.backends")
+                              f"(for every dataset) or datasets.{ds}.generation.backends (or datasets.{ds}.answers: "
+                              "original to train on the source's own answers)")
         path = config["datasets"][ds]["source"]["path"]
         if check_paths and not Path(path).exists():
             raise ConfigError(f"datasets.{ds}.source.path: {path} does not exist")
@@ -95,8 +104,8 @@ def _check_template_kwargs(config: dict, ds: str, used: dict) -> None:
     uses (e.g. ``thinking: false`` on the backend, ``thinking: true`` on the target) would make every prompt's
     ids differ from what the target saw. A variable tokenize uses but the server is not sent is allowed (the
     server's template default, e.g. OpenRouter's, is the user's to know). A ``native_generate`` backend is sent
-    the prompt's ids, rendered as tokenize renders them."""
-    if is_pretokenized(config, ds):
+    the prompt's ids, rendered as tokenize renders them. An ``answers: original`` dataset sends nothing."""
+    if is_pretokenized(config, ds) or is_original(config, ds):
         return
     target_kw = dict((config.get("target") or {}).get("chat_template_kwargs") or {})
     ds_extra = generation_config(config, ds).get("extra_body") or {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .lookup import dataset_shards, datasets
+from .lookup import dataset_shards, datasets, is_original
 
 
 #: generation keys that shape the requests and which samples are sent (the rest: retries, transport)
@@ -44,9 +44,14 @@ def source_data_settings(config: dict, ds: str) -> dict:
 
 
 def datasets_data_settings(config: dict) -> dict:
-    """Every dataset's source keys (:data:`SOURCE_DATA_KEYS`) and shard count: what the reports depend on."""
-    return {ds: {"source": source_data_settings(config, ds), "shards": dataset_shards(config, ds)}
-            for ds in datasets(config)}
+    """Every dataset's source keys (:data:`SOURCE_DATA_KEYS`) and shard count: what the reports depend on; and
+    ``answers: original`` where set (only then, so the other datasets' slices stay as they were)."""
+    out = {}
+    for ds in datasets(config):
+        out[ds] = {"source": source_data_settings(config, ds), "shards": dataset_shards(config, ds)}
+        if is_original(config, ds):
+            out[ds]["answers"] = "original"
+    return out
 
 
 def generation_data_settings(config: dict, ds: str) -> dict:

@@ -6,7 +6,10 @@ from __future__ import annotations
 _BELOW_MERGE = "merge; extract where a selection's samples change; export, plan, vocab"
 _GEN_CHAIN = ("generate of the datasets using it (only requests the journal lacks are sent), then their tokenize "
               "and validate, report, view, " + _BELOW_MERGE)
-_DS_CHAIN = "the dataset's own chain (normalize or generate onward), report, view, " + _BELOW_MERGE
+_DS_CHAIN = ("the dataset's own chain (normalize, generate or original_answers onward), report, view, "
+             + _BELOW_MERGE)
+#: what a generation key reruns for an ``answers: original`` dataset that only generated datasets' requests read
+_NOT_ORIGINAL = "; nothing for a dataset with answers: original"
 NOTHING = "nothing"
 #: For every config key, what changing it reruns (leaves: the key; ``*`` covers every key under a prefix). The
 #: table in docs/config.md is rendered from this (eagle3_data.docgen); tests/test_config.py checks every schema
@@ -24,7 +27,8 @@ RERUNS: list[tuple[str, str]] = [
     ("target.trust_remote_code", "tokenize, validate, report, view, " + _BELOW_MERGE),
     ("target.template", "generate of every generated dataset (the request history depends on the family: Kimi "
                         "tool-call ids, reasoning on tool-call turns; the journal answers every request whose prompt "
-                        "is unchanged), tokenize, validate, report, view, " + _BELOW_MERGE),
+                        "is unchanged; original_answers only where the form of history tool-call ids changes, Kimi "
+                        "or not), tokenize, validate, report, view, " + _BELOW_MERGE),
     ("target.chat_template_kwargs", "as target.template"),
     ("target.tiny.*", "tiny_target (the demo's target), then everything that reads it"),
     ("backends.<name>.type", _GEN_CHAIN),
@@ -51,20 +55,25 @@ RERUNS: list[tuple[str, str]] = [
     ("backends.<name>.launch.*", NOTHING + " (adding or removing launch: as base_url)"),
     ("generation.backends", "generate of the datasets that don't set their own (only requests the journal lacks "
                             "are sent), then as backends.<name>.type"),
-    ("generation.mode", "generate of the datasets that don't set their own (new requests), then " + _DS_CHAIN),
-    ("generation.max_tokens", "as generation.mode"),
-    ("generation.temperature", "as generation.mode"),
-    ("generation.top_p", "as generation.mode"),
-    ("generation.extra_body", "as generation.mode"),
-    ("generation.max_samples", "generate of the datasets that don't set their own (a larger cap sends only the "
-                               "new requests), then " + _DS_CHAIN),
-    ("generation.budget_completion_tokens", "as generation.max_samples"),
-    ("generation.budget_usd", "as generation.max_samples"),
+    ("generation.mode", "generate (original_answers for a dataset with answers: original) of the datasets that "
+                        "don't set their own (new requests), then " + _DS_CHAIN),
+    ("generation.max_tokens", "generate of the datasets that don't set their own (new requests), then " + _DS_CHAIN
+                              + _NOT_ORIGINAL),
+    ("generation.temperature", "as generation.max_tokens"),
+    ("generation.top_p", "as generation.max_tokens"),
+    ("generation.extra_body", "as generation.max_tokens; for a dataset with answers: original only its "
+                              "chat_template_kwargs, which rerun its tokenize onward"),
+    ("generation.max_samples", "generate (original_answers for a dataset with answers: original) of the datasets "
+                               "that don't set their own (a larger cap sends only the new requests), then "
+                               + _DS_CHAIN),
+    ("generation.budget_completion_tokens", "generate of the datasets that don't set their own (a larger budget "
+                                            "sends only the new requests), then " + _DS_CHAIN + _NOT_ORIGINAL),
+    ("generation.budget_usd", "as generation.budget_completion_tokens"),
     ("generation.max_retries", NOTHING + " (`snakemake --forcerun generate` retries failed requests)"),
     ("generation.retry_initial_s", NOTHING),
     ("generation.retry_max_s", NOTHING),
     ("generation.stop_grace_s", NOTHING),
-    ("generation.reject_other_models", "as generation.mode"),
+    ("generation.reject_other_models", "as generation.max_tokens"),
     ("datasets.<name>.source.format", _DS_CHAIN),
     ("datasets.<name>.source.path", _DS_CHAIN),
     ("datasets.<name>.source.max_samples", _DS_CHAIN),
@@ -72,6 +81,10 @@ RERUNS: list[tuple[str, str]] = [
     ("datasets.<name>.source.max_reject_rate", NOTHING),
     ("datasets.<name>.source.on_error", _DS_CHAIN),
     ("datasets.<name>.shards", _DS_CHAIN + " (every selection of the dataset is new: its states are recomputed)"),
+    ("datasets.<name>.answers", "the dataset's responses (original_answers; back to regenerate: generate, which "
+                                "sends only the requests the journal lacks, none for answers it had bought before), "
+                                "its tokenize and validate, report, view, " + _BELOW_MERGE + "; never normalize "
+                                "or another dataset's jobs; cache/ is left as it is"),
     ("datasets.<name>.generation.max_retries", NOTHING),
     ("datasets.<name>.generation.retry_initial_s", NOTHING),
     ("datasets.<name>.generation.retry_max_s", NOTHING),

@@ -64,8 +64,10 @@ def write_markdown(md: str, md_path, html_path=None, *, title: str) -> None:
 
 def format_tally(rows: list[dict]) -> str:
     """Markdown table of :func:`tally` rows (dataset, samples, tokens, source), with prompt,
-    completion, rejects and cost; totals in bold."""
-    out = [dict(r, source=r["source"] + (f" ({r['backends']})" if r.get("backends") else "")) for r in rows]
+    completion, rejects and cost; totals in bold. The source names the backends, except for a dataset trained on
+    its own answers (``Original answers``: no backend answered)."""
+    out = [dict(r, source=r["source"] + (f" ({r['backends']})" if r.get("backends") and r["kind"] != "original"
+                                         else "")) for r in rows]
     cols = [("dataset", "Dataset", "text"), ("samples", "Samples", ""), ("prompt_tokens", "Prompt tokens", "tok"),
             ("completion_tokens", "Completion tokens", "tok"), ("total_tokens", "Tokens", "tok"),
             ("source", "Source", "text"), ("rejected", "Rejected", ""), ("cost_usd", "Cost $", "usd")]

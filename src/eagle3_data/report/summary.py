@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from ..config.lookup import answers_of
 from ..formatting import format_clock, format_usd
 from .markdown import _fmt
 
@@ -33,8 +34,12 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
     ``<ds>/rejected/<shard>.parquet`` (+ ``normalize.parquet``) and ``<ds>/validated/<shard>.parquet`` are
     counted from parquet metadata.
 
-    Returns dicts with dataset, kind (``generated`` / ``pretokenized`` / ``total``), shards (``"1/2"``: shards
-    with a summary or a snapshot, of the dataset's ``shards``; ``"-"`` for a pre-tokenized dataset), samples
+    A dataset with ``answers: original`` counts its rule original_answers shards the same way (their summaries
+    have generate's keys), with no cost (None) and ended_by ``original answers`` (``original answers
+    (max_samples)`` when its cap left samples out).
+
+    Returns dicts with dataset, kind (``generated`` / ``original`` / ``pretokenized`` / ``total``), shards
+    (``"1/2"``: shards with a summary or a snapshot, of the dataset's ``shards``; ``"-"`` for a pre-tokenized dataset), samples
     (the source rows: the prompts considered by generate plus the rows normalize rejected; a pre-tokenized
     dataset: its rows, kept + rejected; once every shard has ended, samples = kept + rejected + not_sent, generate's
     failures being rejects too), ok (samples with every
@@ -53,6 +58,7 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
     for ds, dcfg in (datasets_config or {}).items():
         dcfg = dcfg or {}
         pre = ((dcfg.get("source") or {}).get("format")) == "pretokenized"
+        orig = not pre and answers_of(dcfg) == "original"
         n_shards = int(dcfg.get("shards", 1))
         names = [f"{i:03d}" for i in range(n_shards)]
         sums = []
@@ -80,15 +86,17 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
         kept = _rows_in([p for p in (results / ds / "validated" / f"{s}.parquet" for s in names) if p.is_file()])
         walls = [float(s.get("wall_s") or 0.0) for s in sums]
         ended = sorted({str(s.get("stopped_by")) for s in sums if s.get("stopped_by")})
+        if orig and sums:  # the source's own answers: no budget, no stop; only a sample cap
+            ended = ["original answers" + (" (max_samples)" if "max_samples" in ended else "")]
         row = {
-            "dataset": ds, "kind": "pretokenized" if pre else "generated",
+            "dataset": ds, "kind": "pretokenized" if pre else "original" if orig else "generated",
             "shards": "-" if pre else f"{len(sums)}/{n_shards}",
             "samples": kept + rejected if pre else source_rejects + sum(int(s.get("samples") or 0) for s in sums),
             "ok": None if pre else sum(int(s.get("ok") or 0) for s in sums),
             "failed": None if pre else sum(int(s.get("failed_total") or 0) for s in sums),
             "not_sent": None if pre else sum(int(s.get("not_sent") or 0) for s in sums),
             "rejected": rejected, "kept": kept,
-            "cost_usd": None if pre else sum(float(s.get("total_cost_usd") or 0.0) for s in sums),
+            "cost_usd": None if pre or orig else sum(float(s.get("total_cost_usd") or 0.0) for s in sums),
             "wall_s": max(walls) if walls else None,
             "ended_by": "pre-tokenized" if pre else ", ".join(ended),
             "other_model": None if pre else sum(int(s.get("other_model_replies") or 0) for s in sums),
@@ -141,6 +149,9 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
              "Samples: source rows (= Kept + Rejected + Not sent). OK/Failed/Not sent: samples at generate (not "
              "sent: kept back by a budget or a stop). Rejected: every stage, normalize's included. Kept: validated. Cost: journaled responses. Time: the longest generate shard"
              + ("; Total: the run." if run_s is not None else ".")]
+    original = [r["dataset"] for r in rows[:-1] if r["kind"] == "original"]
+    if original:
+        lines.append(f"Original answers (answers: original; no request sent, no cost): {', '.join(original)}.")
     other = [f"{r['dataset']} {r['other_model']:,}" for r in rows[:-1] if r.get("other_model")]
     if other:
         lines.append(f"Replies naming another model than asked (kept; generation.reject_other_models: true refuses "

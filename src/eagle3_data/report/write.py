@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from ..config.lookup import answers_of
 from ..formatting import format_duration, format_usd
 from ..io import write_text
 from .db import _materialize, open_report_db, query, write_csv
@@ -25,9 +26,15 @@ MD_BUCKETS_S = [60, 300, 600, 900, 1800, 3600, 7200, 4 * 3600, 6 * 3600, 12 * 36
 MAX_MD_BUCKETS = 240
 
 
-def _source_label(pretokenized: bool, locations: list[str]) -> str:
+#: the tally's source of a dataset trained on its own answers (answers: original): no backend, no cost
+ORIGINAL_SOURCE = "Original answers"
+
+
+def _source_label(pretokenized: bool, locations: list[str], original: bool = False) -> str:
     if pretokenized:
         return "Pre-tokenized"
+    if original:
+        return ORIGINAL_SOURCE
     locs = set(locations)
     if not locs:
         return ""
@@ -58,14 +65,16 @@ def tally(
         responses_paths: RESPONSES parquet files (responses ok/failed and ``cost_usd`` per dataset).
         out_dir: directory for the four files (each written atomically).
         datasets_config: the config's ``datasets`` mapping; every dataset in it gets a row (zeros when it has
-            no data) and one whose ``source.format`` is ``pretokenized`` is listed with the pre-tokenized ones.
+            no data); one whose ``source.format`` is ``pretokenized`` is listed with the pre-tokenized ones, one
+            with ``answers: original`` with the original-answers ones.
         backends: the config's ``backends`` mapping (name -> ``type``, ``base_url``, ``launch``) used to tell
             local from remote (:func:`backend_location`).
 
     Returns: the table rows (dicts with :data:`TALLY_COLUMNS`): generated datasets, then ``Total generated``,
+        then the datasets trained on their own answers (source ``Original answers``), ``Total original answers``,
         then pre-tokenized datasets, ``Total pre-tokenized``, then ``Grand total`` (``kind`` is
-        ``generated`` / ``pretokenized`` / ``total``); a subtotal is left out when there is no dataset of its
-        kind (``Grand total`` is always the last row). Token counts: ``completion_tokens`` = supervised
+        ``generated`` / ``original`` / ``pretokenized`` / ``total``); a subtotal is left out when there is no
+        dataset of its kind (``Grand total`` is always the last row). Token counts: ``completion_tokens`` = supervised
         tokens (loss mask 1), ``prompt_tokens`` = the rest, ``total_tokens`` = their sum.
     """
     datasets_config = datasets_config or {}
@@ -82,28 +91,30 @@ def _tally_rows(con, datasets_config: dict) -> tuple[list[dict], list[dict]]:
     rejects = _materialize(con, "report_rejects", "rejects_by_reason")
 
     names = sorted(set(found) | set(datasets_config))
-    generated, pretok = [], []
+    generated, original, pretok = [], [], []
     for name in names:
         r = found.get(name) or {"samples": 0, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-                                "pretokenized_samples": 0, "backends": [], "locations": [], "rejected": 0,
-                                "responses_ok": 0, "responses_failed": 0, "cost_usd": 0.0}
+                                "pretokenized_samples": 0, "original_samples": 0, "backends": [], "locations": [],
+                                "rejected": 0, "responses_ok": 0, "responses_failed": 0, "cost_usd": 0.0}
         fmt = ((datasets_config.get(name) or {}).get("source") or {}).get("format")
         is_pre = fmt == "pretokenized" or (r["samples"] > 0 and r["pretokenized_samples"] == r["samples"])
+        is_orig = not is_pre and (answers_of(datasets_config.get(name)) == "original" or (
+            r["samples"] > 0 and r["original_samples"] == r["samples"]))
         row = {
             "dataset": name,
-            "kind": "pretokenized" if is_pre else "generated",
+            "kind": "pretokenized" if is_pre else "original" if is_orig else "generated",
             "samples": int(r["samples"]),
             "prompt_tokens": int(r["prompt_tokens"]),
             "completion_tokens": int(r["completion_tokens"]),
             "total_tokens": int(r["total_tokens"]),
-            "source": _source_label(is_pre, list(r["locations"])),
+            "source": _source_label(is_pre, list(r["locations"]), is_orig),
             "backends": ",".join(r["backends"]),
             "rejected": int(r["rejected"]),
             "responses_ok": int(r["responses_ok"]),
             "responses_failed": int(r["responses_failed"]),
             "cost_usd": float(r["cost_usd"]),
         }
-        (pretok if is_pre else generated).append(row)
+        (pretok if is_pre else original if is_orig else generated).append(row)
 
     def total(label: str, rows: list[dict]) -> dict:
         t = {"dataset": label, "kind": "total", "source": "", "backends": ""}
@@ -115,10 +126,13 @@ def _tally_rows(con, datasets_config: dict) -> tuple[list[dict], list[dict]]:
     rows = list(generated)
     if generated:
         rows.append(total("Total generated", generated))
+    rows += original
+    if original:
+        rows.append(total("Total original answers", original))
     rows += pretok
     if pretok:  # no all-zero subtotal when the build has no pre-tokenized dataset
         rows.append(total("Total pre-tokenized", pretok))
-    rows.append(total("Grand total", generated + pretok))
+    rows.append(total("Grand total", generated + original + pretok))
     return rows, rejects
 
 

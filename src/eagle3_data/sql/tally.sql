@@ -1,8 +1,9 @@
 -- tally: the per-dataset table (needs the views of report_views.sql and backend_kinds).
 -- samples, prompt_tokens (unsupervised: prompt and context), completion_tokens (supervised: loss mask 1),
 -- total_tokens over the VALIDATED rows; the backends that produced them and where they run
--- (backend_kinds.location: local | remote); how many samples were rejected (any stage); responses and
--- dollars spent (every response, failed ones included).
+-- (backend_kinds.location: local | remote); original_samples: rows whose answer is the dataset's own
+-- (backend 'original': answers: original, no request, no cost); how many samples were rejected (any stage);
+-- responses and dollars spent (every response, failed ones included).
 WITH v AS (
     SELECT
         dataset,
@@ -10,6 +11,7 @@ WITH v AS (
         sum(len(input_ids))::BIGINT AS total_tokens,
         sum(coalesce(list_sum(loss_mask), 0))::BIGINT AS completion_tokens,
         count(*) FILTER (WHERE ids_source = 'pretokenized')::BIGINT AS pretokenized_samples,
+        count(*) FILTER (WHERE backend = 'original' AND ids_source <> 'pretokenized')::BIGINT AS original_samples,
         list(DISTINCT backend ORDER BY backend) FILTER (WHERE backend IS NOT NULL AND ids_source <> 'pretokenized')
             AS backends,
         list(DISTINCT coalesce(k.location, 'unknown') ORDER BY coalesce(k.location, 'unknown'))
@@ -34,6 +36,7 @@ SELECT
     coalesce(v.completion_tokens, 0) AS completion_tokens,
     coalesce(v.total_tokens, 0) AS total_tokens,
     coalesce(v.pretokenized_samples, 0) AS pretokenized_samples,
+    coalesce(v.original_samples, 0) AS original_samples,
     coalesce(v.backends, []) AS backends,
     coalesce(v.locations, []) AS locations,
     coalesce(r.rejected, 0) AS rejected,

@@ -1,0 +1,24 @@
+# Stage 2, for datasets with `answers: original`: prompts shard -> responses shard of the source's own assistant
+# answers (the prompt as rule generate would send it, the answer from the source; eagle3_data.original_answers).
+# No request, no backend, no journal: tokenize, validate and everything below run on its output unchanged.
+from eagle3_data.settings import OriginalAnswersSettings
+
+
+rule original_answers:
+    input:
+        prompts="results/{ds}/prompts/{shard}.parquet",
+    output:
+        responses="results/{ds}/responses/{shard}.parquet",
+        summary="results/{ds}/responses/{shard}.json",
+    wildcard_constraints:
+        ds=_alternation(ORIGINAL),
+    # params: what the rows depend on (OriginalAnswersSettings.params): answers, generation.mode (which turns),
+    # generation.max_samples and the shard count (which samples), the target's form of history tool-call ids
+    params:
+        settings=lambda wc: OriginalAnswersSettings.from_config(config, wc.ds).params(),
+    log:
+        "logs/original_answers/{ds}/{shard}.log",
+    conda:
+        "../envs/cpu.yaml"
+    script:
+        "../scripts/original_answers.py"
