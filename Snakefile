@@ -1,5 +1,5 @@
 # EAGLE-3 training-data build. Stages (one rule file each in rules/):
-#   tiny_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> export, report (+ view:
+#   tiny_target or gguf_target -> normalize -> generate -> tokenize -> validate -> merge -> extract -> export, report (+ view:
 #   loss-mask examples for the report)
 # merge is a checkpoint: extraction runs per validated shard and reruns only where the merge's selection
 # of that shard changed. plan is one too: the extract jobs are made only once the plan is written.
@@ -22,6 +22,7 @@ report: "report/workflow.rst"
 
 include: "rules/common.smk"
 include: "rules/tiny_target.smk"
+include: "rules/gguf_target.smk"
 include: "rules/normalize.smk"
 include: "rules/generate.smk"
 include: "rules/tokenize.smk"

