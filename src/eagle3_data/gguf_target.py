@@ -118,6 +118,24 @@ def gguf_tokenizer_dir(path: str | os.PathLike, cache_dir: str | os.PathLike) ->
     return out
 
 
+def _generation_config(base, overrides: dict):
+    """``base`` (a GenerationConfig; None: the defaults) updated by ``overrides`` (``target.gguf.generation_config``).
+    Raises ValueError naming the key on an unknown field or an inconsistent setting (e.g. ``temperature`` without
+    ``do_sample: true``)."""
+    from transformers import GenerationConfig
+
+    gen = copy.deepcopy(base) if base is not None else GenerationConfig()
+    unknown = gen.update(**overrides)
+    if unknown:
+        raise ValueError(f"target.gguf.generation_config: unknown field(s) {sorted(unknown)}")
+    gen._from_model_config = False  # an explicit file: generate() must not rebuild it from config.json
+    try:
+        gen.validate(strict=True)
+    except ValueError as exc:
+        raise ValueError(f"target.gguf.generation_config: {' '.join(str(exc).split())}") from None
+    return gen
+
+
 def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, settings: "GGUFTargetSettings") -> dict:
     """Write the target of the GGUF file at ``path`` to ``out_dir`` as a transformers directory.
 
@@ -129,12 +147,14 @@ def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, setti
 
     Returns ``{"gguf": file name, "gguf_bytes": int, "architecture": str, "model_type": str, "num_layers": int,
     "hidden_size": int, "vocab_size": int, "tie_word_embeddings": bool, "eos_token": str, "parameters": int,
-    "generation_config": dict}``. Raises ValueError when ``settings.generation_config`` is not a valid generation
-    config, or the file holds no causal LM transformers can read.
+    "generation_config": dict}``. Raises ValueError (before loading) when ``settings.generation_config`` is not a
+    valid generation config.
     """
     import torch
 
     path, out_dir = Path(path), Path(out_dir)
+    overrides = settings.generation_config or {}
+    _generation_config(None, overrides)  # a bad setting fails before the load
     tok, gguf_model = _load(path)
     values = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
@@ -142,16 +162,7 @@ def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, setti
     config = type(gguf_model.config).from_dict(values)
     model = type(gguf_model)(config).to(torch.float32).eval()
     model.load_state_dict(gguf_model.state_dict(), strict=True)
-    gen = copy.deepcopy(gguf_model.generation_config)
-    unknown = gen.update(**(settings.generation_config or {}))
-    if unknown:
-        raise ValueError(f"target.gguf.generation_config: unknown field(s) {sorted(unknown)}")
-    gen._from_model_config = False  # an explicit file: generate() must not rebuild it from config.json
-    try:
-        gen.validate(strict=True)
-    except ValueError as exc:
-        raise ValueError(f"target.gguf.generation_config: {' '.join(str(exc).split())}") from None
-    model.generation_config = gen
+    model.generation_config = _generation_config(gguf_model.generation_config, overrides)
     del gguf_model
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -127,20 +127,26 @@ def check_dataset(config: dict, ds: str, tok, root: str | Path = ".") -> Dataset
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m eagle3_data.ids_check --configfile FILE [--dataset NAME ...]``: one line per generated
-    dataset; exit status 1 when a sample differs, 2 on a missing file."""
+    """``python -m eagle3_data.ids_check --configfile FILE [FILE ...] [--dataset NAME ...]``: one line per
+    generated dataset; exit status 1 when a sample differs, 2 on a missing file."""
     import yaml
 
     ap = argparse.ArgumentParser(prog="python -m eagle3_data.ids_check", description=__doc__.splitlines()[0])
-    ap.add_argument("--configfile", default="config.yaml", help="the build's config (default: config.yaml)")
+    ap.add_argument("--configfile", nargs="+", default=["config.yaml"],
+                    help="the build's config file(s), merged key by key as snakemake does (default: config.yaml)")
     ap.add_argument("--dataset", action="append", help="only this dataset (repeatable)")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from .config import generated_datasets
+    from .config import deep_merge, generated_datasets
 
-    config = yaml.safe_load(Path(args.configfile).read_text())
+    config: dict = {}
+    for name in args.configfile:
+        config = deep_merge(config, yaml.safe_load(Path(name).read_text()))
     target = config["target"]
+    if not Path(target["path"]).is_dir():
+        print(f"target.path: {target['path']} does not exist: run the build first", file=sys.stderr)
+        return 2
     tok = AutoTokenizer.from_pretrained(target["path"], trust_remote_code=bool(target.get("trust_remote_code")))
     bad = 0
     for ds in args.dataset or generated_datasets(config):
