@@ -144,6 +144,29 @@ def test_converted_target_loads_and_generates_what_the_gguf_model_does(converted
     assert tok.apply_chat_template(chat, tokenize=False) == gguf_tok.apply_chat_template(chat, tokenize=False)
 
 
+def test_tokenizer_splits_digits_first_as_the_vocabulary_was_learned(converted):
+    """The GGUF says ``tokenizer.ggml.pre: smollm`` (digits one by one, then GPT-2's split), which transformers' GGUF
+    reader drops: the model's own greedy reply (a list, ``"\n\n2."``) re-encodes to its ids only with the split."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, facts = converted
+    assert facts["pre_tokenizer"]["type"] == "Sequence"
+    assert [p["type"] for p in facts["pre_tokenizer"]["pretokenizers"]] == ["Digits", "ByteLevel"]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.encode("a\n\n1. b") == [81, 1116, 33, 30, 278]  # "\n\n" one token, then the digit
+    assert tok.encode("In 2023") == [788, 216, 34, 32, 34, 35]
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": "How does a vaccine work?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=100, do_sample=False)[0, ids["input_ids"].shape[1]:].tolist()
+    text = tok.decode(gen, skip_special_tokens=True)
+    assert re.search(r"\n\n\d\.", text), text
+    assert tok.encode(text) == [i for i in gen if i != 2]
+    plain = AutoTokenizer.from_pretrained(_package_dir(), gguf_file=GGUF["file"])  # transformers' reader alone
+    assert len(plain.encode(text)) > len(gen)
+
+
 def test_a_bad_generation_config_fails_before_the_load(tmp_path):
     with pytest.raises(ValueError, match=r"target\.gguf\.generation_config: .*`temperature`.*do_sample"):
         build_gguf_target(tmp_path / "t", gguf_file(GGUF), GGUFTargetSettings.defaults(

@@ -82,16 +82,13 @@ def test_replies_are_real_text(run):
 def test_only_the_sample_files_bad_rows_are_rejected(run):
     rejected = _rows(sorted(run.glob("results/*/rejected/*.parquet")))
     assert {(r["dataset"], r["reason"]) for r in rejected if r["stage"] == "normalize"} == NORMALIZE_REJECTS
-    later = [(r["stage"], r["reason"], r["detail"]) for r in rejected if r["stage"] != "normalize"]
-    # transformers serve returns text, not ids: a reply whose tokens the tokenizer would split otherwise (the
-    # model's single "\n\n" token at a paragraph break, two "\n" when re-encoded) may miss the billed count
-    assert all(stage == "validate" and reason == "count_mismatch" for stage, reason, _ in later), later
-    assert len(later) <= 1, later
+    assert [(r["stage"], r["reason"], r["detail"]) for r in rejected if r["stage"] != "normalize"] == []
     validated = _rows(sorted(run.glob("results/*/validated/*.parquet")))
-    assert len(validated) == 18 - len(later)
-    assert {r["ids_source"] for r in validated} == {"reconstructed"}
-    cut = [r for r in validated if r["finish_reason"] == "length"]
-    assert all(r["num_completion_tokens"] == 48 or abs(r["num_completion_tokens"] - 48) <= 3 for r in cut)
+    assert len(validated) == 18 and {r["ids_source"] for r in validated} == {"reconstructed"}
+    # transformers serve returns text, not ids: the ids are the reply re-encoded; their count is what the server
+    # billed (its <|im_end|> included), but for a rare piece the model spelled otherwise than the tokenizer would
+    gaps = [r["num_completion_tokens"] - r["billed_completion_tokens"] for r in validated]
+    assert sum(g != 0 for g in gaps) <= 1 and all(abs(g) <= 1 for g in gaps), gaps
     assert all(r["input_ids"][-1] == 2 for r in validated if r["finish_reason"] == "stop")  # <|im_end|>
 
 

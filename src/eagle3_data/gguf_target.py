@@ -6,7 +6,8 @@ SmolLM2-135M-Instruct.Q4_1.gguf}`` (a file inside an installed Python package's 
 :class:`~eagle3_data.config.ConfigError` when it is missing); :func:`build_gguf_target` converts it once.
 
 The conversion loads the tokenizer and the model with transformers' GGUF reader (``gguf_file=``; the weights
-dequantized to float32), rebuilds the model from its config without the ``quantization_config`` (transformers
+dequantized to float32; the tokenizer's digit split restored where that reader drops it, see
+:func:`_load_tokenizer`), rebuilds the model from its config without the ``quantization_config`` (transformers
 refuses to save a GGUF-quantized model), and saves weights, tokenizer, chat template and generation config, so every
 stage (and ``transformers serve``) reads it like a Hub download. ``target.gguf.generation_config`` adds fields to
 ``generation_config.json``: `transformers serve` samples only when that file says ``do_sample: true``; a GGUF file
@@ -76,11 +77,41 @@ def gguf_file(gguf: dict) -> Path:
     return path.resolve()
 
 
-def _load(path: Path, *, tokenizer_only: bool = False):
-    """``(tokenizer, model or None)`` from the GGUF file at ``path`` (model weights dequantized to float32)."""
+#: llama.cpp pre-tokenizer types (GGUF ``tokenizer.ggml.pre``) whose vocabulary was learned on digits split one by
+#: one, then GPT-2's byte-level split (llama.cpp ``llama-vocab.cpp``: STARCODER, REFACT, COMMAND_R, SMOLLM,
+#: CODESHELL, EXAONE, MINERVA), which transformers' GGUF reader leaves at the plain byte-level split
+DIGITS_FIRST = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"})
+
+
+def _pre_tokenizer_type(path: Path) -> str | None:
+    """The file's ``tokenizer.ggml.pre`` (None when it has none)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).get_field("tokenizer.ggml.pre")
+    return None if field is None else str(field.contents())
+
+
+def _load_tokenizer(path: Path):
+    """The tokenizer of the GGUF file at ``path``, split as its vocabulary was learned.
+
+    For a :data:`DIGITS_FIRST` type that transformers left at the plain byte-level split, digits are split one by one
+    first (as the original tokenizer.json of SmolLM2 and StarCoder does): otherwise a paragraph break before a
+    digit (``"\n\n1."``) encodes as two ``"\n"`` tokens where the model writes one ``"\n\n"``."""
+    from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    backend = tok.backend_tokenizer
+    if _pre_tokenizer_type(path) in DIGITS_FIRST and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    return tok
+
+
+def _load(path: Path, *, tokenizer_only: bool = False):
+    """``(tokenizer, model or None)`` from the GGUF file at ``path`` (model weights dequantized to float32)."""
+    tok = _load_tokenizer(path)
     if tokenizer_only:
         return tok, None
     import torch
@@ -90,9 +121,14 @@ def _load(path: Path, *, tokenizer_only: bool = False):
     return tok, model
 
 
+#: bump when what :func:`_load_tokenizer` writes changes (earlier saved tokenizers are then not used)
+_TOKENIZER_VERSION = 2
+
+
 def _identity(path: Path) -> str:
     st = path.stat()
-    return hashlib.sha256(json.dumps([str(path), st.st_size, st.st_mtime_ns]).encode()).hexdigest()[:24]
+    key = [str(path), st.st_size, st.st_mtime_ns, _TOKENIZER_VERSION]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
 
 
 def gguf_tokenizer_dir(path: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
@@ -146,8 +182,8 @@ def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, setti
     replaced). About 15 s and 4x the file's size in memory for SmolLM2-135M (a 98 MB Q4_1 file, 538 MB written).
 
     Returns ``{"gguf": file name, "gguf_bytes": int, "architecture": str, "model_type": str, "num_layers": int,
-    "hidden_size": int, "vocab_size": int, "tie_word_embeddings": bool, "eos_token": str, "parameters": int,
-    "generation_config": dict}``. Raises ValueError (before loading) when ``settings.generation_config`` is not a
+    "hidden_size": int, "vocab_size": int, "tie_word_embeddings": bool, "eos_token": str, "pre_tokenizer": dict
+    (tokenizer.json's), "parameters": int, "generation_config": dict}``. Raises ValueError (before loading) when ``settings.generation_config`` is not a
     valid generation config.
     """
     import torch
@@ -180,6 +216,7 @@ def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, setti
             "vocab_size": config.vocab_size,
             "tie_word_embeddings": bool(config.tie_word_embeddings),
             "eos_token": tok.eos_token,
+            "pre_tokenizer": json.loads(tok.backend_tokenizer.to_str())["pre_tokenizer"],
             "parameters": sum(p.numel() for p in model.parameters()),
             "generation_config": json.loads((tmp / "generation_config.json").read_text()),
         }
