@@ -167,6 +167,25 @@ def test_tokenizer_splits_digits_first_as_the_vocabulary_was_learned(converted):
     assert len(plain.encode(text)) > len(gen)
 
 
+def test_ids_check_returns_the_renders_tail_and_names_a_differing_id(converted):
+    from transformers import AutoTokenizer
+
+    from eagle3_data.ids_check import IdsMismatch, finished_render_ids, render_tail
+
+    tok = AutoTokenizer.from_pretrained(converted[0])
+    full = finished_render_ids(tok, PROMPT, {"role": "assistant", "content": "Paris.\n\n1. It is big."})
+    assert all(type(i) is int for i in full)  # apply_chat_template's BatchEncoding: its input_ids
+    assert tok.decode(full[:3]) == "<|im_start|>system\n" and tok.decode(full[-9:]) == "\n\n1. It is big.<|im_end|>\n"
+    ours = full[:-1]  # a sample ends with the reply's <|im_end|>; ChatML then writes "\n"
+    assert render_tail(ours, full) == [198] and render_tail(full[:-2], full) == [2, 198]
+    bad = list(ours)
+    bad[-4] += 1
+    with pytest.raises(IdsMismatch, match=rf"^position {len(ours) - 4} of {len(ours)}: the sample has id "):
+        render_tail(bad, full)
+    with pytest.raises(IdsMismatch, match=rf"has {len(full) + 1} ids, the finished render only {len(full)}"):
+        render_tail(full + [2], full)
+
+
 def test_a_bad_generation_config_fails_before_the_load(tmp_path):
     with pytest.raises(ValueError, match=r"target\.gguf\.generation_config: .*`temperature`.*do_sample"):
         build_gguf_target(tmp_path / "t", gguf_file(GGUF), GGUFTargetSettings.defaults(

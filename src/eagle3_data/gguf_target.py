@@ -179,12 +179,12 @@ def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, setti
     dequantized), ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``
     (the GGUF's token ids, updated by ``settings.generation_config``) and :data:`MARKER` (the returned facts).
     Built in a temporary directory next to ``out_dir`` and renamed into place (an existing ``out_dir`` is
-    replaced). About 15 s and 4x the file's size in memory for SmolLM2-135M (a 98 MB Q4_1 file, 538 MB written).
+    replaced). SmolLM2-135M (a 98 MB Q4_1 file, 538 MB written): about 20 s on 2 cores, 1.6 GB of memory at peak.
 
     Returns ``{"gguf": file name, "gguf_bytes": int, "architecture": str, "model_type": str, "num_layers": int,
     "hidden_size": int, "vocab_size": int, "tie_word_embeddings": bool, "eos_token": str, "pre_tokenizer": dict
-    (tokenizer.json's), "parameters": int, "generation_config": dict}``. Raises ValueError (before loading) when ``settings.generation_config`` is not a
-    valid generation config.
+    (tokenizer.json's), "parameters": int, "generation_config": dict}``. Raises ValueError (before loading) when
+    ``settings.generation_config`` is not a valid generation config.
     """
     import torch
 
