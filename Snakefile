@@ -1,7 +1,7 @@
 # EAGLE-3 training-data build. Stages (one rule file each in rules/):
-#   tiny_target -> normalize -> generate (or original_answers: a dataset's own answers) -> tokenize -> validate ->
-#   merge -> extract -> export (+ export_heldout with merge.heldout), report (+ view: loss-mask examples for the
-#   report)
+#   tiny_target or gguf_target -> normalize -> generate (or original_answers: a dataset's own answers) -> tokenize ->
+#   validate -> merge -> extract -> export (+ export_heldout with merge.heldout), report (+ view: loss-mask examples
+#   for the report)
 # merge is a checkpoint: extraction runs per validated shard and reruns only where the merge's selection
 # of that shard changed. plan is one too: the extract jobs are made only once the plan is written.
 # `snakemake --cores N` rebuilds only stale targets; see README.md.
@@ -23,6 +23,7 @@ report: "report/workflow.rst"
 
 include: "rules/common.smk"
 include: "rules/tiny_target.smk"
+include: "rules/gguf_target.smk"
 include: "rules/normalize.smk"
 include: "rules/generate.smk"
 include: "rules/original_answers.smk"

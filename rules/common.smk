@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 from eagle3_data import config as cfg
-from eagle3_data.settings import (ExportSettings, ExtractSettings, MergeSettings, NormalizeSettings, PlanSettings,
-                                  TargetSettings, TinyTargetSettings, TokenizeSettings, ValidateSettings,
-                                  VocabSettings)
+from eagle3_data.gguf_target import gguf_file
+from eagle3_data.settings import (ExportSettings, ExtractSettings, GGUFTargetSettings, MergeSettings,
+                                  NormalizeSettings, PlanSettings, TargetSettings, TinyTargetSettings,
+                                  TokenizeSettings, ValidateSettings, VocabSettings)
 
 
 def _check_config():
@@ -109,8 +110,8 @@ def shards(ds):
 
 
 def target_input():
-    """The target directory, when the build makes it (tiny target), so a rebuild reruns what uses it."""
-    return [TARGET["path"]] if TARGET.get("build_tiny") else []
+    """The target directory, when the build makes it (tiny target, GGUF target), so a rebuild reruns what uses it."""
+    return [TARGET["path"]] if TARGET.get("build_tiny") or TARGET.get("gguf") else []
 
 
 def validated_files(datasets):

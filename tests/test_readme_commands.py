@@ -72,6 +72,14 @@ HOW: dict[str, How] = {
     "snakemake --workflow-profile profiles/slurm --configfile my.yaml": How("a SLURM cluster", dry=True),
     "pip install -e '.[slurm]'": How("installs from PyPI; the test extra holds the same plugin, and the SLURM "
                                      "profile's dry run after it loads it", skip=True),
+    "pip install --no-deps -r envs/no-deps.txt": How(
+        "the README's test command installs the same (.ci/run runs it); tests/test_gguf_target.py fails without it",
+        skip=True),
+    "snakemake --cores 2 --configfile resources/configs/real-small.yaml": How(
+        "minutes of CPU on the real model: tests/test_real_small.py runs it from scratch (fewer samples, shorter "
+        "replies); here a dry run from the demo's tree, which converts nothing", dry=True),
+    "python -m eagle3_data.ids_check --configfile resources/configs/real-small.yaml": How(
+        "needs the real-small build; tests/test_real_small.py runs it on one", skip=True),
     "python3.11 -m venv .venv-sglang && . .venv-sglang/bin/activate && pip install uv": How(
         "the SGLang GPU environment (Linux x86_64, CUDA, GBs of wheels); tests/test_envs.py resolves it with uv",
         skip=True),

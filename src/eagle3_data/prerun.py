@@ -10,7 +10,8 @@ paying for responses.
 - cluster resources (the SLURM profile's ``slurm_account: "$EAGLE3_SLURM_ACCOUNT"``) hold no ``$VARIABLE`` left
   unexpanded because the variable is not set (Snakemake would submit the literal text).
 
-A target the build makes itself (``target.build_tiny``) gets the file checks once it exists, not the load. Each check raises
+A target the build makes itself (``target.build_tiny``, ``target.gguf``: its rule writes the directory) is not
+checked here (a GGUF file's presence is a config check). Each check raises
 :class:`eagle3_data.config.ConfigError` with a one-line message naming the key and what to do.
 """
 
@@ -57,8 +58,8 @@ def check_target(config: dict, cache_dir: str | os.PathLike | None = None, *, lo
     target = config.get("target") or {}
     path = str(target.get("path") or "")
     d = Path(path)
-    if target.get("build_tiny"):
-        return  # the build makes (and remakes) it: rule tiny_target
+    if target.get("build_tiny") or target.get("gguf"):
+        return  # the build makes (and remakes) it: rule tiny_target or gguf_target
     if not path or not d.exists():
         raise ConfigError(f"Config error: target.path: {path or '(empty)'} does not exist; it must be a local "
                           "directory with the target model's tokenizer and chat template (download a Hub model "

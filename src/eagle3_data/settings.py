@@ -182,6 +182,27 @@ class TinyTargetSettings(_Settings):
 
 
 @dataclass(frozen=True)
+class GGUFTargetSettings(_Settings):
+    """``target.gguf``: a real target converted from a GGUF file (rule gguf_target). ``file`` and ``package`` say
+    where the file is (the rule's input, :func:`eagle3_data.gguf_target.gguf_file`); ``generation_config`` is the
+    conversion setting (params)."""
+
+    file: str | None
+    package: str | None
+    generation_config: dict
+
+    CONTENT: ClassVar = ("generation_config",)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "GGUFTargetSettings":
+        return _build(cls, filled("target.gguf", config["target"].get("gguf")))
+
+    @classmethod
+    def defaults(cls, **values) -> "GGUFTargetSettings":
+        return _build(cls, filled("target.gguf", values))
+
+
+@dataclass(frozen=True)
 class NormalizeSettings(_Settings):
     """One dataset's source (``datasets.<ds>.source``) and shard count; ``max_reject_rate`` is the ceiling in
     force: the dataset's own, else ``normalize.max_reject_rate``."""
@@ -529,6 +550,7 @@ class OriginalAnswersSettings(_Settings):
 SECTIONS: dict[type, str] = {
     TargetSettings: "target",
     TinyTargetSettings: "target.tiny",
+    GGUFTargetSettings: "target.gguf",
     ValidateSettings: "validate",
     MergeSettings: "merge",
     ExtractSettings: "extract",

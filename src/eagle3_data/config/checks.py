@@ -21,7 +21,8 @@ def resolve_target_template(config: dict) -> str | None:
     """Replace ``target.template: auto`` in ``config`` by the family found from the target's own chat template
     (:func:`eagle3_data.templates.auto.resolve_template`, cached under ``cache_dir``: a cache hit imports no
     transformers) and return the line saying which was chosen and why; a named family is kept (an override;
-    returns None). A tiny target not built yet (``build_tiny``) takes :data:`TINY_TARGET_FAMILY`. Raises
+    returns None). A tiny target not built yet (``build_tiny``) takes :data:`TINY_TARGET_FAMILY`; a GGUF target not
+    converted yet (``target.gguf``) is probed on the GGUF file's tokenizer (saved once under ``cache_dir``). Raises
     :class:`ConfigError` naming the property of the template that failed, or a missing ``target.path``.
     """
     from ..templates import TemplateError
@@ -32,8 +33,15 @@ def resolve_target_template(config: dict) -> str | None:
             not Path(str(target.get("path", ""))).exists():
         target["template"] = TINY_TARGET_FAMILY
         return f"target.template: auto -> {TINY_TARGET_FAMILY} (the tiny target, built by rule tiny_target)"
+    probe = target
+    if (target.get("template") or "auto") == "auto" and target.get("gguf") and \
+            not Path(str(target.get("path", ""))).exists():  # not converted yet: the GGUF file's own tokenizer
+        from ..gguf_target import gguf_file, gguf_tokenizer_dir
+
+        probe = {**target, "path": str(gguf_tokenizer_dir(gguf_file(target["gguf"]),
+                                                          config.get("cache_dir") or "cache"))}
     try:
-        family, info = resolve_template(target, config.get("cache_dir"))
+        family, info = resolve_template(probe, config.get("cache_dir"))
     except TemplateError as exc:
         raise ConfigError(f"target.template: {exc}") from None
     target["template"] = family
@@ -49,7 +57,7 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
     ``merge.datasets``, ``merge.max_samples`` and ``plan.drop`` must exist. With ``check_paths``: every ``datasets.<name>.source.path`` must exist (Snakemake
     would otherwise keep using the outputs of an earlier build when a source path is changed to a missing file),
     and with ``target.build_tiny`` the ``target.path`` must be absent or a tiny target built earlier (the build
-    replaces that directory; it must never be a real model's).
+    replaces that directory; it must never be a real model's). ``target.gguf``: see :func:`_check_gguf`.
     """
     defined = sorted(config.get("backends") or {})
     for name in (config.get("generation") or {}).get("backends") or []:
@@ -91,6 +99,27 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
         raise ConfigError(f"target.path: {tpath} exists and is not a tiny target this build made, but "
                           "target.build_tiny is true (the build would replace it); set target.build_tiny: false "
                           "for a real model")
+    if target.get("gguf"):
+        _check_gguf(target, check_paths)
+
+
+def _check_gguf(target: dict, check_paths: bool) -> None:
+    """``target.gguf``: not with ``build_tiny``; with ``check_paths`` its file exists
+    (:func:`eagle3_data.gguf_target.gguf_file`) and ``target.path`` is absent or a directory rule gguf_target made
+    (the build replaces it). Raises :class:`ConfigError`."""
+    from ..gguf_target import MARKER, gguf_file
+
+    if target.get("build_tiny"):
+        raise ConfigError("Config error: target.gguf and target.build_tiny are both set: the target is either built "
+                          "from a GGUF file or the demo's tiny one; remove one of them.")
+    if not check_paths:
+        return
+    gguf_file(target["gguf"])
+    tpath = Path(str(target.get("path", "")))
+    if tpath.exists() and not (tpath / MARKER).is_file():
+        raise ConfigError(f"Config error: target.path: {tpath} exists and was not built from a GGUF file by this "
+                          "build, but target.gguf is set (rule gguf_target would replace it); point target.path at "
+                          "a new directory, or remove target.gguf to use that one as it is.")
 
 
 def _check_template_kwargs(config: dict, ds: str, used: dict) -> None:

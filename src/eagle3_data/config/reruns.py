@@ -31,6 +31,10 @@ RERUNS: list[tuple[str, str]] = [
                         "or not), tokenize, validate, report, view, " + _BELOW_MERGE),
     ("target.chat_template_kwargs", "as target.template"),
     ("target.tiny.*", "tiny_target (the demo's target), then everything that reads it"),
+    ("target.gguf.file", "gguf_target (the GGUF file is its input), then everything that reads the target (the "
+                         "journal answers the requests it holds: a new target.name sends them again)"),
+    ("target.gguf.package", "as target.gguf.file"),
+    ("target.gguf.generation_config", "gguf_target (its params), then as target.gguf.file"),
     ("backends.<name>.type", _GEN_CHAIN),
     ("backends.<name>.base_url", "as backends.<name>.type"),
     ("backends.<name>.model", "as backends.<name>.type"),
