@@ -122,7 +122,8 @@ def test_package_imports_no_torch_and_no_cycles():
         imports[f.stem] = {n.module.split(".")[0] for n in ast.walk(tree)
                            if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
     assert imports["layout"] <= set() and imports["model"] <= set() and imports["batching"] <= set()
-    assert imports["transformers_backend"] <= {"batching", "layout", "model"}
+    assert imports["fused"] <= set()
+    assert imports["transformers_backend"] <= {"batching", "layout", "model", "fused"}
     assert imports["sglang_backend"] <= {"batching", "layout", "model"}
     assert "stage" not in set().union(*(v for k, v in imports.items() if k not in ("stage", "__init__")))
 

@@ -347,6 +347,7 @@ class ExtractSettings(_Settings):
     final_norm: str
     final_states: str
     aux_format: str
+    fused: str
     gpu_lock_dir: str | None
     model_path: str
     trust_remote_code: bool

@@ -119,6 +119,8 @@ RERUNS: list[tuple[str, str]] = [
     ("extract.final_norm", "as extract.backend"),
     ("extract.final_states", "as extract.backend"),
     ("extract.aux_format", "as extract.backend"),
+    ("extract.fused", NOTHING + " (the kernels that compute the states; their values are the same to the last bit "
+                      "on the probe, else the module is not fused)"),
     ("extract.gpus_per_job", "plan (wall hours)"),
     ("extract.device", NOTHING + " (plan, when it measures the throughput)"),
     ("extract.batch_tokens", NOTHING + " (plan, when it measures the throughput)"),

@@ -265,6 +265,7 @@ def extract_states(
     writer = HiddenStateWriter(out_path, shard, hidden_size=H, num_aux=len(chosen), dtype=dtype,
                                final_states=final_states, aux_format=aux_format, metadata=metadata)
     run = {"device": "none", "devices": [], "batches": 0, "model_seconds": 0.0, "attention": "none",
+           "fused": {"norms": 0, "mlps": 0, "skipped": []},
            "timing": {"forward_s": 0.0, "copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0, "drain_s": 0.0}}
     try:
         with writer:
@@ -274,7 +275,7 @@ def extract_states(
                 _forward(shard, todo, writer, run, model_path=model_path, layers=chosen, dtype=dtype,
                          device=device, batch_tokens=batch_tokens, attention=attention, backend=backend, gpus=gpus,
                          lock_dir=lock_dir, final_norm=final_norm, trust_remote_code=trust_remote_code, model=model,
-                         capture=capture, overlap=overlap, out_name=Path(out_path).name)
+                         capture=capture, overlap=overlap, out_name=Path(out_path).name, fused=s.fused)
             t_flush = time.perf_counter()
         run["timing"]["flush_s"] = time.perf_counter() - t_flush
     finally:
@@ -308,6 +309,7 @@ def extract_states(
         "final_norm": final_norm,
         "backend": backend,
         "attention": run["attention"],
+        "fused": run["fused"],
         "timing": {k: round(v, 4) for k, v in run["timing"].items()},
         "selection_digest": str(selection_digest or ""),
     }
@@ -318,7 +320,7 @@ def extract_states(
 
 def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run: dict, *, model_path, layers,
              dtype, device, batch_tokens, attention, backend, gpus, lock_dir, final_norm, trust_remote_code, model,
-             capture, overlap, out_name) -> None:
+             capture, overlap, out_name, fused="auto") -> None:
     """Forward the samples ``todo`` of ``shard`` in batches and write their states, each batch's copies and
     writes overlapping the next batch's forward (``writeback``); fills ``run``."""
     lengths = [shard.lengths[i] for i in todo]
@@ -343,7 +345,8 @@ def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run:
                 dev, ids = stack.enter_context(device_context(device, gpus, lock_dir))
             be = TransformersBackend(model_path, layers=layers, dtype=dtype, device=dev, final_norm=final_norm,
                                      device_map="auto" if dev == "cuda" and len(ids) > 1 else None, loaded=model,
-                                     trust_remote_code=trust_remote_code, attention=attention)
+                                     trust_remote_code=trust_remote_code, attention=attention, fused=fused)
+            run["fused"] = be.fused
         stack.callback(be.close)
         if be.layers != list(layers) or be.hidden_size != writer.H:
             raise RuntimeError(f"{shard.path}: the loaded target has layers {be.layers} / hidden size "
