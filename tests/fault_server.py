@@ -20,6 +20,8 @@ Endpoints:
   (200 whose body is ``{"error": {"code": 422, ...}}``); ``pad_bytes`` (every reply's content padded with that many
   bytes, its billed tokens unchanged); ``echo_key`` (every reply quotes the request's Bearer token); ``fail_after``
   (every request after that many gets HTTP ``fail_status``, e.g. 402, with body ``fail_body`` when set);
+  ``storm_s`` (a 429 storm: every request arriving within that many seconds of the first one since the last reset
+  gets HTTP 429 with ``Retry-After``, at once);
   ``require_key`` (401 unless the
   Bearer token matches). ``fault_at`` (fault name -> ``"end"``, ``"start"`` or ``"uniform"``; default ``"end"``
   for each): when a drawn fault answers, after the request's whole latency (``end``), at once (``start``: a
@@ -82,6 +84,7 @@ DEFAULTS = {
     "record_bodies": 50, "omit_cost": False, "cost_404s": 0,
     "gen_vocab": list(range(97, 123)) + [32], "gen_think": None, "gen_eot": None, "gen_include_stop": True,
     "gen_abort_rate": 0.0, "require_tool_reasoning": False, "fault_at": {},
+    "storm_s": 0.0,
 }
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -183,6 +186,8 @@ class FaultApp:
         c = self.config
         if c["fail_after"] is not None and self.requests > int(c["fail_after"]):
             return "fail_status"
+        if c["storm_s"] and self.request_times and self.request_times[-1] - self.request_times[0] < float(c["storm_s"]):
+            return "storm"
         r = self.rng.random()
         for name in ("p429", "p5xx", "ptimeout", "preset", "perror200", "pmalformed", "p402", "psurrogate",
                      "pbadusage", "pbadbytes", "perror422body"):
@@ -316,6 +321,10 @@ class FaultApp:
                 lat *= 0.0 if at == "start" else self.rng.random() if at == "uniform" else 1.0
             if lat > 0:
                 await asyncio.sleep(lat)
+            if fault == "storm":  # a rate-limit storm refuses at once, before generating
+                self._count("429")
+                return _response(429, {"error": {"code": 429, "message": "Rate limit exceeded"}},
+                                 {"Retry-After": str(c["retry_after_s"])})
             if fault == "p429":
                 self._count("429")
                 return _response(429, {"error": {"code": 429, "message": "Rate limit exceeded"}},

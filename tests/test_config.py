@@ -49,7 +49,8 @@ def test_defaults_fill_every_section_and_match_the_documented_values():
     assert c["datasets"]["d"]["shards"] == 1
     assert c["generation"] == {"mode": "last", "extra_body": {}, "max_retries": 5, "retry_initial_s": 1.0,
                                "retry_max_s": 60.0, "max_samples": None, "budget_completion_tokens": None,
-                               "budget_usd": None, "stop_grace_s": 10.0, "reject_other_models": False}
+                               "budget_usd": None, "stop_grace_s": 10.0, "reject_other_models": False,
+                               "unpaid_failures": "rerun"}
     assert c["validate"] == {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
                              "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}}
     assert c["merge"] == {"datasets": None, "max_samples": {}, "max_len": 32768, "overflow": "truncate", "seed": 0,

@@ -60,7 +60,10 @@ RERUNS: list[tuple[str, str]] = [
                                "new requests), then " + _DS_CHAIN),
     ("generation.budget_completion_tokens", "as generation.max_samples"),
     ("generation.budget_usd", "as generation.max_samples"),
-    ("generation.max_retries", NOTHING + " (`snakemake --forcerun generate` retries failed requests)"),
+    ("generation.max_retries", NOTHING + " (a shard whose samples failed without a paid reply reruns by itself: "
+                               "generation.unpaid_failures)"),
+    ("generation.unpaid_failures", NOTHING + " (keep: `snakemake --forcerun generate` sends the samples recorded as "
+                                   "failed without a paid reply)"),
     ("generation.retry_initial_s", NOTHING),
     ("generation.retry_max_s", NOTHING),
     ("generation.stop_grace_s", NOTHING),
@@ -73,6 +76,7 @@ RERUNS: list[tuple[str, str]] = [
     ("datasets.<name>.source.on_error", _DS_CHAIN),
     ("datasets.<name>.shards", _DS_CHAIN + " (every selection of the dataset is new: its states are recomputed)"),
     ("datasets.<name>.generation.max_retries", NOTHING),
+    ("datasets.<name>.generation.unpaid_failures", NOTHING),
     ("datasets.<name>.generation.retry_initial_s", NOTHING),
     ("datasets.<name>.generation.retry_max_s", NOTHING),
     ("datasets.<name>.generation.stop_grace_s", NOTHING),

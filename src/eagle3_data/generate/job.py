@@ -34,9 +34,22 @@ class GenerationStopped(ExpectedFailure):
     to do next."""
 
 
+class UnpaidFailures(GenerationStopped):
+    """Samples whose retries ran out without a paid reply (a dead backend, 5xx, 429, timeouts): the job wrote
+    every reply it was paid for to the journal and no output, so rerunning the same command reruns it and sends
+    only those samples (``generation.unpaid_failures: rerun``, the default)."""
+
+
 class GenerationInterrupted(GenerationStopped, Interrupted):
     """SIGTERM or Ctrl-C stopped the job; the journal keeps every response, a rerun resumes."""
 
+
+
+def unpaid_text(state: JobState) -> str:
+    """``"3 of 100 samples failed without a paid reply (http_429 2, timeout 1)"`` for the job's unpaid failures."""
+    n = sum(state.unpaid.values())
+    kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(state.unpaid.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{n:,} of {state.total:,} sample{'s' if state.total != 1 else ''} failed without a paid reply ({kinds})"
 
 
 def _job_overhead(state: JobState) -> dict:
@@ -176,7 +189,9 @@ def generate(
     Raises:
         GenerationStopped: 401/402/403 from a backend, a missing API key variable, every backend down (refused
             connections or only 5xx for ``down_after_s``), every request failed; :class:`GenerationInterrupted`
-            (a subclass) for SIGTERM / Ctrl-C. The journal keeps every completed response; no output is written.
+            (a subclass) for SIGTERM / Ctrl-C; :class:`UnpaidFailures` (a subclass) when samples failed without a
+            paid reply and ``generation["unpaid_failures"]`` is ``"rerun"`` (the default; not for the forecast's
+            pilot). The journal keeps every completed response; no output is written.
         ServerLaunchError: a local server did not start.
         ValueError: bad config or an unreadable prompts file (message names file/row/key).
         templates.TemplateError: the target tokenizer can't be loaded (native_generate only).
@@ -373,10 +388,24 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                     f"last error: {state.last_error}",
                     hint=f"check the backends {[c.name for c in cfgs]} (model, base_url, server running, API key), "
                          "then rerun the same command")
+            unpaid = sum(state.unpaid.values())
+            if unpaid and sample_ids is None and generation.get("unpaid_failures", "rerun") == "rerun":
+                # no output: the rerun of the same command reruns this job, which sends only these samples
+                log_to_file(logging.getLogger("eagle3_data"), logging.INFO, "%s ended: %s", tag,
+                            progress.line(state, "").lstrip())
+                display.snapshot(final=True)
+                raise UnpaidFailures(
+                    f"{tag} {unpaid_text(state)}; last error: {state.last_unpaid}",
+                    hint=f"rerun the same command to send them ({journaled()}; no output was written for this "
+                         "shard, so the rerun reruns it); generation.unpaid_failures: keep records them as failed "
+                         "rows instead")
             if failed_requests:
                 logger.warning(
-                    "%s %d request(s) failed after retries (%s): recorded as failed; `snakemake --forcerun generate` "
-                    "retries them (journaled responses are not sent again)", tag, failed_requests, dict(state.failed))
+                    "%s %d request(s) failed (%s)%s", tag, failed_requests, dict(state.failed),
+                    f"; {unpaid_text(state)}, recorded as failed (generation.unpaid_failures: keep): "
+                    "`snakemake --forcerun generate` sends them again (journaled responses are not)" if unpaid else
+                    ": final (an answer no retry can fix, or a paid reply refused; journaled ones are not bought "
+                    "again)")
             runner.flush()  # new responses: streamed into the writer during the run
             # responses of earlier runs: read back from the journal
             wanted = set(runner.journal_keys)
@@ -394,6 +423,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         summary = {
             "dataset": dataset, "shard": shard, "samples": state.total, "ok": state.ok,
             "failed": dict(state.failed), "failed_total": failed_n, "from_journal": state.from_journal,
+            "failed_unpaid": sum(state.unpaid.values()), "unpaid": dict(state.unpaid),
             "sent": state.sent, "retries": state.retries, "retry_reasons": dict(state.retry_reasons),
             "not_sent": state.not_sent, "over_max_samples": capped,
             "prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,

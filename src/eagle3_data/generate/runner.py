@@ -23,6 +23,10 @@ from .prompts import Sample, assistant_message, request_key
 logger = logging.getLogger("eagle3_data.generate")
 
 
+#: a request's attempts, 429s that used up no retry included, stay under ``max_attempts`` times this
+FREE_429_FACTOR = 10
+
+
 class Terminated(BaseException):
     """SIGTERM arrived (raised in the main thread, or by :func:`run_requests` when SIGTERM cancelled the loop)."""
 
@@ -59,7 +63,9 @@ class Runner:
         self.state = state
         self.sampling = sampling
         self.max_attempts = int(generation.get("max_retries", 5)) + 1
-        self.wait = retry_wait(float(generation.get("retry_initial_s", 1.0)), float(generation.get("retry_max_s", 60.0)))
+        self.retry_initial_s = float(generation.get("retry_initial_s", 1.0))
+        self.retry_max_s = float(generation.get("retry_max_s", 60.0))
+        self.wait = retry_wait(self.retry_initial_s, self.retry_max_s)
         self.rows: list[dict] = []  # failed rows, written at the end
         self.journal_keys: list[str] = []  # ok turns answered by the journal: written from it at the end
         # new ok records go to the output as they arrive, ``write_batch_rows`` at a time (a row group each)
@@ -155,10 +161,14 @@ class Runner:
                     return
                 except (RetryableError, SampleError) as exc:
                     st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
+                    if isinstance(exc, RetryableError):  # no paid reply, nothing journaled: a rerun sends it again
+                        st.unpaid[exc.reason] = st.unpaid.get(exc.reason, 0) + 1
                     st.done += 1
                     where = f"backend {exc.backend}, " if getattr(exc, "backend", None) else ""
                     detail = f"{exc.message} ({where}after {getattr(exc, 'attempts', 1)} attempt(s))"
                     st.last_error = f"{exc.reason}: {detail}"
+                    if isinstance(exc, RetryableError):
+                        st.last_unpaid = st.last_error
                     n = st.logged_errors[exc.reason] = st.logged_errors.get(exc.reason, 0) + 1
                     if n <= 3:  # the text of the first failures of each kind (all are in the failed rows)
                         logger.warning("[%s] sample %s failed: %s%s", self.dataset, sample.sample_id, st.last_error,
@@ -221,12 +231,18 @@ class Runner:
         if self.pool is None:  # no network: a budget was already reached by journaled responses
             raise BudgetStop()
         attempts = 0
+        free = 0  # 429s answered while the backend was being slowed down: they use up no retry (Backend.rate_limited)
         backend = None
         avoid = None  # the backend whose fault (refused connection, 5xx) ended the last attempt
         req = Request(prompt, tools, self.sampling, self.thinking, self.target)  # native ids: rendered once
+        most = self.max_attempts * FREE_429_FACTOR
+
+        def stop(retry_state) -> bool:
+            return attempts - free >= self.max_attempts or attempts >= most
+
         try:
             async for attempt in tenacity.AsyncRetrying(
-                stop=tenacity.stop_after_attempt(self.max_attempts),
+                stop=stop,
                 wait=self.wait,
                 retry=tenacity.retry_if_exception_type(RetryableError),
                 reraise=True,
@@ -250,10 +266,14 @@ class Runner:
                         payload = backend.encode(req)  # the backend's dialect (chat or native)
                         st.in_flight += 1
                         st.sent += 1
+                        sent_at = time.monotonic()
                         try:
                             fields = await backend.send(payload)
                         except RetryableError as exc:
                             backend.record(False, exc.backend_fault, f"{exc.reason}: {exc.message}")
+                            if exc.reason == "http_429" and backend.rate_limited(
+                                    sent_at, exc.retry_after, self.retry_initial_s, self.retry_max_s):
+                                free += 1
                             avoid = backend if exc.backend_fault else None  # retry elsewhere if possible
                             st.retry_reasons[exc.reason] = st.retry_reasons.get(exc.reason, 0) + 1
                             raise

@@ -42,7 +42,9 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
     stop kept from being sent), rejected (rows of every stage's rejects), kept (validated rows), cost_usd (dollars
     of the dataset's journaled responses, earlier runs' included), wall_s (the longest shard's generate time: the
     shards run at once; None without a summary), time (wall_s as ``m:ss``), ended_by (the shards' distinct
-    ``stopped_by``; ``stopped`` for a shard that did not finish)."""
+    ``stopped_by``; ``stopped`` for a shard that did not finish, ``failed, not paid`` for one whose samples failed
+    without a paid reply), rerun_unpaid / kept_unpaid (failed samples without a paid reply: of shards whose job
+    failed, so the same command reruns them / recorded as failed with ``generation.unpaid_failures: keep``)."""
     import json
 
     from ..runview import read_snapshots
@@ -66,10 +68,12 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
             if snap is not None and (s is None or float(snap.get("updated_at") or 0) > p.stat().st_mtime + 1):
                 # this run's job did not finish (or finished without writing its summary): what it journaled
                 s = {"samples": snap.get("total"), "ok": snap.get("ok"), "failed_total": snap.get("failed"),
-                     "other_model_replies": snap.get("other_model"),
+                     "other_model_replies": snap.get("other_model"), "rerun_unpaid": snap.get("unpaid") or 0,
                      "not_sent": int(snap.get("total") or 0) - int(snap.get("done") or 0),
                      "total_cost_usd": snap.get("spent_usd"), "wall_s": snap.get("elapsed_s"),
                      "stopped_by": "stopped" if not snap.get("final") or not p.is_file() else None}
+                if snap.get("final") and snap.get("unpaid"):
+                    s["stopped_by"] = "failed, not paid"
             if s is not None:
                 sums.append(s)
         rejected_paths = [p for p in [results / ds / "rejected" / "normalize.parquet"]
@@ -92,6 +96,10 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
             "wall_s": max(walls) if walls else None,
             "ended_by": "pre-tokenized" if pre else ", ".join(ended),
             "other_model": None if pre else sum(int(s.get("other_model_replies") or 0) for s in sums),
+            # of failed: samples that got no paid reply; a rerun sends them (rerun_unpaid: their jobs failed, so
+            # the same command reruns them; kept_unpaid: recorded as failed rows, generation.unpaid_failures: keep)
+            "rerun_unpaid": None if pre else sum(int(s.get("rerun_unpaid") or 0) for s in sums),
+            "kept_unpaid": None if pre else sum(int(s.get("failed_unpaid") or 0) for s in sums),
         }
         row["time"] = format_clock(row["wall_s"]) if row["wall_s"] is not None else ""
         rows.append(row)
@@ -141,6 +149,14 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
              "Samples: source rows (= Kept + Rejected + Not sent). OK/Failed/Not sent: samples at generate (not "
              "sent: kept back by a budget or a stop). Rejected: every stage, normalize's included. Kept: validated. Cost: journaled responses. Time: the longest generate shard"
              + ("; Total: the run." if run_s is not None else ".")]
+    unpaid = [f"{r['dataset']} {r['rerun_unpaid']:,}" for r in rows[:-1] if r.get("rerun_unpaid")]
+    if unpaid:
+        lines.append(f"Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled "
+                     f"is paid again): {', '.join(unpaid)}.")
+    kept = [f"{r['dataset']} {r['kept_unpaid']:,}" for r in rows[:-1] if r.get("kept_unpaid")]
+    if kept:
+        lines.append(f"Failed, not paid, recorded as failed (generation.unpaid_failures: keep): `snakemake "
+                     f"--forcerun generate` retries them: {', '.join(kept)}.")
     other = [f"{r['dataset']} {r['other_model']:,}" for r in rows[:-1] if r.get("other_model")]
     if other:
         lines.append(f"Replies naming another model than asked (kept; generation.reject_other_models: true refuses "
