@@ -13,7 +13,8 @@ Endpoints:
 - ``POST /v1/chat/completions``: a deterministic reply (text derived from a hash of the request body), with
   faults drawn at the configured rates: ``p429`` (with ``Retry-After``), ``p5xx`` (500/502/503), ``ptimeout``
   (hangs ``hang_s`` then closes), ``preset`` (TCP reset), ``perror200`` (200 with ``choices[0].error`` +
-  ``finish_reason: "error"``), ``pmalformed`` (200 with a truncated JSON body), ``p402``, ``psurrogate`` (200
+  ``finish_reason: "error"``; its code ``error200_code``, default 502), ``pmalformed`` (200 with a truncated JSON
+  body), ``p402``, ``psurrogate`` (200
   whose content ends in an unpaired ``\\ud800``), ``pbadusage`` (200 with a NaN cost, a 1e30 prompt count, a
   negative reasoning count and an out-of-range token id; counted as completed), ``pbadbytes`` (a paid 200 reply,
   valid JSON, whose content holds the bytes ``\\xff\\xfe``, not UTF-8; counted as completed), ``perror422body``
@@ -49,6 +50,7 @@ Endpoints:
 - ``GET /health``: 200 ``{"status": "ok"}``.
 - ``GET /stats``: counters: ``requests``, ``outcomes`` (by fault), ``completed`` (200-ok replies sent),
   ``completed_by_body`` (request-body hash -> ok replies sent; >1 means the client paid twice),
+  ``billed_by_body`` (the same, cut-off ``pmalformed`` replies included: a provider bills them too),
   ``in_flight``, ``max_in_flight``, ``cpu_s`` (the server process's CPU seconds),
   ``connections`` (TCP connections that sent a request), ``last_request_at`` (unix time the last chat/generate
   request arrived; every arrival in ``FaultApp.request_times``).
@@ -84,7 +86,7 @@ DEFAULTS = {
     "record_bodies": 50, "omit_cost": False, "cost_404s": 0,
     "gen_vocab": list(range(97, 123)) + [32], "gen_think": None, "gen_eot": None, "gen_include_stop": True,
     "gen_abort_rate": 0.0, "require_tool_reasoning": False, "fault_at": {},
-    "storm_s": 0.0,
+    "storm_s": 0.0, "error200_code": 502,
 }
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -126,6 +128,8 @@ class FaultApp:
         self.outcomes: dict[str, int] = {}
         self.completed = 0
         self.completed_by_body: dict[str, int] = {}
+        self.billed_by_body: dict[str, int] = {}  # 200 replies a provider bills (ok ones and cut-off ones)
+        self.fail_times: list[float] = []  # time.time() each fail_after answer was sent
         self.in_flight = 0
         self.max_in_flight = 0
         self.connections = 0
@@ -173,7 +177,8 @@ class FaultApp:
     def stats(self) -> dict:
         return {
             "requests": self.requests, "outcomes": dict(self.outcomes), "completed": self.completed,
-            "completed_by_body": dict(self.completed_by_body), "in_flight": self.in_flight,
+            "completed_by_body": dict(self.completed_by_body), "billed_by_body": dict(self.billed_by_body),
+            "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight, "cpu_s": round(time.process_time(), 3),
             "connections": self.connections,
             "last_request_at": self.request_times[-1] if self.request_times else None,
@@ -340,9 +345,10 @@ class FaultApp:
                 self._count("error200")
                 return _response(200, {"id": "gen-err", "provider": c["provider"], "choices": [
                     {"index": 0, "finish_reason": "error", "message": {"role": "assistant", "content": ""},
-                     "error": {"code": 502, "message": "upstream provider error mid-generation"}}]})
-            if fault == "pmalformed":
+                     "error": {"code": int(c["error200_code"]), "message": "upstream provider error mid-generation"}}]})
+            if fault == "pmalformed":  # billed like any generated reply, whatever reached the client
                 self._count("malformed")
+                self.billed_by_body[bh] = self.billed_by_body.get(bh, 0) + 1
                 return _response(200, b'{"id": "gen-x", "choices": [{"message": {"content": "trunc')
             if fault == "psurrogate":  # a reply whose text can't be stored (the client must retry it)
                 self._count("surrogate")
@@ -356,6 +362,7 @@ class FaultApp:
             if fault in ("p402", "fail_status"):
                 code = int(c["fail_status"]) if fault == "fail_status" else 402
                 self._count(str(code))
+                self.fail_times.append(time.time())
                 return _response(code, (fault == "fail_status" and c["fail_body"]) or
                                  {"error": {"code": code, "message": "Insufficient credits"}})
             if native:
@@ -382,6 +389,7 @@ class FaultApp:
             self._count("ok")
             self.completed += 1
             self.completed_by_body[bh] = self.completed_by_body.get(bh, 0) + 1
+            self.billed_by_body[bh] = self.billed_by_body.get(bh, 0) + 1
             if fault == "pbadbytes" and not native:  # valid JSON holding bytes that are not UTF-8 (paid for)
                 self._count("badbytes")
                 resp["choices"][0]["message"]["content"] += " BADBYTES"

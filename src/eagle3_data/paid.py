@@ -9,6 +9,8 @@ and the budgets count it. ``snakemake --forcerun generate`` does not re-buy it e
   U+FFFD replacements instead of being retried as malformed (the reply was paid for); its sample is then a paid
   reject ``invalid_utf8`` (a replaced character is not what the model produced, so its token ids can't be
   reconstructed);
+- :func:`undecodable_reply` -- a 200 body that is not JSON (cut off): a paid reject ``undecodable_reply``, its raw
+  text kept in the journal record (``raw_reply``), never retried (a provider that bills it would bill each retry);
 - :func:`client_error` -- an error code in a 200 body that no retry can fix (4xx other than 408/409/425/429);
 - :func:`check_reply` -- a reply far larger than its billed completion tokens (``reply_too_large``), a reply
   quoting a configured API key (``api_key_in_reply``), a reply naming another model than the one asked for
@@ -47,7 +49,7 @@ class PaidReject(Exception):
 def decode_json(content: bytes) -> tuple[object, int]:
     """``(parsed JSON, number of undecodable bytes replaced)`` of a reply body.
 
-    Raises ValueError when the body is not JSON even with replacements (a truncated body: retried)."""
+    Raises ValueError when the body is not JSON even with replacements (a cut-off body: :func:`undecodable_reply`)."""
     from .backends import codec
 
     try:
@@ -59,6 +61,23 @@ def decode_json(content: bytes) -> tuple[object, int]:
             text = content.decode("utf-8", "replace")
             return json.loads(text), text.count("\ufffd") - content.decode("utf-8", "ignore").count("\ufffd")
         raise
+
+
+#: characters of an undecodable 200 body kept in its reject record (``raw_reply``; the rest is counted, not kept)
+RAW_REPLY_CHARS = 65536
+
+
+def undecodable_reply(backend, content: bytes, exc: Exception, latency_s: float) -> "PaidReject":
+    """The :class:`PaidReject` ``undecodable_reply`` of a 200 body that is not JSON (cut off, or another format):
+    billed by a provider that bills it, so it is journaled once with the start of its raw text (``raw_reply``,
+    at most :data:`RAW_REPLY_CHARS` characters, keys scrubbed) and never bought again."""
+    import time
+
+    raw = content[:RAW_REPLY_CHARS * 4].decode("utf-8", "replace")[:RAW_REPLY_CHARS]
+    return PaidReject("undecodable_reply", f"the HTTP 200 reply is not JSON ({len(content):,} bytes: {str(exc)[:120]}"
+                      "; cut off?): paid for, its raw text journaled, not bought again",
+                      {"backend": backend.name, "provider": backend.name, "model": backend.model,
+                       "latency_s": float(latency_s), "completed_at": time.time(), "raw_reply": raw})
 
 
 def client_error(code) -> int | None:
@@ -152,4 +171,6 @@ def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
                prompt_ids=None)
     if rec.get("model"):
         rec["model"] = scrub(str(rec["model"]), keys)[:200]
+    if exc.fields.get("raw_reply"):  # an undecodable reply's text: kept (scrubbed), in no RESPONSES column
+        rec["raw_reply"] = scrub(exc.fields["raw_reply"], keys)
     return rec

@@ -214,12 +214,16 @@ class Backend:
         can't be (a native prompt the target's template can't render)."""
         return self.dialect.encode(self.cfg, request)
 
-    async def send(self, payload: Payload) -> dict:
+    async def send(self, payload: Payload, gate=None) -> dict:
         """POST one encoded request (:meth:`encode`) after the rate limits; return the parsed reply (RESPONSES fields,
-        the same keys for every dialect) or raise Retryable/Sample/FatalBackendError (messages scrubbed).
+        the same keys for every dialect) or raise Retryable/Sample/FatalBackendError (messages scrubbed), or
+        :class:`eagle3_data.paid.PaidReject` for a 200 reply that can't be read.
 
-        ``payload.est_tokens``: the request's estimated prompt + max_tokens, charged to ``tokens_per_minute``."""
+        ``payload.est_tokens``: the request's estimated prompt + max_tokens, charged to ``tokens_per_minute``;
+        ``gate``: called after the rate limits, just before the request goes out (it raises to stop it)."""
         await self._limits(payload.est_tokens)
+        if gate is not None:
+            gate()
         t0 = time.monotonic()
         try:
             resp = await self.session.post(self.dialect.url(self.cfg), payload.body)

@@ -18,7 +18,7 @@ from ..backends.errors import BackendDown, FatalBackendError
 from ..backends.settings import BackendConfig
 from ..errors import ExpectedFailure, Interrupted, log_to_file
 from ..io import content_hash, remove_stale_partials, write_json
-from ..journal import JournalWriter, read_journal
+from ..journal import JournalWriteError, JournalWriter, read_journal, save_held
 from .budget import JobState
 from .context import job_logging, server_log_path, sigterm_as_exception
 from .output import write_journaled
@@ -43,6 +43,25 @@ class UnpaidFailures(GenerationStopped):
 class GenerationInterrupted(GenerationStopped, Interrupted):
     """SIGTERM or Ctrl-C stopped the job; the journal keeps every response, a rerun resumes."""
 
+
+
+def _held_saved(exc: JournalWriteError, held: list[dict], journal_dir, dataset: str, shard: str,
+                journaled: str) -> JournalWriteError:
+    """``exc`` with where the paid records it kept from the journal went (:func:`..journal.save_held`): the
+    journal after all, a fallback file the hint names (move it into the journal folder before rerunning), or
+    nowhere (those replies are paid for again)."""
+    if not held:
+        return exc
+    path, in_journal = save_held(held, journal_dir, dataset, shard)
+    n = f"{len(held):,} paid repl{'ies' if len(held) != 1 else 'y'}"
+    if path is None:
+        extra = f"{n} that arrived after it could be written nowhere (a rerun pays for them again)"
+    elif in_journal:
+        extra = f"{n} that arrived after it were journaled after all ({path})"
+    else:
+        extra = (f"{n} that arrived after it were written to {path}: move that file into "
+                 f"{Path(journal_dir) / dataset}/ before rerunning (its replies are then not paid for again)")
+    return JournalWriteError(exc.message, hint=f"{extra}; {exc.hint}; {journaled}")
 
 
 def unpaid_text(state: JobState) -> str:
@@ -300,6 +319,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             logger.info("%s %s already reached by journaled responses: nothing sent", tag, state.stopped_by)
 
         jw: list[JournalWriter] = []
+        runners: list[Runner] = []  # the request runner, once made (its held records, after a journal write error)
         display = progress.JobProgress(state, tag, progress_interval_s, logger)
         display.backends = names
         if sample_ids is not None:
@@ -350,6 +370,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                                      journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
                                      writer=writer, write_batch_rows=write_batch_rows, target_format=target_format)
                     runner.keys = paid.configured_keys(backends)
+                    runners.append(runner)
                     if pool is not None:
                         state.t0 = time.monotonic()  # the rate, ETA and tok/s: of the request phase
                         with display.session():
@@ -371,6 +392,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                             "the same command" if server_logs else
                             "start the server or fix the backend's base_url, then rerun the same command")
                 raise GenerationStopped(f"{tag} {exc.message}", hint=f"{hint}; {journaled()}") from None
+            except JournalWriteError as exc:
+                raise _held_saved(exc, runners[0].held if runners else [], journal_dir, dataset, shard,
+                                  journaled()) from None
             except (Terminated, KeyboardInterrupt):
                 log_to_file(logging.getLogger("eagle3_data"), logging.INFO, "%s interrupted: %s", tag,
                             progress.line(state, "").lstrip())
