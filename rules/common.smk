@@ -20,8 +20,8 @@ def _check_config():
     """
     main = workflow.is_main_process
     embedded = os.path.relpath(Path(workflow.basedir) / "config.yaml")
-    files = cfg.config_sources(workflow.overwrite_configfiles, default=embedded)
     try:
+        files = cfg.config_sources(workflow.overwrite_configfiles, default=embedded)  # (a key set twice: refused)
         if main:
             cfg.check_layering(files)
         cfg.validate_config(config, cfg.load_schema(Path(workflow.basedir) / "schemas/config.schema.yaml"), files=files)

@@ -581,3 +581,16 @@ def test_a_response_whose_cost_is_being_looked_up_when_the_job_stops_is_journale
     s = run(tmp_path, fs, p, bk=bk)
     assert s["from_journal"] == 3 and s["sent"] == 3
     assert max(fs.stats()["completed_by_body"].values()) == 1, "a paid response was requested again"
+
+
+def test_a_prompt_larger_than_max_prompt_bytes_is_a_named_reject_never_sent(tmp_path, fs):
+    convs = simple_convs(5)
+    convs[2][0]["content"] = "x" * 5000
+    prompts = write_prompts(tmp_path / "p.parquet", convs)
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_prompt_bytes=2000))
+    assert s["failed"] == {"prompt_too_large": 1} and s["ok"] == 4 and fs.app.requests == 4
+    (row,) = [r for r in pq.read_table(tmp_path / "out.parquet").to_pylist() if r["status"] == "failed"]
+    assert row["sample_id"] == "s0002" and row["messages"] == "[]"  # the oversized prompt is not copied either
+    assert row["error"] == (f"prompt_too_large: {prompts} row 2: 5,079 bytes of messages and tools > "
+                            "generation.max_prompt_bytes 2,000: not sent (raise generation.max_prompt_bytes to "
+                            "send it)")

@@ -10,7 +10,7 @@ from typing import Iterable, Mapping, Sequence
 
 from .lookup import (backends_config, datasets, generated_datasets, generation_config, is_pretokenized,
                      merge_datasets, shard_names)
-from .validation import ConfigError
+from .validation import ConfigError, yaml_keys
 
 
 #: the completion family of the demo's tiny target (``target.build_tiny``; :mod:`eagle3_data.tiny_target`)
@@ -124,7 +124,9 @@ def config_sources(paths: Sequence[str | os.PathLike], default: str | os.PathLik
     shown relative to it).
 
     ``paths``: the ``--configfile`` arguments (Snakemake's ``workflow.overwrite_configfiles``); none given: the
-    embedded ``default``. A file that can't be read or parsed is left out (Snakemake reports it itself).
+    embedded ``default``. A file that can't be read or parsed is left out (Snakemake reports it itself). Raises
+    :class:`ConfigError` for a key set twice in one mapping (naming the file and both lines): YAML would keep the
+    last one silently.
     """
     import yaml
 
@@ -132,11 +134,20 @@ def config_sources(paths: Sequence[str | os.PathLike], default: str | os.PathLik
     out = []
     for name in names:
         try:
-            tree = yaml.safe_load(Path(name).read_text())
-        except (OSError, yaml.YAMLError):
+            text = Path(name).read_text()
+            tree = yaml.safe_load(text)
+            _, dups = yaml_keys(text)
+        except (OSError, yaml.YAMLError, ValueError):
             continue
         shown = os.path.relpath(name) if os.path.isabs(name) else name
-        out.append((name if shown.startswith("..") else shown, tree if isinstance(tree, dict) else {}))
+        shown = name if shown.startswith("..") else shown
+        if dups:
+            path, first, second = dups[0]
+            raise ConfigError(
+                f"Config error in {shown}: {'.'.join(map(str, path))} is set twice, at lines {first} and {second}; "
+                f"YAML keeps only the one at line {second} and silently drops the other (e.g. a budget): merge them "
+                "into one")
+        out.append((shown, tree if isinstance(tree, dict) else {}))
     return out
 
 

@@ -68,6 +68,8 @@ RERUNS: list[tuple[str, str]] = [
     ("generation.retry_max_s", NOTHING),
     ("generation.stop_grace_s", NOTHING),
     ("generation.reject_other_models", "as generation.mode"),
+    ("generation.max_prompt_bytes", "as generation.max_samples (a larger bound sends only the prompts it lets "
+                                    "through)"),
     ("datasets.<name>.source.format", _DS_CHAIN),
     ("datasets.<name>.source.path", _DS_CHAIN),
     ("datasets.<name>.source.max_samples", _DS_CHAIN),
@@ -99,6 +101,8 @@ RERUNS: list[tuple[str, str]] = [
                       "selections; only under a merge.max_samples cap, which counts training rows, extract where a "
                       "selection's samples change)"),
     ("merge.memory_mb", NOTHING),
+    ("bounds.max_concurrency", NOTHING + " (a bound checked before any job runs)"),
+    ("bounds.max_shards", NOTHING + " (a bound checked before any job runs)"),
     ("merge.threads", NOTHING),
     ("extract.backend", "extract (every selection; nothing reusable), export, plan"),
     ("extract.layers", "as extract.backend"),

@@ -34,6 +34,10 @@ class GenerationStopped(ExpectedFailure):
     to do next."""
 
 
+#: reasons of the samples refused before any request (their prompt): not failed requests
+PROMPT_REJECTS = frozenset({"bad_prompt", "prompt_too_large"})
+
+
 class UnpaidFailures(GenerationStopped):
     """Samples whose retries ran out without a paid reply (a dead backend, 5xx, 429, timeouts): the job wrote
     every reply it was paid for to the journal and no output, so rerunning the same command reruns it and sends
@@ -262,7 +266,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         cfgs = [BackendConfig.from_dict(n, backends[n]) for n in names]
         sampling = sampling_params(generation)
 
-        samples, bad = read_prompts(prompts_path, mode)
+        samples, bad = read_prompts(prompts_path, mode, max_bytes=generation.get("max_prompt_bytes"))
         samples.sort(key=lambda s: s.sample_id)
         cap = generation.get("max_samples")
         capped = 0
@@ -298,11 +302,13 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                 logger.warning("%s row %d: duplicate sample_id %s skipped", tag, b["row"], b["sample_id"])
                 continue
             s = Sample(b["sample_id"], "[]", None, [])
+            reason = b.get("reason", "bad_prompt")
             key = content_hash(dataset, b["sample_id"], "bad_prompt")
-            r = failed_row(s, dataset, 0, key, b.get("raw") or "[]", "bad_prompt", b["detail"])
+            # an oversized prompt is not copied into the output (nor, later, one quoting a key)
+            r = failed_row(s, dataset, 0, key, b.get("raw") or "[]", reason, b["detail"])
             r["tools"] = b.get("tools")
             rows.append(r)
-            state.failed["bad_prompt"] = state.failed.get("bad_prompt", 0) + 1
+            state.failed[reason] = state.failed.get(reason, 0) + 1
             state.done += 1
             state.instant += 1
 
@@ -403,7 +409,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
 
             del records
             failed_n = sum(state.failed.values())
-            failed_requests = sum(n for reason, n in state.failed.items() if reason != "bad_prompt")
+            failed_requests = sum(n for reason, n in state.failed.items() if reason not in PROMPT_REJECTS)
             answered = state.new_ok + state.from_journal  # requests with a response (mode all: turns, not samples)
             if failed_requests and answered == 0:
                 # not one request answered: a misconfigured or unreachable backend, not data to keep
