@@ -239,7 +239,7 @@ def test_api_key_check_names_the_variable_and_close_names_never_values():
                    "set, with a close name: OPENROUTER_API_KEY_OLD, OPENROUTER_KEY. Export the key under the name "
                    "the config gives (or correct api_key_env), then run again.")
     assert "sk-secret" not in msg
-    cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "k"})
+    cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "sk-or-v1-0123456789abcdef"})
     cfg.check_api_keys(c, [], {})  # nothing to generate: no key needed
     # backends without a key variable (a local server) need nothing
     demo = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -468,3 +468,18 @@ def test_concurrency_and_shards_past_their_bounds_name_the_file_line_and_the_bou
     c["backends"]["tiny_local"]["max_concurrency"] = 40000
     with pytest.raises(cfg.ConfigError, match="max_concurrency"):  # past what the shared request slots can hold
         cfg.validate_config(c, schema, files=files)
+
+
+@pytest.mark.parametrize("key", ["test", "beta", "k3y9zq", "0123456789abcde"])
+def test_a_key_shorter_than_a_safe_length_is_refused_before_any_request(key):
+    """A local server's `--api-key test`: such a key is an ordinary word of replies, which could then not be
+    checked for it; refused when the config is checked (and at job start), naming the variable, never the value."""
+    c = yaml.safe_load((ROOT / "resources/configs/openrouter.yaml").read_text())
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": key})
+    msg = str(info.value)
+    assert msg.startswith(f"Config error: backends.openrouter.api_key_env: the key in OPENROUTER_API_KEY is {len(key)} "
+                          "characters; a key shorter than 16 could be an ordinary word of a reply")
+    with pytest.raises(cfg.ConfigError) as other:  # the message does not depend on the value
+        cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "x" * len(key)})
+    assert str(other.value) == msg

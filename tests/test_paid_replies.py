@@ -151,7 +151,7 @@ def test_a_huge_reply_billed_as_a_few_tokens_is_refused_before_its_bulk_is_journ
     assert sum(p.stat().st_size for p in (tmp_path / "journal").rglob("*.jsonl")) < 10_000
 
 
-@pytest.mark.parametrize("key", ["sk-or-CANARY-echoed-9d1f", "k3y9zq"])
+@pytest.mark.parametrize("key", ["sk-or-CANARY-echoed-9d1f", "0123456789abcdef"])
 def test_an_api_key_echoed_in_a_reply_is_never_stored(tmp_path, fs, monkeypatch, key):
     monkeypatch.setenv("E3D_PAID_KEY", key)
     fs.app.config.update({"require_key": key, "echo_key": True})
@@ -271,3 +271,46 @@ def test_a_client_error_inside_choices_fails_at_once_like_the_top_level_one(tmp_
     assert n >= 4 and s["failed"] == {"http_413": n} and fs.app.requests == 30 and s["retries"] == 0
     assert all(e.startswith("http_413: error 413 inside a 200 body (choices[0].error): upstream provider error")
                for e in _failed(tmp_path / "out.parquet").values())
+
+
+def test_a_key_in_any_field_of_a_reply_is_never_stored(tmp_path, fs, monkeypatch):
+    """The reply's `model` (here, a provider echoing the key in it) is checked like its text: the reply is a paid
+    reject api_key_in_reply, and the key is in no file (journal, output, log)."""
+    key = "sk-or-CANARY-model-4e7a0c"
+    monkeypatch.setenv("E3D_PAID_KEY", key)
+    fs.app.config.update({"require_key": key, "model": f"vendor/model {key}"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(6))
+    log = tmp_path / "logs" / "job.log"
+    with pytest.raises(GenerationStopped, match="every request failed"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"), log=log)
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 6 and all(r["error"] == "api_key_in_reply: the reply's model quotes a configured API key "
+                                  "(not stored)" for r in recs.values())
+    assert all(r["model"] == "vendor/model [api key]" for r in recs.values())
+    hits = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert hits == []
+
+
+def test_a_short_key_stops_the_job_before_any_request(tmp_path, fs, monkeypatch):
+    monkeypatch.setenv("E3D_PAID_KEY", "test")
+    fs.app.config.update({"require_key": "test"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(4))
+    with pytest.raises(GenerationStopped, match="the key in E3D_PAID_KEY is 4 characters; a key shorter than 16"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"))
+    assert fs.app.requests == 0
+
+
+def test_a_key_in_a_source_prompt_is_a_named_reject_never_sent(tmp_path, fs, monkeypatch):
+    key = "sk-or-CANARY-prompt-19c3d2"
+    monkeypatch.setenv("E3D_PAID_KEY", key)
+    fs.app.config.update({"require_key": key})
+    convs = simple_convs(5)
+    convs[1][0]["content"] = f"my key is {key}, keep it safe"
+    prompts = write_prompts(tmp_path / "p.parquet", convs)
+    s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"))
+    assert s["failed"] == {"api_key_in_prompt": 1} and s["ok"] == 4 and fs.app.requests == 4
+    assert _failed(tmp_path / "out.parquet") == {"s0001": (
+        f"api_key_in_prompt: {prompts} row 1: the prompt quotes a configured API key: not sent (its text is not "
+        "copied here; remove the key from the source)")}
+    hits = [p for p in tmp_path.rglob("*") if p.is_file() and p != prompts and key.encode() in p.read_bytes()]
+    assert hits == []

@@ -188,19 +188,25 @@ def pending_generation(config: dict, root: str | os.PathLike = ".") -> list[str]
 
 
 def check_api_keys(config: dict, dataset_names: Iterable[str], environ: Mapping[str, str] | None = None) -> None:
-    """Every ``api_key_env`` of the backends that ``dataset_names`` generate with must be set (non-empty).
+    """Every ``api_key_env`` of the backends that ``dataset_names`` generate with must be set (non-empty), to a
+    key of at least :data:`eagle3_data.paid.MIN_KEY_CHARS` characters.
 
     Raises :class:`ConfigError` naming each missing variable, the backend and datasets using it, and any set
-    variable with a close name (a typo or another spelling). Never reads out a value.
+    variable with a close name (a typo or another spelling); or a key too short. Never reads out a value.
     """
     env = os.environ if environ is None else environ
     users: dict[str, list[str]] = {}
     for ds in dataset_names:
         for name in backends_config(config, ds):
             users.setdefault(name, []).append(ds)
+    from ..paid import short_key_problem
+
     lines = []
     for name, dss in users.items():
         var = (config["backends"][name] or {}).get("api_key_env")
+        short = short_key_problem(var, env[var].strip()) if var and env.get(var) else None
+        if short:
+            raise ConfigError(f"Config error: backends.{name}.api_key_env: {short}.")
         if not var or env.get(var):
             continue
         close = _close_names(var, [k for k, v in env.items() if v])

@@ -35,7 +35,7 @@ class GenerationStopped(ExpectedFailure):
 
 
 #: reasons of the samples refused before any request (their prompt): not failed requests
-PROMPT_REJECTS = frozenset({"bad_prompt", "prompt_too_large"})
+PROMPT_REJECTS = frozenset({"bad_prompt", "prompt_too_large", "api_key_in_prompt"})
 
 
 class UnpaidFailures(GenerationStopped):
@@ -266,7 +266,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         cfgs = [BackendConfig.from_dict(n, backends[n]) for n in names]
         sampling = sampling_params(generation)
 
-        samples, bad = read_prompts(prompts_path, mode, max_bytes=generation.get("max_prompt_bytes"))
+        samples, bad = read_prompts(prompts_path, mode, max_bytes=generation.get("max_prompt_bytes"),
+                                    keys=paid.configured_keys(backends))
         samples.sort(key=lambda s: s.sample_id)
         cap = generation.get("max_samples")
         capped = 0
@@ -304,7 +305,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             s = Sample(b["sample_id"], "[]", None, [])
             reason = b.get("reason", "bad_prompt")
             key = content_hash(dataset, b["sample_id"], "bad_prompt")
-            # an oversized prompt is not copied into the output (nor, later, one quoting a key)
+            # an oversized prompt, or one quoting a key, is not copied into the output
             r = failed_row(s, dataset, 0, key, b.get("raw") or "[]", reason, b["detail"])
             r["tools"] = b.get("tools")
             rows.append(r)
