@@ -136,3 +136,21 @@ def test_limits_dir_naming_a_file_is_one_line(tmp_path, fs, monkeypatch):
                           "file, not a directory. Point EAGLE3_LIMITS_DIR at a directory (or unset it), then rerun")
     assert fs.app.requests == 0 and "\n" not in msg
     assert os.path.isfile(f)
+
+
+def test_a_duckdb_copy_onto_a_full_disk_is_one_line_naming_the_csv(tmp_path, monkeypatch):
+    """The reports' CSV files are written by DuckDB (``COPY``), whose errors are its own, not OSError."""
+    import duckdb
+
+    from eagle3_data.report.db import write_csv
+
+    class FullDisk:
+        def execute(self, sql):
+            raise duckdb.IOException('IO Error: Could not write file "x": No space left on device')
+
+    out = tmp_path / "reports" / "tally.csv"
+    with pytest.raises(Exception) as ei:
+        write_csv(FullDisk(), "t", ["a"], out)
+    assert type(ei.value).__name__ == "DiskError" and str(ei.value).startswith(
+        f"cannot write {out}: the disk is full ([Errno 28] No space left on device).")
+    assert list(out.parent.iterdir()) == []

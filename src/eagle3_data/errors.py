@@ -80,16 +80,20 @@ WRITE_ERRNOS = frozenset({28, 122, 30, 27})
 def disk_error(exc: BaseException, path=None) -> DiskError | None:
     """A one-line :class:`DiskError` for ``exc`` when it is an ``OSError`` of :data:`DISK_ERRNOS` (also one that
     gives its errno only in its text, as pyarrow's do), naming ``path`` (only for :data:`WRITE_ERRNOS`, which
-    only writing it can have caused; else the file the system names, else none); None for any other
-    exception."""
+    only writing it can have caused; else the file the system names, else none); with ``path``, also another
+    library's error whose text is such an errno's (DuckDB's ``IO Error: ... No space left on device``); None for
+    any other exception."""
     import re
 
-    if not isinstance(exc, OSError):
+    if isinstance(exc, OSError):
+        code = exc.errno
+        if code is None:
+            m = re.search(r"\[Errno (\d+)\]", str(exc))
+            code = int(m.group(1)) if m else None
+    elif path is not None and isinstance(exc, Exception):  # a library's own error (DuckDB's IOException) saying so
+        code = next((c for c in sorted(WRITE_ERRNOS) if os.strerror(c) in str(exc)), None)
+    else:
         return None
-    code = exc.errno
-    if code is None:
-        m = re.search(r"\[Errno (\d+)\]", str(exc))
-        code = int(m.group(1)) if m else None
     if code not in DISK_ERRNOS:
         return None
     if path is not None and code not in WRITE_ERRNOS:
