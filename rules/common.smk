@@ -33,7 +33,7 @@ def _check_config():
             from eagle3_data import prerun
 
             prerun.check_before_run(config, cache_dir=config.get("cache_dir", "cache"), workflow=workflow)
-        if main and getattr(workflow, "check_envvars", True):  # not for --lint
+        if main and getattr(workflow, "check_envvars", True) and "--unlock" not in sys.argv:  # not --lint/--unlock
             try:
                 cfg.check_api_keys(config, cfg.pending_generation(config))
             except cfg.ConfigError as exc:

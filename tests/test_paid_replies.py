@@ -314,3 +314,27 @@ def test_a_key_in_a_source_prompt_is_a_named_reject_never_sent(tmp_path, fs, mon
         "copied here; remove the key from the source)")}
     hits = [p for p in tmp_path.rglob("*") if p.is_file() and p != prompts and key.encode() in p.read_bytes()]
     assert hits == []
+
+
+@pytest.mark.parametrize("asked,replied,same", [
+    ("openai/gpt-4o", "openai/gpt-4o-2024-08-06", True),            # a date suffix
+    ("anthropic/claude-3-5-sonnet", "anthropic/claude-3-5-sonnet-20241022", True),
+    ("moonshotai/kimi-k2", "moonshotai/kimi-k2-0905", True),        # a version suffix
+    ("moonshotai/kimi-k2.5", "kimi-k2.5", True),                    # the vendor left out
+    ("moonshotai/kimi-k2.5", "MoonshotAI/Kimi-K2.5", True),         # case
+    ("vendor/model:free", "vendor/model", True),                    # an OpenRouter routing variant asked for
+    ("vendor/model-x", "vendor/model", False),                      # a shorter, older name: another model
+    ("openai/gpt-4o", "openai/gpt-4o-mini", False),                 # a longer name that is not a version
+    ("a/model", "b/model", False),                                  # another vendor's
+])
+def test_a_reply_names_the_model_asked_for_only_as_the_same_id_or_a_versioned_one(asked, replied, same):
+    from eagle3_data.paid import same_model
+
+    assert same_model(asked, replied) is same
+
+
+def test_a_reply_from_a_shorter_older_name_counts_as_another_model(tmp_path, fs):
+    fs.app.config.update({"model": "vendor/model"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(4))
+    s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, model="vendor/model-x"))
+    assert s["ok"] == 4 and s["other_model_replies"] == 4

@@ -58,3 +58,21 @@ def test_a_rerun_sends_exactly_the_samples_that_failed_without_a_paid_reply(tmp_
         fs.app.reset()
         p = _snakemake(wd)
         assert p.returncode == 0 and "Nothing to be done" in p.stdout + p.stderr and fs.app.requests == 0
+
+
+def test_unlock_runs_without_the_api_key(tmp_path, target_dir):  # noqa: F811
+    """After a kill -9 the lock must be released before anything else: `snakemake --unlock` needs no API key."""
+    import yaml
+
+    with FaultServer() as fs:
+        wd = _workflow(tmp_path, target_dir, fs)
+    cfg = yaml.safe_load((wd / "mine.yaml").read_text())
+    cfg["backends"]["fake"]["api_key_env"] = "E3D_NOT_SET_KEY"
+    (wd / "mine.yaml").write_text(yaml.safe_dump(cfg))
+    env = snakemake_env(unset=["E3D_NOT_SET_KEY"])
+    p = subprocess.run([sys.executable, "-m", "snakemake", "--unlock", "--configfile", "mine.yaml"], cwd=wd, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "1", "--configfile", "mine.yaml"],
+                       cwd=wd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "E3D_NOT_SET_KEY is not set" in p.stderr  # a build still needs it

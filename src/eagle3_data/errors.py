@@ -90,7 +90,8 @@ def disk_error(exc: BaseException, path=None) -> DiskError | None:
         if code is None:
             m = re.search(r"\[Errno (\d+)\]", str(exc))
             code = int(m.group(1)) if m else None
-    elif path is not None and isinstance(exc, Exception):  # a library's own error (DuckDB's IOException) saying so
+    elif path is not None and isinstance(exc, Exception) and not isinstance(exc, ExpectedFailure):
+        # a library's own error (DuckDB's IOException) saying so; an expected failure already says what it is
         code = next((c for c in sorted(WRITE_ERRNOS) if os.strerror(c) in str(exc)), None)
     else:
         return None

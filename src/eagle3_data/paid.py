@@ -128,13 +128,30 @@ def short_key_problem(var: str, key: str) -> str | None:
             "$(python -c 'import secrets; print(secrets.token_hex(16))')`)")
 
 
+#: what a reply's model may add to the name asked for and still be that model: a version or a date
+#: (``-2024-08-06``, ``-20241022``, ``-0905``, ``-v2``, ``@001``, ``-v1.5``), nothing else (``-mini`` is another)
+_VERSION_SUFFIX = re.compile(r"[-_.:@]v?\d+(?:[-_.]\d+)*")
+#: OpenRouter's routing variants of an id (``vendor/model:free``): the reply names the model without them
+_ROUTING_VARIANT = re.compile(r":(free|beta|extended|thinking|online|nitro|floor|exacto)$")
+
+
 def same_model(asked: str | None, replied: str | None) -> bool:
-    """Whether a reply's ``model`` names the model asked for: equal, or one a dated/versioned form of the other
-    (``openai/gpt-4o`` vs ``openai/gpt-4o-2024-08-06``), case-insensitive; unknown counts as the same."""
+    """Whether a reply's ``model`` names the model asked for: the same id, or the id with a version or date suffix
+    added (``openai/gpt-4o`` -> ``openai/gpt-4o-2024-08-06``), case-insensitive; the vendor prefix may be left out
+    on either side, an OpenRouter routing variant (``:free``) of the asked id is ignored; unknown counts as the
+    same. A shorter or other name (``vendor/model`` for ``vendor/model-x``, ``gpt-4o-mini`` for ``gpt-4o``) is
+    another model."""
     if not asked or not replied:
         return True
-    a, r = asked.strip().lower(), replied.strip().lower()
-    return a == r or r.startswith(a) or a.startswith(r) or a.rsplit("/", 1)[-1] == r.rsplit("/", 1)[-1]
+    a = _ROUTING_VARIANT.sub("", asked.strip().lower())
+    r = replied.strip().lower()
+    if a == r:
+        return True
+    a_vendor, _, a_name = a.rpartition("/")
+    r_vendor, _, r_name = r.rpartition("/")
+    if a_vendor and r_vendor and a_vendor != r_vendor:
+        return False
+    return r_name == a_name or (r_name.startswith(a_name) and bool(_VERSION_SUFFIX.fullmatch(r_name[len(a_name):])))
 
 
 def text_bytes(fields: dict) -> int:
