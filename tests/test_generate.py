@@ -594,3 +594,14 @@ def test_a_prompt_larger_than_max_prompt_bytes_is_a_named_reject_never_sent(tmp_
     assert row["error"] == (f"prompt_too_large: {prompts} row 2: 5,079 bytes of messages and tools > "
                             "generation.max_prompt_bytes 2,000: not sent (raise generation.max_prompt_bytes to "
                             "send it)")
+
+
+def test_the_responses_parquet_has_the_generation_id_of_each_reply(tmp_path, fs):
+    """The backend's id of each reply (OpenRouter's billing record) is a column, for new and journaled replies."""
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
+    run(tmp_path, fs, prompts)
+    ids = {f"gen-{body_hash(b)}" for b in fs.app.bodies}
+    first = pq.read_table(tmp_path / "out.parquet")
+    assert "generation_id" in first.column_names and set(first.column("generation_id").to_pylist()) == ids
+    run(tmp_path, fs, prompts, out="again.parquet")  # read back from the journal
+    assert set(pq.read_table(tmp_path / "again.parquet").column("generation_id").to_pylist()) == ids

@@ -189,7 +189,7 @@ def check_reply(fields: dict, *, asked_model: str | None, keys=(), reject_other_
 
 #: the fields a paid reject's journal record keeps (no text: never the reply's content, a key, 10 MB)
 REJECT_FIELDS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd", "backend", "provider",
-                 "model", "latency_s", "completed_at", "finish_reason")
+                 "model", "latency_s", "completed_at", "finish_reason", "generation_id")
 
 
 def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
@@ -199,7 +199,7 @@ def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
     rec.update(status="failed", error=scrub(f"{exc.reason}: {exc.message}", keys)[:2000], reasoning=None,
                content=None, tool_calls=None, output_ids=None,
                prompt_ids=None)
-    for k in ("model", "provider", "backend", "finish_reason"):  # every text field kept: scrubbed
+    for k in ("model", "provider", "backend", "finish_reason", "generation_id"):  # every text field kept: scrubbed
         if isinstance(rec.get(k), str):
             rec[k] = scrub(rec[k], keys)[:200]
     if exc.fields.get("raw_reply"):  # an undecodable reply's text: kept (scrubbed), in no RESPONSES column
