@@ -605,3 +605,15 @@ def test_the_responses_parquet_has_the_generation_id_of_each_reply(tmp_path, fs)
     assert "generation_id" in first.column_names and set(first.column("generation_id").to_pylist()) == ids
     run(tmp_path, fs, prompts, out="again.parquet")  # read back from the journal
     assert set(pq.read_table(tmp_path / "again.parquet").column("generation_id").to_pylist()) == ids
+
+
+def test_sporadic_429s_do_not_slow_the_backend_down(tmp_path, fs, caplog):
+    """5 % of requests refused with 429 (as a busy provider does): retried as before, the backend keeps its
+    requests in flight (the adaptive back-off is for storms: most answers 429s)."""
+    fs.app.config.update({"p429": 0.05, "retry_after_s": 0.05, "latency_min_s": 0.02, "latency_max_s": 0.05,
+                          "fault_at": {"p429": "start"}, "seed": 9})
+    fs.app.reset()
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(200))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=8))
+    assert s["ok"] == 200 and fs.app.outcomes["429"] >= 5 and s["retry_reasons"] == {"http_429": fs.app.outcomes["429"]}
+    assert fs.app.max_in_flight == 8 and not [r for r in caplog.records if "rate limited" in r.getMessage()]

@@ -9,6 +9,7 @@ returns the parsed reply (RESPONSES fields), whatever the dialect.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 
@@ -23,6 +24,11 @@ from .request import Payload, Request
 from .settings import BackendConfig
 
 logger = logging.getLogger("eagle3_data.backends")
+
+#: a storm of 429s, which the adaptive back-off answers (Backend.rate_limited): at least STORM_MIN_429 of the
+#: backend's last STORM_WINDOW answers were 429s, and at least half of them
+STORM_WINDOW = 20
+STORM_MIN_429 = 4
 
 
 def dialect_for(cfg: BackendConfig):
@@ -42,10 +48,11 @@ class Backend:
     Rate limits (``requests_per_minute``, ``tokens_per_minute``): this job sends at ``rate_share`` of them
     (1 / the jobs that use the backend, in a workflow run), so the jobs together stay under them.
 
-    Rate limits answered (HTTP 429): an adaptive back-off (:meth:`rate_limited`) pauses the backend and halves the
-    requests this job keeps in flight to it (``limit``, at least 1) once per round of requests, and each reply that
-    arrives raises it by one again, up to ``cap``; a 429 that slows the backend down uses up no retry of its
-    request, so a storm of 429s slows the job instead of failing its samples.
+    Rate limits answered (HTTP 429): in a storm of them (most of the last answers; a sporadic 429 is retried as
+    any error), an adaptive back-off (:meth:`rate_limited`) pauses the backend and halves the requests this job
+    keeps in flight to it (``limit``, at least 1) once per round of requests, and each reply that arrives raises
+    it by one again, up to ``cap``; a 429 that slows the backend down uses up no retry of its request, so a storm
+    of 429s slows the job instead of failing its samples.
 
     Health: ``eject_after`` consecutive backend faults (connection refused, 5xx) take it out of rotation for
     ``eject_s`` seconds; its requests go to the other backends meanwhile. A backend whose every attempt ended in such
@@ -64,6 +71,7 @@ class Backend:
         self.cut_at = 0.0  # monotonic time of the last cut: a 429 to a request sent before it cuts no further
         self.cuts = 0
         self.rounds = 0  # cuts since the last reply that arrived (the pause doubles with them)
+        self.recent: collections.deque = collections.deque(maxlen=STORM_WINDOW)  # last answers: 429 or not
         self.grew = False  # the last reply raised the limit: a released slot wakes one more waiter
         self.slots = slots  # HostSlots or None
         if slots is not None:
@@ -138,6 +146,8 @@ class Backend:
     def record(self, ok: bool, backend_fault: bool = False, error: str | None = None) -> None:
         """Count a request's outcome. ``backend_fault`` (refused connection, 5xx) with ``error`` (reason: text)
         counts toward an ejection and toward being down (see the class docstring)."""
+        if not (error or "").startswith("http_429"):  # (a 429 is counted by rate_limited)
+            self.recent.append(False)
         if ok:
             self.rounds = 0
             if self.limit < self.cap:
@@ -167,13 +177,19 @@ class Backend:
 
     def rate_limited(self, sent_at: float, retry_after: float | None = None, initial_s: float = 1.0,
                      max_s: float = 60.0) -> bool:
-        """A request sent at ``sent_at`` (``time.monotonic()``) was answered HTTP 429. The first such answer of a
+        """A request sent at ``sent_at`` (``time.monotonic()``) was answered HTTP 429. In a storm (at least
+        :data:`STORM_MIN_429` of the backend's last :data:`STORM_WINDOW` answers, and half of them, were 429s: a
+        sporadic 429 is retried as any other error), the first such answer of a
         round (to a request sent after the last one's cut) halves ``limit`` (at least 1) and pauses the backend
         for ``retry_after`` seconds (else ``initial_s`` doubling per round in a row, at most ``max_s``): no request
         of this job goes to it meanwhile (a storm answered at once would otherwise be asked again at once).
         Returns True when the 429 is not to use up a retry of its request (the backend was being slowed down:
         ``limit`` was above 1, or the request left before the round's cut), False once the job sends it one
         request at a time."""
+        self.recent.append(True)
+        n = sum(self.recent)
+        if n < STORM_MIN_429 or 2 * n < len(self.recent):  # a sporadic 429: retried as any other error
+            return False
         if sent_at < self.cut_at:  # the same round as the last cut
             return True
         now = time.monotonic()
