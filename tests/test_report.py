@@ -469,3 +469,33 @@ def test_run_summary_says_how_many_failed_without_a_paid_reply_and_that_a_rerun_
            "again): storm 37." in lines
     assert "Failed, not paid, recorded as failed (generation.unpaid_failures: keep): `snakemake --forcerun " \
            "generate` retries them: kept 3." in lines
+
+
+def test_a_failed_runs_last_screen_says_why_each_job_failed(tmp_path):
+    """The cause on the last screen, not 80 lines above it: each failed job's one-line error from its log (the
+    last attempt only, this run's logs only, interrupts left out)."""
+    import os
+    import time
+
+    from eagle3_data.report import run_summary
+
+    logs = tmp_path / "logs"
+    (logs / "generate" / "chat").mkdir(parents=True)
+    mark = "===== 2026-01-01T00:00:00+00:00 pid 1: a new attempt (earlier ones above) ====="
+    (logs / "generate" / "chat" / "000.log").write_text(
+        f"{mark}\n10:00:00 ERROR eagle3_data: an earlier attempt's error\n{mark}\n"
+        "10:01:00 INFO eagle3_data.generate: [chat/000] 100 samples\n"
+        "10:01:05 ERROR eagle3_data: [chat/000] backend 'or': environment variable OR_KEY (api_key_env) is not set "
+        "or empty. Export OR_KEY=<your key> and rerun the same command\n")
+    (logs / "generate" / "chat" / "001.log").write_text(
+        f"{mark}\n10:01:06 ERROR eagle3_data: [chat/001] interrupted. Rerun the same command to resume\n")
+    old = logs / "generate" / "chat" / "002.log"
+    old.write_text(f"{mark}\n09:00:00 ERROR eagle3_data: a failure of an earlier run\n")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    datasets = {"chat": {"source": {"format": "sharegpt"}}}
+    text = run_summary(datasets, tmp_path / "results", run_s=60.0, ok=False, logs_dir=logs)
+    lines = text.splitlines()
+    i = lines.index("Why (each failed job's error; its log has the details):")
+    assert lines[i + 1:] == [f"  {logs}/generate/chat/000.log: [chat/000] backend 'or': environment variable OR_KEY "
+                             "(api_key_env) is not set or empty. Export OR_KEY=<your key> and rerun the same command"]
+    assert "Why" not in run_summary(datasets, tmp_path / "results", run_s=60.0, ok=True, logs_dir=logs)

@@ -129,14 +129,48 @@ def pilot_spend(datasets_config: dict, results_dir="results") -> dict | None:
     return {"requests": max(0, requests), "cost_usd": cost} if found else None
 
 
+#: how a job's one-line failure looks in its log (errors.report_failure through logs.setup_logging's format)
+_ERROR_MARK = " ERROR eagle3_data: "
+_ATTEMPT_MARK = ": a new attempt (earlier ones above) ====="
+
+
+def failure_causes(logs_dir="logs", since: float | None = None, limit: int = 6) -> list[str]:
+    """Why the jobs of a failed run failed: the one-line error of each job log under ``logs_dir`` written since
+    ``since`` (unix time), from its last attempt, as ``"<log>: <message>"`` (at most 400 characters; interrupts
+    left out: the run says those itself); at most ``limit`` of them, then a line counting the rest."""
+    import re
+
+    found = []
+    root = Path(logs_dir)
+    for log in sorted(root.rglob("*.log")) if root.is_dir() else []:
+        try:
+            mtime = log.stat().st_mtime
+            if since is not None and mtime < since:
+                continue
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        last = max((i for i, ln in enumerate(lines) if ln.endswith(_ATTEMPT_MARK)), default=-1)
+        errors = [ln.split(_ERROR_MARK, 1)[1] for ln in lines[last + 1:] if _ERROR_MARK in ln]
+        errors = [e for e in errors if not re.match(r"(\[[^\]]*\] )?interrupted\b", e)]
+        if errors:
+            found.append((mtime, f"{log}: {errors[-1][:400]}"))
+    found.sort()
+    out = [text for _, text in found[:limit]]
+    if len(found) > limit:
+        out.append(f"... and {len(found) - limit} more job(s): their logs, under {root}/")
+    return out
+
+
 def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | None = None,
-                ok: bool = True, tally_path=None, run_dir=None) -> str:
+                ok: bool = True, tally_path=None, run_dir=None, logs_dir="logs") -> str:
     """The run's last lines (Snakefile ``onsuccess`` / ``onerror``): a table of :func:`run_summary_rows` and where
     the full reports are.
 
     ``run_s``: the run's wall time (the Total row's time); ``ok``: False after a failed run (the title says what
     the table covers); ``tally_path``: the tally file to point to, when it exists; ``run_dir``: the run's
-    directory (snapshots of the shards that did not finish, :func:`run_summary_rows`)."""
+    directory (snapshots of the shards that did not finish, :func:`run_summary_rows`); ``logs_dir``: after a failed
+    run, the one-line error of each job that failed in it (:func:`failure_causes`) is shown under the table."""
     from tabulate import tabulate
 
     rows = run_summary_rows(datasets_config, results_dir, run_dir)
@@ -165,6 +199,13 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
     if pilot is not None:
         lines.append(f"Forecast pilot: {pilot['requests']:,} responses paid for, ${format_usd(pilot['cost_usd'])} "
                      "(journaled: the build does not pay for them again; counted in Cost once generate reads them).")
+    if not ok:
+        import time
+
+        causes = failure_causes(logs_dir, None if run_s is None else time.time() - run_s - 1)
+        if causes:
+            lines.append("Why (each failed job's error; its log has the details):")
+            lines += [f"  {c}" for c in causes]
     if tally_path is not None and Path(tally_path).exists():
         lines.append(f"Tokens, rejects by reason, cost by backend: {tally_path} (all reports: "
                      f"{Path(tally_path).parent}/)")
