@@ -37,7 +37,8 @@ def test_a_rerun_sends_exactly_the_samples_that_failed_without_a_paid_reply(tmp_
         paid = fs.app.completed
         assert 20 < N - paid < 100 and paid == _journaled(wd)  # every paid reply is journaled
         lines = [ln for ln in out.splitlines() if "failed without a paid reply (http_50" in ln]
-        assert len(lines) == 2 and all("Rerun the same command to send them" in ln for ln in lines), out[-3000:]
+        jobs = [ln for ln in lines if " ERROR eagle3_data: " in ln]  # each job's one line, as it ends
+        assert len(jobs) == 2 and all("Rerun the same command to send them" in ln for ln in jobs), out[-3000:]
         assert "Traceback" not in out
         assert not any((wd / t).exists() for t in TARGETS)  # no output: the same command reruns both jobs
         screen = out[out.index("Run summary (the run failed"):]
@@ -45,6 +46,9 @@ def test_a_rerun_sends_exactly_the_samples_that_failed_without_a_paid_reply(tmp_
         assert row[:5] == ["chat", "2/2", str(N), str(paid), str(N - paid)], row
         assert (f"Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled is "
                 f"paid again): chat {N - paid}.") in screen
+        why = screen[screen.index("Why (each failed job's error; its log has the details):"):].splitlines()[1:3]
+        assert sorted(ln.split(":")[0].strip() for ln in why) == ["logs/generate/chat/000.log",
+                                                                  "logs/generate/chat/001.log"]
 
         fs.app.config.update({"p5xx": 0.0})
         fs.app.reset()
