@@ -20,6 +20,7 @@ TOY = {
     "generation_run": ["--toy"],
     "tokenize_validate": ["--toy"],
     "rehearsal": ["--toy"],
+    "draft_quality": ["--toy"],
 }
 #: modules the benchmarks import, not benchmarks themselves
 HELPERS = {"rehearsal_data", "rehearsal_server"}
@@ -34,6 +35,8 @@ KEYS = {
                        "snakemake_floor", "met"],
     "tokenize_validate": [],
     "rehearsal": ["incremental", "samples", "merged_samples"],
+    "draft_quality": ["drafters", "tau_onpolicy", "ratio_regenerated_vs_original", "fp8_vs_bf16_tau_abs_diff",
+                      "targets", "sizes", "seeds"],
 }
 
 
@@ -76,6 +79,22 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
             floor["time_to_first_job_s"] / out["time_to_first_request_s"]["baseline"], rel=0.01), floor
         assert floor["cpu_ratio"] == pytest.approx(
             (floor["job_cpu_s_mean"] * 4 + out["baseline_cpu_s"]) / out["baseline_cpu_s"], rel=0.05), floor
+    if name == "draft_quality":  # three drafters, the same steps and tokens, scored on the same held-out rows
+        d, sizes = out["drafters"], out["sizes"]
+        assert set(d) == {"regenerated", "original", "regenerated_fp8"}
+        assert sizes["train_samples"]["regen"] > 0 and sizes["train_samples"]["orig"] > 0
+        assert d["regenerated_fp8"]["train_samples"] == d["regenerated"]["train_samples"]
+        for k in d:
+            fit, on = d[k]["training"], d[k]["onpolicy"]["overall"]
+            assert fit["steps"] == sizes["steps"] and fit["tokens"] == sizes["steps"] * sizes["tokens_per_step"]
+            assert on["samples"] == sum(sizes["heldout_onpolicy"].values()) and on["positions"] > 0
+            assert on["tau"] == pytest.approx(1 + sum(on["acc"]), abs=2e-4) and len(on["acc"]) == sizes["ttt_steps"]
+            assert out["tau_onpolicy"][k] == on["tau"]
+        # the same data in the same order, only the storage of the auxiliary states differs
+        assert d["regenerated_fp8"]["training"]["supervised_tokens"] == d["regenerated"]["training"]["supervised_tokens"]
+        assert out["ratio_regenerated_vs_original"] == pytest.approx(
+            out["tau_onpolicy"]["regenerated"] / out["tau_onpolicy"]["original"], abs=2e-4)
+        assert set(out["targets"]) >= {"onpolicy_tau_ratio_ge", "fp8_tau_abs_diff_le", "onpolicy_ratio_met", "fp8_met"}
     if name == "extract":  # the ceiling: the decoder's FLOPs at the best matmul rate; no run gets below its floor
         fb = out["flop_bound"]
         assert 0 < fb["floor_s"] < fb["ours_s"] and fb["target_s"] == pytest.approx(fb["baseline_s"] / 2, abs=1e-3)
