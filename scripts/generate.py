@@ -6,14 +6,17 @@ startup.acquire()  # one job per CPU core starts at a time, so the first request
 
 import logging  # noqa: E402
 
+from eagle3_data import run as run_mod  # noqa: E402
 from eagle3_data.errors import in_workflow_run, run_stage  # noqa: E402
 from eagle3_data.generate import generate  # noqa: E402
 from eagle3_data.logs import setup_logging  # noqa: E402
 from eagle3_data.settings import GenerateSettings  # noqa: E402
 
-# inside a workflow run the console shows the run-wide view (eagle3_data.runview): this shard's progress lines and
-# summary go to its log file, only warnings and errors to the console
-log = setup_logging(snakemake.log[0], console_level=logging.WARNING if in_workflow_run() else None)
+# inside a workflow run the console shows the run-wide view (eagle3_data.runview): this shard's progress lines,
+# warnings and summary go to its log file, only its one-line error to the console; the view counts its warnings by
+# reason. A job on another host than the run's (a cluster job: no view there) prints its warnings too.
+console = logging.ERROR if run_mod.current() is not None else logging.WARNING if in_workflow_run() else None
+log = setup_logging(snakemake.log[0], console_level=console)
 ds, shard = snakemake.wildcards.ds, snakemake.wildcards.shard
 # the whole settings from the config at run time (rule params carry only the part the responses depend on, as
 # rerun triggers): concurrency, timeouts, rate limits, headers, key variables, launch and retries rerun nothing

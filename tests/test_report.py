@@ -415,15 +415,16 @@ def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
                 "half": {"source": {"format": "sharegpt"}, "shards": 2},
                 "pre": {"source": {"format": "pretokenized"}}}
     rows = run_summary_rows(datasets, res)
-    keys = ("dataset", "shards", "samples", "ok", "failed", "not_sent", "rejected", "kept", "time", "ended_by")
+    keys = ("dataset", "shards", "samples", "ok", "failed", "not_sent", "rejected", "kept", "left", "time",
+            "ended_by")
     assert [tuple(r[k] for k in keys) for r in rows] == [
-        ("gen", "2/2", 58, 37, 2, 16, 8, 34, "2:11", "all samples done, budget_usd"),  # 55 prompts + 3 rows
-        ("half", "1/2", 10, 10, 0, 0, 0, 0, "0:03", "all samples done"),                 # normalize rejected
-        ("pre", "-", 46, None, None, None, 6, 40, "", "pre-tokenized"),  # samples = rejected + kept
-        ("Total", "", 114, 47, 2, 16, 14, 74, "", ""),
+        ("gen", "2/2", 58, 37, 2, 16, 8, 34, 0, "2:11", "all samples done, budget_usd"),  # 55 prompts + 3 rows
+        ("half", "1/2", 10, 10, 0, 0, 0, 0, 10, "0:03", "all samples done"),  # normalize rejected; not validated
+        ("pre", "-", 46, None, None, None, 6, 40, None, "", "pre-tokenized"),  # samples = rejected + kept
+        ("Total", "", 114, 47, 2, 16, 14, 74, 10, "", ""),
     ]
-    for r in (rows[0], rows[2]):  # the columns add up: every source row is kept, rejected or not sent
-        assert r["samples"] == r["kept"] + r["rejected"] + (r["not_sent"] or 0)
+    for r in rows:  # the columns add up: every source row is kept, rejected, not sent or left for a rerun
+        assert r["samples"] == r["kept"] + r["rejected"] + (r["not_sent"] or 0) + (r["left"] or 0)
     assert rows[0]["cost_usd"] == pytest.approx(0.7512) and rows[-1]["cost_usd"] == pytest.approx(0.7512)
     assert rows[2]["cost_usd"] is None
     (res / "reports").mkdir()
@@ -432,12 +433,12 @@ def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
     lines = text.splitlines()
     assert lines[0] == "Run summary (the run failed; what it had finished):"
     assert lines[1].split() == ["Dataset", "Shards", "Samples", "OK", "Failed", "Not", "sent", "Rejected", "Kept",
-                                "Cost", "$", "Time", "Ended", "by"]
+                                "Left", "Cost", "$", "Time", "Ended", "by"]
     cells = {ln.split()[0]: ln.split() for ln in lines[3:7]}
-    assert cells["gen"] == ["gen", "2/2", "58", "37", "2", "16", "8", "34", "0.75", "2:11", "all", "samples",
+    assert cells["gen"] == ["gen", "2/2", "58", "37", "2", "16", "8", "34", "0", "0.75", "2:11", "all", "samples",
                             "done,", "budget_usd"]
     assert cells["pre"] == ["pre", "-", "46", "6", "40", "pre-tokenized"]
-    assert cells["Total"] == ["Total", "114", "47", "2", "16", "14", "74", "0.75", "1:02:05"]
+    assert cells["Total"] == ["Total", "114", "47", "2", "16", "14", "74", "10", "0.75", "1:02:05"]
     assert lines[-1] == f"Tokens, rejects by reason, cost by backend: {res}/reports/tally.md (all reports: {res}/reports/)"
     assert len(lines) <= 12                                            # one screen
 

@@ -119,7 +119,7 @@ def iter_journal_file(path: str | os.PathLike, stats: dict | None = None, warn: 
                 stats["bad_lines"] += 1
                 if warn:
                     logger.warning("journal %s line %d: %s; skipped (its request is sent again)", path, lineno,
-                                   str(exc)[:200])
+                                   str(exc)[:200], extra={"reason": "journal_bad_line"})
                 continue
             yield rec
 

@@ -43,3 +43,39 @@ def setup_logging(log_path: str | None = None, level: int = logging.INFO,
 
     sys.excepthook = log_uncaught
     return logger
+
+
+class WarningTally(logging.Handler):
+    """Counts the warnings (and errors) that reach it by reason, into ``counts``: a record's ``reason`` (``extra=
+    {"reason": ...}``), else ``"other"``; a record with ``tally=False`` is left out (counted elsewhere: a failed
+    sample is in the job's ``failed`` counts). A generate job's counts go to the run-wide view
+    (:mod:`eagle3_data.runview`), which shows them per reason instead of a console line per warning; the text of
+    each warning stays in the job's log file."""
+
+    def __init__(self, counts: dict | None = None):
+        super().__init__(logging.WARNING)
+        self.counts = {} if counts is None else counts
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "tally", True) is False:
+            return
+        reason = str(getattr(record, "reason", None) or "other")
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+
+def tally_warnings(counts: dict | None = None, logger_name: str = "eagle3_data"):
+    """A context manager: while it is open, the warnings of ``logger_name`` (and its children) are counted by
+    :class:`WarningTally` into ``counts`` (a new dict by default), which it yields."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def _cm():
+        h = WarningTally(counts)
+        lg = logging.getLogger(logger_name)
+        lg.addHandler(h)
+        try:
+            yield h.counts
+        finally:
+            lg.removeHandler(h)
+
+    return _cm()

@@ -197,10 +197,11 @@ class JobProgress:
             return
         from . import runview
 
-        down = {}
+        down = {}  # the backends out for good or failing every attempt now (Backend.trouble)
         for b in getattr(self.pool, "backends", None) or []:
-            if getattr(b, "down", None):
-                down[getattr(b, "name", "?")] = str(b.down)[:160]
+            why = b.trouble() if hasattr(b, "trouble") else getattr(b, "down", None)
+            if why:
+                down[getattr(b, "name", "?")] = str(why)[:200]
         snap = runview.snapshot(self.state, self.dataset, self.shard, backends=self.backends, down=down, final=final)
         snap["kind"] = self.kind
         runview.write_snapshot(self.run_dir, snap)

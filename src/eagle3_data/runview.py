@@ -6,14 +6,18 @@ it fails or is stopped. The main ``snakemake`` process (Snakefile ``onstart``, :
 ``interval_s`` and prints, per backend (the shards that generate through it; a dataset with several backends in
 priority order counts under the first)::
 
-    generate openrouter: 1,234/5,000 samples, 12/16 shards | in flight 96/100 | 1,520 tok/s | $3.21 of $50.00 | ETA 41:02
+    generate openrouter: 1,234/5,000 samples, 12/16 shards | in flight 96/100 | 1,520 tok/s | $3.21 of $50.00 | warnings: http_503 12, timeout 3 | ETA 41:02
 
 On a terminal, a ``rich`` live table redrawn in place at the bottom, with Snakemake's own messages (and
 anything else the main process prints) scrolling above it; in logs, CI and other non-terminals, plain lines,
 printed when they change. ``EAGLE3_LIVE_VIEW=0`` asks for the plain lines on a terminal too. ``ETA`` is the
-remaining samples at the samples/s of the last minute; a backend whose shards report it down, or that answered
-nothing for ``stall_s`` while work is left, shows ``down`` (with the jobs' last error) instead of an ETA that would
-only grow. The per-shard lines and summaries go to the shard logs (``logs/generate/<ds>/<shard>.log``) and files.
+remaining samples at this run's own samples/s over the last minute: samples answered by the journal (a resume)
+or refused before any request are left out of the rate. ``warnings`` counts the jobs' warnings by reason (failed
+samples by their failure reason, budget stops, a backend taken out, ...): a generate job of a run prints none to
+the console, its log has their text. A backend that its jobs see down (every attempt for a few seconds refused
+or answered 5xx: :meth:`eagle3_data.backends.pool.Backend.trouble`), or that answered nothing for ``stall_s``
+while work is left, shows ``DOWN: <why>`` instead of an ETA that would only grow, for as long as it lasts. The
+per-shard lines and summaries go to the shard logs (``logs/generate/<ds>/<shard>.log``) and files.
 
 The snapshots are also what the run's last screen counts for a shard that did not finish (failed or stopped):
 what its job had journaled (:func:`read_snapshots`).
@@ -45,8 +49,11 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
     config answered by the journal), journaled (both: this config's responses that will not be requested
     again), completion_tokens, cost_usd (dollars of this job's new, journaled responses), spent_usd (with the
     journal's), retries, sent, last_error, down (backend -> why it is out), elapsed_s (of the request phase),
-    unpaid (samples of ``failed`` that got no paid reply: a rerun sends them),
-    last_done_at (unix s of the last finished request), updated_at (unix s), final (the job ended), pid."""
+    unpaid (samples of ``failed`` that got no paid reply: a rerun sends them), failed_by (reason -> failed samples),
+    warnings (reason -> the job's other warnings, :class:`eagle3_data.logs.WarningTally`), budget_tokens and
+    spent_tokens (the completion-token budget's share and spend), budget_in_flight (requests in flight when a budget
+    was reached), last_done_at (unix s of the last finished request), updated_at (unix s), final (the job ended),
+    pid."""
     now = time.time()
     return {
         "dataset": dataset, "shard": shard, "backends": list(backends), "total": state.total,
@@ -60,6 +67,10 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
         "elapsed_s": round(time.monotonic() - state.t0, 3), "last_done_at": state.last_done_at,
         "updated_at": now, "final": bool(final), "pid": os.getpid(), "kind": "generate",
         "other_model": getattr(state, "other_model", 0), "unpaid": sum(getattr(state, "unpaid", {}).values()),
+        "failed_by": dict(state.failed), "warnings": dict(getattr(state, "warnings", None) or {}),
+        "budget_tokens": getattr(state, "budget_tokens", None),
+        "spent_tokens": state.spent_tokens() if hasattr(state, "spent_tokens") else None,
+        "budget_in_flight": getattr(state, "budget_in_flight", None),
     }
 
 
@@ -92,6 +103,16 @@ def _clock(seconds: float) -> str:
 
 def _usd(v: float) -> str:
     return f"${v:,.4f}" if v < 100 else f"${v:,.2f}"
+
+
+def warnings_text(counts: dict, most: int = 3) -> str:
+    """``{"timeout": 3, "http_503": 12}`` -> ``"http_503 12, timeout 3"`` (the ``most`` commonest, then ``+N more``
+    reasons); ``""`` for none."""
+    items = sorted(((k, int(v)) for k, v in (counts or {}).items() if v), key=lambda kv: (-kv[1], kv[0]))
+    text = ", ".join(f"{k} {v:,}" for k, v in items[:most])
+    if len(items) > most:
+        text += f", +{len(items) - most} more"
+    return text
 
 
 class RunView:
@@ -127,7 +148,11 @@ class RunView:
 
     def rows(self, now: float | None = None) -> list[dict]:
         """One dict per backend with started shards: backend, shards, started, finished, done, total, in_flight,
-        limit, tok_s, spent_usd, budget_usd, eta_s (None: unknown), down (why, or None)."""
+        limit, tok_s, spent_usd, budget_usd, eta_s (None: unknown), down (why, or None), warnings (reason -> count:
+        failed samples by reason, replies naming another model, the jobs' other warnings).
+
+        The ETA's rate is this run's: samples done without a request (answered by the journal on a resume, an
+        unusable prompt: ``instant``) are counted in ``done`` but not in the samples/s."""
         now = time.time() if now is None else now
         out = []
         for label, snaps in self._groups().items():
@@ -137,21 +162,29 @@ class RunView:
             done = sum(s["done"] for s in started)
             total = sum(s["total"] for s in started)
             tokens = sum(s["completion_tokens"] for s in started)
+            # this run's requests only: a resume's journaled samples arrive at once and are no rate
+            requested = sum(s["done"] - int(s.get("instant") or 0) for s in started)
             hist = self.history.setdefault(label, [])
-            hist.append((now, done, tokens))
+            hist.append((now, requested, tokens))
             while len(hist) > 2 and hist[1][0] <= now - self.window_s:
                 hist.pop(0)
             t0, d0, k0 = hist[0]
             span = now - t0
-            rate = (done - d0) / span if span > 0 else 0.0
+            rate = (requested - d0) / span if span > 0 else 0.0
             tok_s = (tokens - k0) / span if span > 0 else 0.0
             if span <= 0:  # the first look: the jobs' own mean rates
                 el = max((s["elapsed_s"] for s in started), default=0.0)
-                rate = (done - sum(s.get("instant", 0) for s in started)) / el if el > 0 else 0.0
+                rate = requested / el if el > 0 else 0.0
                 tok_s = tokens / el if el > 0 else 0.0
             # shards not started yet: their samples are unknown until they start; counted as the mean started shard
             left = total - done + (len(snaps) - len(started)) * (total / len(started))
-            downs = sorted({f"{b}: {why}" for s in started for b, why in (s.get("down") or {}).items()})
+            # one reason per backend: that of the shard that wrote last (the shards see the same backend)
+            why_by: dict[str, tuple[float, str]] = {}
+            for s in started:
+                for b, why in (s.get("down") or {}).items():
+                    if b not in why_by or float(s.get("updated_at") or 0) > why_by[b][0]:
+                        why_by[b] = (float(s.get("updated_at") or 0), why)
+            downs = [f"{b}: {why}" for b, (_, why) in sorted(why_by.items())]
             last = max((s.get("last_done_at") or 0.0 for s in started), default=0.0)
             first = min((s["updated_at"] - s["elapsed_s"] for s in started), default=now)
             active = [s for s in started if not s.get("final")]
@@ -170,7 +203,21 @@ class RunView:
                 "in_flight": sum(s["in_flight"] for s in active), "limit": limit, "tok_s": tok_s,
                 "spent_usd": sum(s["spent_usd"] for s in started), "budget_usd": budget,
                 "eta_s": None if downs or rate <= 0 else left / rate, "down": "; ".join(downs) or None,
+                "warnings": self._warnings(started),
             })
+        return out
+
+    @staticmethod
+    def _warnings(snaps: list[dict]) -> dict:
+        out: dict[str, int] = {}
+        for s in snaps:
+            counts = dict(s.get("failed_by") or {})
+            if s.get("other_model"):
+                counts["other_model"] = int(s["other_model"])
+            for k, v in (s.get("warnings") or {}).items():
+                counts[k] = counts.get(k, 0) + int(v)
+            for k, v in counts.items():
+                out[k] = out.get(k, 0) + int(v)
         return out
 
     @staticmethod
@@ -181,6 +228,8 @@ class RunView:
         parts.append(f"in flight {r['in_flight']}" + (f"/{r['limit']}" if r["limit"] else ""))
         parts.append(f"{r['tok_s']:,.0f} tok/s")
         parts.append(_usd(r["spent_usd"]) + (f" of {_usd(r['budget_usd'])}" if r["budget_usd"] is not None else ""))
+        if r.get("warnings"):
+            parts.append(f"warnings: {warnings_text(r['warnings'])}")
         if r["down"]:
             parts.append(f"DOWN: {r['down']}"[:160])
         elif r["started"] == r["finished"] == r["shards"]:
@@ -197,15 +246,15 @@ class RunView:
         from rich.table import Table
 
         t = Table(title="generation", box=None, pad_edge=False)
-        for h in ("backend", "samples", "shards", "in flight", "tok/s", "spent", "ETA"):
-            t.add_column(h, justify="left" if h == "backend" else "right")
+        for h in ("backend", "samples", "shards", "in flight", "tok/s", "spent", "warnings", "ETA"):
+            t.add_column(h, justify="left" if h in ("backend", "warnings", "ETA") else "right")
         for r in self.rows(now):
-            eta = ("down" if r["down"] else "done" if r["finished"] == r["shards"]
+            eta = (f"DOWN: {r['down']}"[:120] if r["down"] else "done" if r["finished"] == r["shards"]
                    else _clock(r["eta_s"]) if r["eta_s"] is not None else "-")
             t.add_row(r["backend"], f"{r['done']:,}/{r['total']:,}", f"{r['started']}/{r['shards']}",
                       f"{r['in_flight']}" + (f"/{r['limit']}" if r["limit"] else ""), f"{r['tok_s']:,.0f}",
                       _usd(r["spent_usd"]) + (f" of {_usd(r['budget_usd'])}" if r["budget_usd"] is not None else ""),
-                      eta)
+                      warnings_text(r.get("warnings") or {}) or "-", eta)
         return t
 
 

@@ -29,6 +29,9 @@ logger = logging.getLogger("eagle3_data.backends")
 #: backend's last STORM_WINDOW answers were 429s, and at least half of them
 STORM_WINDOW = 20
 STORM_MIN_429 = 4
+#: a backend whose every attempt (at least 3) for this many seconds ended in a backend fault shows as down in the
+#: run-wide view while it lasts (Backend.trouble); it is taken out only after its down_after_s
+LIVE_DOWN_S = 5.0
 
 
 def dialect_for(cfg: BackendConfig):
@@ -172,7 +175,7 @@ class Backend:
                 self.consecutive_faults = 0
                 logger.warning(
                     "backend %s: %d consecutive failures, out of rotation for %.0f s",
-                    self.name, self.eject_after, self.eject_s,
+                    self.name, self.eject_after, self.eject_s, extra={"reason": "backend_ejected"},
                 )
 
     def rate_limited(self, sent_at: float, retry_after: float | None = None, initial_s: float = 1.0,
@@ -203,7 +206,8 @@ class Backend:
         self.cuts += 1
         (logger.warning if self.cuts == 1 else logger.info)(
             "backend %s: rate limited (HTTP 429): paused %.1f s, then at most %d request(s) in flight from this job "
-            "(was %d; one more per reply that arrives)", self.name, pause, int(self.limit), int(before))
+            "(was %d; one more per reply that arrives)", self.name, pause, int(self.limit), int(before),
+            extra={"reason": "rate_limited"})
         return before > 1.0
 
     def check_down(self, now: float) -> bool:
@@ -211,12 +215,27 @@ class Backend:
         ``down_after_s`` have passed since the first (checked at each fault and by :meth:`BackendPool.watch`)."""
         if not self.down and self.fault_since is not None and self.fault_count >= 3 \
                 and now - self.fault_since >= self.cfg.down_after_s:
-            err = self.last_error or ""
-            what = ("refused connections" if err.startswith("connection_error")
-                    else "answered only HTTP 5xx" if err.startswith("http_5") else "failed")
-            self.down = (f"{what} for {now - self.fault_since:.0f} s ({self.fault_count} attempts, none succeeded; "
-                         f"backends.{self.name}.down_after_s is {self.cfg.down_after_s:g})")
+            self.down = (f"{self._failing()} for {now - self.fault_since:.0f} s ({self.fault_count} attempts, none "
+                         f"succeeded; backends.{self.name}.down_after_s is {self.cfg.down_after_s:g})")
         return bool(self.down)
+
+    def _failing(self) -> str:
+        err = self.last_error or ""
+        return ("refused connections" if err.startswith("connection_error")
+                else "answered only HTTP 5xx" if err.startswith("http_5") else "failed")
+
+    def trouble(self, now: float | None = None) -> str | None:
+        """Why the backend is not answering now, for the run-wide view (:mod:`eagle3_data.runview`): its ``down``
+        reason once it is out, else, while every attempt (at least 3) of the last :data:`LIVE_DOWN_S` seconds or
+        more ended in a backend fault, what it does, since when and the last error; None while it answers."""
+        if self.down:
+            return self.down
+        now = time.monotonic() if now is None else now
+        if self.fault_since is None or self.fault_count < 3 \
+                or now - self.fault_since < min(LIVE_DOWN_S, self.cfg.down_after_s):
+            return None
+        return (f"{self._failing()} for {now - self.fault_since:.0f} s ({self.fault_count} attempts, none succeeded; "
+                f"out after {self.cfg.down_after_s:g} s); last error: {(self.last_error or '')[:100]}")
 
     async def _limits(self, est_tokens: int) -> None:
         if self.limiter is not None:
@@ -350,7 +369,8 @@ class BackendPool:
                 if b.down and b.name not in logged:
                     logged.add(b.name)
                     logger.warning("backend %s (%s) is out for this job: it %s; last error: %s; its requests go to "
-                                   "the other backends", b.name, b.cfg.base_url, b.down, b.last_error)
+                                   "the other backends", b.name, b.cfg.base_url, b.down, b.last_error,
+                                   extra={"reason": "backend_down"})
 
     async def acquire(self, avoid: Backend | None = None) -> Backend:
         """The first backend in priority order with a free slot. ``avoid`` (the backend whose fault ended a

@@ -2,7 +2,9 @@
 
 Budgets (per dataset in config; a shard job gets ``1/num_shards`` of each): ``budget_completion_tokens`` and
 ``budget_usd`` stop *new* requests once spent + (in flight x mean per completed request) reaches the budget, so the
-overshoot is at most what was in flight (:meth:`JobState.budget_reached`).
+overshoot is at most what was in flight: the replies of the requests in flight when it was reached, each at most
+``max_tokens`` completion tokens (:meth:`JobState.budget_reached`; ``budget_in_flight`` counts them, and the run's
+last screen says by how much a budget was overshot, :func:`eagle3_data.report.run_summary`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class JobState:
     last_error: str | None = None  # "<reason>: <text> (backend <name>)" of the last failed request
     last_unpaid: str | None = None  # the same, of the last sample that failed without a paid reply
     logged_errors: dict = field(default_factory=dict)  # reason -> failures logged with their text so far
+    # the job's warnings by reason (eagle3_data.logs.tally_warnings): the run-wide view counts them, the log has them
+    warnings: dict = field(default_factory=dict)
+    budget_in_flight: int | None = None  # requests in flight when a budget first refused one (its overshoot)
     t0: float = field(default_factory=time.monotonic)
     first_sent_at: float | None = None  # unix time this run's first request asked for a slot
     last_done_at: float | None = None  # unix time its last attempt ended
@@ -73,4 +78,6 @@ class JobState:
                 reached = "budget_usd"
         if reached:
             self.stopped_by = reached
+            if self.budget_in_flight is None:
+                self.budget_in_flight = self.in_flight
         return reached

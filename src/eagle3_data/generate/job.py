@@ -19,6 +19,7 @@ from ..backends.settings import BackendConfig
 from ..errors import ExpectedFailure, Interrupted, log_to_file
 from ..io import content_hash, remove_stale_partials, write_json
 from ..journal import JournalWriteError, JournalWriter, read_journal, save_held
+from ..logs import tally_warnings
 from .budget import JobState
 from .context import job_logging, server_log_path, sigterm_as_exception
 from .output import write_journaled
@@ -255,7 +256,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
     if logging.getLogger("httpx").level == logging.NOTSET:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     tag = f"[{dataset}/{shard}]"
-    with job_logging(log), sigterm_as_exception():
+    # the job's warnings counted by reason (the run-wide view shows the counts; their text stays in the log)
+    with job_logging(log), sigterm_as_exception(), tally_warnings() as warned:
         mode = generation.get("mode", "last")
         names = list(generation.get("backends") or [])
         if not names:
@@ -287,6 +289,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             budget_tokens=None if bt is None else float(bt) / div,
             budget_usd=None if bu is None else float(bu) / div,
         )
+        state.warnings = warned
         # resume index: spend, and (mode all) what the regenerated history needs; texts stay on disk
         keep = ("completion_tokens", "cost_usd", "status", "error") + (
             ("content", "reasoning", "tool_calls") if mode == "all" else ())
@@ -300,7 +303,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         rows: list[dict] = []
         for b in bad:
             if b.get("dup"):
-                logger.warning("%s row %d: duplicate sample_id %s skipped", tag, b["row"], b["sample_id"])
+                logger.warning("%s row %d: duplicate sample_id %s skipped", tag, b["row"], b["sample_id"],
+                               extra={"reason": "duplicate_sample_id"})
                 continue
             s = Sample(b["sample_id"], "[]", None, [])
             reason = b.get("reason", "bad_prompt")
@@ -436,7 +440,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                     f"; {unpaid_text(state)}, recorded as failed (generation.unpaid_failures: keep): "
                     "`snakemake --forcerun generate` sends them again (journaled responses are not)" if unpaid else
                     ": final (an answer no retry can fix, or a paid reply refused; journaled ones are not bought "
-                    "again)")
+                    "again)", extra={"tally": False})  # each failed sample is counted in the view already
             runner.flush()  # new responses: streamed into the writer during the run
             # responses of earlier runs: read back from the journal
             wanted = set(runner.journal_keys)
@@ -460,6 +464,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             "prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,
             "cost_usd": round(state.cost_usd, 6), "total_completion_tokens": state.spent_tokens(),
             "total_cost_usd": round(state.spent_usd(), 6), "by_backend": dict(state.by_backend),
+            # this shard's share of each budget, and the requests in flight when one was reached (its overshoot)
+            "budget_completion_tokens": state.budget_tokens, "budget_usd": state.budget_usd,
+            "budget_in_flight": state.budget_in_flight, "warnings": dict(state.warnings),
             "stopped_by": stopped_by, "servers_started": servers_started, "servers_attached": servers_attached,
             "journal_bad_lines": jstats["bad_lines"], "rows": n_rows, "other_model_replies": state.other_model,
             "wall_s": round(time.monotonic() - t0, 3), **_job_overhead(state), "cpu_s": _cpu_s(),
@@ -468,7 +475,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         if state.not_sent:
             key = state.stopped_by or "budget"
             logger.warning("%s %s", tag, progress.budget_stop_message(
-                state, key, generation.get(key), (budget_sources or {}).get(key) or f"generation.{key}", div))
+                state, key, generation.get(key), (budget_sources or {}).get(key) or f"generation.{key}", div),
+                extra={"reason": key})
         logger.info("%s summary: %s", tag, json.dumps(summary, sort_keys=True))
         if summary_path is not None:
             write_json(summary, summary_path)

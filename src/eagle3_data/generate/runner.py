@@ -167,7 +167,8 @@ class Runner:
                     if n <= 3:
                         logger.warning("[%s] sample %s: paid reply refused: %s (journaled: not bought again)%s",
                                        self.dataset, sample.sample_id, st.last_error[:300],
-                                       " (further ones: in the failed rows only)" if n == 3 else "")
+                                       " (further ones: in the failed rows only)" if n == 3 else "",
+                                       extra={"tally": False})  # counted in ``failed``
                     return
                 except (RetryableError, SampleError) as exc:
                     st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
@@ -182,7 +183,8 @@ class Runner:
                     n = st.logged_errors[exc.reason] = st.logged_errors.get(exc.reason, 0) + 1
                     if n <= 3:  # the text of the first failures of each kind (all are in the failed rows)
                         logger.warning("[%s] sample %s failed: %s%s", self.dataset, sample.sample_id, st.last_error,
-                                       " (further failures of this kind: in the failed rows only)" if n == 3 else "")
+                                       " (further failures of this kind: in the failed rows only)" if n == 3 else "",
+                                       extra={"tally": False})  # counted in ``failed``
                     self.rows.append(failed_row(sample, self.dataset, turn, key, prompt, exc.reason, detail))
                     return
                 self.write(self.journal_append(rec))
@@ -193,7 +195,7 @@ class Runner:
                     st.warned_unknown_cost = True
                     logger.warning("[%s] budget_usd is set but backend %s returned a response without a usable "
                                    "cost (no usage.cost, a failed cost lookup): the dollar budget counts known "
-                                   "costs only", self.dataset, rec.get("backend"))
+                                   "costs only", self.dataset, rec.get("backend"), extra={"reason": "unknown_cost"})
                 st.by_backend[rec["backend"]] = st.by_backend.get(rec["backend"], 0) + 1
                 rec = {k: rec.get(k) for k in ("content", "reasoning", "tool_calls")}  # the history's; rest on disk
                 st.new_ok += 1
@@ -369,7 +371,8 @@ class Runner:
             if st.other_model <= 3:
                 logger.warning("[%s] sample %s: %s; kept (counted in the summary)%s", self.dataset,
                                sample.sample_id, paid.scrub(warning, self.keys)[:300],
-                               "; further ones: counted only" if st.other_model == 3 else "")
+                               "; further ones: counted only" if st.other_model == 3 else "",
+                               extra={"tally": False})  # counted in ``other_model``
         return rec
 
 
@@ -458,7 +461,7 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
             return
         runner.stopping = reason
         logger.warning("[%s] %s: no new requests; %d in flight get %g s to arrive", runner.dataset, reason,
-                       runner.state.in_flight, grace_s)
+                       runner.state.in_flight, grace_s, extra={"reason": "stopping"})
         loop.call_later(grace_s, on_sigterm)
 
     runner.on_stop = on_stop  # a 402 or a journal write error stops the job the same way (Runner.stop_job)
