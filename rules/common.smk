@@ -46,6 +46,19 @@ def _check_config():
         sys.exit(1)
 
 
+# A kill -9 left Snakemake's lock: say how to go on, in one line, before anything else (the config checks included);
+# a command the lock would stop ends there (eagle3_data.run.stale_lock_stops)
+from eagle3_data import run as run_state
+
+if workflow.is_main_process and "--unlock" not in sys.argv and not getattr(
+        getattr(workflow, "output_settings", None), "dryrun", False):
+    _hint = run_state.stale_lock_hint(config.get("cache_dir", "cache"))
+    if _hint:
+        print(_hint, file=sys.stderr, flush=True)
+        if run_state.stale_lock_stops(sys.argv):  # the lock would stop it: the hint is all it prints
+            sys.exit(1)
+
+
 _check_config()
 
 DATASETS = cfg.datasets(config)
@@ -73,11 +86,6 @@ CACHE_DIR = config["cache_dir"]
 # (eagle3_data.run).
 from eagle3_data import run as run_state
 
-if workflow.is_main_process and "--unlock" not in sys.argv and not getattr(
-        getattr(workflow, "output_settings", None), "dryrun", False):
-    _hint = run_state.stale_lock_hint(CACHE_DIR)  # a kill -9 left Snakemake's lock: say how to go on, in one line
-    if _hint:
-        print(_hint, file=sys.stderr)
 if workflow.remote_exec:  # a cluster job: the backends' max_concurrency is split over the jobs that use them
     os.environ.setdefault("EAGLE3_CONCURRENCY", "split")
 

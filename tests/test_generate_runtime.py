@@ -293,7 +293,15 @@ run_stage(work, log=log)
 
 
 def test_run_end_prints_one_interrupt_line_with_the_journal_count(tmp_path, monkeypatch, capsys):
+    """The interrupt line is the run's last words: printed when the snakemake process exits (run.say_last), after
+    Snakemake's closing lines; here printed at once (run._print_last_words)."""
     from eagle3_data import run as run_mod
+
+    monkeypatch.setattr(run_mod, "_said", [True])  # no exit hook in the test process
+
+    def end(*args, **kw):
+        run_mod.end(*args, **kw)
+        run_mod._print_last_words()
 
     journal = tmp_path / "cache" / "journal" / "ds"
     journal.mkdir(parents=True)
@@ -301,7 +309,7 @@ def test_run_end_prints_one_interrupt_line_with_the_journal_count(tmp_path, monk
     (journal / "001.jsonl").write_text('{"a": 4}\n{"torn')
     monkeypatch.setattr(run_mod, "_signals", {"SIGINT": True})
     monkeypatch.delenv("EAGLE3_RUN_DIR", raising=False)
-    run_mod.end(tmp_path / "cache", ok=False)
+    end(tmp_path / "cache", ok=False)
     err = capsys.readouterr().err
     assert err == (f"Interrupted (Ctrl-C). Rerun the same command to resume; 4 responses of this config are "
                    "journaled in "
@@ -309,10 +317,10 @@ def test_run_end_prints_one_interrupt_line_with_the_journal_count(tmp_path, monk
     # this config's datasets only: another config's journal is not "reusable"
     (tmp_path / "cache" / "journal" / "other").mkdir()
     (tmp_path / "cache" / "journal" / "other" / "000.jsonl").write_text('{"a": 5}\n' * 10)
-    run_mod.end(tmp_path / "cache", ok=False, datasets=["ds"])
+    end(tmp_path / "cache", ok=False, datasets=["ds"])
     assert " 4 responses of this config " in capsys.readouterr().err
     monkeypatch.setattr(run_mod, "_signals", {})
-    run_mod.end(tmp_path / "cache", ok=False)
+    end(tmp_path / "cache", ok=False, logs_dir=tmp_path / "logs")  # a failure without a job's error: no line
     assert capsys.readouterr().err == ""
 
 

@@ -41,9 +41,19 @@ def test_a_rerun_sends_exactly_the_samples_that_failed_without_a_paid_reply(tmp_
         assert len(jobs) == 2 and all("Rerun the same command to send them" in ln for ln in jobs), out[-3000:]
         assert "Traceback" not in out
         assert not any((wd / t).exists() for t in TARGETS)  # no output: the same command reruns both jobs
+        # the jobs' warnings (a failed sample each) are counted per reason in the run's view, not printed
+        assert " WARNING eagle3_data" not in out, [ln for ln in out.splitlines() if " WARNING " in ln][:5]
+        views = [ln for ln in out.splitlines() if ln.startswith("generate fake: ")]
+        assert any("| warnings: http_50" in ln for ln in views), views
         screen = out[out.index("Run summary (the run failed"):]
         row = next(ln.split() for ln in screen.splitlines() if ln.startswith("chat "))
-        assert row[:5] == ["chat", "2/2", str(N), str(paid), str(N - paid)], row
+        # no shard finished generate; the columns add up: Samples = Kept + Rejected + Not sent + Left
+        assert row[:5] == ["chat", "0/2", str(N), str(paid), str(N - paid)], row
+        assert int(row[2]) == int(row[6]) + int(row[7]) + int(row[5]) + int(row[8]) and row[8] == str(N), row
+        # the cause is the run's last line, not Snakemake's WorkflowError
+        last = out.rstrip().splitlines()[-1]
+        assert last.startswith("The run failed: logs/generate/chat/00") and "without a paid reply" in last, last
+        assert "At least one job did not complete successfully" not in out
         assert (f"Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled is "
                 f"paid again): chat {N - paid}.") in screen
         why = screen[screen.index("Why (each failed job's error; its log has the details):"):].splitlines()[1:3]

@@ -160,11 +160,17 @@ def test_a_signal_to_snakemake_stops_the_requests(tmp_path, target_dir, server, 
     assert n >= 12
     line = next(ln for ln in out.splitlines() if "Rerun the same command to resume" in ln)
     assert f" {n:,} responses of this config are journaled" in line, (line, n)
-    # the last screen counts what the stopped shards journaled: OK = the journal's lines, a cost, the rest not sent
+    # ... and it is the run's last words: not Snakemake's WorkflowError after a deliberate stop
+    assert out.rstrip().splitlines()[-1] == line, out[-1500:]
+    assert line.startswith("Stopped (SIGTERM). " if how == "sigterm" else "Interrupted (Ctrl-C). ")
+    assert "At least one job did not complete successfully" not in out and "WorkflowError" not in out
+    # the last screen counts what the stopped shards journaled: OK = the journal's lines, a cost, the rest not sent;
+    # no shard finished generate, and the columns add up: Samples = Kept + Rejected + Not sent + Left
     screen = out[out.index("Run summary (the run failed"):]
     row = next(ln.split() for ln in screen.splitlines() if ln.startswith("chat "))
-    assert row[:4] == ["chat", "2/2", str(N), str(n)], row
-    assert int(row[4]) + int(row[5]) == N - n and float(row[8]) > 0 and row[-1] == "stopped", row
+    assert row[:4] == ["chat", "0/2", str(N), str(n)], row
+    assert int(row[4]) + int(row[5]) == N - n and float(row[9]) > 0 and row[-1] == "stopped", row
+    assert int(row[2]) == int(row[6]) + int(row[7]) + int(row[5]) + int(row[8]), row
     _resume(wd, server)
 
 
@@ -175,10 +181,12 @@ def test_kill_9_of_snakemake_stops_its_jobs_and_the_rerun_says_to_unlock(tmp_pat
     p = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
                        cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
-    hints = [ln for ln in p.stderr.splitlines() if "--unlock" in ln and ln.startswith("The snakemake run ")]
-    assert hints == [f"The snakemake run {proc.pid} was killed and left its lock on this directory: run "
+    # the hint is the first line the run prints, and the only one: no banner, no DAG, no LockException after it
+    # (Snakemake's own "Using workflow specific profile ..." comes first: it prints it before reading the Snakefile)
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if not ln.startswith("Using workflow specific profile")]
+    assert lines == [f"The snakemake run {proc.pid} was killed and left its lock on this directory: run "
                      "`snakemake --unlock` (with the same --configfile, if any), then the same command again to "
-                     "resume."], p.stderr[-3000:]
+                     "resume."], p.stdout[-2000:] + p.stderr[-3000:]
     u = subprocess.run([sys.executable, "-m", "snakemake", "--unlock", "--configfile", "mine.yaml"], cwd=wd,
                        env=snakemake_env(), capture_output=True, text=True, timeout=300)
     assert u.returncode == 0, u.stderr[-3000:]

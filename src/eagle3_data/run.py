@@ -11,8 +11,13 @@ reruns because of it). Jobs keep there what the run shares:
 A backend's request slots are not the run's: they are shared by every run and job on the machine
 (:mod:`eagle3_data.backends.limits`), and neither a run's start nor its end touches them.
 
-The Snakefile's ``onsuccess`` / ``onerror`` hooks call :func:`end`: it stops the run's servers, prints one line
-for an interrupted run (Ctrl-C, SIGTERM) saying how to resume, and removes the run directory. Snakemake calls
+The Snakefile's ``onsuccess`` / ``onerror`` hooks call :func:`end`: it stops the run's servers, removes the run
+directory and, after a failed or interrupted run, leaves one line to be the run's last words (:func:`say_last`):
+for an interrupted run (Ctrl-C, SIGTERM) how to resume, for a failed one the first job's error. Snakemake ends a
+failed run with its own lines after the hook (the log file, the elapsed time, ``WorkflowError: At least one job
+did not complete successfully``); that line is printed when the ``snakemake`` process exits, after them, and
+Snakemake's ``WorkflowError`` line is left out (a filter on its logger: the run's last screen says the run
+failed, and why). Snakemake calls
 ``onerror`` after Ctrl-C and SIGTERM too; if the ``snakemake`` process itself is killed (SIGKILL), each server's
 supervisor sees its owner gone and stops the server within a second. A job on another host than the main process
 (a cluster job) is not part of the machine-local run: :func:`current` returns None there, and the job starts its
@@ -21,8 +26,10 @@ own server and splits the request limit (see :mod:`eagle3_data.backends.limits`)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -42,6 +49,10 @@ _stop_file: list[Path] = []  # main process: the run's stop file, written when S
 STOP_FILE = "stop"  # in the run directory: its jobs stop starting requests (see :func:`stop_reason`)
 OWNER_FILE = "owner.json"  # in the run directory: the snakemake process and its working directory
 _started: list[float] = []  # main process: time.monotonic() when the run began
+_last_words: list[str] = []  # main process: printed when the snakemake process exits (say_last)
+_said: list[bool] = []  # say_last installed its exit hook and filter
+#: Snakemake's closing error after a failed run (snakemake/workflow.py, raised after the onerror hook)
+SNAKEMAKE_FAILED_JOBS = "At least one job did not complete successfully"
 
 
 @dataclass(frozen=True)
@@ -250,6 +261,25 @@ def stale_lock_hint(cache_dir: str | os.PathLike, workdir: str | os.PathLike = "
             "(with the same --configfile, if any), then the same command again to resume.")
 
 
+#: command-line options of ``snakemake`` modes that take no lock (snakemake/workflow.py: ``lock_warn_only``, a dry
+#: run, ``--nolock``) or only look at the workflow: a stale lock does not stop them, so its hint is only printed
+NO_LOCK_OPTIONS = frozenset({
+    "--unlock", "--nolock", "-n", "--dry-run", "--dryrun", "--lint", "-S", "--summary", "-D", "--detailed-summary",
+    "--lc", "--li", "--lp", "--list-changes", "--list-code-changes", "--list-input-changes", "--list-params-changes",
+    "--lu", "--list-untracked", "--dag", "--rulegraph", "--filegraph", "--d3dag", "--delete-all-output",
+    "--delete-temp-output", "--archive", "-l", "--list", "--list-rules", "--lt", "--list-target-rules",
+    "--print-compilation", "-h", "--help", "--version", "-v",
+})
+
+
+def stale_lock_stops(argv) -> bool:
+    """Whether a ``snakemake`` command line (``sys.argv``) takes Snakemake's lock, so that a lock a killed run left
+    (:func:`stale_lock_hint`) would stop it: anything but the modes of :data:`NO_LOCK_OPTIONS`. Such a command
+    stops while the Snakefile is read, its hint the only thing it prints (Snakemake would otherwise print its
+    banner and build the DAG, then end with its ``LockException``, the hint lost above them)."""
+    return not any(str(a).split("=", 1)[0] in NO_LOCK_OPTIONS for a in list(argv)[1:])
+
+
 def stop_summary(datasets=None) -> dict:
     """Main process: what this run's jobs journaled, from their snapshots (:mod:`eagle3_data.runview`):
     ``{"journaled": requests answered, "shards": snapshots read}``; ``datasets``: only those."""
@@ -262,10 +292,54 @@ def stop_summary(datasets=None) -> dict:
     return {"journaled": sum(int(s.get("journaled") or 0) for s in snaps) if snaps else None, "shards": len(snaps)}
 
 
-def end(cache_dir: str | os.PathLike, *, ok: bool, out=None, datasets=None) -> None:
-    """Snakefile ``onsuccess`` / ``onerror``: stop the run's launched servers (waiting until they are gone), print
-    one line if the run was interrupted (counting the journaled responses of ``datasets``, this config's),
-    remove the run directory."""
+class _DropFailedJobsError(logging.Filter):
+    """Leaves out Snakemake's closing ``WorkflowError: At least one job did not complete successfully.``"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with contextlib.suppress(Exception):
+            return SNAKEMAKE_FAILED_JOBS not in record.getMessage()
+        return True
+
+
+def _print_last_words(out=None) -> None:
+    out = out or sys.stderr
+    with contextlib.suppress(Exception):
+        for text in _last_words:
+            print(text, file=out)
+        out.flush()
+    _last_words.clear()
+
+
+def say_last(text: str) -> None:
+    """Main process: print ``text`` as the run's last line, when the ``snakemake`` process exits (``atexit``): after
+    the lines Snakemake prints once the ``onerror`` hook returned, whose ``WorkflowError: At least one job did not
+    complete successfully`` is then left out (a filter on Snakemake's logger, ``snakemake.logging``)."""
+    if not _said:
+        _said.append(True)
+        atexit.register(_print_last_words)
+        logging.getLogger("snakemake.logging").addFilter(_DropFailedJobsError())
+    _last_words.append(text)
+
+
+def failure_line(logs_dir="logs", since: float | None = None) -> str | None:
+    """The last line of a failed run: the first failed job's one-line error (its log), and how many more the last
+    screen lists; None when no job log has one (:func:`eagle3_data.report.summary.failure_causes`)."""
+    from .report.summary import failure_causes
+
+    causes = failure_causes(logs_dir, since, limit=1)
+    if not causes:
+        return None
+    more = " (and the others above, under Why)" if len(causes) > 1 else ""
+    return f"The run failed: {causes[0]}{more}"
+
+
+def end(cache_dir: str | os.PathLike, *, ok: bool, out=None, datasets=None, logs_dir="logs") -> None:
+    """Snakefile ``onsuccess`` / ``onerror``: stop the run's launched servers (waiting until they are gone), remove
+    the run directory and, after a failure, leave the run's last line (:func:`say_last`): for an interrupted run how
+    to resume (counting the journaled responses of ``datasets``, this config's), else the first failed job's error
+    (:func:`failure_line`, from the job logs under ``logs_dir``). ``out``: print that line there at once instead
+    (tests)."""
+    say = (lambda text: print(text, file=out)) if out is not None else say_last
     out = out or sys.stderr
     run = current()
     from .runview import stop as stop_view
@@ -289,7 +363,12 @@ def end(cache_dir: str | os.PathLike, *, ok: bool, out=None, datasets=None) -> N
             journaled = counted["journaled"]
             if journaled is None and datasets is not None:
                 journaled = journaled_responses(Path(cache_dir) / "journal", datasets)
-            print(interrupt_message(Path(cache_dir) / "journal", sig, journaled), file=out)
+            say(interrupt_message(Path(cache_dir) / "journal", sig, journaled))
+        else:
+            took = elapsed()
+            line = failure_line(logs_dir, None if took is None else time.time() - took - 1)
+            if line:
+                say(line)
 
 
 async def watch_stop(on_stop, *, run: "Run | None" = None, interval_s: float = 0.5) -> None:
