@@ -51,7 +51,8 @@ Endpoints:
 - ``GET /stats``: counters: ``requests``, ``outcomes`` (by fault), ``completed`` (200-ok replies sent),
   ``completed_by_body`` (request-body hash -> ok replies sent; >1 means the client paid twice),
   ``billed_by_body`` (the same, cut-off ``pmalformed`` replies included: a provider bills them too),
-  ``in_flight``, ``max_in_flight``, ``cpu_s`` (the server process's CPU seconds),
+  ``billed_completion_tokens`` / ``billed_usd`` (usage of the ok chat replies sent: what a client's budget
+  counts), ``in_flight``, ``max_in_flight``, ``cpu_s`` (the server process's CPU seconds),
   ``connections`` (TCP connections that sent a request), ``last_request_at`` (unix time the last chat/generate
   request arrived; every arrival in ``FaultApp.request_times``).
 - ``POST /admin/config`` (JSON: keys above), ``POST /admin/reset`` (zero counters).
@@ -129,6 +130,8 @@ class FaultApp:
         self.completed = 0
         self.completed_by_body: dict[str, int] = {}
         self.billed_by_body: dict[str, int] = {}  # 200 replies a provider bills (ok ones and cut-off ones)
+        self.billed_completion_tokens = 0  # usage.completion_tokens of the ok chat replies sent (what a budget counts)
+        self.billed_usd = 0.0  # their usage.cost
         self.fail_times: list[float] = []  # time.time() each fail_after answer was sent
         self.in_flight = 0
         self.max_in_flight = 0
@@ -178,6 +181,7 @@ class FaultApp:
         return {
             "requests": self.requests, "outcomes": dict(self.outcomes), "completed": self.completed,
             "completed_by_body": dict(self.completed_by_body), "billed_by_body": dict(self.billed_by_body),
+            "billed_completion_tokens": self.billed_completion_tokens, "billed_usd": self.billed_usd,
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight, "cpu_s": round(time.process_time(), 3),
             "connections": self.connections,
@@ -374,6 +378,8 @@ class FaultApp:
             else:
                 resp = self.completion(body, bh)
                 self.costs[resp["id"]] = resp["usage"]["cost"]
+                self.billed_completion_tokens += int(resp["usage"]["completion_tokens"])
+                self.billed_usd += float(resp["usage"]["cost"])
                 if c["omit_cost"]:
                     del resp["usage"]["cost"]
                 if fault == "pbadusage":  # values no column can hold: the client stores nulls, keeps the reply

@@ -48,11 +48,12 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
     not_sent, in_flight, new_ok (responses this job received and journaled), from_journal (requests of this
     config answered by the journal), journaled (both: this config's responses that will not be requested
     again), completion_tokens, cost_usd (dollars of this job's new, journaled responses), spent_usd (with the
-    journal's), retries, sent, last_error, down (backend -> why it is out), elapsed_s (of the request phase),
+    journal's), retries, sent, last_error, elapsed_s (of the request phase),
     unpaid (samples of ``failed`` that got no paid reply: a rerun sends them), failed_by (reason -> failed samples),
     warnings (reason -> the job's other warnings, :class:`eagle3_data.logs.WarningTally`), budget_tokens and
-    spent_tokens (the completion-token budget's share and spend), budget_in_flight (requests in flight when a budget
-    was reached), last_done_at (unix s of the last finished request), updated_at (unix s), final (the job ended),
+    spent_tokens (the completion-token budget's share and spend), budget_in_flight (the replies that could still arrive
+    when the spend reached a budget: its overshoot's bound), down (backend -> why it is out or failing now),
+    last_done_at (unix s of the last finished request), updated_at (unix s), final (the job ended),
     pid."""
     now = time.time()
     return {

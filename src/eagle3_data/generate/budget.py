@@ -50,7 +50,9 @@ class JobState:
     logged_errors: dict = field(default_factory=dict)  # reason -> failures logged with their text so far
     # the job's warnings by reason (eagle3_data.logs.tally_warnings): the run-wide view counts them, the log has them
     warnings: dict = field(default_factory=dict)
-    budget_in_flight: int | None = None  # requests in flight when a budget first refused one (its overshoot)
+    # the replies that could still arrive when the spend first reached a budget: the requests then in flight and
+    # the reply that reached it (note_spend); no request starts after it, so they are all its overshoot can be
+    budget_in_flight: int | None = None
     t0: float = field(default_factory=time.monotonic)
     first_sent_at: float | None = None  # unix time this run's first request asked for a slot
     last_done_at: float | None = None  # unix time its last attempt ended
@@ -60,6 +62,16 @@ class JobState:
 
     def spent_usd(self) -> float:
         return self.cost_usd + self.journal_cost_usd
+
+    def note_spend(self) -> None:
+        """Call after a reply's spend was added: when the spend first reaches a budget, record in
+        ``budget_in_flight`` the requests still in flight plus this reply's (the most the budget can be overshot
+        by: from now on :meth:`budget_reached` refuses every request)."""
+        if self.budget_in_flight is not None:
+            return
+        if (self.budget_tokens is not None and self.spent_tokens() >= self.budget_tokens) or (
+                self.budget_usd is not None and self.spent_usd() >= self.budget_usd):
+            self.budget_in_flight = self.in_flight + 1
 
     def budget_reached(self) -> str | None:
         """Name of the budget that forbids a request now, counting what is in flight at the running mean per
@@ -78,6 +90,4 @@ class JobState:
                 reached = "budget_usd"
         if reached:
             self.stopped_by = reached
-            if self.budget_in_flight is None:
-                self.budget_in_flight = self.in_flight
         return reached

@@ -160,6 +160,7 @@ class Runner:
                     st.completion_tokens += exc.record.get("completion_tokens") or 0
                     st.prompt_tokens += exc.record.get("prompt_tokens") or 0
                     st.cost_usd += exc.record.get("cost_usd") or 0.0
+                    st.note_spend()
                     st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
                     st.done += 1
                     st.last_error = exc.record["error"]
@@ -191,6 +192,7 @@ class Runner:
                 st.completion_tokens += rec.get("completion_tokens") or 0
                 st.prompt_tokens += rec.get("prompt_tokens") or 0
                 st.cost_usd += rec.get("cost_usd") or 0.0
+                st.note_spend()
                 if rec.get("cost_usd") is None and st.budget_usd is not None and not st.warned_unknown_cost:
                     st.warned_unknown_cost = True
                     logger.warning("[%s] budget_usd is set but backend %s returned a response without a usable "
