@@ -94,3 +94,41 @@ def test_plain_lines_on_a_terminal_when_asked(tmp_path, target_dir, server):  # 
     assert re.search(r"^generate fake: 200/200 samples, 2/2 shards", text, re.M), text[-3000:]
     assert not re.search(r"backend\s+samples\s+shards", text)
     assert "\x1b[?25l" not in out
+
+
+def test_a_backend_failing_every_request_shows_down_with_why_while_it_lasts(tmp_path, target_dir):  # noqa: F811
+    """The backend answers HTTP 5xx to everything for ~12 s, then recovers (down_after_s 60: its jobs keep
+    retrying): the run's lines say ``DOWN: fake: answered only HTTP 5xx for N s ...`` during the outage, not only at
+    the end, and an ETA again once it answers; the run succeeds."""
+    import threading
+
+    import yaml
+
+    with FaultServer({"latency_min_s": 0.02, "latency_max_s": 0.05, "min_tokens": 3, "max_tokens": 8,
+                      "p5xx": 1.0}) as fs:
+        wd = _workflow(tmp_path, target_dir, fs, max_retries=12)
+        cfg = yaml.safe_load((wd / "mine.yaml").read_text())
+        cfg["backends"]["fake"]["down_after_s"] = 60
+        cfg["generation"].update(retry_initial_s=0.5, retry_max_s=2)
+        (wd / "mine.yaml").write_text(yaml.safe_dump(cfg))
+        stop = threading.Event()
+
+        def recover():  # 12 s after the first request, the backend answers again
+            while not stop.is_set() and not fs.app.request_times:
+                time.sleep(0.05)
+            if not stop.wait(12):
+                fs.app.config.update({"p5xx": 0.0})
+
+        t = threading.Thread(target=recover, daemon=True)
+        t.start()
+        p = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
+                           cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=300)
+        stop.set()
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.startswith("generate fake: ")]
+    down = [i for i, ln in enumerate(lines) if "| DOWN: fake: answered only HTTP 5xx for " in ln]
+    assert down, lines
+    assert "attempts, none succeeded; out after 60 s); last error: http_50" in lines[down[0]], lines[down[0]]
+    # ... while it lasted: the lines after it show an ETA or done again
+    assert any("| ETA " in ln or ln.endswith("| done") for ln in lines[down[-1] + 1:]), lines
