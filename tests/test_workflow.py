@@ -64,9 +64,9 @@ def test_every_stage_output_exists_and_tally_is_printed(built):
             prompts = len(rows([built / f"results/{ds}/prompts/{s:03d}.parquet" for s in range(n)]))
             source_rejects = len(rows([built / f"results/{ds}/rejected/normalize.parquet"]))
             # shards, samples (the source rows: prompts + normalize's rejects), ok, failed, not sent, rejected,
-            # kept, cost; every source row is kept or rejected (the columns add up)
-            assert cells[ds][1:9] == [f"{n}/{n}", str(prompts + source_rejects), str(prompts), "0", "0",
-                                      str(rejected), str(kept), "0.00"], summary
+            # kept, left, cost; every source row is kept or rejected (the columns add up)
+            assert cells[ds][1:10] == [f"{n}/{n}", str(prompts + source_rejects), str(prompts), "0", "0",
+                                       str(rejected), str(kept), "0", "0.00"], summary
             assert prompts + source_rejects == kept + rejected
         assert cells[ds][-1] in ("done", "pre-tokenized")
     # the server the build launched is gone and left no temp files behind
