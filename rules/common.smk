@@ -83,9 +83,7 @@ CACHE_DIR = config["cache_dir"]
 
 # The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through the environment: the
 # Snakefile's onstart begins it (so `snakemake -n` and --lint change nothing), its onsuccess/onerror hooks end it
-# (eagle3_data.run).
-from eagle3_data import run as run_state
-
+# (eagle3_data.run; imported above as run_state).
 if workflow.remote_exec:  # a cluster job: the backends' max_concurrency is split over the jobs that use them
     os.environ.setdefault("EAGLE3_CONCURRENCY", "split")
 

@@ -510,3 +510,15 @@ def test_rate_limits_are_split_over_the_jobs_that_use_the_backend(monkeypatch):
     with backend_pool([c], None, {"b": 4}, "[t]") as pool:
         (b,) = pool.backends
         assert (b.limiter.max_rate, b.token_limiter.max_rate) == (120.0, 40_000.0)
+
+
+def test_a_stale_lock_stops_only_the_commands_that_take_the_lock():
+    """After a kill -9 a build (or --report, --touch) stops at the hint, the only line it prints; a dry run, a lint,
+    --unlock, --nolock and the other modes without a lock print it and go on (eagle3_data.run.stale_lock_stops)."""
+    from eagle3_data.run import stale_lock_stops
+
+    assert stale_lock_stops(["snakemake", "--cores", "2", "--configfile", "my.yaml"])
+    assert stale_lock_stops(["snakemake", "--report", "report.html"])
+    for mode in (["-n"], ["--dry-run"], ["--lint"], ["--unlock"], ["--nolock", "--cores", "2"], ["--summary"],
+                 ["--list-changes=code"], ["--dag"], ["--rulegraph"]):
+        assert not stale_lock_stops(["snakemake", *mode, "--configfile", "my.yaml"]), mode

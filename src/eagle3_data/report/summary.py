@@ -43,7 +43,7 @@ def _validated_current(results: Path, ds: str, shard: str) -> bool:
     chain = [_mtime(results / ds / "responses" / f"{shard}.parquet")
              or _mtime(results / ds / "responses" / f"{shard}.json"),
              _mtime(results / ds / "tokens" / f"{shard}.parquet")]
-    ends = [_mtime(results / ds / "validated" / f"{shard}.parquet"), _mtime(results / ds / "rejected" / f"{shard}.parquet")]
+    ends = [_mtime(results / ds / name / f"{shard}.parquet") for name in ("validated", "rejected")]
     if None in ends or chain[0] is None:
         return False
     return all(t is None or e + 1e-3 >= t for e in ends for t in chain)
@@ -257,17 +257,16 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
              "normalize's included. Kept: validated. Left: not validated yet (their replies are journaled; the same "
              "command finishes them). Cost: journaled responses. Time: the longest generate shard"
              + ("; Total: the run." if run_s is not None else ".")]
-    over = [r for r in rows[:-1] if r.get("overshoot")]
+    over = [(r["dataset"], r["overshoot"]) for r in rows[:-1] if r.get("overshoot")]
     if over:
-        def spent(o):
-            if o["key"] == "budget_usd":
-                return f"${format_usd(o['spent'])} of ${format_usd(o['budget'])}"
-            return f"{o['spent']:,.0f} of {o['budget']:,.0f} completion tokens"
+        def said(ds: str, o: dict) -> str:
+            spent = (f"${format_usd(o['spent'])} of ${format_usd(o['budget'])}" if o["key"] == "budget_usd"
+                     else f"{o['spent']:,.0f} of {o['budget']:,.0f} completion tokens")
+            pct = 100 * (o["spent"] / o["budget"] - 1) if o["budget"] else 0.0
+            return f"{ds} {o['key']} {spent} (+{pct:.1f}%, {o['in_flight']:,} in flight)"
 
-        lines.append("Budget overshoot (the replies in flight when it was reached; each at most max_tokens): " + "; ".join(
-            f"{r['dataset']} {r['overshoot']['key']} {spent(r['overshoot'])} "
-            f"(+{100 * (r['overshoot']['spent'] / r['overshoot']['budget'] - 1) if r['overshoot']['budget'] else 0:.1f}%, "
-            f"{r['overshoot']['in_flight']:,} in flight)" for r in over) + ".")
+        lines.append("Budget overshoot (the replies in flight when it was reached; each at most max_tokens): "
+                     + "; ".join(said(ds, o) for ds, o in over) + ".")
     original = [r["dataset"] for r in rows[:-1] if r["kind"] == "original"]
     if original:
         lines.append(f"Original answers (answers: original; no request sent, no cost): {', '.join(original)}.")
