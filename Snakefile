@@ -50,8 +50,7 @@ rule all:
         # the held-out set's exports, only with merge.heldout > 0
         heldout_exports=expand("results/export/heldout/{layout}.json", layout=EXPORT_LAYOUTS) if MERGE.heldout else [],
         # speculators' data directories (the `datasets` files beside hidden_states/)
-        speculators_dataset=(rules.export_dataset.output + (rules.export_dataset_heldout.output if MERGE.heldout else [])
-                             if "speculators" in EXPORT_LAYOUTS else []),
+        speculators_dataset=speculators_datasets(),
     default_target: True
 
 

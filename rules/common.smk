@@ -57,7 +57,18 @@ MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
 EXPORT = ExportSettings.from_config(config)
 EXPORT_LAYOUTS = EXPORT.layouts
-from eagle3_data.export import SPECULATORS_DATASET_FILES
+from eagle3_data.export import LAYOUTS, SPECULATORS_DATASET_FILES, SPECULATORS_LAYOUTS
+EXPORT_LAYOUT_PATTERN = "|".join(LAYOUTS)
+SPECULATORS_LAYOUT_PATTERN = "|".join(SPECULATORS_LAYOUTS)
+
+
+def speculators_datasets():
+    """The data-directory files of every requested speculators layout (rule export_dataset), and of the held-out
+    set's with merge.heldout > 0."""
+    layouts = [x for x in EXPORT_LAYOUTS if x in SPECULATORS_LAYOUTS]
+    sets = ["results/export/{layout}"] + (["results/export/heldout/{layout}"] if MERGE.heldout else [])
+    return [f.format(layout=x) + f"/{name}" for f in sets for x in layouts
+            for name in list(SPECULATORS_DATASET_FILES) + ["token_freq.pt"]]
 TARGET = config["target"]
 # each stage's settings, built once from the validated config (defaults: the schema's); rule params are their
 # content keys (params()), so a change reruns exactly the rules whose output depends on it

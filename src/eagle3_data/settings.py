@@ -347,12 +347,29 @@ class ExtractSettings(_Settings):
     final_norm: str
     final_states: str
     aux_format: str
+    final_format: str
+    drafters: list
+    dflash_layers: list | int | None
     gpu_lock_dir: str | None
     model_path: str
     trust_remote_code: bool
     cache_dir: str
 
     CONTENT: ClassVar = cfg.EXTRACT_STATE_KEYS
+
+    def params(self) -> dict:
+        """The stored layout (:data:`eagle3_data.config.EXTRACT_STATE_KEYS`); ``final_format``, ``drafters`` and
+        ``dflash_layers`` only where they change what is stored (``final_format`` other than ``same``, a drafter
+        other than ``eagle3``; ``dflash_layers`` with a DFlash-family drafter), so a config that leaves them at
+        their defaults keeps the params, and the files, it had before they existed."""
+        out = super().params()
+        if out.get("final_format") == "same":
+            del out["final_format"]
+        if list(out.get("drafters") or ["eagle3"]) == ["eagle3"]:
+            del out["drafters"]
+        if not {"dflash", "dspark"} & set(self.drafters or []):
+            del out["dflash_layers"]
+        return out
 
     @classmethod
     def from_config(cls, config: dict) -> "ExtractSettings":
@@ -381,28 +398,47 @@ class PlanSettings(_Settings):
     gpus_total: int
     caps: list
     drop: list
+    write_gb_per_s: float | None
     extract: ExtractSettings
     overflow: str
+    export_layouts: list
+    cache_dir: str
 
     CONTENT: ClassVar = ("tokens_per_s_per_gpu", "measure_tokens", "gpus_total", "caps", "drop")
+
+    def params(self) -> dict:
+        """The plan keys (``write_gb_per_s`` only when set) and ``export.layouts`` (the exports whose bytes the
+        disk check adds; only when some are requested): a change of either rewrites the plan, whose throughput
+        measurement is then reused from ``cache_dir`` (:func:`eagle3_data.plan.measure_throughput`)."""
+        out = super().params()
+        if self.write_gb_per_s:
+            out["write_gb_per_s"] = self.write_gb_per_s
+        if self.export_layouts:
+            out["export_layouts"] = list(self.export_layouts)
+        return out
 
     def extract_params(self) -> dict:
         """The extract keys the plan depends on: the stored layout, ``gpus_per_job`` (wall hours) and, only when
         the plan measures the throughput itself, ``device``, ``batch_tokens`` and ``attention``."""
-        keys = cfg.EXTRACT_STATE_KEYS + ("gpus_per_job",)
+        out = {**self.extract.params(), "gpus_per_job": self.extract.gpus_per_job}
         if not self.tokens_per_s_per_gpu:
-            keys += ("device", "batch_tokens", "attention")
-        return {k: getattr(self.extract, k) for k in keys}
+            out.update({k: getattr(self.extract, k) for k in ("device", "batch_tokens", "attention")})
+        return out
 
     @classmethod
     def from_config(cls, config: dict) -> "PlanSettings":
         return _build(cls, filled("plan", config.get("plan")), extract=ExtractSettings.from_config(config),
-                      overflow=filled("merge", config.get("merge"))["overflow"])
+                      overflow=filled("merge", config.get("merge"))["overflow"],
+                      export_layouts=list(filled("export", config.get("export"))["layouts"]),
+                      cache_dir=config.get("cache_dir", _default("cache_dir")))
 
     @classmethod
     def defaults(cls, extract: ExtractSettings | None = None, **values) -> "PlanSettings":
         overflow = values.pop("overflow", filled("merge", {})["overflow"])
-        return _build(cls, filled("plan", values), extract=extract or ExtractSettings.defaults(), overflow=overflow)
+        layouts = values.pop("export_layouts", filled("export", {})["layouts"])
+        cache_dir = values.pop("cache_dir", _default("cache_dir"))
+        return _build(cls, filled("plan", values), extract=extract or ExtractSettings.defaults(), overflow=overflow,
+                      export_layouts=list(layouts), cache_dir=cache_dir)
 
 
 @dataclass(frozen=True)
@@ -425,11 +461,10 @@ class VocabSettings(_Settings):
 
 @dataclass(frozen=True)
 class ExportSettings(_Settings):
-    """The ``export`` section (``allow_norm_mismatch`` is a check: read at run time)."""
+    """The ``export`` section."""
 
     layouts: list
     group_size: int
-    allow_norm_mismatch: bool
 
     CONTENT: ClassVar = ("group_size",)
 

@@ -20,8 +20,10 @@ TARGET_DATA_KEYS = ("name", "path", "trust_remote_code", "template", "chat_templ
 VALIDATE_DATA_KEYS = ("keep_truncated", "max_tokens")
 #: merge keys that decide the merged rows (``memory_mb``, ``threads``: resources)
 MERGE_DATA_KEYS = ("datasets", "max_samples", "max_len", "overflow", "seed", "shards")
-#: extract keys the stored values depend on (the rest: devices, batch size, attention path, locks)
-EXTRACT_STATE_KEYS = ("backend", "layers", "dtype", "final_norm", "final_states", "aux_format")
+#: extract keys the stored values depend on (the rest: devices, batch size, attention path, locks);
+#: ``ExtractSettings.params`` leaves the last three out where they are at their defaults
+EXTRACT_STATE_KEYS = ("backend", "layers", "dtype", "final_norm", "final_states", "aux_format", "final_format",
+                      "drafters", "dflash_layers")
 
 
 def section(config: dict, name: str) -> dict:

@@ -116,17 +116,22 @@ RERUNS: list[tuple[str, str]] = [
     ("extract.backend", "extract (every selection; nothing reusable), export, plan"),
     ("extract.layers", "as extract.backend"),
     ("extract.dtype", "as extract.backend"),
-    ("extract.final_norm", "as extract.backend"),
+    ("extract.final_norm", "as extract.backend (the default changed from post to both: a build made before "
+                           "extracts once more, unless its config names post or pre)"),
     ("extract.final_states", "as extract.backend"),
     ("extract.aux_format", "as extract.backend"),
+    ("extract.final_format", "as extract.backend"),
+    ("extract.drafters", "as extract.backend (the union of the drafters' layers is stored: adding one adds its "
+                         "layers)"),
+    ("extract.dflash_layers", "as extract.backend, with dflash or dspark in extract.drafters; else nothing"),
     ("extract.gpus_per_job", "plan (wall hours)"),
     ("extract.device", NOTHING + " (plan, when it measures the throughput)"),
     ("extract.batch_tokens", NOTHING + " (plan, when it measures the throughput)"),
     ("extract.attention", NOTHING + " (plan, when it measures the throughput)"),
     ("extract.gpu_lock_dir", NOTHING),
-    ("export.layouts", "export of the layouts added"),
+    ("export.layouts", "export of the layouts added (and export_dataset for a speculators one), plan (its disk "
+                       "check; the throughput it measured is reused); never extract"),
     ("export.group_size", "export"),
-    ("export.allow_norm_mismatch", NOTHING),
     ("plan.*", "plan"),
     ("forecast.pilot_samples", "forecast_pilot and forecast (a larger pilot sends only the samples the journal "
                                "lacks)"),
