@@ -326,7 +326,6 @@ def test_transport_and_run_settings_rerun_nothing(scratch, monkeypatch):
         c["validate"]["count_tolerance"]["aggregate_rel"] = 0.5
         c["merge"].update(memory_mb=2000, threads=1)
         c["extract"].update(gpu_lock_dir="/tmp/other-locks")  # device, batch_tokens: the demo's plan measures
-        c["export"]["allow_norm_mismatch"] = True
 
     _set(scratch, change)
     assert _dry_run_jobs(scratch) == {}
