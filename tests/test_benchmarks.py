@@ -20,6 +20,7 @@ TOY = {
     "generation_run": ["--toy"],
     "tokenize_validate": ["--toy"],
     "rehearsal": ["--toy"],
+    "capture_bytes": ["--toy"],
 }
 #: modules the benchmarks import, not benchmarks themselves
 HELPERS = {"rehearsal_data", "rehearsal_server"}
@@ -34,6 +35,8 @@ KEYS = {
                        "snakemake_floor", "met"],
     "tokenize_validate": [],
     "rehearsal": ["incremental", "samples", "merged_samples"],
+    "capture_bytes": ["states_bytes_per_token", "exports_bytes_per_token", "baseline_specforge_bf16_bytes_per_token",
+                      "ratio_eagle3_fp8_states_vs_baseline", "target_eagle3_fp8_states_le", "met"],
 }
 
 
@@ -76,6 +79,13 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
             floor["time_to_first_job_s"] / out["time_to_first_request_s"]["baseline"], rel=0.01), floor
         assert floor["cpu_ratio"] == pytest.approx(
             (floor["job_cpu_s_mean"] * 4 + out["baseline_cpu_s"]) / out["baseline_cpu_s"], rel=0.05), floor
+    if name == "capture_bytes":  # the writer's bytes at H = 4,096: the plan's formula plus the files' headers
+        for part in ("states_bytes_per_token", "exports_bytes_per_token"):
+            for k, v in out[part].items():
+                assert v["plan_formula"] <= v["bytes_per_token"] <= v["plan_formula"] + 150, (k, v)
+        assert out["states_bytes_per_token"]["eagle3 fp8 (aux + final)"]["plan_formula"] == 16405
+        assert out["exports_bytes_per_token"]["speculators_fp8"]["plan_formula"] == 16396
+        assert 0.49 < out["ratio_eagle3_fp8_states_vs_baseline"] < 0.51 and out["met"] is True
     if name == "extract":  # the ceiling: the decoder's FLOPs at the best matmul rate; no run gets below its floor
         fb = out["flop_bound"]
         assert 0 < fb["floor_s"] < fb["ours_s"] and fb["target_s"] == pytest.approx(fb["baseline_s"] / 2, abs=1e-3)
