@@ -1,6 +1,6 @@
 """Bytes per token on disk: the hidden states in each storage choice and every export layout, at H = 4,096.
 
-    python benchmarks/capture_bytes.py            # 8 samples x 1,024 tokens of an 8B config (~4 GB written)
+    python benchmarks/capture_bytes.py            # 8 samples x 1,024 tokens of an 8B config (35 s, 3.3 GB in a temp folder)
     python benchmarks/capture_bytes.py --toy      # seconds: 2 samples x 96 tokens, the same code (what CI runs)
 
 An 8B target's shapes (Llama-3.1-8B: 32 layers, H = 4,096) without its weights: the extract stage's own writer
