@@ -67,7 +67,7 @@ def speculators_datasets():
     set's with merge.heldout > 0."""
     layouts = [x for x in EXPORT_LAYOUTS if x in SPECULATORS_LAYOUTS]
     sets = ["results/export/{layout}"] + (["results/export/heldout/{layout}"] if MERGE.heldout else [])
-    return [f.format(layout=x) + f"/{name}" for f in sets for x in layouts
+    return [os.path.join(f.format(layout=x), name) for f in sets for x in layouts
             for name in list(SPECULATORS_DATASET_FILES) + ["token_freq.pt"]]
 TARGET = config["target"]
 # each stage's settings, built once from the validated config (defaults: the schema's); rule params are their
