@@ -509,3 +509,35 @@ def test_reader_refuses_a_form_it_cannot_serve_and_reads_v2(tmp_path, tiny_model
     with ex.StatesFile(v2) as sf:
         assert sf.drafter_layers == {"eagle3": [1, 2]} and sf.final_forms == {"post"}
         assert torch.equal(sf.sample(1, final="post")["hidden_states"], ex.StatesFile(post).sample(1)["hidden_states"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norm_formulas_match_the_transformers_classes(dtype):
+    """Each RMSNorm class is found as its own formula, bit-exactly, on rows with outlier channels; the llama and
+    weight_in_fp32 formulas differ by at most one ULP in reduced precision, so the bit-exact share decides."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from eagle3_data.extract.norm import apply_norm, check_formulas, norm_params, pick_formula
+
+    torch.manual_seed(0)
+    want = {LlamaRMSNorm: "llama", Qwen3RMSNorm: "llama", GptOssRMSNorm: "weight_in_fp32", Gemma3RMSNorm: "gemma"}
+    x = torch.randn(300, 256) * torch.logspace(-2, 2, 300)[:, None]
+    x[:, 7] *= 50  # an outlier channel
+    x = x.to(dtype)
+    for cls, formula in want.items():
+        m = cls(256, eps=1e-6)
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(256) * 0.5 + (0.0 if cls is Gemma3RMSNorm else 1.0))
+        m = m.to(dtype)
+        with torch.no_grad():
+            y = m(x)
+        w, eps = norm_params(m)
+        got = check_formulas(x, y, w, eps, dtype, chunk_rows=77)
+        expect = formula if dtype != torch.float32 or formula == "gemma" else "llama"  # fp32: llama == in_fp32
+        assert pick_formula(got) == expect, (cls.__name__, got)
+        assert got[formula] == {"max_ulp": 0, "exact_share": 1.0}
+        assert torch.equal(apply_norm(x, w, eps, formula), y)
+    assert pick_formula({"llama": {"max_ulp": 3, "exact_share": 0.9}}) == "none"

@@ -13,8 +13,11 @@ link the job keeps under ``cache/hidden_states/`` because Snakemake deletes a jo
 it; or ``out_path`` itself when run by hand) and copies, byte for byte, the rows of every sample whose ids and
 loss mask are the same or a prefix of a stored sample's (a truncation by a lower ``merge.max_len``: in a
 causal model a position's states depend on the tokens up to it only), provided the file was computed with
-the same :func:`settings_digest` (backend, target checkpoint, layers, dtype, final norm, storage savers).
-The hard link shares the file's disk blocks: it costs no space while the output exists.
+the same :func:`settings_digest` (backend, target checkpoint, layers, dtype, final norm, storage savers) and,
+with ``final_norm: both``, the same final-norm formula as this job's first batch shows (:mod:`.norm`; the
+check runs on every job that forwards, before its file's header is written, since a norm no formula reproduces
+adds the post-norm rows as a tensor). The hard link shares the file's disk blocks: it costs no space while the
+output exists.
 
 Devices: with a CUDA device (``device`` ``auto`` on a GPU machine, or ``cuda``), the stage first takes
 ``gpus`` distinct devices with :func:`eagle3_data.devices.gpu_devices` (file locks), which sets
