@@ -104,30 +104,45 @@ def run_build(work: Path, cfg: dict, log_path: Path) -> float:
 
 
 def fp8_export(work: Path, cfg: dict) -> Path:
-    """The same merged set exported from states whose auxiliary layers were extracted as ``fp8_e4m3``: every
-    selection of the merge re-extracted with ``aux_format: fp8_e4m3`` beside the build's states, then the
-    speculators export and its data directory. Returns that directory."""
+    """The regenerated datasets' training rows exported from states whose auxiliary layers were extracted as
+    ``fp8_e4m3``: their selections re-extracted with ``aux_format: fp8_e4m3`` beside the build's states (the extract
+    stage's own code and settings but that one), then the speculators export of those rows in the merged order and
+    its data directory. Returns that directory; a second call with the same merge finds it done."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
     from eagle3_data import export as exp
     from eagle3_data import extract as ex
+    from eagle3_data import schemas
+    from eagle3_data.extract.transformers_backend import load_target
+    from eagle3_data.io import write_json
     from eagle3_data.settings import ExportSettings, ExtractSettings
 
     manifest = json.loads((work / "results/merged/manifest.json").read_text())
-    settings = ExtractSettings.from_config({**cfg, "extract": {**cfg["extract"], "aux_format": "fp8_e4m3"}})
-    states = work / "fp8/hidden_states"
-    loaded = None
-    for source, sel in manifest["selections"].items():
-        from eagle3_data.extract.transformers_backend import load_target
-
-        if loaded is None:
-            loaded = load_target(work / cfg["target"]["path"], dtype=settings.dtype, device="cpu")
-        ex.extract_states(work / sel["path"], states / f"{source}.safetensors", selection_digest=sel["digest"],
-                          settings=settings.replace(model_path=str(work / cfg["target"]["path"])), model=loaded)
     out = work / "fp8/export/speculators"
-    starts = exp.start_indices(manifest)
-    for k, shard in enumerate(manifest["shards"]):
-        exp.export(work / shard["path"], out, layout="speculators", states_dir=states, merge_manifest=manifest,
-                   start_index=starts[k], settings=ExportSettings.from_config(cfg))
+    done = work / "fp8/done.json"
+    key = {"selections": {k: v["digest"] for k, v in manifest["selections"].items()}}
+    if done.is_file() and json.loads(done.read_text()) == key:
+        return out
+    settings = ExtractSettings.from_config({**cfg, "extract": {**cfg["extract"], "aux_format": "fp8_e4m3"}})
+    settings = settings.replace(model_path=str(work / settings.model_path))
+    regen = {k: v for k, v in manifest["selections"].items() if k.split("/")[0].endswith("_regen")}
+    states, loaded = work / "fp8/hidden_states", None
+    for source, sel in regen.items():
+        loaded = loaded or load_target(settings.model_path, dtype=settings.dtype, device="cpu")
+        ex.extract_states(work / sel["path"], states / f"{source}.safetensors", selection_digest=sel["digest"],
+                          settings=settings, model=loaded)
+    rows = pq.read_table([work / s["path"] for s in manifest["shards"]][0]) if len(manifest["shards"]) == 1 else \
+        __import__("pyarrow").concat_tables([pq.read_table(work / s["path"]) for s in manifest["shards"]])
+    rows = rows.filter(pc.match_substring_regex(rows.column("dataset"), "_regen$"))
+    merged = work / "fp8/merged.parquet"
+    schemas.write_checked(rows.cast(schemas.MERGED), "merged", merged)
+    shutil.rmtree(out, ignore_errors=True)
+    exp.export(merged, out, layout="speculators", states_dir=states, start_index=0,
+               merge_manifest={"shards": [{"samples": rows.num_rows}], "selections": regen},
+               settings=ExportSettings.from_config(cfg))
     exp.write_speculators_dataset(out)
+    write_json(key, done)
     return out
 
 
@@ -159,8 +174,10 @@ def pack(indices: list[int], lengths: dict[int, int], max_len: int) -> list[list
 
 
 def new_drafter(target_dir: Path, vocab_path: Path, seed: int):
-    """speculators' default EAGLE-3 draft for ``target_dir`` (one llama decoder layer, full attention, eager),
-    with the vocab stage's draft vocabulary; the same ``seed`` gives the same initial weights."""
+    """speculators' default EAGLE-3 draft for ``target_dir`` (its train command's eagle3 defaults: one llama
+    decoder layer, norm before the residual, a norm of the auxiliary states before ``fc``, normed outputs fed back
+    across TTT steps; full attention, eager), with the vocab stage's draft vocabulary; the same ``seed`` gives the
+    same initial weights."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.utils import resolve_target_layer_ids
@@ -172,7 +189,8 @@ def new_drafter(target_dir: Path, vocab_path: Path, seed: int):
     torch.manual_seed(seed)
     return Eagle3DraftModel.from_training_args(
         cfg, verifier_name_or_path=str(target_dir), draft_vocab_size=int(maps["d2t"].shape[0]),
-        norm_before_residual=True, ttt_steps=3, draft_attn_impl="eager", t2d=maps["t2d"], d2t=maps["d2t"],
+        norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=3, draft_attn_impl="eager",
+        t2d=maps["t2d"], d2t=maps["d2t"],
         target_layer_ids=resolve_target_layer_ids(None, str(target_dir)))
 
 
@@ -226,7 +244,7 @@ def train(model, data_dir: Path, indices: list[int], *, steps: int, max_len: int
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         tokens += max_len
         supervised += int(b["loss_mask"].sum())
     return {"steps": steps, "tokens": tokens, "supervised_tokens": supervised,
@@ -308,8 +326,11 @@ def main() -> None:
             dest = onpolicy if r["dataset"].endswith("_regen") else offpolicy
             dest.setdefault(domain[r["dataset"]], []).append(r["index"])
         results, timing = {}, {}
+        fp8_rows = samples_table(fp8_dir)  # the regenerated rows alone, in the same order: the same batches
+        if [r["sample_id"] for r in fp8_rows] != [r["sample_id"] for r in train_rows if r["dataset"].endswith("_regen")]:
+            raise SystemExit(f"{fp8_dir}: not the regenerated training rows in the merged order")
         runs = [("regenerated", train_dir, pick["regen"]), ("original", train_dir, pick["orig"]),
-                ("regenerated_fp8", fp8_dir, pick["regen"])]
+                ("regenerated_fp8", fp8_dir, [r["index"] for r in fp8_rows])]
         for name, data_dir, idx in runs:
             t0 = time.perf_counter()
             model = new_drafter(target_dir, vocab, a.seed)

@@ -77,9 +77,9 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800
                "B200": 2250.0, "GH200": 989.0}
 #: the runs of a default invocation: ``attention:batch_tokens[:fp8]`` (``fp8``: ``aux_format: fp8_e4m3``; padded
 #: budgets count padding, packed ones don't); the optional ones run after the profile when time is left
-RUNS = "packed:65536,packed:65536:fp8"
+RUNS = "packed:65536:eager,packed:65536,packed:65536:fp8"
 OPTIONAL_RUNS = "packed:131072"
-TINY_RUNS = "packed:1024,packed:1024:fp8"
+TINY_RUNS = "packed:1024:eager,packed:1024,packed:1024:fp8:eager"
 TINY_OPTIONAL_RUNS = "packed:2048"
 #: the issue's targets for the 8B config on one H200 with writes on
 TARGET_TOKENS_PER_S, TARGET_MFU, TARGET_IO_EXPOSED = 30_000, 0.45, 0.10
@@ -306,7 +306,7 @@ def op_category(name: str) -> str:
 
 
 def profile_forward(model_dir, loaded, layers, dtype: str, shard_path, batch_tokens: int, cfg: dict,
-                    peak) -> dict:
+                    peak, fused: str = "off") -> dict:
     """The ``profile`` line: one packed forward of a mixed batch (the shard's samples in file order, up to
     ``batch_tokens``) under ``torch.profiler``, after one unprofiled forward at the same shapes."""
     import torch
@@ -325,7 +325,7 @@ def profile_forward(model_dir, loaded, layers, dtype: str, shard_path, batch_tok
     ids = [shard.sample_ids_of(i) for i in idx]
     model, _ = loaded
     cuda = model.get_input_embeddings().weight.device.type == "cuda"
-    be = TransformersBackend(model_dir, layers=layers, dtype=dtype, loaded=loaded, attention="packed")
+    be = TransformersBackend(model_dir, layers=layers, dtype=dtype, loaded=loaded, attention="packed", fused=fused)
     head = model.get_output_embeddings()
     lm_calls = []
     hook = head.register_forward_hook(lambda *a: lm_calls.append(1)) if head is not None else None
@@ -373,6 +373,9 @@ def profile_forward(model_dir, loaded, layers, dtype: str, shard_path, batch_tok
                 ops[ev.name] = ops.get(ev.name, 0.0) + us
         elif cuda:
             kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.time_range.elapsed_us()
+    # the fused (compiled) kernels run under no aten:: operator: their own kernel events are elementwise work
+    fused_us = sum(us for name, us in kernels.items() if name.startswith("triton")) if cuda else 0.0
+    parts["elementwise_norm"] += fused_us
     attributed_ms = sum(parts.values()) / 1000
     busy_ms = sum(kernels.values()) / 1000 if cuda else attributed_ms
     L, d = cfg["num_hidden_layers"], cfg["hidden_size"]
@@ -381,7 +384,8 @@ def profile_forward(model_dir, loaded, layers, dtype: str, shard_path, batch_tok
     att_flops = 2 * L * d * float(np.sum(np.square(np.asarray(lengths, dtype=np.float64))))
     total = sum(parts.values()) or 1.0
     res = {
-        "kind": "profile", "kernel": be.attention, "tokens": T, "samples": len(lengths), "max_len": max(lengths),
+        "kind": "profile", "kernel": be.attention, "fused": be.fused, "fused_kernels_ms": round(fused_us / 1000, 2),
+        "tokens": T, "samples": len(lengths), "max_len": max(lengths),
         "forward_ms": round(forward_ms, 2), "device_busy_ms": round(busy_ms, 2),
         "attributed_ms": round(attributed_ms, 2),
         "busy_share": round(busy_ms / forward_ms, 4) if forward_ms else None,
@@ -479,16 +483,21 @@ def padded_tokens(lengths: list[int], batch_tokens: int) -> int:
     return sum(len(b) * max(lengths[i] for i in b) for b in padded_batches(lengths, batch_tokens))
 
 
-def parse_runs(spec: str) -> list[tuple[str, int, str]]:
-    """``attention:batch_tokens[:fp8],...`` -> ``[(attention, batch_tokens, aux_format)]``."""
+def parse_runs(spec: str) -> list[tuple[str, int, str, str]]:
+    """``attention:batch_tokens[:fp8][:eager],...`` -> ``[(attention, batch_tokens, aux_format, fused)]``
+    (``fp8``: ``aux_format: fp8_e4m3``; ``eager``: ``extract.fused: off``, else ``on``)."""
     runs = []
     for part in filter(None, (x.strip() for x in spec.split(","))):
         att, bt, *rest = part.split(":")
-        aux = "fp8_e4m3" if rest and rest[0] == "fp8" else "same"
-        if rest and rest[0] not in ("fp8", "same"):
-            raise SystemExit(f"bad run {part!r}: attention:batch_tokens[:fp8]")
-        runs.append((att, int(bt), aux))
+        if set(rest) - {"fp8", "same", "eager"}:
+            raise SystemExit(f"bad run {part!r}: attention:batch_tokens[:fp8][:eager]")
+        runs.append((att, int(bt), "fp8_e4m3" if "fp8" in rest else "same", "off" if "eager" in rest else "on"))
     return runs
+
+
+def run_name(kernel: str, batch_tokens: int, aux: str, fused: str) -> str:
+    """``packed:varlen@65536+fp8+eager``: the kernel, the budget, fp8 auxiliary states, unfused elementwise."""
+    return f"{kernel}@{batch_tokens}" + ("+fp8" if aux != "same" else "") + ("+eager" if fused == "off" else "")
 
 
 def report(path) -> str:
@@ -652,14 +661,14 @@ def main() -> None:
                     traceback.print_exc()
                     emit({"kind": "check", "error": f"{type(exc).__name__}: {exc}"[:1000]})
 
-            def one_run(attention: str, batch_tokens: int, aux: str) -> dict | None:
+            def one_run(attention: str, batch_tokens: int, aux: str, fused: str) -> dict | None:
                 """Warm-up, then the timed ``extract_states``; prints and returns the run line (None on error)."""
                 try:  # one failing layout/kernel must not cost the others' figures (one GPU session, one try)
                     if batch_tokens not in warm:  # 2.25 batches: both pinned buffers, two shapes
                         warm[batch_tokens] = tmp / f"warm{batch_tokens}.parquet"
                         make_shard(warm[batch_tokens], batch_tokens * 9 // 4, cfg_dict["vocab_size"], max_len,
                                    seed=batch_tokens)
-                    run = settings.replace(attention=attention, batch_tokens=batch_tokens, aux_format=aux)
+                    run = settings.replace(attention=attention, batch_tokens=batch_tokens, aux_format=aux, fused=fused)
                     ex.extract_states(warm[batch_tokens], tmp / "warm.safetensors", settings=run, model=loaded)
                     (tmp / "warm.safetensors").unlink()
                     if device == "cuda":
@@ -682,7 +691,7 @@ def main() -> None:
                     import traceback
 
                     traceback.print_exc()
-                    emit({"kind": "run", "run": f"{attention}@{batch_tokens}" + ("+fp8" if aux != "same" else ""),
+                    emit({"kind": "run", "run": run_name(attention, batch_tokens, aux, fused),
                           "error": f"{type(exc).__name__}: {exc}"[:1000]})
                     if device == "cuda":
                         torch.cuda.empty_cache()
@@ -695,8 +704,9 @@ def main() -> None:
                 loop_s = info["model_seconds"] - tm.get("drain_s", 0.0)
                 states_bytes = info["bytes"] - T * 5 - (len(lengths) + 1) * 8
                 r = {
-                    "kind": "run", "run": f"{info['attention']}@{batch_tokens}" + ("+fp8" if aux != "same" else ""),
+                    "kind": "run", "run": run_name(info["attention"], batch_tokens, aux, fused),
                     "attention": attention, "kernel": info["attention"], "batch_tokens": batch_tokens,
+                    "fused": info.get("fused"),
                     "aux_format": info["aux_format"], "tokens": T, "samples": len(lengths),
                     "batches": info["batches"], "computed_tokens": computed,
                     "padding_share": round(1 - T / computed, 4),
@@ -730,13 +740,16 @@ def main() -> None:
                 results.append(r)
                 return emit(r)
 
-            for attention, batch_tokens, aux in runs:
-                one_run(attention, batch_tokens, aux)
+            for attention, batch_tokens, aux, fused in runs:
+                one_run(attention, batch_tokens, aux, fused)
             if not results and not a.only_runs:  # every packed run failed: the padded path's figure instead
-                one_run("padded", runs[0][1], "same")
+                one_run("padded", runs[0][1], "same", "off")
             if not a.only_runs:
                 try:
                     prof = emit(profile_forward(model_dir, loaded, layers, dtype, shard, runs[0][1], cfg_dict, peak))
+                    if any(r[3] == "on" for r in runs):  # the same batch with the fused elementwise kernels
+                        emit(profile_forward(model_dir, loaded, layers, dtype, shard, runs[0][1], cfg_dict, peak,
+                                             fused="on"))
                 except Exception as exc:  # noqa: BLE001 - reported; the runs' figures stand
                     import traceback
 
@@ -744,14 +757,14 @@ def main() -> None:
                     emit({"kind": "profile", "error": f"{type(exc).__name__}: {exc}"[:1000]})
                 for r in results:  # the profile explains a missed MFU target: say so in the summary's why
                     r["why"] = why(r, prof, flops / T, peak, extra["disk_write_gb_s"])
-            for attention, batch_tokens, aux in optional:
+            for attention, batch_tokens, aux, fused in optional:
                 best_tps = max((r["tokens_per_s"] for r in results), default=0)
                 need = (T + batch_tokens * 9 / 4) / best_tps * 1.5 + 15 if best_tps else float("inf")
                 if deadline is not None and time.perf_counter() + need > deadline:
-                    emit({"kind": "run", "run": f"{attention}@{batch_tokens}", "skipped":
+                    emit({"kind": "run", "run": run_name(attention, batch_tokens, aux, fused), "skipped":
                           f"needs ~{need:.0f} s, {deadline - time.perf_counter():.0f} s left"})
                     continue
-                one_run(attention, batch_tokens, aux)
+                one_run(attention, batch_tokens, aux, fused)
     except _Stop:
         interrupted = True
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the summary now (the step's kill follows 10 s after)

@@ -21,8 +21,8 @@ def _check_config():
     """
     main = workflow.is_main_process
     embedded = os.path.relpath(Path(workflow.basedir) / "config.yaml")
-    files = cfg.config_sources(workflow.overwrite_configfiles, default=embedded)
     try:
+        files = cfg.config_sources(workflow.overwrite_configfiles, default=embedded)  # (a key set twice: refused)
         if main:
             cfg.check_layering(files)
         cfg.validate_config(config, cfg.load_schema(Path(workflow.basedir) / "schemas/config.schema.yaml"), files=files)
@@ -34,7 +34,7 @@ def _check_config():
             from eagle3_data import prerun
 
             prerun.check_before_run(config, cache_dir=config.get("cache_dir", "cache"), workflow=workflow)
-        if main and getattr(workflow, "check_envvars", True):  # not for --lint
+        if main and getattr(workflow, "check_envvars", True) and "--unlock" not in sys.argv:  # not --lint/--unlock
             try:
                 cfg.check_api_keys(config, cfg.pending_generation(config))
             except cfg.ConfigError as exc:

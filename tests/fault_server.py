@@ -13,13 +13,16 @@ Endpoints:
 - ``POST /v1/chat/completions``: a deterministic reply (text derived from a hash of the request body), with
   faults drawn at the configured rates: ``p429`` (with ``Retry-After``), ``p5xx`` (500/502/503), ``ptimeout``
   (hangs ``hang_s`` then closes), ``preset`` (TCP reset), ``perror200`` (200 with ``choices[0].error`` +
-  ``finish_reason: "error"``), ``pmalformed`` (200 with a truncated JSON body), ``p402``, ``psurrogate`` (200
+  ``finish_reason: "error"``; its code ``error200_code``, default 502), ``pmalformed`` (200 with a truncated JSON
+  body), ``p402``, ``psurrogate`` (200
   whose content ends in an unpaired ``\\ud800``), ``pbadusage`` (200 with a NaN cost, a 1e30 prompt count, a
   negative reasoning count and an out-of-range token id; counted as completed), ``pbadbytes`` (a paid 200 reply,
   valid JSON, whose content holds the bytes ``\\xff\\xfe``, not UTF-8; counted as completed), ``perror422body``
   (200 whose body is ``{"error": {"code": 422, ...}}``); ``pad_bytes`` (every reply's content padded with that many
   bytes, its billed tokens unchanged); ``echo_key`` (every reply quotes the request's Bearer token); ``fail_after``
   (every request after that many gets HTTP ``fail_status``, e.g. 402, with body ``fail_body`` when set);
+  ``storm_s`` (a 429 storm: every request arriving within that many seconds of the first one since the last reset
+  gets HTTP 429 with ``Retry-After``, at once);
   ``require_key`` (401 unless the
   Bearer token matches). ``fault_at`` (fault name -> ``"end"``, ``"start"`` or ``"uniform"``; default ``"end"``
   for each): when a drawn fault answers, after the request's whole latency (``end``), at once (``start``: a
@@ -47,6 +50,7 @@ Endpoints:
 - ``GET /health``: 200 ``{"status": "ok"}``.
 - ``GET /stats``: counters: ``requests``, ``outcomes`` (by fault), ``completed`` (200-ok replies sent),
   ``completed_by_body`` (request-body hash -> ok replies sent; >1 means the client paid twice),
+  ``billed_by_body`` (the same, cut-off ``pmalformed`` replies included: a provider bills them too),
   ``in_flight``, ``max_in_flight``, ``cpu_s`` (the server process's CPU seconds),
   ``connections`` (TCP connections that sent a request), ``last_request_at`` (unix time the last chat/generate
   request arrived; every arrival in ``FaultApp.request_times``).
@@ -82,6 +86,7 @@ DEFAULTS = {
     "record_bodies": 50, "omit_cost": False, "cost_404s": 0,
     "gen_vocab": list(range(97, 123)) + [32], "gen_think": None, "gen_eot": None, "gen_include_stop": True,
     "gen_abort_rate": 0.0, "require_tool_reasoning": False, "fault_at": {},
+    "storm_s": 0.0, "error200_code": 502,
 }
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -123,6 +128,8 @@ class FaultApp:
         self.outcomes: dict[str, int] = {}
         self.completed = 0
         self.completed_by_body: dict[str, int] = {}
+        self.billed_by_body: dict[str, int] = {}  # 200 replies a provider bills (ok ones and cut-off ones)
+        self.fail_times: list[float] = []  # time.time() each fail_after answer was sent
         self.in_flight = 0
         self.max_in_flight = 0
         self.connections = 0
@@ -170,7 +177,8 @@ class FaultApp:
     def stats(self) -> dict:
         return {
             "requests": self.requests, "outcomes": dict(self.outcomes), "completed": self.completed,
-            "completed_by_body": dict(self.completed_by_body), "in_flight": self.in_flight,
+            "completed_by_body": dict(self.completed_by_body), "billed_by_body": dict(self.billed_by_body),
+            "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight, "cpu_s": round(time.process_time(), 3),
             "connections": self.connections,
             "last_request_at": self.request_times[-1] if self.request_times else None,
@@ -183,6 +191,8 @@ class FaultApp:
         c = self.config
         if c["fail_after"] is not None and self.requests > int(c["fail_after"]):
             return "fail_status"
+        if c["storm_s"] and self.request_times and self.request_times[-1] - self.request_times[0] < float(c["storm_s"]):
+            return "storm"
         r = self.rng.random()
         for name in ("p429", "p5xx", "ptimeout", "preset", "perror200", "pmalformed", "p402", "psurrogate",
                      "pbadusage", "pbadbytes", "perror422body"):
@@ -316,6 +326,10 @@ class FaultApp:
                 lat *= 0.0 if at == "start" else self.rng.random() if at == "uniform" else 1.0
             if lat > 0:
                 await asyncio.sleep(lat)
+            if fault == "storm":  # a rate-limit storm refuses at once, before generating
+                self._count("429")
+                return _response(429, {"error": {"code": 429, "message": "Rate limit exceeded"}},
+                                 {"Retry-After": str(c["retry_after_s"])})
             if fault == "p429":
                 self._count("429")
                 return _response(429, {"error": {"code": 429, "message": "Rate limit exceeded"}},
@@ -331,9 +345,10 @@ class FaultApp:
                 self._count("error200")
                 return _response(200, {"id": "gen-err", "provider": c["provider"], "choices": [
                     {"index": 0, "finish_reason": "error", "message": {"role": "assistant", "content": ""},
-                     "error": {"code": 502, "message": "upstream provider error mid-generation"}}]})
-            if fault == "pmalformed":
+                     "error": {"code": int(c["error200_code"]), "message": "upstream provider error mid-generation"}}]})
+            if fault == "pmalformed":  # billed like any generated reply, whatever reached the client
                 self._count("malformed")
+                self.billed_by_body[bh] = self.billed_by_body.get(bh, 0) + 1
                 return _response(200, b'{"id": "gen-x", "choices": [{"message": {"content": "trunc')
             if fault == "psurrogate":  # a reply whose text can't be stored (the client must retry it)
                 self._count("surrogate")
@@ -347,6 +362,7 @@ class FaultApp:
             if fault in ("p402", "fail_status"):
                 code = int(c["fail_status"]) if fault == "fail_status" else 402
                 self._count(str(code))
+                self.fail_times.append(time.time())
                 return _response(code, (fault == "fail_status" and c["fail_body"]) or
                                  {"error": {"code": code, "message": "Insufficient credits"}})
             if native:
@@ -373,6 +389,7 @@ class FaultApp:
             self._count("ok")
             self.completed += 1
             self.completed_by_body[bh] = self.completed_by_body.get(bh, 0) + 1
+            self.billed_by_body[bh] = self.billed_by_body.get(bh, 0) + 1
             if fault == "pbadbytes" and not native:  # valid JSON holding bytes that are not UTF-8 (paid for)
                 self._count("badbytes")
                 resp["choices"][0]["message"]["content"] += " BADBYTES"

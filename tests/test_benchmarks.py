@@ -21,6 +21,7 @@ TOY = {
     "tokenize_validate": ["--toy"],
     "rehearsal": ["--toy"],
     "capture_bytes": ["--toy"],
+    "draft_quality": ["--toy"],
 }
 #: modules the benchmarks import, not benchmarks themselves
 HELPERS = {"rehearsal_data", "rehearsal_server"}
@@ -37,6 +38,8 @@ KEYS = {
     "rehearsal": ["incremental", "samples", "merged_samples"],
     "capture_bytes": ["states_bytes_per_token", "exports_bytes_per_token", "baseline_specforge_bf16_bytes_per_token",
                       "ratio_eagle3_fp8_states_vs_baseline", "target_eagle3_fp8_states_le", "met"],
+    "draft_quality": ["drafters", "tau_onpolicy", "ratio_regenerated_vs_original", "fp8_vs_bf16_tau_abs_diff",
+                      "targets", "sizes", "seeds"],
 }
 
 
@@ -86,6 +89,22 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         assert out["states_bytes_per_token"]["eagle3 fp8 (aux + final)"]["plan_formula"] == 16405
         assert out["exports_bytes_per_token"]["speculators_fp8"]["plan_formula"] == 16396
         assert 0.49 < out["ratio_eagle3_fp8_states_vs_baseline"] < 0.51 and out["met"] is True
+    if name == "draft_quality":  # three drafters, the same steps and tokens, scored on the same held-out rows
+        d, sizes = out["drafters"], out["sizes"]
+        assert set(d) == {"regenerated", "original", "regenerated_fp8"}
+        assert sizes["train_samples"]["regen"] > 0 and sizes["train_samples"]["orig"] > 0
+        assert d["regenerated_fp8"]["train_samples"] == d["regenerated"]["train_samples"]
+        for k in d:
+            fit, on = d[k]["training"], d[k]["onpolicy"]["overall"]
+            assert fit["steps"] == sizes["steps"] and fit["tokens"] == sizes["steps"] * sizes["tokens_per_step"]
+            assert on["samples"] == sum(sizes["heldout_onpolicy"].values()) and on["positions"] > 0
+            assert on["tau"] == pytest.approx(1 + sum(on["acc"]), abs=2e-4) and len(on["acc"]) == sizes["ttt_steps"]
+            assert out["tau_onpolicy"][k] == on["tau"]
+        # the same data in the same order, only the storage of the auxiliary states differs
+        assert d["regenerated_fp8"]["training"]["supervised_tokens"] == d["regenerated"]["training"]["supervised_tokens"]
+        assert out["ratio_regenerated_vs_original"] == pytest.approx(
+            out["tau_onpolicy"]["regenerated"] / out["tau_onpolicy"]["original"], abs=2e-4)
+        assert set(out["targets"]) >= {"onpolicy_tau_ratio_ge", "fp8_tau_abs_diff_le", "onpolicy_ratio_met", "fp8_met"}
     if name == "extract":  # the ceiling: the decoder's FLOPs at the best matmul rate; no run gets below its floor
         fb = out["flop_bound"]
         assert 0 < fb["floor_s"] < fb["ours_s"] and fb["target_s"] == pytest.approx(fb["baseline_s"] / 2, abs=1e-3)

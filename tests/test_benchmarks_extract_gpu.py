@@ -88,15 +88,20 @@ def tiny(tmp_path_factory):
 def test_tiny_run_prints_imports_check_runs_profile_and_summary(tiny):
     lines, from_file = tiny
     assert lines == from_file  # every line also in --jsonl, as printed
-    assert [d["kind"] for d in lines] == ["imports", "check", "run", "run", "profile", "run", "summary"]
+    assert [d["kind"] for d in lines] == ["imports", "check", "run", "run", "run", "profile", "profile", "run",
+                                          "summary"]
     assert all(d["benchmark"] == "extract_gpu" for d in lines)
     imports = lines[0]
     assert {"torch", "transformers", "safetensors"} <= set(imports["third_party_loaded"])
     assert not set(imports["blocked"]) & set(imports["third_party_loaded"])
     runs, res = [d for d in lines if d["kind"] == "run"], lines[-1]
-    # the default runs (bf16 aux, then fp8 aux), then the optional bigger batch once the profile is done
-    assert [r["run"] for r in runs] == ["packed:loop@1024", "packed:loop@1024+fp8", "packed:loop@2048"]
-    assert [r["aux_format"] for r in runs] == ["same", "fp8_e4m3", "same"]
+    # the default runs (bf16 aux eager, then with the fused elementwise kernels, fp8 aux), then the optional bigger
+    # batch once the profiles are done (eager, then fused)
+    assert [r["run"] for r in runs] == ["packed:loop@1024+eager", "packed:loop@1024", "packed:loop@1024+fp8+eager",
+                                        "packed:loop@2048"]
+    assert [r["aux_format"] for r in runs] == ["same", "same", "fp8_e4m3", "same"]
+    # float32 on CPU: the MLP products fuse, the norms do not (compiled, their float32 rsqrt differs)
+    assert [r["fused"]["mlps"] for r in runs] == [0, 8, 0, 8] and [r["fused"]["norms"] for r in runs] == [0] * 4
     T = res["tokens"]
     for r in runs:
         assert r["tokens"] == T and r["computed_tokens"] == T and r["padding_share"] == 0  # packed: no padding
@@ -116,7 +121,7 @@ def test_tiny_run_prints_imports_check_runs_profile_and_summary(tiny):
         # the 8B-on-a-GPU targets are never met by the tiny CPU run; a miss says why
         assert r["targets"]["tokens_per_s_ge_30000"] is False and r["targets"]["mfu_ge_0.45"] is False
         assert r["met"] is False and any("MFU" in w for w in r["why"])
-    bf16, fp8 = runs[0], runs[1]
+    bf16, fp8 = runs[0], runs[2]
     # the stored layout: 3 aux + 1 final float32 rows (+ ids, mask) vs fp8 aux with one float32 scale per layer
     # (the headers differ by the aux_scales entry and the metadata's aux_format: under 256 bytes)
     H = 64
@@ -148,6 +153,9 @@ def test_tiny_profile_splits_the_forward(tiny):
     assert 0 < prof["busy_share"] <= 1.05 and prof["matmul_tflops"] > 0
     ops = {o["op"] for o in prof["top_ops"]}
     assert "aten::mm" in ops and any("scaled_dot_product" in o for o in ops)
+    eager, fused = [d for d in tiny[0] if d["kind"] == "profile"]  # the same batch, then with the fused kernels
+    assert eager["fused"]["mlps"] == 0 and fused["fused"]["mlps"] == 8 and fused["tokens"] == eager["tokens"]
+    assert fused["fused_kernels_ms"] == eager["fused_kernels_ms"] == 0  # on CPU no triton kernel is timed
 
 
 def test_tiny_summary_targets_and_projection(tiny):
@@ -162,7 +170,7 @@ def test_tiny_summary_targets_and_projection(tiny):
     assert res["why"][0].startswith(best["why"][0].split(";")[0])
     assert set(res["targets"]) == {"tokens_per_s_ge_30000", "mfu_ge_0.45", "io_exposed_lt_0.1",
                                    "peak_mem_within_device"}
-    assert res["fp8"]["run"] == "packed:loop@1024+fp8" and len(res["runs"]) == 3
+    assert res["fp8"]["run"] == "packed:loop@1024+fp8+eager" and len(res["runs"]) == 4
     P, L, d = g.decoder_params(g.TINY), g.TINY["num_hidden_layers"], g.TINY["hidden_size"]
     dense = 2 * P * res["tokens"]  # + the attention term, 2 L d n^2 per sample of n <= max_len tokens
     assert dense < res["useful_flops"] < dense + 2 * L * d * res["tokens"] * res["max_len"]
@@ -180,7 +188,7 @@ def test_report_summarises_the_jsonl(tiny, tmp_path):
     p.write_text("\n".join(json.dumps(d) for d in tiny[0]) + "\nnot json\n")
     text = g.report(p)
     assert text.splitlines()[0].startswith("check ok=True packed:loop")
-    assert "run packed:loop@1024+fp8:" in text and "    why: " in text and "profile packed:loop" in text
+    assert "run packed:loop@1024+fp8+eager:" in text and "    why: " in text and "profile packed:loop" in text
     assert text.splitlines()[-1].startswith("summary: best packed:loop@")
 
 
@@ -218,11 +226,12 @@ def test_the_gpu_script_runs_every_step_on_cpu_and_brings_back_its_files(tmp_pat
                      "gpu_tests.log"]
     lines = _lines((out / "extract_gpu.jsonl").read_text())
     kinds = [d["kind"] for d in lines]
-    assert kinds == ["imports", "check", "run", "run", "profile", "run", "summary", "imports", "run", "summary"]
+    assert kinds == ["imports", "check", "run", "run", "run", "profile", "profile", "run", "summary", "imports", "run",
+                     "summary"]
     assert lines[-2]["run"] == "packed:flex@1024"
     # it ends with the short table, then the bench step's summary line
     tail = text.strip().splitlines()
-    assert json.loads(tail[-1]) == lines[6] and tail[-2].startswith("summary: best packed:flex@1024")
+    assert json.loads(tail[-1]) == lines[8] and tail[-2].startswith("summary: best packed:flex@1024")
     assert not list(ROOT.glob(".extract_gpu_tmp.*"))  # the benchmark's files are gone
 
 
@@ -234,5 +243,5 @@ def test_a_failing_run_is_reported_and_the_padded_path_measured_instead():
     assert out.returncode == 0, out.stderr[-3000:]
     runs = [d for d in _lines(out.stdout) if d["kind"] == "run"]
     assert runs[0]["run"] == "packed-varlen@256" and "needs CUDA" in runs[0]["error"]
-    assert runs[1]["run"] == "padded@256" and runs[1]["tokens_per_s"] > 0 and runs[1]["computed_tokens"] >= 500
-    assert _lines(out.stdout)[-1]["best"] == "padded@256"
+    assert runs[1]["run"] == "padded@256+eager" and runs[1]["tokens_per_s"] > 0 and runs[1]["computed_tokens"] >= 500
+    assert _lines(out.stdout)[-1]["best"] == "padded@256+eager"

@@ -49,7 +49,8 @@ def test_defaults_fill_every_section_and_match_the_documented_values():
     assert c["datasets"]["d"]["shards"] == 1
     assert c["generation"] == {"mode": "last", "extra_body": {}, "max_retries": 5, "retry_initial_s": 1.0,
                                "retry_max_s": 60.0, "max_samples": None, "budget_completion_tokens": None,
-                               "budget_usd": None, "stop_grace_s": 10.0, "reject_other_models": False}
+                               "budget_usd": None, "stop_grace_s": 10.0, "reject_other_models": False,
+                               "unpaid_failures": "rerun", "max_prompt_bytes": 4000000}
     assert c["validate"] == {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
                              "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}}
     assert c["merge"] == {"datasets": None, "max_samples": {}, "max_len": 32768, "overflow": "truncate", "seed": 0,
@@ -238,7 +239,7 @@ def test_api_key_check_names_the_variable_and_close_names_never_values():
                    "set, with a close name: OPENROUTER_API_KEY_OLD, OPENROUTER_KEY. Export the key under the name "
                    "the config gives (or correct api_key_env), then run again.")
     assert "sk-secret" not in msg
-    cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "k"})
+    cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "sk-or-v1-0123456789abcdef"})
     cfg.check_api_keys(c, [], {})  # nothing to generate: no key needed
     # backends without a key variable (a local server) need nothing
     demo = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -416,3 +417,69 @@ def test_a_server_told_other_chat_template_variables_than_tokenize_renders_with_
     c = yaml.safe_load((ROOT / "config.yaml").read_text())
     c["backends"]["tiny_local"].update(extra_body={"chat_template_kwargs": {"thinking": False}}, native_generate=True)
     cfg.check_config(c, check_paths=False)
+
+
+def test_a_key_set_twice_in_a_config_file_is_an_error_naming_both_lines(tmp_path):
+    """A second `generation:` block appended later would silently replace the first (and its budget)."""
+    mine = tmp_path / "my.yaml"
+    mine.write_text("generation:\n  budget_usd: 0.0001\n  max_retries: 3\ndatasets: {}\n"
+                    "# appended later\ngeneration:\n  max_tokens: 64\n")
+    with pytest.raises(cfg.ConfigError) as ei:
+        cfg.config_sources([str(mine)])
+    assert str(ei.value) == (
+        f"Config error in {mine}: generation is set twice, at lines 1 and 6; YAML keeps only the one at line 6 and "
+        "silently drops the other (e.g. a budget): merge them into one")
+    mine.write_text("datasets:\n  a:\n    shards: 2\n    shards: 4\n")
+    with pytest.raises(cfg.ConfigError, match=r"datasets\.a\.shards is set twice, at lines 3 and 4;"):
+        cfg.config_sources([str(mine)])
+    mine.write_text("generation:\n  budget_usd: 0.0001\ndatasets:\n  a: {shards: 2}\n")
+    assert cfg.config_sources([str(mine)]) == [(str(mine), {"generation": {"budget_usd": 0.0001},
+                                                            "datasets": {"a": {"shards": 2}}})]
+
+
+def test_concurrency_and_shards_past_their_bounds_name_the_file_line_and_the_bound(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    schema = cfg.load_schema(ROOT / "schemas/config.schema.yaml")
+    base = yaml.safe_load((ROOT / "config.yaml").read_text())
+    text = ("backends:\n  tiny_local:\n    max_concurrency: 5000\ndatasets:\n  sharegpt_demo:\n    shards: 100000\n")
+    (tmp_path / "my.yaml").write_text(text)
+    over = yaml.safe_load(text)
+    files = [("config.yaml", base), ("my.yaml", over)]
+
+    def merged(**bounds):
+        c = copy.deepcopy(base)
+        c["backends"]["tiny_local"]["max_concurrency"] = 5000
+        c["datasets"]["sharegpt_demo"]["shards"] = 100000
+        if bounds:
+            c["bounds"] = bounds
+        return c
+
+    with pytest.raises(cfg.ConfigError) as ei:
+        cfg.validate_config(merged(), schema, files=files)
+    assert str(ei.value) == (
+        "Config error: my.yaml line 3: backends.tiny_local.max_concurrency: 5,000 is above bounds.max_concurrency "
+        "(4,096; requests in flight to the backend (a budget stop lets them finish: they bound its overshoot)): "
+        "lower it, or set bounds.max_concurrency: 5000 to allow it")
+    with pytest.raises(cfg.ConfigError, match=r"^Config error: my.yaml line 6: datasets.sharegpt_demo.shards: "
+                                              r"100,000 is above bounds.max_shards \(1,024;"):
+        cfg.validate_config(merged(max_concurrency=5000), schema, files=files)
+    cfg.validate_config(merged(max_concurrency=5000, max_shards=100000), schema, files=files)  # raised: accepted
+    c = merged(max_concurrency=40000)
+    c["backends"]["tiny_local"]["max_concurrency"] = 40000
+    with pytest.raises(cfg.ConfigError, match="max_concurrency"):  # past what the shared request slots can hold
+        cfg.validate_config(c, schema, files=files)
+
+
+@pytest.mark.parametrize("key", ["test", "beta", "k3y9zq", "0123456789abcde"])
+def test_a_key_shorter_than_a_safe_length_is_refused_before_any_request(key):
+    """A local server's `--api-key test`: such a key is an ordinary word of replies, which could then not be
+    checked for it; refused when the config is checked (and at job start), naming the variable, never the value."""
+    c = yaml.safe_load((ROOT / "resources/configs/openrouter.yaml").read_text())
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": key})
+    msg = str(info.value)
+    assert msg.startswith(f"Config error: backends.openrouter.api_key_env: the key in OPENROUTER_API_KEY is {len(key)} "
+                          "characters; a key shorter than 16 could be an ordinary word of a reply")
+    with pytest.raises(cfg.ConfigError) as other:  # the message does not depend on the value
+        cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "x" * len(key)})
+    assert str(other.value) == msg

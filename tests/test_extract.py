@@ -123,8 +123,8 @@ def test_package_imports_no_torch_and_no_cycles():
                            if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
     # norm: the final norm's formulas (torch only), read by the layout's readers
     assert imports["norm"] <= set() and imports["layout"] <= {"norm"} and imports["model"] <= set()
-    assert imports["batching"] <= set()
-    assert imports["transformers_backend"] <= {"batching", "layout", "model"}
+    assert imports["batching"] <= set() and imports["fused"] <= set()
+    assert imports["transformers_backend"] <= {"batching", "layout", "model", "fused"}
     assert imports["sglang_backend"] <= {"batching", "layout", "model"}
     assert "stage" not in set().union(*(v for k, v in imports.items() if k not in ("stage", "__init__")))
 

@@ -17,6 +17,7 @@ import torch
 from conftest import save_tiny_llama
 from eagle3_data import extract as ex
 from eagle3_data import schemas
+from eagle3_data.errors import DiskError
 from eagle3_data.settings import ExtractSettings
 from eagle3_data.extract import layout
 from eagle3_data.extract import transformers_backend as tb
@@ -312,7 +313,7 @@ def test_writer_thread_error_surfaces_and_leaves_no_file(tmp_path, tiny_model, l
     monkeypatch.setattr(layout.HiddenStateWriter, "put", failing)
     out = tmp_path / "hs" / "000.safetensors"
     out.parent.mkdir()
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DiskError, match=r"cannot write .*000\.safetensors: the disk is full"):
         ex.extract_states(path, out,
                           settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, attention="packed",
                                                             batch_tokens=100, dtype="float32"), model=loaded)

@@ -138,12 +138,14 @@ def test_faults_every_sample_ends_once(tmp_path, fs):
     assert summary["ok"] == len(ok) and summary["failed_total"] == len(failed)
     stats = fs.stats()
     outcomes = stats["outcomes"]
-    # the faults really happened, and every kind was retried
+    # the faults really happened, and every kind was retried but the cut-off 200s (billed: a named reject, once)
     for k in ("429", "timeout", "reset", "error200", "malformed"):
         assert outcomes.get(k, 0) > 0, (k, outcomes)
-    assert {"http_429", "timeout", "connection_error", "error_in_body", "malformed_json"} <= set(summary["retry_reasons"])
-    # nothing completed was paid twice, and every completed reply is in the output
-    assert max(stats["completed_by_body"].values()) == 1
+    assert {"http_429", "timeout", "connection_error", "error_in_body"} <= set(summary["retry_reasons"])
+    assert "malformed_json" not in summary["retry_reasons"]
+    assert summary["failed"]["undecodable_reply"] == outcomes["malformed"]
+    # nothing billed was paid twice, and every completed reply is in the output
+    assert max(stats["completed_by_body"].values()) == 1 and max(stats["billed_by_body"].values()) == 1
     assert stats["completed"] == len(ok)
     assert summary["sent"] == stats["requests"]
     for r in ok:
@@ -152,18 +154,73 @@ def test_faults_every_sample_ends_once(tmp_path, fs):
         assert json.loads(r["messages"]) == [{"role": "user", "content": f"question number {int(r['sample_id'][1:])}"}]
 
 
-def test_failed_after_retries_has_reason_and_is_retried_on_rerun(tmp_path, fs):
+def test_unpaid_failures_fail_the_job_and_the_rerun_sends_exactly_them(tmp_path, fs):
+    """Samples whose retries ran out without a paid reply (here 500s) end the job in one line, with every paid reply
+    journaled and no output (so the same command reruns the job); the rerun sends exactly those samples."""
     fs.app.config.update({"fail_after": 2, "fail_status": 500})  # 2 requests succeed, every later one is a 500
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
-    s1 = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=2))
+    with pytest.raises(GenerationStopped) as ei:
+        run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=2))
+    msg = str(ei.value)
+    assert type(ei.value).__name__ == "UnpaidFailures"
+    assert msg.startswith("[ds/000] 3 of 5 samples failed without a paid reply (http_500 3); last error: http_500: ")
+    assert "Rerun the same command to send them (2 responses of ds are journaled" in msg and "\n" not in msg
+    assert not (tmp_path / "out.parquet").exists() and list(tmp_path.glob("*.tmp*")) == []
+    assert fs.app.requests == 2 + 3 * 3 and fs.app.completed == 2
+    assert len(read_journal(tmp_path / "journal", "ds")[0]) == 2          # failures are not journaled
+    fs.app.config.update({"fail_after": None})
+    fs.app.reset()
+    s2 = run(tmp_path, fs, prompts)
+    assert s2["sent"] == 3 == fs.app.requests and s2["ok"] == 5 and s2["from_journal"] == 2
+    assert fs.app.completed == 3 and max(fs.app.completed_by_body.values()) == 1
+    # the sent bodies are those of the 3 samples that had failed
+    sent = sorted(int(b["messages"][0]["content"].split()[-1]) for b in fs.app.bodies)
+    assert sent == [2, 3, 4]
+
+
+def test_unpaid_failures_kept_as_failed_rows_with_keep(tmp_path, fs):
+    fs.app.config.update({"fail_after": 2, "fail_status": 500})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
+    s1 = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=2, unpaid_failures="keep"))
     rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert sorted(r["status"] for r in rows) == ["failed"] * 3 + ["ok"] * 2
     assert all(r["error"].startswith("http_500") and "3 attempt" in r["error"] for r in rows if r["status"] == "failed")
-    assert s1["sent"] == 2 + 3 * 3 and s1["failed_total"] == 3
+    assert s1["sent"] == 2 + 3 * 3 and s1["failed_total"] == 3 and s1["failed_unpaid"] == 3
+    assert s1["unpaid"] == {"http_500": 3}
     assert len(read_journal(tmp_path / "journal", "ds")[0]) == 2          # failures are not journaled
     fs.app.config.update({"fail_after": None})
     s2 = run(tmp_path, fs, prompts)
     assert s2["sent"] == 3 and s2["ok"] == 5 and s2["from_journal"] == 2
+
+
+def test_final_failures_stay_failed_and_the_job_succeeds(tmp_path, fs):
+    """A 4xx answer no retry can fix and a paid reject are final: written as failed rows, the job succeeds (so the
+    same command does not rerun it)."""
+    fs.app.config.update({"perror422body": 0.3, "pbadbytes": 0.2, "seed": 4})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    s = run(tmp_path, fs, prompts)
+    assert set(s["failed"]) == {"http_422", "invalid_utf8"} and s["failed_unpaid"] == 0
+    assert s["failed_total"] == fs.app.outcomes["error422body"] + fs.app.outcomes["badbytes"] >= 8
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert sum(r["status"] == "failed" for r in rows) == s["failed_total"] and s["retries"] == 0
+
+
+def test_a_429_storm_slows_the_backend_down_instead_of_failing_samples(tmp_path, fs):
+    """Every request of the first 3 s is refused with 429 (Retry-After 0.3 s), far longer than a request's 4
+    retries last. Without a back-off every request in flight uses its retries up and fails. The adaptive back-off
+    pauses the backend and halves the requests in flight per round of 429s (those use up no retry) down to one, so
+    only the one request in flight at a time uses retries up while the storm lasts: at most a sample or two fail,
+    and the backend is asked a few times per round instead of once per request waiting."""
+    fs.app.config.update({"storm_s": 3.0, "retry_after_s": 0.3, "latency_min_s": 0.01, "latency_max_s": 0.02})
+    fs.app.reset()
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(100))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=4, retry_initial_s=0.2, retry_max_s=0.5,
+                                                unpaid_failures="keep"))
+    storm = fs.app.outcomes["429"]
+    failed = s["failed"].get("http_429", 0)
+    assert s["failed"] == s["unpaid"] == ({"http_429": failed} if failed else {}) and failed <= 2
+    assert s["ok"] == 100 - failed == fs.app.completed
+    assert s["retry_reasons"] == {"http_429": storm} and storm <= 40
 
 
 def test_every_request_failing_stops_the_job(tmp_path, fs):
@@ -241,7 +298,8 @@ def test_api_key_canary_never_written(tmp_path, fs, monkeypatch):
     fs.app.config.update({**ACCEPTANCE_FAULTS, "require_key": canary, "p5xx": 0.3})
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
     log = tmp_path / "logs" / "job.log"
-    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=1), bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), log=log)
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=1, unpaid_failures="keep"),
+            bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), log=log)
     assert s["ok"] > 0 and s["failed_total"] > 0                      # a run with failures
     # a wrong key stops the job with 401; the message names the variable, not the value
     monkeypatch.setenv("E3D_TEST_KEY", canary + "-wrong")
@@ -388,7 +446,8 @@ def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatc
     try:
         for n in names:
             logging.getLogger(n).setLevel(logging.DEBUG)
-        s = run(tmp_path, fs, write_prompts(tmp_path / "p.parquet", simple_convs(30)), gen=gen_cfg(max_retries=1),
+        s = run(tmp_path, fs, write_prompts(tmp_path / "p.parquet", simple_convs(30)),
+                gen=gen_cfg(max_retries=1, unpaid_failures="keep"),
                 bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY", headers={"X-Title": "eagle3-data-test"}))
         assert s["ok"] > 0 and s["failed_total"] > 0
         monkeypatch.setenv("E3D_TEST_KEY", canary + "-wrong")   # 401: the fatal path formats an error message
@@ -522,3 +581,39 @@ def test_a_response_whose_cost_is_being_looked_up_when_the_job_stops_is_journale
     s = run(tmp_path, fs, p, bk=bk)
     assert s["from_journal"] == 3 and s["sent"] == 3
     assert max(fs.stats()["completed_by_body"].values()) == 1, "a paid response was requested again"
+
+
+def test_a_prompt_larger_than_max_prompt_bytes_is_a_named_reject_never_sent(tmp_path, fs):
+    convs = simple_convs(5)
+    convs[2][0]["content"] = "x" * 5000
+    prompts = write_prompts(tmp_path / "p.parquet", convs)
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_prompt_bytes=2000))
+    assert s["failed"] == {"prompt_too_large": 1} and s["ok"] == 4 and fs.app.requests == 4
+    (row,) = [r for r in pq.read_table(tmp_path / "out.parquet").to_pylist() if r["status"] == "failed"]
+    assert row["sample_id"] == "s0002" and row["messages"] == "[]"  # the oversized prompt is not copied either
+    assert row["error"] == (f"prompt_too_large: {prompts} row 2: 5,079 bytes of messages and tools > "
+                            "generation.max_prompt_bytes 2,000: not sent (raise generation.max_prompt_bytes to "
+                            "send it)")
+
+
+def test_the_responses_parquet_has_the_generation_id_of_each_reply(tmp_path, fs):
+    """The backend's id of each reply (OpenRouter's billing record) is a column, for new and journaled replies."""
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
+    run(tmp_path, fs, prompts)
+    ids = {f"gen-{body_hash(b)}" for b in fs.app.bodies}
+    first = pq.read_table(tmp_path / "out.parquet")
+    assert "generation_id" in first.column_names and set(first.column("generation_id").to_pylist()) == ids
+    run(tmp_path, fs, prompts, out="again.parquet")  # read back from the journal
+    assert set(pq.read_table(tmp_path / "again.parquet").column("generation_id").to_pylist()) == ids
+
+
+def test_sporadic_429s_do_not_slow_the_backend_down(tmp_path, fs, caplog):
+    """5 % of requests refused with 429 (as a busy provider does): retried as before, the backend keeps its
+    requests in flight (the adaptive back-off is for storms: most answers 429s)."""
+    fs.app.config.update({"p429": 0.05, "retry_after_s": 0.05, "latency_min_s": 0.02, "latency_max_s": 0.05,
+                          "fault_at": {"p429": "start"}, "seed": 9})
+    fs.app.reset()
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(200))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=8))
+    assert s["ok"] == 200 and fs.app.outcomes["429"] >= 5 and s["retry_reasons"] == {"http_429": fs.app.outcomes["429"]}
+    assert fs.app.max_in_flight == 8 and not [r for r in caplog.records if "rate limited" in r.getMessage()]

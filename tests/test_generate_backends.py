@@ -367,7 +367,7 @@ runs = [generate(prompts, f"{work}/{out}", dataset="ds", shard="000", target_nam
 mods = sorted(m for m in sys.modules if m.split(".")[0] == "pandas" or m in ("pyarrow.compute", "pyarrow.dataset"))
 print(json.dumps({"mods": mods, "runs": runs}))
 """
-    p = subprocess.run([sys.executable, "-c", code, json.dumps(gen_cfg(max_retries=0)), json.dumps(backends_cfg(fs)),
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(gen_cfg(max_retries=0, unpaid_failures="keep")), json.dumps(backends_cfg(fs)),
                         str(prompts), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import pyarrow.parquet as pq
+import pytest
 
 from eagle3_data.backends.chat import history_reasoning
+from eagle3_data.generate import GenerationStopped
 from eagle3_data.tokenize import tokenize_rows
 from test_generate import backends_cfg, gen_cfg, run, write_prompts
 from test_templates import target
@@ -90,10 +92,30 @@ def test_stop_rule_counts_requests(tmp_path, fs):
         conv += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
     fs.app.config.update({"fail_after": 3, "fail_status": 500})
     prompts = write_prompts(tmp_path / "p.parquet", [conv])
-    s = run(tmp_path, fs, prompts, gen=gen_cfg(mode="all", max_retries=0))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(mode="all", max_retries=0, unpaid_failures="keep"))
     rows = sorted(pq.read_table(tmp_path / "out.parquet").to_pylist(), key=lambda r: r["turn"])
     assert [r["status"] for r in rows] == ["ok", "ok", "ok", "failed"] and s["failed"] == {"http_500": 1}
     assert fs.stats()["completed"] == 3
+
+
+def test_mode_all_a_turn_failed_without_a_paid_reply_is_the_only_request_of_the_rerun(tmp_path, fs):
+    """The 4th turn of a conversation fails with a 500 after the first 3 were answered: the job fails (no output),
+    the 3 paid turns are journaled, and the rerun sends the 4th turn only, with the regenerated history."""
+    conv = []
+    for i in range(4):
+        conv += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    fs.app.config.update({"fail_after": 3, "fail_status": 500})
+    prompts = write_prompts(tmp_path / "p.parquet", [conv])
+    with pytest.raises(GenerationStopped, match=r"1 of 1 sample failed without a paid reply \(http_500 1\)"):
+        run(tmp_path, fs, prompts, gen=gen_cfg(mode="all", max_retries=0))
+    assert not (tmp_path / "out.parquet").exists() and fs.app.completed == 3
+    fs.app.config.update({"fail_after": None})
+    fs.app.reset()
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(mode="all", max_retries=0))
+    assert s["ok"] == 1 and s["from_journal"] == 3 and s["sent"] == 1 == fs.app.requests
+    (body,) = sent(fs)
+    assert [m["content"] for m in body if m["role"] == "user"] == ["q0", "q1", "q2", "q3"]
+    assert all(m["content"] != f"a{i}" for i, m in enumerate(m for m in body if m["role"] == "assistant"))
 
 
 def test_kimi_ids_rewritten_on_the_request_path_equal_the_tokenized_prompt(tmp_path, fs):

@@ -241,11 +241,31 @@ run_stage(fail, log=log)
     rc, err, log = res["expected"]
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
     assert err.strip().endswith("ERROR eagle3_data: datasets.x.source.path: nope.jsonl does not exist. Fix the path")
-    assert log == err
+    header, line = log.splitlines()
+    assert line + "\n" == err and header.startswith("===== ")
+    assert header.endswith(": a new attempt (earlier ones above) =====")
     rc, err, log = res["interrupt"]
     assert rc == 130 and err.strip().endswith("ERROR eagle3_data: interrupted. Rerun the same command to resume")
     rc, err, log = res["bug"]
     assert rc == 1 and err.count("Traceback") == 1 and "KeyError: 'bug'" in err and log.count("Traceback") == 1
+
+
+def test_a_job_log_keeps_every_attempt(tmp_path):
+    """A rerun appends to the job's log below a line opening the attempt: an outage's history is kept."""
+    import logging
+
+    from eagle3_data.logs import setup_logging
+
+    path = tmp_path / "000.log"
+    for attempt in ("first", "second"):
+        log = setup_logging(str(path))
+        log.info("the %s attempt", attempt)
+        for h in log.handlers:
+            h.flush()
+    lines = path.read_text().splitlines()
+    assert [ln.endswith("a new attempt (earlier ones above) =====") for ln in lines] == [True, False, True, False]
+    assert lines[1].endswith("the first attempt") and lines[3].endswith("the second attempt")
+    logging.getLogger("eagle3_data").handlers.clear()
 
 
 def test_format_failure():

@@ -133,8 +133,10 @@ def test_stale_partial_outputs_are_removed_but_a_live_writers_is_not(tmp_path):
     dead.write_bytes(b"partial")
     other = tmp_path / ".other.parquet.x.tmp"
     other.write_bytes(b"not ours")
-    with atomic_path(out, lock=True) as live:
+    with atomic_path(out) as live:  # a writer removes what dead writers of its output left, first
+        assert not dead.exists() and other.exists()
         live.write_bytes(b"in progress")
+        dead.write_bytes(b"partial")
         assert remove_stale_partials(out) == [dead]
         assert live.exists() and other.exists() and not dead.exists()
     assert out.read_bytes() == b"in progress" and not live.exists()

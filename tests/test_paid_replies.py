@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_generate import backends_cfg, gen_cfg, run, simple_convs, write_prompts  # noqa: E402
 
 from eagle3_data import journal as journal_mod  # noqa: E402
+from eagle3_data.generate import GenerationStopped  # noqa: E402
 from eagle3_data.journal import JournalWriteError, read_journal  # noqa: E402
 
 
@@ -150,7 +151,7 @@ def test_a_huge_reply_billed_as_a_few_tokens_is_refused_before_its_bulk_is_journ
     assert sum(p.stat().st_size for p in (tmp_path / "journal").rglob("*.jsonl")) < 10_000
 
 
-@pytest.mark.parametrize("key", ["sk-or-CANARY-echoed-9d1f", "k3y9zq"])
+@pytest.mark.parametrize("key", ["sk-or-CANARY-echoed-9d1f", "0123456789abcdef"])
 def test_an_api_key_echoed_in_a_reply_is_never_stored(tmp_path, fs, monkeypatch, key):
     monkeypatch.setenv("E3D_PAID_KEY", key)
     fs.app.config.update({"require_key": key, "echo_key": True})
@@ -176,3 +177,181 @@ def test_short_keys_are_scrubbed_from_messages():
     finally:
         del os.environ["E3D_SHORT_KEY"]
     assert scrub("x ab y", ["ab"]) == "x [api key] y"
+
+
+def test_402_gives_replies_in_flight_the_grace_and_no_request_starts_after_it(tmp_path, fs, monkeypatch):
+    """The 31st request gets 402 (credits, answered at once) while 7 replies of 0.2-0.4 s are in flight: every
+    reply the server completed (paid) is journaled, none is bought again by the rerun, and no request reached the
+    server after the first 402 had been answered."""
+    from eagle3_data.backends import http, pool
+
+    fs.app.config.update({"fail_after": 30, "fail_status": 402, "latency_min_s": 0.2, "latency_max_s": 0.4,
+                          "fault_at": {"fail_status": "start"}})
+    fs.app.reset()
+    # the client's own clock: when each request started going out, when the first 402 reached it (the server in
+    # this process answers under the GIL: its arrival times lag by tens of ms on a busy machine)
+    starts, first_402 = [], []
+    real_post, real_check = http.HttpSession.post, pool.check_status
+
+    async def post(self, url, body):
+        starts.append(time.monotonic())
+        return await real_post(self, url, body)
+
+    def check(backend, resp):
+        if resp.status_code == 402 and not first_402:
+            first_402.append(time.monotonic())
+        return real_check(backend, resp)
+
+    monkeypatch.setattr(http.HttpSession, "post", post)
+    monkeypatch.setattr(pool, "check_status", check)
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(100))
+    with pytest.raises(GenerationStopped, match="402") as ei:
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, max_concurrency=8))
+    assert first_402 and [t for t in starts if t > first_402[0]] == []  # no request started after it
+    assert "\n" not in str(ei.value)
+    deadline = time.monotonic() + 10
+    while fs.app.in_flight and time.monotonic() < deadline:  # replies a stopped job dropped, still answering
+        time.sleep(0.05)
+    paid = fs.app.completed
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert paid == 30 and len(recs) == paid  # every paid reply, in flight when the 402 came, is journaled
+    monkeypatch.undo()
+    fs.app.config.update({"fail_after": None, "latency_min_s": 0.0, "latency_max_s": 0.0})
+    fs.app.reset()
+    s = run(tmp_path, fs, prompts)
+    assert s["from_journal"] == paid and s["sent"] == 100 - paid == fs.app.completed  # nothing bought twice
+
+
+def test_replies_arriving_after_the_journal_fails_are_kept_and_not_bought_again(tmp_path, fs, monkeypatch):
+    """ENOSPC at the 6th record with 8 replies of 0.2-0.4 s in flight: no request starts after it, the replies
+    in flight get the grace, and those the journal can't take are written to a fallback file the message names;
+    moved into the journal folder as it says, the rerun buys none of them again."""
+    import tempfile
+
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spill))
+    fs.app.config.update({"latency_min_s": 0.2, "latency_max_s": 0.4})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
+    real_write = os.write
+    calls = {"n": 0}
+
+    def write(fd, data):
+        if fd > 2 and bytes(data[:2]) == b'{"':
+            calls["n"] += 1
+            if calls["n"] > 5:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(journal_mod.os, "write", write)
+    with pytest.raises(JournalWriteError) as e:
+        run(tmp_path, fs, prompts, gen=gen_cfg(), bk=backends_cfg(fs, max_concurrency=8))
+    monkeypatch.setattr(journal_mod.os, "write", real_write)
+    msg = str(e.value)
+    assert "\n" not in msg and "the disk is full" in msg
+    (held,) = spill.glob("eagle3-journal-ds-000-*.jsonl")
+    n_held = len(held.read_text().splitlines())
+    assert fs.app.completed == 5 + n_held and n_held >= 3  # every paid reply: journaled or held
+    assert f"{n_held} paid replies that arrived after it were written to {held}: move that file into " \
+           f"{tmp_path / 'journal' / 'ds'}/ before rerunning" in msg
+    first = fs.app.completed
+    held.rename(tmp_path / "journal" / "ds" / held.name)
+    fs.app.reset()
+    s = run(tmp_path, fs, prompts)
+    assert s["ok"] == 40 and s["from_journal"] == first and fs.app.completed == 40 - first  # none bought twice
+
+
+def test_a_cut_off_200_is_a_named_reject_journaled_raw_once(tmp_path, fs):
+    """A 200 whose JSON body is cut off is billed: it is not retried (billed again), but journaled once with its
+    raw text as a paid reject ``undecodable_reply``, and the rerun does not send it."""
+    fs.app.config.update({"pmalformed": 0.3, "seed": 6})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=6))
+    n = fs.app.outcomes["malformed"]
+    assert n >= 4 and s["failed"] == {"undecodable_reply": n} and s["failed_unpaid"] == 0 and s["retries"] == 0
+    assert fs.app.requests == 30 and max(fs.app.billed_by_body.values()) == 1
+    rejects = [r for r in read_journal(tmp_path / "journal", "ds")[0].values() if r["status"] == "failed"]
+    assert len(rejects) == n and all(r["raw_reply"] == '{"id": "gen-x", "choices": [{"message": {"content": "trunc'
+                                     and r["error"].startswith("undecodable_reply: the HTTP 200 reply is not JSON")
+                                     for r in rejects)
+    assert all(e.startswith("undecodable_reply: ") for e in _failed(tmp_path / "out.parquet").values())
+    fs.app.reset()
+    again = run(tmp_path, fs, prompts, out="again.parquet")
+    assert fs.app.requests == 0 and again["failed"] == {"undecodable_reply": n}
+
+
+def test_a_client_error_inside_choices_fails_at_once_like_the_top_level_one(tmp_path, fs):
+    fs.app.config.update({"perror200": 0.3, "error200_code": 413, "seed": 4})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=6))
+    n = fs.app.outcomes["error200"]
+    assert n >= 4 and s["failed"] == {"http_413": n} and fs.app.requests == 30 and s["retries"] == 0
+    assert all(e.startswith("http_413: error 413 inside a 200 body (choices[0].error): upstream provider error")
+               for e in _failed(tmp_path / "out.parquet").values())
+
+
+def test_a_key_in_any_field_of_a_reply_is_never_stored(tmp_path, fs, monkeypatch):
+    """The reply's `model` (here, a provider echoing the key in it) is checked like its text: the reply is a paid
+    reject api_key_in_reply, and the key is in no file (journal, output, log)."""
+    key = "sk-or-CANARY-model-4e7a0c"
+    monkeypatch.setenv("E3D_PAID_KEY", key)
+    fs.app.config.update({"require_key": key, "model": f"vendor/model {key}"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(6))
+    log = tmp_path / "logs" / "job.log"
+    with pytest.raises(GenerationStopped, match="every request failed"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"), log=log)
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 6 and all(r["error"] == "api_key_in_reply: the reply's model quotes a configured API key "
+                                  "(not stored)" for r in recs.values())
+    assert all(r["model"] == "vendor/model [api key]" for r in recs.values())
+    hits = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert hits == []
+
+
+def test_a_short_key_stops_the_job_before_any_request(tmp_path, fs, monkeypatch):
+    monkeypatch.setenv("E3D_PAID_KEY", "test")
+    fs.app.config.update({"require_key": "test"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(4))
+    with pytest.raises(GenerationStopped, match="the key in E3D_PAID_KEY is 4 characters; a key shorter than 16"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"))
+    assert fs.app.requests == 0
+
+
+def test_a_key_in_a_source_prompt_is_a_named_reject_never_sent(tmp_path, fs, monkeypatch):
+    key = "sk-or-CANARY-prompt-19c3d2"
+    monkeypatch.setenv("E3D_PAID_KEY", key)
+    fs.app.config.update({"require_key": key})
+    convs = simple_convs(5)
+    convs[1][0]["content"] = f"my key is {key}, keep it safe"
+    prompts = write_prompts(tmp_path / "p.parquet", convs)
+    s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"))
+    assert s["failed"] == {"api_key_in_prompt": 1} and s["ok"] == 4 and fs.app.requests == 4
+    assert _failed(tmp_path / "out.parquet") == {"s0001": (
+        f"api_key_in_prompt: {prompts} row 1: the prompt quotes a configured API key: not sent (its text is not "
+        "copied here; remove the key from the source)")}
+    hits = [p for p in tmp_path.rglob("*") if p.is_file() and p != prompts and key.encode() in p.read_bytes()]
+    assert hits == []
+
+
+@pytest.mark.parametrize("asked,replied,same", [
+    ("openai/gpt-4o", "openai/gpt-4o-2024-08-06", True),            # a date suffix
+    ("anthropic/claude-3-5-sonnet", "anthropic/claude-3-5-sonnet-20241022", True),
+    ("moonshotai/kimi-k2", "moonshotai/kimi-k2-0905", True),        # a version suffix
+    ("moonshotai/kimi-k2.5", "kimi-k2.5", True),                    # the vendor left out
+    ("moonshotai/kimi-k2.5", "MoonshotAI/Kimi-K2.5", True),         # case
+    ("vendor/model:free", "vendor/model", True),                    # an OpenRouter routing variant asked for
+    ("vendor/model-x", "vendor/model", False),                      # a shorter, older name: another model
+    ("openai/gpt-4o", "openai/gpt-4o-mini", False),                 # a longer name that is not a version
+    ("a/model", "b/model", False),                                  # another vendor's
+])
+def test_a_reply_names_the_model_asked_for_only_as_the_same_id_or_a_versioned_one(asked, replied, same):
+    from eagle3_data.paid import same_model
+
+    assert same_model(asked, replied) is same
+
+
+def test_a_reply_from_a_shorter_older_name_counts_as_another_model(tmp_path, fs):
+    fs.app.config.update({"model": "vendor/model"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(4))
+    s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, model="vendor/model-x"))
+    assert s["ok"] == 4 and s["other_model_replies"] == 4

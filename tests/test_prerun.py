@@ -32,6 +32,7 @@ def test_missing_target_path_is_one_line_naming_the_key(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("Config error: target.path: ") and "does not exist" in msg
     assert str(tmp_path / "no-such-model") in msg
+    assert "`hf download <repo> --local-dir <dir>`" in msg  # the CLI the README uses
 
 
 def test_target_without_tokenizer_or_chat_template(tmp_path):

@@ -440,3 +440,62 @@ def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
     assert cells["Total"] == ["Total", "114", "47", "2", "16", "14", "74", "0.75", "1:02:05"]
     assert lines[-1] == f"Tokens, rejects by reason, cost by backend: {res}/reports/tally.md (all reports: {res}/reports/)"
     assert len(lines) <= 12                                            # one screen
+
+
+def test_run_summary_says_how_many_failed_without_a_paid_reply_and_that_a_rerun_retries_them(tmp_path):
+    """A shard whose job failed with samples that got no paid reply (its last snapshot in the run directory, no
+    summary) and one that kept them as failed rows (generation.unpaid_failures: keep): the last screen counts them
+    in Failed and says what sends them again."""
+    import json
+
+    from eagle3_data import runview
+    from eagle3_data.generate import JobState
+    from eagle3_data.report import run_summary, run_summary_rows
+
+    res, run_dir = tmp_path / "results", tmp_path / "run"
+    st = JobState(total=100, budget_tokens=None, budget_usd=None, done=100, ok=63, new_ok=63,
+                  failed={"http_429": 30, "timeout": 7}, unpaid={"http_429": 30, "timeout": 7})
+    runview.write_snapshot(run_dir, runview.snapshot(st, "storm", "000", final=True))
+    p = res / "kept" / "responses" / "000.json"
+    p.parent.mkdir(parents=True)
+    p.write_text(json.dumps({"samples": 10, "ok": 6, "failed_total": 4, "failed_unpaid": 3, "not_sent": 0,
+                             "stopped_by": "all samples done"}))
+    datasets = {"storm": {"source": {"format": "sharegpt"}}, "kept": {"source": {"format": "sharegpt"}}}
+    rows = run_summary_rows(datasets, res, run_dir)
+    assert [(r["dataset"], r["failed"], r["rerun_unpaid"], r["kept_unpaid"], r["ended_by"]) for r in rows[:2]] == [
+        ("storm", 37, 37, 0, "failed, not paid"), ("kept", 4, 0, 3, "all samples done")]
+    lines = run_summary(datasets, res, ok=False, run_dir=run_dir).splitlines()
+    assert "Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled is paid " \
+           "again): storm 37." in lines
+    assert "Failed, not paid, recorded as failed (generation.unpaid_failures: keep): `snakemake --forcerun " \
+           "generate` retries them: kept 3." in lines
+
+
+def test_a_failed_runs_last_screen_says_why_each_job_failed(tmp_path):
+    """The cause on the last screen, not 80 lines above it: each failed job's one-line error from its log (the
+    last attempt only, this run's logs only, interrupts left out)."""
+    import os
+    import time
+
+    from eagle3_data.report import run_summary
+
+    logs = tmp_path / "logs"
+    (logs / "generate" / "chat").mkdir(parents=True)
+    mark = "===== 2026-01-01T00:00:00+00:00 pid 1: a new attempt (earlier ones above) ====="
+    (logs / "generate" / "chat" / "000.log").write_text(
+        f"{mark}\n10:00:00 ERROR eagle3_data: an earlier attempt's error\n{mark}\n"
+        "10:01:00 INFO eagle3_data.generate: [chat/000] 100 samples\n"
+        "10:01:05 ERROR eagle3_data: [chat/000] backend 'or': environment variable OR_KEY (api_key_env) is not set "
+        "or empty. Export OR_KEY=<your key> and rerun the same command\n")
+    (logs / "generate" / "chat" / "001.log").write_text(
+        f"{mark}\n10:01:06 ERROR eagle3_data: [chat/001] interrupted. Rerun the same command to resume\n")
+    old = logs / "generate" / "chat" / "002.log"
+    old.write_text(f"{mark}\n09:00:00 ERROR eagle3_data: a failure of an earlier run\n")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    datasets = {"chat": {"source": {"format": "sharegpt"}}}
+    text = run_summary(datasets, tmp_path / "results", run_s=60.0, ok=False, logs_dir=logs)
+    lines = text.splitlines()
+    i = lines.index("Why (each failed job's error; its log has the details):")
+    assert lines[i + 1:] == [f"  {logs}/generate/chat/000.log: [chat/000] backend 'or': environment variable OR_KEY "
+                             "(api_key_env) is not set or empty. Export OR_KEY=<your key> and rerun the same command"]
+    assert "Why" not in run_summary(datasets, tmp_path / "results", run_s=60.0, ok=True, logs_dir=logs)

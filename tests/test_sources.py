@@ -381,3 +381,19 @@ def test_parquet_reader_and_bad_files(tmp_path):
         list(iter_records(bad))
     with pytest.raises(SourceFormatError, match=r"unknown source file extension '\.csv'"):
         list(iter_records(tmp_path / "x.csv"))
+
+
+def test_glaive_arguments_written_as_a_python_literal_become_json_or_a_named_reject():
+    def call(args: str) -> str:
+        chat = ("USER: convert 5 inches\n\n\n"
+                f'ASSISTANT: <functioncall> {{"name": "convert", "arguments": \'{args}\'}} <|endoftext|>\n\n\n')
+        s = convert("glaive", {"system": "", "chat": chat})
+        return s.messages[1]["tool_calls"][0]["function"]["arguments"]
+
+    assert call('{"value": 5, "unit": "in"}') == '{"value": 5, "unit": "in"}'  # JSON: as it is
+    assert call("{'value': 5, 'unit': 'in', 'exact': True, 'note': None}") == \
+        '{"value": 5, "unit": "in", "exact": true, "note": null}'
+    for bad in ("{'value': 5", "convert(5)", "5 inches"):
+        chat = ("USER: convert 5 inches\n\n\n"
+                f'ASSISTANT: <functioncall> {{"name": "convert", "arguments": \'{bad}\'}} <|endoftext|>\n\n\n')
+        assert reason_of("glaive", {"system": "", "chat": chat}) == "malformed_tool_arguments", bad

@@ -56,7 +56,7 @@ def server():
     fs.stop()
 
 
-def _workflow(tmp_path: Path, target_dir, fs: FaultServer) -> Path:
+def _workflow(tmp_path: Path, target_dir, fs: FaultServer, max_retries: int = 2) -> Path:
     wd = copy_workflow(tmp_path / "w")
     d, checks = target_dir
     shutil.copytree(checks, wd / "cache" / "checks")
@@ -68,7 +68,7 @@ def _workflow(tmp_path: Path, target_dir, fs: FaultServer) -> Path:
         "target": {"name": "qwen-fixture", "path": str(d), "build_tiny": False, "template": "qwen3"},
         "backends": {"fake": {"type": "openai", "base_url": fs.url + "/v1", "model": "m", "api_key_env": None,
                               "max_concurrency": 8, "timeout_s": 30}},
-        "generation": {"backends": ["fake"], "max_tokens": 16, "max_retries": 2, "retry_initial_s": 0.1,
+        "generation": {"backends": ["fake"], "max_tokens": 16, "max_retries": max_retries, "retry_initial_s": 0.1,
                        "stop_grace_s": 2},
         "datasets": {"chat": {"source": {"format": "sharegpt", "path": "chat.json"}, "shards": 2}},
         "vocab": {"draft_vocab_size": 64},

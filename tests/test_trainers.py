@@ -230,13 +230,15 @@ def check_specforge(out_dir: Path, rows, loaded, max_len: int = 4096) -> int:
 
 
 def speculators_model(real_target, t2d=None, d2t=None, draft_vocab_size=None) -> Eagle3DraftModel:
-    """speculators' default EAGLE-3 draft for the target (one llama decoder layer, full attention), as its train
-    command builds it (speculators/train/cli.py: create_transformer_layer_config, from_training_args)."""
+    """speculators' default EAGLE-3 draft for the target, as its train command builds it with its eagle3 defaults
+    (speculators/train/config/schema.py: one llama decoder layer, norm_before_fc and norm_output on;
+    speculators/train/cli.py: create_transformer_layer_config, from_training_args), with full attention."""
     cfg = create_transformer_layer_config(str(real_target), num_layers=1, draft_arch="llama", hidden_act=None,
                                           sliding_window=4096, full_attention_indices=[0])
     return Eagle3DraftModel.from_training_args(
         cfg, verifier_name_or_path=str(real_target), draft_vocab_size=draft_vocab_size or cfg.vocab_size,
-        norm_before_residual=True, ttt_steps=3, draft_attn_impl="eager", t2d=t2d, d2t=d2t,
+        norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=3, draft_attn_impl="eager",
+        t2d=t2d, d2t=d2t,
         target_layer_ids=resolve_target_layer_ids(None, str(real_target)))
 
 

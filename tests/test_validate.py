@@ -307,3 +307,24 @@ def test_turn_counts_match_the_dense_prefix_sums():
         assert g.tolist() == w.tolist()
     assert _turn_counts(b, ctx) is got  # once per batch
     assert sum(want[0]) > 50 and sum(want[4]) > 50  # the random rows do exercise the markers
+
+
+def test_reject_ceiling_counts_the_samples_that_failed_without_a_paid_reply(tmp_path):
+    """Samples recorded as failed at generate without a paid reply (a 500, a timeout; not a 422) are counted in the
+    summary and named in the ceiling's message with what sends them again."""
+    path = F.save_fixture("kimi-k2-thinking", tmp_path / "tok")
+    good = [dict(tok_row(), sample_id=f"g{i}", billed_completion_tokens=None) for i in range(5)]
+    failed = tokenize_rows([dict(row(MULTI, content="x"), sample_id=f"f{i}", status="failed", error=err)
+                            for i, err in enumerate(["http_500: boom", "timeout: ReadTimeout", "http_422: bad"])], KT)
+    tokens = tmp_path / "tokens.parquet"
+    pq.write_table(schemas.from_rows(good + failed, schemas.TOKENS), tokens)
+    tgt = {"path": path, "template": "kimi-k2-thinking"}
+    v, rj = tmp_path / "v.parquet", tmp_path / "r.parquet"
+    with pytest.raises(RejectRateExceeded) as ei:
+        validate(str(tokens), str(v), str(rj), settings=ValidateSettings.defaults(tgt, max_reject_rate=0.25))
+    msg = str(ei.value)
+    assert "3/8 samples rejected" in msg and msg.endswith(
+        "; 2 failed, not paid: rerun to retry them (`snakemake --forcerun generate` sends only those samples: they "
+        "were recorded as failed with generation.unpaid_failures: keep)")
+    s = validate(str(tokens), str(v), str(rj), settings=ValidateSettings.defaults(tgt, max_reject_rate=0.5))
+    assert s["failed_unpaid"] == 2 and s["rejected"] == {"http_500": 1, "timeout": 1, "http_422": 1}

@@ -87,8 +87,11 @@ def test_failed_run_stops_the_server_and_says_why_once(prompts_built, tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in out
     said = [ln for ln in out.splitlines() if f"backend 'dead' ({url}) refused connections for 3 s" in ln]
-    assert len(said) == 1, out[-4000:]
-    assert said[0].endswith("Start the server or fix the backend's base_url, then rerun the same command; 0 responses "
+    job = [ln for ln in said if " ERROR eagle3_data: " in ln]  # the job's one line, as it ends
+    why = [ln for ln in said if ln.strip().startswith("logs/generate/ultrachat_demo/000.log: ")]  # the last screen
+    assert len(job) == 1 and len(why) == 1 and len(said) == 2, out[-4000:]
+    assert out.index(job[0]) < out.index("Why (each failed job's error; its log has the details):") < out.index(why[0])
+    assert job[0].endswith("Start the server or fix the backend's base_url, then rerun the same command; 0 responses "
                             "of ultrachat_demo are journaled and will not be requested again")
     pids = server_pids(wd)
     assert len(pids) == 1 and gone(pids[0], within=1.0)

@@ -16,7 +16,8 @@ How a stage uses it:
       from eagle3_data.errors import run_stage
       run_stage(lambda: generate(...), log=log)
 
-  An :class:`ExpectedFailure` is then logged as ONE ``ERROR`` line (message + hint) to the job's log file and
+  An :class:`ExpectedFailure` (and an ``OSError`` of a full, read-only or unwritable disk: :func:`disk_error`) is
+  then logged as ONE ``ERROR`` line (message + hint) to the job's log file and
   stderr, and the process exits with ``exit_code`` (1; 130 for an interrupt) without a traceback. A
   ``KeyboardInterrupt`` becomes :class:`Interrupted`; under a workflow run (``EAGLE3_RUN_DIR`` set, see
   :mod:`.run`) an interrupt is written to the log file only, because the run prints one message for the whole run
@@ -60,6 +61,48 @@ class Interrupted(ExpectedFailure):
     """Ctrl-C (SIGINT) or SIGTERM: the work done so far is kept; rerunning resumes."""
 
     exit_code = 130
+
+
+class DiskError(ExpectedFailure):
+    """An output could not be written: the disk is full, read-only or not ours (``message`` names the path)."""
+
+
+#: errno -> what it means for a file being written
+DISK_ERRNOS = {28: "the disk is full", 122: "the disk quota is used up", 30: "the file system is read-only",
+               13: "no permission to write there", 1: "no permission to write there", 27: "the file is too large",
+               5: "an I/O error (a failing disk?)"}
+
+
+#: the errnos only a write can raise (a read of an input never does): what :func:`disk_error` blames on ``path``
+WRITE_ERRNOS = frozenset({28, 122, 30, 27})
+
+
+def disk_error(exc: BaseException, path=None) -> DiskError | None:
+    """A one-line :class:`DiskError` for ``exc`` when it is an ``OSError`` of :data:`DISK_ERRNOS` (also one that
+    gives its errno only in its text, as pyarrow's do), naming ``path`` (only for :data:`WRITE_ERRNOS`, which
+    only writing it can have caused; else the file the system names, else none); with ``path``, also another
+    library's error whose text is such an errno's (DuckDB's ``IO Error: ... No space left on device``); None for
+    any other exception."""
+    import re
+
+    if isinstance(exc, OSError):
+        code = exc.errno
+        if code is None:
+            m = re.search(r"\[Errno (\d+)\]", str(exc))
+            code = int(m.group(1)) if m else None
+    elif path is not None and isinstance(exc, Exception) and not isinstance(exc, ExpectedFailure):
+        # a library's own error (DuckDB's IOException) saying so; an expected failure already says what it is
+        code = next((c for c in sorted(WRITE_ERRNOS) if os.strerror(c) in str(exc)), None)
+    else:
+        return None
+    if code not in DISK_ERRNOS:
+        return None
+    if path is not None and code not in WRITE_ERRNOS:
+        return None
+    where = path if path is not None else exc.filename
+    what = f"cannot write {where}" if where is not None else "cannot write the job's output"
+    return DiskError(f"{what}: {DISK_ERRNOS[code]} ([Errno {code}] {os.strerror(code)})",
+                     hint="free space there (or make it writable), then rerun the same command")
 
 
 def format_failure(exc: ExpectedFailure) -> str:
@@ -131,6 +174,14 @@ def run_stage(main: Callable[[], T], *, log: logging.Logger | None = None,
         exc = interrupted() if interrupted else Interrupted("interrupted", hint="rerun the same command to resume")
         report_failure(exc, log)
         raise SystemExit(exc.exit_code) from None
+    except OSError as exc:  # a full or read-only disk under an output: one line; any other: a bug
+        failure = disk_error(exc)
+        if failure is None:
+            log.error("%s: %s", type(exc).__name__, exc, exc_info=True)
+            sys.excepthook = lambda *a: None
+            raise
+        report_failure(failure, log)
+        raise SystemExit(failure.exit_code) from None
     except Exception as exc:  # a bug: keep the traceback, once (the excepthook would print it again)
         log.error("%s: %s", type(exc).__name__, exc, exc_info=True)
         sys.excepthook = lambda *a: None

@@ -25,23 +25,27 @@ os.umask(_UMASK)
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, *, lock: bool = False) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, lock: bool = True) -> Iterator[Path]:
     """Yield a temporary path (``.<name>.XXXX.tmp``) next to ``path``; rename it onto ``path`` only if the block
     succeeds.
 
     The temporary file lives in the same directory (same filesystem) so ``os.replace`` is atomic.
-    On an exception the temporary file is removed and ``path`` is left untouched. ``lock``: hold an exclusive
-    ``flock`` on the temporary file while the block runs (a long-running writer), so that
-    :func:`remove_stale_partials` removes it only once its writer is gone (killed with ``kill -9``).
+    On an exception the temporary file is removed and ``path`` is left untouched. The writer holds an exclusive
+    ``flock`` on its temporary file while the block runs, and first removes the temporary files of ``path`` that
+    dead writers left (:func:`remove_stale_partials`: a job killed with ``kill -9`` or SIGBUS runs no cleanup), so
+    a rerun that writes ``path`` leaves none behind. A full, read-only or unwritable disk raises
+    :class:`..errors.DiskError`, one line naming ``path``. (``lock``: kept for callers; always on.)
     """
+    from .errors import disk_error
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    if lock:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the OS when the process dies
-    else:
-        os.close(fd)
-        fd = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise (disk_error(exc, path) or exc) from None
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the OS when the process dies
     tmp_path = Path(tmp)
     try:
         yield tmp_path
@@ -49,13 +53,15 @@ def atomic_path(path: str | os.PathLike, *, lock: bool = False) -> Iterator[Path
             os.fsync(fh.fileno())
         os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; outputs get the usual umask permissions
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
+        failure = disk_error(exc, path)
+        if failure is not None:
+            raise failure from None
         raise
     finally:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
 
 
 def remove_stale_partials(path: str | os.PathLike) -> list[Path]:

@@ -14,10 +14,12 @@ torn last line; the reader skips lines that are not complete JSON objects (count
 writer starts a fresh line if the file does not end in a newline, so a torn fragment never glues onto the
 next record. Failed requests are never journaled: a rerun retries them; a *paid reject* (a 200 reply that can't be kept:
 :mod:`eagle3_data.paid`) is, as a record with ``status == "failed"`` and its reason in ``error`` (no text), so a
-rerun neither pays for it again nor loses its cost. The file is opened at the first record (or
+rerun neither pays for it again nor loses its cost (an ``undecodable_reply`` reject also keeps the start of the
+raw body, keys scrubbed, under ``raw_reply``: a key no RESPONSES column reads). The file is opened at the first record (or
 :meth:`JournalWriter.ensure_open`, before a job sends anything): a job with nothing to send never needs to write;
 a journal that can't be written (disk full, read-only) raises :class:`JournalWriteError`, one line naming the
-directory and the reason.
+directory and the reason; records that arrive after it (replies in flight, given the stop grace) are held by the
+job and written by :func:`save_held` to the journal if it can take them by then, else to a fallback file.
 
 The journal never holds an API key: records are response fields only (no headers, no request options).
 """
@@ -66,7 +68,7 @@ def journal_path(journal_dir: str | os.PathLike, dataset: str, shard: str) -> Pa
 
 
 _TEXT_FIELDS = ("sample_id", "dataset", "messages", "tools", "status", "error", "reasoning", "content", "tool_calls",
-                "finish_reason", "backend", "provider", "model")
+                "finish_reason", "backend", "provider", "model", "generation_id")
 _COUNT_FIELDS = ("turn", "prompt_tokens", "completion_tokens", "reasoning_tokens")
 _NUMBER_FIELDS = ("cost_usd", "latency_s", "completed_at")
 
@@ -293,5 +295,40 @@ class JournalWriter:
     def __enter__(self) -> "JournalWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except JournalWriteError:
+            if exc_type is None:  # leaving on an error already: that one is reported, not the closing one
+                raise
+
+
+def save_held(records: list[dict], journal_dir: str | os.PathLike, dataset: str, shard: str,
+              fallback_dir: str | os.PathLike | None = None) -> tuple[Path | None, bool]:
+    """Write paid ``records`` that the journal could not take when they arrived: appended to the shard's journal
+    if it can be written now, else to ``<fallback_dir>/eagle3-journal-<dataset>-<shard>-<pid>.jsonl`` (default
+    the system's temp directory; a journal file a rerun reads once moved into ``<journal_dir>/<dataset>/``).
+
+    Returns ``(path, in_journal)``: where they are (None if nowhere could take them) and whether that is the
+    journal itself."""
+    import tempfile
+
+    if not records:
+        return None, True
+    try:
+        with JournalWriter(journal_dir, dataset, shard) as jw:
+            for rec in records:
+                jw.append(rec)
+        return jw.path, True
+    except (JournalWriteError, OSError):
+        pass
+    path = Path(fallback_dir or tempfile.gettempdir()) / f"eagle3-journal-{dataset}-{shard}-{os.getpid()}.jsonl"
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            for rec in records:
+                fh.write(json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        return path, False
+    except OSError:
+        return None, False

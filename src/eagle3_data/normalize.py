@@ -36,7 +36,7 @@ from . import schemas
 from .errors import ExpectedFailure
 from .io import atomic_path, content_hash, shard_of
 from .sources import FORMAT_PROBE_RECORDS, RowReject, SourceFormatError, get_adapter, iter_records
-from .sources.readers import InvalidLine
+from .sources.readers import TOO_DEEP, InvalidLine
 
 if TYPE_CHECKING:
     from .settings import NormalizeSettings
@@ -214,14 +214,17 @@ def normalize(
                 continue
             try:
                 sample = adapter.convert(record)
+                if kind == "tokens":
+                    sid = sample.sample_id or content_hash(sample.input_ids, sample.loss_mask)
+                else:
+                    messages_json, tools_json = _prompt_json(sample)
+                    sid = sample.sample_id or content_hash(sample.messages, sample.tools)
             except RowReject as rej:
                 reject(rej.reason, f"{where}: {rej.detail}", rej.sample_id, index)
                 continue
-            if kind == "tokens":
-                sid = sample.sample_id or content_hash(sample.input_ids, sample.loss_mask)
-            else:
-                messages_json, tools_json = _prompt_json(sample)
-                sid = sample.sample_id or content_hash(sample.messages, sample.tools)
+            except RecursionError:  # a record that decodes, nested too deep to be walked or written as JSON
+                reject("nested_too_deep", f"{source_path} {where}: {TOO_DEEP}", None, index)
+                continue
             if _SURROGATE.search(sid):  # an id must be stable and exact: not repaired
                 reject("invalid_id", f"{where}: sample id {sid!r} is not valid Unicode (unpaired surrogate)", None,
                        index)

@@ -9,12 +9,17 @@ and the budgets count it. ``snakemake --forcerun generate`` does not re-buy it e
   U+FFFD replacements instead of being retried as malformed (the reply was paid for); its sample is then a paid
   reject ``invalid_utf8`` (a replaced character is not what the model produced, so its token ids can't be
   reconstructed);
+- :func:`undecodable_reply` -- a 200 body that is not JSON (cut off): a paid reject ``undecodable_reply``, its raw
+  text kept in the journal record (``raw_reply``), never retried (a provider that bills it would bill each retry);
 - :func:`client_error` -- an error code in a 200 body that no retry can fix (4xx other than 408/409/425/429);
 - :func:`check_reply` -- a reply far larger than its billed completion tokens (``reply_too_large``), a reply
-  quoting a configured API key (``api_key_in_reply``), a reply naming another model than the one asked for
+  quoting a configured API key in any field (``api_key_in_reply``), a reply naming another model than the one asked for
   (counted and warned; ``other_model`` when ``generation.reject_other_models`` is true);
 - :func:`configured_keys` / :func:`scrub` -- every configured key (the values of every backend's
-  ``api_key_env``, whatever their length) replaced by ``[api key]`` in text bound for logs and rows.
+  ``api_key_env``, whatever their length) replaced by ``[api key]`` in text bound for logs and rows; a key shorter
+  than :data:`MIN_KEY_CHARS` is refused before any request (:func:`short_key_problem`), so that a key found in
+  a reply's field (:data:`REPLY_TEXT_FIELDS`: its text, model, provider, id, finish reason) or in a prompt is
+  one and not an ordinary word.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ RETRYABLE_4XX = {408, 409, 425, 429}
 #: token, plus :data:`SIZE_SLACK_BYTES` (a token is a few bytes; the longest tokens of real vocabularies are < 100)
 MAX_BYTES_PER_TOKEN = 64
 SIZE_SLACK_BYTES = 16384
-#: keys this short are scrubbed from text but not looked for in replies (they would match ordinary words)
-MIN_KEY_IN_REPLY = 4
+#: the shortest API key accepted (config check and job start): a shorter one could be an ordinary word of a reply
+#: ("test", "beta"), so replies could not be checked for it; a key this long is looked for as a plain substring
+MIN_KEY_CHARS = 16
+#: the text fields of a reply a key is looked for in (all it stores); any hit refuses the reply: api_key_in_reply
+REPLY_TEXT_FIELDS = ("content", "reasoning", "tool_calls", "model", "provider", "generation_id", "finish_reason")
 
 
 class PaidReject(Exception):
@@ -47,7 +55,7 @@ class PaidReject(Exception):
 def decode_json(content: bytes) -> tuple[object, int]:
     """``(parsed JSON, number of undecodable bytes replaced)`` of a reply body.
 
-    Raises ValueError when the body is not JSON even with replacements (a truncated body: retried)."""
+    Raises ValueError when the body is not JSON even with replacements (a cut-off body: :func:`undecodable_reply`)."""
     from .backends import codec
 
     try:
@@ -59,6 +67,23 @@ def decode_json(content: bytes) -> tuple[object, int]:
             text = content.decode("utf-8", "replace")
             return json.loads(text), text.count("\ufffd") - content.decode("utf-8", "ignore").count("\ufffd")
         raise
+
+
+#: characters of an undecodable 200 body kept in its reject record (``raw_reply``; the rest is counted, not kept)
+RAW_REPLY_CHARS = 65536
+
+
+def undecodable_reply(backend, content: bytes, exc: Exception, latency_s: float) -> "PaidReject":
+    """The :class:`PaidReject` ``undecodable_reply`` of a 200 body that is not JSON (cut off, or another format):
+    billed by a provider that bills it, so it is journaled once with the start of its raw text (``raw_reply``,
+    at most :data:`RAW_REPLY_CHARS` characters, keys scrubbed) and never bought again."""
+    import time
+
+    raw = content[:RAW_REPLY_CHARS * 4].decode("utf-8", "replace")[:RAW_REPLY_CHARS]
+    return PaidReject("undecodable_reply", f"the HTTP 200 reply is not JSON ({len(content):,} bytes: {str(exc)[:120]}"
+                      "; cut off?): paid for, its raw text journaled, not bought again",
+                      {"backend": backend.name, "provider": backend.name, "model": backend.model,
+                       "latency_s": float(latency_s), "completed_at": time.time(), "raw_reply": raw})
 
 
 def client_error(code) -> int | None:
@@ -88,23 +113,45 @@ def scrub(text: str, keys) -> str:
 
 
 def key_in_text(text: str, keys) -> bool:
-    """True if a key of ``keys`` (at least :data:`MIN_KEY_IN_REPLY` characters) occurs in ``text``; a key shorter
-    than 8 characters must stand as a word of its own."""
-    for k in keys:
-        if len(k) < MIN_KEY_IN_REPLY or k not in text:
-            continue
-        if len(k) >= 8 or re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", text):
-            return True
-    return False
+    """True if a key of ``keys`` (at least :data:`MIN_KEY_CHARS` characters: shorter ones are refused before any
+    request, :func:`short_key_problem`) occurs in ``text``."""
+    return any(len(k) >= MIN_KEY_CHARS and k in text for k in keys)
+
+
+def short_key_problem(var: str, key: str) -> str | None:
+    """Why the key in variable ``var`` can't be used (shorter than :data:`MIN_KEY_CHARS` characters), or None."""
+    if len(key) >= MIN_KEY_CHARS:
+        return None
+    return (f"the key in {var} is {len(key)} character{'s' if len(key) != 1 else ''}; a key shorter than {MIN_KEY_CHARS} could be an ordinary word "
+            "of a reply, so replies could not be checked for it (a reply saying 'test' would be refused, or a key "
+            "echoed would be stored): use a longer key (a local server: start it with e.g. `--api-key "
+            "$(python -c 'import secrets; print(secrets.token_hex(16))')`)")
+
+
+#: what a reply's model may add to the name asked for and still be that model: a version or a date
+#: (``-2024-08-06``, ``-20241022``, ``-0905``, ``-v2``, ``@001``, ``-v1.5``), nothing else (``-mini`` is another)
+_VERSION_SUFFIX = re.compile(r"[-_.:@]v?\d+(?:[-_.]\d+)*")
+#: OpenRouter's routing variants of an id (``vendor/model:free``): the reply names the model without them
+_ROUTING_VARIANT = re.compile(r":(free|beta|extended|thinking|online|nitro|floor|exacto)$")
 
 
 def same_model(asked: str | None, replied: str | None) -> bool:
-    """Whether a reply's ``model`` names the model asked for: equal, or one a dated/versioned form of the other
-    (``openai/gpt-4o`` vs ``openai/gpt-4o-2024-08-06``), case-insensitive; unknown counts as the same."""
+    """Whether a reply's ``model`` names the model asked for: the same id, or the id with a version or date suffix
+    added (``openai/gpt-4o`` -> ``openai/gpt-4o-2024-08-06``), case-insensitive; the vendor prefix may be left out
+    on either side, an OpenRouter routing variant (``:free``) of the asked id is ignored; unknown counts as the
+    same. A shorter or other name (``vendor/model`` for ``vendor/model-x``, ``gpt-4o-mini`` for ``gpt-4o``) is
+    another model."""
     if not asked or not replied:
         return True
-    a, r = asked.strip().lower(), replied.strip().lower()
-    return a == r or r.startswith(a) or a.startswith(r) or a.rsplit("/", 1)[-1] == r.rsplit("/", 1)[-1]
+    a = _ROUTING_VARIANT.sub("", asked.strip().lower())
+    r = replied.strip().lower()
+    if a == r:
+        return True
+    a_vendor, _, a_name = a.rpartition("/")
+    r_vendor, _, r_name = r.rpartition("/")
+    if a_vendor and r_vendor and a_vendor != r_vendor:
+        return False
+    return r_name == a_name or (r_name.startswith(a_name) and bool(_VERSION_SUFFIX.fullmatch(r_name[len(a_name):])))
 
 
 def text_bytes(fields: dict) -> int:
@@ -127,8 +174,10 @@ def check_reply(fields: dict, *, asked_model: str | None, keys=(), reject_other_
     if billed is not None and n > MAX_BYTES_PER_TOKEN * int(billed) + SIZE_SLACK_BYTES:
         raise PaidReject("reply_too_large", f"{n:,} bytes of text for {int(billed):,} billed completion tokens "
                          f"(more than {MAX_BYTES_PER_TOKEN} bytes a token)", fields)
-    if keys and any(key_in_text(fields.get(k) or "", keys) for k in ("content", "reasoning", "tool_calls")):
-        raise PaidReject("api_key_in_reply", "the reply quotes a configured API key (not stored)", fields)
+    hit = [k for k in REPLY_TEXT_FIELDS if keys and key_in_text(str(fields.get(k) or ""), keys)]
+    if hit:
+        raise PaidReject("api_key_in_reply", f"the reply's {', '.join(hit)} quote{'s' if len(hit) == 1 else ''} a "
+                         "configured API key (not stored)", fields)
     model = fields.get("model")
     if not same_model(asked_model, model):
         what = f"the reply names model {model!r}, not {asked_model!r} (a provider fallback?)"
@@ -140,7 +189,7 @@ def check_reply(fields: dict, *, asked_model: str | None, keys=(), reject_other_
 
 #: the fields a paid reject's journal record keeps (no text: never the reply's content, a key, 10 MB)
 REJECT_FIELDS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd", "backend", "provider",
-                 "model", "latency_s", "completed_at", "finish_reason")
+                 "model", "latency_s", "completed_at", "finish_reason", "generation_id")
 
 
 def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
@@ -150,6 +199,9 @@ def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
     rec.update(status="failed", error=scrub(f"{exc.reason}: {exc.message}", keys)[:2000], reasoning=None,
                content=None, tool_calls=None, output_ids=None,
                prompt_ids=None)
-    if rec.get("model"):
-        rec["model"] = scrub(str(rec["model"]), keys)[:200]
+    for k in ("model", "provider", "backend", "finish_reason", "generation_id"):  # every text field kept: scrubbed
+        if isinstance(rec.get(k), str):
+            rec[k] = scrub(rec[k], keys)[:200]
+    if exc.fields.get("raw_reply"):  # an undecodable reply's text: kept (scrubbed), in no RESPONSES column
+        rec["raw_reply"] = scrub(exc.fields["raw_reply"], keys)
     return rec

@@ -66,7 +66,7 @@ def check_target(config: dict, cache_dir: str | os.PathLike | None = None, *, lo
     if not path or not d.exists():
         raise ConfigError(f"Config error: target.path: {path or '(empty)'} does not exist; it must be a local "
                           "directory with the target model's tokenizer and chat template (download a Hub model "
-                          "first, e.g. `huggingface-cli download <repo> --local-dir <dir>`), checked before any "
+                          "first, e.g. `hf download <repo> --local-dir <dir>`), checked before any "
                           "request is paid for.")
     if not d.is_dir():
         raise ConfigError(f"Config error: target.path: {path} is a file, not the directory of the target's tokenizer.")

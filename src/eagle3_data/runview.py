@@ -45,6 +45,7 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
     config answered by the journal), journaled (both: this config's responses that will not be requested
     again), completion_tokens, cost_usd (dollars of this job's new, journaled responses), spent_usd (with the
     journal's), retries, sent, last_error, down (backend -> why it is out), elapsed_s (of the request phase),
+    unpaid (samples of ``failed`` that got no paid reply: a rerun sends them),
     last_done_at (unix s of the last finished request), updated_at (unix s), final (the job ended), pid."""
     now = time.time()
     return {
@@ -58,7 +59,7 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
         "last_error": (state.last_error or "")[:200] or None, "down": dict(down or {}),
         "elapsed_s": round(time.monotonic() - state.t0, 3), "last_done_at": state.last_done_at,
         "updated_at": now, "final": bool(final), "pid": os.getpid(), "kind": "generate",
-        "other_model": getattr(state, "other_model", 0),
+        "other_model": getattr(state, "other_model", 0), "unpaid": sum(getattr(state, "unpaid", {}).values()),
     }
 
 

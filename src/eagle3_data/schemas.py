@@ -79,6 +79,9 @@ RESPONSES = pa.schema(
         # the prompt's ids as the server rendered them (vLLM return_token_ids: prompt_token_ids), else null;
         # tokenize compares them with its own render (reject server_prompt_mismatch)
         ("prompt_ids", IDS),
+        # the backend's id of the reply (OpenRouter's generation id: its billing record, GET /generation?id=), else
+        # null; null in responses written before the column existed
+        ("generation_id", pa.string()),
     ]
 )
 

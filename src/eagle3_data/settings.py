@@ -350,6 +350,7 @@ class ExtractSettings(_Settings):
     final_format: str
     drafters: list
     dflash_layers: list | int | None
+    fused: str
     gpu_lock_dir: str | None
     model_path: str
     trust_remote_code: bool
@@ -505,6 +506,9 @@ class GenerateSettings(_Settings):
         generation = {k: self.generation.get(k) for k in cfg.GENERATION_DATA_KEYS}
         if self.generation.get("reject_other_models"):  # only when set: the default leaves existing params as they are
             generation["reject_other_models"] = True
+        bound = self.generation.get("max_prompt_bytes")
+        if bound is not None and bound != _default("generation.max_prompt_bytes"):  # likewise: only when changed
+            generation["max_prompt_bytes"] = bound
         return {"target_name": self.target_name, "generation": generation,
                 "backends": {name: {**{k: b.get(k) for k in cfg.BACKEND_DATA_KEYS}, "launched": bool(b.get("launch")),
                                     # only when set: a backend without it keeps its params (nothing reruns)

@@ -67,6 +67,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas
+from .backends.errors import unpaid_reason
 from .errors import ExpectedFailure
 from .templates import KIMI_TOOL_TOKENS, TargetTokens, target_tokens
 
@@ -475,7 +476,8 @@ def validate(
     ``keep_truncated``, ``count_tolerance: {per_sample_abs, per_sample_rel, aggregate_rel}``, ``max_tokens``) and
     the ``target`` (tokenizer path, template family, ...). Returns ``{rows, validated, rejected: {reason: n}, reject_rate,
     billed_completion_tokens, reconstructed_completion_tokens, count_rel, billed_prompt_tokens,
-    rendered_prompt_tokens, prompt_samples_billed, prompt_samples_differ, seconds}``; the completion sums cover the
+    rendered_prompt_tokens, prompt_samples_billed, prompt_samples_differ, failed_unpaid, seconds}``
+    (``failed_unpaid``: rejects of samples that failed at generate without a paid reply); the completion sums cover the
     validated rows that carry a billed count (the aggregate count audit; ``count_rel = |recon - billed| / billed``),
     the prompt ones the rows with a billed prompt count (the prompt audit: logged as a warning, never a reject).
     Raises, after writing both files, :class:`RejectRateExceeded` when the reject rate is above ``max_reject_rate``
@@ -531,6 +533,8 @@ def validate(
         "rendered_prompt_tokens": rendered_p,
         "prompt_samples_billed": n_bp,
         "prompt_samples_differ": p_differ,
+        # generate failures that got no paid reply (nothing journaled): a rerun of generate sends them again
+        "failed_unpaid": sum(1 for b in bad if b["stage"] == "generate" and unpaid_reason(b["reason"])),
         "seconds": round(time.time() - t0, 3),
     }
     log.info("validate %s: %s", tokens_path, summary)
@@ -543,9 +547,12 @@ def validate(
     ceiling = float(settings.max_reject_rate)
     if rate > ceiling:
         examples = "; ".join(f"{b['sample_id']}: {b['reason']} ({b['detail'][:80]})" for b in bad[:5])
+        unpaid = summary["failed_unpaid"]
         raise RejectRateExceeded(
             f"{tokens_path}: {len(bad)}/{n} samples rejected ({rate:.1%}) > validate.max_reject_rate "
             f"{ceiling:.1%}; reasons {dict(reasons)}; e.g. {examples}"
+            + (f"; {unpaid} failed, not paid: rerun to retry them (`snakemake --forcerun generate` sends only those "
+               "samples: they were recorded as failed with generation.unpaid_failures: keep)" if unpaid else "")
         )
     if ctx.aggregate_rel is not None and count_rel > ctx.aggregate_rel:
         raise CountAuditFailed(

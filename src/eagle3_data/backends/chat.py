@@ -100,6 +100,23 @@ def build_body(backend: BackendConfig, messages: list, tools: list | None, sampl
     return body
 
 
+def body_error(backend: BackendConfig, err, where: str) -> None:
+    """Raise for an ``error`` inside a 200 body (``where``: ``""`` for the top level, ``"choices[0]."`` ...):
+    :class:`FatalBackendError` for a 401/402 code, :class:`SampleError` ``http_<code>`` for a client error no
+    retry can fix (:func:`eagle3_data.paid.client_error`), else :class:`RetryableError` ``error_in_body``."""
+    from ..paid import client_error
+
+    code = err.get("code") if isinstance(err, dict) else None
+    msg = str((err.get("message") if isinstance(err, dict) else str(err)) or err)
+    at = f" ({where}error)" if where else ""
+    if code in (401, 402) or str(code) in ("401", "402"):
+        raise FatalBackendError(f"backend {backend.name!r} ({backend.base_url}): error {code} inside a 200 body{at}: "
+                                f"{msg[:300]}", hint="check the key and its credits, then rerun the same command")
+    if client_error(code):
+        raise SampleError(f"http_{client_error(code)}", f"error {code} inside a 200 body{at}: {msg[:300]}")
+    raise RetryableError("error_in_body", msg[:300])
+
+
 def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> dict:
     """Parse a 200 chat-completions body into RESPONSES fields.
 
@@ -108,36 +125,31 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     provider (OpenRouter top-level ``provider``, else the backend name), model, latency_s, output_ids
     (``choices[0].token_ids`` / ``output_ids`` when the server returns them), prompt_ids (vLLM's top-level
     ``prompt_token_ids`` with ``return_token_ids``, else None), completed_at.
-    Raises :class:`RetryableError` for malformed JSON and errors inside the body, :class:`SampleError`
-    ``http_<code>`` for a client error in the body that no retry can fix (:func:`eagle3_data.paid.client_error`).
+    Raises :class:`RetryableError` for an unusable reply shape and errors inside the body, :class:`SampleError`
+    ``http_<code>`` for a client error in the body (top level or any ``choices[i].error``) that no retry can fix
+    (:func:`eagle3_data.paid.client_error`), :class:`eagle3_data.paid.PaidReject` ``undecodable_reply`` for a body
+    that is not JSON (cut off: billed, so journaled raw once and never bought again).
     A valid JSON body holding bytes that are not UTF-8 is decoded with replacements (it was paid for): the count
     of replaced bytes is returned under ``_bad_bytes`` (the caller makes the sample a paid reject).
     """
-    from ..paid import client_error, decode_json
+    from ..paid import undecodable_reply, decode_json
 
     try:
         data, bad_bytes = decode_json(content)
-    except ValueError as exc:
-        raise RetryableError("malformed_json", f"{exc} (body starts {content[:80]!r})") from None
+    except ValueError as exc:  # a 200 cut off (or not JSON at all): billed all the same, never bought again
+        raise undecodable_reply(backend, content, exc, latency_s) from None
     if not isinstance(data, dict):
         raise RetryableError("malformed_json", "body is not a JSON object")
     err = data.get("error")
     if err:
-        code = err.get("code") if isinstance(err, dict) else None
-        msg = (err.get("message") if isinstance(err, dict) else str(err)) or str(err)
-        if code in (401, 402) or str(code) in ("401", "402"):
-            raise FatalBackendError(f"backend {backend.name!r} ({backend.base_url}): error {code} inside a 200 body: "
-                                    f"{msg[:300]}", hint="check the key and its credits, then rerun the same command")
-        if client_error(code):
-            raise SampleError(f"http_{client_error(code)}", f"error {code} inside a 200 body: {str(msg)[:300]}")
-        raise RetryableError("error_in_body", str(msg)[:300])
+        body_error(backend, err, "")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise RetryableError("no_choices", "response has no choices")
+    for i, c in enumerate(choices):  # a client error in any choice fails at once, as at the top level
+        if isinstance(c, dict) and c.get("error"):
+            body_error(backend, c["error"], f"choices[{i}].")
     choice = choices[0]
-    if choice.get("error"):
-        cerr = choice["error"]
-        raise RetryableError("error_in_body", str(cerr.get("message") if isinstance(cerr, dict) else cerr)[:300])
     finish = choice.get("finish_reason")
     if finish == "error":
         raise RetryableError("error_in_body", "finish_reason is 'error'")

@@ -8,6 +8,10 @@ Failure policy (OpenRouter's and SGLang's documented error codes):
 - 401, 402, 403 (except OpenRouter's moderation 403, which fails only its sample) raise
   :class:`FatalBackendError`: the job stops at once;
 - other 4xx fail the sample without retry (:class:`SampleError`, reason ``http_<code>``).
+
+A sample whose retries ran out on a :class:`RetryableError` failed *without a paid reply* (:func:`unpaid_reason`):
+nothing was journaled for it, so a rerun sends it again; a :class:`SampleError` (a 4xx answer) and a paid reject
+(:mod:`eagle3_data.paid`) are final.
 """
 
 from __future__ import annotations
@@ -36,6 +40,24 @@ class RetryableError(Exception):
         self.retry_after = retry_after
         # connection refused / 5xx: counts toward taking the backend out of rotation for a while
         self.backend_fault = backend_fault
+
+
+#: reasons of :class:`RetryableError` (besides ``http_408/409/425/429`` and ``http_5xx``): a sample failing with one
+#: of them got no reply that was paid for and kept (:func:`unpaid_reason`)
+UNPAID_REASONS = frozenset({"timeout", "connection_error", "http_error", "error_in_body", "no_choices",
+                            "empty_response", "invalid_unicode", "malformed_json", "aborted"})
+
+
+def unpaid_reason(reason: str | None) -> bool:
+    """Whether a failed sample's ``reason`` (``"http_429"``, ``"timeout"`` ...) is one a retry may fix and that
+    left no paid reply in the journal: a rerun sends the sample again. ``"http_400"``, ``"moderation"`` and paid
+    rejects (``"invalid_utf8"`` ...) are final (False)."""
+    if not reason:
+        return False
+    if reason.startswith("http_") and reason[5:].isdigit():
+        code = int(reason[5:])
+        return code in (408, 409, 425, 429) or code >= 500
+    return reason in UNPAID_REASONS
 
 
 class SampleError(Exception):

@@ -312,8 +312,21 @@ def host_slots(cfg, env: dict | None = None) -> HostSlots:
     """This machine's shared slots of the backend ``cfg`` (a :class:`.client.BackendConfig`: its name, base URL,
     model, API key variable and ``max_concurrency``): ``<limits_dir>/<backend_identity>.sem``."""
     d = limits_dir(env)
-    if LIMITS_DIR_ENV not in (os.environ if env is None else env):  # the default: a directory only this user reads
-        d.parent.mkdir(mode=0o700, exist_ok=True)
+    given = LIMITS_DIR_ENV in (os.environ if env is None else env)
+    try:
+        if not given:  # the default: a directory only this user reads
+            d.parent.mkdir(mode=0o700, exist_ok=True)
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        from .errors import FatalBackendError
+
+        where = f"{LIMITS_DIR_ENV}={d}" if given else str(d)
+        why = "names a file, not a directory" if isinstance(exc, (FileExistsError, NotADirectoryError)) else (
+            exc.strerror or str(exc))
+        raise FatalBackendError(f"the shared request slots can't be kept in {where}: it {why}" if isinstance(
+            exc, (FileExistsError, NotADirectoryError)) else f"the shared request slots can't be kept in {where}: {why}",
+            hint=(f"point {LIMITS_DIR_ENV} at a directory (or unset it)" if given else "make it writable")
+            + ", then rerun the same command") from None
     about = {"backend": cfg.name, "base_url": cfg.base_url, "model": cfg.model, "api_key_env": cfg.api_key_env}
     return HostSlots(d / f"{backend_identity(cfg)}.sem", cfg.max_concurrency, name=cfg.name,
                      about=about)

@@ -9,6 +9,7 @@ returns the parsed reply (RESPONSES fields), whatever the dialect.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 
@@ -23,6 +24,11 @@ from .request import Payload, Request
 from .settings import BackendConfig
 
 logger = logging.getLogger("eagle3_data.backends")
+
+#: a storm of 429s, which the adaptive back-off answers (Backend.rate_limited): at least STORM_MIN_429 of the
+#: backend's last STORM_WINDOW answers were 429s, and at least half of them
+STORM_WINDOW = 20
+STORM_MIN_429 = 4
 
 
 def dialect_for(cfg: BackendConfig):
@@ -42,6 +48,12 @@ class Backend:
     Rate limits (``requests_per_minute``, ``tokens_per_minute``): this job sends at ``rate_share`` of them
     (1 / the jobs that use the backend, in a workflow run), so the jobs together stay under them.
 
+    Rate limits answered (HTTP 429): in a storm of them (most of the last answers; a sporadic 429 is retried as
+    any error), an adaptive back-off (:meth:`rate_limited`) pauses the backend and halves the requests this job
+    keeps in flight to it (``limit``, at least 1) once per round of requests, and each reply that arrives raises
+    it by one again, up to ``cap``; a 429 that slows the backend down uses up no retry of its request, so a storm
+    of 429s slows the job instead of failing its samples.
+
     Health: ``eject_after`` consecutive backend faults (connection refused, 5xx) take it out of rotation for
     ``eject_s`` seconds; its requests go to the other backends meanwhile. A backend whose every attempt ended in such
     a fault for ``cfg.down_after_s`` seconds (no success in between) is *down*: out for the rest of the job, and when
@@ -55,6 +67,12 @@ class Backend:
         self.name = cfg.name
         self.in_flight = 0
         self.cap = int(cap or cfg.max_concurrency)
+        self.limit = float(self.cap)  # requests in flight allowed now: lowered by 429s (rate_limited)
+        self.cut_at = 0.0  # monotonic time of the last cut: a 429 to a request sent before it cuts no further
+        self.cuts = 0
+        self.rounds = 0  # cuts since the last reply that arrived (the pause doubles with them)
+        self.recent: collections.deque = collections.deque(maxlen=STORM_WINDOW)  # last answers: 429 or not
+        self.grew = False  # the last reply raised the limit: a released slot wakes one more waiter
         self.slots = slots  # HostSlots or None
         if slots is not None:
             slots.register()
@@ -89,7 +107,7 @@ class Backend:
     def available(self, now: float) -> bool:
         """True if a request may be sent now (takes a host slot for it when slots are shared: the caller then
         counts it in ``in_flight``)."""
-        if self.down or self.in_flight >= self.cap or now < self.ejected_until:
+        if self.down or self.in_flight >= min(self.cap, int(self.limit)) or now < self.ejected_until:
             return False
         if self.slots is None or self.held > self.in_flight:
             return True
@@ -128,7 +146,13 @@ class Backend:
     def record(self, ok: bool, backend_fault: bool = False, error: str | None = None) -> None:
         """Count a request's outcome. ``backend_fault`` (refused connection, 5xx) with ``error`` (reason: text)
         counts toward an ejection and toward being down (see the class docstring)."""
+        if not (error or "").startswith("http_429"):  # (a 429 is counted by rate_limited)
+            self.recent.append(False)
         if ok:
+            self.rounds = 0
+            if self.limit < self.cap:
+                self.limit = min(float(self.cap), self.limit + 1.0)
+                self.grew = True
             self.consecutive_faults = 0
             self.fault_since = None
             self.fault_count = 0
@@ -150,6 +174,37 @@ class Backend:
                     "backend %s: %d consecutive failures, out of rotation for %.0f s",
                     self.name, self.eject_after, self.eject_s,
                 )
+
+    def rate_limited(self, sent_at: float, retry_after: float | None = None, initial_s: float = 1.0,
+                     max_s: float = 60.0) -> bool:
+        """A request sent at ``sent_at`` (``time.monotonic()``) was answered HTTP 429. In a storm (at least
+        :data:`STORM_MIN_429` of the backend's last :data:`STORM_WINDOW` answers, and half of them, were 429s: a
+        sporadic 429 is retried as any other error), the first such answer of a
+        round (to a request sent after the last one's cut) halves ``limit`` (at least 1) and pauses the backend
+        for ``retry_after`` seconds (else ``initial_s`` doubling per round in a row, at most ``max_s``): no request
+        of this job goes to it meanwhile (a storm answered at once would otherwise be asked again at once).
+        Returns True when the 429 is not to use up a retry of its request (the backend was being slowed down:
+        ``limit`` was above 1, or the request left before the round's cut), False once the job sends it one
+        request at a time."""
+        self.recent.append(True)
+        n = sum(self.recent)
+        if n < STORM_MIN_429 or 2 * n < len(self.recent):  # a sporadic 429: retried as any other error
+            return False
+        if sent_at < self.cut_at:  # the same round as the last cut
+            return True
+        now = time.monotonic()
+        before = self.limit
+        self.limit = max(1.0, self.limit / 2)
+        self.rounds += 1
+        pause = retry_after if retry_after is not None else initial_s * 2 ** (self.rounds - 1)
+        pause = max(0.0, min(max_s, pause))
+        self.cut_at = now
+        self.ejected_until = max(self.ejected_until, now + pause)
+        self.cuts += 1
+        (logger.warning if self.cuts == 1 else logger.info)(
+            "backend %s: rate limited (HTTP 429): paused %.1f s, then at most %d request(s) in flight from this job "
+            "(was %d; one more per reply that arrives)", self.name, pause, int(self.limit), int(before))
+        return before > 1.0
 
     def check_down(self, now: float) -> bool:
         """Whether the backend is down: every attempt (at least 3) since ``fault_since`` ended in a backend fault and
@@ -175,12 +230,16 @@ class Backend:
         can't be (a native prompt the target's template can't render)."""
         return self.dialect.encode(self.cfg, request)
 
-    async def send(self, payload: Payload) -> dict:
+    async def send(self, payload: Payload, gate=None) -> dict:
         """POST one encoded request (:meth:`encode`) after the rate limits; return the parsed reply (RESPONSES fields,
-        the same keys for every dialect) or raise Retryable/Sample/FatalBackendError (messages scrubbed).
+        the same keys for every dialect) or raise Retryable/Sample/FatalBackendError (messages scrubbed), or
+        :class:`eagle3_data.paid.PaidReject` for a 200 reply that can't be read.
 
-        ``payload.est_tokens``: the request's estimated prompt + max_tokens, charged to ``tokens_per_minute``."""
+        ``payload.est_tokens``: the request's estimated prompt + max_tokens, charged to ``tokens_per_minute``;
+        ``gate``: called after the rate limits, just before the request goes out (it raises to stop it)."""
         await self._limits(payload.est_tokens)
+        if gate is not None:
+            gate()
         t0 = time.monotonic()
         try:
             resp = await self.session.post(self.dialect.url(self.cfg), payload.body)
@@ -345,7 +404,8 @@ class BackendPool:
         async with self._cond:
             b.in_flight -= 1
             b.put_back(keep=self._waiting > 0)
-            self._cond.notify(1)
+            self._cond.notify(2 if b.grew else 1)  # a raised limit frees one more slot
+            b.grew = False
 
     def slot(self, avoid: Backend | None = None) -> "_Slot":
         return _Slot(self, avoid)

@@ -124,6 +124,12 @@ class BackendConfig:
                 f"backend {self.name!r}: environment variable {self.api_key_env} (api_key_env) holds characters an "
                 "HTTP header can't carry (whitespace inside the key, non-ASCII or control characters)",
                 hint=f"set {self.api_key_env} to the key alone and rerun the same command")
+        from ..paid import short_key_problem
+
+        problem = short_key_problem(self.api_key_env, key)
+        if problem:
+            raise FatalBackendError(f"backend {self.name!r}: {problem}",
+                                    hint=f"set {self.api_key_env} to the longer key and rerun the same command")
         return key
 
     def scrub(self, text: str) -> str:

@@ -10,7 +10,7 @@ from typing import Iterable, Mapping, Sequence
 
 from .lookup import (ORIGINAL_BACKEND, answers_of, backends_config, datasets, generated_datasets, generation_config,
                      is_original, is_pretokenized, merge_datasets, original_datasets, shard_names)
-from .validation import ConfigError
+from .validation import ConfigError, yaml_keys
 
 
 #: the completion family of the demo's tiny target (``target.build_tiny``; :mod:`eagle3_data.tiny_target`)
@@ -162,7 +162,9 @@ def config_sources(paths: Sequence[str | os.PathLike], default: str | os.PathLik
     shown relative to it).
 
     ``paths``: the ``--configfile`` arguments (Snakemake's ``workflow.overwrite_configfiles``); none given: the
-    embedded ``default``. A file that can't be read or parsed is left out (Snakemake reports it itself).
+    embedded ``default``. A file that can't be read or parsed is left out (Snakemake reports it itself). Raises
+    :class:`ConfigError` for a key set twice in one mapping (naming the file and both lines): YAML would keep the
+    last one silently.
     """
     import yaml
 
@@ -170,11 +172,20 @@ def config_sources(paths: Sequence[str | os.PathLike], default: str | os.PathLik
     out = []
     for name in names:
         try:
-            tree = yaml.safe_load(Path(name).read_text())
-        except (OSError, yaml.YAMLError):
+            text = Path(name).read_text()
+            tree = yaml.safe_load(text)
+            _, dups = yaml_keys(text)
+        except (OSError, yaml.YAMLError, ValueError):
             continue
         shown = os.path.relpath(name) if os.path.isabs(name) else name
-        out.append((name if shown.startswith("..") else shown, tree if isinstance(tree, dict) else {}))
+        shown = name if shown.startswith("..") else shown
+        if dups:
+            path, first, second = dups[0]
+            raise ConfigError(
+                f"Config error in {shown}: {'.'.join(map(str, path))} is set twice, at lines {first} and {second}; "
+                f"YAML keeps only the one at line {second} and silently drops the other (e.g. a budget): merge them "
+                "into one")
+        out.append((shown, tree if isinstance(tree, dict) else {}))
     return out
 
 
@@ -215,19 +226,25 @@ def pending_generation(config: dict, root: str | os.PathLike = ".") -> list[str]
 
 
 def check_api_keys(config: dict, dataset_names: Iterable[str], environ: Mapping[str, str] | None = None) -> None:
-    """Every ``api_key_env`` of the backends that ``dataset_names`` generate with must be set (non-empty).
+    """Every ``api_key_env`` of the backends that ``dataset_names`` generate with must be set (non-empty), to a
+    key of at least :data:`eagle3_data.paid.MIN_KEY_CHARS` characters.
 
     Raises :class:`ConfigError` naming each missing variable, the backend and datasets using it, and any set
-    variable with a close name (a typo or another spelling). Never reads out a value.
+    variable with a close name (a typo or another spelling); or a key too short. Never reads out a value.
     """
     env = os.environ if environ is None else environ
     users: dict[str, list[str]] = {}
     for ds in dataset_names:
         for name in backends_config(config, ds):
             users.setdefault(name, []).append(ds)
+    from ..paid import short_key_problem
+
     lines = []
     for name, dss in users.items():
         var = (config["backends"][name] or {}).get("api_key_env")
+        short = short_key_problem(var, env[var].strip()) if var and env.get(var) else None
+        if short:
+            raise ConfigError(f"Config error: backends.{name}.api_key_env: {short}.")
         if not var or env.get(var):
             continue
         close = _close_names(var, [k for k, v in env.items() if v])

@@ -73,11 +73,16 @@ RERUNS: list[tuple[str, str]] = [
     ("generation.budget_completion_tokens", "generate of the datasets that don't set their own (a larger budget "
                                             "sends only the new requests), then " + _DS_CHAIN + _NOT_ORIGINAL),
     ("generation.budget_usd", "as generation.budget_completion_tokens"),
-    ("generation.max_retries", NOTHING + " (`snakemake --forcerun generate` retries failed requests)"),
+    ("generation.max_retries", NOTHING + " (a shard whose samples failed without a paid reply reruns by itself: "
+                               "generation.unpaid_failures)"),
+    ("generation.unpaid_failures", NOTHING + " (keep: `snakemake --forcerun generate` sends the samples recorded as "
+                                   "failed without a paid reply)"),
     ("generation.retry_initial_s", NOTHING),
     ("generation.retry_max_s", NOTHING),
     ("generation.stop_grace_s", NOTHING),
     ("generation.reject_other_models", "as generation.max_tokens"),
+    ("generation.max_prompt_bytes", "generate of the datasets that don't set their own (a larger bound sends only the "
+                                    "prompts it lets through), then " + _DS_CHAIN + _NOT_ORIGINAL),
     ("datasets.<name>.source.format", _DS_CHAIN),
     ("datasets.<name>.source.path", _DS_CHAIN),
     ("datasets.<name>.source.max_samples", _DS_CHAIN),
@@ -90,6 +95,7 @@ RERUNS: list[tuple[str, str]] = [
                                 "its tokenize and validate, report, view, " + _BELOW_MERGE + "; never normalize "
                                 "or another dataset's jobs; cache/ is left as it is"),
     ("datasets.<name>.generation.max_retries", NOTHING),
+    ("datasets.<name>.generation.unpaid_failures", NOTHING),
     ("datasets.<name>.generation.retry_initial_s", NOTHING),
     ("datasets.<name>.generation.retry_max_s", NOTHING),
     ("datasets.<name>.generation.stop_grace_s", NOTHING),
@@ -112,6 +118,8 @@ RERUNS: list[tuple[str, str]] = [
                       "selections; only under a merge.max_samples cap, which counts training rows, extract where a "
                       "selection's samples change)"),
     ("merge.memory_mb", NOTHING),
+    ("bounds.max_concurrency", NOTHING + " (a bound checked before any job runs)"),
+    ("bounds.max_shards", NOTHING + " (a bound checked before any job runs)"),
     ("merge.threads", NOTHING),
     ("extract.backend", "extract (every selection; nothing reusable), export, plan"),
     ("extract.layers", "as extract.backend"),
@@ -124,6 +132,8 @@ RERUNS: list[tuple[str, str]] = [
     ("extract.drafters", "as extract.backend (the union of the drafters' layers is stored: adding one adds its "
                          "layers)"),
     ("extract.dflash_layers", "as extract.backend, with dflash or dspark in extract.drafters; else nothing"),
+    ("extract.fused", NOTHING + " (the kernels that compute the states; their values are the same to the last bit "
+                      "on the probe, else the module is not fused)"),
     ("extract.gpus_per_job", "plan (wall hours)"),
     ("extract.device", NOTHING + " (plan, when it measures the throughput)"),
     ("extract.batch_tokens", NOTHING + " (plan, when it measures the throughput)"),

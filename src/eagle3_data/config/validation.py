@@ -54,6 +54,57 @@ def _source_of(path: Sequence, files: Sequence[tuple[str, dict]]) -> str | None:
     return None
 
 
+def yaml_keys(text: str) -> tuple[dict[tuple, int], list[tuple[tuple, int, int]]]:
+    """The mapping keys of a YAML document: ``(lines, duplicates)``, ``lines`` mapping each key's path (a tuple
+    of keys) to its 1-based line (the last one, where a key repeats: the value YAML keeps), ``duplicates`` every
+    key set twice in one mapping as ``(path, first line, second line)``. Raises ``yaml.YAMLError``."""
+    import yaml
+
+    root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    lines: dict[tuple, int] = {}
+    dups: list[tuple[tuple, int, int]] = []
+
+    def walk(node, path: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for k, v in node.value:
+                if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = _scalar_key(k)
+                line = k.start_mark.line + 1
+                if key in seen:
+                    dups.append((path + (key,), seen[key], line))
+                seen[key] = line
+                lines[path + (key,)] = line
+                walk(v, path + (key,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                walk(v, path + (i,))
+
+    walk(root, ())
+    return lines, sorted(dups, key=lambda d: (d[2], d[1]))
+
+
+def _scalar_key(node):
+    """A scalar key node's value as the safe loader builds it (``1`` an int, ``true`` a bool, else text)."""
+    import yaml
+
+    try:
+        return yaml.SafeLoader("").construct_object(node)
+    except yaml.YAMLError:
+        return node.value
+
+
+def key_line(file: str | os.PathLike, path: Sequence) -> int | None:
+    """The line of key ``path`` in YAML ``file`` (None when it is not there or the file can't be read)."""
+    import yaml
+
+    try:
+        return yaml_keys(Path(file).read_text())[0].get(tuple(path))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+
+
 def _key_paths(schema: dict) -> list[tuple[str, dict]]:
     """Every key of the schema as ``(dotted path with <name> for free-form names, resolved node)``."""
     defs = schema.get("$defs", {})
@@ -157,6 +208,34 @@ def load_schema(path: str | os.PathLike) -> dict:
     return yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
+def _where(path: Sequence, files: Sequence[tuple[str, dict]]) -> str:
+    """``"my.yaml line 12: "``: the file (and line) that sets ``path``, or ``""`` when no file does."""
+    src = _source_of(path, files)
+    if src is None:
+        return ""
+    line = key_line(src, path)
+    return f"{src} line {line}: " if line else f"{src}: "
+
+
+def check_bounds(config: dict, files: Sequence[tuple[str, dict]] = ()) -> None:
+    """Numbers that cost money or time within ``bounds`` (defaults filled in): every backend's
+    ``max_concurrency`` at most ``bounds.max_concurrency``, every dataset's ``shards`` at most
+    ``bounds.max_shards``. Raises :class:`ConfigError` naming the file, line and key, and the bound to raise."""
+    bounds = config.get("bounds") or {}
+    checks = [(("backends", name, "max_concurrency"), (b or {}).get("max_concurrency"), "max_concurrency",
+               "requests in flight to the backend (a budget stop lets them finish: they bound its overshoot)")
+              for name, b in (config.get("backends") or {}).items()]
+    checks += [(("datasets", ds, "shards"), (d or {}).get("shards"), "max_shards",
+                "a job and a file per shard and stage")
+               for ds, d in (config.get("datasets") or {}).items()]
+    for path, value, bound, what in checks:
+        limit = bounds.get(bound)
+        if isinstance(value, int) and isinstance(limit, int) and value > limit:
+            raise ConfigError(f"Config error: {_where(path, files)}{_dotted(path)}: {value:,} is above "
+                              f"bounds.{bound} ({limit:,}; {what}): lower it, or set bounds.{bound}: {value} to "
+                              "allow it")
+
+
 def validate_config(config: dict, schema: dict, *, files: Sequence[tuple[str, dict]] = ()) -> dict:
     """Check ``config`` against the JSON ``schema`` and fill in every ``default`` (in place; also returned).
 
@@ -168,6 +247,7 @@ def validate_config(config: dict, schema: dict, *, files: Sequence[tuple[str, di
     all_keys = [p for p, _ in _key_paths(schema)]
     errors = list(_validator(schema).iter_errors(config))
     if not errors:
+        check_bounds(config, files)
         return config
     problems = [p for e in errors for p in _problems(e, all_keys)]
     # "missing key x" next to a misspelt key the message already corrects to x is one problem, not two

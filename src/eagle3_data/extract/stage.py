@@ -278,6 +278,7 @@ def extract_states(
         "state_settings": settings,
     }
     run = {"device": "none", "devices": [], "batches": 0, "model_seconds": 0.0, "attention": "none",
+           "fused": {"norms": 0, "mlps": 0, "skipped": []},
            "timing": {"forward_s": 0.0, "copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0, "drain_s": 0.0}}
     norm = None  # final_norm both: {weight, eps, formula, check}
     try:
@@ -287,7 +288,7 @@ def extract_states(
                 fwd = _Forward(shard, run, model_path=model_path, layers=chosen, dtype=dtype, device=device,
                                batch_tokens=batch_tokens, attention=attention, backend=backend, gpus=gpus,
                                lock_dir=lock_dir, final_norm=final_norm, trust_remote_code=trust_remote_code,
-                               model=model, capture=capture, hidden_size=H, stack=stack)
+                               model=model, capture=capture, hidden_size=H, stack=stack, fused=s.fused)
                 fwd.plan(todo)
                 if final_norm == "both":
                     norm = fwd.first_batch_norm_check()
@@ -350,6 +351,7 @@ def extract_states(
         "norm_formula": None if norm is None else norm["formula"],
         "backend": backend,
         "attention": run["attention"],
+        "fused": run["fused"],
         "timing": {k: round(v, 4) for k, v in run["timing"].items()},
         "selection_digest": str(selection_digest or ""),
     }
@@ -378,7 +380,8 @@ class _Forward:
     each batch's copies and writes overlapping the next batch's forward (``writeback``); fills ``run``."""
 
     def __init__(self, shard: TokenShard, run: dict, *, model_path, layers, dtype, device, batch_tokens, attention,
-                 backend, gpus, lock_dir, final_norm, trust_remote_code, model, capture, hidden_size, stack):
+                 backend, gpus, lock_dir, final_norm, trust_remote_code, model, capture, hidden_size, stack,
+                 fused="auto"):
         self.shard, self.run_info, self.batch_tokens, self.dtype = shard, run, batch_tokens, dtype
         if backend == "sglang":
             from .sglang_backend import SglangBackend
@@ -400,7 +403,8 @@ class _Forward:
                 dev, ids = stack.enter_context(device_context(device, gpus, lock_dir))
             be = TransformersBackend(model_path, layers=layers, dtype=dtype, device=dev, final_norm=final_norm,
                                      device_map="auto" if dev == "cuda" and len(ids) > 1 else None, loaded=model,
-                                     trust_remote_code=trust_remote_code, attention=attention)
+                                     trust_remote_code=trust_remote_code, attention=attention, fused=fused)
+            run["fused"] = be.fused
         stack.callback(be.close)
         if be.layers != list(layers) or be.hidden_size != hidden_size:
             raise RuntimeError(f"{shard.path}: the loaded target has layers {be.layers} / hidden size "

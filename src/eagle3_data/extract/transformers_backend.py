@@ -374,10 +374,12 @@ class TransformersBackend:
             one model across calls). A packed backend switches its attention implementation to
             :data:`ATTENTION_NAME` and :meth:`close` switches it back.
         attention: batch layout and kernel, one of :data:`ATTENTION_MODES` (module docstring).
+        fused: ``auto`` | ``on`` | ``off``: fused elementwise kernels (:mod:`.fused`); :meth:`close` undoes them.
 
     Attributes: ``name`` ("transformers"), ``num_layers``, ``hidden_size``, ``vocab_size``, ``layers``
     (resolved), ``model_type``, ``model_name``, ``device``, ``layout`` ("padded" | "packed"), ``kernel``
-    ("" | "varlen" | "flex" | "loop"), ``attention`` (``layout`` or ``packed:<kernel>``).
+    ("" | "varlen" | "flex" | "loop"), ``attention`` (``layout`` or ``packed:<kernel>``), ``fused``
+    (:func:`.fused.fuse_elementwise`'s counts).
 
     Raises ValueError for an unknown ``attention`` or a kernel the device cannot run.
     """
@@ -386,7 +388,7 @@ class TransformersBackend:
 
     def __init__(self, model_path, *, layers=None, dtype: str = "float32", device: str = "auto",
                  final_norm: str = "post", device_map=None, loaded=None, trust_remote_code: bool = False,
-                 attention: str = "padded"):
+                 attention: str = "padded", fused: str = "off"):
         import torch
 
         if loaded is None:
@@ -427,6 +429,9 @@ class TransformersBackend:
                 self.layout, self.kernel, self.attention = "padded", "", "padded"
         if self.device.type == "cpu":
             keep_freed_host_memory()
+        from .fused import fuse_elementwise
+
+        self.fused = fuse_elementwise(self.decoder, fused)
         self._cap = Capture(self.decoder, self.layers, final_norm)
 
     def batches(self, lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -518,6 +523,9 @@ class TransformersBackend:
         """Remove the hooks and restore the model's attention implementation (the model stays loaded for
         whoever passed it in)."""
         self._cap.remove()
+        from .fused import unfuse
+
+        unfuse(self.decoder)
         if self._prev_attn is not None:
             self.model.set_attn_implementation(self._prev_attn)
             self._prev_attn = None

@@ -26,6 +26,12 @@ considered (sorted by ``sample_id``), ``budget_completion_tokens`` and ``budget_
 spent + (in flight x mean per completed request) reaches the budget, so the overshoot is at most what was in
 flight. Samples never sent get no row (a rerun with a larger budget sends them); the summary counts them.
 
+Failures: a sample whose retries ran out without a paid reply (:func:`eagle3_data.backends.errors.unpaid_reason`)
+fails the job after the others are done (:class:`UnpaidFailures`: no output, so the rerun of the same command
+reruns the job, which sends only those samples), unless ``generation.unpaid_failures`` is ``keep`` (a failed row);
+a 4xx answer and a paid reject are final failed rows. A 429 slows the backend down
+(:meth:`eagle3_data.backends.pool.Backend.rate_limited`) instead of using up the request's retries.
+
 Modules: :mod:`.prompts` (samples, turns, request keys), :mod:`.budget` (the job's state and budgets),
 :mod:`.runner` (the requests), :mod:`.output` (journal read-back into the RESPONSES parquet), :mod:`.context`
 (log files, SIGTERM), :mod:`.job` (the entry, :func:`generate`); the journal is :mod:`eagle3_data.journal`, the
@@ -33,7 +39,7 @@ progress display :mod:`eagle3_data.progress`.
 """
 
 from .budget import BudgetStop, JobState
-from .job import GenerationInterrupted, GenerationStopped, backend_pool, generate
+from .job import GenerationInterrupted, GenerationStopped, UnpaidFailures, backend_pool, generate
 from .output import RESPONSE_FIELDS, journal_batches, wanted_runs, write_journaled, write_output
 from .prompts import (
     PROMPT_ROLES,
@@ -49,7 +55,8 @@ from .prompts import (
 from .runner import Runner, run_requests
 
 __all__ = [
-    "BudgetStop", "JobState", "GenerationInterrupted", "GenerationStopped", "backend_pool", "generate",
+    "BudgetStop", "JobState", "GenerationInterrupted", "GenerationStopped", "UnpaidFailures", "backend_pool",
+    "generate",
     "RESPONSE_FIELDS", "journal_batches", "wanted_runs", "write_journaled", "write_output", "PROMPT_ROLES",
     "SAMPLING_KEYS", "Sample", "assistant_message", "assistant_turns", "read_prompts", "request_key",
     "sampling_params", "shard_share", "Runner", "run_requests",

@@ -29,6 +29,9 @@ class JobState:
     not_sent: int = 0
     instant: int = 0  # samples done without a request (bad prompts, answered by the journal): not in the rate
     failed: dict = field(default_factory=dict)
+    # of ``failed``: samples whose retries ran out without a paid reply (reason -> n; nothing journaled: a rerun
+    # sends them again, backends.errors.unpaid_reason)
+    unpaid: dict = field(default_factory=dict)
     prompt_tokens: int = 0
     completion_tokens: int = 0  # this run's new responses
     journal_completion_tokens: int = 0
@@ -41,6 +44,7 @@ class JobState:
     by_backend: dict = field(default_factory=dict)
     retry_reasons: dict = field(default_factory=dict)
     last_error: str | None = None  # "<reason>: <text> (backend <name>)" of the last failed request
+    last_unpaid: str | None = None  # the same, of the last sample that failed without a paid reply
     logged_errors: dict = field(default_factory=dict)  # reason -> failures logged with their text so far
     t0: float = field(default_factory=time.monotonic)
     first_sent_at: float | None = None  # unix time this run's first request asked for a slot

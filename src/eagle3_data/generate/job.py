@@ -18,7 +18,7 @@ from ..backends.errors import BackendDown, FatalBackendError
 from ..backends.settings import BackendConfig
 from ..errors import ExpectedFailure, Interrupted, log_to_file
 from ..io import content_hash, remove_stale_partials, write_json
-from ..journal import JournalWriter, read_journal
+from ..journal import JournalWriteError, JournalWriter, read_journal, save_held
 from .budget import JobState
 from .context import job_logging, server_log_path, sigterm_as_exception
 from .output import write_journaled
@@ -34,9 +34,45 @@ class GenerationStopped(ExpectedFailure):
     to do next."""
 
 
+#: reasons of the samples refused before any request (their prompt): not failed requests
+PROMPT_REJECTS = frozenset({"bad_prompt", "prompt_too_large", "api_key_in_prompt"})
+
+
+class UnpaidFailures(GenerationStopped):
+    """Samples whose retries ran out without a paid reply (a dead backend, 5xx, 429, timeouts): the job wrote
+    every reply it was paid for to the journal and no output, so rerunning the same command reruns it and sends
+    only those samples (``generation.unpaid_failures: rerun``, the default)."""
+
+
 class GenerationInterrupted(GenerationStopped, Interrupted):
     """SIGTERM or Ctrl-C stopped the job; the journal keeps every response, a rerun resumes."""
 
+
+
+def _held_saved(exc: JournalWriteError, held: list[dict], journal_dir, dataset: str, shard: str,
+                journaled: str) -> JournalWriteError:
+    """``exc`` with where the paid records it kept from the journal went (:func:`..journal.save_held`): the
+    journal after all, a fallback file the hint names (move it into the journal folder before rerunning), or
+    nowhere (those replies are paid for again)."""
+    if not held:
+        return exc
+    path, in_journal = save_held(held, journal_dir, dataset, shard)
+    n = f"{len(held):,} paid repl{'ies' if len(held) != 1 else 'y'}"
+    if path is None:
+        extra = f"{n} that arrived after it could be written nowhere (a rerun pays for them again)"
+    elif in_journal:
+        extra = f"{n} that arrived after it were journaled after all ({path})"
+    else:
+        extra = (f"{n} that arrived after it were written to {path}: move that file into "
+                 f"{Path(journal_dir) / dataset}/ before rerunning (its replies are then not paid for again)")
+    return JournalWriteError(exc.message, hint=f"{extra}; {exc.hint}; {journaled}")
+
+
+def unpaid_text(state: JobState) -> str:
+    """``"3 of 100 samples failed without a paid reply (http_429 2, timeout 1)"`` for the job's unpaid failures."""
+    n = sum(state.unpaid.values())
+    kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(state.unpaid.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{n:,} of {state.total:,} sample{'s' if state.total != 1 else ''} failed without a paid reply ({kinds})"
 
 
 def _job_overhead(state: JobState) -> dict:
@@ -176,7 +212,9 @@ def generate(
     Raises:
         GenerationStopped: 401/402/403 from a backend, a missing API key variable, every backend down (refused
             connections or only 5xx for ``down_after_s``), every request failed; :class:`GenerationInterrupted`
-            (a subclass) for SIGTERM / Ctrl-C. The journal keeps every completed response; no output is written.
+            (a subclass) for SIGTERM / Ctrl-C; :class:`UnpaidFailures` (a subclass) when samples failed without a
+            paid reply and ``generation["unpaid_failures"]`` is ``"rerun"`` (the default; not for the forecast's
+            pilot). The journal keeps every completed response; no output is written.
         ServerLaunchError: a local server did not start.
         ValueError: bad config or an unreadable prompts file (message names file/row/key).
         templates.TemplateError: the target tokenizer can't be loaded (native_generate only).
@@ -228,7 +266,8 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         cfgs = [BackendConfig.from_dict(n, backends[n]) for n in names]
         sampling = sampling_params(generation)
 
-        samples, bad = read_prompts(prompts_path, mode)
+        samples, bad = read_prompts(prompts_path, mode, max_bytes=generation.get("max_prompt_bytes"),
+                                    keys=paid.configured_keys(backends))
         samples.sort(key=lambda s: s.sample_id)
         cap = generation.get("max_samples")
         capped = 0
@@ -264,11 +303,13 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                 logger.warning("%s row %d: duplicate sample_id %s skipped", tag, b["row"], b["sample_id"])
                 continue
             s = Sample(b["sample_id"], "[]", None, [])
+            reason = b.get("reason", "bad_prompt")
             key = content_hash(dataset, b["sample_id"], "bad_prompt")
-            r = failed_row(s, dataset, 0, key, b.get("raw") or "[]", "bad_prompt", b["detail"])
+            # an oversized prompt, or one quoting a key, is not copied into the output
+            r = failed_row(s, dataset, 0, key, b.get("raw") or "[]", reason, b["detail"])
             r["tools"] = b.get("tools")
             rows.append(r)
-            state.failed["bad_prompt"] = state.failed.get("bad_prompt", 0) + 1
+            state.failed[reason] = state.failed.get(reason, 0) + 1
             state.done += 1
             state.instant += 1
 
@@ -285,6 +326,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             logger.info("%s %s already reached by journaled responses: nothing sent", tag, state.stopped_by)
 
         jw: list[JournalWriter] = []
+        runners: list[Runner] = []  # the request runner, once made (its held records, after a journal write error)
         display = progress.JobProgress(state, tag, progress_interval_s, logger)
         display.backends = names
         if sample_ids is not None:
@@ -335,6 +377,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                                      journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
                                      writer=writer, write_batch_rows=write_batch_rows, target_format=target_format)
                     runner.keys = paid.configured_keys(backends)
+                    runners.append(runner)
                     if pool is not None:
                         state.t0 = time.monotonic()  # the rate, ETA and tok/s: of the request phase
                         with display.session():
@@ -356,6 +399,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                             "the same command" if server_logs else
                             "start the server or fix the backend's base_url, then rerun the same command")
                 raise GenerationStopped(f"{tag} {exc.message}", hint=f"{hint}; {journaled()}") from None
+            except JournalWriteError as exc:
+                raise _held_saved(exc, runners[0].held if runners else [], journal_dir, dataset, shard,
+                                  journaled()) from None
             except (Terminated, KeyboardInterrupt):
                 log_to_file(logging.getLogger("eagle3_data"), logging.INFO, "%s interrupted: %s", tag,
                             progress.line(state, "").lstrip())
@@ -364,7 +410,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
 
             del records
             failed_n = sum(state.failed.values())
-            failed_requests = sum(n for reason, n in state.failed.items() if reason != "bad_prompt")
+            failed_requests = sum(n for reason, n in state.failed.items() if reason not in PROMPT_REJECTS)
             answered = state.new_ok + state.from_journal  # requests with a response (mode all: turns, not samples)
             if failed_requests and answered == 0:
                 # not one request answered: a misconfigured or unreachable backend, not data to keep
@@ -373,10 +419,24 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                     f"last error: {state.last_error}",
                     hint=f"check the backends {[c.name for c in cfgs]} (model, base_url, server running, API key), "
                          "then rerun the same command")
+            unpaid = sum(state.unpaid.values())
+            if unpaid and sample_ids is None and generation.get("unpaid_failures", "rerun") == "rerun":
+                # no output: the rerun of the same command reruns this job, which sends only these samples
+                log_to_file(logging.getLogger("eagle3_data"), logging.INFO, "%s ended: %s", tag,
+                            progress.line(state, "").lstrip())
+                display.snapshot(final=True)
+                raise UnpaidFailures(
+                    f"{tag} {unpaid_text(state)}; last error: {state.last_unpaid}",
+                    hint=f"rerun the same command to send them ({journaled()}; no output was written for this "
+                         "shard, so the rerun reruns it); generation.unpaid_failures: keep records them as failed "
+                         "rows instead")
             if failed_requests:
                 logger.warning(
-                    "%s %d request(s) failed after retries (%s): recorded as failed; `snakemake --forcerun generate` "
-                    "retries them (journaled responses are not sent again)", tag, failed_requests, dict(state.failed))
+                    "%s %d request(s) failed (%s)%s", tag, failed_requests, dict(state.failed),
+                    f"; {unpaid_text(state)}, recorded as failed (generation.unpaid_failures: keep): "
+                    "`snakemake --forcerun generate` sends them again (journaled responses are not)" if unpaid else
+                    ": final (an answer no retry can fix, or a paid reply refused; journaled ones are not bought "
+                    "again)")
             runner.flush()  # new responses: streamed into the writer during the run
             # responses of earlier runs: read back from the journal
             wanted = set(runner.journal_keys)
@@ -394,6 +454,7 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         summary = {
             "dataset": dataset, "shard": shard, "samples": state.total, "ok": state.ok,
             "failed": dict(state.failed), "failed_total": failed_n, "from_journal": state.from_journal,
+            "failed_unpaid": sum(state.unpaid.values()), "unpaid": dict(state.unpaid),
             "sent": state.sent, "retries": state.retries, "retry_reasons": dict(state.retry_reasons),
             "not_sent": state.not_sent, "over_max_samples": capped,
             "prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,

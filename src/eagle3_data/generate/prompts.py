@@ -102,8 +102,26 @@ def _parse_json_cell(text, what: str, row: int, path) -> object:
         raise ValueError(f"{path} row {row}: column {what!r} is not valid JSON ({exc})") from None
 
 
-def read_prompts(prompts_path, mode: str) -> tuple[list[Sample], list[dict]]:
-    """Read a PROMPTS parquet; return (samples, bad rows as dicts with sample_id/row/reason detail)."""
+def prompt_bytes(messages: str | None, tools: str | None, max_bytes: int | None) -> int | None:
+    """The UTF-8 size of a prompt's ``messages`` and ``tools`` texts when it is above ``max_bytes``, else None
+    (no bound: None; a text of at most ``max_bytes / 4`` characters is not encoded to be measured)."""
+    if max_bytes is None:
+        return None
+    texts = [t for t in (messages, tools) if t]
+    if sum(len(t) for t in texts) * 4 <= max_bytes:
+        return None
+    n = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    return n if n > max_bytes else None
+
+
+def read_prompts(prompts_path, mode: str, *, max_bytes: int | None = None,
+                 keys=()) -> tuple[list[Sample], list[dict]]:
+    """Read a PROMPTS parquet; return (samples, bad rows as dicts with sample_id, row, detail and ``reason``:
+    ``bad_prompt`` (unusable messages/tools), ``prompt_too_large`` (more than ``max_bytes`` UTF-8 bytes of messages
+    and tools: never sent, ``generation.max_prompt_bytes`` raises the bound), ``api_key_in_prompt`` (its messages
+    or tools hold one of ``keys``, the configured API keys: never sent, its text not copied))."""
+    from ..paid import key_in_text
+
     # ParquetFile, not pq.read_table: the latter loads pyarrow.dataset (~50 MB RSS) for a file read once
     table = pq.ParquetFile(prompts_path).read(use_threads=False)
     missing = {"sample_id", "messages"} - set(table.column_names)
@@ -122,6 +140,17 @@ def read_prompts(prompts_path, mode: str) -> tuple[list[Sample], list[dict]]:
             bad.append({"sample_id": sid, "row": i, "detail": "duplicate sample_id in prompts", "dup": True})
             continue
         seen.add(sid)
+        size = prompt_bytes(cols["messages"][i], tools_col[i], max_bytes)
+        if size is not None:
+            bad.append({"sample_id": sid, "row": i, "reason": "prompt_too_large", "detail": (
+                f"{prompts_path} row {i}: {size:,} bytes of messages and tools > generation.max_prompt_bytes "
+                f"{max_bytes:,}: not sent (raise generation.max_prompt_bytes to send it)")})
+            continue
+        if keys and any(key_in_text(t, keys) for t in (cols["messages"][i], tools_col[i]) if t):
+            bad.append({"sample_id": sid, "row": i, "reason": "api_key_in_prompt", "detail": (
+                f"{prompts_path} row {i}: the prompt quotes a configured API key: not sent (its text is not copied "
+                "here; remove the key from the source)")})
+            continue
         try:
             messages = _parse_json_cell(cols["messages"][i], "messages", i, prompts_path)
             tools = _parse_json_cell(tools_col[i], "tools", i, prompts_path)

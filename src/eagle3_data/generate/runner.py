@@ -23,6 +23,10 @@ from .prompts import Sample, assistant_message, request_key
 logger = logging.getLogger("eagle3_data.generate")
 
 
+#: a request's attempts, 429s that used up no retry included, stay under ``max_attempts`` times this
+FREE_429_FACTOR = 10
+
+
 class Terminated(BaseException):
     """SIGTERM arrived (raised in the main thread, or by :func:`run_requests` when SIGTERM cancelled the loop)."""
 
@@ -59,7 +63,9 @@ class Runner:
         self.state = state
         self.sampling = sampling
         self.max_attempts = int(generation.get("max_retries", 5)) + 1
-        self.wait = retry_wait(float(generation.get("retry_initial_s", 1.0)), float(generation.get("retry_max_s", 60.0)))
+        self.retry_initial_s = float(generation.get("retry_initial_s", 1.0))
+        self.retry_max_s = float(generation.get("retry_max_s", 60.0))
+        self.wait = retry_wait(self.retry_initial_s, self.retry_max_s)
         self.rows: list[dict] = []  # failed rows, written at the end
         self.journal_keys: list[str] = []  # ok turns answered by the journal: written from it at the end
         # new ok records go to the output as they arrive, ``write_batch_rows`` at a time (a row group each)
@@ -73,6 +79,11 @@ class Runner:
         self.prompt_checks = 0  # replies with server prompt ids checked against our render (prompt_check)
         self.stopping: str | None = None  # why the run is stopping: no new request starts (see run_requests)
         self.keys: list[str] = []  # the configured API keys (paid.configured_keys): never stored from a reply
+        # what stops the job once the replies in flight have had the stop grace: a FatalBackendError (401/402/403)
+        # or a JournalWriteError; the paid records the journal could not take are held in ``held``
+        self.fatal: BaseException | None = None
+        self.held: list[dict] = []
+        self.on_stop = None  # run_requests: stop starting requests, give those in flight the grace
         self.reject_other_models = bool(generation.get("reject_other_models", False))
         fmt = target_format or {}  # the target's family and chat_template_kwargs (+ the dataset's)
         self.template = fmt.get("template")
@@ -139,8 +150,13 @@ class Runner:
                     st.not_sent += 1
                     st.done += 1
                     return
+                except FatalBackendError as exc:  # 401/402/403: no new request; those in flight get the grace
+                    st.not_sent += 1
+                    st.done += 1
+                    self.stop_job(exc, exc.message.split(":", 1)[0][:200])
+                    return
                 except paid.PaidReject as exc:  # paid for, can't be kept: journaled once, a named reject
-                    self.write(self.journal.append(exc.record))
+                    self.write(self.journal_append(exc.record))
                     st.completion_tokens += exc.record.get("completion_tokens") or 0
                     st.prompt_tokens += exc.record.get("prompt_tokens") or 0
                     st.cost_usd += exc.record.get("cost_usd") or 0.0
@@ -155,17 +171,21 @@ class Runner:
                     return
                 except (RetryableError, SampleError) as exc:
                     st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
+                    if isinstance(exc, RetryableError):  # no paid reply, nothing journaled: a rerun sends it again
+                        st.unpaid[exc.reason] = st.unpaid.get(exc.reason, 0) + 1
                     st.done += 1
                     where = f"backend {exc.backend}, " if getattr(exc, "backend", None) else ""
                     detail = f"{exc.message} ({where}after {getattr(exc, 'attempts', 1)} attempt(s))"
                     st.last_error = f"{exc.reason}: {detail}"
+                    if isinstance(exc, RetryableError):
+                        st.last_unpaid = st.last_error
                     n = st.logged_errors[exc.reason] = st.logged_errors.get(exc.reason, 0) + 1
                     if n <= 3:  # the text of the first failures of each kind (all are in the failed rows)
                         logger.warning("[%s] sample %s failed: %s%s", self.dataset, sample.sample_id, st.last_error,
                                        " (further failures of this kind: in the failed rows only)" if n == 3 else "")
                     self.rows.append(failed_row(sample, self.dataset, turn, key, prompt, exc.reason, detail))
                     return
-                self.write(self.journal.append(rec))
+                self.write(self.journal_append(rec))
                 st.completion_tokens += rec.get("completion_tokens") or 0
                 st.prompt_tokens += rec.get("prompt_tokens") or 0
                 st.cost_usd += rec.get("cost_usd") or 0.0
@@ -185,9 +205,38 @@ class Runner:
                 st.instant += not requested
                 return
 
-    def write(self, line: bytes) -> None:
+    def stop_job(self, exc: BaseException, reason: str) -> None:
+        """Stop the job because of ``exc`` (a 402, a journal that can't be written): no request starts from now on,
+        the replies in flight get the stop grace to arrive and be journaled (:func:`run_requests`), then ``exc``
+        is raised. Without an event loop (nothing is sent) ``exc`` is raised at once."""
+        if self.fatal is None:
+            self.fatal = exc
+        if self.on_stop is None:
+            raise exc
+        self.on_stop(reason)
+
+    def journal_append(self, rec: dict) -> bytes | None:
+        """Journal a paid record and return its line; when the journal can't be written, hold ``rec`` in memory
+        (``held``: written to a fallback file when the job ends), stop the job (:meth:`stop_job`) and return
+        None."""
+        from ..journal import JournalWriteError
+
+        try:
+            return self.journal.append(rec)
+        except JournalWriteError as exc:
+            self.held.append(rec)
+            self.stop_job(exc, "the response journal can't be written")
+            return None
+
+    def gate(self) -> None:
+        """Raise :class:`StopRequested` if the job is stopping: called just before a request goes out (after the
+        slot and the rate limits), so no request starts after a stop (a 402, a signal) has arrived."""
+        if self.stopping:
+            raise StopRequested()
+
+    def write(self, line: bytes | None) -> None:
         """Queue a new ok record (its journal line) for the output; a full batch goes to the writer (a row group)."""
-        if self.writer is None:
+        if self.writer is None or line is None:
             return
         self.out_lines.append(line)
         if len(self.out_lines) >= self.write_batch_rows:
@@ -221,12 +270,18 @@ class Runner:
         if self.pool is None:  # no network: a budget was already reached by journaled responses
             raise BudgetStop()
         attempts = 0
+        free = 0  # 429s answered while the backend was being slowed down: they use up no retry (Backend.rate_limited)
         backend = None
         avoid = None  # the backend whose fault (refused connection, 5xx) ended the last attempt
         req = Request(prompt, tools, self.sampling, self.thinking, self.target)  # native ids: rendered once
+        most = self.max_attempts * FREE_429_FACTOR
+
+        def stop(retry_state) -> bool:
+            return attempts - free >= self.max_attempts or attempts >= most
+
         try:
             async for attempt in tenacity.AsyncRetrying(
-                stop=tenacity.stop_after_attempt(self.max_attempts),
+                stop=stop,
                 wait=self.wait,
                 retry=tenacity.retry_if_exception_type(RetryableError),
                 reraise=True,
@@ -250,10 +305,20 @@ class Runner:
                         payload = backend.encode(req)  # the backend's dialect (chat or native)
                         st.in_flight += 1
                         st.sent += 1
+                        sent_at = time.monotonic()
                         try:
-                            fields = await backend.send(payload)
+                            fields = await backend.send(payload, gate=self.gate)
+                        except StopRequested:  # the job began stopping while this one waited for a rate limit
+                            st.sent -= 1
+                            raise
+                        except paid.PaidReject:  # a 200 that can't be read: paid for, journaled once as a reject
+                            backend.record(True)
+                            raise
                         except RetryableError as exc:
                             backend.record(False, exc.backend_fault, f"{exc.reason}: {exc.message}")
+                            if exc.reason == "http_429" and backend.rate_limited(
+                                    sent_at, exc.retry_after, self.retry_initial_s, self.retry_max_s):
+                                free += 1
                             avoid = backend if exc.backend_fault else None  # retry elsewhere if possible
                             st.retry_reasons[exc.reason] = st.retry_reasons.get(exc.reason, 0) + 1
                             raise
@@ -264,6 +329,12 @@ class Runner:
         except (RetryableError, SampleError) as exc:
             exc.attempts = attempts
             exc.backend = backend.name if backend is not None else None
+            raise
+        except paid.PaidReject as exc:  # the reply itself is unusable (e.g. a cut-off body): its reject record
+            exc.record = paid.reject_record(exc, {
+                "sample_id": sample.sample_id, "dataset": self.dataset, "turn": int(turn), "request_key": key,
+                "messages": json.dumps(prompt, ensure_ascii=False),
+                "tools": json.dumps(tools, ensure_ascii=False) if tools else None}, self.keys)
             raise
         rec = {
             **fields,
@@ -279,7 +350,7 @@ class Runner:
             except asyncio.CancelledError:
                 # the job is stopping (SIGTERM, another request's fatal error) while the stats of a response it
                 # paid for are looked up (seconds of waits): journal it without its cost, never pay for it again
-                self.write(self.journal.append(rec))
+                self.write(self.journal_append(rec))
                 raise
             finally:
                 st.in_flight -= 1
@@ -318,7 +389,7 @@ class Runner:
         detail = mismatch_detail(self.target, ours, rec["prompt_ids"])
         if detail is None:
             return
-        self.write(self.journal.append(rec))
+        self.write(self.journal_append(rec))
         raise FatalBackendError(
             f"backend {backend.cfg.name!r} ({backend.cfg.base_url}), sample {rec['sample_id']}: {detail}",
             hint="the server renders prompts with another chat template than the one the build trains on: set "
@@ -390,6 +461,7 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
                        runner.state.in_flight, grace_s)
         loop.call_later(grace_s, on_sigterm)
 
+    runner.on_stop = on_stop  # a 402 or a journal write error stops the job the same way (Runner.stop_job)
     stopper = asyncio.create_task(run_mod.watch_stop(on_stop))
     try:
         # a permit per sample task in flight or waiting for a slot, at most capacity + 1/8: a 10,000-sample shard
@@ -422,11 +494,15 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
             if pending:
                 await asyncio.wait(set(pending))
             watcher.cancel()
+        if runner.fatal is not None:  # every reply in flight arrived (journaled or held) before the grace ended
+            raise runner.fatal
         if runner.stopping:  # every task ended before the grace period: the job stops all the same
             raise asyncio.CancelledError()
     except BaseExceptionGroup as eg:  # a task's exception, unwrapped: a stop before an interrupt before a bug
         raise first_leaf(eg) from None
     except asyncio.CancelledError:
+        if runner.fatal is not None:  # the grace after a 402 / a journal write error ended
+            raise runner.fatal from None
         if terminated or runner.stopping:
             raise Terminated() from None
         raise

@@ -47,7 +47,9 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
     stop kept from being sent), rejected (rows of every stage's rejects), kept (validated rows), cost_usd (dollars
     of the dataset's journaled responses, earlier runs' included), wall_s (the longest shard's generate time: the
     shards run at once; None without a summary), time (wall_s as ``m:ss``), ended_by (the shards' distinct
-    ``stopped_by``; ``stopped`` for a shard that did not finish)."""
+    ``stopped_by``; ``stopped`` for a shard that did not finish, ``failed, not paid`` for one whose samples failed
+    without a paid reply), rerun_unpaid / kept_unpaid (failed samples without a paid reply: of shards whose job
+    failed, so the same command reruns them / recorded as failed with ``generation.unpaid_failures: keep``)."""
     import json
 
     from ..runview import read_snapshots
@@ -72,10 +74,12 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
             if snap is not None and (s is None or float(snap.get("updated_at") or 0) > p.stat().st_mtime + 1):
                 # this run's job did not finish (or finished without writing its summary): what it journaled
                 s = {"samples": snap.get("total"), "ok": snap.get("ok"), "failed_total": snap.get("failed"),
-                     "other_model_replies": snap.get("other_model"),
+                     "other_model_replies": snap.get("other_model"), "rerun_unpaid": snap.get("unpaid") or 0,
                      "not_sent": int(snap.get("total") or 0) - int(snap.get("done") or 0),
                      "total_cost_usd": snap.get("spent_usd"), "wall_s": snap.get("elapsed_s"),
                      "stopped_by": "stopped" if not snap.get("final") or not p.is_file() else None}
+                if snap.get("final") and snap.get("unpaid"):
+                    s["stopped_by"] = "failed, not paid"
             if s is not None:
                 sums.append(s)
         rejected_paths = [p for p in [results / ds / "rejected" / "normalize.parquet"]
@@ -100,6 +104,10 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
             "wall_s": max(walls) if walls else None,
             "ended_by": "pre-tokenized" if pre else ", ".join(ended),
             "other_model": None if pre else sum(int(s.get("other_model_replies") or 0) for s in sums),
+            # of failed: samples that got no paid reply; a rerun sends them (rerun_unpaid: their jobs failed, so
+            # the same command reruns them; kept_unpaid: recorded as failed rows, generation.unpaid_failures: keep)
+            "rerun_unpaid": None if pre else sum(int(s.get("rerun_unpaid") or 0) for s in sums),
+            "kept_unpaid": None if pre else sum(int(s.get("failed_unpaid") or 0) for s in sums),
         }
         row["time"] = format_clock(row["wall_s"]) if row["wall_s"] is not None else ""
         rows.append(row)
@@ -129,14 +137,48 @@ def pilot_spend(datasets_config: dict, results_dir="results") -> dict | None:
     return {"requests": max(0, requests), "cost_usd": cost} if found else None
 
 
+#: how a job's one-line failure looks in its log (errors.report_failure through logs.setup_logging's format)
+_ERROR_MARK = " ERROR eagle3_data: "
+_ATTEMPT_MARK = ": a new attempt (earlier ones above) ====="
+
+
+def failure_causes(logs_dir="logs", since: float | None = None, limit: int = 6) -> list[str]:
+    """Why the jobs of a failed run failed: the one-line error of each job log under ``logs_dir`` written since
+    ``since`` (unix time), from its last attempt, as ``"<log>: <message>"`` (at most 400 characters; interrupts
+    left out: the run says those itself); at most ``limit`` of them, then a line counting the rest."""
+    import re
+
+    found = []
+    root = Path(logs_dir)
+    for log in sorted(root.rglob("*.log")) if root.is_dir() else []:
+        try:
+            mtime = log.stat().st_mtime
+            if since is not None and mtime < since:
+                continue
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        last = max((i for i, ln in enumerate(lines) if ln.endswith(_ATTEMPT_MARK)), default=-1)
+        errors = [ln.split(_ERROR_MARK, 1)[1] for ln in lines[last + 1:] if _ERROR_MARK in ln]
+        errors = [e for e in errors if not re.match(r"(\[[^\]]*\] )?interrupted\b", e)]
+        if errors:
+            found.append((mtime, f"{log}: {errors[-1][:400]}"))
+    found.sort()
+    out = [text for _, text in found[:limit]]
+    if len(found) > limit:
+        out.append(f"... and {len(found) - limit} more job(s): their logs, under {root}/")
+    return out
+
+
 def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | None = None,
-                ok: bool = True, tally_path=None, run_dir=None) -> str:
+                ok: bool = True, tally_path=None, run_dir=None, logs_dir="logs") -> str:
     """The run's last lines (Snakefile ``onsuccess`` / ``onerror``): a table of :func:`run_summary_rows` and where
     the full reports are.
 
     ``run_s``: the run's wall time (the Total row's time); ``ok``: False after a failed run (the title says what
     the table covers); ``tally_path``: the tally file to point to, when it exists; ``run_dir``: the run's
-    directory (snapshots of the shards that did not finish, :func:`run_summary_rows`)."""
+    directory (snapshots of the shards that did not finish, :func:`run_summary_rows`); ``logs_dir``: after a failed
+    run, the one-line error of each job that failed in it (:func:`failure_causes`) is shown under the table."""
     from tabulate import tabulate
 
     rows = run_summary_rows(datasets_config, results_dir, run_dir)
@@ -152,6 +194,14 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
     original = [r["dataset"] for r in rows[:-1] if r["kind"] == "original"]
     if original:
         lines.append(f"Original answers (answers: original; no request sent, no cost): {', '.join(original)}.")
+    unpaid = [f"{r['dataset']} {r['rerun_unpaid']:,}" for r in rows[:-1] if r.get("rerun_unpaid")]
+    if unpaid:
+        lines.append(f"Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled "
+                     f"is paid again): {', '.join(unpaid)}.")
+    kept = [f"{r['dataset']} {r['kept_unpaid']:,}" for r in rows[:-1] if r.get("kept_unpaid")]
+    if kept:
+        lines.append(f"Failed, not paid, recorded as failed (generation.unpaid_failures: keep): `snakemake "
+                     f"--forcerun generate` retries them: {', '.join(kept)}.")
     other = [f"{r['dataset']} {r['other_model']:,}" for r in rows[:-1] if r.get("other_model")]
     if other:
         lines.append(f"Replies naming another model than asked (kept; generation.reject_other_models: true refuses "
@@ -160,6 +210,13 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
     if pilot is not None:
         lines.append(f"Forecast pilot: {pilot['requests']:,} responses paid for, ${format_usd(pilot['cost_usd'])} "
                      "(journaled: the build does not pay for them again; counted in Cost once generate reads them).")
+    if not ok:
+        import time
+
+        causes = failure_causes(logs_dir, None if run_s is None else time.time() - run_s - 1)
+        if causes:
+            lines.append("Why (each failed job's error; its log has the details):")
+            lines += [f"  {c}" for c in causes]
     if tally_path is not None and Path(tally_path).exists():
         lines.append(f"Tokens, rejects by reason, cost by backend: {tally_path} (all reports: "
                      f"{Path(tally_path).parent}/)")

@@ -28,6 +28,9 @@ REJECT_REASONS: dict[str, str] = {
     "empty_user_message": "a user message whose text is empty or whitespace",
     "duplicate_id": "the sample_id was already taken by an earlier row of the same source (later row rejected)",
     "malformed_tools": "the `tools` field is not a list of tool definitions (or JSON text of one)",
+    "malformed_tool_arguments": "a tool call's arguments are neither JSON nor a Python literal of an object "
+    "(glaive `<functioncall>`)",
+    "nested_too_deep": "a record nested deeper than Python can walk or write as JSON (~1,000 levels)",
     # pre-tokenized rows
     "empty_input_ids": "pre-tokenized row with no input_ids",
     "length_mismatch": "pre-tokenized row whose loss_mask length differs from its input_ids length",

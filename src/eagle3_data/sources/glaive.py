@@ -6,7 +6,9 @@ before the first spec becomes the system message, the specs become OpenAI ``tool
 (``{type: function, function: spec}``). ``chat``: turns ``USER:`` / ``ASSISTANT:`` / ``FUNCTION RESPONSE:``
 separated by blank lines, assistant turns ending in `` <|endoftext|>``. A call
 ``<functioncall> {"name": "fn", "arguments": '{...}'}`` (arguments single-quoted, so not JSON) becomes an
-assistant ``tool_calls`` entry with id ``call_<k>`` (k counts calls in the record); a FUNCTION RESPONSE
+assistant ``tool_calls`` entry with id ``call_<k>`` (k counts calls in the record; arguments written as a Python
+literal, ``'{'unit': 'cm'}'``, are converted to JSON, others that are not JSON rejected
+``malformed_tool_arguments``: :func:`json_arguments`); a FUNCTION RESPONSE
 becomes ``{role: tool, tool_call_id: <the preceding call's id>, name: fn}``. Turn parsing after anyscale
 ``fc_utils``. No id: content hash.
 """
@@ -68,8 +70,29 @@ def _parse_call(text: str, k: int) -> tuple[str, dict] | None:
             raise RowReject("malformed_message", f"<functioncall> without a name: {blob[:80]!r}")
         if not isinstance(args, str):
             args = json.dumps(args, ensure_ascii=False)
-    call = {"id": f"call_{k}", "type": "function", "function": {"name": name, "arguments": args}}
+    call = {"id": f"call_{k}", "type": "function", "function": {"name": name, "arguments": json_arguments(args)}}
     return content, call
+
+
+def json_arguments(args: str) -> str:
+    """A call's ``arguments`` as JSON text: JSON as it is; a Python literal (``{'unit': 'cm'}``, ``True``,
+    ``None``: what some glaive rows hold) converted to JSON; anything else raises
+    ``RowReject("malformed_tool_arguments")`` (a target would be trained to emit it)."""
+    import ast
+
+    try:
+        json.loads(args)
+        return args
+    except (json.JSONDecodeError, RecursionError):
+        pass
+    try:
+        value = ast.literal_eval(args.strip())
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        return json.dumps(value, ensure_ascii=False)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise RowReject("malformed_tool_arguments", f"<functioncall> arguments are neither JSON nor a Python literal "
+                        f"of an object: {args[:80]!r}") from None
 
 
 class Glaive(Adapter):

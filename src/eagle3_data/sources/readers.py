@@ -81,12 +81,36 @@ def iter_records(path: str | os.PathLike, *, batch_rows: int = 1024,
         raise FileNotFoundError(f"source file not found: {path}")
     if on_error not in ("fail", "skip"):
         raise ValueError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
+    if kind in ("jsonl", "json"):
+        _check_encoding(path)
     if kind == "jsonl":
         yield from _iter_jsonl(path, skip=on_error == "skip")
     elif kind == "json":
         yield from _iter_json_array(path)
     else:
         yield from _iter_parquet(path, batch_rows)
+
+
+_BOMS = ((b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
+         (b"\xff\xfe", "UTF-16"))
+
+
+def _check_encoding(path: Path) -> None:
+    """Raise :class:`SourceFormatError` for a JSON source in UTF-16 or UTF-32 (a byte-order mark, or NUL bytes
+    among its first characters): sources are read as UTF-8, and such a file would fail with a codec error that
+    names neither the encoding nor the fix."""
+    with _open_binary(path) as fh:
+        head = fh.read(64)
+    enc = next((name for bom, name in _BOMS if head.startswith(bom)), None)
+    if enc is None and b"\x00" in head[:8]:
+        enc = "UTF-16 or UTF-32 (NUL bytes between its characters)"
+    if enc:
+        raise SourceFormatError(f"{path}: the file is {enc}, not UTF-8: sources are read as UTF-8; convert it, e.g. "
+                                f"`iconv -f {enc.split()[0]} -t UTF-8 {path.name} > utf8-{path.name}`")
+
+
+#: what a record nested deeper than the JSON parser's recursion limit is called in messages
+TOO_DEEP = "nested too deep (more levels of arrays/objects than the JSON reader allows)"
 
 
 def _iter_jsonl(path: Path, skip: bool = False) -> Iterator[tuple[int, Any, str]]:
@@ -97,8 +121,9 @@ def _iter_jsonl(path: Path, skip: bool = False) -> Iterator[tuple[int, Any, str]
                 continue
             try:
                 record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+                msg = exc.msg if isinstance(exc, json.JSONDecodeError) else TOO_DEEP if isinstance(
+                    exc, RecursionError) else str(exc)
                 col = f" column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
                 if skip:
                     yield index, InvalidLine(f"invalid JSON ({msg}{col})"), f"line {lineno}"
@@ -145,7 +170,11 @@ def _iter_json_array(path: Path, chunk_chars: int = 1 << 20, max_record_chars: i
             nonlocal buf, pos, eof
             if eof:
                 return False
-            chunk = fh.read(chunk_chars)
+            try:
+                chunk = fh.read(chunk_chars)
+            except UnicodeDecodeError as exc:
+                raise SourceFormatError(f"{path} line {line}: not UTF-8 ({exc.reason}: byte "
+                                        f"{exc.object[exc.start:exc.start + 1]!r}); sources are read as UTF-8") from None
             if not chunk:
                 eof = True
                 return False
@@ -193,6 +222,8 @@ def _iter_json_array(path: Path, chunk_chars: int = 1 << 20, max_record_chars: i
                     if end == len(buf) and not eof and isinstance(record, (int, float)):
                         raise json.JSONDecodeError("number may continue", buf, end)  # e.g. "12" of "123"
                     break
+                except RecursionError:
+                    raise SourceFormatError(f"{path} line {line} (record {index}): {TOO_DEEP}") from None
                 except json.JSONDecodeError as exc:
                     if len(buf) - pos > max_record_chars or not fill():
                         raise SourceFormatError(
