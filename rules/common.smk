@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from eagle3_data import config as cfg
+from eagle3_data import settings as stage_settings
 from eagle3_data.gguf_target import gguf_file
 from eagle3_data.settings import (ExportSettings, ExtractSettings, GGUFTargetSettings, MergeSettings,
                                   NormalizeSettings, PlanSettings, TargetSettings, TinyTargetSettings,
@@ -25,7 +26,7 @@ def _check_config():
         files = cfg.config_sources(workflow.overwrite_configfiles, default=embedded)  # (a key set twice: refused)
         if main:
             cfg.check_layering(files)
-        cfg.validate_config(config, cfg.load_schema(Path(workflow.basedir) / "schemas/config.schema.yaml"), files=files)
+        cfg.validate_config(config, cfg.schema(), files=files)
         cfg.check_config(config)
         chosen = cfg.resolve_target_template(config)  # target.template: auto -> the family (cached)
         if main and chosen:

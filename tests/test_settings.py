@@ -15,7 +15,7 @@ from eagle3_data import config as cfg
 from eagle3_data import settings as st
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = cfg.load_schema(ROOT / "schemas" / "config.schema.yaml")
+SCHEMA = cfg.load_schema(cfg.SCHEMA_PATH)
 MINIMAL = {"target": {"name": "t", "path": "p", "template": "qwen3"},
            "datasets": {"d": {"source": {"format": "sharegpt", "path": "x.json"}}}}
 

@@ -3,7 +3,7 @@
 Every stage's script builds its settings with ``<Stage>Settings.from_config(snakemake.config, ...)`` and passes
 that one object to the stage's entry point; no stage function restates a config default in its signature
 (``tests/test_settings.py`` checks both). A field missing from the config (a config that was never validated, a
-test's partial config) takes the schema's ``default``, read from ``schemas/config.schema.yaml`` (a key without
+test's partial config) takes the schema's ``default``, read from the schema the package ships (:mod:`eagle3_data.config.schema`) (a key without
 a default: ``None``); :meth:`defaults` builds a stage's settings from the schema alone, with overrides, for
 library use and tests.
 
@@ -26,67 +26,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from . import config as cfg
+from .config.schema import SCHEMA_PATH, default, filled, schema, schema_node  # noqa: F401
 
-#: the workflow's config schema (the repository's ``schemas/``; the package is installed editable from it)
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
-
-
-@functools.lru_cache(maxsize=1)
-def schema() -> dict:
-    """The config schema (parsed once per process)."""
-    return cfg.load_schema(SCHEMA_PATH)
-
-
-def schema_node(path: str) -> dict:
-    """The schema node of dotted key ``path`` (``"validate.count_tolerance"``, ``"target.tiny"``), ``$ref`` resolved.
-
-    Raises KeyError naming the path when the schema has no such key.
-    """
-    s = schema()
-    defs = s.get("$defs", {})
-    node = s
-    for part in path.split(".") if path else []:
-        props = cfg._resolve(node, defs).get("properties") or {}
-        if part not in props:
-            raise KeyError(f"config schema: no key {path!r}")
-        node = props[part]
-    return cfg._resolve(node, defs)
-
-
-@functools.lru_cache(maxsize=1)
-def _defaults_table() -> dict:
-    return {p: node["default"] for p, node in cfg._key_paths(schema()) if "default" in node}
-
-
-def _default(path: str) -> Any:
-    """The schema's ``default`` of dotted key ``path`` (``<name>`` for a free-form name); KeyError if none."""
-    try:
-        return copy.deepcopy(_defaults_table()[path])
-    except KeyError:
-        raise KeyError(f"config schema: no default for {path!r}") from None
-
-
-def filled(path: str, value: dict | None) -> dict:
-    """``value`` (the config's section at ``path``) with every key of the schema's section at ``path``: the
-    config's value where set, else the schema's ``default`` (deep copy), else None; nested sections with
-    properties (``count_tolerance``) filled the same way. Keys the schema doesn't know are kept."""
-    node = schema_node(path)
-    defs = schema().get("$defs", {})
-    value = dict(value or {})
-    out = {}
-    for name, child in (node.get("properties") or {}).items():
-        child = cfg._resolve(child, defs)
-        if name in value:
-            v = value.pop(name)
-        elif "default" in child:
-            v = copy.deepcopy(child["default"])
-        else:
-            v = None
-        if isinstance(v, dict) and child.get("properties"):
-            v = filled(f"{path}.{name}" if path else name, v)
-        out[name] = v
-    out.update(value)
-    return out
+_default = default  # the schema's default of a dotted key (eagle3_data.config.schema.default)
 
 
 def _build(cls, values: dict, **extra):
@@ -478,8 +420,8 @@ class GenerateSettings(_Settings):
     settings (the global ``generation`` under the dataset's own), its backends' whole definitions (priority
     order), the target, the journal directory under ``cache_dir`` and the shard count.
 
-    :meth:`params` are the rule's params, what the responses depend on (``cfg.generation_data_settings``,
-    ``cfg.backends_data_settings``, the target name and, for SGLang's native ``/generate`` and vLLM's
+    :meth:`params` are the rule's params, what the responses depend on (:func:`generation_data_settings`,
+    :func:`backends_data_settings`, the target name and, for SGLang's native ``/generate`` and vLLM's
     ``return_token_ids``, the target); the rest (concurrency, timeouts, rate limits, headers, key variables,
     launch, retries) is read at run time and reruns nothing."""
 
@@ -583,6 +525,33 @@ class OriginalAnswersSettings(_Settings):
                "max_samples": _default("generation.max_samples"), "num_shards": _default("datasets.<name>.shards"),
                "tool_call_ids": "source"}
         return cls(**{**out, **values})
+
+
+# The config slices the report rules pass as params, built from the stage settings above (the rules' params are
+# each settings object's params(); these group them per dataset).
+
+def datasets_data_settings(config: dict) -> dict:
+    """Every dataset's source keys (``eagle3_data.config.SOURCE_DATA_KEYS``) and shard count: what the reports
+    depend on; and ``answers: original`` where set (only then, so the other datasets' slices stay as they were)."""
+    out = {}
+    for ds in cfg.datasets(config):
+        out[ds] = {"source": NormalizeSettings.from_config(config, ds).params(),
+                   "shards": cfg.dataset_shards(config, ds)}
+        if cfg.is_original(config, ds):
+            out[ds]["answers"] = "original"
+    return out
+
+
+def generation_data_settings(config: dict, ds: str) -> dict:
+    """The generation settings of ``ds`` its responses depend on (``eagle3_data.config.GENERATION_DATA_KEYS``, and
+    ``reject_other_models`` when it is set: left at its default it changes nothing, and reruns nothing)."""
+    return GenerateSettings.from_config(config, ds).params()["generation"]
+
+
+def backends_data_settings(config: dict, ds: str) -> dict:
+    """Per backend ``ds`` uses (priority order): the keys that say which endpoint answers and how requests
+    are shaped (``eagle3_data.config.BACKEND_DATA_KEYS``); ``launch`` counts only as present or not."""
+    return GenerateSettings.from_config(config, ds).params()["backends"]
 
 
 #: every settings class and the schema section its own fields come from (tests/test_settings.py)
