@@ -76,6 +76,13 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         assert per_job["processes"] == 4 and per_job["requests"] == 200 and per_job["cpu_ms_per_request"] > 0
         assert per_job["product_ratio"] == pytest.approx(
             out["client_cpu_ms_per_request"]["product"] / per_job["cpu_ms_per_request"], rel=0.02), per_job
+        # the targets: the request phase and the share of the limit in flight; CPU and first request: references
+        assert set(out["met"]) == {"request_phase", "in_flight"} and set(out["targets"]) == {
+            "request_phase_ratio_max", "in_flight_share_min"}
+        assert out["in_flight_share_of_limit"] == pytest.approx(out["in_flight"]["product"]["mean"] / 50, abs=2e-3)
+        assert out["met"]["in_flight"] == (out["in_flight"]["product"]["mean"] >= 0.95 * 50)
+        assert out["references"]["cpu_within"] == (out["client_cpu_ms_per_request"]["ratio"] <= 1.25 + 1e-3) or \
+            abs(out["client_cpu_ms_per_request"]["ratio"] - 1.25) < 2e-3
         floor = out["snakemake_floor"]  # thin script jobs (read + write their shard), launched as the product's are
         assert floor["jobs"] == 4 and 0 < floor["job_cpu_s_at_script_start_mean"] < floor["job_cpu_s_mean"], floor
         assert floor["ttfr_ratio"] == pytest.approx(
