@@ -45,7 +45,7 @@ REJECTS = pa.schema(
     [
         ("sample_id", pa.string()),
         ("dataset", pa.string()),
-        ("stage", pa.string()),  # normalize | generate | original_answers | tokenize | validate
+        ("stage", pa.string()),  # normalize | decontaminate | generate | original_answers | tokenize | validate
         ("reason", pa.string()),  # reason code, e.g. empty_conversation, missing_end_of_turn
         ("detail", pa.string()),
         ("source_row", pa.int64()),
