@@ -1,7 +1,8 @@
 # EAGLE-3 training-data build. Stages (one rule file each in rules/):
 #   tiny_target or gguf_target -> normalize -> (decontaminate: benchmark overlaps, near-duplicates; when configured) ->
-#   generate (or original_answers: a dataset's own answers) -> tokenize -> validate -> merge -> extract -> export
-#   (+ export_heldout with merge.heldout), report (+ view: loss-mask examples for the report)
+#   generate (or original_answers: a dataset's own answers) -> tokenize -> validate -> merge (+ provenance: where each
+#   merged row came from) -> extract -> export (+ export_heldout with merge.heldout), report (+ view: loss-mask examples
+#   for the report)
 # merge is a checkpoint: extraction runs per validated shard and reruns only where the merge's selection
 # of that shard changed. plan is one too: the extract jobs are made only once the plan is written.
 # `snakemake --cores N` rebuilds only stale targets; see README.md.
@@ -31,6 +32,7 @@ include: "rules/original_answers.smk"
 include: "rules/tokenize.smk"
 include: "rules/validate.smk"
 include: "rules/merge.smk"
+include: "rules/provenance.smk"
 include: "rules/extract.smk"
 include: "rules/plan.smk"
 include: "rules/vocab.smk"
@@ -44,6 +46,7 @@ rule all:
     input:
         hidden_states=states_files(MERGE_DATASETS),
         report=rules.report.output,
+        provenance=rules.provenance.output.json,
         views=rules.view.output,
         plan=rules.plan.output.md,
         vocab=rules.vocab.output.mapping,

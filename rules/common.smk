@@ -159,6 +159,26 @@ def benchmark_files():
     return benchmark_inputs(DECONTAMINATE)
 
 
+def prompts_files(datasets):
+    """Normalize's prompts shards of ``datasets`` (those with prompts: not pre-tokenized)."""
+    return [f"results/{ds}/prompts/{s}.parquet" for ds in datasets if ds in PROMPT_DATASETS for s in shards(ds)]
+
+
+def provenance_datasets():
+    """Rule provenance's per-dataset params: the source file and format, and the generation settings the requests
+    were sent with (None for answers: original and pre-tokenized datasets: nothing was sent)."""
+    return {ds: {"source_path": config["datasets"][ds]["source"]["path"],
+                 "source_format": config["datasets"][ds]["source"]["format"],
+                 "generation": cfg.generation_data_settings(config, ds) if ds in GENERATED else None}
+            for ds in MERGE_DATASETS}
+
+
+def provenance_backends():
+    """Rule provenance's per-backend params: type (the engine), model, extra_body."""
+    return {name: {k: (b or {}).get(k) for k in ("type", "model", "extra_body")}
+            for name, b in (config.get("backends") or {}).items()}
+
+
 def earlier_datasets(ds):
     """The datasets with prompts listed before ``ds`` (near-duplicates: the first in this order is kept); none
     when near-duplicates are off."""

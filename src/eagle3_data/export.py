@@ -137,6 +137,7 @@ def export(
     start_index: int = 0,
     manifest_path=None,
     heldout: bool = False,
+    provenance=None,
 ) -> dict:
     """Write the samples of one merged shard, in its order, in a trainer's per-sample layout (module docstring).
 
@@ -156,6 +157,10 @@ def export(
             :func:`prune_stale`; only with ``merge_manifest``), seconds. Snakemake uses it as the rule's output.
         heldout: ``merged_path`` is the held-out set (one file, ``start_index`` 0; the set's size for
             :func:`prune_stale` is the manifest's ``heldout.samples``, not the training shards' total).
+        provenance: the merged set's provenance table (``results/merged/provenance.parquet``,
+            :mod:`eagle3_data.provenance`): the speculators side table ``samples_*.parquet`` gets its columns
+            (:data:`eagle3_data.provenance.SIDE_COLUMNS`: source file and row, target fingerprint, backend, engine,
+            model, provider, sampling, chat-template hash, request key, generation id, cost, attempts) per sample.
 
     Returns: the manifest dict.
 
@@ -241,6 +246,8 @@ def export(
             "loss_mask": pa.array(spec_rows["mask"], pa.list_(pa.int64())),
             "seq_len": pa.array([len(x) for x in spec_rows["ids"]], pa.int64()),
         })
+        if provenance is not None:
+            table = _with_provenance(table, provenance, "heldout" if heldout else "train", merged_path)
         write_parquet(table, out_dir / f"samples_{start_index:09d}.parquet")
     removed = []
     if merge_manifest is not None:
@@ -271,6 +278,25 @@ def export(
         write_json(manifest, manifest_path)
     log.info("exported %d samples (%d tokens) of %s as %s into %s", n, tokens, merged_path, layout, out_dir)
     return manifest
+
+
+def _with_provenance(table: pa.Table, provenance, set_name: str, merged_path) -> pa.Table:
+    """``table`` (a shard's side table: ``index``, ``sample_id``, ...) with the provenance columns of its rows
+    (:data:`eagle3_data.provenance.SIDE_COLUMNS`, matched by ``index`` in ``set_name``). Raises ValueError when the
+    provenance table names other samples at those indices (it is of another merge)."""
+    from .provenance import SIDE_COLUMNS
+
+    idx = table.column("index").to_pylist()
+    prov = pq.read_table(provenance, columns=["set", "index", "sample_id", *SIDE_COLUMNS],
+                         filters=[("set", "=", set_name), ("index", ">=", idx[0]), ("index", "<=", idx[-1])])
+    prov = prov.sort_by("index")
+    if prov.column("index").to_pylist() != idx or prov.column("sample_id").to_pylist() != table.column(
+            "sample_id").to_pylist():
+        raise ValueError(f"export: {provenance} does not describe the rows of {merged_path} (another merge's?): "
+                         "rerun rule provenance")
+    for name in SIDE_COLUMNS:
+        table = table.append_column(prov.schema.field(name), prov.column(name))
+    return table
 
 
 _INDEX = {"specforge": re.compile(r"^data_(\d+)\.ckpt$"), "speculators": re.compile(r"^hs_(\d+)\.safetensors$")}
