@@ -179,3 +179,20 @@ def test_settings_params_hold_only_the_rules_in_force():
     near = DecontaminateSettings.defaults(near_duplicates={"enabled": True, "threshold": 0.7}, ngram=8)
     assert near.params() == {"near_duplicates": {"threshold": 0.7, "num_perm": 128, "shingle": 5, "seed": 1}}
     assert near.signature_params() == {"num_perm": 128, "shingle": 5, "seed": 1}
+
+
+def test_benchmark_config_errors_stop_the_run_before_any_job():
+    from eagle3_data import config as cfg
+    from eagle3_data.config.checks import _check_benchmarks
+
+    def check(entries, paths=True):
+        _check_benchmarks({"decontaminate": {"benchmarks": entries}}, paths)
+
+    check([HUMANEVAL, BENCHMARKS[1]])  # fine
+    with pytest.raises(cfg.ConfigError, match=r"\['humaneval'\] are used twice"):
+        check([HUMANEVAL, dict(BENCHMARKS[1], name="humaneval")], paths=False)
+    with pytest.raises(cfg.ConfigError, match="format generic needs `field`"):
+        check([{"name": "g", "format": "generic", "path": "x.jsonl"}], paths=False)
+    with pytest.raises(cfg.ConfigError, match="Python package 'no_such_pkg_xyz' is not installed"):
+        check([{"name": "h", "format": "humaneval", "package": "no_such_pkg_xyz", "path": "a.jsonl"}])
+    check([{"name": "h", "format": "humaneval", "package": "no_such_pkg_xyz", "path": "a.jsonl"}], paths=False)
