@@ -11,6 +11,7 @@ rule export:
         merged="results/merged/{k}.parquet",
         manifest="results/merged/manifest.json",
         states=states_files(MERGE_DATASETS),
+        provenance=rules.provenance.output.table,  # speculators' side table: each sample's provenance
     output:
         "results/export/{layout}/{k}.json",
     params:
@@ -36,6 +37,7 @@ rule export_heldout:
         merged=HELDOUT_MERGED,
         manifest="results/merged/manifest.json",
         states=states_files(MERGE_DATASETS),
+        provenance=rules.provenance.output.table,
     output:
         "results/export/heldout/{layout}.json",
     params:

@@ -7,6 +7,7 @@ import os
 import random
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -154,12 +155,27 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
                                      final_norm="pre")
     out = tmp_path / "speculators"
+    # the merged set's provenance (rule provenance): the side table takes each sample's columns from it
+    from eagle3_data.provenance import PROVENANCE, SIDE_COLUMNS
+
+    prov = tmp_path / "provenance.parquet"
+    prov_rows = [{"set": "train", "merged_file": str(path), "row": j, "index": 5 + j, "sample_id": r["sample_id"],
+                  "dataset": "d", "source_path": "src.jsonl", "source_row": 100 + j, "request_key": f"key{j}",
+                  "backend": "b", "cost_usd": 0.01 * j, "attempts": 1 + j % 2} for j, r in enumerate(rows)]
+    prov_rows.append({**prov_rows[0], "set": "heldout", "index": 0, "sample_id": "other"})  # another set: ignored
+    pq.write_table(pa.Table.from_pylist(prov_rows, schema=PROVENANCE), prov)
     got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=5,
-                     settings=ExportSettings.defaults())
+                     settings=ExportSettings.defaults(), provenance=prov)
     assert got["final_norm"] == "pre"
     arrow = pq.read_table(out / "samples_000000005.parquet").to_pylist()
     assert [a["index"] for a in arrow] == list(range(5, 5 + len(rows)))
     assert [a["sample_id"] for a in arrow] == [r["sample_id"] for r in rows]
+    assert set(SIDE_COLUMNS) <= set(arrow[0])
+    assert [(a["source_row"], a["request_key"], a["attempts"]) for a in arrow] == [
+        (100 + j, f"key{j}", 1 + j % 2) for j in range(len(rows))]
+    with pytest.raises(ValueError, match="does not describe the rows"):  # a provenance table of another merge
+        exp.export(path, tmp_path / "spec2", layout="speculators", states_dir=states, merge_manifest=man,
+                   start_index=4, settings=ExportSettings.defaults(), provenance=prov)
     model, decoder = loaded
     for j, r in enumerate(rows):
         d = speculators_get_raw(out, 5 + j, arrow[j])

@@ -174,7 +174,8 @@ def test_heldout_split_reruns_merge_and_exports_and_forwards_nothing(scratch):
     vocab_before = (scratch / "results/vocab/vocab.json").stat().st_mtime_ns
     args = _overrides(scratch, "merge:\n  heldout: 0.3\n")
     # the dry run lists every extract job as waiting on the merge checkpoint; the real run below runs none
-    assert _dry_run_rules(scratch, *args) == {"merge", "extract", "export", "export_heldout", "plan", "vocab", "all"}
+    assert _dry_run_rules(scratch, *args) == {"merge", "provenance", "extract", "export", "export_heldout", "plan",
+                                              "vocab", "all"}
     run_snakemake(scratch, "--cores", "2", *args)
     assert _mtimes(scratch, *upstream[:-1]) == before_up  # generate, tokenize, validate, normalize: not rerun
     assert rerun_jobs(before_sum, summaries(scratch)) == set() and states(scratch) == before_states

@@ -346,7 +346,7 @@ def test_changed_merge_max_len_reruns_merge_and_below_only(scratch):
     (scratch / "overrides.yaml").write_text("merge:\n  max_len: 512\n")
     cfg = config(scratch)
     jobs = _dry_run_jobs(scratch, "--configfile", "config.yaml", "overrides.yaml")
-    assert set(jobs) == {"merge", "extract", "export", "plan", "vocab", "all"}, jobs  # extract: see above
+    assert set(jobs) == {"merge", "provenance", "extract", "export", "plan", "vocab", "all"}, jobs  # extract: see above
     assert jobs["export"] == cfg["merge"]["shards"]
 
 

@@ -224,6 +224,7 @@ def export(
     manifest_path=None,
     heldout: bool = False,
     final_form: str | None = None,
+    provenance=None,
 ) -> dict:
     """Write the samples of one merged shard, in its order, in a trainer's per-sample layout (module docstring).
 
@@ -244,6 +245,10 @@ def export(
         heldout: ``merged_path`` is the held-out set (one file, ``start_index`` 0; the set's size for
             :func:`prune_stale` is the manifest's ``heldout.samples``, not the training shards' total).
         final_form: write this final-state form instead of the layout's (tests that build a broken export).
+        provenance: the merged set's provenance table (``results/merged/provenance.parquet``,
+            :mod:`eagle3_data.provenance`): the speculators side table ``samples_*.parquet`` gets its columns
+            (:data:`eagle3_data.provenance.SIDE_COLUMNS`: source file and row, target fingerprint, backend, engine,
+            model, provider, sampling, chat-template hash, request key, generation id, cost, attempts) per sample.
 
     Returns: the manifest dict.
 
@@ -354,6 +359,8 @@ def export(
             "loss_mask": pa.array(spec_rows["mask"], pa.list_(pa.int64())),
             "seq_len": pa.array([len(x) for x in ids], pa.int64()),
         })
+        if provenance is not None:
+            table = _with_provenance(table, provenance, "heldout" if heldout else "train", merged_path)
         write_parquet(table, out_dir / f"samples_{start_index:09d}.parquet")
     skipped_ids = {s for v in skipped.values() for s in v}
     skip_idx = {start_index + j for j in range(n) if sample_ids[j] in skipped_ids}
@@ -395,6 +402,25 @@ def export(
     log.info("exported %d samples (%d tokens, %d bytes) of %s as %s into %s", len(files), tokens, nbytes,
              merged_path, layout, out_dir)
     return manifest
+
+
+def _with_provenance(table: pa.Table, provenance, set_name: str, merged_path) -> pa.Table:
+    """``table`` (a shard's side table: ``index``, ``sample_id``, ...) with the provenance columns of its rows
+    (:data:`eagle3_data.provenance.SIDE_COLUMNS`, matched by ``index`` in ``set_name``). Raises ValueError when the
+    provenance table names other samples at those indices (it is of another merge)."""
+    from .provenance import SIDE_COLUMNS
+
+    idx = table.column("index").to_pylist()
+    prov = pq.read_table(provenance, columns=["set", "index", "sample_id", *SIDE_COLUMNS],
+                         filters=[("set", "=", set_name), ("index", ">=", idx[0]), ("index", "<=", idx[-1])])
+    prov = prov.filter(pc.is_in(prov.column("index"), pa.array(idx, pa.int64()))).sort_by("index")  # (skipped: none)
+    if prov.column("index").to_pylist() != idx or prov.column("sample_id").to_pylist() != table.column(
+            "sample_id").to_pylist():
+        raise ValueError(f"export: {provenance} does not describe the rows of {merged_path} (another merge's?): "
+                         "rerun rule provenance")
+    for name in SIDE_COLUMNS:
+        table = table.append_column(prov.schema.field(name), prov.column(name))
+    return table
 
 
 _INDEX = {"specforge": re.compile(r"^data_(\d+)\.ckpt$"), "modelopt": re.compile(r"^(\d+)\.pt$"),

@@ -189,6 +189,49 @@ class NormalizeSettings(_Settings):
 
 
 @dataclass(frozen=True)
+class DecontaminateSettings(_Settings):
+    """The ``decontaminate`` section (rules ``minhash`` and ``decontaminate``, :mod:`eagle3_data.decontaminate`).
+
+    The stage is :attr:`on` when ``benchmarks`` lists a file or ``near_duplicates.enabled``; off, no rule of it is
+    in the DAG and generate reads the normalized prompts as before. :meth:`params` (rule decontaminate) holds only
+    the parts in force: the benchmark rule's keys when benchmarks are listed, the near-duplicate keys when enabled,
+    so a key of a rule that is off reruns nothing; :meth:`signature_params` are rule minhash's."""
+
+    benchmarks: list
+    ngram: int
+    min_shared_ngrams: int
+    near_duplicates: dict
+
+    SECTION: ClassVar = "decontaminate"
+
+    @property
+    def on(self) -> bool:
+        return bool(self.benchmarks) or bool(self.near_duplicates.get("enabled"))
+
+    @property
+    def near_on(self) -> bool:
+        return bool(self.near_duplicates.get("enabled"))
+
+    def params(self) -> dict:
+        """Rule decontaminate's params: the benchmarks (name, format, field, id_field: the files themselves are the
+        rule's inputs), ``ngram`` and ``min_shared_ngrams`` when benchmarks are listed; ``near_duplicates``
+        (threshold and the signature keys) when enabled."""
+        out: dict = {}
+        if self.benchmarks:
+            out["benchmarks"] = [{k: b[k] for k in ("name", "format", "field", "id_field") if b.get(k) is not None}
+                                 for b in self.benchmarks]
+            out["ngram"] = self.ngram
+            out["min_shared_ngrams"] = self.min_shared_ngrams
+        if self.near_on:
+            out["near_duplicates"] = {"threshold": self.near_duplicates["threshold"], **self.signature_params()}
+        return out
+
+    def signature_params(self) -> dict:
+        """Rule minhash's params: what a signature depends on (``num_perm``, ``shingle``, ``seed``)."""
+        return {k: self.near_duplicates[k] for k in ("num_perm", "shingle", "seed")}
+
+
+@dataclass(frozen=True)
 class TokenizeSettings(_Settings):
     """Rule tokenize for one dataset: the target, the dataset's ``generation.extra_body.chat_template_kwargs``
     (they update the target's, as they did for the request) and its ``generation.max_tokens`` (a billed
@@ -559,6 +602,7 @@ SECTIONS: dict[type, str] = {
     TargetSettings: "target",
     TinyTargetSettings: "target.tiny",
     GGUFTargetSettings: "target.gguf",
+    DecontaminateSettings: "decontaminate",
     ValidateSettings: "validate",
     MergeSettings: "merge",
     ExtractSettings: "extract",

@@ -100,6 +100,21 @@ RERUNS: list[tuple[str, str]] = [
     ("datasets.<name>.generation.retry_max_s", NOTHING),
     ("datasets.<name>.generation.stop_grace_s", NOTHING),
     ("datasets.<name>.generation.*", "as generation.<key>, for that dataset only"),
+    ("decontaminate.benchmarks", "decontaminate of every prompts shard (adding the first benchmark or removing the last "
+                                 "turns the stage on or off), then generate or original_answers of the shards it "
+                                 "reruns (the journal answers every request it paid for: only prompts newly let "
+                                 "through are sent), their tokenize and validate, decontamination_report, report, "
+                                 "view, " + _BELOW_MERGE + "; never normalize or minhash; a benchmark file's content "
+                                 "is an input (a new version reruns the same)"),
+    ("decontaminate.ngram", "as decontaminate.benchmarks while benchmarks are listed; else " + NOTHING),
+    ("decontaminate.min_shared_ngrams", "as decontaminate.ngram"),
+    ("decontaminate.near_duplicates.enabled", "minhash and decontaminate of every prompts shard, then as "
+                                              "decontaminate.benchmarks"),
+    ("decontaminate.near_duplicates.threshold", "as decontaminate.benchmarks while near_duplicates.enabled (the "
+                                                "signatures are kept: no minhash); else " + NOTHING),
+    ("decontaminate.near_duplicates.num_perm", "minhash, then as decontaminate.near_duplicates.threshold"),
+    ("decontaminate.near_duplicates.shingle", "as decontaminate.near_duplicates.num_perm"),
+    ("decontaminate.near_duplicates.seed", "as decontaminate.near_duplicates.num_perm"),
     ("normalize.max_reject_rate", NOTHING),
     ("validate.max_reject_rate", NOTHING),
     ("validate.count_tolerance.aggregate_rel", NOTHING),

@@ -24,7 +24,8 @@ def _rows_in(paths) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
 
 
-def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None) -> list[dict]:
+def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None, *,
+                     decontaminated: bool = False) -> list[dict]:
     """One row per dataset of the config, from what the run left under ``results_dir``, and a ``Total`` row.
 
     Only this config's files are read: the shards ``000`` .. ``shards - 1`` of each dataset (files an earlier
@@ -32,7 +33,9 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
     ``<ds>/responses/<shard>.json`` when the shard finished, else (a failed or stopped job) the last snapshot its
     job wrote to the run directory ``run_dir`` (:mod:`eagle3_data.runview`: what it had journaled and paid for);
     ``<ds>/rejected/<shard>.parquet`` (+ ``normalize.parquet``) and ``<ds>/validated/<shard>.parquet`` are
-    counted from parquet metadata.
+    counted from parquet metadata. ``decontaminated``: the decontaminate stage is on; its rejects
+    ``<ds>/rejected/decontaminate/<shard>.parquet`` count as rejects of the source rows, as normalize's do (the
+    prompts it drops never reach generate).
 
     A dataset with ``answers: original`` counts its rule original_answers shards the same way (their summaries
     have generate's keys), with no cost (None) and ended_by ``original answers`` (``original answers
@@ -82,11 +85,16 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
                     s["stopped_by"] = "failed, not paid"
             if s is not None:
                 sums.append(s)
-        rejected_paths = [p for p in [results / ds / "rejected" / "normalize.parquet"]
-                          + [results / ds / "rejected" / f"{s}.parquet" for s in names] if p.is_file()]
+        before = [results / ds / "rejected" / "normalize.parquet"]  # rejects before generate: source rows too
+        if decontaminated and not pre:
+            before += [results / ds / "rejected" / "decontaminate" / f"{s}.parquet" for s in names]
+        before = [p for p in before if p.is_file()]
+        rejected_paths = before + [p for p in (results / ds / "rejected" / f"{s}.parquet" for s in names)
+                                   if p.is_file()]
         rejected = _rows_in(rejected_paths)
-        # the source rows normalize rejected are samples of the dataset too: Samples = Kept + Rejected + Not sent
-        source_rejects = _rows_in([p for p in rejected_paths if p.name == "normalize.parquet"])
+        # the source rows normalize (and decontaminate) rejected are samples of the dataset too: Samples = Kept +
+        # Rejected + Not sent
+        source_rejects = _rows_in(before)
         kept = _rows_in([p for p in (results / ds / "validated" / f"{s}.parquet" for s in names) if p.is_file()])
         walls = [float(s.get("wall_s") or 0.0) for s in sums]
         ended = sorted({str(s.get("stopped_by")) for s in sums if s.get("stopped_by")})
@@ -171,7 +179,7 @@ def failure_causes(logs_dir="logs", since: float | None = None, limit: int = 6) 
 
 
 def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | None = None,
-                ok: bool = True, tally_path=None, run_dir=None, logs_dir="logs") -> str:
+                ok: bool = True, tally_path=None, run_dir=None, logs_dir="logs", decontaminated: bool = False) -> str:
     """The run's last lines (Snakefile ``onsuccess`` / ``onerror``): a table of :func:`run_summary_rows` and where
     the full reports are.
 
@@ -181,7 +189,7 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
     run, the one-line error of each job that failed in it (:func:`failure_causes`) is shown under the table."""
     from tabulate import tabulate
 
-    rows = run_summary_rows(datasets_config, results_dir, run_dir)
+    rows = run_summary_rows(datasets_config, results_dir, run_dir, decontaminated=decontaminated)
     if run_s is not None:
         rows[-1]["time"] = format_clock(run_s)
     body = [[_fmt(r.get(key), kind) for key, _, kind in RUN_SUMMARY_COLUMNS] for r in rows]
@@ -189,7 +197,7 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
                      colalign=["left" if k == "text" else "right" for _, _, k in RUN_SUMMARY_COLUMNS])
     lines = ["Run summary" if ok else "Run summary (the run failed; what it had finished):", table,
              "Samples: source rows (= Kept + Rejected + Not sent). OK/Failed/Not sent: samples at generate (not "
-             "sent: kept back by a budget or a stop). Rejected: every stage, normalize's included. Kept: validated. Cost: journaled responses. Time: the longest generate shard"
+             "sent: kept back by a budget or a stop). Rejected: every stage, normalize's included" + (" and decontaminate's" if decontaminated else "") + ". Kept: validated. Cost: journaled responses. Time: the longest generate shard"
              + ("; Total: the run." if run_s is not None else ".")]
     original = [r["dataset"] for r in rows[:-1] if r["kind"] == "original"]
     if original:
