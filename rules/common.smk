@@ -181,7 +181,7 @@ def provenance_datasets():
     were sent with (None for answers: original and pre-tokenized datasets: nothing was sent)."""
     return {ds: {"source_path": config["datasets"][ds]["source"]["path"],
                  "source_format": config["datasets"][ds]["source"]["format"],
-                 "generation": cfg.generation_data_settings(config, ds) if ds in GENERATED else None}
+                 "generation": stage_settings.generation_data_settings(config, ds) if ds in GENERATED else None}
             for ds in MERGE_DATASETS}
 
 
