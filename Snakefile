@@ -1,6 +1,7 @@
 # EAGLE-3 training-data build. Stages (one rule file each in rules/):
-#   tiny_target or gguf_target -> normalize -> generate (or original_answers: a dataset's own answers) -> tokenize ->
-#   validate -> merge -> extract -> export (+ export_heldout with merge.heldout), report (+ view: loss-mask examples
+#   tiny_target or gguf_target -> normalize -> (decontaminate: benchmark overlaps, near-duplicates; when configured) ->
+#   generate (or original_answers: a dataset's own answers) -> tokenize -> validate -> merge (+ provenance: where each
+#   merged row came from) -> extract -> export (+ export_heldout with merge.heldout), report (+ view: loss-mask examples
 #   for the report)
 # merge is a checkpoint: extraction runs per validated shard and reruns only where the merge's selection
 # of that shard changed. plan is one too: the extract jobs are made only once the plan is written.
@@ -25,11 +26,13 @@ include: "rules/common.smk"
 include: "rules/tiny_target.smk"
 include: "rules/gguf_target.smk"
 include: "rules/normalize.smk"
+include: "rules/decontaminate.smk"
 include: "rules/generate.smk"
 include: "rules/original_answers.smk"
 include: "rules/tokenize.smk"
 include: "rules/validate.smk"
 include: "rules/merge.smk"
+include: "rules/provenance.smk"
 include: "rules/extract.smk"
 include: "rules/plan.smk"
 include: "rules/vocab.smk"
@@ -43,6 +46,7 @@ rule all:
     input:
         hidden_states=states_files(MERGE_DATASETS),
         report=rules.report.output,
+        provenance=rules.provenance.output.json,
         views=rules.view.output,
         plan=rules.plan.output.md,
         vocab=rules.vocab.output.mapping,
@@ -50,8 +54,9 @@ rule all:
         # the held-out set's exports, only with merge.heldout > 0
         heldout_exports=expand("results/export/heldout/{layout}.json", layout=EXPORT_LAYOUTS) if MERGE.heldout else [],
         # speculators' data directories (the `datasets` files beside hidden_states/)
-        speculators_dataset=(rules.export_dataset.output + (rules.export_dataset_heldout.output if MERGE.heldout else [])
-                             if "speculators" in EXPORT_LAYOUTS else []),
+        # the decontamination report, only when the stage is on (decontaminate.benchmarks / near_duplicates)
+        decontamination=rules.decontamination_report.output.md if DECONTAMINATE.on else [],
+        speculators_dataset=speculators_datasets(),
     default_target: True
 
 

@@ -27,9 +27,11 @@ measured, so that it is seen not to be the bottleneck.
 Figures, for both: client CPU per request (and the ratio); time to the first request at the server from the launch
 of ``snakemake`` / the process; the requests in flight at the server from the 2,000th request's arrival to the last
 new one's (mean and max); the request phase (first request's arrival to the last reply) against the ideal schedule
-(sum of the request times / limit + the longest request). Targets (issue 21): client CPU per request <= 1.25x the
-baseline's; time to first request <= 2x the baseline's; request phase <= 1.1x the baseline's. Ends with ONE JSON
-line.
+(sum of the request times / limit + the longest request). Targets: request phase <= 1.1x the baseline's; at least
+95% of the limit in flight (time-weighted mean) from the limit-th (2,000th) request on. Client CPU per request
+(once <= 1.25x the baseline's) and time to first request (once <= 2x) are reported beside the snakemake floor, as
+references (``references``), no longer targets: the floor shows what any design whose jobs snakemake launches
+pays before its first request. Ends with ONE JSON line.
 
 Run: ``python benchmarks/generation_run.py`` (full size: ~16,000 requests, several minutes), ``--toy`` for CI
 (2 datasets x 2 shards, 200 requests at a limit of 50, short replies). ``--keep`` keeps the scratch directory.
@@ -56,9 +58,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TARGET_CPU_RATIO = 1.25
-TARGET_TTFR_RATIO = 2.0
-TARGET_PHASE_RATIO = 1.1
+TARGET_PHASE_RATIO = 1.1  # the request phase against the bare client's
+TARGET_IN_FLIGHT_SHARE = 0.95  # the mean requests in flight from the limit-th arrival on, as a share of the limit
+#: no longer targets (issue 36): reported beside the measured floor of any snakemake-launched design (snakemake_floor)
+REFERENCE_CPU_RATIO = 1.25
+REFERENCE_TTFR_RATIO = 2.0
 MODEL = "vendor/bench-model"
 WORDS = ("the model answers each question in a few plain sentences with some detail about the topic and then "
          "stops once the user has what they asked for ").split()
@@ -521,11 +525,15 @@ def main(argv=None) -> int:
             "baseline": round(server_base["cpu_s"] / max(1, server_base["requests"]) * 1e3, 3)},
         "server_cpu_share_of_a_core": {"product": round(server_prod["cpu_s"] / max(1e-9, p["request_phase_s"]), 3),
                                        "baseline": round(server_base["cpu_s"] / max(1e-9, b["request_phase_s"]), 3)},
-        "targets": {"cpu_ratio_max": TARGET_CPU_RATIO, "ttfr_ratio_max": TARGET_TTFR_RATIO,
-                    "request_phase_ratio_max": TARGET_PHASE_RATIO},
+        "in_flight_share_of_limit": round((p["in_flight_mean"] or 0) / args.limit, 3),
+        "targets": {"request_phase_ratio_max": TARGET_PHASE_RATIO, "in_flight_share_min": TARGET_IN_FLIGHT_SHARE},
+        # the earlier targets, now references only: the floor above shows no snakemake-launched design reaches them
+        "references": {"cpu_ratio_max": REFERENCE_CPU_RATIO, "ttfr_ratio_max": REFERENCE_TTFR_RATIO,
+                       "cpu_within": cpu_p / cpu_b <= REFERENCE_CPU_RATIO,
+                       "ttfr_within": ttfr_p / ttfr_b <= REFERENCE_TTFR_RATIO},
     }
-    out["met"] = {"cpu": cpu_p / cpu_b <= TARGET_CPU_RATIO, "ttfr": ttfr_p / ttfr_b <= TARGET_TTFR_RATIO,
-                  "request_phase": p["request_phase_s"] / b["request_phase_s"] <= TARGET_PHASE_RATIO}
+    out["met"] = {"request_phase": p["request_phase_s"] / b["request_phase_s"] <= TARGET_PHASE_RATIO,
+                  "in_flight": (p["in_flight_mean"] or 0) >= TARGET_IN_FLIGHT_SHARE * args.limit}
     if not (args.keep or args.workdir):
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out), flush=True)

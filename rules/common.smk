@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 from eagle3_data import config as cfg
+from eagle3_data import settings as stage_settings
 from eagle3_data.gguf_target import gguf_file
-from eagle3_data.settings import (ExportSettings, ExtractSettings, GGUFTargetSettings, MergeSettings,
-                                  NormalizeSettings, PlanSettings, TargetSettings, TinyTargetSettings,
+from eagle3_data.settings import (DecontaminateSettings, ExportSettings, ExtractSettings, GGUFTargetSettings,
+                                  MergeSettings, NormalizeSettings, PlanSettings, TargetSettings, TinyTargetSettings,
                                   TokenizeSettings, ValidateSettings, VocabSettings)
 
 
@@ -25,7 +26,7 @@ def _check_config():
         files = cfg.config_sources(workflow.overwrite_configfiles, default=embedded)  # (a key set twice: refused)
         if main:
             cfg.check_layering(files)
-        cfg.validate_config(config, cfg.load_schema(Path(workflow.basedir) / "schemas/config.schema.yaml"), files=files)
+        cfg.validate_config(config, cfg.schema(), files=files)
         cfg.check_config(config)
         chosen = cfg.resolve_target_template(config)  # target.template: auto -> the family (cached)
         if main and chosen:
@@ -70,7 +71,18 @@ MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
 EXPORT = ExportSettings.from_config(config)
 EXPORT_LAYOUTS = EXPORT.layouts
-from eagle3_data.export import SPECULATORS_DATASET_FILES
+from eagle3_data.export import LAYOUTS, SPECULATORS_DATASET_FILES, SPECULATORS_LAYOUTS
+EXPORT_LAYOUT_PATTERN = "|".join(LAYOUTS)
+SPECULATORS_LAYOUT_PATTERN = "|".join(SPECULATORS_LAYOUTS)
+
+
+def speculators_datasets():
+    """The data-directory files of every requested speculators layout (rule export_dataset), and of the held-out
+    set's with merge.heldout > 0."""
+    layouts = [x for x in EXPORT_LAYOUTS if x in SPECULATORS_LAYOUTS]
+    sets = ["results/export/{layout}"] + (["results/export/heldout/{layout}"] if MERGE.heldout else [])
+    return [os.path.join(f.format(layout=x), name) for f in sets for x in layouts
+            for name in list(SPECULATORS_DATASET_FILES) + ["token_freq.pt"]]
 TARGET = config["target"]
 # each stage's settings, built once from the validated config (defaults: the schema's); rule params are their
 # content keys (params()), so a change reruns exactly the rules whose output depends on it
@@ -80,6 +92,13 @@ PLAN = PlanSettings.from_config(config)
 VALIDATE = ValidateSettings.from_config(config)
 FORECAST = cfg.section(config, "forecast")
 CACHE_DIR = config["cache_dir"]
+# decontamination (rules minhash, decontaminate, decontamination_report: rules/decontaminate.smk), on when benchmarks
+# are listed or near-duplicates enabled; off, generate and original_answers read the normalized prompts as before
+DECONTAMINATE = DecontaminateSettings.from_config(config)
+PROMPT_DATASETS = [ds for ds in DATASETS if ds not in PRETOKENIZED]  # config order: near-duplicates keep the first
+#: what generate, original_answers and the forecast read: the prompts kept by decontaminate, else normalize's
+GENERATION_PROMPTS = ("results/{ds}/decontaminated/{shard}.parquet" if DECONTAMINATE.on
+                      else "results/{ds}/prompts/{shard}.parquet")
 
 # The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through the environment: the
 # Snakefile's onstart begins it (so `snakemake -n` and --lint change nothing), its onsuccess/onerror hooks end it
@@ -126,7 +145,69 @@ def validated_files(datasets):
 
 def rejected_files(datasets):
     out = [f"results/{ds}/rejected/normalize.parquet" for ds in datasets]
-    return out + [f"results/{ds}/rejected/{s}.parquet" for ds in datasets for s in shards(ds)]
+    return out + decontaminate_rejects(datasets) + [f"results/{ds}/rejected/{s}.parquet" for ds in datasets
+                                                    for s in shards(ds)]
+
+
+def decontaminate_rejects(datasets):
+    """Rule decontaminate's rejects of ``datasets`` (their prompt shards), none when the stage is off."""
+    if not DECONTAMINATE.on:
+        return []
+    return [f"results/{ds}/rejected/decontaminate/{s}.parquet" for ds in datasets if ds in PROMPT_DATASETS
+            for s in shards(ds)]
+
+
+def decontaminated_files(datasets):
+    """Rule decontaminate's kept prompts of ``datasets``, none when the stage is off."""
+    if not DECONTAMINATE.on:
+        return []
+    return [f"results/{ds}/decontaminated/{s}.parquet" for ds in datasets if ds in PROMPT_DATASETS
+            for s in shards(ds)]
+
+
+def generation_prompts(datasets):
+    """The prompts shards generate (or original_answers, the forecast) reads for ``datasets``."""
+    return [GENERATION_PROMPTS.format(ds=ds, shard=s) for ds in datasets for s in shards(ds)]
+
+
+def benchmark_files():
+    """The benchmark files decontaminate.benchmarks names (rule decontaminate's inputs; checked before any job)."""
+    from eagle3_data.decontaminate import benchmark_inputs
+
+    return benchmark_inputs(DECONTAMINATE)
+
+
+def prompts_files(datasets):
+    """Normalize's prompts shards of ``datasets`` (those with prompts: not pre-tokenized)."""
+    return [f"results/{ds}/prompts/{s}.parquet" for ds in datasets if ds in PROMPT_DATASETS for s in shards(ds)]
+
+
+def provenance_datasets():
+    """Rule provenance's per-dataset params: the source file and format, and the generation settings the requests
+    were sent with (None for answers: original and pre-tokenized datasets: nothing was sent)."""
+    return {ds: {"source_path": config["datasets"][ds]["source"]["path"],
+                 "source_format": config["datasets"][ds]["source"]["format"],
+                 "generation": stage_settings.generation_data_settings(config, ds) if ds in GENERATED else None}
+            for ds in MERGE_DATASETS}
+
+
+def provenance_backends():
+    """Rule provenance's per-backend params: type (the engine), model, extra_body."""
+    return {name: {k: (b or {}).get(k) for k in ("type", "model", "extra_body")}
+            for name, b in (config.get("backends") or {}).items()}
+
+
+def earlier_datasets(ds):
+    """The datasets with prompts listed before ``ds`` (near-duplicates: the first in this order is kept); none
+    when near-duplicates are off."""
+    if not DECONTAMINATE.near_on:
+        return []
+    return PROMPT_DATASETS[:PROMPT_DATASETS.index(ds)]
+
+
+def earlier_signatures(ds):
+    """The MinHash signature files of every shard of :func:`earlier_datasets` of ``ds``."""
+    return [f"results/{e}/minhash/{s}.parquet" for e in earlier_datasets(ds) for s in shards(e)]
 
 
 def selection_path(ds, shard):
@@ -194,7 +275,8 @@ def print_run_summary(ok):
     try:
         run = run_state.current()
         text = run_summary(config["datasets"], "results", run_s=run_state.elapsed(), ok=ok,
-                           tally_path="results/reports/tally.md", run_dir=run.dir if run is not None else None)
+                           tally_path="results/reports/tally.md", run_dir=run.dir if run is not None else None,
+                           decontaminated=DECONTAMINATE.on)
     except Exception as exc:  # a damaged file must not keep the end-of-run hook from stopping the servers
         text = f"(no run summary: {type(exc).__name__}: {exc})"
     print(f"\n{text}", file=sys.stderr)

@@ -1,7 +1,9 @@
-# Export: one merged shard (the shuffled order) -> the per-sample files a trainer reads (SpecForge
-# data_{i}.ckpt, speculators hs_{i}.safetensors), named by the sample's global index in the merged set and
-# read from the hidden-states files of the selections the shard's rows came from. The per-shard JSON
-# (written last) is the rule's output; the sample files go to results/export/<layout>/.
+# Export: one merged shard (the shuffled order) -> the per-sample files a trainer reads (SpecForge EAGLE-3, DFlash
+# and DSpark data_{i}.ckpt, speculators hs_{i}.safetensors in the extract dtype or FP8, Model-Optimizer {i}.pt;
+# eagle3_data.export.CONTRACTS), named by the sample's global index in the merged set and read from the
+# hidden-states files of the selections the shard's rows came from. The per-shard JSON (written last) is the rule's
+# output; the sample files go to results/export/<layout>/. No extract setting is a param: the states files are
+# inputs, so a change of export.layouts never reruns an extract job.
 
 
 rule export:
@@ -9,13 +11,14 @@ rule export:
         merged="results/merged/{k}.parquet",
         manifest="results/merged/manifest.json",
         states=states_files(MERGE_DATASETS),
+        provenance=rules.provenance.output.table,  # speculators' side table: each sample's provenance
     output:
         "results/export/{layout}/{k}.json",
     params:
         **EXPORT.params(),  # group_size
         out_dir=lambda wc: f"results/export/{wc.layout}",
     wildcard_constraints:
-        layout="specforge|speculators",
+        layout=EXPORT_LAYOUT_PATTERN,
     log:
         "logs/export/{layout}/{k}.log",
     conda:
@@ -34,6 +37,7 @@ rule export_heldout:
         merged=HELDOUT_MERGED,
         manifest="results/merged/manifest.json",
         states=states_files(MERGE_DATASETS),
+        provenance=rules.provenance.output.table,
     output:
         "results/export/heldout/{layout}.json",
     params:
@@ -41,7 +45,7 @@ rule export_heldout:
         out_dir=lambda wc: f"results/export/heldout/{wc.layout}",
         heldout=True,
     wildcard_constraints:
-        layout="specforge|speculators",
+        layout=EXPORT_LAYOUT_PATTERN,
     log:
         "logs/export/heldout/{layout}.log",
     conda:
@@ -53,16 +57,19 @@ rule export_heldout:
 # speculators trains on a data directory: a Hugging Face `datasets` directory (input_ids, loss_mask, seq_len) beside
 # hidden_states/hs_{i}.safetensors, and token_freq.pt for its draft vocabulary (the training set's, in both). Written
 # once every shard of the set is exported (eagle3_data.export.write_speculators_dataset), so
-# `speculators train --data-path results/export/speculators` reads the export as it is.
+# `speculators train --data-path results/export/speculators` reads the export as it is (speculators_fp8: the same,
+# with --hidden-states-backend fp8).
 rule export_dataset:
     input:
-        shards=expand("results/export/speculators/{k}.json", k=MERGED_SHARDS),
+        shards=expand("results/export/{{layout}}/{k}.json", k=MERGED_SHARDS),
         token_frequencies=rules.vocab.output.freq,
     output:
-        files=[f"results/export/speculators/{name}" for name in SPECULATORS_DATASET_FILES],
-        token_freq="results/export/speculators/token_freq.pt",
+        files=[f"results/export/{{layout}}/{name}" for name in SPECULATORS_DATASET_FILES],
+        token_freq="results/export/{layout}/token_freq.pt",
+    wildcard_constraints:
+        layout=SPECULATORS_LAYOUT_PATTERN,
     log:
-        "logs/export/speculators/dataset.log",
+        "logs/export/{layout}/dataset.log",
     conda:
         "../envs/cpu.yaml"
     script:
@@ -71,10 +78,10 @@ rule export_dataset:
 
 use rule export_dataset as export_dataset_heldout with:
     input:
-        shards="results/export/heldout/speculators.json",
+        shards="results/export/heldout/{layout}.json",
         token_frequencies=rules.vocab.output.freq,
     output:
-        files=[f"results/export/heldout/speculators/{name}" for name in SPECULATORS_DATASET_FILES],
-        token_freq="results/export/heldout/speculators/token_freq.pt",
+        files=[f"results/export/heldout/{{layout}}/{name}" for name in SPECULATORS_DATASET_FILES],
+        token_freq="results/export/heldout/{layout}/token_freq.pt",
     log:
-        "logs/export/heldout/speculators-dataset.log",
+        "logs/export/heldout/{layout}-dataset.log",

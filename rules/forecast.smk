@@ -18,7 +18,7 @@ use rule generate as forecast_pilot with:
 
 rule forecast:
     input:
-        prompts=[f"results/{ds}/prompts/{s}.parquet" for ds in GENERATED for s in shards(ds)],
+        prompts=generation_prompts(GENERATED),
         pilot=[f"results/forecast/pilot/{ds}/{s}.parquet" for ds in GENERATED for s in shards(ds)],
         pilot_summaries=[f"results/forecast/pilot/{ds}/{s}.json" for ds in GENERATED for s in shards(ds)],
         target=target_input(),

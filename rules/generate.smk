@@ -23,7 +23,7 @@ def generate_param(key):
 
 rule generate:
     input:
-        prompts="results/{ds}/prompts/{shard}.parquet",
+        prompts=GENERATION_PROMPTS,  # the prompts decontaminate kept when it is on, else normalize's
         target=target_input(),
     output:
         responses="results/{ds}/responses/{shard}.parquet",

@@ -6,7 +6,7 @@ from eagle3_data.settings import OriginalAnswersSettings
 
 rule original_answers:
     input:
-        prompts="results/{ds}/prompts/{shard}.parquet",
+        prompts=GENERATION_PROMPTS,  # the prompts decontaminate kept when it is on, else normalize's
     output:
         responses="results/{ds}/responses/{shard}.parquet",
         summary="results/{ds}/responses/{shard}.json",

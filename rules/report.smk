@@ -25,9 +25,9 @@ rule report:
     params:
         backends={n: {"type": b.get("type"), "base_url": b.get("base_url"), "launch": bool(b.get("launch"))}
                   for n, b in config["backends"].items()},
-        datasets=cfg.datasets_data_settings(config),
+        datasets=stage_settings.datasets_data_settings(config),
         # the limits report: generated datasets' budgets; an answers: original dataset has only its sample cap
-        generation={**{ds: cfg.generation_data_settings(config, ds) for ds in GENERATED},
+        generation={**{ds: stage_settings.generation_data_settings(config, ds) for ds in GENERATED},
                     **{ds: {"max_samples": OriginalAnswersSettings.from_config(config, ds).max_samples}
                        for ds in ORIGINAL}},
     log:

@@ -19,4 +19,5 @@ run_stage(lambda: export(
     start_index=0 if heldout else start_indices(snakemake.input.manifest)[int(snakemake.wildcards.k)],
     manifest_path=snakemake.output[0],
     heldout=heldout,
+    provenance=snakemake.input.get("provenance"),
 ), log=log)

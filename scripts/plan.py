@@ -17,7 +17,7 @@ def main():
     # the training shards first (the throughput is measured on the first), then the held-out file (merge.heldout)
     merged = list(snakemake.input.merged) + list(snakemake.input.heldout)
     plan(snakemake.input.manifest, merged, snakemake.output.md, snakemake.output.json,
-         settings=settings)
+         settings=settings, states_dir="results/hidden_states", export_dir="results/export")
     write_text(markdown_page(Path(snakemake.output.md).read_text(), "Extraction plan"), snakemake.output.html)
 
 

@@ -20,6 +20,7 @@ TOY = {
     "generation_run": ["--toy"],
     "tokenize_validate": ["--toy"],
     "rehearsal": ["--toy"],
+    "capture_bytes": ["--toy"],
     "draft_quality": ["--toy"],
 }
 #: modules the benchmarks import, not benchmarks themselves
@@ -35,6 +36,8 @@ KEYS = {
                        "snakemake_floor", "met"],
     "tokenize_validate": [],
     "rehearsal": ["incremental", "samples", "merged_samples"],
+    "capture_bytes": ["states_bytes_per_token", "exports_bytes_per_token", "baseline_specforge_bf16_bytes_per_token",
+                      "ratio_eagle3_fp8_states_vs_baseline", "target_eagle3_fp8_states_le", "met"],
     "draft_quality": ["drafters", "tau_onpolicy", "ratio_regenerated_vs_original", "fp8_vs_bf16_tau_abs_diff",
                       "targets", "sizes", "seeds"],
 }
@@ -73,12 +76,26 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         assert per_job["processes"] == 4 and per_job["requests"] == 200 and per_job["cpu_ms_per_request"] > 0
         assert per_job["product_ratio"] == pytest.approx(
             out["client_cpu_ms_per_request"]["product"] / per_job["cpu_ms_per_request"], rel=0.02), per_job
+        # the targets: the request phase and the share of the limit in flight; CPU and first request: references
+        assert set(out["met"]) == {"request_phase", "in_flight"} and set(out["targets"]) == {
+            "request_phase_ratio_max", "in_flight_share_min"}
+        assert out["in_flight_share_of_limit"] == pytest.approx(out["in_flight"]["product"]["mean"] / 50, abs=2e-3)
+        assert out["met"]["in_flight"] == (out["in_flight"]["product"]["mean"] >= 0.95 * 50)
+        assert out["references"]["cpu_within"] == (out["client_cpu_ms_per_request"]["ratio"] <= 1.25 + 1e-3) or \
+            abs(out["client_cpu_ms_per_request"]["ratio"] - 1.25) < 2e-3
         floor = out["snakemake_floor"]  # thin script jobs (read + write their shard), launched as the product's are
         assert floor["jobs"] == 4 and 0 < floor["job_cpu_s_at_script_start_mean"] < floor["job_cpu_s_mean"], floor
         assert floor["ttfr_ratio"] == pytest.approx(
             floor["time_to_first_job_s"] / out["time_to_first_request_s"]["baseline"], rel=0.01), floor
         assert floor["cpu_ratio"] == pytest.approx(
             (floor["job_cpu_s_mean"] * 4 + out["baseline_cpu_s"]) / out["baseline_cpu_s"], rel=0.05), floor
+    if name == "capture_bytes":  # the writer's bytes at H = 4,096: the plan's formula plus the files' headers
+        for part in ("states_bytes_per_token", "exports_bytes_per_token"):
+            for k, v in out[part].items():
+                assert v["plan_formula"] <= v["bytes_per_token"] <= v["plan_formula"] + 150, (k, v)
+        assert out["states_bytes_per_token"]["eagle3 fp8 (aux + final)"]["plan_formula"] == 16405
+        assert out["exports_bytes_per_token"]["speculators_fp8"]["plan_formula"] == 16396
+        assert 0.49 < out["ratio_eagle3_fp8_states_vs_baseline"] < 0.51 and out["met"] is True
     if name == "draft_quality":  # three drafters, the same steps and tokens, scored on the same held-out rows
         d, sizes = out["drafters"], out["sizes"]
         assert set(d) == {"regenerated", "original", "regenerated_fp8"}

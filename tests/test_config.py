@@ -11,11 +11,12 @@ from snakemake.utils import validate
 
 from conftest import ROOT
 from eagle3_data import config as cfg
+from eagle3_data import settings as stage_settings
 from eagle3_data.settings import ExtractSettings, MergeSettings
 from eagle3_data import docgen
 from eagle3_data.backends.limits import jobs_using
 
-SCHEMA = ROOT / "schemas" / "config.schema.yaml"
+SCHEMA = cfg.SCHEMA_PATH
 
 
 SHIPPED = ["config.yaml", "resources/configs/seed-kimi-k25.yaml", "resources/configs/openrouter.yaml",
@@ -284,7 +285,7 @@ def test_every_config_key_says_what_its_change_reruns():
 def test_rule_params_leave_out_transport_settings():
     """The slices the rules pass as params don't move when a transport setting does."""
     c = yaml.safe_load((ROOT / "config.yaml").read_text())
-    before = {ds: (cfg.generation_data_settings(c, ds), cfg.backends_data_settings(c, ds))
+    before = {ds: (stage_settings.generation_data_settings(c, ds), stage_settings.backends_data_settings(c, ds))
               for ds in cfg.generated_datasets(c)}
     other = yaml.safe_load(yaml.safe_dump(c))
     b = other["backends"]["tiny_local"]
@@ -292,11 +293,11 @@ def test_rule_params_leave_out_transport_settings():
              headers={"X-Title": "t"})
     b["launch"]["command"] += " --verbose"
     other["generation"].update(max_retries=0, retry_initial_s=9.0)
-    after = {ds: (cfg.generation_data_settings(other, ds), cfg.backends_data_settings(other, ds))
+    after = {ds: (stage_settings.generation_data_settings(other, ds), stage_settings.backends_data_settings(other, ds))
              for ds in cfg.generated_datasets(other)}
     assert after == before
     other["backends"]["tiny_local"]["extra_body"] = {"top_k": 3}  # shapes requests: a data setting
-    assert cfg.backends_data_settings(other, "sharegpt_demo") != before["sharegpt_demo"][1]
+    assert stage_settings.backends_data_settings(other, "sharegpt_demo") != before["sharegpt_demo"][1]
     e = yaml.safe_load(yaml.safe_dump(c))
     e["extract"].update(device="cpu", batch_tokens=7, gpu_lock_dir="/x")
     assert ExtractSettings.from_config(e).params() == ExtractSettings.from_config(c).params()
@@ -439,7 +440,7 @@ def test_a_key_set_twice_in_a_config_file_is_an_error_naming_both_lines(tmp_path
 
 def test_concurrency_and_shards_past_their_bounds_name_the_file_line_and_the_bound(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    schema = cfg.load_schema(ROOT / "schemas/config.schema.yaml")
+    schema = cfg.load_schema(cfg.SCHEMA_PATH)
     base = yaml.safe_load((ROOT / "config.yaml").read_text())
     text = ("backends:\n  tiny_local:\n    max_concurrency: 5000\ndatasets:\n  sharegpt_demo:\n    shards: 100000\n")
     (tmp_path / "my.yaml").write_text(text)

@@ -7,6 +7,7 @@ import os
 import random
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -125,7 +126,7 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
         d = specforge_process_data(f, max_len=4096)
         assert d["input_ids"][0].tolist() == r["input_ids"]
         with ex.StatesFile(states / f"{r['source']}.safetensors") as sf:
-            stored = sf.sample(sf.index[r["sample_id"]])
+            stored = sf.sample(sf.index[r["sample_id"]], final="post")
         assert torch.equal(d["hidden_state"][0], stored["aux_hidden_states"])
         assert torch.equal(d["target"][0], stored["hidden_states"])
         ref = hf_states(model, r["input_ids"])
@@ -136,8 +137,10 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     exp.export(path, out, layout="specforge", states_dir=states, start_index=1998, settings=ExportSettings.defaults())
     assert {f: open(f, "rb").read() for f in specforge_list_local_files(out)} == before
     assert not [p for p in out.rglob(".*")]
-    with pytest.raises(ValueError, match="pre-norm"):
-        exp.export(path, tmp_path / "spec", layout="speculators", states_dir=states, settings=ExportSettings.defaults())
+    # the same states (final_norm both, the default) serve speculators too: its pre-norm final state
+    spec = exp.export(path, tmp_path / "spec", layout="speculators", states_dir=states, merge_manifest=man,
+                      settings=ExportSettings.defaults())
+    assert (spec["final_norm"], spec["final_state"], spec["num_written"]) == ("both", "pre", len(rows))
     # states computed for another selection (the merge's digest moved on) are refused by name
     stale = dict(man, selections={k: {"digest": "newer"} for k in man["selections"]})
     with pytest.raises(ValueError, match="another selection"):
@@ -152,12 +155,27 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
                                      final_norm="pre")
     out = tmp_path / "speculators"
+    # the merged set's provenance (rule provenance): the side table takes each sample's columns from it
+    from eagle3_data.provenance import PROVENANCE, SIDE_COLUMNS
+
+    prov = tmp_path / "provenance.parquet"
+    prov_rows = [{"set": "train", "merged_file": str(path), "row": j, "index": 5 + j, "sample_id": r["sample_id"],
+                  "dataset": "d", "source_path": "src.jsonl", "source_row": 100 + j, "request_key": f"key{j}",
+                  "backend": "b", "cost_usd": 0.01 * j, "attempts": 1 + j % 2} for j, r in enumerate(rows)]
+    prov_rows.append({**prov_rows[0], "set": "heldout", "index": 0, "sample_id": "other"})  # another set: ignored
+    pq.write_table(pa.Table.from_pylist(prov_rows, schema=PROVENANCE), prov)
     got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=5,
-                     settings=ExportSettings.defaults())
+                     settings=ExportSettings.defaults(), provenance=prov)
     assert got["final_norm"] == "pre"
     arrow = pq.read_table(out / "samples_000000005.parquet").to_pylist()
     assert [a["index"] for a in arrow] == list(range(5, 5 + len(rows)))
     assert [a["sample_id"] for a in arrow] == [r["sample_id"] for r in rows]
+    assert set(SIDE_COLUMNS) <= set(arrow[0])
+    assert [(a["source_row"], a["request_key"], a["attempts"]) for a in arrow] == [
+        (100 + j, f"key{j}", 1 + j % 2) for j in range(len(rows))]
+    with pytest.raises(ValueError, match="does not describe the rows"):  # a provenance table of another merge
+        exp.export(path, tmp_path / "spec2", layout="speculators", states_dir=states, merge_manifest=man,
+                   start_index=4, settings=ExportSettings.defaults(), provenance=prov)
     model, decoder = loaded
     for j, r in enumerate(rows):
         d = speculators_get_raw(out, 5 + j, arrow[j])
@@ -173,8 +191,13 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
         with torch.inference_mode():
             torch.testing.assert_close(decoder.norm(pre), ref[-1][0], atol=1e-5, rtol=1e-5)
         assert (pre - ref[-1][0]).abs().max() > 1e-2
-    with pytest.raises(ValueError, match="post-norm"):
+    # states of one form only (final_norm: pre) cannot serve a post-norm layout: refused, naming the setting
+    with pytest.raises(ValueError, match="holds pre-norm final states, not post-norm; extract with "
+                                         "extract.final_norm: both"):
         exp.export(path, tmp_path / "sf", layout="specforge", states_dir=states, settings=ExportSettings.defaults())
+    with pytest.raises(ValueError, match="add dflash to extract.drafters"):
+        exp.export(path, tmp_path / "df", layout="specforge_dflash", states_dir=states,
+                   settings=ExportSettings.defaults())
 
 
 def error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -357,3 +380,74 @@ def test_heldout_set_exports_beside_the_training_set(tmp_path, tiny_model, loade
                 f"hs_{i}.safetensors" for i in range(3)]
             assert len(list((train_dir / "hidden_states").iterdir())) == 6
         assert json.loads((root / "heldout" / f"{layout}.json").read_text())["num_samples"] == 3
+
+
+def test_one_capture_exports_every_contract(tmp_path, tiny_model, loaded, merged):
+    """drafters eagle3 + dflash + dspark, final_norm both: one extraction, six layouts, each sample's tensors
+    equal to HF's (DFlash/DSpark layers, post- or pre-norm final); a sample SpecForge's DFlash family would refuse
+    (no two consecutive supervised tokens) is skipped, counted and named, and an earlier export's file at its
+    index removed."""
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+
+    path, rows = merged
+    odd = {"sample_id": "y0", "dataset": "d", "input_ids": list(range(10, 20)), "loss_mask": [0, 1] * 5,
+           "num_tokens": 10, "num_supervised": 5, "truncated": False, "source": "d/000"}
+    rows = rows[:4] + [odd] + rows[4:]
+    one = tmp_path / "000.parquet"
+    schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", one)
+    states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
+                                     drafters=["eagle3", "dflash", "dspark"])
+    dfl = ex.dflash_layer_ids(L)
+    assert dfl == [1, 2, 3, 4, 5]
+    model, decoder = loaded
+    got = {}
+    stale = exp.specforge_path(tmp_path / "specforge_dflash", 4, 2000)  # an earlier export's file of "y0"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
+    for layout in exp.LAYOUTS:
+        got[layout] = exp.export(one, tmp_path / layout, layout=layout, states_dir=states, merge_manifest=man,
+                                 settings=ExportSettings.defaults())
+    lone = [r["sample_id"] for r in rows if not any(a and b for a, b in zip(r["loss_mask"], r["loss_mask"][1:]))]
+    assert "y0" in lone and len(lone) < len(rows)
+    for layout in ("specforge_dflash", "specforge_dspark"):
+        assert got[layout]["skipped"] == {"no_consecutive_supervised_tokens": lone}
+        assert got[layout]["num_written"] == len(rows) - len(lone) and got[layout]["num_samples"] == len(rows)
+        assert not exp.specforge_path(tmp_path / layout, 4, 2000).exists()
+    assert got["specforge_dflash"]["removed_stale"] == 1 and not stale.exists()
+    assert all(got[k]["num_written"] == len(rows) and not got[k]["skipped"] for k in
+               ("specforge", "speculators", "speculators_fp8", "modelopt"))
+    for j, r in enumerate(rows):
+        ref = hf_states(model, r["input_ids"])
+        T = len(r["input_ids"])
+        if r["sample_id"] not in lone:
+            d = torch.load(exp.specforge_path(tmp_path / "specforge_dspark", j, 2000), weights_only=True)
+            assert set(d) == {"input_ids", "loss_mask", "hidden_states", "target_last_hidden_states"}
+            assert d["hidden_states"].shape == (1, T, 5 * H) and d["loss_mask"].tolist() == r["loss_mask"]
+            want = torch.cat([ref[x + 1][0] for x in dfl], dim=-1)  # SpecForge: hidden_states[layer_id + 1]
+            torch.testing.assert_close(d["hidden_states"][0], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(d["target_last_hidden_states"][0], ref[-1][0], atol=1e-5, rtol=1e-5)
+            f = torch.load(exp.specforge_path(tmp_path / "specforge_dflash", j, 2000), weights_only=True)
+            assert set(f) == {"input_ids", "loss_mask", "hidden_states"}
+            assert torch.equal(f["hidden_states"], d["hidden_states"])
+        m = torch.load(exp.modelopt_path(tmp_path / "modelopt", j, 2000), weights_only=True)
+        assert set(m) == {"input_ids", "hidden_states", "aux_hidden_states", "loss_mask", "conversation_id"}
+        assert m["conversation_id"] == r["sample_id"] and m["loss_mask"].dtype == torch.int64
+        torch.testing.assert_close(m["hidden_states"], ref[-1][0], atol=1e-5, rtol=1e-5)  # post-norm: HF [-1]
+        torch.testing.assert_close(m["aux_hidden_states"], torch.cat([ref[x + 1][0] for x in LAYERS], -1),
+                                   atol=1e-5, rtol=1e-5)
+        # speculators FP8: the bf16/fp32 file's [T, 4, H] quantised with one scale per token, as hs_connectors does
+        full = load_file(exp.speculators_path(tmp_path / "speculators", j))
+        fp8 = load_file(exp.speculators_path(tmp_path / "speculators_fp8", j))
+        assert fp8["hidden_states"].dtype == torch.float8_e4m3fn and fp8["hidden_states"].shape == (T, 4, H)
+        assert fp8["hidden_states_scales"].shape == (T, 1, 1) and torch.equal(fp8["token_ids"], full["token_ids"])
+        x = full["hidden_states"].float()
+        deq = fp8["hidden_states"].float() * fp8["hidden_states_scales"]
+        amax = x.abs().amax(dim=(1, 2), keepdim=True)
+        assert ((deq - x).abs() <= amax * 2 ** -4 + 1e-6).all()
+        with torch.inference_mode():  # the pre-norm final state, as speculators reads it
+            torch.testing.assert_close(decoder.norm(full["hidden_states"][:, -1]), ref[-1][0], atol=1e-5, rtol=1e-5)
+    # half the bytes of the full-precision file (here float32: a quarter), and each data path's rows
+    assert got["speculators_fp8"]["bytes"] < 0.3 * got["speculators"]["bytes"]
+    for layout in ("speculators", "speculators_fp8"):
+        assert pq.read_table(tmp_path / layout / "samples_000000000.parquet").num_rows == len(rows)

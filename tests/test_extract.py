@@ -121,8 +121,9 @@ def test_package_imports_no_torch_and_no_cycles():
         tree = ast.parse(f.read_text())
         imports[f.stem] = {n.module.split(".")[0] for n in ast.walk(tree)
                            if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
-    assert imports["layout"] <= set() and imports["model"] <= set() and imports["batching"] <= set()
-    assert imports["fused"] <= set()
+    # norm: the final norm's formulas (torch only), read by the layout's readers
+    assert imports["norm"] <= set() and imports["layout"] <= {"norm"} and imports["model"] <= set()
+    assert imports["batching"] <= set() and imports["fused"] <= set()
     assert imports["transformers_backend"] <= {"batching", "layout", "model", "fused"}
     assert imports["sglang_backend"] <= {"batching", "layout", "model"}
     assert "stage" not in set().union(*(v for k, v in imports.items() if k not in ("stage", "__init__")))
@@ -151,15 +152,22 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
     assert off.tolist() == list(np.cumsum([0] + [len(r["input_ids"]) for r in rows]))
     assert json.loads(meta["layers"]) == layers
     assert json.loads(meta["sample_ids"]) == [r["sample_id"] for r in rows]
-    assert meta["final_norm"] == "post" and "output of 0-based decoder layer" in meta["layer_convention"]
+    # the default final_norm both: the final norm's input, its weight and epsilon, and the formula measured
+    assert meta["final_norm"] == "both" and "output of 0-based decoder layer" in meta["layer_convention"]
+    assert meta["norm_formula"] == "llama" and float(meta["norm_eps"]) == loaded[1].norm.variance_epsilon
+    assert torch.equal(t["final_norm_weight"], loaded[1].norm.weight.float())
+    check = json.loads(meta["norm_check"])
+    assert check["rows"] > 0 and check["llama"] == {"max_ulp": 0, "exact_share": 1.0}
+    assert check["gemma"]["max_ulp"] > 1  # the (1 + w) formula is measurably another norm
+    assert "hidden_states_post" not in t and json.loads(meta["drafter_layers"]) == {"eagle3": layers}
     assert (meta["num_tokens"], meta["num_samples"], meta["dtype"]) == (str(T), str(len(rows)), "float32")
     assert meta["model_path"] == str(tiny_model) and meta["num_layers"] == str(L)
     assert meta["format"] == ex.FORMAT and meta["selection_digest"] == "abc"
     assert meta["state_settings"] == ex.settings_digest(
         backend="transformers", fingerprint=ex.model_fingerprint(tiny_model), layers=layers, dtype="float32",
-        final_norm="post", final_states="all", aux_format="same")
+        final_norm="both", final_states="all", aux_format="same")
 
-    model, _ = loaded
+    model, decoder = loaded
     for n, r in enumerate(rows):
         s, e = off[n].item(), off[n + 1].item()
         assert t["input_ids"][s:e].tolist() == r["input_ids"]
@@ -170,16 +178,29 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
             torch.testing.assert_close(got, hs[layer + 1][0], atol=1e-5, rtol=1e-5)
             # the other convention (input of layer i) is measurably different: the test can tell them apart
             assert (got - hs[layer][0]).abs().max() > 1e-2
-        torch.testing.assert_close(t["hidden_states"][s:e], hs[-1][0], atol=1e-5, rtol=1e-5)
-        assert (t["hidden_states"][s:e] - hs[-2][0]).abs().max() > 1e-2  # post-norm, not the last layer's raw output
+        # stored: the norm's input (pre-norm); the model's own norm of it is HF's last hidden state, bit for bit
+        with torch.inference_mode():
+            assert torch.equal(decoder.norm(t["hidden_states"][s:e]), hs[-1][0])
+        assert (t["hidden_states"][s:e] - hs[-1][0]).abs().max() > 1e-2
 
-    # the reader gives the same per sample, memory-mapped
+    # the reader gives the same per sample, memory-mapped, in either final form (post derived bit-exactly)
     with ex.StatesFile(out) as sf:
-        assert sf.index["s3"] == 3 and sf.same_settings(meta["state_settings"])
+        assert sf.index["s3"] == 3 and sf.same_settings(meta["state_settings"]) and sf.final_forms == {"post", "pre"}
         one = sf.sample(3)
         s, e = off[3].item(), off[4].item()
         assert torch.equal(one["aux_hidden_states"], t["aux_hidden_states"][s:e])
         assert one["input_ids"].tolist() == rows[3]["input_ids"]
+        assert torch.equal(one["hidden_states"], t["hidden_states"][s:e])
+        assert torch.equal(sf.sample(3, final="pre")["hidden_states"], t["hidden_states"][s:e])
+        hs = reference_states(model, rows[3]["input_ids"])
+        assert torch.equal(sf.sample(3, final="post")["hidden_states"], hs[-1][0])
+        two = sf.sample(3, layers=[4, 0])  # a drafter's layers, picked from the stored columns in its order
+        assert torch.equal(two["aux_hidden_states"], torch.cat([t["aux_hidden_states"][s:e, 2 * H:],
+                                                                t["aux_hidden_states"][s:e, :H]], dim=1))
+        with pytest.raises(ValueError, match="layers \\[3\\] are not stored.*extract.drafters"):
+            sf.sample(3, layers=[3])
+    whole, _ = ex.load_states(out, final="post")
+    torch.testing.assert_close(whole["hidden_states"][s:e], hs[-1][0], atol=0, rtol=0)
 
 
 def test_batched_equals_one_at_a_time_and_default_layers(tmp_path, tiny_model, loaded, merged):
@@ -198,6 +219,8 @@ def test_batched_equals_one_at_a_time_and_default_layers(tmp_path, tiny_model, l
     assert ta["aux_hidden_states"].shape == (ia["num_tokens"], 2 * H)
     for k in ta:
         torch.testing.assert_close(ta[k], tb_[k], atol=1e-5, rtol=1e-5)
+    # the same file but the rows the first batch's norm check saw (one batch of different sizes)
+    assert json.loads(ma.pop("norm_check"))["rows"] > json.loads(mb.pop("norm_check"))["rows"] > 0
     assert ma == mb
 
 
@@ -239,6 +262,7 @@ def test_rerun_forwards_only_new_or_longer_samples(tmp_path, tiny_model, loaded)
         assert counter.tokens == second["forwarded_tokens"] == changed
         assert second["reused_tokens"] == sum(r["num_tokens"] for r in new_rows) - changed
         t2, _ = ex.read_hidden_states(out)
+        post2 = ex.load_states(out, final="post")[0]["hidden_states"]  # derived from the stored pre-norm rows
         off2 = t2["sample_offsets"].tolist()
         old_pos = {r["sample_id"]: k for k, r in enumerate(rows)}
         for k, r in enumerate(new_rows):
@@ -249,7 +273,7 @@ def test_rerun_forwards_only_new_or_longer_samples(tmp_path, tiny_model, loaded)
                 assert torch.equal(t2["hidden_states"][s:e], old["hidden_states"][old_off[j]:old_off[j] + e - s])
             ref = reference_states(loaded[0], r["input_ids"])  # and every sample still equals a fresh forward
             torch.testing.assert_close(t2["aux_hidden_states"][s:e, H:2 * H], ref[4][0], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(t2["hidden_states"][s:e], ref[-1][0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(post2[s:e], ref[-1][0], atol=1e-5, rtol=1e-5)
         assert os.stat(out).st_ino == os.stat(stash).st_ino  # the link follows the new file
 
         # the same selection again, nothing stored but the link: nothing forwarded, no model needed
@@ -368,3 +392,152 @@ def test_keep_link_across_filesystems_turns_reuse_off(tmp_path, monkeypatch):
     monkeypatch.setattr(stage.os, "link", exdev)
     assert stage.keep_link(out, link) is False
     assert not link.exists() and out.read_bytes() == b"new"
+
+
+def test_settings_digest_of_files_before_v3_is_kept():
+    """A v2 file computed with the same settings stays reusable: the digest names the rows' encoding (unchanged
+    since v2) and leaves out final_format at its default. The literal is the v2 stage's digest of these inputs."""
+    kw = dict(backend="transformers", fingerprint="abc", layers=[1, 15, 28], dtype="bfloat16", final_norm="post",
+              final_states="all", aux_format="same")
+    assert ex.settings_digest(**kw) == "e194424249330900"
+    assert ex.settings_digest(**kw, final_format="fp8_e4m3") != ex.settings_digest(**kw)
+
+
+def test_dflash_layers_follow_specforge():
+    """SpecForge 0.2.0's build_target_layer_ids (specforge/modeling/draft/dflash.py), with Python's round."""
+    assert ex.dflash_layer_ids(36) == [1, 9, 17, 25, 33]  # SpecForge configs/qwen3-8b-dspark.json target_layer_ids
+    assert ex.dflash_layer_ids(32) == [1, 8, 15, 22, 29]
+    assert ex.dflash_layer_ids(30) == [1, 8, 14, 20, 27]  # 7.5 -> 8 and 20.5 -> 20: round half to even
+    assert ex.dflash_layer_ids(61, 1) == [30]
+    assert ex.dflash_layer_ids(6) == [1, 2, 2, 2, 3]  # a shallow target repeats layers, as SpecForge does
+    with pytest.raises(ValueError, match="extract.dflash_layers"):
+        ex.dflash_layer_ids(2)
+    union, per = ex.resolve_drafter_layers(["eagle3", "dflash", "dspark"], None, None, 32)
+    assert per == {"eagle3": [1, 15, 28], "dflash": [1, 8, 15, 22, 29], "dspark": [1, 8, 15, 22, 29]}
+    assert union == [1, 15, 28, 8, 22, 29]  # stored once: EAGLE-3's in their order, then the rest ascending
+    assert ex.resolve_drafter_layers(["dflash"], None, [4, 2, 4], 6) == ([2, 4], {"dflash": [4, 2, 4]})
+    with pytest.raises(ValueError, match="outside"):
+        ex.resolve_drafter_layers(["dspark"], None, [9], 6)
+
+
+def test_one_capture_serves_every_drafter(tmp_path, tiny_model, loaded, merged):
+    """drafters eagle3 + dflash + dspark: the union of their layers stored once, each drafter's read back from it
+    equal to HF's hidden_states[i + 1] (SpecForge's DFlash offset-1 convention)."""
+    path, rows = merged
+    out = tmp_path / "all.safetensors"
+    info = ex.extract_states(path, out, model=loaded, settings=ExtractSettings.defaults(
+        model_path=tiny_model, dtype="float32", layers=[1, 3, 4], drafters=["eagle3", "dflash", "dspark"]))
+    assert info["layers"] == [1, 3, 4, 2] and info["drafter_layers"]["dflash"] == [1, 2, 2, 2, 3]
+    with ex.StatesFile(out) as sf:
+        assert sf.layers == [1, 3, 4, 2] and sf.drafter_layers == info["drafter_layers"]
+        assert sf.tensors["aux_hidden_states"][1] == [info["num_tokens"], 4 * H]
+        for j in (0, 5):
+            ref = reference_states(loaded[0], rows[j]["input_ids"])
+            for drafter, layers in sf.drafter_layers.items():
+                got = sf.sample(j, layers=layers)["aux_hidden_states"]
+                want = torch.cat([ref[x + 1][0] for x in layers], dim=-1)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the settings' params change only for a drafter other than eagle3 (so a default config keeps its params)
+    base = ExtractSettings.defaults(model_path=tiny_model)
+    assert "drafters" not in base.params() and "dflash_layers" not in base.params()
+    assert base.replace(drafters=["eagle3", "dspark"]).params()["dflash_layers"] is None
+
+
+def test_fp8_final_states(tmp_path, tiny_model, merged):
+    """final_format fp8_e4m3: one scale per stored row; both final forms read back within fp8's error."""
+    path, rows = merged
+    loaded16 = tb.load_target(tiny_model, dtype="bfloat16", device="cpu")
+    ref_file, fp8_file = tmp_path / "bf16.safetensors", tmp_path / "fp8.safetensors"
+    base = ExtractSettings.defaults(model_path=tiny_model, dtype="bfloat16", layers=[1, 2, 3])
+    ex.extract_states(path, ref_file, settings=base, model=loaded16)
+    ex.extract_states(path, fp8_file, settings=base.replace(final_format="fp8_e4m3", aux_format="fp8_e4m3",
+                                                            final_states="supervised"), model=loaded16)
+    t, meta = ex.read_hidden_states(fp8_file)
+    S = int(t["final_mask"].sum())
+    assert t["hidden_states"].dtype == torch.float8_e4m3fn and t["hidden_states"].shape == (S, H)
+    assert t["final_scales"].shape == (S,) and t["final_scales"].dtype == torch.float32
+    assert meta["final_format"] == "fp8_e4m3"
+    for final in ("pre", "post"):
+        want = ex.load_states(ref_file, final=final)[0]["hidden_states"].float()
+        got, _ = ex.load_states(fp8_file, final=final)
+        keep = got["final_mask"]
+        err = (got["hidden_states"].float()[keep] - want[keep]).norm() / want[keep].norm()
+        assert 0 < err < 0.05, (final, float(err))  # e4m3: 3 mantissa bits, about 2-3% relative
+        assert (got["hidden_states"][~keep] == 0).all()
+
+
+def test_final_norm_no_formula_stores_post_rows(tmp_path, tiny_model, merged):
+    """A final norm none of the RMSNorm formulas reproduces (here: mean-subtracted) is found on the first batch:
+    its output is stored beside its input, and the readers return the model's own output."""
+    path, rows = merged
+    model, decoder = tb.load_target(tiny_model, dtype="float32", device="cpu")
+    norm = decoder.norm
+
+    def layer_norm_like(x):
+        xf = x.float() - x.float().mean(-1, keepdim=True)
+        return (norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))).to(x.dtype)
+
+    norm.forward = layer_norm_like
+    out = tmp_path / "ln.safetensors"
+    info = ex.extract_states(path, out, model=(model, decoder),
+                             settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32"))
+    assert info["norm_formula"] == "none"
+    t, meta = ex.read_hidden_states(out)
+    assert meta["norm_formula"] == "none" and t["hidden_states_post"].shape == t["hidden_states"].shape
+    with ex.StatesFile(out) as sf:
+        ref = reference_states(model, rows[2]["input_ids"])
+        assert torch.equal(sf.sample(2, final="post")["hidden_states"], ref[-1][0])
+        torch.testing.assert_close(layer_norm_like(sf.sample(2, final="pre")["hidden_states"]), ref[-1][0])
+
+
+def test_reader_refuses_a_form_it_cannot_serve_and_reads_v2(tmp_path, tiny_model, loaded, merged):
+    path, rows = merged
+    post = tmp_path / "post.safetensors"
+    ex.extract_states(path, post, model=loaded, settings=ExtractSettings.defaults(
+        model_path=tiny_model, dtype="float32", final_norm="post"))
+    with ex.StatesFile(post) as sf:
+        assert sf.final_forms == {"post"}
+        with pytest.raises(ValueError, match="post-norm final states, not pre-norm.*extract.final_norm: both"):
+            sf.sample(0, final="pre")
+    # a v2 file (before drafter layers): read as before, its layers taken as EAGLE-3's
+    from safetensors.torch import save_file
+
+    t, meta = ex.read_hidden_states(post)
+    meta = {k: v for k, v in meta.items() if k not in ("drafter_layers", "final_format")}
+    v2 = tmp_path / "v2.safetensors"
+    save_file(t, str(v2), metadata={**meta, "format": "eagle3-data/hidden-states/v2"})
+    with ex.StatesFile(v2) as sf:
+        assert sf.drafter_layers == {"eagle3": [1, 2]} and sf.final_forms == {"post"}
+        assert torch.equal(sf.sample(1, final="post")["hidden_states"], ex.StatesFile(post).sample(1)["hidden_states"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norm_formulas_match_the_transformers_classes(dtype):
+    """Each RMSNorm class is found as its own formula, bit-exactly, on rows with outlier channels; the llama and
+    weight_in_fp32 formulas differ by at most one ULP in reduced precision, so the bit-exact share decides."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from eagle3_data.extract.norm import apply_norm, check_formulas, norm_params, pick_formula
+
+    torch.manual_seed(0)
+    want = {LlamaRMSNorm: "llama", Qwen3RMSNorm: "llama", GptOssRMSNorm: "weight_in_fp32", Gemma3RMSNorm: "gemma"}
+    x = torch.randn(300, 256) * torch.logspace(-2, 2, 300)[:, None]
+    x[:, 7] *= 50  # an outlier channel
+    x = x.to(dtype)
+    for cls, formula in want.items():
+        m = cls(256, eps=1e-6)
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(256) * 0.5 + (0.0 if cls is Gemma3RMSNorm else 1.0))
+        m = m.to(dtype)
+        with torch.no_grad():
+            y = m(x)
+        w, eps = norm_params(m)
+        got = check_formulas(x, y, w, eps, dtype, chunk_rows=77)
+        expect = formula if dtype != torch.float32 or formula == "gemma" else "llama"  # fp32: llama == in_fp32
+        assert pick_formula(got) == expect, (cls.__name__, got)
+        assert got[formula] == {"max_ulp": 0, "exact_share": 1.0}
+        assert torch.equal(apply_norm(x, w, eps, formula), y)
+    assert pick_formula({"llama": {"max_ulp": 3, "exact_share": 0.9}}) == "none"

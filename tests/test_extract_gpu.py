@@ -86,7 +86,8 @@ def bf16(model_dir):
 
 
 def extract(selection, out, model_dir, loaded, overlap=True, **kw):
-    settings = ExtractSettings.defaults(model_dir, **{"layers": LAYERS, "dtype": "float32", **kw})
+    settings = ExtractSettings.defaults(model_dir, **{"layers": LAYERS, "dtype": "float32", "final_norm": "post",
+                                                      **kw})
     info = ex.extract_states(selection, out, settings=settings, model=loaded, overlap=overlap)
     return info, ex.read_hidden_states(out)[0]
 

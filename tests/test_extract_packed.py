@@ -77,7 +77,7 @@ class InputCounter:
 def test_packed_equals_padded_equals_one_by_one(tmp_path, tiny_model, loaded, selection):
     path, rows = selection
     T = sum(LENGTHS)
-    settings = ExtractSettings.defaults(tiny_model, layers=LAYERS, dtype="float32")
+    settings = ExtractSettings.defaults(tiny_model, layers=LAYERS, dtype="float32", final_norm="post")
     runs = {}
     counter = InputCounter(loaded[1])
     try:

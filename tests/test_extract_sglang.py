@@ -336,8 +336,9 @@ def test_stand_in_writes_the_transformers_file_in_layers_order(tmp_path, tiny_mo
     path, rows = merged
     loaded = load_target(tiny_model, dtype="float32", device="cpu")
     ref = tmp_path / "hf.safetensors"
-    ex.extract_states(path, ref,
-                      settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32"),
+    ex.extract_states(path, ref,  # SGLang stores post-norm final states only: compare with those
+                      settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32",
+                                                        final_norm="post"),
                       model=loaded)
     seen = {}
     real_init = sx.SglangBackend.__init__
@@ -350,7 +351,7 @@ def test_stand_in_writes_the_transformers_file_in_layers_order(tmp_path, tiny_mo
     out = tmp_path / "sg.safetensors"
     info = ex.extract_states(path, out,
                              settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32",
-                                                               batch_tokens=100, backend="sglang",
+                                                               batch_tokens=100, backend="sglang", final_norm="post",
                                                                trust_remote_code=True),
                              capture=hf_capture(loaded[0], LAYERS))
     assert seen["trust_remote_code"] is True and seen["layers"] == LAYERS
@@ -368,15 +369,16 @@ def test_stand_in_writes_the_transformers_file_in_layers_order(tmp_path, tiny_mo
     with pytest.raises(RuntimeError, match="capture length must equal input length"):
         ex.extract_states(path, bad,
                           settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32",
-                                                            backend="sglang"),
+                                                            backend="sglang", final_norm="post"),
                           capture=hf_capture(loaded[0], LAYERS, short_by=1))
     assert not bad.exists() and list(bad.parent.iterdir()) == []
-    with pytest.raises(ValueError, match="post-norm"):
-        ex.extract_states(path, bad,
-                          settings=ExtractSettings.defaults(model_path=tiny_model, backend="sglang", final_norm="pre",
-                                                            dtype="float32"))
+    for norm in ("pre", "both"):
+        with pytest.raises(ValueError, match="post-norm final states only: set extract.final_norm: post"):
+            ex.extract_states(path, bad,
+                              settings=ExtractSettings.defaults(model_path=tiny_model, backend="sglang",
+                                                                final_norm=norm, dtype="float32"))
     with pytest.raises(ValueError, match="cannot capture the last decoder layer"):
         ex.extract_states(path, bad,
                           settings=ExtractSettings.defaults(model_path=tiny_model, layers=[1, L - 1],
-                                                            backend="sglang", dtype="float32"),
+                                                            backend="sglang", final_norm="post", dtype="float32"),
                           capture=hf_capture(loaded[0], [1, L - 1]))

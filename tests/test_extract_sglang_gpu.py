@@ -73,7 +73,7 @@ def _extract(selection, out, model, backend):
         from eagle3_data.settings import ExtractSettings
         ex.extract_states({str(selection)!r}, {str(out)!r}, settings=ExtractSettings.defaults(
             {str(model)!r}, layers={LAYERS!r}, dtype="bfloat16", device="cuda", gpus_per_job=1, backend={backend!r},
-            batch_tokens=2048))
+            batch_tokens=2048, final_norm="post"))
     """)
 
 

@@ -72,7 +72,7 @@ def test_a_missing_gguf_file_or_package_is_one_line_naming_the_key(gguf, want):
 
 def _real_small() -> dict:
     return cfg.validate_config(yaml.safe_load(REAL_SMALL.read_text()),
-                               cfg.load_schema(ROOT / "schemas" / "config.schema.yaml"))
+                               cfg.load_schema(cfg.SCHEMA_PATH))
 
 
 def test_config_checks_gguf_with_build_tiny_and_a_directory_it_did_not_make(tmp_path, monkeypatch):

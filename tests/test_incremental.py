@@ -174,7 +174,8 @@ def test_heldout_split_reruns_merge_and_exports_and_forwards_nothing(scratch):
     vocab_before = (scratch / "results/vocab/vocab.json").stat().st_mtime_ns
     args = _overrides(scratch, "merge:\n  heldout: 0.3\n")
     # the dry run lists every extract job as waiting on the merge checkpoint; the real run below runs none
-    assert _dry_run_rules(scratch, *args) == {"merge", "extract", "export", "export_heldout", "plan", "vocab", "all"}
+    assert _dry_run_rules(scratch, *args) == {"merge", "provenance", "extract", "export", "export_heldout", "plan",
+                                              "vocab", "all"}
     run_snakemake(scratch, "--cores", "2", *args)
     assert _mtimes(scratch, *upstream[:-1]) == before_up  # generate, tokenize, validate, normalize: not rerun
     assert rerun_jobs(before_sum, summaries(scratch)) == set() and states(scratch) == before_states
@@ -212,3 +213,51 @@ def test_heldout_split_reruns_merge_and_exports_and_forwards_nothing(scratch):
     assert not (scratch / "results/merged/heldout.parquet").exists()
     assert len(list((scratch / "results/export/specforge").rglob("data_*.ckpt"))) == man0["totals"]["samples"]
     assert "results/export/heldout" in (scratch / "logs/merge.log").read_text()  # the leftover export, named
+
+
+def readme_step(n: int) -> list[str]:
+    """The commands of README step ``n``'s first fenced bash block, as written."""
+    from conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"**{n}. ")
+    block = text[text.index("```bash\n", start) + len("```bash\n"):]
+    return [ln for ln in block[:block.index("```")].splitlines() if ln.strip()]
+
+
+def test_readme_step_8_exports_both_layouts_without_extracting(scratch):
+    """README step 8 as written, after extraction: both layouts (and speculators' data directory) are written from
+    the states already there; no extract job runs, no hidden-states file is rewritten, and the plan's rewrite (its
+    disk check counts the new export) reuses the throughput it measured."""
+    import subprocess
+
+    import datasets
+
+    printf, run = readme_step(8)
+    assert printf == "printf 'export:\\n  layouts: [specforge, speculators]\\n' >> my.yaml"
+    assert run == "snakemake --cores 16 --configfile my.yaml"
+    # a user's my.yaml: the config the states were extracted with, without an export section (as the README's
+    # step 2 makes it from resources/configs/openrouter.yaml)
+    cfg = yaml.safe_load((scratch / "config.yaml").read_text())
+    del cfg["export"]
+    (scratch / "my.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    before_states, before_sum = states(scratch), summaries(scratch)
+    subprocess.run(["bash", "-c", printf], cwd=scratch, check=True)
+    proc = run_snakemake(scratch, *run.split()[1:])
+    out = proc.stdout + proc.stderr
+    stats = out.split("Job stats:")[1].split("Select jobs")[0] if "Job stats:" in out else ""
+    ran = {m.group(1) for m in re.finditer(r"^(\S+)\s+\d+\s*$", stats, flags=re.M)} - {"job", "total"}
+    assert "extract" not in ran and {"export", "export_dataset"} <= ran, ran
+    assert rerun_jobs(before_sum, summaries(scratch)) == set() and states(scratch) == before_states
+    man = json.loads((scratch / "results/merged/manifest.json").read_text())
+    n = man["totals"]["samples"]
+    assert len(list((scratch / "results/export/specforge").rglob("data_*.ckpt"))) == n
+    spec = scratch / "results/export/speculators"
+    assert len(list((spec / "hidden_states").glob("hs_*.safetensors"))) == n
+    ds = datasets.load_from_disk(str(spec))  # speculators' ArrowDataset reads the data path with this
+    assert len(ds) == n and set(ds.column_names) >= {"input_ids", "loss_mask", "seq_len"}
+    assert (spec / "token_freq.pt").is_file()
+    first = json.loads((spec / "000.json").read_text())
+    assert (first["final_norm"], first["final_state"]) == ("both", "pre")  # the default: both forms stored
+    plan = json.loads((scratch / "results/reports/plan.json").read_text())
+    assert plan["exports"]["requested"] == ["specforge", "speculators"] and plan["throughput"]["measured"]["cached"]

@@ -11,6 +11,7 @@ import pytest
 
 import tokenizer_fixtures as F
 from eagle3_data import config as cfg
+from eagle3_data import settings as stage_settings
 from eagle3_data import schemas
 from eagle3_data.original_answers import answer_fields, original_answers
 from eagle3_data.report import run_summary_rows, tally
@@ -184,8 +185,8 @@ def test_dataset_lists_checks_and_params_leave_original_answers_out_of_generatio
     assert OriginalAnswersSettings.from_config(c, "orig").params() == {
         "answers": "original", "mode": "last", "max_samples": None, "num_shards": 2, "tool_call_ids": "kimi"}
     assert TokenizeSettings.from_config(c, "orig").max_tokens is None  # nothing was cut at a max_tokens
-    assert cfg.datasets_data_settings(c)["orig"]["answers"] == "original" and "answers" not in \
-        cfg.datasets_data_settings(c)["pre"]
+    assert stage_settings.datasets_data_settings(c)["orig"]["answers"] == "original" and "answers" not in \
+        stage_settings.datasets_data_settings(c)["pre"]
     assert "original_answers" in cfg.reruns_of("datasets.<name>.answers")
 
     # a regenerated dataset beside it needs a backend and its key; the original one never

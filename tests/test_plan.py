@@ -158,15 +158,36 @@ def test_plan_measures_throughput(tmp_path):
     merged = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(2)]
     merge([val], merged, tmp_path / "m.json", settings=MergeSettings.defaults(max_len=1000, seed=0))
     extract = ExtractSettings.defaults(model_dir, dtype="float32", device="cpu")
-    p = pl.plan(tmp_path / "m.json", merged, tmp_path / "plan.md", tmp_path / "plan.json",
-                settings=PlanSettings.defaults(extract, measure_tokens=500, gpus_total=1, caps=[32], drop=["a"]))
+    settings = PlanSettings.defaults(extract, measure_tokens=500, gpus_total=1, caps=[32], drop=["a"],
+                                     cache_dir=str(tmp_path / "cache"))
+    dirs = dict(states_dir=tmp_path / "results/hidden_states", export_dir=tmp_path / "results/export")
+    p = pl.plan(tmp_path / "m.json", merged, tmp_path / "plan.md", tmp_path / "plan.json", settings=settings, **dirs)
     assert p["throughput"]["source"] == "measured" and p["throughput"]["tokens_per_s_per_gpu"] > 0
-    assert p["throughput"]["measured"]["tokens"] >= 500
+    assert p["throughput"]["measured"]["tokens"] >= 500 and "cached" not in p["throughput"]["measured"]
     assert p["bytes_per_token"]["configured"]["total"] == 3 * 32 * 4 + 32 * 4 + 5
     on_disk = json.loads((tmp_path / "plan.json").read_text())
     assert on_disk["totals"]["tokens"] == json.loads((tmp_path / "m.json").read_text())["totals"]["tokens"]
     assert [s["name"] for s in on_disk["scenarios"]] == ["as merged", "cap 32", "drop a", "cap 32 and drop a"]
     assert "measured" in (tmp_path / "plan.md").read_text()
+    # a plan rewritten for another export.layouts measures nothing: the figure is kept under cache_dir
+    import eagle3_data.extract as ex
+
+    def no_forward(*a, **kw):
+        raise AssertionError("measured again")
+
+    real, ex.extract_states = ex.extract_states, no_forward
+    try:
+        again = pl.plan(tmp_path / "m.json", merged, tmp_path / "plan.md", tmp_path / "plan.json",
+                        settings=settings.replace(export_layouts=["speculators"]), **dirs)
+    finally:
+        ex.extract_states = real
+    kept = again["throughput"]["measured"]
+    assert kept["cached"].startswith(str(tmp_path / "cache" / "plan")) and kept["tokens_per_s_per_gpu"] == \
+        p["throughput"]["measured"]["tokens_per_s_per_gpu"]
+    assert again["exports"]["requested"] == ["speculators"] and "kept in" in (tmp_path / "plan.md").read_text()
+    # another batch size is another measurement
+    assert pl.measure_key(merged[0], settings) != pl.measure_key(merged[0], settings.replace(
+        extract=extract.replace(batch_tokens=99)))
 
 
 def test_units_scale_with_the_size_of_the_build():
@@ -206,3 +227,70 @@ def test_heldout_tokens_are_planned_for_extraction(tmp_path):
     md = pl.render_markdown(p1)
     assert f"of which {m1['heldout']['tokens']:,} tokens in {m1['heldout']['samples']:,} samples are the held-out" in md
     assert "held-out" not in pl.render_markdown(p0)
+
+
+LLAMA_8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "vocab_size": 128256}
+
+
+def test_bytes_of_the_states_and_of_each_export_at_8b():
+    """H = 4,096 (an 8B target): the FP8 choice of the states is at most 16.5 KB/token (speculators' FP8 files:
+    16.4 KB), SpecForge's own bf16 layout 32.8 KB; each export's bytes per token from its contract."""
+    fp8 = pl.bytes_per_token(4096, 3, aux_format="fp8_e4m3", final_format="fp8_e4m3")
+    assert fp8["total"] == 3 * 4096 + 12 + 4096 + 4 + 5 == 16405 <= 16500
+    ex = {k: pl.export_bytes_per_token(k, 4096)["total"] for k in
+          ("specforge", "specforge_dflash", "specforge_dspark", "speculators", "speculators_fp8", "modelopt")}
+    assert ex == {"specforge": 8 * 4096 + 16, "specforge_dflash": 10 * 4096 + 16, "specforge_dspark": 12 * 4096 + 16,
+                  "speculators": 8 * 4096 + 8, "speculators_fp8": 4 * 4096 + 12, "modelopt": 8 * 4096 + 16}
+    assert ex["speculators_fp8"] == 16396  # hs_connectors' FP8 file: [T, 4, H] fp8 + a float32 scale + int64 ids
+    with pytest.raises(ValueError, match="unknown export layout"):
+        pl.export_bytes_per_token("eagle", 4096)
+
+
+def test_plan_checks_the_sink(tmp_path, monkeypatch):
+    """Free space per filesystem against the states plus the requested exports (less what is already written), and
+    the write rate at the configured throughput; a shortfall is a warning naming the settings that fix it."""
+    import shutil as sh
+
+    man = {"shards": [{"samples": 1000, "tokens": 10_000_000, "supervised_tokens": 5_000_000}],
+           "selections": {"d/000": {"samples": 1000, "tokens": 10_000_000}}}
+    states, exports = tmp_path / "results/hidden_states", tmp_path / "results/export"
+    extract = ExtractSettings.defaults(LLAMA_8B, dtype="bfloat16", drafters=["eagle3", "dspark"])
+    settings = PlanSettings.defaults(extract, tokens_per_s_per_gpu=27_000.0, gpus_total=8, write_gb_per_s=5.0,
+                                     export_layouts=["specforge", "speculators_fp8", "specforge_dspark"])
+    Usage = type(sh.disk_usage(tmp_path))
+    monkeypatch.setattr(pl.shutil, "disk_usage", lambda p: Usage(10**13, 10**13 - 10**11, 10**11))  # 100 GB free
+    p = pl.build_plan(man, [], settings=settings, states_dir=states, export_dir=exports)
+    assert p["layers"] == [1, 15, 28, 8, 22, 29] and p["drafter_layers"]["dspark"] == [1, 8, 15, 22, 29]
+    U = 6
+    states_bpt = U * 4096 * 2 + 4096 * 2 + 5
+    assert p["bytes_per_token"]["configured"]["total"] == states_bpt
+    want = {"states": 10_000_000 * states_bpt + 8 * (1000 + 1), "specforge": 10_000_000 * (8 * 4096 + 16),
+            "speculators_fp8": 10_000_000 * (4 * 4096 + 12), "specforge_dspark": 10_000_000 * (12 * 4096 + 16)}
+    [disk] = p["disks"]  # one filesystem (tmp_path's) for all of them
+    assert disk["parts"] == pytest.approx(want) and disk["needed"] == pytest.approx(sum(want.values()))
+    assert disk["free"] == 10**11 and disk["short"] == pytest.approx(sum(want.values()) - 10**11)
+    assert p["totals"]["bytes_with_exports"] == pytest.approx(sum(want.values()))
+    # 8 GPUs x 27,000 tokens/s x 57,349 B = 12.4 GB/s, over the 5 GB/s the filesystem takes
+    assert p["write_rate"]["bytes_per_s_per_gpu"] == pytest.approx(27_000 * states_bpt)
+    assert p["write_rate"]["bytes_per_s"] == pytest.approx(8 * 27_000 * states_bpt)
+    disk_w, rate_w = p["warnings"]
+    assert disk_w.startswith(f"disk: {states} and {exports / 'specforge'} and ") and "short; set" in disk_w
+    assert "extract.aux_format: fp8_e4m3 and extract.final_format: fp8_e4m3" in disk_w
+    assert "extract.final_states: supervised" in disk_w and "fewer export.layouts" in disk_w
+    assert rate_w.startswith("write rate: 8 GPU(s) extracting write 12.39 GB/s of states, more than "
+                             "plan.write_gb_per_s = 5.00 GB/s") and "plan.gpus_total" in rate_w
+    md = pl.render_markdown(p)
+    assert md.index("## Warnings") < md.index("## Bytes per token") < md.index("## Exports") < md.index("## Disk")
+    assert "| speculators_fp8 | **yes** | 16,396 B |" in md and "| modelopt | no | 32,784 B |" in md
+    assert "0.88 GB/s per GPU in bf16 (32,773 B/token), 0.44 GB/s with" in md
+    assert "[2 warnings]" in pl.summary_line(p, "plan.md")
+
+    # what is already written counts as written (a rerun rewrites it in place): no shortfall once it is all there
+    (states / "d").mkdir(parents=True)
+    (states / "d" / "000.json").write_text(json.dumps({"bytes": want["states"]}))
+    for k in ("specforge", "speculators_fp8", "specforge_dspark"):
+        (exports / k).mkdir(parents=True)
+        (exports / k / "000.json").write_text(json.dumps({"bytes": want[k]}))
+    p = pl.build_plan(man, [], settings=settings.replace(write_gb_per_s=20.0), states_dir=states, export_dir=exports)
+    assert p["disks"][0]["needed"] == 0 and p["warnings"] == []
+    assert "## Warnings" not in pl.render_markdown(p)

@@ -103,6 +103,44 @@ def test_unset_variable_in_a_cluster_resource():
     assert "\n" not in str(e.value)
 
 
+def test_export_layouts_the_configured_states_cannot_serve(tmp_path):
+    """A layout whose final-state form or drafter layers the configured extraction would not store is refused
+    before any job, naming the setting (the issue: speculators found it only after extraction)."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 64, "vocab_size": 300}))
+
+    def cfg(extract=None, layouts=()):
+        return _config(d, extract=extract or {}, export={"layouts": list(layouts)})
+
+    prerun.check_export_layouts(cfg(layouts=["specforge", "speculators", "speculators_fp8", "modelopt"]))  # both
+    with pytest.raises(ConfigError) as e:
+        prerun.check_export_layouts(cfg({"final_norm": "post"}, ["specforge", "speculators"]))
+    assert str(e.value) == ("Config error: export.layouts: speculators reads pre-norm final states, but "
+                            "extract.final_norm: post stores post-norm ones only; set extract.final_norm: both (the "
+                            "default: every layout from one extraction) or pre")
+    with pytest.raises(ConfigError, match="modelopt reads post-norm final states.*extract.final_norm: both"):
+        prerun.check_export_layouts(cfg({"final_norm": "pre"}, ["modelopt"]))
+    with pytest.raises(ConfigError, match=r"specforge_dflash reads DFlash's target layers, which extract.drafters "
+                                          r"\['eagle3'\] does not capture; add dflash to extract.drafters"):
+        prerun.check_export_layouts(cfg(layouts=["specforge", "specforge_dflash"]))
+    prerun.check_export_layouts(cfg({"drafters": ["eagle3", "dspark"]}, ["specforge_dflash", "specforge_dspark"]))
+    with pytest.raises(ConfigError, match="reads EAGLE-3's auxiliary layers.*add eagle3"):
+        prerun.check_export_layouts(cfg({"drafters": ["dflash"]}, ["speculators"]))
+    with pytest.raises(ConfigError, match="sglang stores post-norm final states only.*extract.final_norm: post"):
+        prerun.check_export_layouts(cfg({"backend": "sglang"}))
+    with pytest.raises(ConfigError, match="speculators reads pre-norm.*extract.backend: transformers"):
+        prerun.check_export_layouts(cfg({"backend": "sglang", "final_norm": "post"}, ["speculators"]))
+    # the drafters' layers against the target's config.json: five DFlash layers do not fit a 2-layer target
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64}))
+    with pytest.raises(ConfigError) as e:
+        prerun.check_export_layouts(cfg({"drafters": ["dflash"]}))
+    assert str(e.value).startswith("Config error: extract.dflash_layers: 5 DFlash layers of a 2-layer target give ids "
+                                   "[1, 0, 0, 0, -1] outside [0, 1]") and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="extract layer 9 is outside the target's decoder layers"):
+        prerun.check_export_layouts(cfg({"drafters": ["dspark"], "dflash_layers": [1, 9]}))
+
+
 def _dry_run(wd, *args, env=None, unset=()):
     e = snakemake_env(env, unset=list(unset))
     return subprocess.run([sys.executable, "-m", "snakemake", "-n", *args], cwd=wd, env=e, capture_output=True,

@@ -278,7 +278,7 @@ def test_transformers_floor_is_a_verified_version(root):
 def test_a_tokenizer_that_encodes_unlike_its_tokenizer_json_is_replaced_by_the_file(tmp_path, caplog):
     """Whatever the installed transformers does: a loaded tokenizer whose ids differ from the directory's
     tokenizer.json (here: another vocabulary standing in for a rebuilt pipeline) is replaced by the file."""
-    from eagle3_data.templates import _as_shipped
+    from eagle3_data.templates import as_shipped
 
     from transformers import PreTrainedTokenizerFast
 
@@ -287,9 +287,9 @@ def test_a_tokenizer_that_encodes_unlike_its_tokenizer_json_is_replaced_by_the_f
 
     d = F.save_deepseek_dir(tmp_path / "ds")
     wrong = RebuildsThePipeline(tokenizer_object=F.kimi_k2_thinking().backend_tokenizer)
-    assert _as_shipped(F.kimi_k2_thinking(), d) is F.kimi_k2_thinking()  # generic classes are taken as they are
-    fixed = _as_shipped(wrong, d)
+    assert as_shipped(F.kimi_k2_thinking(), d) is F.kimi_k2_thinking()  # generic classes are taken as they are
+    fixed = as_shipped(wrong, d)
     assert fixed is not wrong and "using tokenizer.json as it is" in caplog.text
     assert fixed.decode(fixed("Hello  world", add_special_tokens=False)["input_ids"]) == "Hello  world"
     assert fixed.chat_template == F.chat_template("deepseek-r1")
-    assert _as_shipped(fixed, d) is fixed
+    assert as_shipped(fixed, d) is fixed

@@ -15,7 +15,7 @@ from eagle3_data import config as cfg
 from eagle3_data import settings as st
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = cfg.load_schema(ROOT / "schemas" / "config.schema.yaml")
+SCHEMA = cfg.load_schema(cfg.SCHEMA_PATH)
 MINIMAL = {"target": {"name": "t", "path": "p", "template": "qwen3"},
            "datasets": {"d": {"source": {"format": "sharegpt", "path": "x.json"}}}}
 
@@ -63,7 +63,7 @@ def test_settings_take_the_configs_values():
     assert (m.memory_mb, m.threads) == (4000, 2)  # not in config.yaml: the schema's
     e = st.ExtractSettings.from_config(c)
     assert (e.dtype, e.final_norm, e.batch_tokens, e.model_path, e.cache_dir) == (
-        "float32", "post", 8192, "results/target/tiny-kimi", "cache")
+        "float32", "both", 8192, "results/target/tiny-kimi", "cache")
     assert e.reuse_path("sharegpt_demo", "001") == "cache/hidden_states/sharegpt_demo/001.safetensors"
     v = st.ValidateSettings.from_config(c)
     assert v.count_tolerance == {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": 0.0004}
@@ -87,11 +87,17 @@ def test_params_are_the_content_keys_as_plain_values():
     would not be compared at all)."""
     c = cfg.validate_config(yaml.safe_load((ROOT / "config.yaml").read_text()), SCHEMA)
     assert st.MergeSettings.from_config(c).params() == {k: c["merge"][k] for k in cfg.MERGE_DATA_KEYS}
-    assert st.ExtractSettings.from_config(c).params() == {k: c["extract"][k] for k in cfg.EXTRACT_STATE_KEYS}
+    # final_format, drafters and dflash_layers only where they change what is stored (here: at their defaults)
+    assert st.ExtractSettings.from_config(c).params() == {k: c["extract"][k] for k in cfg.EXTRACT_STATE_KEYS[:6]}
+    e = st.ExtractSettings.from_config({**c, "extract": {**c["extract"], "drafters": ["eagle3", "dflash"],
+                                                         "final_format": "fp8_e4m3"}}).params()
+    assert (e["drafters"], e["dflash_layers"], e["final_format"]) == (["eagle3", "dflash"], None, "fp8_e4m3")
     assert st.ValidateSettings.from_config(c).params() == {
         "keep_truncated": False, "max_tokens": None, "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02}}
     assert st.TargetSettings.from_config(c).params() == {k: c["target"].get(k) for k in cfg.TARGET_DATA_KEYS}
-    assert st.PlanSettings.from_config(c).params() == c["plan"]
+    # the plan's keys (write_gb_per_s only when set) and the exports whose bytes its disk check adds
+    assert st.PlanSettings.from_config(c).params() == {
+        **{k: v for k, v in c["plan"].items() if k != "write_gb_per_s"}, "export_layouts": ["specforge"]}
     # the plan depends on the measuring settings only when it measures
     assert "batch_tokens" in st.PlanSettings.from_config(c).extract_params()
     c["plan"]["tokens_per_s_per_gpu"] = 100.0

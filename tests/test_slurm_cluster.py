@@ -42,7 +42,7 @@ GPU_RULES = {"extract", "plan"}
 EXPECTED_JOBS = {"tiny_target": 1, "normalize_sharegpt_demo": 1, "normalize_ultrachat_demo": 1,
                  "normalize_sweagent_demo": 1, "normalize_pretokenized_demo": 1, "generate": 4, "tokenize": 4,
                  "validate": 4, "validate_pretokenized": 1, "view": 1, "merge": 1, "extract": 5, "plan": 1,
-                 "vocab": 1, "export": 2, "report": 1}
+                 "vocab": 1, "export": 2, "report": 1, "provenance": 1}
 
 
 @pytest.fixture(scope="module")

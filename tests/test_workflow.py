@@ -209,6 +209,8 @@ def test_merged_shards_and_hidden_states_match_the_tiny_target(built):
         assert json.loads(meta["layers"]) == [1, L // 2 - 1, L - 4]
         assert json.loads(meta["sample_ids"]) == [r["sample_id"] for r in sel_rows]
         assert meta["selection_digest"] == sel["digest"]
+        # the demo's final_norm both: the final norm's input, with the formula its first batch showed
+        assert meta["final_norm"] == "both" and meta["norm_formula"] in ("llama", "weight_in_fp32", "gemma")
         for j, r in enumerate(sel_rows):
             held[(key, r["sample_id"])] = (aux[offsets[j]:offsets[j + 1]], final[offsets[j]:offsets[j + 1]])
     # the merged set is an index over the selections' states: every row found, none left over
@@ -220,7 +222,8 @@ def test_merged_shards_and_hidden_states_match_the_tiny_target(built):
             hs = model(input_ids=torch.tensor([r["input_ids"]]), output_hidden_states=True).hidden_states
         a, fin = held[(r["source"], r["sample_id"])]
         torch.testing.assert_close(a, torch.cat([hs[i + 1][0] for i in layers], -1), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(fin, hs[-1][0], atol=1e-4, rtol=1e-4)
+        with torch.inference_mode():  # pre-norm: the target's own final norm of it is HF's last hidden state
+            torch.testing.assert_close(model.get_decoder().norm(fin), hs[-1][0], atol=1e-4, rtol=1e-4)
     validated = sum(
         len(rows([built / f"results/{ds}/validated/{s:03d}.parquet" for s in range(d.get("shards", 1))]))
         for ds, d in cfg["datasets"].items()
@@ -326,7 +329,6 @@ def test_transport_and_run_settings_rerun_nothing(scratch, monkeypatch):
         c["validate"]["count_tolerance"]["aggregate_rel"] = 0.5
         c["merge"].update(memory_mb=2000, threads=1)
         c["extract"].update(gpu_lock_dir="/tmp/other-locks")  # device, batch_tokens: the demo's plan measures
-        c["export"]["allow_norm_mismatch"] = True
 
     _set(scratch, change)
     assert _dry_run_jobs(scratch) == {}
@@ -344,7 +346,7 @@ def test_changed_merge_max_len_reruns_merge_and_below_only(scratch):
     (scratch / "overrides.yaml").write_text("merge:\n  max_len: 512\n")
     cfg = config(scratch)
     jobs = _dry_run_jobs(scratch, "--configfile", "config.yaml", "overrides.yaml")
-    assert set(jobs) == {"merge", "extract", "export", "plan", "vocab", "all"}, jobs  # extract: see above
+    assert set(jobs) == {"merge", "provenance", "extract", "export", "plan", "vocab", "all"}, jobs  # extract: see above
     assert jobs["export"] == cfg["merge"]["shards"]
 
 

@@ -67,7 +67,7 @@ def scratch(demo_run, tmp_path) -> Path:
 
 #: what a switch of one dataset's answers reruns, in a dry run (every extract job is listed: the merge checkpoint
 #: decides after it which selections changed; tests/test_incremental.py style)
-BELOW = {"tokenize", "validate", "merge", "extract", "export", "plan", "vocab", "report", "view", "all"}
+BELOW = {"tokenize", "validate", "merge", "provenance", "extract", "export", "plan", "vocab", "report", "view", "all"}
 
 
 def test_switching_answers_reruns_the_datasets_responses_and_below_only(scratch):

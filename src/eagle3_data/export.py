@@ -4,25 +4,58 @@ The hidden states live in one file per merge selection (``results/hidden_states/
 written by the extract stage); a merged shard's ``source`` column names, for each row, the selection holding
 its states. Export walks the merged shard in order and reads each sample's rows from its selection's file
 (memory-mapped: a sample costs its own bytes), so the merged, shuffled set is an index over the extracted
-states and a reshuffle never re-extracts anything.
+states and a reshuffle never re-extracts anything. Each layout takes the layers of its drafter from the stored
+union (the file's ``drafter_layers``) and the final-state form its trainer reads (``extract.final_norm: both``
+serves both forms; :meth:`~eagle3_data.extract.StatesFile.final_rows`). T = a sample's tokens, H = hidden size,
+A = EAGLE-3's auxiliary layers (3), F = DFlash's target layers (5 by default).
 
-Layouts (each file written to a temporary name and renamed; file names use the GLOBAL sample index, i.e.
-``start_index`` + the sample's row in the merged shard, so shards export independently into one directory):
+Layouts (:data:`CONTRACTS`; each file written to a temporary name and renamed; file names use the GLOBAL sample
+index, i.e. ``start_index`` + the sample's row in the merged shard, so shards export independently into one
+directory; ``g`` = the index rounded down to a multiple of ``group_size``):
 
-``specforge`` (SpecForge offline EAGLE-3 trainer, ``OfflineEagle3Dataset``):
+``specforge`` (SpecForge 0.2.0 offline EAGLE-3: ``OfflineManifestReader`` + ``normalize_offline_sample``):
     ``<out_dir>/rows_{g}-{g+group_size}/data_{i}.ckpt`` written with ``torch.save`` holding
     ``input_ids`` [T] int64, ``loss_mask`` [T] int64, ``aux_hidden_state`` [1, T, A*H] and ``hidden_state``
     [1, T, H] (post-norm final state) in the extract dtype. SpecForge finds ``*.ckpt`` recursively, so
-    ``<out_dir>`` is its ``--train-hidden-states-path``. Needs ``final_norm == "post"`` (SpecForge applies the
-    target lm_head to ``hidden_state`` directly).
+    ``<out_dir>`` is its ``--train-hidden-states-path``.
 
-``speculators`` (vllm-project/speculators offline data, ``ArrowDataset`` + ``FileTransfer``):
+``specforge_dflash`` (SpecForge 0.2.0 DFlash, ``specforge/algorithms/common/dflash_family_data.py``:
+``build_offline_reader`` keys ``input_ids``, ``loss_mask``, ``hidden_states``, ``normalize_offline_sample``):
+    the same paths, holding ``input_ids`` [T] int64, ``loss_mask`` [T] int64 and ``hidden_states`` [1, T, F*H]
+    (the DFlash layers' outputs, concatenated in the draft config's ``target_layer_ids`` order). SpecForge refuses
+    a sample without two consecutive supervised tokens (``has_consecutive_supervised_tokens``, raised as a
+    ValueError mid-training); export writes no file for such a sample and counts and names it (the manifest's
+    ``skipped``, the log).
+
+``specforge_dspark`` (SpecForge 0.2.0 DSpark: ``build_dspark_offline_reader``, ``normalize_dspark_offline_sample``):
+    as ``specforge_dflash`` plus ``target_last_hidden_states`` [1, T, H], the post-norm final state (SpecForge
+    applies the target's ``lm_head`` to it with no norm: ``specforge/algorithms/common/dflash_family_model.py``,
+    ``_dspark_objective_chunk_terms``).
+
+``speculators`` (vllm-project/speculators 0.9.0 offline data, ``ArrowDataset`` + ``FileTransfer``):
     ``<out_dir>/hidden_states/hs_{i}.safetensors`` holding ``token_ids`` [T] int64 and ``hidden_states``
-    [T, A+1, H] (the A auxiliary layers then the final state; the trainer reads ``[:, :-1].flatten(1)`` and
-    ``[:, -1]``). speculators takes ``loss_mask`` from its own arrow dataset, not from this file: each shard
-    also writes ``<out_dir>/samples_{start}.parquet`` (``index``, ``sample_id``, ``dataset``, ``input_ids``,
-    ``loss_mask``, ``seq_len``) to build it from. Needs ``final_norm == "pre"`` (speculators applies the
-    target's norm before its lm_head); pass ``allow_norm_mismatch=True`` to export anyway.
+    [T, A+1, H] (the A auxiliary layers then the final state, pre-norm: speculators applies the target's norm
+    before its lm_head; the trainer reads ``[:, :-1].flatten(1)`` and ``[:, -1]``). speculators takes ``loss_mask``
+    from its own arrow dataset, not from this file: each shard also writes ``<out_dir>/samples_{start}.parquet``
+    (``index``, ``sample_id``, ``dataset``, ``input_ids``, ``loss_mask``, ``seq_len``) to build it from
+    (:func:`write_speculators_dataset`).
+
+``speculators_fp8`` (speculators' FP8 connector files: hs_connectors 0.9.0 ``FP8Transfer``,
+``hs_connectors/fp8_utils.py``; train with ``--hidden-states-backend fp8``):
+    as ``speculators`` with ``hidden_states`` [T, A+1, H] float8_e4m3fn and ``hidden_states_scales`` [T, 1, 1]
+    float32, one scale per token over every layer (``amax / 448``, at least 1e-12, as its quantizer); value =
+    ``fp8 * scale``. 4*H + 12 bytes per token: half the bfloat16 file.
+
+``modelopt`` (NVIDIA Model-Optimizer offline EAGLE-3 data: the dump of
+``examples/speculative_decoding/collect_hidden_states/compute_hidden_states_hf.py``, read by
+``OfflineSupervisedDataset`` in ``modelopt/torch/speculative/eagle/utils.py`` from every ``*.pt`` under
+``--offline-data-path``, ``examples/speculative_decoding/eagle_utils.py``):
+    ``<out_dir>/rows_{g}-{g+group_size}/{i}.pt`` written with ``torch.save`` holding ``input_ids`` [T] int64,
+    ``hidden_states`` [T, H] (post-norm final state: HF ``hidden_states[-1]``), ``aux_hidden_states`` [T, A*H]
+    (layer k's output = HF ``hidden_states[k + 1]``), ``loss_mask`` [T] int64 (1 on the supervised tokens: read
+    with ``answer_only_loss``) and ``conversation_id`` (the sample id). The dumper names a file after its
+    conversation id; here the global index names it (sample ids may hold characters a file name cannot), which the
+    reader never reads.
 
 Held-out set (``merge.heldout`` > 0): the merge's held-out file (``results/merged/heldout.parquet``, MERGED rows
 indexing the same hidden-states files through ``source``) is exported the same way, indices from 0, by rule
@@ -31,16 +64,17 @@ them, since SpecForge collects ``*.ckpt`` recursively under its training path (i
 ``--eval-hidden-states-path``). Call with ``heldout=True``: the set's size for pruning is the manifest's
 ``heldout.samples``.
 
-Storage savers are undone on export (fp8 auxiliary states dequantised to the extract dtype; final-state rows
-not stored are written as zeros: they are never read by the loss, see ``extract.layout``).
+Storage savers are undone on export (fp8 states dequantised to the extract dtype; final-state rows not stored
+are written as zeros: they are never read by the loss, see ``extract.layout``); ``speculators_fp8`` quantises
+again, per token.
 
 Staleness: with ``merge_manifest``, every hidden-states file read must carry the manifest's digest of its
 selection (the workflow reruns an extract job when that digest changes; a file computed for another
 selection, e.g. after ``--rerun-triggers mtime`` skipped the rerun, is refused by name). The trainers read
 every file in ``<out_dir>``, so a file an earlier export left there (the merged set shrank, a shard's start
-moved, ``group_size`` changed) would be trained on: each shard's job removes the files of its own indices
-that are not where this export puts them, and the last shard's job every file past the set's end
-(:func:`prune_stale`; shards own disjoint index ranges, so jobs running at once never remove each other's).
+moved, ``group_size`` changed, a sample now skipped) would be trained on: each shard's job removes the files of
+its own indices that are not where this export puts them, and the last shard's job every file past the set's
+end (:func:`prune_stale`; shards own disjoint index ranges, so jobs running at once never remove each other's).
 """
 
 from __future__ import annotations
@@ -67,8 +101,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("eagle3_data.export")
 
-LAYOUTS = ("specforge", "speculators")
-REQUIRED_NORM = {"specforge": "post", "speculators": "pre"}
+#: what each layout reads: ``drafters`` (the states must hold the layers of one of them: the first is the one
+#: named in errors), ``final`` (the final-state form: ``post`` | ``pre`` | None: none), ``files`` (``grouped``:
+#: ``rows_*/`` folders; ``speculators``: ``hidden_states/hs_{i}.safetensors`` and a data directory)
+CONTRACTS = {
+    "specforge": {"drafters": ("eagle3",), "final": "post", "files": "grouped"},
+    "specforge_dflash": {"drafters": ("dflash", "dspark"), "final": None, "files": "grouped"},
+    "specforge_dspark": {"drafters": ("dspark", "dflash"), "final": "post", "files": "grouped"},
+    "speculators": {"drafters": ("eagle3",), "final": "pre", "files": "speculators"},
+    "speculators_fp8": {"drafters": ("eagle3",), "final": "pre", "files": "speculators"},
+    "modelopt": {"drafters": ("eagle3",), "final": "post", "files": "grouped"},
+}
+LAYOUTS = tuple(CONTRACTS)
+#: the layouts whose directory is a speculators data path (rule export_dataset)
+SPECULATORS_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] == "speculators")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def specforge_path(out_dir, index: int, group_size: int) -> Path:
@@ -77,9 +124,48 @@ def specforge_path(out_dir, index: int, group_size: int) -> Path:
     return Path(out_dir) / f"rows_{g}-{g + group_size}" / f"data_{index}.ckpt"
 
 
+def modelopt_path(out_dir, index: int, group_size: int) -> Path:
+    """Where the ``modelopt`` layout puts sample ``index``: ``rows_{g}-{g+size}/{i}.pt``."""
+    g = (index // group_size) * group_size
+    return Path(out_dir) / f"rows_{g}-{g + group_size}" / f"{index}.pt"
+
+
 def speculators_path(out_dir, index: int) -> Path:
     """Where speculators' ``FileTransfer`` looks for sample ``index``: ``hidden_states/hs_{i}.safetensors``."""
     return Path(out_dir) / "hidden_states" / f"hs_{index}.safetensors"
+
+
+def sample_path(layout: str, out_dir, index: int, group_size: int) -> Path:
+    """The file of sample ``index`` in ``layout`` (module docstring)."""
+    if CONTRACTS[layout]["files"] == "speculators":
+        return speculators_path(out_dir, index)
+    if layout == "modelopt":
+        return modelopt_path(out_dir, index, group_size)
+    return specforge_path(out_dir, index, group_size)
+
+
+def drafter_of(layout: str, drafter_layers: dict) -> str | None:
+    """The drafter whose layers ``layout`` reads among those stored (``drafter_layers``), or None."""
+    return next((d for d in CONTRACTS[layout]["drafters"] if d in drafter_layers), None)
+
+
+def has_consecutive_supervised(loss_mask) -> bool:
+    """Whether a loss mask [T] holds two adjacent supervised positions (what SpecForge's DFlash family requires:
+    ``specforge/data/loss_mask.py``, ``has_consecutive_supervised_tokens``)."""
+    m = np.asarray(loss_mask).astype(bool)
+    return bool((m[1:] & m[:-1]).any())
+
+
+def quantize_per_token_fp8(x):
+    """speculators' FP8 connector quantisation (``hs_connectors/fp8_utils.py``): ``x`` [T, ...] -> ``(fp8 [T, ...]
+    float8_e4m3fn, scales [T, 1, ...] float32)``, one scale per token over every other dimension,
+    ``max(amax / 448, 1e-12)``."""
+    import torch
+
+    xf = x.float()
+    amax = xf.abs().amax(dim=tuple(range(1, xf.dim())), keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    return (xf / scale).to(torch.float8_e4m3fn), scale
 
 
 class StatesIndex:
@@ -137,40 +223,49 @@ def export(
     start_index: int = 0,
     manifest_path=None,
     heldout: bool = False,
+    final_form: str | None = None,
+    provenance=None,
 ) -> dict:
     """Write the samples of one merged shard, in its order, in a trainer's per-sample layout (module docstring).
 
     Args:
-        merged_path: a MERGED parquet shard (``sample_id``, ``dataset``, ``input_ids``, ``source``).
+        merged_path: a MERGED parquet shard (``sample_id``, ``dataset``, ``input_ids``, ``loss_mask``, ``source``).
         out_dir: the layout's root directory (shared by all shards).
         settings: :class:`~eagle3_data.settings.ExportSettings` (the ``export`` section): ``group_size``
-            (SpecForge's ``--file-group-size``: files per ``rows_*`` directory) and ``allow_norm_mismatch``
-            (export even when the files' ``final_norm`` is not what the trainer expects).
-        layout: ``specforge`` | ``speculators``.
+            (SpecForge's ``--file-group-size``: files per ``rows_*`` directory).
+        layout: one of :data:`LAYOUTS`.
         states_dir: directory of the hidden-states files (``<states_dir>/<source>.safetensors``).
         merge_manifest: the merge manifest (path or dict), to refuse stale hidden-states files.
         start_index: global index of this shard's first sample (samples of the merged shards before it;
             :func:`start_indices` computes it from the merge manifest).
         manifest_path: optional JSON written last (atomically): layout, set (``train`` | ``heldout``), source,
-            start/end index, files, tokens, removed_stale (files of an earlier export removed,
-            :func:`prune_stale`; only with ``merge_manifest``), seconds. Snakemake uses it as the rule's output.
+            start/end index, files, tokens, bytes (of the files written), skipped (``{reason: [sample ids]}``),
+            removed_stale (files of an earlier export removed, :func:`prune_stale`; only with
+            ``merge_manifest``), seconds. Snakemake uses it as the rule's output.
         heldout: ``merged_path`` is the held-out set (one file, ``start_index`` 0; the set's size for
             :func:`prune_stale` is the manifest's ``heldout.samples``, not the training shards' total).
+        final_form: write this final-state form instead of the layout's (tests that build a broken export).
+        provenance: the merged set's provenance table (``results/merged/provenance.parquet``,
+            :mod:`eagle3_data.provenance`): the speculators side table ``samples_*.parquet`` gets its columns
+            (:data:`eagle3_data.provenance.SIDE_COLUMNS`: source file and row, target fingerprint, backend, engine,
+            model, provider, sampling, chat-template hash, request key, generation id, cost, attempts) per sample.
 
     Returns: the manifest dict.
 
-    Raises: ValueError (unknown layout, wrong final-norm convention, a stale or foreign hidden-states file, a
-        sample whose stored ids differ from the merged row's), FileNotFoundError / KeyError (a selection's file
-        or a sample missing).
+    Raises: ValueError (unknown layout; states without the drafter's layers or the final-state form the layout
+        reads, naming ``extract.drafters`` / ``extract.final_norm``; a stale or foreign hidden-states file; a
+        sample whose stored ids differ from the merged row's), FileNotFoundError / KeyError (a selection's file or
+        a sample missing).
     """
     import torch
 
-    group_size, allow_norm_mismatch = settings.group_size, settings.allow_norm_mismatch
-
+    group_size = settings.group_size
     if layout not in LAYOUTS:
         raise ValueError(f"export layout must be one of {LAYOUTS}, got {layout!r}")
     if start_index < 0 or group_size < 1:
         raise ValueError(f"export: start_index must be >= 0 and group_size >= 1, got {start_index}, {group_size}")
+    contract = CONTRACTS[layout]
+    final = final_form or contract["final"]
     t0 = time.perf_counter()
     table = pq.read_table(merged_path, columns=["sample_id", "dataset", "input_ids", "loss_mask", "source"])
     sample_ids = table.column("sample_id").to_pylist()
@@ -186,32 +281,52 @@ def export(
     index = StatesIndex(states_dir, selections)
     out_dir = Path(out_dir)
     n = len(sample_ids)
-    files, tokens, norms, spec_rows = [], 0, set(), {"ids": [], "mask": []}
+    files, tokens, nbytes, norms = [], 0, 0, set()
+    spec_rows = {"ids": [], "mask": []}
+    skipped: dict[str, list[str]] = {}
+    layers_of: dict[str, list] = {}  # per states file: the layers this layout reads
     try:
         for j in range(n):
             if sources[j] is None:
                 raise ValueError(f"{merged_path}: row {j} ({sample_ids[j]!r}) has no source selection")
-            t, sf = index.get(sources[j], sample_ids[j])
-            norm = sf.meta.get("final_norm", "post")
-            if norm not in norms:
-                norms.add(norm)
-                if norm != REQUIRED_NORM[layout] and not allow_norm_mismatch:
+            sf = index.file(sources[j])
+            if sf.path not in layers_of:
+                drafter = drafter_of(layout, sf.drafter_layers)
+                if drafter is None:
                     raise ValueError(
-                        f"{sf.path}: final hidden state is {norm}-norm but {layout} expects "
-                        f"{REQUIRED_NORM[layout]}-norm; extract with extract.final_norm: {REQUIRED_NORM[layout]} "
-                        "(or pass allow_norm_mismatch)"
-                    )
+                        f"{sf.path}: holds the layers of {sorted(sf.drafter_layers)}, not those of "
+                        f"{contract['drafters'][0]}, which export layout {layout} reads; add "
+                        f"{contract['drafters'][0]} to extract.drafters (the extraction then captures its layers "
+                        "too)")
+                layers_of[sf.path] = sf.drafter_layers[drafter]
+                norms.add(sf.meta.get("final_norm", "post"))
+            jj = sf.index.get(sample_ids[j])
+            if jj is None:
+                raise KeyError(f"export: sample {sample_ids[j]!r} is not in {sf.path}")
+            t = sf.sample(jj, final=final, layers=layers_of[sf.path])
             want = flat_ids[offs[j]:offs[j + 1]]
             if not np.array_equal(t["input_ids"].numpy(), want):
                 raise ValueError(f"{sf.path}: sample {sample_ids[j]!r} holds other token ids than {merged_path} row {j}")
             idx = start_index + j
             L = len(want)
+            if layout in ("specforge_dflash", "specforge_dspark") and not has_consecutive_supervised(t["loss_mask"]):
+                skipped.setdefault("no_consecutive_supervised_tokens", []).append(sample_ids[j])
+                continue
             tokens += L
-            if layout == "specforge":
-                path = specforge_path(out_dir, idx, group_size)
-                record = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
-                          "aux_hidden_state": t["aux_hidden_states"].unsqueeze(0),
-                          "hidden_state": t["hidden_states"].unsqueeze(0)}
+            path = sample_path(layout, out_dir, idx, group_size)
+            aux, fin = t["aux_hidden_states"], t["hidden_states"]
+            if contract["files"] == "grouped":
+                if layout == "specforge":
+                    record = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
+                              "aux_hidden_state": aux.unsqueeze(0), "hidden_state": fin.unsqueeze(0)}
+                elif layout == "modelopt":
+                    record = {"input_ids": t["input_ids"], "hidden_states": fin, "aux_hidden_states": aux,
+                              "loss_mask": t["loss_mask"], "conversation_id": sample_ids[j]}
+                else:
+                    record = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
+                              "hidden_states": aux.unsqueeze(0)}
+                    if layout == "specforge_dspark":
+                        record["target_last_hidden_states"] = fin.unsqueeze(0)
                 # through a file object: torch.save names the archive inside after a path's file name, which
                 # is a random temporary name here; "archive" keeps two exports of the same states byte-identical
                 with atomic_path(path) as tmp, open(tmp, "wb") as fh:
@@ -219,29 +334,40 @@ def export(
             else:
                 from safetensors.torch import save_file
 
-                H = int(sf.meta["hidden_size"])
-                A = len(json.loads(sf.meta["layers"]))
-                path = speculators_path(out_dir, idx)
-                stacked = torch.cat([t["aux_hidden_states"].reshape(L, A, H), t["hidden_states"].unsqueeze(1)],
-                                    dim=1).contiguous()
+                H = fin.shape[-1]
+                stacked = torch.cat([aux.reshape(L, -1, H), fin.unsqueeze(1)], dim=1).contiguous()
+                tensors = {"token_ids": t["input_ids"], "hidden_states": stacked}
+                if layout == "speculators_fp8":
+                    q, scales = quantize_per_token_fp8(stacked)
+                    tensors = {"token_ids": t["input_ids"], "hidden_states": q, "hidden_states_scales": scales}
                 with atomic_path(path) as tmp:
-                    save_file({"token_ids": t["input_ids"], "hidden_states": stacked}, str(tmp),
-                              metadata={"sample_id": sample_ids[j], "source": str(sf.path)})
-                spec_rows["ids"].append(t["input_ids"].tolist())
+                    save_file(tensors, str(tmp), metadata={"sample_id": sample_ids[j], "source": str(sf.path)})
+                spec_rows["ids"].append((idx, sample_ids[j], datasets[j], t["input_ids"].tolist()))
                 spec_rows["mask"].append(t["loss_mask"].tolist())
+            nbytes += os.path.getsize(path)
             files.append(str(path))
     finally:
         index.close()
-    if layout == "speculators" and n:  # (an empty shard shares its start with the next one: it writes none)
+    if contract["files"] == "speculators" and spec_rows["ids"]:
+        # (an empty shard shares its start with the next one: it writes none)
+        idxs, sids, dss, ids = zip(*spec_rows["ids"])
         table = pa.table({
-            "index": pa.array(range(start_index, start_index + n), pa.int64()),
-            "sample_id": pa.array(sample_ids, pa.string()),
-            "dataset": pa.array(datasets, pa.string()),
-            "input_ids": pa.array(spec_rows["ids"], pa.list_(pa.int64())),
+            "index": pa.array(idxs, pa.int64()),
+            "sample_id": pa.array(sids, pa.string()),
+            "dataset": pa.array(dss, pa.string()),
+            "input_ids": pa.array(ids, pa.list_(pa.int64())),
             "loss_mask": pa.array(spec_rows["mask"], pa.list_(pa.int64())),
-            "seq_len": pa.array([len(x) for x in spec_rows["ids"]], pa.int64()),
+            "seq_len": pa.array([len(x) for x in ids], pa.int64()),
         })
+        if provenance is not None:
+            table = _with_provenance(table, provenance, "heldout" if heldout else "train", merged_path)
         write_parquet(table, out_dir / f"samples_{start_index:09d}.parquet")
+    skipped_ids = {s for v in skipped.values() for s in v}
+    skip_idx = {start_index + j for j in range(n) if sample_ids[j] in skipped_ids}
+    for reason, sids in skipped.items():
+        log.warning("export %s: %d sample(s) of %s not written (%s: SpecForge's DFlash family refuses a sample "
+                    "without two consecutive supervised tokens), e.g. %s", layout, len(sids), merged_path, reason,
+                    sids[:3])
     removed = []
     if merge_manifest is not None:
         if heldout:
@@ -249,7 +375,7 @@ def export(
         else:
             total = sum(int(sh["samples"]) for sh in m.get("shards") or [])
         removed = prune_stale(out_dir, layout, start=start_index, end=start_index + n, total=total,
-                              group_size=group_size)
+                              group_size=group_size, skip=skip_idx)
         if removed:
             log.info("removed %d file(s) of an earlier export that this one does not write (e.g. %s)",
                      len(removed), removed[0])
@@ -261,30 +387,57 @@ def export(
         "start_index": start_index,
         "end_index": start_index + n,
         "num_samples": n,
+        "num_written": len(files),
         "num_tokens": tokens,
+        "bytes": nbytes,
         "final_norm": sorted(norms)[0] if len(norms) == 1 else sorted(norms),
+        "final_state": final,
+        "skipped": skipped,
         "files": files,
         "removed_stale": len(removed),
         "seconds": round(time.perf_counter() - t0, 3),
     }
     if manifest_path is not None:
         write_json(manifest, manifest_path)
-    log.info("exported %d samples (%d tokens) of %s as %s into %s", n, tokens, merged_path, layout, out_dir)
+    log.info("exported %d samples (%d tokens, %d bytes) of %s as %s into %s", len(files), tokens, nbytes,
+             merged_path, layout, out_dir)
     return manifest
 
 
-_INDEX = {"specforge": re.compile(r"^data_(\d+)\.ckpt$"), "speculators": re.compile(r"^hs_(\d+)\.safetensors$")}
+def _with_provenance(table: pa.Table, provenance, set_name: str, merged_path) -> pa.Table:
+    """``table`` (a shard's side table: ``index``, ``sample_id``, ...) with the provenance columns of its rows
+    (:data:`eagle3_data.provenance.SIDE_COLUMNS`, matched by ``index`` in ``set_name``). Raises ValueError when the
+    provenance table names other samples at those indices (it is of another merge)."""
+    from .provenance import SIDE_COLUMNS
+
+    idx = table.column("index").to_pylist()
+    prov = pq.read_table(provenance, columns=["set", "index", "sample_id", *SIDE_COLUMNS],
+                         filters=[("set", "=", set_name), ("index", ">=", idx[0]), ("index", "<=", idx[-1])])
+    prov = prov.filter(pc.is_in(prov.column("index"), pa.array(idx, pa.int64()))).sort_by("index")  # (skipped: none)
+    if prov.column("index").to_pylist() != idx or prov.column("sample_id").to_pylist() != table.column(
+            "sample_id").to_pylist():
+        raise ValueError(f"export: {provenance} does not describe the rows of {merged_path} (another merge's?): "
+                         "rerun rule provenance")
+    for name in SIDE_COLUMNS:
+        table = table.append_column(prov.schema.field(name), prov.column(name))
+    return table
+
+
+_INDEX = {"specforge": re.compile(r"^data_(\d+)\.ckpt$"), "modelopt": re.compile(r"^(\d+)\.pt$"),
+          "speculators": re.compile(r"^hs_(\d+)\.safetensors$")}
 _GROUP = re.compile(r"^rows_(\d+)-(\d+)$")
 _SAMPLES = re.compile(r"^samples_(\d+)\.parquet$")
 
 
-def prune_stale(out_dir, layout: str, *, start: int, end: int, total: int, group_size: int) -> list[str]:
+def prune_stale(out_dir, layout: str, *, start: int, end: int, total: int, group_size: int,
+                skip=frozenset()) -> list[str]:
     """Remove the files of an earlier export in ``out_dir`` that this export does not write, among those this
     shard owns: sample indices in ``[start, end)`` (its rows) and, for the shard that ends the set
     (``end >= total``), every index from ``total`` on. A sample file is stale when its index is owned and it is not
-    at the path this export gives it (SpecForge: another ``rows_*`` grouping; any layout: an index past the set's
-    end); a speculators ``samples_{s}.parquet`` is stale when ``s`` is owned and is not this shard's ``start``.
-    Only the ``rows_*`` directories whose range meets the owned indices are listed. Returns the removed paths."""
+    at the path this export gives it (grouped layouts: another ``rows_*`` grouping, or an index in ``skip``, the
+    samples this export skipped; any layout: an index past the set's end); a speculators ``samples_{s}.parquet`` is
+    stale when ``s`` is owned and is not this shard's ``start``. Only the ``rows_*`` directories whose range meets
+    the owned indices are listed. Returns the removed paths."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
@@ -301,7 +454,8 @@ def prune_stale(out_dir, layout: str, *, start: int, end: int, total: int, group
         removed.append(str(p))
 
     top = list(os.scandir(out_dir))
-    if layout == "specforge":
+    if CONTRACTS[layout]["files"] == "grouped":
+        pattern = _INDEX["modelopt" if layout == "modelopt" else "specforge"]
         for d in top:
             m = _GROUP.match(d.name)
             if not (m and d.is_dir()):
@@ -310,9 +464,9 @@ def prune_stale(out_dir, layout: str, *, start: int, end: int, total: int, group
             if not (lo < end and hi > start) and not (last and hi > total):
                 continue
             for f in os.scandir(d.path):
-                k = _INDEX["specforge"].match(f.name)
+                k = pattern.match(f.name)
                 if k and owned(i := int(k.group(1))) and (
-                        i >= total or Path(f.path) != specforge_path(out_dir, i, group_size)):
+                        i >= total or i in skip or Path(f.path) != sample_path(layout, out_dir, i, group_size)):
                     rm(Path(f.path))
     else:
         if last and (out_dir / "hidden_states").is_dir():

@@ -24,11 +24,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .settings import GGUFTargetSettings
-
 __all__ = ["MARKER", "INSTALL_HINT", "gguf_file", "build_gguf_target", "gguf_tokenizer_dir", "is_gguf_target"]
 
 #: written into the built directory: the facts of the conversion (and the sign that this build made it)
@@ -50,7 +45,7 @@ def gguf_file(gguf: dict) -> Path:
     :class:`~eagle3_data.config.ConfigError` (one line naming the key and how to install the package) when the
     package is not installed or the file does not exist.
     """
-    from .config import ConfigError
+    from .config.validation import ConfigError
 
     name, package = str(gguf.get("file") or ""), gguf.get("package")
     if package:
@@ -172,7 +167,7 @@ def _generation_config(base, overrides: dict):
     return gen
 
 
-def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, settings: "GGUFTargetSettings") -> dict:
+def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, settings) -> dict:
     """Write the target of the GGUF file at ``path`` to ``out_dir`` as a transformers directory.
 
     Files: ``config.json`` (the GGUF's architecture; no ``quantization_config``), ``model.safetensors`` (float32,
@@ -184,7 +179,8 @@ def build_gguf_target(out_dir: str | os.PathLike, path: str | os.PathLike, setti
     Returns ``{"gguf": file name, "gguf_bytes": int, "architecture": str, "model_type": str, "num_layers": int,
     "hidden_size": int, "vocab_size": int, "tie_word_embeddings": bool, "eos_token": str, "pre_tokenizer": dict
     (tokenizer.json's), "parameters": int, "generation_config": dict}``. Raises ValueError (before loading) when
-    ``settings.generation_config`` is not a valid generation config.
+    ``settings.generation_config`` is not a valid generation config. ``settings``: the rule's
+    :class:`eagle3_data.settings.GGUFTargetSettings`.
     """
     import torch
 

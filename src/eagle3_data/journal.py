@@ -68,8 +68,8 @@ def journal_path(journal_dir: str | os.PathLike, dataset: str, shard: str) -> Pa
 
 
 _TEXT_FIELDS = ("sample_id", "dataset", "messages", "tools", "status", "error", "reasoning", "content", "tool_calls",
-                "finish_reason", "backend", "provider", "model", "generation_id")
-_COUNT_FIELDS = ("turn", "prompt_tokens", "completion_tokens", "reasoning_tokens")
+                "finish_reason", "backend", "provider", "model", "generation_id", "system_fingerprint")
+_COUNT_FIELDS = ("turn", "prompt_tokens", "completion_tokens", "reasoning_tokens", "attempts")
 _NUMBER_FIELDS = ("cost_usd", "latency_s", "completed_at")
 
 

@@ -189,7 +189,7 @@ def check_reply(fields: dict, *, asked_model: str | None, keys=(), reject_other_
 
 #: the fields a paid reject's journal record keeps (no text: never the reply's content, a key, 10 MB)
 REJECT_FIELDS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd", "backend", "provider",
-                 "model", "latency_s", "completed_at", "finish_reason", "generation_id")
+                 "model", "latency_s", "completed_at", "finish_reason", "generation_id", "attempts")
 
 
 def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:

@@ -1,19 +1,29 @@
-"""Plan stage: storage and GPU hours of hidden-state extraction, before it runs, with alternatives.
+"""Plan stage: storage, write rate and GPU hours of hidden-state extraction, before it runs, with alternatives.
 
 Inputs: the merge manifest (tokens per extraction job, i.e. per merge selection), the merged files'
 ``dataset``, ``num_tokens`` and ``num_supervised`` columns (DuckDB; for the cap and drop alternatives; the
 training shards and, with ``merge.heldout`` > 0, the held-out file: both sets are extracted), the
-target's ``config.json`` (layer count, hidden size) and a throughput (tokens/s per GPU: configured, or
-measured by :func:`measure_throughput` on the start of the first merged shard).
+target's ``config.json`` (layer count, hidden size), a throughput (tokens/s per GPU: configured, or
+measured by :func:`measure_throughput` on the start of the first merged shard, the figure kept under
+``cache_dir/plan/`` for the same settings) and the filesystems the states and the exports go to.
 
 Arithmetic (printed in the report with the real numbers):
 
-- bytes per token of a layout = auxiliary states ``A*H*b`` (``b`` = bytes of the dtype; fp8: ``A*H*1 + 4*A``
-  for the per-token scales) + final states ``H*b`` (times the share of stored rows under
-  ``final_states=supervised``, + 1 byte of ``final_mask``) + ids and mask (extract file: int32 + int8 = 5 bytes;
-  SpecForge ``.ckpt``: 2 x int64 = 16; speculators ``hs_*``: int64 = 8);
+- bytes per token of the states = auxiliary states ``U*H*b`` (U = the stored layers: the union of the requested
+  drafters'; ``b`` = bytes of the dtype; fp8: ``U*H*1 + 4*U`` for the per-token scales) + final states ``H*b``
+  (fp8: ``H + 4``; times the share of stored rows under ``final_states=supervised``, + 1 byte of ``final_mask``)
+  + ids and mask (int32 + int8 = 5 bytes); :func:`bytes_per_token`;
+- bytes per token of each export layout (:func:`export_bytes_per_token`, the extract dtype, every row): SpecForge
+  EAGLE-3 ``.ckpt`` and Model-Optimizer ``.pt`` ``A*H*b + H*b + 16`` (int64 ids and mask), DFlash ``F*H*b + 16``,
+  DSpark ``F*H*b + H*b + 16``, speculators ``(A+1)*H*b + 8`` (int64 ids), speculators FP8 ``(A+1)*H + 12``
+  (A = EAGLE-3's 3 layers, F = DFlash's 5); each file's own header (a few hundred bytes per sample) comes on top;
 - storage = tokens x bytes per token (+ 8 bytes per sample of offsets), shown in decimal and binary units
   (B, KB = 1e3 ... TB = 1e12; KiB = 2^10 ... TiB = 2^40), the largest that keeps the number >= 1;
+- disk (:func:`sink_check`): per filesystem (``results/hidden_states/``, ``results/export/``: the nearest existing
+  folder's, one row per device), the bytes still to be written there (the states and every requested export, less
+  what the stage summaries say is already written) against its free space;
+- write rate = tokens/s per GPU x GPUs busy x bytes per token of the states (compared with
+  ``plan.write_gb_per_s`` when set): what the sink must absorb while extraction runs;
 - GPU hours = tokens / (tokens/s per GPU) / 3600; wall hours = GPU hours / GPUs in use. Linear in tokens:
   it ignores attention's quadratic share, which makes long samples slower per token (the throughput measured
   on the real shard includes the real length mix).
@@ -21,13 +31,18 @@ Arithmetic (printed in the report with the real numbers):
   ``overflow: truncate``, samples whose completion would be cut away entirely are dropped, assuming the
   supervised tokens are the sample's last ones, as in ``generation.mode: last``; under ``overflow: drop``
   samples longer than N are dropped), drop a dataset, and both.
+
+A shortfall of disk or write rate is a warning in the report and the job's log, naming the settings that fix it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -35,15 +50,16 @@ from typing import TYPE_CHECKING
 
 import duckdb
 
-from .extract.model import default_layers, model_dims
+from .extract.model import (DFLASH_DRAFT_LAYERS, default_layers, dflash_layer_ids, model_dims, model_fingerprint,
+                            resolve_drafter_layers)
 from .io import write_json, write_text
 from .formatting import format_bytes, format_hours
 
 if TYPE_CHECKING:
     from .settings import PlanSettings
 
-__all__ = ["model_dims", "bytes_per_token", "scenario_totals", "measure_throughput", "build_plan", "render_markdown",
-           "plan"]
+__all__ = ["model_dims", "bytes_per_token", "export_bytes_per_token", "sink_check", "scenario_totals",
+           "measure_throughput", "build_plan", "render_markdown", "plan"]
 
 log = logging.getLogger("eagle3_data.plan")
 
@@ -52,27 +68,99 @@ TB, TIB = 1e12, float(2 ** 40)
 
 
 def bytes_per_token(hidden_size: int, num_aux: int = 3, *, dtype: str = "bfloat16", aux_format: str = "same",
-                    final: str = "all", final_share: float = 1.0, ids_bytes: int = 5) -> dict:
+                    final: str = "all", final_share: float = 1.0, ids_bytes: int = 5,
+                    final_format: str = "same") -> dict:
     """Bytes per token of one layout, by part: ``{aux, final, ids, total}`` (floats).
 
     ``final``: ``all`` (H rows for every token), ``supervised`` (``final_share`` of the rows + a 1-byte
-    mask), ``none`` (not stored). ``ids_bytes``: 5 for the extract file (int32 ids + int8 mask), 16 for
-    SpecForge ``.ckpt`` (int64 + int64), 8 for speculators ``hs_*`` (int64 ids).
+    mask), ``none`` (not stored). ``aux_format`` / ``final_format``: ``same`` (``dtype``) or ``fp8_e4m3`` (1 byte a
+    value + a float32 scale per token and layer). ``ids_bytes``: 5 for the extract file (int32 ids + int8 mask),
+    16 for SpecForge ``.ckpt`` (int64 + int64), 8 for speculators ``hs_*`` (int64 ids).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"plan: dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     b = DTYPE_BYTES[dtype]
     H, A = int(hidden_size), int(num_aux)
     aux = A * H * 1 + 4 * A if aux_format == "fp8_e4m3" else A * H * b
+    row = H + 4 if final_format == "fp8_e4m3" else H * b
     if final == "all":
-        fin = H * b
+        fin = row
     elif final == "supervised":
-        fin = H * b * float(final_share) + 1
+        fin = row * float(final_share) + 1
     elif final == "none":
         fin = 0
     else:
         raise ValueError(f"plan: final must be all, supervised or none, got {final!r}")
     return {"aux": float(aux), "final": float(fin), "ids": float(ids_bytes), "total": float(aux + fin + ids_bytes)}
+
+
+def export_bytes_per_token(layout: str, hidden_size: int, *, eagle3_layers: int = 3,
+                           dflash_layers: int = DFLASH_DRAFT_LAYERS, dtype: str = "bfloat16") -> dict:
+    """Bytes per token of an export ``layout`` (``eagle3_data.export.CONTRACTS``), every row written in ``dtype``:
+    ``{aux, final, ids, total}`` (module docstring; the file headers not counted). Raises ValueError for an
+    unknown layout."""
+    H, A, F, b = int(hidden_size), int(eagle3_layers), int(dflash_layers), DTYPE_BYTES[dtype]
+    if layout in ("specforge", "modelopt"):
+        return bytes_per_token(H, A, dtype=dtype, ids_bytes=16)
+    if layout in ("specforge_dflash", "specforge_dspark"):
+        return bytes_per_token(H, F, dtype=dtype, ids_bytes=16, final="all" if layout == "specforge_dspark" else "none")
+    if layout == "speculators":
+        return bytes_per_token(H, A, dtype=dtype, ids_bytes=8)
+    if layout == "speculators_fp8":  # [T, A+1, H] fp8 + one float32 scale per token
+        return {"aux": float(A * H), "final": float(H), "ids": 12.0, "total": float((A + 1) * H + 12)}
+    raise ValueError(f"plan: unknown export layout {layout!r}")
+
+
+def _existing_dir(path) -> Path:
+    """``path`` or its nearest existing ancestor (the folder whose filesystem it will be on)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def written_bytes(states_dir, export_dir, layouts) -> dict:
+    """Bytes the states and the exports of ``layouts`` already hold, from the stage summaries
+    (``<states_dir>/*/*.json``, ``<export_dir>/<layout>/*.json``, ``<export_dir>/heldout/<layout>.json``: their
+    ``bytes``; an export manifest without it counts 0): ``{"states": n, "<layout>": n, ...}``."""
+    def total(paths) -> int:
+        n = 0
+        for p in paths:
+            try:
+                n += int(json.loads(Path(p).read_text()).get("bytes") or 0)
+            except (OSError, ValueError, AttributeError):
+                continue
+        return n
+
+    out = {"states": total(Path(states_dir).glob("*/*.json")) if Path(states_dir).is_dir() else 0}
+    for layout in layouts:
+        d = Path(export_dir)
+        out[layout] = total(list((d / layout).glob("*.json")) + [d / "heldout" / f"{layout}.json"])
+    return out
+
+
+def sink_check(needed: dict, places: dict, written: dict | None = None) -> list[dict]:
+    """Free space against the bytes still to be written, per filesystem.
+
+    ``needed``: ``{part: bytes}`` (``states``, each export layout); ``places``: ``{part: folder}`` (the folder each
+    part goes to; need not exist yet: its nearest existing ancestor's filesystem counts); ``written``: bytes of each
+    part already on disk (subtracted: a rerun rewrites them in place). Returns one row per filesystem:
+    ``{device, folders, parts, needed, free, short}`` (``short`` = needed - free when positive, else 0)."""
+    written = written or {}
+    rows: dict = {}
+    for part, nbytes in needed.items():
+        d = _existing_dir(places[part])
+        dev = os.stat(d).st_dev
+        row = rows.setdefault(dev, {"device": dev, "folders": [], "parts": {}, "needed": 0.0,
+                                    "free": float(shutil.disk_usage(d).free), "short": 0.0})
+        if str(places[part]) not in row["folders"]:
+            row["folders"].append(str(places[part]))
+        left = max(0.0, float(nbytes) - float(written.get(part, 0)))
+        row["parts"][part] = left
+        row["needed"] += left
+    for row in rows.values():
+        row["short"] = max(0.0, row["needed"] - row["free"])
+    return list(rows.values())
 
 
 def scenario_totals(files, *, cap: int | None = None, drop=(), overflow: str = "truncate") -> dict:
@@ -119,17 +207,41 @@ def scenario_totals(files, *, cap: int | None = None, drop=(), overflow: str = "
             "supervised_tokens": sum(v["supervised_tokens"] for v in per.values()), "per_dataset": per}
 
 
-def measure_throughput(merged_path, *, settings: "PlanSettings") -> dict:
+def measure_key(merged_path, settings: "PlanSettings") -> str:
+    """What a throughput measurement depends on: the extract settings the plan measures with
+    (``settings.extract_params()``), ``measure_tokens``, the target checkpoint and the measured samples' ids (the
+    first rows of ``merged_path``). Digest (hex, 16)."""
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(merged_path, columns=["sample_id"]).column("sample_id").to_pylist()[:1000]
+    key = {"extract": settings.extract_params(), "measure_tokens": settings.measure_tokens,
+           "target": model_fingerprint(settings.extract.model_path), "samples": ids}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def measure_throughput(merged_path, *, settings: "PlanSettings", cache: bool = True) -> dict:
     """Extract the first samples of ``merged_path`` (up to ``settings.measure_tokens`` tokens, at least one sample)
     into a temporary file with the extract settings (``settings.extract``: layout, device, batch size, attention,
     ``gpus_per_job`` devices) and return ``{tokens, seconds, tokens_per_s, tokens_per_s_per_gpu, device,
     samples}`` (model time only; the model load is excluded). Uses the extract stage's code
-    (``extract.extract_states``) and devices."""
+    (``extract.extract_states``) and devices.
+
+    With ``cache``, the figure is kept in ``<cache_dir>/plan/throughput-<key>.json`` (:func:`measure_key`) and a
+    later plan with the same key reuses it (``cached``: that file) instead of loading the target again: a plan
+    rewritten for another ``export.layouts`` or ``plan.caps`` measures nothing."""
     import pyarrow.parquet as pq
 
     from . import schemas
     from .extract import extract_states
 
+    stash = None
+    if cache:
+        stash = Path(settings.cache_dir) / "plan" / f"throughput-{measure_key(merged_path, settings)}.json"
+        if stash.is_file():
+            try:
+                return {**json.loads(stash.read_text()), "cached": str(stash)}
+            except ValueError:
+                pass
     max_tokens = settings.measure_tokens
     table = pq.read_table(merged_path)
     lengths = table.column("num_tokens").to_pylist()
@@ -145,8 +257,12 @@ def measure_throughput(merged_path, *, settings: "PlanSettings") -> dict:
         info = extract_states(part, Path(tmp) / "part.safetensors", settings=settings.extract)
     per_job = info["tokens_per_s"] or 0.0
     used = max(1, len(info.get("devices") or [])) if str(info["device"]).startswith("cuda") else 1
-    return {"tokens": info["num_tokens"], "seconds": info["model_seconds"], "tokens_per_s": per_job,
-            "tokens_per_s_per_gpu": per_job / used, "device": info["device"], "samples": n}
+    out = {"tokens": info["num_tokens"], "seconds": info["model_seconds"], "tokens_per_s": per_job,
+           "tokens_per_s_per_gpu": per_job / used, "device": info["device"], "samples": n,
+           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if stash is not None:
+        write_json(out, stash)
+    return out
 
 
 def build_plan(
@@ -155,6 +271,8 @@ def build_plan(
     *,
     settings: "PlanSettings",
     measured: dict | None = None,
+    states_dir="results/hidden_states",
+    export_dir="results/export",
 ) -> dict:
     """Compute the plan (a JSON-able dict); :func:`render_markdown` turns it into the report.
 
@@ -173,19 +291,30 @@ def build_plan(
             ``caps``: alternative per-sample token caps; ``drop``: alternative datasets to leave out (each alone
             and each combined with each cap).
             ``overflow``: ``merge.overflow`` (how a cap treats longer samples).
+            ``extract.drafters``, ``extract.dflash_layers``: the stored layers are the union of the drafters'.
+            ``extract.final_format``: the final states' storage.
+            ``export_layouts``: the exports whose bytes the disk check adds; ``write_gb_per_s``: the sink's write
+            rate (None: not compared).
         measured: the throughput :func:`measure_throughput` measured, or None.
+        states_dir, export_dir: where the states and the exports go (their filesystems' free space is checked).
 
     Raises: ValueError when no throughput is given (neither configured nor measured).
     """
     e = settings.extract
     model_path, layers, dtype, aux_format, final_states = e.model_path, e.layers, e.dtype, e.aux_format, e.final_states
+    final_format = e.final_format
     gpus_per_job, gpus_total, tokens_per_s_per_gpu = e.gpus_per_job, settings.gpus_total, settings.tokens_per_s_per_gpu
     caps, drop, overflow = settings.caps, settings.drop, settings.overflow
     m = json.loads(Path(manifest).read_text()) if not isinstance(manifest, dict) else manifest
     dims = model_dims(model_path)
     H, L = dims["hidden_size"], dims["num_layers"]
-    chosen = list(layers) if layers else default_layers(L)
+    chosen, per_drafter = resolve_drafter_layers(e.drafters, layers, e.dflash_layers, L)
     A = len(chosen)
+    A3 = len(per_drafter.get("eagle3") or default_layers(L))
+    try:
+        F = len(per_drafter.get("dflash") or per_drafter.get("dspark") or dflash_layer_ids(L))
+    except ValueError:  # a target too shallow for DFlash's default layers
+        F = DFLASH_DRAFT_LAYERS
     if measured:
         tps, tps_source = float(measured["tokens_per_s_per_gpu"]), "measured"
     elif tokens_per_s_per_gpu:
@@ -205,16 +334,23 @@ def build_plan(
     # rows a supervised-only final store keeps: supervised + at most one per sample (the row after a span)
     share = min(1.0, (S + N) / T) if T else 0.0
 
+    cfg_share = share if final_states == "supervised" else 1.0
     layouts = {
         "configured": bytes_per_token(H, A, dtype=dtype, aux_format=aux_format, final=final_states,
-                                      final_share=share if final_states == "supervised" else 1.0),
+                                      final_share=cfg_share, final_format=final_format),
         "aux_only_bf16": bytes_per_token(H, 3, dtype="bfloat16", final="none", ids_bytes=0),
         "extract bf16, all finals": bytes_per_token(H, A, dtype="bfloat16"),
+        "extract fp8 aux + fp8 finals": bytes_per_token(H, A, dtype="bfloat16", aux_format="fp8_e4m3",
+                                                        final_format="fp8_e4m3"),
         "extract fp8 aux + supervised finals": bytes_per_token(H, A, dtype="bfloat16", aux_format="fp8_e4m3",
                                                                final="supervised", final_share=share),
-        "SpecForge .ckpt export": bytes_per_token(H, A, dtype=dtype, ids_bytes=16),
-        "speculators hs_*.safetensors export": bytes_per_token(H, A, dtype=dtype, ids_bytes=8),
+        "extract fp8 aux + supervised fp8 finals": bytes_per_token(
+            H, A, dtype="bfloat16", aux_format="fp8_e4m3", final="supervised", final_share=share,
+            final_format="fp8_e4m3"),
     }
+    from .export import LAYOUTS
+
+    exports = {k: export_bytes_per_token(k, H, eagle3_layers=A3, dflash_layers=F, dtype=dtype) for k in LAYOUTS}
     bpt = layouts["configured"]["total"]
 
     # one extraction job per merge selection (per merged shard for a manifest without selections)
@@ -247,20 +383,75 @@ def build_plan(
             scenarios.append(scenario(f"drop {'+'.join(dl)}", drop_=dl))
             for c in caps:
                 scenarios.append(scenario(f"cap {c:,} and drop {'+'.join(dl)}", cap=int(c), drop_=dl))
+    requested = [k for k in (settings.export_layouts or []) if k in exports]
+    states_bytes = T * bpt + 8 * (N + len(shards))
+    needed = {"states": states_bytes, **{k: T * exports[k]["total"] for k in requested}}
+    places = {"states": str(states_dir), **{k: str(Path(export_dir) / k) for k in requested}}
+    written = written_bytes(states_dir, export_dir, requested)
+    disks = sink_check(needed, places, written)
+    busy_tps = tps * busy
+    write = {"bytes_per_s": busy_tps * bpt, "bytes_per_s_per_gpu": tps * bpt, "gpus": busy,
+             "limit_bytes_per_s": settings.write_gb_per_s * 1e9 if settings.write_gb_per_s else None}
+    warnings = _warnings(disks, write, e, H=H, A=A, requested=requested)
     return {
         "model": {"path": str(model_path) if not isinstance(model_path, dict) else None, **dims},
         "layers": chosen,
+        "drafter_layers": per_drafter,
         "layout": {"dtype": dtype, "aux_format": aux_format, "final_states": final_states,
-                   "final_share": share},
+                   "final_share": share, "final_format": final_format, "final_norm": e.final_norm},
         "bytes_per_token": layouts,
+        "export_bytes_per_token": exports,
+        "exports": {"requested": requested, "bytes": {k: needed[k] for k in requested}, "written": written},
+        "disks": disks,
+        "write_rate": write,
+        "warnings": warnings,
         "throughput": {"tokens_per_s_per_gpu": tps, "source": tps_source, "measured": measured,
                        "gpus_per_job": gpus_per_job, "gpus_total": gpus_total, "gpus_busy": busy},
         "totals": {"samples": N, "tokens": T, "supervised_tokens": S, "heldout_samples": HN, "heldout_tokens": HT,
-                   "bytes": T * bpt + 8 * (N + len(shards)),
+                   "bytes": states_bytes, "bytes_with_exports": sum(needed.values()),
                    "gpu_hours": T / tps / 3600.0, "wall_hours": T / tps / 3600.0 / busy},
         "shards": shards,
         "scenarios": scenarios,
     }
+
+
+def _fixes(e, *, H: int, A: int, requested: list, rate: bool = False) -> list[str]:
+    """The settings that shrink what is written (``rate``: what extraction writes per token), among those not
+    already chosen (for a warning)."""
+    out = []
+    fp8 = bytes_per_token(H, A, aux_format="fp8_e4m3", final_format="fp8_e4m3")["total"]
+    if e.aux_format != "fp8_e4m3" or e.final_format != "fp8_e4m3":
+        out.append(f"extract.aux_format: fp8_e4m3 and extract.final_format: fp8_e4m3 (the states at {fp8:,.0f} "
+                   "B/token)")
+    if e.final_states != "supervised":
+        out.append("extract.final_states: supervised (final states only where the loss reads them)")
+    if rate:
+        return out
+    if "speculators" in requested:
+        out.append("export.layouts: speculators_fp8 instead of speculators (half its bytes)")
+    if requested:
+        out.append("fewer export.layouts (each is a full copy), or export one merged shard at a time "
+                   "(snakemake results/export/<layout>/<k>.json) and delete it once trained on")
+    out.append("a lower merge.max_len or a dataset left out (the alternatives below)")
+    return out
+
+
+def _warnings(disks: list, write: dict, e, *, H: int, A: int, requested: list) -> list[str]:
+    """One line per shortfall (disk space per filesystem, write rate), naming what fixes it."""
+    out = []
+    fixes = "; ".join(_fixes(e, H=H, A=A, requested=requested))
+    for d in disks:
+        if d["short"] > 0:
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in d["parts"].items())
+            out.append(f"disk: {' and '.join(d['folders'])} need {format_bytes(d['needed'])} ({parts}) but their "
+                       f"filesystem has {format_bytes(d['free'])} free, {format_bytes(d['short'])} short; set {fixes}")
+    lim = write.get("limit_bytes_per_s")
+    if lim and write["bytes_per_s"] > lim:
+        out.append(f"write rate: {write['gpus']} GPU(s) extracting write {write['bytes_per_s'] / 1e9:,.2f} GB/s of "
+                   f"states, more than plan.write_gb_per_s = {lim / 1e9:,.2f} GB/s (extraction would wait on the "
+                   f"disk); set {'; '.join(_fixes(e, H=H, A=A, requested=[], rate=True) + [''])}or fewer GPUs "
+                   "at once (plan.gpus_total)")
+    return out
 
 
 def _count(n: int, word: str) -> str:
@@ -277,6 +468,9 @@ def throughput_phrase(thr: dict) -> str:
     """The plan's throughput in words: per GPU when configured or measured on GPUs; a CPU measurement says so
     (its GPU hours are the hours at the CPU's rate)."""
     rate = f"{thr['tokens_per_s_per_gpu']:,.1f} tokens/s"
+    cached = (thr.get("measured") or {}).get("cached")
+    if cached:
+        rate += f" (measured {(thr.get('measured') or {}).get('when', 'before')}, kept in {cached})"
     if measured_on_cpu(thr):
         return (f"{rate} measured on the CPU (no GPU here): every GPU figure below assumes a GPU this slow; set "
                 "plan.tokens_per_s_per_gpu, or run plan on a GPU node, for a GPU's rate")
@@ -298,6 +492,11 @@ def summary_line(plan: dict, md_path) -> str:
     tot, thr = plan["totals"], plan["throughput"]
     head = (f"plan: {tot['tokens']:,} tokens in {tot['samples']:,} samples -> {format_bytes(tot['bytes'])} of "
             "hidden states")
+    req = (plan.get("exports") or {}).get("requested") or []
+    if req:
+        head += f" + {format_bytes(tot['bytes_with_exports'] - tot['bytes'])} of exports ({', '.join(req)})"
+    if plan.get("warnings"):
+        head += f" [{_count(len(plan['warnings']), 'warning')}]"
     tail = f"; read {md_path} before extraction starts"
     if measured_on_cpu(thr):
         return (f"{head}; extraction at this CPU's measured {thr['tokens_per_s_per_gpu']:,.0f} tokens/s: "
@@ -317,12 +516,17 @@ def render_markdown(plan: dict) -> str:
     bpt = plan["bytes_per_token"]
     cfg = bpt["configured"]
     out = ["# Extraction plan", ""]
+    if plan.get("warnings"):
+        out += ["## Warnings", ""] + [f"- **{w}**" for w in plan["warnings"]] + [""]
+    drafters = plan.get("drafter_layers") or {"eagle3": plan["layers"]}
     out.append(f"Target: {plan['model'].get('path') or '(config)'} ({plan['model']['model_type']}), "
                f"{plan['model']['num_layers']} layers, hidden size H = {H:,}. Auxiliary layers {plan['layers']} "
-               f"(output of 0-based decoder layer i), A = {A}.")
+               f"(output of 0-based decoder layer i), A = {A}: "
+               + "; ".join(f"{d} {v}" for d, v in drafters.items()) + ".")
     out.append(f"Layout: dtype {lay['dtype']}, auxiliary states {lay['aux_format']}, final states "
                f"{lay['final_states']}" + (f" (share of rows stored {lay['final_share']:.3f})"
-                                           if lay['final_states'] == 'supervised' else "") + ".")
+                                           if lay['final_states'] == 'supervised' else "")
+               + f", {lay.get('final_format', 'same')}, final norm {lay.get('final_norm', 'post')}.")
     out += ["", "## Bytes per token", "",
             "| layout | auxiliary | final | ids+mask | total | x 1M tokens |", "|---|---:|---:|---:|---:|---:|"]
     for name, v in bpt.items():
@@ -332,7 +536,43 @@ def render_markdown(plan: dict) -> str:
     out += ["", f"Configured: auxiliary {A} x {H:,} x {b if lay['aux_format'] == 'same' else 1} B"
             + (" + 4 B scale per layer" if lay["aux_format"] == "fp8_e4m3" else "")
             + f" = {cfg['aux']:,.0f} B; final {cfg['final']:,.0f} B; ids int32 + mask int8 = {cfg['ids']:.0f} B; "
-            f"total {cfg['total']:,.0f} B/token.", ""]
+            f"total {cfg['total']:,.0f} B/token." + (" The final norm's weight (4H B per file) is not counted."
+                                                       if lay.get("final_norm") == "both" else ""), ""]
+    ex = plan.get("export_bytes_per_token") or {}
+    req = (plan.get("exports") or {}).get("requested") or []
+    if ex:
+        out += ["## Exports", "",
+                "Each export layout is a copy of the states in the form its trainer reads, in the extract dtype "
+                "(speculators_fp8: fp8), every row: bytes per token, and in total for this build's tokens "
+                "(requested in export.layouts: **yes**).", "",
+                "| layout | requested | per token | total |", "|---|---|---:|---:|"]
+        for k, v in ex.items():
+            out.append(f"| {k} | {'**yes**' if k in req else 'no'} | {v['total']:,.0f} B | "
+                       f"{format_bytes(v['total'] * tot['tokens'])} |")
+        out.append("")
+    if plan.get("disks"):
+        out += ["## Disk", "",
+                "What is still to be written, per filesystem (the states and each requested export, less what the "
+                "stage summaries say is already there), against its free space:", "",
+                "| folders | to write | free | short |", "|---|---:|---:|---:|"]
+        for d in plan["disks"]:
+            out.append(f"| {', '.join(d['folders'])} | {format_bytes(d['needed'])} | {format_bytes(d['free'])} | "
+                       f"{format_bytes(d['short']) if d['short'] else '-'} |")
+        out.append("")
+    wr = plan.get("write_rate")
+    if wr:
+        lim = wr.get("limit_bytes_per_s")
+        out += ["## Write rate", "",
+                f"- {thr['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU x {cfg['total']:,.0f} B/token = "
+                f"{wr['bytes_per_s_per_gpu'] / 1e9:,.3f} GB/s per GPU; on {_count(wr['gpus'], 'GPU')} "
+                f"{wr['bytes_per_s'] / 1e9:,.3f} GB/s into the states' filesystem"
+                + (f" (plan.write_gb_per_s: {lim / 1e9:,.2f} GB/s)" if lim else
+                   " (set plan.write_gb_per_s to compare with the filesystem's rate)") + ".",
+                "- For scale: an 8B target (H = 4,096) at 27,000 prefill tokens/s on one H200 (SpecForge's published "
+                f"capture rate) writes {27_000 * bytes_per_token(4096, 3)['total'] / 1e9:,.2f} GB/s per GPU in bf16 "
+                f"({bytes_per_token(4096, 3)['total']:,.0f} B/token), "
+                f"{27_000 * bytes_per_token(4096, 3, aux_format='fp8_e4m3', final_format='fp8_e4m3')['total'] / 1e9:,.2f}"
+                " GB/s with extract.aux_format and extract.final_format fp8_e4m3.", ""]
     held = ""
     if tot.get("heldout_samples"):
         held = (f"; of which {tot['heldout_tokens']:,} tokens in {tot['heldout_samples']:,} samples are the held-out "
@@ -358,7 +598,7 @@ def render_markdown(plan: dict) -> str:
                    f"{format_bytes(sc['bytes']['aux_only_bf16'])} | {format_hours(sc['gpu_hours'])} | "
                    f"{format_hours(sc['wall_hours'])} |")
     aux_only = bpt["aux_only_bf16"]["total"]
-    full = bpt["SpecForge .ckpt export"]["total"]
+    full = (ex.get("specforge") or bytes_per_token(H, 3, dtype=lay["dtype"], ids_bytes=16))["total"]
     out += ["", "## Notes", "",
             "- Units: KB, MB, GB, TB = 10^3, 10^6, 10^9, 10^12 bytes; KiB, MiB, GiB, TiB = 2^10 ... 2^40 bytes (what "
             "`df -h` / `du -h` print as K, M, G, T). Times: GPU time on one GPU; wall time on the GPUs in use.",
@@ -384,12 +624,15 @@ def plan(
     out_json,
     *,
     settings: "PlanSettings",
+    states_dir="results/hidden_states",
+    export_dir="results/export",
 ) -> dict:
     """Write the plan report (``out_md``) and its figures (``out_json``); return the plan dict.
 
     ``settings.tokens_per_s_per_gpu``: configured throughput; when ``None`` the throughput is measured on the first
-    merged shard (:func:`measure_throughput`: ``settings.measure_tokens`` tokens with the extract settings).
-    ``settings``: see :func:`build_plan`.
+    merged shard (:func:`measure_throughput`: ``settings.measure_tokens`` tokens with the extract settings, or the
+    figure kept from an earlier plan with the same settings). ``settings``, ``states_dir``, ``export_dir``: see
+    :func:`build_plan`. Each warning (disk or write rate short) is logged too.
     """
     merged_paths = [str(p) for p in merged_paths]
     measured = None
@@ -399,10 +642,14 @@ def plan(
         t0 = time.perf_counter()
         measured = measure_throughput(merged_paths[0], settings=settings)
         unit = "per GPU" if str(measured["device"]).startswith("cuda") else f"on {measured['device']}"
-        log.info("measured %.1f tokens/s %s on %s (%d tokens, %.1fs)", measured["tokens_per_s_per_gpu"], unit,
-                 merged_paths[0], measured["tokens"], time.perf_counter() - t0)
-    p = build_plan(manifest_path, merged_paths, settings=settings, measured=measured)
+        how = f"reused from {measured['cached']}" if measured.get("cached") else f"{time.perf_counter() - t0:.1f}s"
+        log.info("measured %.1f tokens/s %s on %s (%d tokens, %s)", measured["tokens_per_s_per_gpu"], unit,
+                 merged_paths[0], measured["tokens"], how)
+    p = build_plan(manifest_path, merged_paths, settings=settings, measured=measured, states_dir=states_dir,
+                   export_dir=export_dir)
     write_json(p, out_json)
     write_text(render_markdown(p), out_md)
+    for w in p["warnings"]:
+        log.warning("plan: %s", w)
     log.info("%s", summary_line(p, out_md))
     return p

@@ -7,6 +7,9 @@ paying for responses.
   ``<cache_dir>/checks/`` for the directory's current files, so later parses skip it;
 - ``vocab.draft_vocab_size`` fits the target's vocabulary (``vocab_size`` of ``target.path/config.json``);
 - every ``launch.python`` of a backend in use exists (:func:`eagle3_data.backends.server.launch_python`);
+- the states extraction will store can serve every ``export.layouts`` layout (:func:`check_export_layouts`): the
+  final-state form it reads (``extract.final_norm``) and its drafter's layers (``extract.drafters``; the layers
+  fit the target when its ``config.json`` is there), so a conflict is found before any GPU hour is spent;
 - cluster resources (the SLURM profile's ``slurm_account: "$EAGLE3_SLURM_ACCOUNT"``) hold no ``$VARIABLE`` left
   unexpanded because the variable is not set (Snakemake would submit the literal text).
 
@@ -129,6 +132,52 @@ def check_launch_python(config: dict) -> None:
                 raise ConfigError(f"Config error: backends.{name}.{exc.message}; {exc.hint}.") from None
 
 
+#: what each final_norm setting lets an export read
+_FORMS = {"both": ("post", "pre"), "post": ("post",), "pre": ("pre",)}
+_DRAFTER_NAMES = {"eagle3": "EAGLE-3's auxiliary layers", "dflash": "DFlash's target layers",
+                  "dspark": "DSpark's target layers"}
+
+
+def check_export_layouts(config: dict) -> None:
+    """Every ``export.layouts`` layout can be written from the states ``extract`` will store
+    (:data:`eagle3_data.export.CONTRACTS`): the final-state form it reads is one ``extract.final_norm`` keeps, and
+    ``extract.drafters`` includes a drafter whose layers it reads; ``extract.backend: sglang`` stores post-norm
+    final states only. With the target's ``config.json`` present the drafters' layers are resolved against it.
+    Raises ConfigError naming the setting to change."""
+    from .config import section
+    from .export import CONTRACTS
+
+    ext, layouts = section(config, "extract"), section(config, "export")["layouts"] or []
+    norm, drafters = ext["final_norm"], list(ext["drafters"] or ["eagle3"])
+    if ext["backend"] == "sglang" and norm != "post":
+        raise ConfigError(f"Config error: extract.backend sglang stores post-norm final states only, but "
+                          f"extract.final_norm is {norm}; set extract.final_norm: post (or use extract.backend: "
+                          "transformers, which stores both forms)")
+    for layout in layouts:
+        c = CONTRACTS[layout]
+        if c["final"] is not None and c["final"] not in _FORMS[norm]:
+            fix = ("use extract.backend: transformers with extract.final_norm: both" if ext["backend"] == "sglang"
+                   else f"set extract.final_norm: both (the default: every layout from one extraction) or {c['final']}")
+            raise ConfigError(f"Config error: export.layouts: {layout} reads {c['final']}-norm final states, but "
+                              f"extract.final_norm: {norm} stores {norm}-norm ones only; {fix}")
+        if not set(c["drafters"]) & set(drafters):
+            want = c["drafters"][0]
+            raise ConfigError(f"Config error: export.layouts: {layout} reads {_DRAFTER_NAMES[want]}, which "
+                              f"extract.drafters {drafters} does not capture; add {want} to extract.drafters")
+    path = Path(str((config.get("target") or {}).get("path") or "")) / "config.json"
+    if path.is_file():
+        from .extract.model import model_dims, resolve_drafter_layers
+
+        try:
+            L = model_dims(path)["num_layers"]
+        except (KeyError, ValueError, OSError):
+            return
+        try:
+            resolve_drafter_layers(drafters, ext["layers"], ext["dflash_layers"], L)
+        except ValueError as exc:
+            raise ConfigError(f"Config error: {exc} (target {path.parent}, {L} decoder layers)") from None
+
+
 def check_resources(resources: dict, where: str = "default-resources", environ=None) -> None:
     """No resource value (e.g. the SLURM profile's ``slurm_account: "$EAGLE3_SLURM_ACCOUNT"``) names an
     environment variable that is not set. ``resources``: name -> value as the profile gave it. Raises
@@ -161,6 +210,7 @@ def check_before_run(config: dict, *, cache_dir=None, workflow=None, load_target
     ConfigError."""
     check_target(config, cache_dir, load=load_target)
     check_draft_vocab(config)
+    check_export_layouts(config)
     check_launch_python(config)
     if workflow is not None:
         check_resources(cluster_resources(workflow))

@@ -45,7 +45,7 @@ REJECTS = pa.schema(
     [
         ("sample_id", pa.string()),
         ("dataset", pa.string()),
-        ("stage", pa.string()),  # normalize | generate | original_answers | tokenize | validate
+        ("stage", pa.string()),  # normalize | decontaminate | generate | original_answers | tokenize | validate
         ("reason", pa.string()),  # reason code, e.g. empty_conversation, missing_end_of_turn
         ("detail", pa.string()),
         ("source_row", pa.int64()),
@@ -82,6 +82,11 @@ RESPONSES = pa.schema(
         # the backend's id of the reply (OpenRouter's generation id: its billing record, GET /generation?id=), else
         # null; null in responses written before the column existed
         ("generation_id", pa.string()),
+        # HTTP attempts the request took (1: the first try; retries after 429s, 5xx, timeouts add one each), null for
+        # rows no request was sent for (answers: original) and in journal records written before the column existed
+        ("attempts", pa.int32()),
+        # the server's own word on its engine build, when it gives one: the reply's `system_fingerprint`, else null
+        ("system_fingerprint", pa.string()),
     ]
 )
 

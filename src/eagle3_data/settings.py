@@ -3,7 +3,7 @@
 Every stage's script builds its settings with ``<Stage>Settings.from_config(snakemake.config, ...)`` and passes
 that one object to the stage's entry point; no stage function restates a config default in its signature
 (``tests/test_settings.py`` checks both). A field missing from the config (a config that was never validated, a
-test's partial config) takes the schema's ``default``, read from ``schemas/config.schema.yaml`` (a key without
+test's partial config) takes the schema's ``default``, read from the schema the package ships (:mod:`eagle3_data.config.schema`) (a key without
 a default: ``None``); :meth:`defaults` builds a stage's settings from the schema alone, with overrides, for
 library use and tests.
 
@@ -26,67 +26,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from . import config as cfg
+from .config.schema import SCHEMA_PATH, default, filled, schema, schema_node  # noqa: F401
 
-#: the workflow's config schema (the repository's ``schemas/``; the package is installed editable from it)
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
-
-
-@functools.lru_cache(maxsize=1)
-def schema() -> dict:
-    """The config schema (parsed once per process)."""
-    return cfg.load_schema(SCHEMA_PATH)
-
-
-def schema_node(path: str) -> dict:
-    """The schema node of dotted key ``path`` (``"validate.count_tolerance"``, ``"target.tiny"``), ``$ref`` resolved.
-
-    Raises KeyError naming the path when the schema has no such key.
-    """
-    s = schema()
-    defs = s.get("$defs", {})
-    node = s
-    for part in path.split(".") if path else []:
-        props = cfg._resolve(node, defs).get("properties") or {}
-        if part not in props:
-            raise KeyError(f"config schema: no key {path!r}")
-        node = props[part]
-    return cfg._resolve(node, defs)
-
-
-@functools.lru_cache(maxsize=1)
-def _defaults_table() -> dict:
-    return {p: node["default"] for p, node in cfg._key_paths(schema()) if "default" in node}
-
-
-def _default(path: str) -> Any:
-    """The schema's ``default`` of dotted key ``path`` (``<name>`` for a free-form name); KeyError if none."""
-    try:
-        return copy.deepcopy(_defaults_table()[path])
-    except KeyError:
-        raise KeyError(f"config schema: no default for {path!r}") from None
-
-
-def filled(path: str, value: dict | None) -> dict:
-    """``value`` (the config's section at ``path``) with every key of the schema's section at ``path``: the
-    config's value where set, else the schema's ``default`` (deep copy), else None; nested sections with
-    properties (``count_tolerance``) filled the same way. Keys the schema doesn't know are kept."""
-    node = schema_node(path)
-    defs = schema().get("$defs", {})
-    value = dict(value or {})
-    out = {}
-    for name, child in (node.get("properties") or {}).items():
-        child = cfg._resolve(child, defs)
-        if name in value:
-            v = value.pop(name)
-        elif "default" in child:
-            v = copy.deepcopy(child["default"])
-        else:
-            v = None
-        if isinstance(v, dict) and child.get("properties"):
-            v = filled(f"{path}.{name}" if path else name, v)
-        out[name] = v
-    out.update(value)
-    return out
+_default = default  # the schema's default of a dotted key (eagle3_data.config.schema.default)
 
 
 def _build(cls, values: dict, **extra):
@@ -247,6 +189,49 @@ class NormalizeSettings(_Settings):
 
 
 @dataclass(frozen=True)
+class DecontaminateSettings(_Settings):
+    """The ``decontaminate`` section (rules ``minhash`` and ``decontaminate``, :mod:`eagle3_data.decontaminate`).
+
+    The stage is :attr:`on` when ``benchmarks`` lists a file or ``near_duplicates.enabled``; off, no rule of it is
+    in the DAG and generate reads the normalized prompts as before. :meth:`params` (rule decontaminate) holds only
+    the parts in force: the benchmark rule's keys when benchmarks are listed, the near-duplicate keys when enabled,
+    so a key of a rule that is off reruns nothing; :meth:`signature_params` are rule minhash's."""
+
+    benchmarks: list
+    ngram: int
+    min_shared_ngrams: int
+    near_duplicates: dict
+
+    SECTION: ClassVar = "decontaminate"
+
+    @property
+    def on(self) -> bool:
+        return bool(self.benchmarks) or bool(self.near_duplicates.get("enabled"))
+
+    @property
+    def near_on(self) -> bool:
+        return bool(self.near_duplicates.get("enabled"))
+
+    def params(self) -> dict:
+        """Rule decontaminate's params: the benchmarks (name, format, field, id_field: the files themselves are the
+        rule's inputs), ``ngram`` and ``min_shared_ngrams`` when benchmarks are listed; ``near_duplicates``
+        (threshold and the signature keys) when enabled."""
+        out: dict = {}
+        if self.benchmarks:
+            out["benchmarks"] = [{k: b[k] for k in ("name", "format", "field", "id_field") if b.get(k) is not None}
+                                 for b in self.benchmarks]
+            out["ngram"] = self.ngram
+            out["min_shared_ngrams"] = self.min_shared_ngrams
+        if self.near_on:
+            out["near_duplicates"] = {"threshold": self.near_duplicates["threshold"], **self.signature_params()}
+        return out
+
+    def signature_params(self) -> dict:
+        """Rule minhash's params: what a signature depends on (``num_perm``, ``shingle``, ``seed``)."""
+        return {k: self.near_duplicates[k] for k in ("num_perm", "shingle", "seed")}
+
+
+@dataclass(frozen=True)
 class TokenizeSettings(_Settings):
     """Rule tokenize for one dataset: the target, the dataset's ``generation.extra_body.chat_template_kwargs``
     (they update the target's, as they did for the request) and its ``generation.max_tokens`` (a billed
@@ -347,6 +332,9 @@ class ExtractSettings(_Settings):
     final_norm: str
     final_states: str
     aux_format: str
+    final_format: str
+    drafters: list
+    dflash_layers: list | int | None
     fused: str
     gpu_lock_dir: str | None
     model_path: str
@@ -354,6 +342,20 @@ class ExtractSettings(_Settings):
     cache_dir: str
 
     CONTENT: ClassVar = cfg.EXTRACT_STATE_KEYS
+
+    def params(self) -> dict:
+        """The stored layout (:data:`eagle3_data.config.EXTRACT_STATE_KEYS`); ``final_format``, ``drafters`` and
+        ``dflash_layers`` only where they change what is stored (``final_format`` other than ``same``, a drafter
+        other than ``eagle3``; ``dflash_layers`` with a DFlash-family drafter), so a config that leaves them at
+        their defaults keeps the params, and the files, it had before they existed."""
+        out = super().params()
+        if out.get("final_format") == "same":
+            del out["final_format"]
+        if list(out.get("drafters") or ["eagle3"]) == ["eagle3"]:
+            del out["drafters"]
+        if not {"dflash", "dspark"} & set(self.drafters or []):
+            del out["dflash_layers"]
+        return out
 
     @classmethod
     def from_config(cls, config: dict) -> "ExtractSettings":
@@ -382,28 +384,47 @@ class PlanSettings(_Settings):
     gpus_total: int
     caps: list
     drop: list
+    write_gb_per_s: float | None
     extract: ExtractSettings
     overflow: str
+    export_layouts: list
+    cache_dir: str
 
     CONTENT: ClassVar = ("tokens_per_s_per_gpu", "measure_tokens", "gpus_total", "caps", "drop")
+
+    def params(self) -> dict:
+        """The plan keys (``write_gb_per_s`` only when set) and ``export.layouts`` (the exports whose bytes the
+        disk check adds; only when some are requested): a change of either rewrites the plan, whose throughput
+        measurement is then reused from ``cache_dir`` (:func:`eagle3_data.plan.measure_throughput`)."""
+        out = super().params()
+        if self.write_gb_per_s:
+            out["write_gb_per_s"] = self.write_gb_per_s
+        if self.export_layouts:
+            out["export_layouts"] = list(self.export_layouts)
+        return out
 
     def extract_params(self) -> dict:
         """The extract keys the plan depends on: the stored layout, ``gpus_per_job`` (wall hours) and, only when
         the plan measures the throughput itself, ``device``, ``batch_tokens`` and ``attention``."""
-        keys = cfg.EXTRACT_STATE_KEYS + ("gpus_per_job",)
+        out = {**self.extract.params(), "gpus_per_job": self.extract.gpus_per_job}
         if not self.tokens_per_s_per_gpu:
-            keys += ("device", "batch_tokens", "attention")
-        return {k: getattr(self.extract, k) for k in keys}
+            out.update({k: getattr(self.extract, k) for k in ("device", "batch_tokens", "attention")})
+        return out
 
     @classmethod
     def from_config(cls, config: dict) -> "PlanSettings":
         return _build(cls, filled("plan", config.get("plan")), extract=ExtractSettings.from_config(config),
-                      overflow=filled("merge", config.get("merge"))["overflow"])
+                      overflow=filled("merge", config.get("merge"))["overflow"],
+                      export_layouts=list(filled("export", config.get("export"))["layouts"]),
+                      cache_dir=config.get("cache_dir", _default("cache_dir")))
 
     @classmethod
     def defaults(cls, extract: ExtractSettings | None = None, **values) -> "PlanSettings":
         overflow = values.pop("overflow", filled("merge", {})["overflow"])
-        return _build(cls, filled("plan", values), extract=extract or ExtractSettings.defaults(), overflow=overflow)
+        layouts = values.pop("export_layouts", filled("export", {})["layouts"])
+        cache_dir = values.pop("cache_dir", _default("cache_dir"))
+        return _build(cls, filled("plan", values), extract=extract or ExtractSettings.defaults(), overflow=overflow,
+                      export_layouts=list(layouts), cache_dir=cache_dir)
 
 
 @dataclass(frozen=True)
@@ -426,11 +447,10 @@ class VocabSettings(_Settings):
 
 @dataclass(frozen=True)
 class ExportSettings(_Settings):
-    """The ``export`` section (``allow_norm_mismatch`` is a check: read at run time)."""
+    """The ``export`` section."""
 
     layouts: list
     group_size: int
-    allow_norm_mismatch: bool
 
     CONTENT: ClassVar = ("group_size",)
 
@@ -443,8 +463,8 @@ class GenerateSettings(_Settings):
     settings (the global ``generation`` under the dataset's own), its backends' whole definitions (priority
     order), the target, the journal directory under ``cache_dir`` and the shard count.
 
-    :meth:`params` are the rule's params, what the responses depend on (``cfg.generation_data_settings``,
-    ``cfg.backends_data_settings``, the target name and, for SGLang's native ``/generate`` and vLLM's
+    :meth:`params` are the rule's params, what the responses depend on (:func:`generation_data_settings`,
+    :func:`backends_data_settings`, the target name and, for SGLang's native ``/generate`` and vLLM's
     ``return_token_ids``, the target); the rest (concurrency, timeouts, rate limits, headers, key variables,
     launch, retries) is read at run time and reruns nothing."""
 
@@ -550,11 +570,39 @@ class OriginalAnswersSettings(_Settings):
         return cls(**{**out, **values})
 
 
+# The config slices the report rules pass as params, built from the stage settings above (the rules' params are
+# each settings object's params(); these group them per dataset).
+
+def datasets_data_settings(config: dict) -> dict:
+    """Every dataset's source keys (``eagle3_data.config.SOURCE_DATA_KEYS``) and shard count: what the reports
+    depend on; and ``answers: original`` where set (only then, so the other datasets' slices stay as they were)."""
+    out = {}
+    for ds in cfg.datasets(config):
+        out[ds] = {"source": NormalizeSettings.from_config(config, ds).params(),
+                   "shards": cfg.dataset_shards(config, ds)}
+        if cfg.is_original(config, ds):
+            out[ds]["answers"] = "original"
+    return out
+
+
+def generation_data_settings(config: dict, ds: str) -> dict:
+    """The generation settings of ``ds`` its responses depend on (``eagle3_data.config.GENERATION_DATA_KEYS``, and
+    ``reject_other_models`` when it is set: left at its default it changes nothing, and reruns nothing)."""
+    return GenerateSettings.from_config(config, ds).params()["generation"]
+
+
+def backends_data_settings(config: dict, ds: str) -> dict:
+    """Per backend ``ds`` uses (priority order): the keys that say which endpoint answers and how requests
+    are shaped (``eagle3_data.config.BACKEND_DATA_KEYS``); ``launch`` counts only as present or not."""
+    return GenerateSettings.from_config(config, ds).params()["backends"]
+
+
 #: every settings class and the schema section its own fields come from (tests/test_settings.py)
 SECTIONS: dict[type, str] = {
     TargetSettings: "target",
     TinyTargetSettings: "target.tiny",
     GGUFTargetSettings: "target.gguf",
+    DecontaminateSettings: "decontaminate",
     ValidateSettings: "validate",
     MergeSettings: "merge",
     ExtractSettings: "extract",

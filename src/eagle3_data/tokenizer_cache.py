@@ -2,7 +2,7 @@
 shard's) load the target tokenizer from its directory once per machine instead of once per job.
 
 ``AutoTokenizer.from_pretrained`` of a large vocabulary (Qwen3's 151,669 tokens) costs seconds per job: transformers
-rebuilds its added-token tables and probes the pipeline (``templates._as_shipped``). The cache stores the loaded
+rebuilds its added-token tables and probes the pipeline (``templates.as_shipped``). The cache stores the loaded
 tokenizer object (pickled; a fast tokenizer's Rust half is stored as its ``tokenizer.json`` text) under a key made of
 the SHA-256 of every tokenizer file in the directory (names and contents; weight files are not read), the template
 family, ``trust_remote_code`` and the versions of Python, transformers, tokenizers and this package, so an edited

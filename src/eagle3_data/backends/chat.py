@@ -124,7 +124,8 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     completion_tokens, reasoning_tokens, cost_usd (``usage.cost``, OpenRouter credits = USD), backend,
     provider (OpenRouter top-level ``provider``, else the backend name), model, latency_s, output_ids
     (``choices[0].token_ids`` / ``output_ids`` when the server returns them), prompt_ids (vLLM's top-level
-    ``prompt_token_ids`` with ``return_token_ids``, else None), completed_at.
+    ``prompt_token_ids`` with ``return_token_ids``, else None), completed_at, generation_id (the body's ``id``),
+    system_fingerprint (the body's ``system_fingerprint``: the server's engine build, when it reports one).
     Raises :class:`RetryableError` for an unusable reply shape and errors inside the body, :class:`SampleError`
     ``http_<code>`` for a client error in the body (top level or any ``choices[i].error``) that no retry can fix
     (:func:`eagle3_data.paid.client_error`), :class:`eagle3_data.paid.PaidReject` ``undecodable_reply`` for a body
@@ -191,6 +192,8 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
         "prompt_ids": as_token_ids(data.get("prompt_token_ids")),
         "completed_at": time.time(),
         "generation_id": as_text("generation_id", str(data["id"])) if data.get("id") else None,
+        "system_fingerprint": (as_text("system_fingerprint", str(data["system_fingerprint"]))
+                               if data.get("system_fingerprint") else None),
         **({"_bad_bytes": bad_bytes} if bad_bytes else {}),
     }
 

@@ -1,6 +1,6 @@
 """The workflow config: validation with defaults and short errors, cross-key checks, and the slices rules get.
 
-``rules/common.smk`` calls :func:`validate_config` (JSON schema ``schemas/config.schema.yaml``; every key with a
+``rules/common.smk`` calls :func:`validate_config` (JSON schema ``eagle3_data/config/config.schema.yaml``, shipped with the package; every key with a
 ``default`` may be left out), :func:`check_layering`, :func:`check_config` and :func:`check_api_keys` before any
 job runs; each raises :class:`ConfigError`, whose message is a few lines naming the config file and the key path
 (with a "did you mean" for a misspelt key), never a schema dump or a key's value.
@@ -18,12 +18,13 @@ The config's jobs live in modules named for what they do; this package re-export
 ``config`` module used to define, so ``from eagle3_data.config import X`` and ``cfg.X`` still work:
 
 - :mod:`.validation` - :func:`validate_config`, :func:`load_schema`, :class:`ConfigError`;
+- :mod:`.schema` - the shipped schema (:data:`SCHEMA_PATH`, :func:`schema`) and its defaults (:func:`default`, :func:`filled`);
 - :mod:`.checks` - :func:`check_config`, :func:`check_layering`, :func:`check_api_keys`,
   :func:`config_sources`, :func:`pending_generation`, :func:`resolve_target_template`;
 - :mod:`.lookup` - datasets, shards, generation settings and backends of the config (:func:`datasets`,
   :func:`generated_datasets`, :func:`original_datasets`, :func:`response_datasets`, :func:`shard_names`,
   :func:`generation_config`, :func:`backends_config`, ...);
-- :mod:`.params` - the slices rules get (``*_data_settings``, :func:`section`, :func:`selection_digest`);
+- :mod:`.params` - the content keys rules' params are made of (``*_DATA_KEYS``), :func:`section`, :func:`selection_digest`;
 - :mod:`.reruns` - :data:`RERUNS`, :func:`reruns_of`;
 - :mod:`.resources` - :func:`backend_job_seats`, :func:`seat_resource`, :func:`launch_gpus`.
 """
@@ -35,9 +36,9 @@ from .validation import (  # noqa: F401
     MAX_LISTED_PROBLEMS,
     _contains,
     _dotted,
-    _key_paths,
+    key_paths,
     _problems,
-    _resolve,
+    resolve_ref,
     _secret_path,
     _short,
     _source_of,
@@ -45,6 +46,7 @@ from .validation import (  # noqa: F401
     load_schema,
     validate_config,
 )
+from .schema import SCHEMA_PATH, default, filled, schema, schema_node  # noqa: F401
 from .lookup import (  # noqa: F401
     ORIGINAL_BACKEND,
     PRETOKENIZED_FORMATS,
@@ -74,13 +76,8 @@ from .params import (  # noqa: F401
     TARGET_DATA_KEYS,
     VALIDATE_DATA_KEYS,
     _MANIFESTS,
-    backends_data_settings,
-    datasets_data_settings,
-    generation_data_settings,
     section,
     selection_digest,
-    source_data_settings,
-    target_data_settings,
 )
 from .reruns import (  # noqa: F401
     NOTHING,

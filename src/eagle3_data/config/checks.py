@@ -93,6 +93,7 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
         unknown = [d for d in given if d not in names]
         if unknown:
             raise ConfigError(f"{key}: unknown dataset(s) {unknown}; defined: {names}")
+    _check_benchmarks(config, check_paths)
     target = config.get("target") or {}
     tpath = Path(str(target.get("path", "")))
     if check_paths and target.get("build_tiny") and tpath.exists() and not (tpath / "tiny_target.json").exists():
@@ -101,6 +102,27 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
                           "for a real model")
     if target.get("gguf"):
         _check_gguf(target, check_paths)
+
+
+def _check_benchmarks(config: dict, check_paths: bool) -> None:
+    """``decontaminate.benchmarks``: distinct names, ``field`` on a generic one, and (``check_paths``) each file
+    there (:func:`eagle3_data.decontaminate.benchmark_path`: a path, or a path in an installed package)."""
+    from ..decontaminate.benchmarks import BenchmarkError, benchmark_path
+
+    entries = ((config.get("decontaminate") or {}).get("benchmarks") or [])
+    names = [e.get("name") for e in entries]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"decontaminate.benchmarks: the name(s) {twice} are used twice; give each benchmark its own")
+    for e in entries:
+        if e.get("format") == "generic" and not e.get("field"):
+            raise ConfigError(f"decontaminate.benchmarks {e.get('name')!r}: format generic needs `field` (the "
+                              "prompt's field in each record)")
+        if check_paths:
+            try:
+                benchmark_path(e)
+            except BenchmarkError as exc:
+                raise ConfigError(f"Config error: {exc}") from None
 
 
 def _check_gguf(target: dict, check_paths: bool) -> None:

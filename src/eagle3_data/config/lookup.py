@@ -40,9 +40,9 @@ def answers_of(entry: dict | None) -> str:
     where unset)."""
     value = (entry or {}).get("answers")
     if value is None:
-        from ..settings import _default
+        from .schema import default
 
-        value = _default("datasets.<name>.answers")
+        value = default("datasets.<name>.answers")
     return value
 
 
@@ -76,9 +76,10 @@ def pretokenized_datasets(config: dict) -> list[str]:
 
 def dataset_shards(config: dict, ds: str) -> int:
     """``datasets.<ds>.shards`` (the schema's default where unset)."""
-    from ..settings import NormalizeSettings
+    from .schema import default
 
-    return NormalizeSettings.from_config(config, ds).shards
+    value = ((config.get("datasets") or {}).get(ds) or {}).get("shards")
+    return int(default("datasets.<name>.shards") if value is None else value)
 
 
 def shard_names(config: dict, ds: str) -> list[str]:

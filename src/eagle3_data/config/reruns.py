@@ -100,6 +100,21 @@ RERUNS: list[tuple[str, str]] = [
     ("datasets.<name>.generation.retry_max_s", NOTHING),
     ("datasets.<name>.generation.stop_grace_s", NOTHING),
     ("datasets.<name>.generation.*", "as generation.<key>, for that dataset only"),
+    ("decontaminate.benchmarks", "decontaminate of every prompts shard (adding the first benchmark or removing the last "
+                                 "turns the stage on or off), then generate or original_answers of the shards it "
+                                 "reruns (the journal answers every request it paid for: only prompts newly let "
+                                 "through are sent), their tokenize and validate, decontamination_report, report, "
+                                 "view, " + _BELOW_MERGE + "; never normalize or minhash; a benchmark file's content "
+                                 "is an input (a new version reruns the same)"),
+    ("decontaminate.ngram", "as decontaminate.benchmarks while benchmarks are listed; else " + NOTHING),
+    ("decontaminate.min_shared_ngrams", "as decontaminate.ngram"),
+    ("decontaminate.near_duplicates.enabled", "minhash and decontaminate of every prompts shard, then as "
+                                              "decontaminate.benchmarks"),
+    ("decontaminate.near_duplicates.threshold", "as decontaminate.benchmarks while near_duplicates.enabled (the "
+                                                "signatures are kept: no minhash); else " + NOTHING),
+    ("decontaminate.near_duplicates.num_perm", "minhash, then as decontaminate.near_duplicates.threshold"),
+    ("decontaminate.near_duplicates.shingle", "as decontaminate.near_duplicates.num_perm"),
+    ("decontaminate.near_duplicates.seed", "as decontaminate.near_duplicates.num_perm"),
     ("normalize.max_reject_rate", NOTHING),
     ("validate.max_reject_rate", NOTHING),
     ("validate.count_tolerance.aggregate_rel", NOTHING),
@@ -124,9 +139,14 @@ RERUNS: list[tuple[str, str]] = [
     ("extract.backend", "extract (every selection; nothing reusable), export, plan"),
     ("extract.layers", "as extract.backend"),
     ("extract.dtype", "as extract.backend"),
-    ("extract.final_norm", "as extract.backend"),
+    ("extract.final_norm", "as extract.backend (the default changed from post to both: a build made before "
+                           "extracts once more, unless its config names post or pre)"),
     ("extract.final_states", "as extract.backend"),
     ("extract.aux_format", "as extract.backend"),
+    ("extract.final_format", "as extract.backend"),
+    ("extract.drafters", "as extract.backend (the union of the drafters' layers is stored: adding one adds its "
+                         "layers)"),
+    ("extract.dflash_layers", "as extract.backend, with dflash or dspark in extract.drafters; else nothing"),
     ("extract.fused", NOTHING + " (the kernels that compute the states; their values are the same to the last bit "
                       "on the probe, else the module is not fused)"),
     ("extract.gpus_per_job", "plan (wall hours)"),
@@ -134,9 +154,9 @@ RERUNS: list[tuple[str, str]] = [
     ("extract.batch_tokens", NOTHING + " (plan, when it measures the throughput)"),
     ("extract.attention", NOTHING + " (plan, when it measures the throughput)"),
     ("extract.gpu_lock_dir", NOTHING),
-    ("export.layouts", "export of the layouts added"),
+    ("export.layouts", "export of the layouts added (and export_dataset for a speculators one), plan (its disk "
+                       "check; the throughput it measured is reused); never extract"),
     ("export.group_size", "export"),
-    ("export.allow_norm_mismatch", NOTHING),
     ("plan.*", "plan"),
     ("forecast.pilot_samples", "forecast_pilot and forecast (a larger pilot sends only the samples the journal "
                                "lacks)"),

@@ -105,29 +105,29 @@ def key_line(file: str | os.PathLike, path: Sequence) -> int | None:
         return None
 
 
-def _key_paths(schema: dict) -> list[tuple[str, dict]]:
+def key_paths(schema: dict) -> list[tuple[str, dict]]:
     """Every key of the schema as ``(dotted path with <name> for free-form names, resolved node)``."""
     defs = schema.get("$defs", {})
     out: list[tuple[str, dict]] = []
 
     def walk(node: dict, path: str) -> None:
-        node = _resolve(node, defs)
+        node = resolve_ref(node, defs)
         for name, child in (node.get("properties") or {}).items():
-            child = _resolve(child, defs)
+            child = resolve_ref(child, defs)
             p = f"{path}.{name}" if path else name
             out.append((p, child))
             walk(child, p)
         extra = node.get("additionalProperties")
         if isinstance(extra, dict) and ("properties" in extra or "$ref" in extra):
             p = f"{path}.<name>"
-            out.append((p, _resolve(extra, defs)))
+            out.append((p, resolve_ref(extra, defs)))
             walk(extra, p)
 
     walk(schema, "")
     return out
 
 
-def _resolve(node: dict, defs: dict) -> dict:
+def resolve_ref(node: dict, defs: dict) -> dict:
     """``node`` with its ``$ref`` (``#/$defs/x``) expanded; sibling keywords win, sibling ``properties`` are merged
     key by key (that is how the top-level ``generation`` adds its defaults to the shared definition)."""
     ref = node.get("$ref")
@@ -244,7 +244,7 @@ def validate_config(config: dict, schema: dict, *, files: Sequence[tuple[str, di
     (``path: what is wrong``; an unknown key gets the closest valid key at its level, "did you mean", or the
     section it belongs to), at most :data:`MAX_LISTED_PROBLEMS` of them.
     """
-    all_keys = [p for p, _ in _key_paths(schema)]
+    all_keys = [p for p, _ in key_paths(schema)]
     errors = list(_validator(schema).iter_errors(config))
     if not errors:
         check_bounds(config, files)

@@ -2,38 +2,56 @@
 
 One file holds the states of the samples of one token shard (a merge selection: the kept samples of one
 validated dataset shard, truncated to ``merge.max_len``), concatenated without padding. T = tokens in the
-file, N = samples, H = hidden size, A = number of auxiliary layers:
+file, N = samples, H = hidden size, U = number of auxiliary layers stored (the union of every requested drafter's
+layers, ``layers``):
 
-======================  ==========  =====================================================
-tensor                  shape       dtype
-======================  ==========  =====================================================
-``input_ids``           [T]         int32
-``loss_mask``           [T]         int8 (0/1)
-``aux_hidden_states``   [T, A*H]    ``dtype`` (layer j at columns ``j*H:(j+1)*H``)
-``hidden_states``       [T, H]      ``dtype`` (final state; ``final_norm`` says post- or pre-norm)
-``sample_offsets``      [N+1]       int64; sample n = rows ``offsets[n]:offsets[n+1]``
-======================  ==========  =====================================================
+========================  ==========  =====================================================
+tensor                    shape       dtype
+========================  ==========  =====================================================
+``input_ids``             [T]         int32
+``loss_mask``             [T]         int8 (0/1)
+``aux_hidden_states``     [T, U*H]    ``dtype`` (layer ``layers[j]`` at columns ``j*H:(j+1)*H``)
+``hidden_states``         [T, H]      ``dtype`` (final state; ``final_norm`` says which, below)
+``sample_offsets``        [N+1]       int64; sample n = rows ``offsets[n]:offsets[n+1]``
+``final_norm_weight``     [H]         float32; only with ``final_norm: both``
+``hidden_states_post``    [T, H]      as ``hidden_states``; only with ``final_norm: both`` and ``norm_formula: none``
+========================  ==========  =====================================================
 
-Storage savers (optional, recorded in the metadata; :func:`load_states` and :meth:`StatesFile.sample` undo
-both):
+The final state (``final_norm``): ``post`` = the final norm's output (HF ``hidden_states[-1]``; SpecForge,
+Model-Optimizer), ``pre`` = its input (vLLM / speculators, which apply the norm themselves), ``both`` = its input,
+with the norm's weight (``final_norm_weight``), ``norm_eps`` and the formula measured on the first batch
+(``norm_formula``, :mod:`.norm`), so readers derive the post-norm rows; when no formula reproduced the model's
+norm (``norm_formula: none``) the post-norm rows are stored too (``hidden_states_post``). :meth:`StatesFile.sample`
+and :func:`load_states` return either form (``final="post"`` / ``"pre"``).
+
+Storage savers (optional, recorded in the metadata; the readers undo them):
 
 - ``final_states="supervised"``: ``hidden_states`` holds only the rows where ``final_mask`` is 1, i.e. the
   positions a draft-model loss can read a target distribution from: every supervised position ``p``
   (``loss_mask[p] == 1``) and the position right after one inside the same sample (``loss_mask[p-1] == 1``).
   That covers both shift conventions in use (SpecForge with PR #895: teacher row ``p`` for mask ``p``;
   SpecForge main / EAGLE ``dataprepare``: teacher row ``p+1`` for mask ``p``). Extra tensor ``final_mask``
-  [T] int8; ``hidden_states`` becomes [S, H] with S = ``final_mask.sum()``. Readers that need [T, H] get
-  zeros at the other rows (never read by the loss).
-- ``aux_format="fp8_e4m3"``: ``aux_hidden_states`` stored as ``F8_E4M3`` [T, A*H] with ``aux_scales``
-  [T, A] float32, one scale per token and layer (``amax / 448``); value = ``fp8.float() * scale``.
+  [T] int8; ``hidden_states`` (and ``hidden_states_post``) become [S, H] with S = ``final_mask.sum()``. Readers
+  that need [T, H] get zeros at the other rows (never read by the loss).
+- ``aux_format="fp8_e4m3"``: ``aux_hidden_states`` stored as ``F8_E4M3`` [T, U*H] with ``aux_scales``
+  [T, U] float32, one scale per token and layer (``amax / 448``); value = ``fp8.float() * scale``.
+- ``final_format="fp8_e4m3"``: ``hidden_states`` (and ``hidden_states_post``) stored as ``F8_E4M3`` [S, H]
+  with ``final_scales`` (``final_post_scales``) [S] float32, one scale per row. With both savers the EAGLE-3
+  states of an 8B target (H = 4,096, three layers) take 16,405 bytes per token (speculators' FP8 files: 16,396).
 
 Metadata (all strings): ``format``, ``backend``, ``model_path``, ``model_name``, ``model_type``,
-``model_fingerprint``, ``num_layers``, ``hidden_size``, ``layers`` (JSON list), ``layer_convention``,
-``final_norm`` ("post" | "pre"), ``dtype``, ``final_states``, ``aux_format``, ``num_samples``,
-``num_tokens``, ``sample_ids`` and ``datasets`` (JSON lists, per sample), ``source`` (the token shard),
-``selection_digest`` (the merge's digest of that selection: what a consumer checks to know the file is not
-stale) and ``state_settings`` (digest of everything the values depend on: what the stage checks before it
+``model_fingerprint``, ``num_layers``, ``hidden_size``, ``layers`` (JSON list: the stored columns' layers),
+``drafter_layers`` (JSON ``{drafter: [layer, ...]}``: the layers each drafter reads, picked from ``layers`` by the
+exports; files before v3: ``{"eagle3": layers}``), ``layer_convention``, ``final_norm`` ("post" | "pre" |
+"both"), and with ``both`` ``norm_formula``, ``norm_eps``, ``norm_check`` (JSON: the first batch's
+comparison, :func:`.norm.check_formulas`), ``dtype``, ``final_states``, ``aux_format``, ``final_format``,
+``num_samples``, ``num_tokens``, ``sample_ids`` and ``datasets`` (JSON lists, per sample), ``source`` (the token
+shard), ``selection_digest`` (the merge's digest of that selection: what a consumer checks to know the file is
+not stale) and ``state_settings`` (digest of everything the values depend on: what the stage checks before it
 reuses a sample's rows).
+
+Formats: v3 (this one) added the drafter layers, ``final_norm: both`` and ``final_format``; v1 and v2 files read
+as before (their rows are the same bytes: a v2 file's rows are reused by a v3 job with the same settings).
 
 The file is a plain safetensors file (any safetensors reader opens it). :class:`HiddenStateWriter` lays it
 out as it is computed: the header first (sizes are known from the token shard), then each sample's rows at
@@ -53,14 +71,19 @@ import pyarrow.parquet as pq
 
 from ..io import atomic_path
 
-FORMAT = "eagle3-data/hidden-states/v2"
-#: formats the readers accept (v1: one file per merged shard, no selection/settings digests)
-READABLE_FORMATS = ("eagle3-data/hidden-states/v1", FORMAT)
+FORMAT = "eagle3-data/hidden-states/v3"
+#: the encoding of a file's rows, in :func:`~.stage.settings_digest`: unchanged since v2, so the rows of a v2 file
+#: computed with the same settings are reused by a v3 job
+ROWS_FORMAT = "eagle3-data/hidden-states/v2"
+#: formats the readers accept (v1: one file per merged shard, no selection/settings digests; v2: no drafter layers,
+#: no ``final_norm: both``, no ``final_format``)
+READABLE_FORMATS = ("eagle3-data/hidden-states/v1", "eagle3-data/hidden-states/v2", FORMAT)
 DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _CODE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4, "I8": 1}
 FINAL_STATES = ("all", "supervised")
-FINAL_NORMS = ("post", "pre")
+FINAL_NORMS = ("post", "pre", "both")
 AUX_FORMATS = ("same", "fp8_e4m3")
+FINAL_FORMATS = ("same", "fp8_e4m3")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -187,21 +210,29 @@ class HiddenStateWriter:
     sample's computed rows in place through a memory map, :meth:`copy` puts rows reused from an earlier file
     in place byte for byte, and the temporary file is renamed onto ``out_path`` only when the block ends
     without error and every sample was written (a crash leaves no file). :meth:`write` applies the storage
-    savers (``final_states``, ``aux_format``).
+    savers (``final_states``, ``aux_format``, ``final_format``).
+
+    ``norm_weight`` ([H] float tensor or array; ``final_norm: both``) is stored as ``final_norm_weight``;
+    ``store_post`` adds ``hidden_states_post`` (then :meth:`write` takes the post-norm rows too).
     """
 
     def __init__(self, out_path, shard: TokenShard, *, hidden_size: int, num_aux: int, dtype: str,
-                 final_states: str, aux_format: str, metadata: dict):
+                 final_states: str, aux_format: str, metadata: dict, final_format: str = "same",
+                 norm_weight=None, store_post: bool = False):
         import torch
 
         self.out_path, self.shard = out_path, shard
         self.H, self.A = int(hidden_size), int(num_aux)
         self.dtype, self.final_states, self.aux_format = dtype, final_states, aux_format
+        self.final_format, self.store_post = final_format, bool(store_post)
         self.tdtype = getattr(torch, dtype)
         self.elt = torch.tensor([], dtype=self.tdtype).element_size()
         self.ibits = getattr(torch, f"int{8 * self.elt}")
         self.raw = np.dtype(f"u{self.elt}")  # float bits as unsigned ints (numpy has no bfloat16)
         self.fp8 = aux_format == "fp8_e4m3"
+        self.ffp8 = final_format == "fp8_e4m3"
+        self.norm_weight = None if norm_weight is None else np.asarray(
+            norm_weight.float().cpu() if hasattr(norm_weight, "float") else norm_weight, dtype=np.float32)
         T, n, H, A = shard.T, shard.n, self.H, self.A
         if final_states == "supervised":
             self.fmask = supervised_final_mask(shard.mask, shard.offsets)
@@ -211,15 +242,24 @@ class HiddenStateWriter:
         self.S = int(self.frow[-1]) if self.fmask is not None else T
         self.metadata = {k: str(v) for k, v in metadata.items()}
         self.metadata.update(format=FORMAT, final_states=final_states, aux_format=aux_format, dtype=dtype,
-                             num_samples=str(n), num_tokens=str(T), hidden_size=str(H))
-        elt = self.elt
+                             final_format=final_format, num_samples=str(n), num_tokens=str(T), hidden_size=str(H))
+        elt, S = self.elt, self.S
         tensors = [("sample_offsets", "I64", [n + 1], (n + 1) * 8)]
         if self.fp8:
             tensors += [("aux_hidden_states", "F8_E4M3", [T, A * H], T * A * H), ("aux_scales", "F32", [T, A], T * A * 4)]
         else:
             tensors += [("aux_hidden_states", DTYPES[dtype], [T, A * H], T * A * H * elt)]
-        tensors += [("hidden_states", DTYPES[dtype], [self.S, H], self.S * H * elt),
-                    ("input_ids", "I32", [T], T * 4), ("loss_mask", "I8", [T], T)]
+        for name, scales in (("hidden_states", "final_scales"),) + (
+                (("hidden_states_post", "final_post_scales"),) if self.store_post else ()):
+            if self.ffp8:
+                tensors += [(name, "F8_E4M3", [S, H], S * H), (scales, "F32", [S], S * 4)]
+            else:
+                tensors += [(name, DTYPES[dtype], [S, H], S * H * elt)]
+        if self.norm_weight is not None:
+            if self.norm_weight.shape != (H,):
+                raise ValueError(f"final norm weight has shape {self.norm_weight.shape}, expected ({H},)")
+            tensors.append(("final_norm_weight", "F32", [H], H * 4))
+        tensors += [("input_ids", "I32", [T], T * 4), ("loss_mask", "I8", [T], T)]
         if self.fmask is not None:
             tensors.append(("final_mask", "I8", [T], T))
         self.tensors = tensors
@@ -234,7 +274,7 @@ class HiddenStateWriter:
                 pos = _write_header(fh, self.tensors, self.metadata)
             size = os.path.getsize(tmp)
             self._mm = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(size,)) if size else None
-            sh, T = self.shard, self.shard.T
+            sh, T, S = self.shard, self.shard.T, self.S
 
             def view(name, np_dtype, shape):
                 start = pos[name]
@@ -243,7 +283,10 @@ class HiddenStateWriter:
 
             if self._mm is not None:
                 view("sample_offsets", np.int64, (sh.n + 1,))[:] = sh.offsets
-            self.aux_out = self.scale_out = self.fin_out = None
+            if self.norm_weight is not None:
+                view("final_norm_weight", np.float32, (self.H,))[:] = self.norm_weight
+            self.aux_out = self.scale_out = None
+            self.fin_out = {}  # tensor name -> (rows view, scales view or None)
             if T:
                 view("input_ids", np.int32, (T,))[:] = sh.ids
                 view("loss_mask", np.int8, (T,))[:] = sh.mask
@@ -252,12 +295,21 @@ class HiddenStateWriter:
                 self.aux_out = view("aux_hidden_states", np.uint8 if self.fp8 else self.raw, (T, self.A * self.H))
                 if self.fp8:
                     self.scale_out = view("aux_scales", np.float32, (T, self.A))
-            if self.S:
-                self.fin_out = view("hidden_states", self.raw, (self.S, self.H))
+            if S:
+                for name, scales in self._final_tensors():
+                    rows = view(name, np.uint8 if self.ffp8 else self.raw, (S, self.H))
+                    self.fin_out[name] = (rows, view(scales, np.float32, (S,)) if self.ffp8 else None)
         except BaseException as exc:
             self._atomic.__exit__(type(exc), exc, exc.__traceback__)
             raise
         return self
+
+    def _final_tensors(self) -> list[tuple[str, str]]:
+        """``(rows tensor, scales tensor)`` names of the stored final states: the main one, then the post-norm one."""
+        out = [("hidden_states", "final_scales")]
+        if self.store_post:
+            out.append(("hidden_states_post", "final_post_scales"))
+        return out
 
     def _span(self, i: int) -> tuple[int, int]:
         return int(self.shard.offsets[i]), int(self.shard.offsets[i + 1])
@@ -273,51 +325,83 @@ class HiddenStateWriter:
                 "equal input length)"
             )
 
-    def prepare(self, aux, final) -> list:
-        """One sample's computed states as the tensors the file stores, on their own device (so a GPU does the
-        casts and the fp8 quantisation): ``[aux bits [n, A*H], final bits [n, H]]`` (the file dtype's bits as
-        signed ints of its width), or with ``aux_format=fp8_e4m3`` ``[fp8 bits [n, A*H] uint8, scales [n, A]
-        float32, final bits [n, H]]``. ``aux`` [n, A*H] / ``final`` [n, H]: torch tensors of any float dtype.
-        What :meth:`put` takes, once on the host."""
+    def _prepare_final(self, final) -> list:
         import torch
 
-        fin = final.to(self.tdtype).contiguous().view(self.ibits)
+        if self.ffp8:
+            q, sc = quantize_fp8(final, 1)
+            return [q.contiguous().view(torch.uint8), sc.reshape(-1).contiguous()]
+        return [final.to(self.tdtype).contiguous().view(self.ibits)]
+
+    def prepare(self, aux, final, post=None) -> list:
+        """One sample's computed states as the tensors the file stores, on their own device (so a GPU does the
+        casts and the fp8 quantisation), in this order: auxiliary bits [n, A*H] (the file dtype's bits as signed
+        ints of its width; with ``aux_format=fp8_e4m3`` fp8 bits as uint8, then scales [n, A] float32), final bits
+        [n, H] (with ``final_format=fp8_e4m3`` fp8 bits, then scales [n] float32), and with ``store_post`` the
+        post-norm rows ``post`` [n, H] the same way. ``aux`` [n, A*H] / ``final`` / ``post`` [n, H]: torch
+        tensors of any float dtype. What :meth:`put` takes, once on the host. Raises ValueError when ``post``
+        is given without ``store_post`` or missing with it."""
+        import torch
+
+        if (post is not None) != self.store_post:
+            raise ValueError(f"{self.shard.path}: post-norm rows {'given' if post is not None else 'missing'} for a "
+                             f"file that {'stores' if self.store_post else 'does not store'} them")
         if self.fp8:
             q, sc = quantize_fp8(aux, self.A)
-            return [q.contiguous().view(torch.uint8), sc.contiguous(), fin]
-        return [aux.to(self.tdtype).contiguous().view(self.ibits), fin]
+            parts = [q.contiguous().view(torch.uint8), sc.contiguous()]
+        else:
+            parts = [aux.to(self.tdtype).contiguous().view(self.ibits)]
+        parts += self._prepare_final(final)
+        if post is not None:
+            parts += self._prepare_final(post)
+        return parts
 
     def put(self, i: int, parts: list) -> None:
         """Store sample ``i`` from :meth:`prepare`'s tensors as host numpy arrays (same shapes and bits).
         Raises RuntimeError when a shape differs from the sample's."""
         s, e = self._span(i)
-        aux, fin = parts[0], parts[-1]
-        self.check_shapes(i, aux.shape, fin.shape)
+        k = 2 if self.fp8 else 1
+        aux = parts[0]
+        step = 2 if self.ffp8 else 1
+        finals = [parts[k + j * step:k + (j + 1) * step] for j in range(len(self._final_tensors()))]
+        self.check_shapes(i, aux.shape, finals[0][0].shape)
         if self.fp8:
             self.aux_out[s:e] = aux.view(np.uint8)
             self.scale_out[s:e] = parts[1]
         else:
             self.aux_out[s:e] = aux.view(self.raw)
-        fin = fin.view(self.raw)
-        if self.fmask is None:
-            self.fin_out[s:e] = fin
-        elif self.frow[e] > self.frow[s]:
-            self.fin_out[self.frow[s]:self.frow[e]] = fin[self.fmask[s:e].astype(bool)]
+        if self.fmask is not None:
+            keep = self.fmask[s:e].astype(bool)
+            r0, r1 = int(self.frow[s]), int(self.frow[e])
+        for (name, _), part in zip(self._final_tensors(), finals):
+            if not self.S:
+                break
+            rows_out, scales_out = self.fin_out[name]
+            rows = part[0].view(np.uint8 if self.ffp8 else self.raw)
+            if self.fmask is None:
+                rows_out[s:e] = rows
+                if scales_out is not None:
+                    scales_out[s:e] = part[1]
+            elif r1 > r0:
+                rows_out[r0:r1] = rows[keep]
+                if scales_out is not None:
+                    scales_out[r0:r1] = part[1][keep]
         self.done[i] = True
 
-    def write(self, i: int, aux, final) -> None:
+    def write(self, i: int, aux, final, post=None) -> None:
         """Store sample ``i`` computed: ``aux`` [len_i, A*H] and ``final`` [len_i, H] torch tensors (any float
-        dtype, any device; cast to the file dtype), in the calling thread (:meth:`prepare`, a blocking copy to
-        the host, :meth:`put`). Raises RuntimeError when a shape differs from the sample's (a capture must have
-        exactly its input's length)."""
+        dtype, any device; cast to the file dtype; ``post`` [len_i, H]: the post-norm rows, with ``store_post``),
+        in the calling thread (:meth:`prepare`, a blocking copy to the host, :meth:`put`). Raises RuntimeError
+        when a shape differs from the sample's (a capture must have exactly its input's length)."""
         self.check_shapes(i, aux.shape, final.shape)
-        self.put(i, [t.cpu().numpy() for t in self.prepare(aux, final)])
+        self.put(i, [t.cpu().numpy() for t in self.prepare(aux, final, post)])
 
     def copy(self, i: int, src: "StatesFile", j: int) -> None:
         """Store sample ``i`` from sample ``j`` of ``src``, byte for byte: the first ``len_i`` rows of ``j``
         (its prefix when sample ``i`` is a truncation of ``j``; a causal model's states at a position depend on
         the tokens up to it only). The caller checks that ``src`` has the same layout settings
-        (:meth:`StatesFile.same_settings`) and that ids and loss mask agree on those rows (:func:`reusable`).
+        (:meth:`StatesFile.same_settings`; and, for ``final_norm: both``, whether it stores the post-norm rows)
+        and that ids and loss mask agree on those rows (:func:`reusable`).
         """
         s, e = self._span(i)
         n = e - s
@@ -326,12 +410,16 @@ class HiddenStateWriter:
         if self.fp8:
             self.scale_out[s:e] = src.rows("aux_scales", np.float32)[ss:ss + n]
         if self.fmask is None:
-            self.fin_out[s:e] = src.rows("hidden_states")[ss:ss + n]
+            r0, r1, f0 = s, e, ss
         else:
-            k = int(self.frow[e] - self.frow[s])
-            if k:
-                fs = int(src.frow[ss])
-                self.fin_out[self.frow[s]:self.frow[e]] = src.rows("hidden_states")[fs:fs + k]
+            r0, r1 = int(self.frow[s]), int(self.frow[e])
+            f0 = int(src.frow[ss])
+        if r1 > r0:
+            for name, scales in self._final_tensors():
+                rows_out, scales_out = self.fin_out[name]
+                rows_out[r0:r1] = src.rows(name)[f0:f0 + r1 - r0]
+                if scales_out is not None:
+                    scales_out[r0:r1] = src.rows(scales, np.float32)[f0:f0 + r1 - r0]
         self.done[i] = True
 
     def sync(self) -> None:
@@ -358,7 +446,8 @@ class HiddenStateWriter:
         if self._mm is not None:
             if exc_type is None and err is None:
                 self._mm.flush()
-            self.aux_out = self.scale_out = self.fin_out = None
+            self.aux_out = self.scale_out = None
+            self.fin_out = {}
             self._mm = None
         if exc_type is None and err is None:
             self._atomic.__exit__(None, None, None)  # fsync + rename into place
@@ -377,7 +466,9 @@ class StatesFile:
 
     Attributes: ``path``, ``meta`` (metadata dict), ``sample_ids``, ``datasets``, ``offsets`` [N+1] int64,
     ``ids`` [T] int32, ``mask`` [T] int8, ``index`` ({sample_id: row in the file}), ``frow`` ([T+1] int64
-    prefix counts of ``final_mask``, or None when every final row is stored).
+    prefix counts of ``final_mask``, or None when every final row is stored), ``layers`` (the stored auxiliary
+    layers, column order), ``drafter_layers`` ({drafter: layers}), ``final_forms`` (the final states it serves:
+    ``{"post"}``, ``{"pre"}`` or both).
 
     Raises ValueError naming the file when it is not a hidden-states file of a readable format.
     """
@@ -400,6 +491,11 @@ class StatesFile:
             self.frow = np.concatenate([[0], np.cumsum(fm, dtype=np.int64)])
         else:
             self.frow = None
+        self.layers = json.loads(self.meta.get("layers", "[]"))
+        self.drafter_layers = json.loads(self.meta["drafter_layers"]) if "drafter_layers" in self.meta else {
+            "eagle3": list(self.layers)}
+        norm = self.meta.get("final_norm", "post")
+        self.final_forms = {"post", "pre"} if norm == "both" else {norm}
 
     def rows(self, name: str, np_dtype=None) -> np.ndarray:
         """Tensor ``name`` as a read-only memory-mapped numpy array: ``np_dtype`` if given, else float/fp8
@@ -413,33 +509,83 @@ class StatesFile:
         """Whether this file's values were computed with ``state_settings`` (digest; see stage.settings_digest)."""
         return self.meta.get("state_settings") == state_settings
 
-    def sample(self, j: int, dtype=None) -> dict:
+    def layer_index(self, layers) -> list[int]:
+        """Column block (0-based, of ``layers``) of each of ``layers`` in the stored auxiliary states. Raises
+        ValueError naming the file and the missing layers."""
+        missing = [x for x in layers if x not in self.layers]
+        if missing:
+            raise ValueError(f"{self.path}: auxiliary layers {missing} are not stored (it holds {self.layers}); "
+                             "add the drafter that reads them to extract.drafters")
+        return [self.layers.index(x) for x in layers]
+
+    def final_rows(self, s: int, e: int, final: str | None = None, dtype=None):
+        """The final states of rows ``s:e`` as a [e - s, H] tensor in ``dtype`` (default: the file's dtype): the
+        form ``final`` (``"post"`` | ``"pre"``; None: as stored), rows not stored under ``final_states=supervised``
+        zeros. Raises ValueError naming the file and ``extract.final_norm`` when it cannot serve ``final``."""
+        import torch
+
+        fdtype = getattr(torch, self.meta.get("dtype", "float32"))
+        out_dtype = dtype or fdtype
+        norm = self.meta.get("final_norm", "post")
+        if final is not None and final not in self.final_forms:
+            raise ValueError(f"{self.path}: holds {norm}-norm final states, not {final}-norm; extract with "
+                             f"extract.final_norm: both (or {final})")
+        name, derive = "hidden_states", False
+        if norm == "both" and final == "post":
+            if "hidden_states_post" in self.tensors:
+                name = "hidden_states_post"
+            else:
+                derive = True
+        H = int(self.meta["hidden_size"])
+        if self.frow is None:
+            k0, k1, keep = s, e, None
+        else:
+            k0, k1 = int(self.frow[s]), int(self.frow[e])
+            keep = torch.from_numpy(np.array(self.rows("final_mask", np.int8)[s:e])).bool()
+        if self.meta.get("final_format", "same") == "fp8_e4m3":
+            scales_name = "final_post_scales" if name == "hidden_states_post" else "final_scales"
+            q = torch.from_numpy(np.array(self.rows(name)[k0:k1])).view(torch.float8_e4m3fn)
+            sc = torch.from_numpy(np.array(self.rows(scales_name, np.float32)[k0:k1]))
+            got = dequantize_fp8(q, sc[:, None], fdtype)
+        else:
+            got = _as_float(np.array(self.rows(name)[k0:k1]), fdtype)
+        if derive and k1 > k0:
+            from .norm import apply_norm
+
+            weight = torch.from_numpy(np.array(self.rows("final_norm_weight", np.float32)))
+            got = apply_norm(got, weight, float(self.meta["norm_eps"]), self.meta["norm_formula"], fdtype)
+        got = got.to(out_dtype)
+        if keep is None:
+            return got
+        fin = torch.zeros((e - s, H), dtype=out_dtype)
+        if k1 > k0:
+            fin[keep] = got
+        return fin
+
+    def sample(self, j: int, dtype=None, *, final: str | None = None, layers=None) -> dict:
         """Sample ``j``'s tensors with the savers undone: ``input_ids`` [n] int64, ``loss_mask`` [n] int64,
-        ``aux_hidden_states`` [n, A*H] and ``hidden_states`` [n, H] in ``dtype`` (default: the file's dtype;
-        rows not stored under ``final_states=supervised`` are zeros)."""
+        ``aux_hidden_states`` [n, A*H] and ``hidden_states`` [n, H] in ``dtype`` (default: the file's dtype).
+        ``final``: ``"post"`` or ``"pre"`` for that form of the final state (None: as stored; see
+        :meth:`final_rows`); ``layers``: the auxiliary layers to return, in that order (None: every stored one, A =
+        U). Raises ValueError (naming the setting) when the file cannot serve ``final`` or ``layers``."""
         import torch
 
         s, e = int(self.offsets[j]), int(self.offsets[j + 1])
         fdtype = getattr(torch, self.meta.get("dtype", "float32"))
         out_dtype = dtype or fdtype
-        aux_raw = np.array(self.rows("aux_hidden_states")[s:e])
-        if self.meta.get("aux_format", "same") == "fp8_e4m3":
-            q = torch.from_numpy(aux_raw).view(torch.float8_e4m3fn)
-            aux = dequantize_fp8(q, torch.from_numpy(np.array(self.rows("aux_scales", np.float32)[s:e])), out_dtype)
-        else:
-            aux = _as_float(aux_raw, fdtype).to(out_dtype)
         H = int(self.meta["hidden_size"])
-        if self.frow is None:
-            fin = _as_float(np.array(self.rows("hidden_states")[s:e]), fdtype).to(out_dtype)
+        U = len(self.layers) or self.tensors["aux_hidden_states"][1][1] // H
+        idx = list(range(U)) if layers is None else self.layer_index(layers)
+        aux_raw = np.array(self.rows("aux_hidden_states")[s:e].reshape(e - s, U, H)[:, idx])
+        if self.meta.get("aux_format", "same") == "fp8_e4m3":
+            q = torch.from_numpy(aux_raw.reshape(e - s, -1)).view(torch.float8_e4m3fn)
+            sc = np.array(self.rows("aux_scales", np.float32)[s:e][:, idx])
+            aux = dequantize_fp8(q, torch.from_numpy(sc), out_dtype)
         else:
-            fin = torch.zeros((e - s, H), dtype=out_dtype)
-            k0, k1 = int(self.frow[s]), int(self.frow[e])
-            if k1 > k0:
-                keep = torch.from_numpy(np.array(self.rows("final_mask", np.int8)[s:e])).bool()
-                fin[keep] = _as_float(np.array(self.rows("hidden_states")[k0:k1]), fdtype).to(out_dtype)
+            aux = _as_float(aux_raw.reshape(e - s, -1), fdtype).to(out_dtype)
         return {"input_ids": torch.from_numpy(np.array(self.ids[s:e])).long(),
                 "loss_mask": torch.from_numpy(np.array(self.mask[s:e])).long(),
-                "aux_hidden_states": aux, "hidden_states": fin}
+                "aux_hidden_states": aux, "hidden_states": self.final_rows(s, e, final, out_dtype)}
 
     def close(self) -> None:
         self._mm = None
@@ -457,7 +603,7 @@ def _as_float(raw: np.ndarray, tdtype):
     import torch
 
     ibits = getattr(torch, f"int{8 * raw.dtype.itemsize}")
-    return torch.from_numpy(raw.view(np.dtype(f"i{raw.dtype.itemsize}"))).view(ibits).view(tdtype)
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.dtype(f"i{raw.dtype.itemsize}"))).view(ibits).view(tdtype)
 
 
 def reusable(src: StatesFile, j: int, ids: np.ndarray, mask: np.ndarray) -> bool:
@@ -478,36 +624,37 @@ def read_hidden_states(path) -> tuple[dict, dict]:
     return tensors, meta
 
 
-def load_states(path, dtype=None) -> tuple[dict, dict]:
+def load_states(path, dtype=None, *, final: str | None = None) -> tuple[dict, dict]:
     """Read a whole hidden-states file and undo the storage savers: ``(tensors, metadata)`` with
 
     ``input_ids`` [T] int64, ``loss_mask`` [T] int64, ``sample_offsets`` [N+1] int64,
-    ``aux_hidden_states`` [T, A*H] and ``hidden_states`` [T, H] in ``dtype`` (default: the file's
-    ``dtype``; fp8 auxiliary states are dequantised with their scales; rows not stored under
-    ``final_states=supervised`` are zeros), and ``final_mask`` [T] bool (all True when every row is stored).
+    ``aux_hidden_states`` [T, U*H] and ``hidden_states`` [T, H] in ``dtype`` (default: the file's
+    ``dtype``; fp8 states are dequantised with their scales; rows not stored under
+    ``final_states=supervised`` are zeros; ``final``: ``"post"`` | ``"pre"`` | None as in
+    :meth:`StatesFile.final_rows`), and ``final_mask`` [T] bool (all True when every row is stored).
+    Raises ValueError naming the file when it cannot serve ``final``.
     """
     import torch
 
-    t, meta = read_hidden_states(path)
-    out_dtype = dtype or getattr(torch, meta.get("dtype", "float32"))
-    T = t["input_ids"].shape[0]
-    if meta.get("aux_format", "same") == "fp8_e4m3":
-        aux = dequantize_fp8(t["aux_hidden_states"], t["aux_scales"], out_dtype)
-    else:
-        aux = t["aux_hidden_states"].to(out_dtype)
-    fin = t["hidden_states"].to(out_dtype)
-    if "final_mask" in t:
-        fmask = t["final_mask"].bool()
-        full = torch.zeros((T, fin.shape[-1]), dtype=out_dtype)
-        full[fmask] = fin
-        fin = full
-    else:
-        fmask = torch.ones(T, dtype=torch.bool)
-    return {
-        "input_ids": t["input_ids"].long(),
-        "loss_mask": t["loss_mask"].long(),
-        "sample_offsets": t["sample_offsets"].long(),
-        "aux_hidden_states": aux,
-        "hidden_states": fin,
-        "final_mask": fmask,
-    }, meta
+    with StatesFile(path) as f:
+        T = int(f.offsets[-1]) if len(f.offsets) else 0
+        fdtype = getattr(torch, f.meta.get("dtype", "float32"))
+        out_dtype = dtype or fdtype
+        H = int(f.meta["hidden_size"])
+        if f.meta.get("aux_format", "same") == "fp8_e4m3":
+            q = torch.from_numpy(np.array(f.rows("aux_hidden_states"))).view(torch.float8_e4m3fn)
+            aux = dequantize_fp8(q, torch.from_numpy(np.array(f.rows("aux_scales", np.float32))), out_dtype)
+        else:
+            aux = _as_float(np.array(f.rows("aux_hidden_states")), fdtype).to(out_dtype)
+        fin = f.final_rows(0, T, final, out_dtype) if T else torch.zeros((0, H), dtype=out_dtype)
+        fmask = (torch.from_numpy(np.array(f.rows("final_mask", np.int8))).bool() if f.frow is not None
+                 else torch.ones(T, dtype=torch.bool))
+        out = {
+            "input_ids": torch.from_numpy(np.array(f.ids)).long(),
+            "loss_mask": torch.from_numpy(np.array(f.mask)).long(),
+            "sample_offsets": torch.from_numpy(np.array(f.offsets)).long(),
+            "aux_hidden_states": aux,
+            "hidden_states": fin,
+            "final_mask": fmask,
+        }
+        return out, dict(f.meta)

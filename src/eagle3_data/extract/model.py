@@ -88,6 +88,73 @@ def resolve_layers(layers, num_layers: int) -> list[int]:
     return out
 
 
+#: the drafters whose layers one extraction can capture (``extract.drafters``)
+DRAFTERS = ("eagle3", "dflash", "dspark")
+#: draft decoder layers of a DFlash-family drafter, hence target layers it reads, when ``extract.dflash_layers`` is
+#: null: SpecForge's DFlash and DSpark configs for Qwen3-8B (``configs/qwen3-8b-dflash.json``: ``num_hidden_layers``
+#: 5; ``configs/qwen3-8b-dspark.json``: ``target_layer_ids`` [1, 9, 17, 25, 33]) and Model-Optimizer's DFlash
+#: default (``examples/speculative_decoding/doc/dflash.md``: 5 draft decoder layers). (SpecForge 0.2.0's
+#: auto-generated draft config has 1, ``specforge/algorithms/dflash/providers.py:183``; its published drafts have 5.)
+DFLASH_DRAFT_LAYERS = 5
+
+
+def dflash_layer_ids(num_layers: int, num_draft_layers: int = DFLASH_DRAFT_LAYERS) -> list[int]:
+    """The target layers a DFlash-family drafter with ``num_draft_layers`` decoder layers reads, as SpecForge 0.2.0
+    picks them (``specforge/modeling/draft/dflash.py:271-281``, ``build_target_layer_ids``): one layer,
+    ``[L // 2]``; else evenly spaced from 1 to ``L - 3``, each ``int(round(...))`` with Python's round (half to
+    even: 7.5 -> 8, 20.5 -> 20). Index i is the OUTPUT of 0-based decoder layer i: SpecForge reads
+    ``hidden_states[i + 1]`` (``extract_context_feature``, dflash.py:284-293, ``offset = 1``), the convention of
+    :data:`LAYER_CONVENTION`. Ids may repeat on a shallow target. Raises ValueError for ``num_draft_layers`` < 1
+    or an id outside ``[0, L-1]`` (a target too shallow for that many layers)."""
+    L, n = int(num_layers), int(num_draft_layers)
+    if n < 1:
+        raise ValueError(f"extract.dflash_layers: a DFlash drafter has at least one layer, got {n}")
+    if n == 1:
+        ids = [L // 2]
+    else:
+        start, end = 1, L - 3
+        ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+    if min(ids) < 0 or max(ids) > L - 1:
+        raise ValueError(f"extract.dflash_layers: {n} DFlash layers of a {L}-layer target give ids {ids} outside "
+                         f"[0, {L - 1}]; set extract.dflash_layers to a list of layers")
+    return ids
+
+
+def resolve_drafter_layers(drafters, layers, dflash_layers, num_layers: int) -> tuple[list[int], dict]:
+    """The layers one extraction captures for every drafter in ``drafters`` (:data:`DRAFTERS`), stored once.
+
+    ``layers``: EAGLE-3's auxiliary layers (``extract.layers``; ``None``: :func:`default_layers`).
+    ``dflash_layers``: DFlash's and DSpark's target layers (``extract.dflash_layers``): ``None`` ->
+    :func:`dflash_layer_ids` with :data:`DFLASH_DRAFT_LAYERS`; an int n -> :func:`dflash_layer_ids` of n draft
+    layers; a list -> those layers (checked like ``layers``, repeats allowed: SpecForge concatenates what the
+    draft config names). DSpark reads the same layers as DFlash (``dflash_config.target_layer_ids``) plus the final
+    state.
+
+    Returns ``(union, per_drafter)``: ``union`` is the column order of the stored auxiliary states (EAGLE-3's layers
+    in their order, then the other drafters' layers not among them, ascending), ``per_drafter`` maps each
+    requested drafter to its layer list (in the drafter's own order). Raises ValueError naming the setting."""
+    drafters = list(drafters or ["eagle3"])
+    bad = [d for d in drafters if d not in DRAFTERS]
+    if bad or not drafters:
+        raise ValueError(f"extract.drafters: unknown drafter(s) {bad}; known: {list(DRAFTERS)}")
+    per: dict[str, list[int]] = {}
+    if "eagle3" in drafters:
+        per["eagle3"] = resolve_layers(layers, num_layers)
+    if {"dflash", "dspark"} & set(drafters):
+        if dflash_layers is None or (isinstance(dflash_layers, (int, np.integer))
+                                     and not isinstance(dflash_layers, bool)):
+            fam = dflash_layer_ids(num_layers, DFLASH_DRAFT_LAYERS if dflash_layers is None else int(dflash_layers))
+        else:
+            resolve_layers(sorted(set(dflash_layers)), num_layers)  # each an int in range (repeats allowed)
+            fam = [int(x) for x in dflash_layers]
+        for d in ("dflash", "dspark"):
+            if d in drafters:
+                per[d] = list(fam)
+    union: list[int] = list(per.get("eagle3", []))
+    rest = sorted({x for d, ls in per.items() if d != "eagle3" for x in ls} - set(union))
+    return union + rest, per
+
+
 def _head_tail(path: Path, n: int = 1 << 20) -> bytes:
     """SHA-256 of the first and last ``n`` bytes of a file."""
     h = hashlib.sha256()

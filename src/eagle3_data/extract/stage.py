@@ -13,8 +13,11 @@ link the job keeps under ``cache/hidden_states/`` because Snakemake deletes a jo
 it; or ``out_path`` itself when run by hand) and copies, byte for byte, the rows of every sample whose ids and
 loss mask are the same or a prefix of a stored sample's (a truncation by a lower ``merge.max_len``: in a
 causal model a position's states depend on the tokens up to it only), provided the file was computed with
-the same :func:`settings_digest` (backend, target checkpoint, layers, dtype, final norm, storage savers).
-The hard link shares the file's disk blocks: it costs no space while the output exists.
+the same :func:`settings_digest` (backend, target checkpoint, layers, dtype, final norm, storage savers) and,
+with ``final_norm: both``, the same final-norm formula as this job's first batch shows (:mod:`.norm`; the
+check runs on every job that forwards, before its file's header is written, since a norm no formula reproduces
+adds the post-norm rows as a tensor). The hard link shares the file's disk blocks: it costs no space while the
+output exists.
 
 Devices: with a CUDA device (``device`` ``auto`` on a GPU machine, or ``cuda``), the stage first takes
 ``gpus`` distinct devices with :func:`eagle3_data.devices.gpu_devices` (file locks), which sets
@@ -35,10 +38,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..io import write_json
-from .layout import (AUX_FORMATS, DTYPES, FINAL_NORMS, FINAL_STATES, FORMAT, HiddenStateWriter, StatesFile,
-                     TokenShard, reusable)
-from .model import LAYER_CONVENTION, model_dims, model_fingerprint, resolve_layers
+from .layout import (AUX_FORMATS, DTYPES, FINAL_FORMATS, FINAL_NORMS, FINAL_STATES, ROWS_FORMAT, HiddenStateWriter,
+                     StatesFile, TokenShard, reusable)
+from .model import LAYER_CONVENTION, model_dims, model_fingerprint, resolve_drafter_layers
 from .writeback import Writeback
 
 if TYPE_CHECKING:
@@ -50,12 +55,16 @@ BACKENDS = ("transformers", "sglang")
 
 
 def settings_digest(*, backend: str, fingerprint: str, layers: list[int], dtype: str, final_norm: str,
-                    final_states: str, aux_format: str) -> str:
+                    final_states: str, aux_format: str, final_format: str = "same") -> str:
     """Digest of everything a file's values depend on besides the token ids: two files with the same digest
     hold interchangeable rows for equal ids. Batch size, devices and attention path are not in it: they
-    change the arithmetic's rounding, not what is computed."""
-    key = {"format": FORMAT, "backend": backend, "target": fingerprint, "layers": list(layers), "dtype": dtype,
+    change the arithmetic's rounding, not what is computed. ``layers``: the stored (union) layers, in column
+    order. ``final_format`` counts only when not ``same`` and the format named is the rows' encoding
+    (``layout.ROWS_FORMAT``), so files written before either existed keep their digest."""
+    key = {"format": ROWS_FORMAT, "backend": backend, "target": fingerprint, "layers": list(layers), "dtype": dtype,
            "final_norm": final_norm, "final_states": final_states, "aux_format": aux_format}
+    if final_format != "same":
+        key["final_format"] = final_format
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -155,8 +164,10 @@ def extract_states(
             directory and renamed when complete.
         settings: :class:`~eagle3_data.settings.ExtractSettings` (the ``extract`` section and the target), fields:
         model_path: local directory of the target (config + weights); never downloaded.
-        layers: 0-based decoder layers whose OUTPUT is stored as auxiliary states, in this order; ``None`` ->
-            EAGLE-3 defaults (``model.default_layers``).
+        drafters, layers, dflash_layers: the drafters whose layers are captured (``eagle3`` | ``dflash`` |
+            ``dspark``), EAGLE-3's auxiliary layers (0-based decoder layers whose OUTPUT is stored; ``None`` ->
+            ``model.default_layers``) and DFlash's / DSpark's (``model.resolve_drafter_layers``): the union is
+            stored once, the metadata's ``drafter_layers`` says which each reads.
         dtype: ``float32`` | ``bfloat16`` | ``float16``: the compute and stored dtype.
         device: ``auto`` (cuda if the machine has a GPU, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
         batch_tokens: tokens per forward (padded tokens for the transformers padded layout, real tokens for the
@@ -170,9 +181,10 @@ def extract_states(
         gpus_per_job: devices this job holds on CUDA (the rule's ``resources: gpu``), see :func:`device_context`.
         gpu_lock_dir: lock directory for :func:`eagle3_data.devices.gpu_devices` (default there).
         final_states: ``all`` | ``supervised`` (final states only where the loss reads them).
-        aux_format: ``same`` (``dtype``) | ``fp8_e4m3`` (per-token, per-layer scales).
-        final_norm: ``post`` (output of the final norm; SpecForge, Model-Optimizer) | ``pre`` (its input;
-            vLLM / speculators, which apply the norm themselves).
+        aux_format, final_format: ``same`` (``dtype``) | ``fp8_e4m3`` (per-token scales; per layer for aux).
+        final_norm: ``both`` (the norm's input, its weight and epsilon, and the formula the first forwarded batch
+            shows it computes: :mod:`.norm`; if none does, its output too) | ``post`` (its output; SpecForge,
+            Model-Optimizer) | ``pre`` (its input; vLLM / speculators, which apply the norm themselves).
         trust_remote_code: load the target with its own code (Kimi).
         (``cache_dir``: where the script puts ``reuse_path``.)
         reuse_path: where the job keeps a hard link of its last output (module docstring); its rows (and
@@ -189,28 +201,32 @@ def extract_states(
             forwarded (``writeback`` module); ``False``: in order, in this thread (same bytes).
 
     Returns: dict with ``path, num_samples, num_tokens, forwarded_samples, forwarded_tokens, reused_samples,
-        reused_tokens, layers, hidden_size, dtype, device, devices, batches, seconds, model_seconds,
-        tokens_per_s`` (forwarded tokens per second of model time), ``bytes, final_rows, final_states,
-        aux_format, final_norm, backend, attention`` (``padded``, ``packed:<kernel>``, or the SGLang backend's
-        ``packed``) and ``timing``: seconds of ``forward_s`` (the captures: CUDA event time on a GPU),
-        ``copy_s``, ``write_s``, ``wait_s``, ``drain_s`` (the part of ``wait_s`` after the last forward;
-        ``writeback.Writeback.stats``) and ``flush_s`` (the file's flush, fsync and rename).
+        reused_tokens, layers, drafter_layers, hidden_size, dtype, device, devices, batches, seconds,
+        model_seconds, tokens_per_s`` (forwarded tokens per second of model time), ``bytes, final_rows,
+        final_states, aux_format, final_format, final_norm, norm_formula`` (``final_norm: both``, else None),
+        ``backend, attention`` (``padded``, ``packed:<kernel>``, or the SGLang backend's ``packed``) and
+        ``timing``: seconds of ``forward_s`` (the captures: CUDA event time on a GPU), ``copy_s``, ``write_s``,
+        ``wait_s``, ``drain_s`` (the part of ``wait_s`` after the last forward; ``writeback.Writeback.stats``) and
+        ``flush_s`` (the file's flush, fsync and rename).
 
-    Raises: FileNotFoundError (model dir / selection), ValueError (bad layers, dtype, saver option, backend,
-        empty sample, ids out of the vocabulary, more GPUs than the machine has), RuntimeError (a captured
+    Raises: FileNotFoundError (model dir / selection), ValueError (bad layers, drafters, dtype, saver option,
+        backend, empty sample, ids out of the vocabulary, more GPUs than the machine has), RuntimeError (a captured
         length differs from the input length: no file is written), TimeoutError (no free GPUs).
     """
     s = settings
-    model_path, layers, dtype, device, batch_tokens = s.model_path, s.layers, s.dtype, s.device, s.batch_tokens
+    model_path, dtype, device, batch_tokens = s.model_path, s.dtype, s.device, s.batch_tokens
     attention, backend, gpus, lock_dir = s.attention, s.backend, s.gpus_per_job, s.gpu_lock_dir
     final_states, aux_format, final_norm, trust_remote_code = s.final_states, s.aux_format, s.final_norm, \
         s.trust_remote_code
+    final_format = s.final_format
     if final_states not in FINAL_STATES:
         raise ValueError(f"extract final_states must be one of {FINAL_STATES}, got {final_states!r}")
     if final_norm not in FINAL_NORMS:
         raise ValueError(f"extract final_norm must be one of {FINAL_NORMS}, got {final_norm!r}")
     if aux_format not in AUX_FORMATS:
         raise ValueError(f"extract aux_format must be one of {AUX_FORMATS}, got {aux_format!r}")
+    if final_format not in FINAL_FORMATS:
+        raise ValueError(f"extract final_format must be one of {FINAL_FORMATS}, got {final_format!r}")
     if dtype not in DTYPES:
         raise ValueError(f"extract dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if batch_tokens < 1:
@@ -222,18 +238,19 @@ def extract_states(
     if attention not in ATTENTION_MODES:
         raise ValueError(f"extract attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if backend == "sglang" and final_norm != "post":
-        raise ValueError("extract backend sglang stores post-norm final states only (final_norm: post)")
+        raise ValueError("extract backend sglang stores post-norm final states only: set extract.final_norm: post")
 
     t0 = time.perf_counter()
     shard = TokenShard(selection_path)
     dims = model_dims(model_path)
     L, H, vocab = dims["num_layers"], dims["hidden_size"], dims["vocab_size"]
-    chosen = resolve_layers(layers, L)
+    chosen, per_drafter = resolve_drafter_layers(s.drafters, s.layers, s.dflash_layers, L)
     if vocab and shard.T and (shard.ids.min() < 0 or shard.ids.max() >= vocab):
         raise ValueError(f"{selection_path}: token ids outside the target's vocabulary [0, {vocab})")
     fingerprint = model_fingerprint(model_path)
     settings = settings_digest(backend=backend, fingerprint=fingerprint, layers=chosen, dtype=dtype,
-                               final_norm=final_norm, final_states=final_states, aux_format=aux_format)
+                               final_norm=final_norm, final_states=final_states, aux_format=aux_format,
+                               final_format=final_format)
 
     src = _open_reusable([reuse_path, out_path], settings)
     reuse: dict[int, int] = {}
@@ -243,7 +260,6 @@ def extract_states(
             if j is not None and reusable(src, j, shard.sample_ids_of(i), shard.mask_of(i)):
                 reuse[i] = j
     todo = [i for i in range(shard.n) if i not in reuse]
-    fwd_tokens = sum(shard.lengths[i] for i in todo)
     metadata = {
         "backend": backend,
         "model_path": str(model_path),
@@ -252,6 +268,7 @@ def extract_states(
         "model_fingerprint": fingerprint,
         "num_layers": str(L),
         "layers": json.dumps(chosen),
+        "drafter_layers": json.dumps(per_drafter),
         "layer_convention": LAYER_CONVENTION,
         "final_norm": final_norm,
         "sample_ids": json.dumps(shard.sample_ids),
@@ -260,24 +277,46 @@ def extract_states(
         "selection_digest": str(selection_digest or ""),
         "state_settings": settings,
     }
-    log.info("extract %s: %d samples / %d tokens; reusing %d samples, forwarding %d samples / %d tokens",
-             selection_path, shard.n, shard.T, len(reuse), len(todo), fwd_tokens)
-    writer = HiddenStateWriter(out_path, shard, hidden_size=H, num_aux=len(chosen), dtype=dtype,
-                               final_states=final_states, aux_format=aux_format, metadata=metadata)
     run = {"device": "none", "devices": [], "batches": 0, "model_seconds": 0.0, "attention": "none",
            "fused": {"norms": 0, "mlps": 0, "skipped": []},
            "timing": {"forward_s": 0.0, "copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0, "drain_s": 0.0}}
+    norm = None  # final_norm both: {weight, eps, formula, check}
     try:
-        with writer:
-            for i, j in reuse.items():
-                writer.copy(i, src, j)
+        with contextlib.ExitStack() as stack:
+            fwd = None
             if todo:
-                _forward(shard, todo, writer, run, model_path=model_path, layers=chosen, dtype=dtype,
-                         device=device, batch_tokens=batch_tokens, attention=attention, backend=backend, gpus=gpus,
-                         lock_dir=lock_dir, final_norm=final_norm, trust_remote_code=trust_remote_code, model=model,
-                         capture=capture, overlap=overlap, out_name=Path(out_path).name, fused=s.fused)
-            t_flush = time.perf_counter()
-        run["timing"]["flush_s"] = time.perf_counter() - t_flush
+                fwd = _Forward(shard, run, model_path=model_path, layers=chosen, dtype=dtype, device=device,
+                               batch_tokens=batch_tokens, attention=attention, backend=backend, gpus=gpus,
+                               lock_dir=lock_dir, final_norm=final_norm, trust_remote_code=trust_remote_code,
+                               model=model, capture=capture, hidden_size=H, stack=stack, fused=s.fused)
+                fwd.plan(todo)
+                if final_norm == "both":
+                    norm = fwd.first_batch_norm_check()
+                    if src is not None and reuse and not _same_norm(src, norm):
+                        log.warning("not reusing %s: its final norm was found to compute %s, this job's first batch "
+                                    "%s; forwarding every sample", src.path, src.meta.get("norm_formula"),
+                                    norm["formula"])
+                        reuse, todo = {}, list(range(shard.n))
+                        fwd.plan(todo)
+            elif final_norm == "both" and src is not None:  # (an empty selection has no rows to derive)
+                norm = _norm_of(src)
+            if norm is not None:
+                metadata.update(norm_formula=norm["formula"], norm_eps=repr(norm["eps"]),
+                                norm_check=json.dumps(norm["check"], sort_keys=True))
+            fwd_tokens = sum(shard.lengths[i] for i in todo)
+            log.info("extract %s: %d samples / %d tokens; reusing %d samples, forwarding %d samples / %d tokens",
+                     selection_path, shard.n, shard.T, len(reuse), len(todo), fwd_tokens)
+            writer = HiddenStateWriter(out_path, shard, hidden_size=H, num_aux=len(chosen), dtype=dtype,
+                                       final_states=final_states, aux_format=aux_format, final_format=final_format,
+                                       metadata=metadata, norm_weight=None if norm is None else norm["weight"],
+                                       store_post=norm is not None and norm["formula"] == "none")
+            with writer:
+                for i, j in reuse.items():
+                    writer.copy(i, src, j)
+                if fwd is not None:
+                    fwd.run(writer, overlap=overlap, out_name=Path(out_path).name)
+                t_flush = time.perf_counter()
+            run["timing"]["flush_s"] = time.perf_counter() - t_flush
     finally:
         if src is not None:
             src.close()
@@ -294,6 +333,7 @@ def extract_states(
         "reused_samples": len(reuse),
         "reused_tokens": shard.T - fwd_tokens,
         "layers": chosen,
+        "drafter_layers": per_drafter,
         "hidden_size": H,
         "dtype": dtype,
         "device": run["device"],
@@ -306,7 +346,9 @@ def extract_states(
         "final_rows": writer.S,
         "final_states": final_states,
         "aux_format": aux_format,
+        "final_format": final_format,
         "final_norm": final_norm,
+        "norm_formula": None if norm is None else norm["formula"],
         "backend": backend,
         "attention": run["attention"],
         "fused": run["fused"],
@@ -318,13 +360,29 @@ def extract_states(
     return summary
 
 
-def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run: dict, *, model_path, layers,
-             dtype, device, batch_tokens, attention, backend, gpus, lock_dir, final_norm, trust_remote_code, model,
-             capture, overlap, out_name, fused="auto") -> None:
-    """Forward the samples ``todo`` of ``shard`` in batches and write their states, each batch's copies and
-    writes overlapping the next batch's forward (``writeback``); fills ``run``."""
-    lengths = [shard.lengths[i] for i in todo]
-    with contextlib.ExitStack() as stack:
+def _norm_of(src: StatesFile) -> dict:
+    """The final-norm record of a ``final_norm: both`` file (for a job that forwards nothing)."""
+    import torch
+
+    return {"weight": torch.from_numpy(np.array(src.rows("final_norm_weight", np.float32))),
+            "eps": float(src.meta["norm_eps"]), "formula": src.meta["norm_formula"],
+            "check": json.loads(src.meta.get("norm_check", "{}"))}
+
+
+def _same_norm(src: StatesFile, norm: dict) -> bool:
+    """Whether ``src``'s rows can sit beside rows written with ``norm``: the same formula (so the same tensors)."""
+    return src.meta.get("norm_formula") == norm["formula"]
+
+
+class _Forward:
+    """The forward side of one extract job: the backend (loaded on the devices the job holds, closed with
+    ``stack``), its batch plan, the first batch's final-norm check, and the run that writes every batch's states,
+    each batch's copies and writes overlapping the next batch's forward (``writeback``); fills ``run``."""
+
+    def __init__(self, shard: TokenShard, run: dict, *, model_path, layers, dtype, device, batch_tokens, attention,
+                 backend, gpus, lock_dir, final_norm, trust_remote_code, model, capture, hidden_size, stack,
+                 fused="auto"):
+        self.shard, self.run_info, self.batch_tokens, self.dtype = shard, run, batch_tokens, dtype
         if backend == "sglang":
             from .sglang_backend import SglangBackend
 
@@ -334,8 +392,8 @@ def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run:
                 dev, ids = stack.enter_context(device_context("cuda" if device == "auto" else device, gpus,
                                                               lock_dir))
             be = SglangBackend(model_path, layers=layers, dtype=dtype, tp_size=max(1, len(ids) or gpus),
-                               batch_tokens=batch_tokens, max_len=max(lengths), trust_remote_code=trust_remote_code,
-                               capture=capture)
+                               batch_tokens=batch_tokens, max_len=max(shard.lengths),
+                               trust_remote_code=trust_remote_code, capture=capture)
         else:
             from .transformers_backend import TransformersBackend
 
@@ -348,27 +406,99 @@ def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run:
                                      trust_remote_code=trust_remote_code, attention=attention, fused=fused)
             run["fused"] = be.fused
         stack.callback(be.close)
-        if be.layers != list(layers) or be.hidden_size != writer.H:
+        if be.layers != list(layers) or be.hidden_size != hidden_size:
             raise RuntimeError(f"{shard.path}: the loaded target has layers {be.layers} / hidden size "
-                               f"{be.hidden_size}, its config says {layers} / {writer.H}")
-        batches = [[todo[k] for k in b] for b in be.batches(lengths, batch_tokens)]
-        if hasattr(be, "start"):
-            be.start([[shard.sample_ids_of(i).astype("int64").tolist() for i in b] for b in batches])
-        run.update(device=str(be.device), devices=list(ids), batches=len(batches),
-                   attention=getattr(be, "attention", "packed"))
+                               f"{be.hidden_size}, its config says {layers} / {hidden_size}")
+        self.be, self.ids = be, ids
+        self.first = None  # (batch index, captured states) of a batch forwarded before the run
+        self.first_s = 0.0  # its wall time (added to the run's model time)
+        self.store_post = False
         # CUDA event timing only where this process runs the model (SGLang's ranks run in their own processes)
-        timer = _ForwardTimer(be.device if be.name == "transformers" else "cpu")
+        self.timer = _ForwardTimer(be.device if be.name == "transformers" else "cpu")
+
+    def plan(self, todo: list[int]) -> None:
+        """Plan the batches of samples ``todo`` (forgetting a first batch captured for another plan)."""
+        sh = self.shard
+        lengths = [sh.lengths[i] for i in todo]
+        self.total = sum(lengths)
+        self.batches = [[todo[k] for k in b] for b in self.be.batches(lengths, self.batch_tokens)]
+        self.first, self.first_s = None, 0.0
+
+    def first_batch_norm_check(self) -> dict:
+        """Forward the first batch with a hook on the final norm (its input and output) and find the formula it
+        computes (:func:`.norm.check_formulas` on every row of the batch, in the stored dtype); its states are kept
+        for :meth:`run`. Returns ``{weight [H] float32, eps, formula ("none": no formula matched), check}``."""
+        import torch
+
+        from .norm import check_formulas, norm_params, pick_formula
+
+        norm_module = self.be.decoder.norm
+        seen = {}
+
+        def hook(module, args, output):
+            seen["pre"], seen["post"] = args[0], output[0] if isinstance(output, (tuple, list)) else output
+
+        handle = norm_module.register_forward_hook(hook)
+        t0 = time.perf_counter()
+        try:
+            with self.timer:
+                self.first = (0, self._capture(self.batches[0]))
+        finally:
+            handle.remove()
+        self.first_s = time.perf_counter() - t0
+        weight, eps = norm_params(norm_module)
+        tdtype = getattr(torch, self.dtype)
+        if weight is None or "pre" not in seen:
+            check, formula = {}, "none"
+        else:
+            check = check_formulas(seen["pre"], seen["post"], weight, eps, tdtype)
+            formula = pick_formula(check)
+        rows = int(seen["pre"].numel() // seen["pre"].shape[-1]) if "pre" in seen else 0
+        seen.clear()
+        self.store_post = formula == "none"
+        if self.store_post:  # the first batch's post-norm rows too (the later batches': in _capture)
+            with torch.inference_mode():
+                self.first = (0, [(aux, fin, norm_module(fin)) for aux, fin in self.first[1]])
+        log.info("final norm %s of %s: formula %s (first batch, %d rows: %s)", type(norm_module).__name__,
+                 self.be.model_name, formula, rows,
+                 ", ".join(f"{f} max {v['max_ulp']} ULP, {v['exact_share']:.4f} exact" for f, v in check.items()))
+        if formula == "none":
+            log.warning("the final norm of %s matches none of the known RMSNorm formulas: its output is stored beside "
+                        "its input (hidden_states_post), H more values per token", self.be.model_name)
+        return {"weight": weight if weight is not None else torch.zeros(self.be.hidden_size), "eps": eps or 0.0,
+                "formula": formula, "check": {"rows": rows, **check}}
+
+    def _capture(self, idx: list[int]):
+        states = self.be.capture([self.shard.sample_ids_of(i) for i in idx])
+        if self.store_post:  # the model's own norm on the rows before it: exactly its output
+            import torch
+
+            with torch.inference_mode():
+                states = [(aux, fin, self.be.decoder.norm(fin)) for aux, fin in states]
+        return states
+
+    def run(self, writer: HiddenStateWriter, *, overlap: bool, out_name: str) -> None:
+        sh, be, run, batches = self.shard, self.be, self.run_info, self.batches
+        if hasattr(be, "start"):
+            be.start([[sh.sample_ids_of(i).astype("int64").tolist() for i in b] for b in batches])
+        run.update(device=str(be.device), devices=list(self.ids), batches=len(batches),
+                   attention=getattr(be, "attention", "packed"))
+        timer = self.timer
         sink = Writeback(writer, overlap=overlap)
         t_model = time.perf_counter()
         last_log, done = t_model, 0
-        total = sum(lengths)
+        total = self.total
         try:
             for b, idx in enumerate(batches):
-                with timer:
-                    states = be.capture([shard.sample_ids_of(i) for i in idx])
+                if self.first is not None and self.first[0] == b:
+                    states = self.first[1]
+                    self.first = None
+                else:
+                    with timer:
+                        states = self._capture(idx)
                 sink.put(idx, states)
                 del states
-                done += sum(shard.lengths[i] for i in idx)
+                done += sum(sh.lengths[i] for i in idx)
                 now = time.perf_counter()
                 if now - last_log > 30 or b == len(batches) - 1:
                     log.info("extract %s: batch %d/%d, %d/%d tokens forwarded, %.0f tokens/s", out_name, b + 1,
@@ -378,7 +508,7 @@ def _forward(shard: TokenShard, todo: list[int], writer: HiddenStateWriter, run:
         except BaseException:
             sink.abort()
             raise
-        run["model_seconds"] = time.perf_counter() - t_model
+        run["model_seconds"] = time.perf_counter() - t_model + self.first_s
         run["timing"].update(sink.stats, forward_s=timer.seconds())
 
 

@@ -334,7 +334,8 @@ def load_target(model_path, *, dtype: str = "float32", device: str = "auto", dev
 class Capture:
     """Forward hooks on the chosen decoder layers and the final norm; stores their outputs per forward.
 
-    ``final_norm="post"`` keeps the norm's output, ``"pre"`` its input (the last layer's output)."""
+    ``final_norm="post"`` keeps the norm's output, ``"pre"`` and ``"both"`` its input (the last layer's output;
+    with ``both`` the stage derives the output from it, ``extract.norm``)."""
 
     def __init__(self, decoder, layers: list[int], final_norm: str = "post"):
         self.layers = layers
@@ -347,7 +348,7 @@ class Capture:
 
     def _hook(self, key):
         def fn(module, args, output):
-            if key == "final" and self.final_norm == "pre":
+            if key == "final" and self.final_norm in ("pre", "both"):
                 self.out[key] = args[0]
             else:
                 self.out[key] = output[0] if isinstance(output, (tuple, list)) else output

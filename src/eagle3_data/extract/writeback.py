@@ -76,19 +76,19 @@ class Writeback:
     # -- stage thread ---------------------------------------------------------------------------------------
     def put(self, indices: list[int], states: list[tuple]) -> None:
         """Queue the states of samples ``indices`` (``[(aux [n_i, A*H], final [n_i, H])]`` tensors, as a
-        backend's ``capture`` returns them). Returns once their copies are issued; raises the writer thread's
+        backend's ``capture`` returns them; a third tensor, the post-norm rows [n_i, H], when the file stores them). Returns once their copies are issued; raises the writer thread's
         error, or RuntimeError for a shape that differs from its sample's."""
         self._raise()
-        for i, (aux, fin) in zip(indices, states):
-            self.writer.check_shapes(i, aux.shape, fin.shape)
+        for i, st in zip(indices, states):
+            self.writer.check_shapes(i, st[0].shape, st[1].shape)
         if not self.overlap:
-            for i, (aux, fin) in zip(indices, states):
-                self.writer.write(i, aux, fin)
+            for i, st in zip(indices, states):
+                self.writer.write(i, *st)
             return
         import torch
 
         t0 = time.perf_counter()
-        parts = [self.writer.prepare(aux, fin) for aux, fin in states]
+        parts = [self.writer.prepare(*st) for st in states]
         if not parts:
             return
         device = parts[0][0].device

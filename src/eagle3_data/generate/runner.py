@@ -335,6 +335,8 @@ class Runner:
             exc.backend = backend.name if backend is not None else None
             raise
         except paid.PaidReject as exc:  # the reply itself is unusable (e.g. a cut-off body): its reject record
+            if isinstance(exc.fields, dict):
+                exc.fields["attempts"] = attempts
             exc.record = paid.reject_record(exc, {
                 "sample_id": sample.sample_id, "dataset": self.dataset, "turn": int(turn), "request_key": key,
                 "messages": json.dumps(prompt, ensure_ascii=False),
@@ -345,7 +347,7 @@ class Runner:
             "sample_id": sample.sample_id, "dataset": self.dataset, "turn": int(turn), "request_key": key,
             "messages": json.dumps(prompt, ensure_ascii=False),
             "tools": json.dumps(tools, ensure_ascii=False) if tools else None,
-            "status": "ok", "error": None,
+            "status": "ok", "error": None, "attempts": attempts,
         }
         if fields.get("cost_usd") is None and backend.cfg.cost_lookup and fields.get("generation_id"):
             st.in_flight += 1  # still counted by the budgets while its cost is unknown

@@ -49,7 +49,8 @@ def _validated_current(results: Path, ds: str, shard: str) -> bool:
     return all(t is None or e + 1e-3 >= t for e in ends for t in chain)
 
 
-def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None) -> list[dict]:
+def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None, *,
+                     decontaminated: bool = False) -> list[dict]:
     """One row per dataset of the config, from what the run left under ``results_dir``, and a ``Total`` row.
 
     Only this config's files are read: the shards ``000`` .. ``shards - 1`` of each dataset (files an earlier
@@ -61,6 +62,8 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
     tokens (:func:`_validated_current`; a stopped or failed run leaves an earlier run's files behind). The
     samples of a shard the run did not take through validate are ``left``: the same command finishes them (their
     replies are journaled). So every row adds up: samples = kept + rejected + not_sent + left.
+    ``decontaminated``: the decontaminate stage is on; its rejects ``<ds>/rejected/decontaminate/<shard>.parquet``
+    count as rejects of the source rows, as normalize's do (the prompts it drops never reach generate).
 
     A dataset with ``answers: original`` counts its rule original_answers shards the same way (their summaries
     have generate's keys), with no cost (None) and ended_by ``original answers`` (``original answers
@@ -126,8 +129,11 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None)
                 rejected += _rows_in([results / ds / "rejected" / f"{shard}.parquet"])
             else:  # generated (maybe) but not validated: the rerun of the same command finishes it
                 left += max(0, int(s.get("samples") or 0) - int(s.get("not_sent") or 0))
-        # the source rows normalize rejected are samples of the dataset too: Samples = Kept + Rejected + Not sent
-        source_rejects = _rows_in([p for p in [results / ds / "rejected" / "normalize.parquet"] if p.is_file()])
+        # the source rows normalize (and decontaminate) rejected are samples of the dataset too, before generate
+        before = [results / ds / "rejected" / "normalize.parquet"]
+        if decontaminated and not pre:
+            before += [results / ds / "rejected" / "decontaminate" / f"{s}.parquet" for s in names]
+        source_rejects = _rows_in([p for p in before if p.is_file()])
         rejected += source_rejects
         if pre:  # a pre-tokenized dataset: its validate shards, whatever their number
             kept = _rows_in([p for p in (results / ds / "validated" / f"{s}.parquet" for s in names) if p.is_file()])
@@ -235,7 +241,7 @@ def failure_causes(logs_dir="logs", since: float | None = None, limit: int = 6) 
 
 
 def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | None = None,
-                ok: bool = True, tally_path=None, run_dir=None, logs_dir="logs") -> str:
+                ok: bool = True, tally_path=None, run_dir=None, logs_dir="logs", decontaminated: bool = False) -> str:
     """The run's last lines (Snakefile ``onsuccess`` / ``onerror``): a table of :func:`run_summary_rows` and where
     the full reports are.
 
@@ -245,7 +251,7 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
     run, the one-line error of each job that failed in it (:func:`failure_causes`) is shown under the table."""
     from tabulate import tabulate
 
-    rows = run_summary_rows(datasets_config, results_dir, run_dir)
+    rows = run_summary_rows(datasets_config, results_dir, run_dir, decontaminated=decontaminated)
     if run_s is not None:
         rows[-1]["time"] = format_clock(run_s)
     body = [[_fmt(r.get(key), kind) for key, _, kind in RUN_SUMMARY_COLUMNS] for r in rows]
@@ -254,7 +260,7 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
     lines = ["Run summary" if ok else "Run summary (the run failed; what it had finished):", table,
              "Samples: source rows (= Kept + Rejected + Not sent + Left). Shards: generate finished. OK/Failed/Not "
              "sent: samples at generate (not sent: kept back by a budget or a stop). Rejected: every stage, "
-             "normalize's included. Kept: validated. Left: not validated yet (their replies are journaled; the same "
+             "normalize's" + (" and decontaminate's" if decontaminated else "") + " included. Kept: validated. Left: not validated yet (their replies are journaled; the same "
              "command finishes them). Cost: journaled responses. Time: the longest generate shard"
              + ("; Total: the run." if run_s is not None else ".")]
     over = [(r["dataset"], r["overshoot"]) for r in rows[:-1] if r.get("overshoot")]

@@ -34,7 +34,7 @@ from .core import (  # noqa: F401  (names the rest of the package and the tests 
     CompletionFormat,
     TargetTokens,
     TemplateError,
-    _as_shipped,
+    as_shipped,
     _merge,
     completion_format,
     count_tool_calls,

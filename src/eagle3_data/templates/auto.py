@@ -28,7 +28,8 @@ import os
 import re
 from pathlib import Path
 
-from .core import FORMATS, TargetTokens, TemplateError, completion_format
+from .formats import FORMATS, TemplateError, completion_format
+from .target import TargetTokens
 
 #: bump when the probes change (old cache entries are then not used)
 PROBE_VERSION = 1
@@ -276,7 +277,7 @@ def resolve_template(target: dict, cache_dir: str | os.PathLike | None = None) -
                 return info["family"], {**info, "source": "cache"}
         except (OSError, ValueError):
             pass
-    from .core import _as_shipped
+    from .shipped import as_shipped
 
     from transformers import AutoTokenizer
 
@@ -284,7 +285,7 @@ def resolve_template(target: dict, cache_dir: str | os.PathLike | None = None) -
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(target.get("trust_remote_code")))
     except Exception as exc:
         raise TemplateError(f"{path}: cannot load the target tokenizer for template: auto: {exc}") from exc
-    tok = _as_shipped(tok, str(path))
+    tok = as_shipped(tok, str(path))
     if not getattr(tok, "chat_template", None):
         raise TemplateError(f"{path}: the target tokenizer has no chat template (template: auto)")
     info = detect_family(tok, target.get("chat_template_kwargs") or {})

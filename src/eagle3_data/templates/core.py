@@ -110,10 +110,12 @@ from .target import (  # noqa: F401
     TargetTokens,
     _merge,
 )
+from .shipped import (  # noqa: F401
+    AS_FILE_CLASSES,
+    PROBE_TEXT,
+    as_shipped,
+)
 from .loading import (  # noqa: F401
-    _AS_FILE,
-    _PROBE,
-    _as_shipped,
     load_target_tokens,
     target_tokens,
 )

@@ -5,6 +5,7 @@ slice), and the check that a tokenizer encodes as its shipped ``tokenizer.json``
 from __future__ import annotations
 
 from .formats import KIMI_TOOL_TOKENS, TemplateError, completion_format
+from .shipped import as_shipped
 from .target import TargetTokens
 
 
@@ -37,7 +38,7 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
             if not trust_remote_code and ("trust_remote_code" in str(exc) or "custom code" in str(exc)):
                 hint = " (this tokenizer ships its own code: set target.trust_remote_code: true)"
             raise TemplateError(f"{path}: cannot load the target tokenizer: {exc}{hint}") from exc
-        return _as_shipped(tok, path)
+        return as_shipped(tok, path)
 
     facts = None
     if fmt is not None:
@@ -63,46 +64,6 @@ def format_token_names(fmt) -> list[str]:
     names = [fmt.end_of_turn, fmt.tool_end_of_turn, fmt.think_open, fmt.think_close, *fmt.role_markers,
              *KIMI_TOOL_TOKENS, *fmt.extra.get("tool_tokens", ())]
     return [n for n in names if isinstance(n, str)]
-
-
-#: text whose encoding tells a tokenizer pipeline that keeps spaces, newlines, digits and CJK from one that does not
-_PROBE = "Hello world, 2 + 2 = 4.\n\n  indented line\t東京 café"
-
-
-#: tokenizer classes that load tokenizer.json as it is (nothing to check)
-_AS_FILE = ("PreTrainedTokenizerFast", "TokenizersBackend")
-
-
-def _as_shipped(tok, path: str):
-    """``tok``, or the directory's ``tokenizer.json`` loaded as it is when ``tok`` encodes differently from it.
-
-    A directory declaring a class whose transformers implementation rebuilds the pipeline (DeepSeek-R1/V3 declare
-    ``LlamaTokenizerFast`` over a byte-level BPE) loads under transformers 5.0-5.21 with a Llama pre-tokenizer
-    that drops every space, so every completion fails ``round_trip``. The shipped ``tokenizer.json`` is what the
-    target's server tokenizes with: when the loaded tokenizer's ids for a probe text differ from that file's, the
-    file is loaded as it is (``PreTrainedTokenizerFast``, chat template and special tokens from the directory's
-    config). Raises :class:`TemplateError` when even that differs."""
-    import logging
-    import os
-
-    file = os.path.join(path, "tokenizer.json")
-    backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
-    if backend is None or not os.path.isfile(file) or type(tok).__name__ in _AS_FILE:
-        return tok  # the generic classes take tokenizer.json as it is
-    from tokenizers import Tokenizer
-
-    want = Tokenizer.from_file(file).encode(_PROBE, add_special_tokens=False).ids
-    if backend.encode(_PROBE, add_special_tokens=False).ids == want:
-        return tok
-    from transformers import PreTrainedTokenizerFast
-
-    logging.getLogger("eagle3_data.templates").warning(
-        "%s: transformers loads this tokenizer as %s, which encodes differently from the tokenizer.json it ships "
-        "(e.g. spaces dropped); using tokenizer.json as it is", path, type(tok).__name__)
-    fixed = PreTrainedTokenizerFast.from_pretrained(path)
-    if fixed.backend_tokenizer.encode(_PROBE, add_special_tokens=False).ids != want:
-        raise TemplateError(f"{path}: the tokenizer loads with another encoding than its tokenizer.json")
-    return fixed
 
 
 def target_tokens(target: dict, chat_template_kwargs: dict | None = None, lazy: bool = False) -> TargetTokens:
