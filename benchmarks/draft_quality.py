@@ -115,7 +115,7 @@ def fp8_export(work: Path, cfg: dict) -> Path:
     from eagle3_data import extract as ex
     from eagle3_data import schemas
     from eagle3_data.extract.transformers_backend import load_target
-    from eagle3_data.io import write_json
+    from eagle3_data.files import write_json
     from eagle3_data.settings import ExportSettings, ExtractSettings
 
     manifest = json.loads((work / "results/merged/manifest.json").read_text())

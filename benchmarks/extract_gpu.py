@@ -150,7 +150,7 @@ def make_shard(path: Path, tokens: int, vocab: int, max_len: int, seed: int = 0,
     sigma 0.9) in ``16..max_len`` up to ``tokens`` (written with pyarrow only: no schema-value check, which needs
     pandera). Returns the lengths."""
     from eagle3_data import schemas
-    from eagle3_data.io import write_parquet
+    from eagle3_data.files import write_parquet
 
     rng = np.random.default_rng(seed)
     if lengths is None:

@@ -218,7 +218,7 @@ def free_port() -> int:
 def write_prompts(path: Path, n: int) -> None:
     """The PROMPTS parquet of requests 0..n-1 (the same messages the openai client sends)."""
     from eagle3_data import schemas
-    from eagle3_data.io import write_parquet
+    from eagle3_data.files import write_parquet
 
     rows = [dict(sample_id=f"b{i:06d}", dataset="bench", source_format="bench", source_row=i, tools=None,
                  messages=json.dumps(prompt_messages(i))) for i in range(n)]

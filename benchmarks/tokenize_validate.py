@@ -58,7 +58,7 @@ import tokenizer_fixtures as F  # noqa: E402
 from eagle3_data import schemas  # noqa: E402
 from eagle3_data.templates import TargetTokens, completion_format  # noqa: E402
 from eagle3_data.settings import TokenizeSettings, ValidateSettings  # noqa: E402
-from eagle3_data.tokenize import tokenize  # noqa: E402
+from eagle3_data.tokens import tokenize  # noqa: E402
 from eagle3_data.validate import validate  # noqa: E402
 
 #: fixture name -> (template family, tokenizer builder, regex of an assistant turn in a rendered conversation)

@@ -3,7 +3,7 @@ and the Markdown as an HTML page for `snakemake --report`)."""
 from pathlib import Path
 
 from eagle3_data.errors import run_stage
-from eagle3_data.io import write_text
+from eagle3_data.files import write_text
 from eagle3_data.logs import setup_logging
 from eagle3_data.plan import plan
 from eagle3_data.report import markdown_page

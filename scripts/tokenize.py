@@ -2,7 +2,7 @@
 from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging
 from eagle3_data.settings import TokenizeSettings
-from eagle3_data.tokenize import tokenize
+from eagle3_data.tokens import tokenize
 
 log = setup_logging(snakemake.log[0])
 settings = TokenizeSettings.from_config(snakemake.config, snakemake.wildcards.ds)

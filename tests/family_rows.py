@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tokenizer_fixtures as F  # noqa: E402
 from eagle3_data.templates import TargetTokens, completion_format  # noqa: E402
-from eagle3_data.tokenize import tokenize_rows  # noqa: E402
+from eagle3_data.tokens import tokenize_rows  # noqa: E402
 from eagle3_data.validate import Context, validate_rows  # noqa: E402
 from test_templates import row  # noqa: E402
 

@@ -31,7 +31,7 @@ from eagle3_data import schemas
 from eagle3_data.settings import ExtractSettings
 from eagle3_data.extract import layout
 from eagle3_data.extract import transformers_backend as tb
-from eagle3_data.io import write_parquet
+from eagle3_data.files import write_parquet
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -14,7 +14,7 @@ import pytest
 
 import tokenizer_fixtures as F
 from eagle3_data.templates import TargetTokens, completion_format, thinking_enabled
-from eagle3_data.tokenize import tokenize_rows
+from eagle3_data.tokens import tokenize_rows
 from test_real_vocab import CASES, MULTI, ROME, SINGLE, TOOL_HISTORY, WEATHER, final_message, ok, template_ids
 from test_templates import row
 

@@ -21,7 +21,7 @@ from eagle3_data import forecast as fc  # noqa: E402
 from eagle3_data.generate import generate, request_key  # noqa: E402
 from eagle3_data.journal import read_journal  # noqa: E402
 from eagle3_data.settings import TokenizeSettings  # noqa: E402
-from eagle3_data.tokenize import tokenize  # noqa: E402
+from eagle3_data.tokens import tokenize  # noqa: E402
 
 SHARDS = ("000", "001")
 N_PER_SHARD = 12

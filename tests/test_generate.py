@@ -14,7 +14,7 @@ from fault_server import body_hash  # noqa: E402
 
 from eagle3_data import schemas  # noqa: E402
 from eagle3_data.generate import GenerationStopped, assistant_turns, generate, request_key  # noqa: E402
-from eagle3_data.io import write_parquet  # noqa: E402
+from eagle3_data.files import write_parquet  # noqa: E402
 from eagle3_data.journal import read_journal  # noqa: E402
 
 ACCEPTANCE_FAULTS = {"p429": 0.10, "p5xx": 0.05, "ptimeout": 0.02, "preset": 0.02, "perror200": 0.01,
@@ -96,7 +96,7 @@ def test_reply_values_are_checked_one_by_one():
     from eagle3_data.backends.errors import RetryableError
     from eagle3_data.backends.fields import as_cost, as_count, as_token_ids
     from eagle3_data.backends.native import parse_native_response
-    from eagle3_data.backends.settings import BackendConfig
+    from eagle3_data.backends.definition import BackendConfig
 
     assert [as_count(v) for v in (5, 5.9, "7", None, True, -1, 1e30, float("inf"), float("nan"), "x", 2**31, 2**31 - 1)] \
         == [5, 5, 7, None, None, None, None, None, None, None, None, 2**31 - 1]

@@ -99,7 +99,7 @@ def native_backend(fs, **kw) -> dict:
 @pytest.mark.parametrize("include_stop", [True, False])
 def test_native_generate_exact_ids_reasoning_split_and_tokenize_exact(tmp_path, fs, tiny, include_stop):
     from eagle3_data.templates import load_target_tokens
-    from eagle3_data.tokenize import tokenize_rows
+    from eagle3_data.tokens import tokenize_rows
 
     path, sp = tiny
     # the tiny target is Kimi K2.5-like: its prompt ends in <think>, the server's ids start with the reasoning
@@ -137,7 +137,7 @@ def test_native_generate_exact_ids_reasoning_split_and_tokenize_exact(tmp_path, 
 
 def test_native_generate_truncated_non_reasoning_and_abort(tmp_path, fs, tiny):
     from eagle3_data.templates import load_target_tokens
-    from eagle3_data.tokenize import tokenize_rows
+    from eagle3_data.tokens import tokenize_rows
 
     path, sp = tiny
     fs.app.config.update({"gen_eot": sp["<|im_end|>"], "min_tokens": 20, "max_tokens": 20, "gen_abort_rate": 0.3,

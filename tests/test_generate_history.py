@@ -11,7 +11,7 @@ import pytest
 
 from eagle3_data.backends.chat import history_reasoning
 from eagle3_data.generate import GenerationStopped
-from eagle3_data.tokenize import tokenize_rows
+from eagle3_data.tokens import tokenize_rows
 from test_generate import backends_cfg, gen_cfg, run, write_prompts
 from test_templates import target
 

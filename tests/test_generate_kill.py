@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fault_server import FaultServer, body_hash  # noqa: E402
 
 from eagle3_data import schemas  # noqa: E402
-from eagle3_data.io import write_parquet  # noqa: E402
+from eagle3_data.files import write_parquet  # noqa: E402
 from eagle3_data.journal import journal_path, read_journal  # noqa: E402
 
 N = 200

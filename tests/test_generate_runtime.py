@@ -349,7 +349,7 @@ def test_rejects_report_shows_the_error_text(tmp_path):
     import csv
 
     from eagle3_data import schemas
-    from eagle3_data.io import write_parquet
+    from eagle3_data.files import write_parquet
     from eagle3_data.report import tally
 
     text = ("http_400: Provider returned error; provider Moonshot AI; raw: {\"error\": \"not a valid model ID\"} "

@@ -126,7 +126,7 @@ def test_records_with_values_no_responses_row_can_hold_are_bad_lines(tmp_path, c
 
 
 def test_stale_partial_outputs_are_removed_but_a_live_writers_is_not(tmp_path):
-    from eagle3_data.io import atomic_path, remove_stale_partials
+    from eagle3_data.files import atomic_path, remove_stale_partials
 
     out = tmp_path / "out[1].parquet"                                  # glob characters in the name
     dead = tmp_path / ".out[1].parquet.dead1234.tmp"                   # left by a kill -9: no lock held

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data import schemas
-from eagle3_data.io import content_hash, shard_of
+from eagle3_data.files import content_hash, shard_of
 from eagle3_data.normalize import normalize
 from eagle3_data.settings import NormalizeSettings
 from eagle3_data.sources import SourceFormatError

@@ -1,5 +1,5 @@
 """Failures a user can act on are one line naming the file or setting, never a traceback, and leave no ``.tmp``:
-a full disk under an output (any stage writing through ``io.atomic_path``, or an error whose errno is only in its
+a full disk under an output (any stage writing through ``files.atomic_path``, or an error whose errno is only in its
 text, as pyarrow's), the temporary file a writer killed by SIGBUS left, a source nested too deep for the JSON
 reader, a UTF-16 source, ``EAGLE3_LIMITS_DIR`` naming a file."""
 
@@ -20,7 +20,7 @@ from test_generate import backends_cfg, run, simple_convs, write_prompts  # noqa
 
 from eagle3_data.errors import run_stage  # noqa: E402
 from eagle3_data.generate import GenerationStopped  # noqa: E402
-from eagle3_data.io import write_json, write_text  # noqa: E402
+from eagle3_data.files import write_json, write_text  # noqa: E402
 from eagle3_data.sources import SourceFormatError, iter_records  # noqa: E402
 from eagle3_data.sources.readers import InvalidLine  # noqa: E402
 
@@ -70,7 +70,7 @@ def test_a_tmp_file_a_killed_writer_left_is_gone_after_the_next_write(tmp_path):
     out = tmp_path / "states.json"
     code = f"""
 import os, signal
-from eagle3_data.io import atomic_path
+from eagle3_data.files import atomic_path
 with atomic_path({str(out)!r}) as tmp:
     tmp.write_text("half")
     os.kill(os.getpid(), signal.SIGBUS)

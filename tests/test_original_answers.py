@@ -17,7 +17,7 @@ from eagle3_data.original_answers import answer_fields, original_answers
 from eagle3_data.report import run_summary_rows, tally
 from eagle3_data.settings import OriginalAnswersSettings, TokenizeSettings, ValidateSettings
 from eagle3_data.templates import rewrite_kimi_tool_call_ids
-from eagle3_data.tokenize import tokenize
+from eagle3_data.tokens import tokenize
 from eagle3_data.validate import validate
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",

@@ -94,6 +94,12 @@ def test_the_package_has_no_import_cycle():
     assert found == [], "\n".join(", ".join(c) for c in found)
 
 
+def test_no_module_is_named_like_a_standard_library_module_and_one_is_named_settings():
+    names = [p.stem if p.name != "__init__.py" else p.parent.name for p in (SRC / "eagle3_data").rglob("*.py")]
+    assert sorted(set(names) & set(sys.stdlib_module_names) - {"__main__"}) == []
+    assert names.count("settings") == 1
+
+
 @pytest.mark.slow
 def test_a_plain_install_validates_a_config_from_another_directory(tmp_path):
     """``pip install .`` (not editable) into a folder of its own; from a directory outside the repository, the

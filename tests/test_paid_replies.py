@@ -166,7 +166,7 @@ def test_an_api_key_echoed_in_a_reply_is_never_stored(tmp_path, fs, monkeypatch,
 
 
 def test_short_keys_are_scrubbed_from_messages():
-    from eagle3_data.backends.settings import BackendConfig
+    from eagle3_data.backends.definition import BackendConfig
     from eagle3_data.paid import scrub
 
     os.environ["E3D_SHORT_KEY"] = "abc12"
@@ -183,7 +183,7 @@ def test_402_gives_replies_in_flight_the_grace_and_no_request_starts_after_it(tm
     """The 31st request gets 402 (credits, answered at once) while 7 replies of 0.2-0.4 s are in flight: every
     reply the server completed (paid) is journaled, none is bought again by the rerun, and no request reached the
     server after the first 402 had been answered."""
-    from eagle3_data.backends import http, pool
+    from eagle3_data.backends import pool, transport
 
     fs.app.config.update({"fail_after": 30, "fail_status": 402, "latency_min_s": 0.2, "latency_max_s": 0.4,
                           "fault_at": {"fail_status": "start"}})
@@ -191,7 +191,7 @@ def test_402_gives_replies_in_flight_the_grace_and_no_request_starts_after_it(tm
     # the client's own clock: when each request started going out, when the first 402 reached it (the server in
     # this process answers under the GIL: its arrival times lag by tens of ms on a busy machine)
     starts, first_402 = [], []
-    real_post, real_check = http.HttpSession.post, pool.check_status
+    real_post, real_check = transport.HttpSession.post, pool.check_status
 
     async def post(self, url, body):
         starts.append(time.monotonic())
@@ -202,7 +202,7 @@ def test_402_gives_replies_in_flight_the_grace_and_no_request_starts_after_it(tm
             first_402.append(time.monotonic())
         return real_check(backend, resp)
 
-    monkeypatch.setattr(http.HttpSession, "post", post)
+    monkeypatch.setattr(transport.HttpSession, "post", post)
     monkeypatch.setattr(pool, "check_status", check)
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(100))
     with pytest.raises(GenerationStopped, match="402") as ei:

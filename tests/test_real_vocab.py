@@ -20,7 +20,7 @@ import pytest
 
 import tokenizer_fixtures as F
 from eagle3_data.templates import TargetTokens, completion_format, load_target_tokens
-from eagle3_data.tokenize import tokenize_rows
+from eagle3_data.tokens import tokenize_rows
 from eagle3_data.validate import Context, validate_rows
 from test_templates import row
 

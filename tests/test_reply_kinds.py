@@ -11,7 +11,7 @@ import tokenizer_fixtures as F
 from eagle3_data import schemas
 from eagle3_data.templates import FINISH_REASONS, TemplateError, normalize_finish_reason
 from eagle3_data.settings import TokenizeSettings
-from eagle3_data.tokenize import tokenize, tokenize_rows
+from eagle3_data.tokens import tokenize, tokenize_rows
 from eagle3_data.validate import Context, validate_rows
 from test_templates import MULTI, row, target
 

@@ -215,7 +215,7 @@ def test_a_failing_backend_shows_down_with_why_while_it_lasts(tmp_path):
 
     from eagle3_data import progress
     from eagle3_data.backends.pool import Backend, BackendPool
-    from eagle3_data.backends.settings import BackendConfig
+    from eagle3_data.backends.definition import BackendConfig
 
     cfg = BackendConfig.from_dict("openrouter", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
                                                  "api_key_env": None, "max_concurrency": 4, "down_after_s": 30})

@@ -10,7 +10,7 @@ import pytest
 
 import tokenizer_fixtures as F
 from eagle3_data.templates import TargetTokens, TemplateError, completion_format, normalize_ids
-from eagle3_data.tokenize import tokenize_rows
+from eagle3_data.tokens import tokenize_rows
 
 KIMI_SYS = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather.",

@@ -12,7 +12,7 @@ import tokenizer_fixtures as F
 from eagle3_data import schemas
 from eagle3_data.templates import TargetTokens, TemplateError, completion_format, load_target_tokens
 from eagle3_data.settings import TokenizeSettings
-from eagle3_data.tokenize import tokenize, tokenize_batch, tokenize_rows, tokens_table
+from eagle3_data.tokens import tokenize, tokenize_batch, tokenize_rows, tokens_table
 from test_templates import MULTI, row, target
 
 

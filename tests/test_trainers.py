@@ -43,7 +43,7 @@ from eagle3_data.extract.transformers_backend import load_target
 from eagle3_data.gguf_target import build_gguf_target, gguf_file
 from eagle3_data.settings import ExportSettings, ExtractSettings, GGUFTargetSettings
 from eagle3_data.templates import target_tokens
-from eagle3_data.tokenize import tokenize_rows
+from eagle3_data.tokens import tokenize_rows
 from eagle3_data.vocab import draft_vocab_maps
 
 try:
@@ -163,7 +163,7 @@ def exports(tmp_path_factory, real_target, loaded, rows):
         out[f"{layout}_manifest"] = exp.export(merged, out[layout], layout=layout, states_dir=states,
                                                merge_manifest=manifest, settings=ExportSettings.defaults())
     from eagle3_data.vocab import token_frequencies
-    from eagle3_data.io import write_parquet
+    from eagle3_data.files import write_parquet
 
     write_parquet(token_frequencies([merged]), tmp / "freq.parquet")
     for layout in exp.SPECULATORS_LAYOUTS:

@@ -9,7 +9,7 @@ import pytest
 import tokenizer_fixtures as F
 from eagle3_data import schemas
 from eagle3_data.settings import ValidateSettings
-from eagle3_data.tokenize import tokenize_rows
+from eagle3_data.tokens import tokenize_rows
 from eagle3_data.validate import CHECKS, REASONS, Context, CountAuditFailed, RejectRateExceeded, validate, validate_rows
 from test_templates import MULTI, row, target
 

@@ -83,7 +83,7 @@ def test_body_carries_return_token_ids_only_when_on():
 
 
 def test_matching_render_exact_ids_and_prompt_ids_kept(tmp_path, fs, tiny):
-    from eagle3_data.tokenize import tokenize_rows
+    from eagle3_data.tokens import tokenize_rows
 
     path, tt = tiny
     orig = vllm_like(fs, tt, None)
@@ -120,7 +120,7 @@ def test_early_mismatch_stops_the_job_naming_position_and_tokens(tmp_path, fs, t
 
 
 def test_late_mismatch_is_a_tokenize_reject(tmp_path, fs, tiny):
-    from eagle3_data.tokenize import tokenize_rows
+    from eagle3_data.tokens import tokenize_rows
 
     path, tt = tiny
     orig = vllm_like(fs, tt, 30)  # samples 30..39 rendered otherwise by the "server": after the early check

@@ -94,7 +94,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .extract.layout import StatesFile
-from .io import atomic_path, write_json, write_parquet
+from .files import atomic_path, write_json, write_parquet
 
 if TYPE_CHECKING:
     from .settings import ExportSettings

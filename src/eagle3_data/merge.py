@@ -54,7 +54,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schemas, sql
-from .io import atomic_path, write_json
+from .files import atomic_path, write_json
 from .merge_row_keys import _row_sums, row_keys
 
 if TYPE_CHECKING:

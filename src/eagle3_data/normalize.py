@@ -1,12 +1,12 @@
 """Stage 1, normalize: a raw public source file -> per-shard PROMPTS parquet (or TOKENS for pre-tokenized
 sources) + one rejects file.
 
-Output rows (``schemas.PROMPTS``): ``sample_id`` (the source's own id, else ``io.content_hash(messages,
+Output rows (``schemas.PROMPTS``): ``sample_id`` (the source's own id, else ``files.content_hash(messages,
 tools)``), ``dataset``, ``messages`` (JSON text of OpenAI messages: role system/user/assistant/tool,
 ``content`` always a string, ``tool_calls`` with ``function.arguments`` as JSON text, ``tool_call_id``/``name``
 on tool messages; original assistant turns are kept), ``tools`` (JSON text of OpenAI tool definitions, or
 null), ``source_format``, ``source_row`` (0-based record index in the source file; for JSONL blank lines are
-not counted). Shard of a row = ``io.shard_of(sample_id, num_shards)``, so appending records to a source never
+not counted). Shard of a row = ``files.shard_of(sample_id, num_shards)``, so appending records to a source never
 moves existing samples.
 
 Every conversation passes :func:`sources.base.check_conversation`: at least one message, only the four
@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from . import schemas
 from .errors import ExpectedFailure
-from .io import atomic_path, content_hash, shard_of
+from .files import atomic_path, content_hash, shard_of
 from .sources import FORMAT_PROBE_RECORDS, RowReject, SourceFormatError, get_adapter, iter_records
 from .sources.readers import TOO_DEEP, InvalidLine
 

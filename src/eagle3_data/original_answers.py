@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from . import schemas
 from .config.lookup import ORIGINAL_BACKEND
-from .io import content_hash, write_json
+from .files import content_hash, write_json
 
 if TYPE_CHECKING:
     from .settings import OriginalAnswersSettings

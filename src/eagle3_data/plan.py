@@ -52,7 +52,7 @@ import duckdb
 
 from .extract.model import (DFLASH_DRAFT_LAYERS, default_layers, dflash_layer_ids, model_dims, model_fingerprint,
                             resolve_drafter_layers)
-from .io import write_json, write_text
+from .files import write_json, write_text
 from .formatting import format_bytes, format_hours
 
 if TYPE_CHECKING:

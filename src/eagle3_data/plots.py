@@ -26,7 +26,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from .io import atomic_path
+from .files import atomic_path
 from .report import PLOT_STEMS, open_report_db, query
 
 log = logging.getLogger("eagle3_data.plots")

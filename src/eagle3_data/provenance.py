@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import sql
-from .io import write_json, write_parquet
+from .files import write_json, write_parquet
 
 log = logging.getLogger("eagle3_data.provenance")
 

@@ -5,7 +5,7 @@ Each stage builds its output as a ``pyarrow.Table`` with the schema here and cal
 writing, so a wrong dtype, a null id or a malformed list fails at the stage that made it, naming the file.
 
 Conventions
-- ``sample_id``: the source's own id when it has one, else a content hash (see ``io.content_hash``).
+- ``sample_id``: the source's own id when it has one, else a content hash (see ``files.content_hash``).
 - ``messages`` / ``tools`` / ``tool_calls``: JSON text (OpenAI chat format), because their nested shapes
   differ row to row (tool calls, tool_call_id, names) and parquet structs would force one shape.
 - ``input_ids``: ``list<int32>`` of target-tokenizer ids; ``loss_mask``: ``list<int8>`` of 0/1, same length,
@@ -208,7 +208,7 @@ def check(table: pa.Table, kind: str, path: str = "<memory>") -> pa.Table:
 
 def write_checked(table: pa.Table, kind: str, path) -> None:
     """:func:`check` then write ``table`` atomically to ``path``."""
-    from .io import write_parquet
+    from .files import write_parquet
 
     check(table, kind, str(path))
     write_parquet(table, path)
@@ -291,7 +291,7 @@ class CheckedParquetWriter:
     def __enter__(self) -> CheckedParquetWriter:
         import pyarrow.parquet as pq
 
-        from .io import atomic_path
+        from .files import atomic_path
 
         self._cm = atomic_path(self.path, lock=True)  # a live writer's temp file is never taken for stale
         tmp = self._cm.__enter__()

@@ -418,7 +418,7 @@ def write_examples(paths, out_html, *, dataset: str, tokenizer, n: int = 3, cont
     lengths: :func:`pick_examples`) to ``out_html`` atomically; context runs longer than ``2 * context`` tokens
     are shortened to their first and last ``context``. ``tokenizer``: :func:`load_tokenizer`'s. Returns the
     sample ids shown."""
-    from .io import write_text
+    from .files import write_text
 
     views = []
     for path, sid in pick_examples(paths, n):
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.html:
-        from .io import write_text
+        from .files import write_text
 
         write_text(html_page([view], title=f"Loss mask: {view.sample_id}", context=args.context), args.html)
         print(f"wrote {args.html} ({len(view.ids):,} tokens, {view.supervised:,} supervised)")

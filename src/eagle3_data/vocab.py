@@ -23,7 +23,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from .io import atomic_path, write_json, write_parquet
+from .files import atomic_path, write_json, write_parquet
 
 if TYPE_CHECKING:
     from .settings import VocabSettings

@@ -1,9 +1,9 @@
-"""Generation backends: settings (:mod:`.settings`), the API dialects (:mod:`.chat`, :mod:`.native`), the HTTP
-session (:mod:`.http`), the backend pool (:mod:`.pool`), request limits (:mod:`.limits`) and launched local servers
+"""Generation backends: definitions (:mod:`.definition`), the API dialects (:mod:`.chat`, :mod:`.native`), the HTTP
+session (:mod:`.transport`), the backend pool (:mod:`.pool`), request limits (:mod:`.limits`) and launched local servers
 (:mod:`.server`).
 
 The names below are imported on first use (PEP 562): a job that sends nothing, or a module that needs only
-:mod:`.limits` or :mod:`.settings`, does not pay for httpx, aiohttp or the server launcher.
+:mod:`.limits` or :mod:`.definition`, does not pay for httpx, aiohttp or the server launcher.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {
-    "Backend": "pool", "BackendPool": "pool", "BackendConfig": "settings", "FatalBackendError": "errors",
+    "Backend": "pool", "BackendPool": "pool", "BackendConfig": "definition", "FatalBackendError": "errors",
     "RetryableError": "errors", "SampleError": "errors", "build_body": "chat", "parse_response": "chat",
     "LocalServer": "server", "ServerLaunchError": "server", "free_port": "server", "launch_server": "server",
 }

@@ -14,7 +14,7 @@ from . import codec
 from .errors import FatalBackendError, RetryableError, SampleError
 from .fields import as_cost, as_count, as_text, as_token_ids, parts_text
 from .request import Payload, Request
-from .settings import BackendConfig
+from .definition import BackendConfig
 
 
 def url(backend: BackendConfig) -> str:

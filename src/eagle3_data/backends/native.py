@@ -12,7 +12,7 @@ from . import codec
 from .errors import RetryableError, SampleError
 from .fields import as_count, as_token_ids
 from .request import Payload, Request
-from .settings import BackendConfig
+from .definition import BackendConfig
 
 
 def url(backend: BackendConfig) -> str:

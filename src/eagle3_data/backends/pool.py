@@ -19,9 +19,9 @@ from . import chat, native
 from ..errors import ExpectedFailure
 from .errors import BackendDown, FatalBackendError, RetryableError, SampleError
 from .fields import as_cost
-from .http import HttpSession, check_status
+from .transport import HttpSession, check_status
 from .request import Payload, Request
-from .settings import BackendConfig
+from .definition import BackendConfig
 
 logger = logging.getLogger("eagle3_data.backends")
 
@@ -41,8 +41,8 @@ def dialect_for(cfg: BackendConfig):
 
 
 class Backend:
-    """A live backend: config + HTTP session (:class:`.http.HttpSession`, sized to this job's cap) + its dialect
-    + in-flight count. ``transport``: see :class:`.http.HttpSession`.
+    """A live backend: config + HTTP session (:class:`.transport.HttpSession`, sized to this job's cap) + its dialect
+    + in-flight count. ``transport``: see :class:`.transport.HttpSession`.
 
     Concurrency: at most ``cap`` requests in flight from this job (default ``max_concurrency``); with ``slots`` (a
     :class:`.limits.HostSlots` shared by every generate job on this machine, of any run) each request also holds

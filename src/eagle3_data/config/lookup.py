@@ -84,7 +84,7 @@ def dataset_shards(config: dict, ds: str) -> int:
 
 def shard_names(config: dict, ds: str) -> list[str]:
     """Shard file stems of dataset ``ds`` (``000``, ``001``, ...)."""
-    from ..io import shard_name
+    from ..files import shard_name
 
     return [shard_name(i) for i in range(dataset_shards(config, ds))]
 
@@ -121,7 +121,7 @@ def backends_config(config: dict, ds: str) -> dict:
 
 def merged_shard_names(config: dict) -> list[str]:
     """Stems of the merged shards (``merge.shards`` of them)."""
-    from ..io import shard_name
+    from ..files import shard_name
 
     return [shard_name(i) for i in range(int(config["merge"]["shards"]))]
 

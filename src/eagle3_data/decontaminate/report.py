@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import sql
-from ..io import atomic_path, write_text
+from ..files import atomic_path, write_text
 
 COLUMNS = ["dataset", "checked", "kept", "reason", "against", "rule", "prompts", "items"]
 

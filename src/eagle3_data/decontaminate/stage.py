@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import schemas
-from ..io import write_parquet
+from ..files import write_parquet
 from .benchmarks import read_benchmark
 from .near_dup import SIGNATURES, NearDuplicateFinder, shingles, signatures
 from .overlap import OverlapIndex

@@ -69,7 +69,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from ..io import atomic_path
+from ..files import atomic_path
 
 FORMAT = "eagle3-data/hidden-states/v3"
 #: the encoding of a file's rows, in :func:`~.stage.settings_digest`: unchanged since v2, so the rows of a v2 file

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..io import write_json
+from ..files import write_json
 from .layout import (AUX_FORMATS, DTYPES, FINAL_FORMATS, FINAL_NORMS, FINAL_STATES, ROWS_FORMAT, HiddenStateWriter,
                      StatesFile, TokenShard, reusable)
 from .model import LAYER_CONVENTION, model_dims, model_fingerprint, resolve_drafter_layers

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from ..generate import generate, read_prompts, shard_share
-from ..io import content_hash, write_json
+from ..files import content_hash, write_json
 
 
 logger = logging.getLogger("eagle3_data.forecast")

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from ..io import content_hash, write_json
+from ..files import content_hash, write_json
 from .errors import ForecastError
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..formatting import dollars, format_hours, human_tokens
-from ..io import write_json, write_text
+from ..files import write_json, write_text
 from .estimate import forecast_dataset
 from .markdown import render_markdown
 from .simulation import backend_models, job_overhead, simulated_hours

@@ -8,7 +8,7 @@ One job = one dataset shard. Flow:
    conversation without an assistant message is sent whole if it ends on a user/tool message); mode ``all``
    regenerates every assistant turn in order, each prompt built from the regenerated history (sequential per
    sample). Agent trajectories are the same: the prompt is cut before an assistant step;
-3. request key = ``io.content_hash(dataset, sample_id, turn, target_name, prompt messages, tools, sampling)``
+3. request key = ``files.content_hash(dataset, sample_id, turn, target_name, prompt messages, tools, sampling)``
    with sampling = ``{max_tokens, temperature, top_p, extra_body}``: independent of the backend, so a response
    from OpenRouter satisfies the same request later routed to SGLang;
 4. read the journal (:mod:`.journal`; only the fields resume needs are kept in memory), send only missing keys;

@@ -15,9 +15,9 @@ from .. import run as run_mod
 from .. import schemas
 from ..backends import limits
 from ..backends.errors import BackendDown, FatalBackendError
-from ..backends.settings import BackendConfig
+from ..backends.definition import BackendConfig
 from ..errors import ExpectedFailure, Interrupted, log_to_file
-from ..io import content_hash, remove_stale_partials, write_json
+from ..files import content_hash, remove_stale_partials, write_json
 from ..journal import JournalWriteError, JournalWriter, read_journal, save_held
 from ..logs import tally_warnings
 from .budget import JobState

@@ -1,6 +1,6 @@
 """Prompts -> requests: the PROMPTS rows of a shard (:class:`Sample`), the turns to regenerate, the request key.
 
-Request key = ``io.content_hash(dataset, sample_id, turn, target_name, prompt messages, tools, sampling)`` with
+Request key = ``files.content_hash(dataset, sample_id, turn, target_name, prompt messages, tools, sampling)`` with
 sampling = ``{max_tokens, temperature, top_p, extra_body}``: independent of the backend, so a response from
 OpenRouter satisfies the same request later routed to SGLang.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
-from ..io import content_hash
+from ..files import content_hash
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "extra_body")
 PROMPT_ROLES = ("user", "tool")

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import duckdb
 
 from .. import schemas, sql
-from ..io import atomic_path
+from ..files import atomic_path
 
 
 SUMMARY_COLUMNS = {

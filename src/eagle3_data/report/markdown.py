@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from ..formatting import format_usd, human_tokens
-from ..io import write_text
+from ..files import write_text
 
 
 _MARKDOWN = None

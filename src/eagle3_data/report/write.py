@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from ..config.lookup import answers_of
 from ..formatting import format_duration, format_usd
-from ..io import write_text
+from ..files import write_text
 from .db import _materialize, open_report_db, query, write_csv
 from .markdown import (FRONT_PAGE, format_audit, format_cost, format_limits, format_rejects, format_tally,
                        format_throughput, front_page_fragment, write_markdown)

@@ -68,7 +68,7 @@ class RowReject(Exception):
 class Sample:
     """One usable record.
 
-    ``sample_id``: the source's own id, or None (normalize then uses ``io.content_hash`` of the messages/ids).
+    ``sample_id``: the source's own id, or None (normalize then uses ``files.content_hash`` of the messages/ids).
     ``messages``: OpenAI chat messages (role system/user/assistant/tool; ``content`` always a str;
     ``tool_calls`` / ``tool_call_id`` / ``name`` only where present). ``tools``: OpenAI tool definitions or None.
     ``input_ids`` / ``loss_mask``: only for pre-tokenized sources (then ``messages`` is None).

@@ -7,7 +7,7 @@ Columns: ``instance_id``, ``model_name``, ``target`` (resolved), ``trajectory`` 
 fenced command). No OpenAI tool calls: commands stay inside the assistant text (SWE-agent ACI), ``tools`` null.
 
 sample_id = ``{instance_id}:{model_name}:{hash8}`` where hash8 is the first 8 hex chars of
-``io.content_hash`` of the trajectory's (role, text) pairs: the dataset holds several trajectories per
+``files.content_hash`` of the trajectory's (role, text) pairs: the dataset holds several trajectories per
 (instance, model), so instance + model alone is not unique; an exact repeat of a trajectory is a
 ``duplicate_id``.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..io import content_hash
+from ..files import content_hash
 from .base import Adapter, RowReject, Sample, check_conversation
 
 NEBIUS_ROLES = {"system": "system", "user": "user", "ai": "assistant", "assistant": "assistant"}

@@ -15,7 +15,7 @@ import time
 import httpx
 
 from .errors import FatalBackendError, RetryableError, SampleError
-from .settings import BackendConfig
+from .definition import BackendConfig
 
 RETRYABLE_STATUS = {408, 409, 425, 429}
 FATAL_STATUS = {401, 402, 403}

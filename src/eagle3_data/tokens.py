@@ -1,4 +1,5 @@
-"""Stage 3, tokenize: exact target token ids and loss mask for every generated response.
+"""Stage 3, tokenize: exact target token ids and loss mask for every generated response (rule ``tokenize``; the
+module is ``tokens``, so that it does not shadow the standard library's ``tokenize``).
 
 ``input_ids = prompt_ids + completion_ids`` and ``loss_mask = [0]*len(prompt_ids) + [1]*len(completion_ids)``:
 the loss mask is 1 exactly on the generated completion, including its end-of-turn token (the ``templates`` package gives
@@ -51,7 +52,7 @@ from .templates import (
 if TYPE_CHECKING:
     from .settings import TokenizeSettings
 
-log = logging.getLogger("eagle3_data.tokenize")
+log = logging.getLogger("eagle3_data.tokens")
 
 _RESPONSE_COLUMNS = ("sample_id", "dataset", "turn", "messages", "tools", "status", "error", "reasoning", "content",
                      "tool_calls", "finish_reason", "completion_tokens", "prompt_tokens", "backend", "provider",
