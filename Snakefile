@@ -43,6 +43,7 @@ include: "rules/forecast.smk"
 
 
 rule all:
+    default_target: True
     input:
         hidden_states=states_files(MERGE_DATASETS),
         report=rules.report.output,
@@ -57,7 +58,6 @@ rule all:
         # the decontamination report, only when the stage is on (decontaminate.benchmarks / near_duplicates)
         decontamination=rules.decontamination_report.output.md if DECONTAMINATE.on else [],
         speculators_dataset=speculators_datasets(),
-    default_target: True
 
 
 onstart:

@@ -40,11 +40,15 @@ TARGET_EAGLE3_FP8 = 16_500
 CHOICES = {
     "eagle3 bf16": (["eagle3"], {}),
     "eagle3 fp8 (aux + final)": (["eagle3"], {"aux_format": "fp8_e4m3", "final_format": "fp8_e4m3"}),
-    "eagle3 fp8 aux + supervised fp8 final": (["eagle3"], {"aux_format": "fp8_e4m3", "final_format": "fp8_e4m3",
-                                                           "final_states": "supervised"}),
+    "eagle3 fp8 aux + supervised fp8 final": (
+        ["eagle3"],
+        {"aux_format": "fp8_e4m3", "final_format": "fp8_e4m3", "final_states": "supervised"},
+    ),
     "eagle3+dflash+dspark bf16": (["eagle3", "dflash", "dspark"], {}),
-    "eagle3+dflash+dspark fp8 (aux + final)": (["eagle3", "dflash", "dspark"],
-                                               {"aux_format": "fp8_e4m3", "final_format": "fp8_e4m3"}),
+    "eagle3+dflash+dspark fp8 (aux + final)": (
+        ["eagle3", "dflash", "dspark"],
+        {"aux_format": "fp8_e4m3", "final_format": "fp8_e4m3"},
+    ),
 }
 
 
@@ -56,9 +60,19 @@ def make_selection(path: Path, samples: int, length: int, seed: int = 0) -> list
 
     rng = np.random.default_rng(seed)
     p = length // 3
-    rows = [{"sample_id": f"s{i}", "dataset": "bench", "input_ids": rng.integers(0, 128_000, length).tolist(),
-             "loss_mask": [0] * p + [1] * (length - p), "num_tokens": length, "num_supervised": length - p,
-             "truncated": False, "source": "bench/000"} for i in range(samples)]
+    rows = [
+        {
+            "sample_id": f"s{i}",
+            "dataset": "bench",
+            "input_ids": rng.integers(0, 128_000, length).tolist(),
+            "loss_mask": [0] * p + [1] * (length - p),
+            "num_tokens": length,
+            "num_supervised": length - p,
+            "truncated": False,
+            "source": "bench/000",
+        }
+        for i in range(samples)
+    ]
     schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", path)
     return rows
 
@@ -83,16 +97,38 @@ def write_states(sel: Path, out: Path, drafters: list, savers: dict, seed: int) 
     shard = TokenShard(sel)
     H, L = TARGET["hidden_size"], TARGET["num_hidden_layers"]
     union, per = resolve_drafter_layers(drafters, None, None, L)
-    meta = {"backend": "transformers", "model_path": "<8B config>", "model_name": "llama-8b", "model_type": "llama",
-            "model_fingerprint": "bench", "num_layers": str(L), "layers": json.dumps(union),
-            "drafter_layers": json.dumps(per), "layer_convention": "output of 0-based decoder layer i",
-            "final_norm": "both", "norm_formula": "llama", "norm_eps": "1e-05", "norm_check": "{}",
-            "sample_ids": json.dumps(shard.sample_ids), "datasets": json.dumps(shard.datasets),
-            "source": str(sel), "selection_digest": "bench", "state_settings": "bench"}
-    w = HiddenStateWriter(out, shard, hidden_size=H, num_aux=len(union), dtype="bfloat16",
-                          final_states=savers.get("final_states", "all"), aux_format=savers.get("aux_format", "same"),
-                          final_format=savers.get("final_format", "same"), metadata=meta,
-                          norm_weight=torch.ones(H))
+    meta = {
+        "backend": "transformers",
+        "model_path": "<8B config>",
+        "model_name": "llama-8b",
+        "model_type": "llama",
+        "model_fingerprint": "bench",
+        "num_layers": str(L),
+        "layers": json.dumps(union),
+        "drafter_layers": json.dumps(per),
+        "layer_convention": "output of 0-based decoder layer i",
+        "final_norm": "both",
+        "norm_formula": "llama",
+        "norm_eps": "1e-05",
+        "norm_check": "{}",
+        "sample_ids": json.dumps(shard.sample_ids),
+        "datasets": json.dumps(shard.datasets),
+        "source": str(sel),
+        "selection_digest": "bench",
+        "state_settings": "bench",
+    }
+    w = HiddenStateWriter(
+        out,
+        shard,
+        hidden_size=H,
+        num_aux=len(union),
+        dtype="bfloat16",
+        final_states=savers.get("final_states", "all"),
+        aux_format=savers.get("aux_format", "same"),
+        final_format=savers.get("final_format", "same"),
+        metadata=meta,
+        norm_weight=torch.ones(H),
+    )
     with w:
         for i in range(shard.n):
             n = shard.lengths[i]
@@ -113,9 +149,15 @@ def specforge_baseline(states: Path, rows: list, out: Path) -> int:
         for i, r in enumerate(rows):
             t = sf.sample(sf.index[r["sample_id"]], final="post", layers=sf.drafter_layers["eagle3"])
             path = out / f"data_{i}.ckpt"
-            torch.save({"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
-                        "hidden_state": t["hidden_states"].unsqueeze(0),
-                        "aux_hidden_state": t["aux_hidden_states"].unsqueeze(0)}, str(path))
+            torch.save(
+                {
+                    "input_ids": t["input_ids"],
+                    "loss_mask": t["loss_mask"],
+                    "hidden_state": t["hidden_states"].unsqueeze(0),
+                    "aux_hidden_state": t["aux_hidden_states"].unsqueeze(0),
+                },
+                str(path),
+            )
             total += os.path.getsize(path)
     return total
 
@@ -152,12 +194,20 @@ def main(argv=None) -> dict:
 
                 with StatesFile(files[name]) as sf:
                     share = float(sf.frow[-1]) / T
-            formula = pl.bytes_per_token(H, len(info["layers"]), dtype="bfloat16",
-                                         aux_format=savers.get("aux_format", "same"),
-                                         final_format=savers.get("final_format", "same"),
-                                         final=savers.get("final_states", "all"), final_share=share or 1.0)
-            states[name] = {"bytes_per_token": round(info["bytes"] / T, 1), "plan_formula": formula["total"],
-                            "layers": len(info["layers"])}
+            formula = pl.bytes_per_token(
+                H,
+                len(info["layers"]),
+                dtype="bfloat16",
+                aux_format=savers.get("aux_format", "same"),
+                final_format=savers.get("final_format", "same"),
+                final=savers.get("final_states", "all"),
+                final_share=share or 1.0,
+            )
+            states[name] = {
+                "bytes_per_token": round(info["bytes"] / T, 1),
+                "plan_formula": formula["total"],
+                "layers": len(info["layers"]),
+            }
         # every layout from the union's bf16 states (one extraction for all), speculators_fp8 also from fp8 ones
         union = files["eagle3+dflash+dspark bf16"]
         merged = tmp / "merged.parquet"
@@ -165,24 +215,43 @@ def main(argv=None) -> dict:
         manifest = {"shards": [{"samples": len(rows)}], "selections": {"bench/000": {"digest": "bench"}}}
         exports = {}
         for layout in exp.LAYOUTS:
-            m = exp.export(merged, tmp / "export" / layout, layout=layout, states_dir=union.parent.parent,
-                           merge_manifest=manifest, settings=ExportSettings.defaults())
-            exports[layout] = {"bytes_per_token": round(m["bytes"] / T, 1),
-                               "plan_formula": pl.export_bytes_per_token(layout, H)["total"]}
-        m = exp.export(merged, tmp / "export" / "speculators_fp8-from-fp8", layout="speculators_fp8",
-                       states_dir=files["eagle3+dflash+dspark fp8 (aux + final)"].parent.parent,
-                       merge_manifest=manifest, settings=ExportSettings.defaults())
-        exports["speculators_fp8 (from fp8 states)"] = {"bytes_per_token": round(m["bytes"] / T, 1),
-                                                       "plan_formula": pl.export_bytes_per_token("speculators_fp8",
-                                                                                                 H)["total"]}
+            m = exp.export(
+                merged,
+                tmp / "export" / layout,
+                layout=layout,
+                states_dir=union.parent.parent,
+                merge_manifest=manifest,
+                settings=ExportSettings.defaults(),
+            )
+            exports[layout] = {
+                "bytes_per_token": round(m["bytes"] / T, 1),
+                "plan_formula": pl.export_bytes_per_token(layout, H)["total"],
+            }
+        m = exp.export(
+            merged,
+            tmp / "export" / "speculators_fp8-from-fp8",
+            layout="speculators_fp8",
+            states_dir=files["eagle3+dflash+dspark fp8 (aux + final)"].parent.parent,
+            merge_manifest=manifest,
+            settings=ExportSettings.defaults(),
+        )
+        exports["speculators_fp8 (from fp8 states)"] = {
+            "bytes_per_token": round(m["bytes"] / T, 1),
+            "plan_formula": pl.export_bytes_per_token("speculators_fp8", H)["total"],
+        }
         baseline = specforge_baseline(union, rows, tmp / "baseline-specforge") / T
     finally:
         if a.keep is None:
             shutil.rmtree(tmp, ignore_errors=True)
     fp8 = states["eagle3 fp8 (aux + final)"]["bytes_per_token"]
     out = {
-        "benchmark": "capture_bytes", "toy": a.toy, "hidden_size": H, "num_layers": TARGET["num_hidden_layers"],
-        "samples": a.samples, "tokens_per_sample": a.length, "tokens": T,
+        "benchmark": "capture_bytes",
+        "toy": a.toy,
+        "hidden_size": H,
+        "num_layers": TARGET["num_hidden_layers"],
+        "samples": a.samples,
+        "tokens_per_sample": a.length,
+        "tokens": T,
         "states_bytes_per_token": states,
         "exports_bytes_per_token": exports,
         "baseline_specforge_bf16_bytes_per_token": round(baseline, 1),
@@ -190,8 +259,9 @@ def main(argv=None) -> dict:
         "ratio_eagle3_fp8_states_vs_baseline": round(fp8 / baseline, 4),
         "ratio_eagle3_bf16_states_vs_baseline": round(states["eagle3 bf16"]["bytes_per_token"] / baseline, 4),
         "ratio_specforge_export_vs_baseline": round(exports["specforge"]["bytes_per_token"] / baseline, 4),
-        "ratio_speculators_fp8_vs_speculators": round(exports["speculators_fp8"]["bytes_per_token"]
-                                                      / exports["speculators"]["bytes_per_token"], 4),
+        "ratio_speculators_fp8_vs_speculators": round(
+            exports["speculators_fp8"]["bytes_per_token"] / exports["speculators"]["bytes_per_token"], 4
+        ),
         "target_eagle3_fp8_states_le": TARGET_EAGLE3_FP8,
         "met": fp8 <= TARGET_EAGLE3_FP8,
         "seconds": round(time.perf_counter() - t0, 1),

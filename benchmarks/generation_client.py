@@ -81,15 +81,38 @@ def run_ours(a) -> dict:
     base_rss = rss_now_mb()
     cpu0, _ = usage()
     t0 = time.monotonic()
-    s = generate(work / "prompts.parquet", work / "responses.parquet", dataset="bench", shard="000",
-                 target_name="bench", journal_dir=work / "journal", progress_interval_s=10.0,
-                 generation={"backends": ["fault"], "mode": "last", "extra_body": {}, "max_retries": 3, **SAMPLING},
-                 backends={"fault": {"type": "openai", "base_url": a.url + "/v1", "model": "bench-model",
-                                     "api_key_env": None, "max_concurrency": a.concurrency, "timeout_s": 300}})
+    s = generate(
+        work / "prompts.parquet",
+        work / "responses.parquet",
+        dataset="bench",
+        shard="000",
+        target_name="bench",
+        journal_dir=work / "journal",
+        progress_interval_s=10.0,
+        generation={"backends": ["fault"], "mode": "last", "extra_body": {}, "max_retries": 3, **SAMPLING},
+        backends={
+            "fault": {
+                "type": "openai",
+                "base_url": a.url + "/v1",
+                "model": "bench-model",
+                "api_key_env": None,
+                "max_concurrency": a.concurrency,
+                "timeout_s": 300,
+            }
+        },
+    )
     wall = time.monotonic() - t0
     cpu1, peak = usage()
-    return {"wall_s": wall, "cpu_s": cpu1 - cpu0, "peak_rss_mb": peak, "base_rss_mb": base_rss, "ok": s["ok"],
-            "failed": s["failed_total"], "completion_tokens": s["completion_tokens"], "startup_s": s["startup_s"]}
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu1 - cpu0,
+        "peak_rss_mb": peak,
+        "base_rss_mb": base_rss,
+        "ok": s["ok"],
+        "failed": s["failed_total"],
+        "completion_tokens": s["completion_tokens"],
+        "startup_s": s["startup_s"],
+    }
 
 
 def run_openai(a, same_io: bool = False) -> dict:
@@ -114,9 +137,11 @@ def run_openai(a, same_io: bool = False) -> dict:
 
     async def main():
         http = openai.DefaultAsyncHttpxClient(
-            limits=httpx.Limits(max_connections=a.concurrency, max_keepalive_connections=a.concurrency))
-        client = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key="bench", max_retries=3, timeout=300,
-                                    http_client=http)
+            limits=httpx.Limits(max_connections=a.concurrency, max_keepalive_connections=a.concurrency)
+        )
+        client = openai.AsyncOpenAI(
+            base_url=a.url + "/v1", api_key="bench", max_retries=3, timeout=300, http_client=http
+        )
         sem = asyncio.Semaphore(a.concurrency)
         counts = {"ok": 0, "failed": 0, "completion_tokens": 0}
         fh = open(work / "openai.jsonl", "a")
@@ -126,22 +151,44 @@ def run_openai(a, same_io: bool = False) -> dict:
             async with sem:
                 try:
                     r = await client.chat.completions.create(
-                        model="bench-model", messages=json.loads(messages) if same_io else messages, **SAMPLING)
+                        model="bench-model", messages=json.loads(messages) if same_io else messages, **SAMPLING
+                    )
                 except openai.APIError:
                     counts["failed"] += 1
                     return
             counts["ok"] += 1
             counts["completion_tokens"] += r.usage.completion_tokens
             if same_io:  # a RESPONSES row
-                fh.write(json.dumps({"sample_id": sid, "dataset": "bench", "turn": 1, "request_key": sid,
-                                     "messages": messages, "status": "ok", "content": r.choices[0].message.content,
-                                     "finish_reason": r.choices[0].finish_reason, "model": r.model,
-                                     "prompt_tokens": r.usage.prompt_tokens,
-                                     "completion_tokens": r.usage.completion_tokens}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "sample_id": sid,
+                            "dataset": "bench",
+                            "turn": 1,
+                            "request_key": sid,
+                            "messages": messages,
+                            "status": "ok",
+                            "content": r.choices[0].message.content,
+                            "finish_reason": r.choices[0].finish_reason,
+                            "model": r.model,
+                            "prompt_tokens": r.usage.prompt_tokens,
+                            "completion_tokens": r.usage.completion_tokens,
+                        }
+                    )
+                    + "\n"
+                )
             else:
-                fh.write(json.dumps({"i": i, "content": r.choices[0].message.content,
-                                     "finish_reason": r.choices[0].finish_reason,
-                                     "usage": r.usage.model_dump()}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "i": i,
+                            "content": r.choices[0].message.content,
+                            "finish_reason": r.choices[0].finish_reason,
+                            "usage": r.usage.model_dump(),
+                        }
+                    )
+                    + "\n"
+                )
 
         await asyncio.gather(*(one(i) for i in range(a.requests)))
         fh.close()
@@ -151,9 +198,11 @@ def run_openai(a, same_io: bool = False) -> dict:
     t0 = time.monotonic()
     counts = asyncio.run(main())
     if same_io:  # JSONL -> RESPONSES parquet, streamed in 1 MB blocks (ours writes ~2 MB batches)
-        reader = pj.open_json(str(work / "openai.jsonl"),
-                              read_options=pj.ReadOptions(use_threads=False, block_size=1 << 20),
-                              parse_options=pj.ParseOptions(explicit_schema=schemas.RESPONSES))
+        reader = pj.open_json(
+            str(work / "openai.jsonl"),
+            read_options=pj.ReadOptions(use_threads=False, block_size=1 << 20),
+            parse_options=pj.ParseOptions(explicit_schema=schemas.RESPONSES),
+        )
         with pq.ParquetWriter(work / "responses.parquet", schemas.RESPONSES, compression="zstd") as w:
             for batch in reader:
                 w.write_batch(batch)
@@ -174,8 +223,10 @@ def run_aiohttp(a) -> dict:
     cpu0, _ = usage()
 
     async def main():
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=a.concurrency, keepalive_timeout=300),
-                                        headers={"Authorization": "Bearer bench"})
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=a.concurrency, keepalive_timeout=300),
+            headers={"Authorization": "Bearer bench"},
+        )
         sem = asyncio.Semaphore(a.concurrency)
         counts = {"ok": 0, "failed": 0, "completion_tokens": 0}
         fh = open(work / "aiohttp.jsonl", "a")
@@ -191,8 +242,17 @@ def run_aiohttp(a) -> dict:
                     return
             counts["ok"] += 1
             counts["completion_tokens"] += data["usage"]["completion_tokens"]
-            fh.write(json.dumps({"i": i, "content": data["choices"][0]["message"]["content"],
-                                 "finish_reason": data["choices"][0]["finish_reason"], "usage": data["usage"]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "i": i,
+                        "content": data["choices"][0]["message"]["content"],
+                        "finish_reason": data["choices"][0]["finish_reason"],
+                        "usage": data["usage"],
+                    }
+                )
+                + "\n"
+            )
 
         await asyncio.gather(*(one(i) for i in range(a.requests)))
         fh.close()
@@ -220,8 +280,17 @@ def write_prompts(path: Path, n: int) -> None:
     from eagle3_data import schemas
     from eagle3_data.files import write_parquet
 
-    rows = [dict(sample_id=f"b{i:06d}", dataset="bench", source_format="bench", source_row=i, tools=None,
-                 messages=json.dumps(prompt_messages(i))) for i in range(n)]
+    rows = [
+        dict(
+            sample_id=f"b{i:06d}",
+            dataset="bench",
+            source_format="bench",
+            source_row=i,
+            tools=None,
+            messages=json.dumps(prompt_messages(i)),
+        )
+        for i in range(n)
+    ]
     write_parquet(schemas.from_rows(rows, schemas.PROMPTS), path)
 
 
@@ -263,17 +332,32 @@ def main() -> None:
         a.requests, a.concurrency, a.lat_min, a.lat_max, a.words = 200, 50, 0.05, 0.3, 50
 
     if a.child:
-        out = (run_ours(a) if a.child == "ours" else run_aiohttp(a) if a.child == "aiohttp"
-               else run_openai(a, same_io=a.child == "openai_io"))
+        out = (
+            run_ours(a)
+            if a.child == "ours"
+            else run_aiohttp(a)
+            if a.child == "aiohttp"
+            else run_openai(a, same_io=a.child == "openai_io")
+        )
         print("RESULT " + json.dumps(out), flush=True)
         return
 
-    cfg = {"latency_min_s": a.lat_min, "latency_max_s": a.lat_max, "latency_dist": a.dist, "latency_by_body": True,
-           "min_tokens": int(a.words * 0.8), "max_tokens": int(a.words * 1.2), "seed": 0}
+    cfg = {
+        "latency_min_s": a.lat_min,
+        "latency_max_s": a.lat_max,
+        "latency_dist": a.dist,
+        "latency_by_body": True,
+        "min_tokens": int(a.words * 0.8),
+        "max_tokens": int(a.words * 1.2),
+        "seed": 0,
+    }
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_server.py"), "--port", str(port),
-                               "--config", json.dumps(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "fault_server.py"), "--port", str(port), "--config", json.dumps(cfg)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         for _ in range(200):
             try:
@@ -282,9 +366,12 @@ def main() -> None:
             except Exception:
                 time.sleep(0.05)
         mean, ideal_formula, ideal_sched = ideal_times({**cfg}, a.requests, a.concurrency)
-        print(f"{a.requests} requests, concurrency {a.concurrency}, latency {a.dist} {a.lat_min}-{a.lat_max} s "
-              f"(mean {mean:.2f} s), ~{a.words} words/reply: ideal {ideal_formula:.1f} s (formula), "
-              f"{ideal_sched:.1f} s (zero-overhead schedule)", file=sys.stderr)
+        print(
+            f"{a.requests} requests, concurrency {a.concurrency}, latency {a.dist} {a.lat_min}-{a.lat_max} s "
+            f"(mean {mean:.2f} s), ~{a.words} words/reply: ideal {ideal_formula:.1f} s (formula), "
+            f"{ideal_sched:.1f} s (zero-overhead schedule)",
+            file=sys.stderr,
+        )
         results = {}
         for name in [c for c in a.clients.split(",") if c]:
             http_json(url + "/admin/reset", "POST", {})
@@ -292,57 +379,92 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as work:
                 if name in ("ours", "openai_io"):  # the input is prepared here: the child measures only its job
                     write_prompts(Path(work) / "prompts.parquet", a.requests)
-                p = subprocess.run([sys.executable, __file__, "--child", name, "--url", url, "--workdir", work,
-                                    "--requests", str(a.requests), "--concurrency", str(a.concurrency)],
-                                   capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                p = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        name,
+                        "--url",
+                        url,
+                        "--workdir",
+                        work,
+                        "--requests",
+                        str(a.requests),
+                        "--concurrency",
+                        str(a.concurrency),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
             line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if p.returncode or not line:
                 raise SystemExit(f"client {name} failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
             r = json.loads(line[0][7:])
             s1 = http_json(url + "/stats")
-            r.update({
-                "wall_over_ideal_formula": r["wall_s"] / ideal_formula,
-                "wall_over_ideal_schedule": r["wall_s"] / ideal_sched,
-                "cpu_s_per_1k": 1000 * r["cpu_s"] / a.requests,
-                "peak_rss_above_base_mb": r["peak_rss_mb"] - r["base_rss_mb"],
-                "server_cpu_s": s1["cpu_s"] - s0["cpu_s"], "server_max_in_flight": s1["max_in_flight"],
-                "server_requests": s1["requests"],
-            })
+            r.update(
+                {
+                    "wall_over_ideal_formula": r["wall_s"] / ideal_formula,
+                    "wall_over_ideal_schedule": r["wall_s"] / ideal_sched,
+                    "cpu_s_per_1k": 1000 * r["cpu_s"] / a.requests,
+                    "peak_rss_above_base_mb": r["peak_rss_mb"] - r["base_rss_mb"],
+                    "server_cpu_s": s1["cpu_s"] - s0["cpu_s"],
+                    "server_max_in_flight": s1["max_in_flight"],
+                    "server_requests": s1["requests"],
+                }
+            )
             results[name] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
             print(f"{name}: {json.dumps(results[name])}", file=sys.stderr)
     finally:
         server.terminate()
         server.wait(10)
 
-    out = {"benchmark": "generation_client", "toy": a.toy, "requests": a.requests, "concurrency": a.concurrency,
-           "latency": f"{a.dist} {a.lat_min}-{a.lat_max} s", "mean_latency_s": round(mean, 3),
-           "reply_words": a.words, "ideal_formula_s": round(ideal_formula, 2),
-           "ideal_schedule_s": round(ideal_sched, 2), "clients": results,
-           "curator": "skipped: its install replaces pinned pandas/openai/huggingface_hub"}
+    out = {
+        "benchmark": "generation_client",
+        "toy": a.toy,
+        "requests": a.requests,
+        "concurrency": a.concurrency,
+        "latency": f"{a.dist} {a.lat_min}-{a.lat_max} s",
+        "mean_latency_s": round(mean, 3),
+        "reply_words": a.words,
+        "ideal_formula_s": round(ideal_formula, 2),
+        "ideal_schedule_s": round(ideal_sched, 2),
+        "clients": results,
+        "curator": "skipped: its install replaces pinned pandas/openai/huggingface_hub",
+    }
     if "ours" in results:
         o = results["ours"]
-        out["ratios"], out["targets"] = {}, {
-            "wall_within_5pct_of_ideal_schedule": o["wall_over_ideal_schedule"] <= 1.05,
-            "wall_within_5pct_of_ideal_formula": o["wall_over_ideal_formula"] <= 1.05,
-        }
+        out["ratios"], out["targets"] = (
+            {},
+            {
+                "wall_within_5pct_of_ideal_schedule": o["wall_over_ideal_schedule"] <= 1.05,
+                "wall_within_5pct_of_ideal_formula": o["wall_over_ideal_formula"] <= 1.05,
+            },
+        )
         if "aiohttp" in results:  # the bare client (issue: ours within 1.25x of its CPU per request)
             out["ratios"]["cpu_per_req_ours_over_aiohttp"] = round(o["cpu_s"] / results["aiohttp"]["cpu_s"], 3)
         for base, tag in (("openai", "openai"), ("openai_io", "openai_same_io")):
             if base not in results:
                 continue
             b = results[base]
-            out["ratios"].update({
-                f"wall_ours_over_{tag}": round(o["wall_s"] / b["wall_s"], 3),
-                f"cpu_per_req_ours_over_{tag}": round(o["cpu_s"] / b["cpu_s"], 3),
-                f"peak_rss_ours_over_{tag}": round(o["peak_rss_mb"] / b["peak_rss_mb"], 3),
-                f"peak_rss_above_base_ours_over_{tag}":
-                    round(o["peak_rss_above_base_mb"] / b["peak_rss_above_base_mb"], 3),
-            })
-            out["targets"].update({
-                f"cpu_per_req_le_{tag}": o["cpu_s"] <= b["cpu_s"],
-                f"peak_rss_le_{tag}": o["peak_rss_mb"] <= b["peak_rss_mb"],
-                f"peak_rss_above_base_le_{tag}": o["peak_rss_above_base_mb"] <= b["peak_rss_above_base_mb"],
-            })
+            out["ratios"].update(
+                {
+                    f"wall_ours_over_{tag}": round(o["wall_s"] / b["wall_s"], 3),
+                    f"cpu_per_req_ours_over_{tag}": round(o["cpu_s"] / b["cpu_s"], 3),
+                    f"peak_rss_ours_over_{tag}": round(o["peak_rss_mb"] / b["peak_rss_mb"], 3),
+                    f"peak_rss_above_base_ours_over_{tag}": round(
+                        o["peak_rss_above_base_mb"] / b["peak_rss_above_base_mb"], 3
+                    ),
+                }
+            )
+            out["targets"].update(
+                {
+                    f"cpu_per_req_le_{tag}": o["cpu_s"] <= b["cpu_s"],
+                    f"peak_rss_le_{tag}": o["peak_rss_mb"] <= b["peak_rss_mb"],
+                    f"peak_rss_above_base_le_{tag}": o["peak_rss_above_base_mb"] <= b["peak_rss_above_base_mb"],
+                }
+            )
     print(json.dumps(out))
 
 

@@ -64,8 +64,10 @@ TARGET_IN_FLIGHT_SHARE = 0.95  # the mean requests in flight from the limit-th a
 REFERENCE_CPU_RATIO = 1.25
 REFERENCE_TTFR_RATIO = 2.0
 MODEL = "vendor/bench-model"
-WORDS = ("the model answers each question in a few plain sentences with some detail about the topic and then "
-         "stops once the user has what they asked for ").split()
+WORDS = (
+    "the model answers each question in a few plain sentences with some detail about the topic and then "
+    "stops once the user has what they asked for "
+).split()
 
 
 # ------------------------------------------------------------------------------------------------- the server
@@ -75,7 +77,7 @@ def reply_plan(body: bytes, mean_tokens: float, cap: int, tok_s: float, base_min
     """(completion tokens, seconds) of the reply to ``body``: lognormal tokens (sigma 1, mean ``mean_tokens``,
     capped at ``cap``), ``base_min..base_max`` s + tokens / ``tok_s``; both drawn from the body's hash."""
     h = hashlib.blake2b(body, digest_size=16).digest()
-    u1, u2, u3 = (int.from_bytes(h[i:i + 4], "little") / 2**32 for i in (0, 4, 8))
+    u1, u2, u3 = (int.from_bytes(h[i : i + 4], "little") / 2**32 for i in (0, 4, 8))
     z = math.sqrt(-2.0 * math.log(1.0 - u1)) * math.cos(2 * math.pi * u2)  # Box-Muller: a standard normal
     tokens = max(1, min(cap, int(math.exp(math.log(mean_tokens) - 0.5 + z))))
     return tokens, base_min + (base_max - base_min) * u3 + tokens / tok_s
@@ -105,19 +107,40 @@ class Server:
             self.bodies.append(body)
         h = hashlib.blake2b(body, digest_size=8).hexdigest()
         prompt = len(body) // 4
-        payload = json.dumps({
-            "id": f"gen-{h}", "object": "chat.completion", "created": int(time.time()), "model": MODEL,
-            "provider": "BenchProvider",
-            "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",
-                         "message": {"role": "assistant", "content": self.text[:4 * tokens]}}],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens,
-                      "cost": round(prompt * 1e-7 + tokens * 2e-6, 12)}}).encode()
+        payload = json.dumps(
+            {
+                "id": f"gen-{h}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": MODEL,
+                "provider": "BenchProvider",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "native_finish_reason": "stop",
+                        "message": {"role": "assistant", "content": self.text[: 4 * tokens]},
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": tokens,
+                    "total_tokens": prompt + tokens,
+                    "cost": round(prompt * 1e-7 + tokens * 2e-6, 12),
+                },
+            }
+        ).encode()
         asyncio.get_running_loop().call_later(secs, proto.reply, 200, payload, rec)
 
     def admin(self, method: bytes, path: bytes, body: bytes) -> bytes:
         if path == b"/admin/stats":
-            return json.dumps({"requests": len(self.log), "answered": sum(r[1] is not None for r in self.log),
-                               "cpu_s": time.process_time() - self.cpu0}).encode()
+            return json.dumps(
+                {
+                    "requests": len(self.log),
+                    "answered": sum(r[1] is not None for r in self.log),
+                    "cpu_s": time.process_time() - self.cpu0,
+                }
+            ).encode()
         if path == b"/admin/dump":
             req = json.loads(body)
             Path(req["log"]).write_text(json.dumps(self.log))
@@ -156,8 +179,8 @@ class HttpProtocol(asyncio.Protocol):
                     n = int(line[15:])
             if len(self.buf) < end + 4 + n:
                 return
-            body = bytes(self.buf[end + 4:end + 4 + n])
-            del self.buf[:end + 4 + n]
+            body = bytes(self.buf[end + 4 : end + 4 + n])
+            del self.buf[: end + 4 + n]
             method, path, _ = head[0].split(b" ", 2)
             if path.endswith(b"/chat/completions"):
                 self.server.chat(body, self)
@@ -171,8 +194,11 @@ class HttpProtocol(asyncio.Protocol):
             rec[1] = time.time()
         if self.closed:
             return
-        self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                             % (status, b"OK" if status == 200 else b"Not Found", len(payload)) + payload)
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % (status, b"OK" if status == 200 else b"Not Found", len(payload))
+            + payload
+        )
 
 
 def serve(args) -> None:
@@ -201,7 +227,7 @@ def read_bodies(path: Path) -> list[bytes]:
     out, i = [], 0
     while i < len(data):
         (n,) = struct.unpack_from("<I", data, i)
-        out.append(data[i + 4:i + 4 + n])
+        out.append(data[i + 4 : i + 4 + n])
         i += 4 + n
     return out
 
@@ -219,6 +245,7 @@ def baseline(args) -> None:
         timeout = aiohttp.ClientTimeout(total=600)
         headers = {"Content-Type": "application/json", "Authorization": "Bearer bench-not-a-secret"}
         async with aiohttp.ClientSession(base_url=args.url, connector=conn, timeout=timeout) as session:
+
             async def worker():
                 for body in it:
                     async with session.post("/v1/chat/completions", data=body, headers=headers) as resp:
@@ -263,8 +290,10 @@ def write_sources(work: Path, datasets: int, samples: int, seed: int = 0) -> dic
             turns = []
             for t in range(rnd.randint(1, 3)):
                 q = " ".join(rnd.choices(WORDS, k=rnd.randint(8, 60)))
-                turns += [{"from": "human", "value": f"{name} {i}.{t}: {q}?"},
-                          {"from": "gpt", "value": " ".join(rnd.choices(WORDS, k=rnd.randint(20, 120)))}]
+                turns += [
+                    {"from": "human", "value": f"{name} {i}.{t}: {q}?"},
+                    {"from": "gpt", "value": " ".join(rnd.choices(WORDS, k=rnd.randint(20, 120)))},
+                ]
             convs.append({"id": f"{name}-{i}", "conversations": turns})
         p = work / "data" / f"{name}.json"
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -276,15 +305,33 @@ def write_sources(work: Path, datasets: int, samples: int, seed: int = 0) -> dic
 def build_config(sources: dict[str, Path], port: int, shards: int, limit: int, cap: int) -> dict:
     return {
         "cache_dir": "cache",
-        "target": {"name": "bench-target", "path": "results/target/tokenizer", "build_tiny": False,
-                   "template": "generic"},
-        "backends": {"openrouter": {"type": "openrouter", "base_url": f"http://127.0.0.1:{port}/v1", "model": MODEL,
-                                    "api_key_env": "BENCH_OPENROUTER_KEY", "max_concurrency": limit,
-                                    "timeout_s": 600}},
-        "generation": {"backends": ["openrouter"], "mode": "last", "max_tokens": cap, "temperature": 1.0,
-                       "top_p": 1.0, "max_retries": 3},
-        "datasets": {ds: {"source": {"format": "sharegpt", "path": str(p)}, "shards": shards}
-                     for ds, p in sources.items()},
+        "target": {
+            "name": "bench-target",
+            "path": "results/target/tokenizer",
+            "build_tiny": False,
+            "template": "generic",
+        },
+        "backends": {
+            "openrouter": {
+                "type": "openrouter",
+                "base_url": f"http://127.0.0.1:{port}/v1",
+                "model": MODEL,
+                "api_key_env": "BENCH_OPENROUTER_KEY",
+                "max_concurrency": limit,
+                "timeout_s": 600,
+            }
+        },
+        "generation": {
+            "backends": ["openrouter"],
+            "mode": "last",
+            "max_tokens": cap,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "max_retries": 3,
+        },
+        "datasets": {
+            ds: {"source": {"format": "sharegpt", "path": str(p)}, "shards": shards} for ds, p in sources.items()
+        },
     }
 
 
@@ -320,17 +367,34 @@ def snakemake_floor(work: Path, prompts: list[Path], cores: int) -> dict:
         f"PROMPTS = {jobs!r}\n\n"
         "rule all:\n    input: expand('out/{j}.parquet', j=PROMPTS)\n\n"
         "rule job:\n    input: lambda wc: PROMPTS[wc.j]\n"
-        "    output: 'out/{j}.parquet', 'out/{j}.json'\n    script: 'job.py'\n")
+        "    output: 'out/{j}.parquet', 'out/{j}.json'\n    script: 'job.py'\n"
+    )
     t_launch = time.time()
     with open(floor / "snakemake.log", "wb") as fh:
-        rc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(floor / "Snakefile"), "-d", str(floor),
-                             "--cores", str(cores)], stdout=fh, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "snakemake",
+                "-s",
+                str(floor / "Snakefile"),
+                "-d",
+                str(floor),
+                "--cores",
+                str(cores),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        ).returncode
     if rc:
         raise RuntimeError(f"the thin-job workflow failed: {(floor / 'snakemake.log').read_text()[-3000:]}")
     runs = [json.loads((floor / "out" / f"{j}.json").read_text()) for j in jobs]
-    return {"jobs": len(runs), "time_to_first_job_s": min(r["started"] for r in runs) - t_launch,
-            "cpu_s_at_script_start_mean": sum(r["cpu_at_start_s"] for r in runs) / len(runs),
-            "cpu_s": sum(r["cpu_s"] for r in runs)}
+    return {
+        "jobs": len(runs),
+        "time_to_first_job_s": min(r["started"] for r in runs) - t_launch,
+        "cpu_s_at_script_start_mean": sum(r["cpu_at_start_s"] for r in runs) / len(runs),
+        "cpu_s": sum(r["cpu_s"] for r in runs),
+    }
 
 
 def in_flight(log: list, limit: int) -> dict:
@@ -356,9 +420,15 @@ def in_flight(log: list, limit: int) -> dict:
     span = hi - lo
     phase = max(ends) - starts[0]
     ideal = sum(r[2] for r in log) / limit + max(r[2] for r in log)
-    return {"requests": len(log), "in_flight_mean": round(area / span, 1) if span > 0 else None,
-            "in_flight_max": peak, "window_s": round(span, 2), "request_phase_s": round(phase, 2),
-            "ideal_s": round(ideal, 2), "phase_vs_ideal": round(phase / ideal, 3)}
+    return {
+        "requests": len(log),
+        "in_flight_mean": round(area / span, 1) if span > 0 else None,
+        "in_flight_max": peak,
+        "window_s": round(span, 2),
+        "request_phase_s": round(phase, 2),
+        "ideal_s": round(ideal, 2),
+        "phase_vs_ideal": round(phase / ideal, 3),
+    }
 
 
 def main(argv=None) -> int:
@@ -399,13 +469,31 @@ def main(argv=None) -> int:
     work = (args.workdir or Path(tempfile.mkdtemp(prefix="eagle3-generation-run-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     n_req = args.datasets * args.samples
-    print(f"generation_run: {args.datasets} datasets x {args.shards} shards, {n_req:,} requests at a limit of "
-          f"{args.limit}; workdir {work}", flush=True)
+    print(
+        f"generation_run: {args.datasets} datasets x {args.shards} shards, {n_req:,} requests at a limit of "
+        f"{args.limit}; workdir {work}",
+        flush=True,
+    )
     sources = write_sources(work, args.datasets, args.samples)
     port = free_port()
-    server_cmd = [sys.executable, __file__, "--serve", "--keep-bodies", "--port", str(port),
-                  "--mean-tokens", str(args.mean_tokens), "--cap", str(args.cap), "--tok-s", str(args.tok_s),
-                  "--base-min", str(args.base_min), "--base-max", str(args.base_max)]
+    server_cmd = [
+        sys.executable,
+        __file__,
+        "--serve",
+        "--keep-bodies",
+        "--port",
+        str(port),
+        "--mean-tokens",
+        str(args.mean_tokens),
+        "--cap",
+        str(args.cap),
+        "--tok-s",
+        str(args.tok_s),
+        "--base-min",
+        str(args.base_min),
+        "--base-max",
+        str(args.base_max),
+    ]
     server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=open(work / "server.err", "wb"))
     assert server.stdout.readline().strip() == b"serving", (work / "server.err").read_text()
     cfg = build_config(sources, port, args.shards, args.limit, args.cap)
@@ -415,17 +503,31 @@ def main(argv=None) -> int:
     build_tokenizer().save_pretrained(work / "results" / "target" / "tokenizer")
     cfg["vocab"] = {"draft_vocab_size": 256}
     (work / "bench.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    env = {**os.environ, "BENCH_OPENROUTER_KEY": "bench-not-a-secret", "EAGLE3_LIMITS_DIR": str(work / "limits"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    smk = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work), "--cores",
-           str(args.cores)]
+    env = {
+        **os.environ,
+        "BENCH_OPENROUTER_KEY": "bench-not-a-secret",
+        "EAGLE3_LIMITS_DIR": str(work / "limits"),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    smk = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(ROOT / "Snakefile"),
+        "-d",
+        str(work),
+        "--cores",
+        str(args.cores),
+    ]
     shards = [f"{s:03d}" for s in range(args.shards)]
     try:
         # the prompts first (normalize), not timed: what is measured is generation
         prompts = [f"results/{ds}/prompts/{s}.parquet" for ds in sources for s in shards]
         with open(work / "snakemake.prompts.log", "wb") as fh:
-            rc = subprocess.run([*smk, *prompts, "--configfile", str(work / "bench.yaml")], env=env, stdout=fh,
-                                stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                [*smk, *prompts, "--configfile", str(work / "bench.yaml")], env=env, stdout=fh, stderr=subprocess.STDOUT
+            ).returncode
         if rc:
             print((work / "snakemake.prompts.log").read_text()[-4000:])
             return 1
@@ -433,8 +535,9 @@ def main(argv=None) -> int:
         targets = [f"results/{ds}/responses/{s}.parquet" for ds in sources for s in shards]
         t_launch = time.time()
         with open(work / "snakemake.generate.log", "wb") as fh:
-            rc = subprocess.run([*smk, *targets, "--configfile", str(work / "bench.yaml")], env=env, stdout=fh,
-                                stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                [*smk, *targets, "--configfile", str(work / "bench.yaml")], env=env, stdout=fh, stderr=subprocess.STDOUT
+            ).returncode
         t_done = time.time()
         if rc:
             print((work / "snakemake.generate.log").read_text()[-4000:])
@@ -448,9 +551,22 @@ def main(argv=None) -> int:
 
         http(port, "/admin/reset", {})
         t_base = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--baseline", "--bodies", str(work / "bodies.bin"),
-                               "--url", f"http://127.0.0.1:{port}", "--limit", str(args.limit)],
-                              capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--baseline",
+                "--bodies",
+                str(work / "bodies.bin"),
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--limit",
+                str(args.limit),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
         if proc.returncode:
             print(proc.stdout[-3000:], proc.stderr[-3000:])
             return 1
@@ -466,10 +582,24 @@ def main(argv=None) -> int:
         per_job = []
         for j in range(len(targets)):
             part = work / f"bodies.{j:03d}.bin"
-            write_bodies(part, bodies[j::len(targets)])
-            per_job.append(subprocess.Popen(
-                [sys.executable, __file__, "--baseline", "--bodies", str(part), "--url", f"http://127.0.0.1:{port}",
-                 "--limit", str(max(1, args.limit // len(targets)))], stdout=subprocess.PIPE, text=True))
+            write_bodies(part, bodies[j :: len(targets)])
+            per_job.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--baseline",
+                        "--bodies",
+                        str(part),
+                        "--url",
+                        f"http://127.0.0.1:{port}",
+                        "--limit",
+                        str(max(1, args.limit // len(targets))),
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
         outs = [pj.communicate(timeout=3600)[0] for pj in per_job]
         if any(pj.returncode for pj in per_job):
             print("a per-job baseline process failed:", [pj.returncode for pj in per_job])
@@ -489,51 +619,81 @@ def main(argv=None) -> int:
     cpu_p = prod_cpu / max(1, len(prod_log)) * 1e3
     cpu_b = base["cpu_s"] / max(1, len(base_log)) * 1e3
     out = {
-        "benchmark": "generation_run", "toy": args.toy, "jobs": len(targets), "requests": len(prod_log),
-        "limit": args.limit, "product_ok": prod_ok, "baseline_ok": base["ok"],
+        "benchmark": "generation_run",
+        "toy": args.toy,
+        "jobs": len(targets),
+        "requests": len(prod_log),
+        "limit": args.limit,
+        "product_ok": prod_ok,
+        "baseline_ok": base["ok"],
         # the baseline sent the product's bodies: the same planned request times
         "same_bodies": sorted(r[2] for r in prod_log) == sorted(r[2] for r in base_log),
-        "client_cpu_ms_per_request": {"product": round(cpu_p, 3), "baseline": round(cpu_b, 3),
-                                      "ratio": round(cpu_p / cpu_b, 3)},
-        "product_cpu_s": round(prod_cpu, 2), "baseline_cpu_s": round(base["cpu_s"], 2),
+        "client_cpu_ms_per_request": {
+            "product": round(cpu_p, 3),
+            "baseline": round(cpu_b, 3),
+            "ratio": round(cpu_p / cpu_b, 3),
+        },
+        "product_cpu_s": round(prod_cpu, 2),
+        "baseline_cpu_s": round(base["cpu_s"], 2),
         # beside the targets: the bare client run as one process per job, as the product's jobs are
         "baseline_one_process_per_job": {
-            "processes": len(per_job_runs), "requests": per_job_requests, "cpu_s": round(per_job_cpu, 2),
+            "processes": len(per_job_runs),
+            "requests": per_job_requests,
+            "cpu_s": round(per_job_cpu, 2),
             "cpu_ms_per_request": round(per_job_cpu / max(1, per_job_requests) * 1e3, 3),
-            "product_ratio": round(cpu_p / max(1e-9, per_job_cpu / max(1, per_job_requests) * 1e3), 3)},
-        "time_to_first_request_s": {"product": round(ttfr_p, 3), "baseline": round(ttfr_b, 3),
-                                    "ratio": round(ttfr_p / ttfr_b, 3)},
+            "product_ratio": round(cpu_p / max(1e-9, per_job_cpu / max(1, per_job_requests) * 1e3), 3),
+        },
+        "time_to_first_request_s": {
+            "product": round(ttfr_p, 3),
+            "baseline": round(ttfr_b, 3),
+            "ratio": round(ttfr_p / ttfr_b, 3),
+        },
         # beside the targets: what snakemake's jobs cost before any request (the thin-job workflow above); the
         # ratios are the least any snakemake-launched design can reach: its first job's start over the bare
         # client's first request, and the thin jobs' CPU plus the bare client's over the bare client's
         "snakemake_floor": {
-            "jobs": floor["jobs"], "time_to_first_job_s": round(floor["time_to_first_job_s"], 3),
+            "jobs": floor["jobs"],
+            "time_to_first_job_s": round(floor["time_to_first_job_s"], 3),
             "ttfr_ratio": round(floor["time_to_first_job_s"] / ttfr_b, 3),
             "job_cpu_s_at_script_start_mean": round(floor["cpu_s_at_script_start_mean"], 3),
             "job_cpu_s_mean": round(floor["cpu_s"] / floor["jobs"], 3),
-            "cpu_ratio": round((floor["cpu_s"] + base["cpu_s"]) / base["cpu_s"], 3)},
+            "cpu_ratio": round((floor["cpu_s"] + base["cpu_s"]) / base["cpu_s"], 3),
+        },
         "product_job_startup_s_mean": round(sum(s.get("startup_s", 0) for s in summaries) / len(summaries), 2),
         "product_snakemake_wall_s": round(t_done - t_launch, 1),
-        "in_flight": {"product": {"mean": p["in_flight_mean"], "max": p["in_flight_max"]},
-                      "baseline": {"mean": b["in_flight_mean"], "max": b["in_flight_max"]}},
-        "request_phase_s": {"product": p["request_phase_s"], "baseline": b["request_phase_s"],
-                            "ratio": round(p["request_phase_s"] / b["request_phase_s"], 3)},
+        "in_flight": {
+            "product": {"mean": p["in_flight_mean"], "max": p["in_flight_max"]},
+            "baseline": {"mean": b["in_flight_mean"], "max": b["in_flight_max"]},
+        },
+        "request_phase_s": {
+            "product": p["request_phase_s"],
+            "baseline": b["request_phase_s"],
+            "ratio": round(p["request_phase_s"] / b["request_phase_s"], 3),
+        },
         "ideal_s": {"product": p["ideal_s"], "baseline": b["ideal_s"]},
         "phase_vs_ideal": {"product": p["phase_vs_ideal"], "baseline": b["phase_vs_ideal"]},
         "server_cpu_ms_per_request": {
             "product": round(server_prod["cpu_s"] / max(1, server_prod["requests"]) * 1e3, 3),
-            "baseline": round(server_base["cpu_s"] / max(1, server_base["requests"]) * 1e3, 3)},
-        "server_cpu_share_of_a_core": {"product": round(server_prod["cpu_s"] / max(1e-9, p["request_phase_s"]), 3),
-                                       "baseline": round(server_base["cpu_s"] / max(1e-9, b["request_phase_s"]), 3)},
+            "baseline": round(server_base["cpu_s"] / max(1, server_base["requests"]) * 1e3, 3),
+        },
+        "server_cpu_share_of_a_core": {
+            "product": round(server_prod["cpu_s"] / max(1e-9, p["request_phase_s"]), 3),
+            "baseline": round(server_base["cpu_s"] / max(1e-9, b["request_phase_s"]), 3),
+        },
         "in_flight_share_of_limit": round((p["in_flight_mean"] or 0) / args.limit, 3),
         "targets": {"request_phase_ratio_max": TARGET_PHASE_RATIO, "in_flight_share_min": TARGET_IN_FLIGHT_SHARE},
         # the earlier targets, now references only: the floor above shows no snakemake-launched design reaches them
-        "references": {"cpu_ratio_max": REFERENCE_CPU_RATIO, "ttfr_ratio_max": REFERENCE_TTFR_RATIO,
-                       "cpu_within": cpu_p / cpu_b <= REFERENCE_CPU_RATIO,
-                       "ttfr_within": ttfr_p / ttfr_b <= REFERENCE_TTFR_RATIO},
+        "references": {
+            "cpu_ratio_max": REFERENCE_CPU_RATIO,
+            "ttfr_ratio_max": REFERENCE_TTFR_RATIO,
+            "cpu_within": cpu_p / cpu_b <= REFERENCE_CPU_RATIO,
+            "ttfr_within": ttfr_p / ttfr_b <= REFERENCE_TTFR_RATIO,
+        },
     }
-    out["met"] = {"request_phase": p["request_phase_s"] / b["request_phase_s"] <= TARGET_PHASE_RATIO,
-                  "in_flight": (p["in_flight_mean"] or 0) >= TARGET_IN_FLIGHT_SHARE * args.limit}
+    out["met"] = {
+        "request_phase": p["request_phase_s"] / b["request_phase_s"] <= TARGET_PHASE_RATIO,
+        "in_flight": (p["in_flight_mean"] or 0) >= TARGET_IN_FLIGHT_SHARE * args.limit,
+    }
     if not (args.keep or args.workdir):
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out), flush=True)

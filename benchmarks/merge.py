@@ -54,25 +54,29 @@ def make_inputs(out_dir: Path, tokens: int, files: int, seed: int = 0) -> tuple[
         mask = np.ones(int(offsets[-1]), dtype=np.int8)
         starts = offsets[:-1]
         for s, p in zip(starts, prompt):  # prompt part unsupervised
-            mask[s:s + p] = 0
+            mask[s : s + p] = 0
         id_lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
         mask_lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask))
         k = len(idx)
         cols = {
             "sample_id": pa.array([f"s{j}" for j in idx]),
             "dataset": pa.array([f"ds{j % 4}" for j in idx]),
-            "input_ids": id_lists, "loss_mask": mask_lists,
+            "input_ids": id_lists,
+            "loss_mask": mask_lists,
             "num_tokens": pa.array(lens, pa.int64()),
             "num_prompt_tokens": pa.array(prompt, pa.int64()),
             "num_completion_tokens": pa.array(lens - prompt, pa.int64()),
             "ids_source": pa.array(["reconstructed"] * k),
             "billed_completion_tokens": pa.array(lens - prompt, pa.int64()),
-            "finish_reason": pa.array(["stop"] * k), "backend": pa.array(["b"] * k),
-            "provider": pa.array(["p"] * k), "cost_usd": pa.array(np.zeros(k)),
+            "finish_reason": pa.array(["stop"] * k),
+            "backend": pa.array(["b"] * k),
+            "provider": pa.array(["p"] * k),
+            "cost_usd": pa.array(np.zeros(k)),
         }
         # every VALIDATED column, in its order (columns the stage added later, e.g. billed_prompt_tokens: null)
         table = pa.table({f.name: cols.get(f.name, pa.nulls(k, f.type)) for f in schemas.VALIDATED}).cast(
-            schemas.VALIDATED)
+            schemas.VALIDATED
+        )
         if dup_src is None:
             dup_src = table.slice(0, max(1, k // 100))
         elif f == files - 1:  # 1% of samples repeated under other ids (dedup has work to do)
@@ -110,9 +114,15 @@ def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
         from eagle3_data.settings import MergeSettings
 
         # DuckDB: 2 GB and its own thread count (threads=0), as this benchmark measured before merge took settings
-        man = merge(inputs, outs, Path(out_dir) / "manifest.json", selections=sels,
-                    settings=MergeSettings.defaults(max_len=8192, overflow="truncate", seed=0),
-                    memory_limit="2GB", threads=0)
+        man = merge(
+            inputs,
+            outs,
+            Path(out_dir) / "manifest.json",
+            selections=sels,
+            settings=MergeSettings.defaults(max_len=8192, overflow="truncate", seed=0),
+            memory_limit="2GB",
+            threads=0,
+        )
         rows = man["totals"]["samples"]
         timing = man["timing_s"]
     seconds = time.perf_counter() - t0
@@ -150,14 +160,18 @@ def parts(inputs: list[str], max_len: int = 8192) -> dict:
     con.execute("SET VARIABLE max_len = ?::BIGINT", [max_len])
     scan = "FROM read_parquet(getvariable('validated_files'))"
     out = {
-        "duckdb_scan_token_lists": timed(lambda: con.execute(
-            f"SELECT sum(len(input_ids)), sum(len(loss_mask)) {scan}").fetchall()),
-        "duckdb_md5_input_ids_varchar": timed(lambda: con.execute(
-            f"SELECT max(md5(input_ids::VARCHAR)) {scan}").fetchall()),
-        "duckdb_md5_loss_mask_varchar": timed(lambda: con.execute(
-            f"SELECT max(md5(loss_mask::VARCHAR)) {scan}").fetchall()),
-        "duckdb_supervised_head_every_row": timed(lambda: con.execute(
-            f"SELECT sum(list_sum(loss_mask[1:getvariable('max_len')])) {scan}").fetchall()),
+        "duckdb_scan_token_lists": timed(
+            lambda: con.execute(f"SELECT sum(len(input_ids)), sum(len(loss_mask)) {scan}").fetchall()
+        ),
+        "duckdb_md5_input_ids_varchar": timed(
+            lambda: con.execute(f"SELECT max(md5(input_ids::VARCHAR)) {scan}").fetchall()
+        ),
+        "duckdb_md5_loss_mask_varchar": timed(
+            lambda: con.execute(f"SELECT max(md5(loss_mask::VARCHAR)) {scan}").fetchall()
+        ),
+        "duckdb_supervised_head_every_row": timed(
+            lambda: con.execute(f"SELECT sum(list_sum(loss_mask[1:getvariable('max_len')])) {scan}").fetchall()
+        ),
         "duckdb_row_keys_query": timed(lambda: con.execute(sql.load("merge_row_keys"))),
         "numpy_row_keys": timed(lambda: M.row_keys(con, inputs, max_len=max_len, datasets=None, threads=None)),
     }
@@ -167,8 +181,11 @@ def parts(inputs: list[str], max_len: int = 8192) -> dict:
     con.execute("SET VARIABLE num_shards = 4::BIGINT")
     con.execute("SET VARIABLE overflow = ?::VARCHAR", [s.overflow])
     con.execute("SET VARIABLE seed = '0'")
-    con.execute("CREATE TEMP TABLE merge_sources AS SELECT unnest(?::VARCHAR[]) AS filename, "
-                "unnest(?::VARCHAR[]) AS source, unnest(range(?)) AS idx", [inputs, inputs, len(inputs)])
+    con.execute(
+        "CREATE TEMP TABLE merge_sources AS SELECT unnest(?::VARCHAR[]) AS filename, "
+        "unnest(?::VARCHAR[]) AS source, unnest(range(?)) AS idx",
+        [inputs, inputs, len(inputs)],
+    )
     out["duckdb_plan_over_row_keys"] = timed(lambda: con.execute(sql.load("merge_plan")))
     out["duckdb_selection_digests"] = timed(lambda: con.execute(sql.load("merge_selections")).fetchall())
 
@@ -189,8 +206,18 @@ def parts(inputs: list[str], max_len: int = 8192) -> dict:
 
 def run_worker(kind: str, inputs, out_dir: Path, shards: int) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--_worker", kind, "--_out", str(out_dir), "--shards", str(shards),
-           "--_inputs", *map(str, inputs)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_worker",
+        kind,
+        "--_out",
+        str(out_dir),
+        "--shards",
+        str(shards),
+        "--_inputs",
+        *map(str, inputs),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
@@ -226,23 +253,39 @@ def main() -> None:
         book = run_worker("parts", inputs, tmp / "parts", a.shards)["parts"]
     ratio = full["seconds"] / base["seconds"]
     mem_ratio = full["peak_rss_mb"] / small["peak_rss_mb"]
-    print(json.dumps({
-        "benchmark": "merge", "toy": a.toy,
-        "input_tokens": tokens, "input_samples": samples, "files": len(inputs), "shards": a.shards,
-        "generate_s": round(gen_s, 1),
-        "baseline_pyarrow_s": round(base["seconds"], 2), "merge_s": round(full["seconds"], 2),
-        "merge_tokens_per_s": round(tokens / full["seconds"]),
-        "ratio_merge_vs_baseline": round(ratio, 2), "target_ratio_max": 1.2, "ratio_ok": ratio <= 1.2,
-        "cpu_s": {"baseline": round(base["cpu_s"], 2), "merge": round(full["cpu_s"], 2)},
-        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "merge_breakdown_s": full["timing_s"],
-        "bookkeeping_parts_wall_cpu_s": book,
-        "peak_rss_mb": {"baseline": round(base["peak_rss_mb"]), "merge_half": round(small["peak_rss_mb"]),
-                        "merge_full": round(full["peak_rss_mb"])},
-        "tokens_half_vs_full": [half_tokens, tokens],
-        "merge_memory_ratio_full_vs_half": round(mem_ratio, 2), "target_memory_ratio_max": 1.25,
-        "memory_flat": mem_ratio <= 1.25, "merged_samples": full["rows"],
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "merge",
+                "toy": a.toy,
+                "input_tokens": tokens,
+                "input_samples": samples,
+                "files": len(inputs),
+                "shards": a.shards,
+                "generate_s": round(gen_s, 1),
+                "baseline_pyarrow_s": round(base["seconds"], 2),
+                "merge_s": round(full["seconds"], 2),
+                "merge_tokens_per_s": round(tokens / full["seconds"]),
+                "ratio_merge_vs_baseline": round(ratio, 2),
+                "target_ratio_max": 1.2,
+                "ratio_ok": ratio <= 1.2,
+                "cpu_s": {"baseline": round(base["cpu_s"], 2), "merge": round(full["cpu_s"], 2)},
+                "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                "merge_breakdown_s": full["timing_s"],
+                "bookkeeping_parts_wall_cpu_s": book,
+                "peak_rss_mb": {
+                    "baseline": round(base["peak_rss_mb"]),
+                    "merge_half": round(small["peak_rss_mb"]),
+                    "merge_full": round(full["peak_rss_mb"]),
+                },
+                "tokens_half_vs_full": [half_tokens, tokens],
+                "merge_memory_ratio_full_vs_half": round(mem_ratio, 2),
+                "target_memory_ratio_max": 1.25,
+                "memory_flat": mem_ratio <= 1.25,
+                "merged_samples": full["rows"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -85,24 +85,30 @@ TARGET_PEAK_GB = 8.0
 # shards / backends / max_samples mirror resources/configs/seed-kimi-k25.yaml.
 SEED_B = {
     #  name                  format                 samples  tokens   max   shards backends
-    "B1_glaive":           ("glaive",               9_998, 17.0e6, 10_000, 8, ["sglang_local"]),
+    "B1_glaive": ("glaive", 9_998, 17.0e6, 10_000, 8, ["sglang_local"]),
     "B2_opencodeinstruct": ("instruction_response", 2_932, 11.4e6, 3_000, 4, ["sglang_local"]),
-    "B3_magicoder":        ("instruction_response", 3_383, 10.5e6, 3_400, 4, ["sglang_local", "openrouter"]),
-    "B4_mixturethoughts":  ("mixture_of_thoughts",  1_891, 10.2e6, 2_000, 2, None),
-    "B5_openthoughts":     ("openthoughts",         2_112, 11.0e6, 2_200, 2, None),
-    "B6_ultrachat":        ("ultrachat",            5_957, 11.1e6, 6_000, 4, None),
-    "B7_sharegpt":         ("sharegpt",             5_476, 10.9e6, 5_500, 4, None),
-    "B8_sweagent":         ("nebius_swe_agent",     3_565, 8.8e6, 3_572, 4, None),
+    "B3_magicoder": ("instruction_response", 3_383, 10.5e6, 3_400, 4, ["sglang_local", "openrouter"]),
+    "B4_mixturethoughts": ("mixture_of_thoughts", 1_891, 10.2e6, 2_000, 2, None),
+    "B5_openthoughts": ("openthoughts", 2_112, 11.0e6, 2_200, 2, None),
+    "B6_ultrachat": ("ultrachat", 5_957, 11.1e6, 6_000, 4, None),
+    "B7_sharegpt": ("sharegpt", 5_476, 10.9e6, 5_500, 4, None),
+    "B8_sweagent": ("nebius_swe_agent", 3_565, 8.8e6, 3_572, 4, None),
 }
 SEED_A = {"A1_deepswekimi": (2_800, 44.9e6, 8), "A2_kimik25": (2_000, 2.6e6, 2)}
 SEED_TOTAL_SAMPLES = 40_114
 
 FILES = {
     "B1_glaive": ("glaive-function-calling-v2.json", "write_glaive", {}),
-    "B2_opencodeinstruct": ("OpenCodeInstruct/train-00000-of-00014.parquet", "write_opencodeinstruct",
-                            {"prompt_field": "input", "response_field": "output", "id_field": "id"}),
-    "B3_magicoder": ("data-oss_instruct-decontaminated.jsonl", "write_magicoder",
-                     {"prompt_field": "problem", "response_field": "solution", "id_field": "index"}),
+    "B2_opencodeinstruct": (
+        "OpenCodeInstruct/train-00000-of-00014.parquet",
+        "write_opencodeinstruct",
+        {"prompt_field": "input", "response_field": "output", "id_field": "id"},
+    ),
+    "B3_magicoder": (
+        "data-oss_instruct-decontaminated.jsonl",
+        "write_magicoder",
+        {"prompt_field": "problem", "response_field": "solution", "id_field": "index"},
+    ),
     "B4_mixturethoughts": ("Mixture-of-Thoughts/code/train-00000-of-00008.parquet", "write_mixture_of_thoughts", {}),
     "B5_openthoughts": ("OpenThoughts-114k/train-00000-of-00006.parquet", "write_openthoughts", {}),
     "B6_ultrachat": ("ultrachat_200k/train_sft-00000-of-00003.parquet", "write_ultrachat", {}),
@@ -144,19 +150,38 @@ def write_sources(data_dir: Path, scale: float, special_ids: dict) -> dict:
         bad = max(1, math.ceil(0.001 * good))
         t0 = time.perf_counter()
         rows = getattr(rd, fn)(path, good, bad, seed=100 + i)
-        out[ds] = {"path": str(path), "rows": rows, "good": good, "bad": bad, "bytes": path.stat().st_size,
-                   "write_s": round(time.perf_counter() - t0, 2)}
+        out[ds] = {
+            "path": str(path),
+            "rows": rows,
+            "good": good,
+            "bad": bad,
+            "bytes": path.stat().st_size,
+            "write_s": round(time.perf_counter() - t0, 2),
+        }
     for i, (ds, (n, tok, _sh)) in enumerate(SEED_A.items()):
         path = data_dir / f"{ds}.jsonl"
         t0 = time.perf_counter()
         rows, tokens = rd.write_pretokenized(path, scaled(n, scale), tok / n, seed=200 + i, special_ids=special_ids)
-        out[ds] = {"path": str(path), "rows": rows, "good": rows, "bad": 0, "tokens": tokens,
-                   "bytes": path.stat().st_size, "write_s": round(time.perf_counter() - t0, 2)}
+        out[ds] = {
+            "path": str(path),
+            "rows": rows,
+            "good": rows,
+            "bad": 0,
+            "tokens": tokens,
+            "bytes": path.stat().st_size,
+            "write_s": round(time.perf_counter() - t0, 2),
+        }
     return out
 
 
-def build_config(sources: dict, port: int, scale: float, local_concurrency: int = 256,
-                 max_shards: int | None = None, limit_scale: float = 1.0) -> dict:
+def build_config(
+    sources: dict,
+    port: int,
+    scale: float,
+    local_concurrency: int = 256,
+    max_shards: int | None = None,
+    limit_scale: float = 1.0,
+) -> dict:
     """The seed config (resources/configs/seed-kimi-k25.yaml) pointed at the tiny target and the local server."""
     seed = yaml.safe_load((ROOT / "resources/configs/seed-kimi-k25.yaml").read_text())
     demo = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -167,14 +192,24 @@ def build_config(sources: dict, port: int, scale: float, local_concurrency: int 
     cfg["target"] = {**demo["target"], "template": "kimi-k2", "chat_template_kwargs": {"thinking": False}}
     url = f"http://127.0.0.1:{port}/v1"
     cfg["backends"] = {
-        "openrouter": {**seed["backends"]["openrouter"], "base_url": url, "api_key_env": FAKE_KEY_ENV,
-                       "timeout_s": 900,
-                       "max_concurrency": max(4, round(seed["backends"]["openrouter"]["max_concurrency"] * limit_scale))},
+        "openrouter": {
+            **seed["backends"]["openrouter"],
+            "base_url": url,
+            "api_key_env": FAKE_KEY_ENV,
+            "timeout_s": 900,
+            "max_concurrency": max(4, round(seed["backends"]["openrouter"]["max_concurrency"] * limit_scale)),
+        },
         "sglang_local": {k: v for k, v in seed["backends"]["sglang_local"].items() if k != "launch"}
-        | {"base_url": url, "max_concurrency": max(2, round(local_concurrency * limit_scale)), "timeout_s": 900,
-           # as the target renders its prompts (thinking off): the config check refuses a server told otherwise
-           "extra_body": {**(seed["backends"]["sglang_local"].get("extra_body") or {}),
-                          "chat_template_kwargs": {"thinking": False}}},
+        | {
+            "base_url": url,
+            "max_concurrency": max(2, round(local_concurrency * limit_scale)),
+            "timeout_s": 900,
+            # as the target renders its prompts (thinking off): the config check refuses a server told otherwise
+            "extra_body": {
+                **(seed["backends"]["sglang_local"].get("extra_body") or {}),
+                "chat_template_kwargs": {"thinking": False},
+            },
+        },
     }
     gen = dict(seed["generation"])
     # budgets (split per shard by generate): the seed's 10M per dataset would end B1-B7 early here because the
@@ -194,8 +229,10 @@ def build_config(sources: dict, port: int, scale: float, local_concurrency: int 
             g["budget_completion_tokens"] = int(25e6 * scale)
         cfg["datasets"][ds] = {"source": src, "shards": min(shards, max_shards or shards), "generation": g}
     for ds, (_n, _tok, shards) in SEED_A.items():
-        cfg["datasets"][ds] = {"source": {"format": "pretokenized", "path": sources[ds]["path"]},
-                               "shards": min(shards, max_shards or shards)}
+        cfg["datasets"][ds] = {
+            "source": {"format": "pretokenized", "path": sources[ds]["path"]},
+            "shards": min(shards, max_shards or shards),
+        }
     # the draft vocabulary must fit the tiny target's (checked before any job runs): the demo's size
     cfg["vocab"] = {**(seed.get("vocab") or {}), **(demo.get("vocab") or {})}
     cfg["extract"] = {**seed["extract"], "dtype": "float32", "gpus_per_job": 1}  # never run here
@@ -213,15 +250,30 @@ def server_config(models: dict[str, str], tok_s: dict[str, float]) -> dict:
     profiles = {}
     for ds, (_f, n, tok, _mx, _sh, backends) in SEED_B.items():
         local_only = backends == ["sglang_local"]
-        profiles[ds] = {"length_mean": tok / n - 1, "length_sigma": LENGTH_SIGMA.get(ds, 0.8),
-                        **({"price_in": 0.0, "price_out": 0.0} if local_only else {})}
+        profiles[ds] = {
+            "length_mean": tok / n - 1,
+            "length_sigma": LENGTH_SIGMA.get(ds, 0.8),
+            **({"price_in": 0.0, "price_out": 0.0} if local_only else {}),
+        }
     return {
-        "profile_field": "user", "profiles": profiles, "length_dist": "lognormal", "min_tokens": 16,
-        "max_tokens": MAX_REPLY, "eot_tokens": 1, "latency_min_s": 0.5, "latency_max_s": 1.5,
-        "model_profiles": {models[b]: {"latency_per_token_s": 1.0 / tok_s[b]} for b in models}, "p429": 0.02, "p5xx": 0.01, "perror200": 0.003, "retry_after_s": 0.5,
+        "profile_field": "user",
+        "profiles": profiles,
+        "length_dist": "lognormal",
+        "min_tokens": 16,
+        "max_tokens": MAX_REPLY,
+        "eot_tokens": 1,
+        "latency_min_s": 0.5,
+        "latency_max_s": 1.5,
+        "model_profiles": {models[b]: {"latency_per_token_s": 1.0 / tok_s[b]} for b in models},
+        "p429": 0.02,
+        "p5xx": 0.01,
+        "perror200": 0.003,
+        "retry_after_s": 0.5,
         # a rate limit refuses before generating; a provider error comes at a drawn point of the generation
         "fault_at": {"p429": "start", "p5xx": "uniform", "perror200": "uniform"},
-        "price_in": 0.4e-6, "price_out": 0.8e-6, "provider": "Moonshot AI",
+        "price_in": 0.4e-6,
+        "price_out": 0.8e-6,
+        "provider": "Moonshot AI",
         "seed": 0,
     }
 
@@ -240,7 +292,10 @@ def start_server(port: int, log_path: Path, config: dict) -> subprocess.Popen:
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "rehearsal_server.py"), "--port", str(port), "--config", json.dumps(config)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     import httpx
 
     for _ in range(100):
@@ -368,10 +423,21 @@ def seed_table(work: Path, datasets: list[str]) -> list[dict]:
         r = con.execute(
             "SELECT count(*), sum(num_prompt_tokens), sum(num_completion_tokens), sum(num_tokens), "
             "sum(coalesce(cost_usd, 0)), string_agg(DISTINCT backend, '+' ORDER BY backend), "
-            "sum(billed_completion_tokens) FROM read_parquet(?)", [files]).fetchone()
-        rows.append({"dataset": ds, "samples": r[0], "prompt_tokens": int(r[1] or 0),
-                     "completion_tokens": int(r[2] or 0), "tokens": int(r[3] or 0), "cost_usd": float(r[4] or 0),
-                     "backends": r[5] or "", "billed_completion_tokens": int(r[6] or 0)})
+            "sum(billed_completion_tokens) FROM read_parquet(?)",
+            [files],
+        ).fetchone()
+        rows.append(
+            {
+                "dataset": ds,
+                "samples": r[0],
+                "prompt_tokens": int(r[1] or 0),
+                "completion_tokens": int(r[2] or 0),
+                "tokens": int(r[3] or 0),
+                "cost_usd": float(r[4] or 0),
+                "backends": r[5] or "",
+                "billed_completion_tokens": int(r[6] or 0),
+            }
+        )
     return rows
 
 
@@ -385,7 +451,9 @@ def rejects(work: Path) -> list[tuple]:
     try:
         return con.execute(
             "SELECT dataset, stage, reason, count(*) FROM read_parquet(?, union_by_name=true) "
-            "GROUP BY ALL ORDER BY 1, 2, 3", [files]).fetchall()
+            "GROUP BY ALL ORDER BY 1, 2, 3",
+            [files],
+        ).fetchall()
     except duckdb.Error as exc:
         return [("?", "?", f"could not read rejects: {exc}"[:120], 0)]
 
@@ -418,10 +486,17 @@ def in_flight(intervals: list, models: dict[str, str], limits: dict[str, int]) -
         mean = area / (t_tail - t_start) if t_tail > t_start else float(n)
         work = sum(b - a for a, b, _ in iv)
         lim = limits[backend]
-        out[backend] = {"requests": len(iv), "limit": lim, "max": peak, "mean": round(mean, 1),
-                        "mean_ratio": round(mean / lim, 3), "until_tail_s": round(t_tail - t_start, 1),
-                        "span_s": round(max(b for _, b, _ in iv) - t_start, 1), "work_s": round(work, 1),
-                        "ideal_s": round(work / lim, 1)}
+        out[backend] = {
+            "requests": len(iv),
+            "limit": lim,
+            "max": peak,
+            "mean": round(mean, 1),
+            "mean_ratio": round(mean / lim, 3),
+            "until_tail_s": round(t_tail - t_start, 1),
+            "span_s": round(max(b for _, b, _ in iv) - t_start, 1),
+            "work_s": round(work, 1),
+            "ideal_s": round(work / lim, 1),
+        }
     return out
 
 
@@ -442,7 +517,9 @@ def source_label(ds: str, backends: str) -> str:
 
 def print_table(rows: list[dict], scale: float) -> dict:
     print(f"\n## Per-dataset table (validated parquet; rehearsal at scale {scale:g}; seed figures scaled alongside)\n")
-    print("| Dataset | Samples | Prompt tok | Completion tok | Total tok | Source | Cost $ | seed samples | seed tokens |")
+    print(
+        "| Dataset | Samples | Prompt tok | Completion tok | Total tok | Source | Cost $ | seed samples | seed tokens |"
+    )
     print("|---|--:|--:|--:|--:|---|--:|--:|--:|")
     tot = {"B": [0, 0, 0, 0, 0.0], "A": [0, 0, 0, 0, 0.0]}
     for r in rows:
@@ -453,23 +530,38 @@ def print_table(rows: list[dict], scale: float) -> dict:
         for j, k in enumerate(("samples", "prompt_tokens", "completion_tokens", "tokens")):
             t[j] += r.get(k, 0)
         t[4] += r.get("cost_usd", 0.0)
-        print(f"| {ds} | {r.get('samples', 0):,} | {human(r.get('prompt_tokens', 0))} | "
-              f"{human(r.get('completion_tokens', 0))} | {human(r.get('tokens', 0))} | "
-              f"{source_label(ds, r.get('backends', ''))} | {r.get('cost_usd', 0):.2f} | "
-              f"{scaled(seed_n, scale):,} | {human(seed_tok * scale)} |")
+        print(
+            f"| {ds} | {r.get('samples', 0):,} | {human(r.get('prompt_tokens', 0))} | "
+            f"{human(r.get('completion_tokens', 0))} | {human(r.get('tokens', 0))} | "
+            f"{source_label(ds, r.get('backends', ''))} | {r.get('cost_usd', 0):.2f} | "
+            f"{scaled(seed_n, scale):,} | {human(seed_tok * scale)} |"
+        )
         if ds == "B8_sweagent":
             b = tot["B"]
-            print(f"| **Total B** | **{b[0]:,}** | {human(b[1])} | **{human(b[2])}** | {human(b[3])} | | "
-                  f"{b[4]:.2f} | {scaled(35_314, scale):,} | {human(90.9e6 * scale)} |")
+            print(
+                f"| **Total B** | **{b[0]:,}** | {human(b[1])} | **{human(b[2])}** | {human(b[3])} | | "
+                f"{b[4]:.2f} | {scaled(35_314, scale):,} | {human(90.9e6 * scale)} |"
+            )
     a = tot["A"]
-    print(f"| **Total A** | **{a[0]:,}** | {human(a[1])} | {human(a[2])} | **{human(a[3])}** | | | "
-          f"{scaled(4_800, scale):,} | {human(47.5e6 * scale)} |")
+    print(
+        f"| **Total A** | **{a[0]:,}** | {human(a[1])} | {human(a[2])} | **{human(a[3])}** | | | "
+        f"{scaled(4_800, scale):,} | {human(47.5e6 * scale)} |"
+    )
     g = [tot["A"][i] + tot["B"][i] for i in range(5)]
-    print(f"| **Grand total** | **{g[0]:,}** | | | **{human(g[3])}** | | {g[4]:.2f} | "
-          f"{scaled(SEED_TOTAL_SAMPLES, scale):,} | {human(138.4e6 * scale)} |")
-    return {"B_samples": tot["B"][0], "B_completion_tokens": tot["B"][2], "B_tokens": tot["B"][3],
-            "A_samples": tot["A"][0], "A_tokens": tot["A"][3], "samples": g[0], "tokens": g[3],
-            "cost_usd": round(g[4], 2)}
+    print(
+        f"| **Grand total** | **{g[0]:,}** | | | **{human(g[3])}** | | {g[4]:.2f} | "
+        f"{scaled(SEED_TOTAL_SAMPLES, scale):,} | {human(138.4e6 * scale)} |"
+    )
+    return {
+        "B_samples": tot["B"][0],
+        "B_completion_tokens": tot["B"][2],
+        "B_tokens": tot["B"][3],
+        "A_samples": tot["A"][0],
+        "A_tokens": tot["A"][3],
+        "samples": g[0],
+        "tokens": g[3],
+        "cost_usd": round(g[4], 2),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -504,8 +596,11 @@ def actual_generation(work: Path, datasets: list[str]) -> dict[str, dict]:
         files = sorted(str(p) for p in (work / "results" / ds / "responses").glob("*.parquet"))
         if not files:
             continue
-        r = con.execute("SELECT count(*), sum(completion_tokens), sum(coalesce(cost_usd, 0)) FROM read_parquet(?) "
-                        "WHERE status = 'ok'", [files]).fetchone()
+        r = con.execute(
+            "SELECT count(*), sum(completion_tokens), sum(coalesce(cost_usd, 0)) FROM read_parquet(?) "
+            "WHERE status = 'ok'",
+            [files],
+        ).fetchone()
         out[ds] = {"requests": int(r[0]), "completion_tokens": int(r[1] or 0), "usd": float(r[2] or 0)}
     return out
 
@@ -523,34 +618,49 @@ def compare_forecast(fc: dict, actual: dict[str, dict], gen_span_s: float, work_
         a = actual.get(ds, {"requests": 0, "completion_tokens": 0, "usd": 0.0})
         rc = d["expected_completion_tokens"] / max(1, a["completion_tokens"])
         ru = (d["usd"] or 0.0) / a["usd"] if a["usd"] else float("nan")
-        print(f"| {ds} | {d['requests_sent']:,} / {a['requests']:,} | {human(d['expected_completion_tokens'])} / "
-              f"{human(a['completion_tokens'])} | {rc:.2f} | {d['usd'] or 0:.4f} / {a['usd']:.4f} | {ru:.2f} |")
+        print(
+            f"| {ds} | {d['requests_sent']:,} / {a['requests']:,} | {human(d['expected_completion_tokens'])} / "
+            f"{human(a['completion_tokens'])} | {rc:.2f} | {d['usd'] or 0:.4f} / {a['usd']:.4f} | {ru:.2f} |"
+        )
     t = fc["total"]
     act_comp = sum(a["completion_tokens"] for a in actual.values())
     act_usd = sum(a["usd"] for a in actual.values())
     fc_s = t["hours_remaining"] * 3600  # the build sends what the pilot did not: its generate span is that part
     fc_lo, fc_hi = t.get("hours_remaining_p10", 0.0) * 3600, t.get("hours_remaining_p90", 0.0) * 3600
-    out = {"forecast_usd": round(t["usd"] or 0.0, 4), "actual_usd": round(act_usd, 4),
-           "forecast_cost_ratio": round((t["usd"] or 0.0) / act_usd, 3) if act_usd else None,
-           "forecast_completion_tokens": t["expected_completion_tokens"], "actual_completion_tokens": act_comp,
-           "forecast_completion_ratio": round(t["expected_completion_tokens"] / max(1, act_comp), 3),
-           "forecast_generate_s": round(fc_s, 1), "actual_generate_span_s": round(gen_span_s, 1),
-           "forecast_time_ratio": round(fc_s / gen_span_s, 3) if gen_span_s else None,
-           "forecast_generate_p10_s": round(fc_lo, 1), "forecast_generate_p90_s": round(fc_hi, 1),
-           "actual_in_forecast_range": fc_lo <= gen_span_s <= fc_hi,
-           "forecast_work_s": round(sum(d["remaining_work_s"] for d in fc["datasets"].values()), 1),
-           "actual_work_s": round(work_s, 1)}
+    out = {
+        "forecast_usd": round(t["usd"] or 0.0, 4),
+        "actual_usd": round(act_usd, 4),
+        "forecast_cost_ratio": round((t["usd"] or 0.0) / act_usd, 3) if act_usd else None,
+        "forecast_completion_tokens": t["expected_completion_tokens"],
+        "actual_completion_tokens": act_comp,
+        "forecast_completion_ratio": round(t["expected_completion_tokens"] / max(1, act_comp), 3),
+        "forecast_generate_s": round(fc_s, 1),
+        "actual_generate_span_s": round(gen_span_s, 1),
+        "forecast_time_ratio": round(fc_s / gen_span_s, 3) if gen_span_s else None,
+        "forecast_generate_p10_s": round(fc_lo, 1),
+        "forecast_generate_p90_s": round(fc_hi, 1),
+        "actual_in_forecast_range": fc_lo <= gen_span_s <= fc_hi,
+        "forecast_work_s": round(sum(d["remaining_work_s"] for d in fc["datasets"].values()), 1),
+        "actual_work_s": round(work_s, 1),
+    }
     out["forecast_work_ratio"] = round(out["forecast_work_s"] / work_s, 3) if work_s else None
-    print(f"| **Total** | {t['requests_sent']:,} / {sum(a['requests'] for a in actual.values()):,} | "
-          f"{human(t['expected_completion_tokens'])} / {human(act_comp)} | {out['forecast_completion_ratio']:.2f} | "
-          f"{out['forecast_usd']:.4f} / {act_usd:.4f} | {out['forecast_cost_ratio']} |")
-    ok = [r is not None and abs(r - 1) <= FORECAST_TOLERANCE for r in (out["forecast_cost_ratio"], out["forecast_time_ratio"])]
+    print(
+        f"| **Total** | {t['requests_sent']:,} / {sum(a['requests'] for a in actual.values()):,} | "
+        f"{human(t['expected_completion_tokens'])} / {human(act_comp)} | {out['forecast_completion_ratio']:.2f} | "
+        f"{out['forecast_usd']:.4f} / {act_usd:.4f} | {out['forecast_cost_ratio']} |"
+    )
+    ok = [
+        r is not None and abs(r - 1) <= FORECAST_TOLERANCE
+        for r in (out["forecast_cost_ratio"], out["forecast_time_ratio"])
+    ]
     out["forecast_within_tolerance"] = all(ok)
-    print(f"\ngeneration time (the requests the pilot left): forecast {fc_s:.0f} s (simulated runs: 10th-90th "
-          f"percentile {fc_lo:.0f}-{fc_hi:.0f} s) vs actual {gen_span_s:.0f} s (first "
-          f"generate job start to last end), ratio {out['forecast_time_ratio']}; cost ratio {out['forecast_cost_ratio']} "
-          f"(target: both within {FORECAST_TOLERANCE:.0%}); request-seconds: forecast {out['forecast_work_s']:,.0f} vs "
-          f"{work_s:,.0f} measured by the server, ratio {out['forecast_work_ratio']}")
+    print(
+        f"\ngeneration time (the requests the pilot left): forecast {fc_s:.0f} s (simulated runs: 10th-90th "
+        f"percentile {fc_lo:.0f}-{fc_hi:.0f} s) vs actual {gen_span_s:.0f} s (first "
+        f"generate job start to last end), ratio {out['forecast_time_ratio']}; cost ratio {out['forecast_cost_ratio']} "
+        f"(target: both within {FORECAST_TOLERANCE:.0%}); request-seconds: forecast {out['forecast_work_s']:,.0f} vs "
+        f"{work_s:,.0f} measured by the server, ratio {out['forecast_work_ratio']}"
+    )
     return out
 
 
@@ -591,8 +701,10 @@ def selection_rows(sel_dir: Path) -> dict[str, dict[str, tuple[int, str]]]:
     con = duckdb.connect()
     con.execute("SET threads = 2")
     for p in sorted(sel_dir.glob("*/*.parquet")):
-        rows = con.execute("SELECT sample_id, num_tokens, md5(input_ids::VARCHAR || '|' || loss_mask::VARCHAR) "
-                           "FROM read_parquet(?)", [str(p)]).fetchall()
+        rows = con.execute(
+            "SELECT sample_id, num_tokens, md5(input_ids::VARCHAR || '|' || loss_mask::VARCHAR) FROM read_parquet(?)",
+            [str(p)],
+        ).fetchall()
         out[f"{p.parent.name}/{p.stem}"] = {sid: (int(n), h) for sid, n, h in rows}
     return out
 
@@ -609,13 +721,19 @@ def forwarded_tokens(before: dict, after: dict) -> dict:
             changed.append(key)
         fwd_rows += len(new)
         fwd_tokens += sum(n for n, _h in new.values())
-    return {"selections": len(after), "selections_changed": sorted(changed), "rows_forwarded": fwd_rows,
-            "tokens_forwarded": fwd_tokens, "rows_total": sum(len(r) for r in after.values()),
-            "tokens_total": sum(n for r in after.values() for n, _h in r.values())}
+    return {
+        "selections": len(after),
+        "selections_changed": sorted(changed),
+        "rows_forwarded": fwd_rows,
+        "tokens_forwarded": fwd_tokens,
+        "rows_total": sum(len(r) for r in after.values()),
+        "tokens_total": sum(n for r in after.values() for n, _h in r.values()),
+    }
 
 
-def incremental(work: Path, cfg: dict, scale: float, cmd: list[str], env: dict, server_pid: int,
-                retried: int = RETRIED_REQUESTS) -> dict:
+def incremental(
+    work: Path, cfg: dict, scale: float, cmd: list[str], env: dict, server_pid: int, retried: int = RETRIED_REQUESTS
+) -> dict:
     """Retry ``retried`` failed requests and add one small dataset after the full build; measure what reruns.
 
     A failed request is simulated by removing a validated sample's journal line; the states the build would hold
@@ -627,73 +745,127 @@ def incremental(work: Path, cfg: dict, scale: float, cmd: list[str], env: dict, 
     merged_before = {p.name: p.stat().st_mtime_ns for p in (work / "results/merged").glob("*.parquet")}
     dropped = set(drop_journal_lines(work, retried))
     # the states a build with those requests failed would hold: their selections without the dropped samples
-    before = {k: {sid: v for sid, v in rows.items() if sid not in dropped}
-              for k, rows in selection_rows(sel_dir).items()}
+    before = {
+        k: {sid: v for sid, v in rows.items() if sid not in dropped} for k, rows in selection_rows(sel_dir).items()
+    }
     name, fmt, n, shards = NEW_DATASET
     path = work / "data" / f"{name}.json"
     good = scaled(n, scale)
     rd.write_sharegpt(path, good, 1, seed=300)
-    cfg = {**cfg, "datasets": {**cfg["datasets"], name: {
-        "source": {"format": fmt, "path": str(path)}, "shards": shards,
-        "generation": {"extra_body": {"user": "B7_sharegpt"}}}}}
+    cfg = {
+        **cfg,
+        "datasets": {
+            **cfg["datasets"],
+            name: {
+                "source": {"format": fmt, "path": str(path)},
+                "shards": shards,
+                "generation": {"extra_body": {"user": "B7_sharegpt"}},
+            },
+        },
+    }
     cfg_path = work / "rehearsal-incremental.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False, width=120))
     i = cmd.index("--configfile")
-    cmd = cmd[:i + 1] + [str(cfg_path)] + cmd[i + 2:] + ["--forcerun", "generate"]
+    cmd = cmd[: i + 1] + [str(cfg_path)] + cmd[i + 2 :] + ["--forcerun", "generate"]
     log = work / "snakemake.incremental.log"
     rc, wall, _mem = run_workflow(cmd, env, log, server_pid)
     if rc != 0:
-        print(f"\nincremental snakemake FAILED (exit {rc}); last lines of {log}:\n"
-              + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+        print(
+            f"\nincremental snakemake FAILED (exit {rc}); last lines of {log}:\n"
+            + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        )
     after = selection_rows(sel_dir)
     fwd = forwarded_tokens(before, after)
     jobs = {k: v["jobs"] for k, v in stage_table(job_times(log.read_text(errors="replace"))).items()}
-    sent = sum(json.loads(p.read_text()).get("sent", 0) for p in work.glob("results/*/responses/*.json")
-               if p.stat().st_mtime > time.time() - wall - 5)
-    merged_rewritten = sum(1 for p in (work / "results/merged").glob("*.parquet")
-                           if merged_before.get(p.name) != p.stat().st_mtime_ns)
-    out = {"snakemake_rc": rc, "wall_s": round(wall, 1), "retried_requests": len(dropped),
-           "new_dataset": name, "new_dataset_samples": good, "requests_sent": sent, "jobs_rerun": jobs,
-           "merged_shards_rewritten": merged_rewritten, **fwd,
-           "tokens_forwarded_ratio": round(fwd["tokens_forwarded"] / max(1, fwd["tokens_total"]), 5)}
+    sent = sum(
+        json.loads(p.read_text()).get("sent", 0)
+        for p in work.glob("results/*/responses/*.json")
+        if p.stat().st_mtime > time.time() - wall - 5
+    )
+    merged_rewritten = sum(
+        1 for p in (work / "results/merged").glob("*.parquet") if merged_before.get(p.name) != p.stat().st_mtime_ns
+    )
+    out = {
+        "snakemake_rc": rc,
+        "wall_s": round(wall, 1),
+        "retried_requests": len(dropped),
+        "new_dataset": name,
+        "new_dataset_samples": good,
+        "requests_sent": sent,
+        "jobs_rerun": jobs,
+        "merged_shards_rewritten": merged_rewritten,
+        **fwd,
+        "tokens_forwarded_ratio": round(fwd["tokens_forwarded"] / max(1, fwd["tokens_total"]), 5),
+    }
     print(f"\n## Incremental: retry {len(dropped)} failed requests + add a small dataset (--forcerun generate)\n")
     print("| Stage | Jobs rerun |\n|---|--:|")
     for k in sorted(jobs):
         print(f"| {k} | {jobs[k]} |")
-    print(f"\nrequests sent {sent}; selections changed {len(fwd['selections_changed'])} of {fwd['selections']} "
-          f"({', '.join(fwd['selections_changed'])}); rows forwarded {fwd['rows_forwarded']:,} of "
-          f"{fwd['rows_total']:,}; tokens forwarded {fwd['tokens_forwarded']:,} of {fwd['tokens_total']:,} "
-          f"({100 * out['tokens_forwarded_ratio']:.3f} % of a full build's); merged shards rewritten "
-          f"{merged_rewritten} (an index over the states: no extraction)")
+    print(
+        f"\nrequests sent {sent}; selections changed {len(fwd['selections_changed'])} of {fwd['selections']} "
+        f"({', '.join(fwd['selections_changed'])}); rows forwarded {fwd['rows_forwarded']:,} of "
+        f"{fwd['rows_total']:,}; tokens forwarded {fwd['tokens_forwarded']:,} of {fwd['tokens_total']:,} "
+        f"({100 * out['tokens_forwarded_ratio']:.3f} % of a full build's); merged shards rewritten "
+        f"{merged_rewritten} (an index over the states: no extraction)"
+    )
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--full", action="store_true",
-                    help="the seed's full scale (--scale 1 at the seed-like stream speeds; target total 30 min)")
-    ap.add_argument("--scale", type=float, default=None,
-                    help=f"fraction of the seed's samples (default {DEFAULT_SCALE:g}; --full: 1)")
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="the seed's full scale (--scale 1 at the seed-like stream speeds; target total 30 min)",
+    )
+    ap.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help=f"fraction of the seed's samples (default {DEFAULT_SCALE:g}; --full: 1)",
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a new temp dir)")
     ap.add_argument("--cores", type=int, default=2)
-    ap.add_argument("--local-concurrency", type=int, default=256,
-                    help="sglang_local's max_concurrency (seed: 256; openrouter stays at the seed's 2,000)")
-    ap.add_argument("--openrouter-tok-s", type=float, default=None,
-                    help="openrouter's stream speed, tokens/s per request (default 400; --full: 100; --toy: 8,333)")
-    ap.add_argument("--local-tok-s", type=float, default=None,
-                    help="sglang_local's stream speed, tokens/s per request (default 2,000; --full: 500; "
-                         "--toy: 8,333)")
-    ap.add_argument("--limit-scale", type=float, default=None,
-                    help="factor on both backends' max_concurrency (default: --scale; --toy: 1)")
+    ap.add_argument(
+        "--local-concurrency",
+        type=int,
+        default=256,
+        help="sglang_local's max_concurrency (seed: 256; openrouter stays at the seed's 2,000)",
+    )
+    ap.add_argument(
+        "--openrouter-tok-s",
+        type=float,
+        default=None,
+        help="openrouter's stream speed, tokens/s per request (default 400; --full: 100; --toy: 8,333)",
+    )
+    ap.add_argument(
+        "--local-tok-s",
+        type=float,
+        default=None,
+        help="sglang_local's stream speed, tokens/s per request (default 2,000; --full: 500; --toy: 8,333)",
+    )
+    ap.add_argument(
+        "--limit-scale",
+        type=float,
+        default=None,
+        help="factor on both backends' max_concurrency (default: --scale; --toy: 1)",
+    )
     ap.add_argument("--with-report", action="store_true", help="also run the report rule (tables, plots)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (always kept with --workdir)")
     ap.add_argument("--max-shards", type=int, default=None, help="cap every dataset's shard count")
     ap.add_argument("--no-incremental", action="store_true", help="skip the incremental scenario")
-    ap.add_argument("--retried", type=int, default=RETRIED_REQUESTS,
-                    help=f"failed requests the incremental scenario retries (default {RETRIED_REQUESTS})")
+    ap.add_argument(
+        "--retried",
+        type=int,
+        default=RETRIED_REQUESTS,
+        help=f"failed requests the incremental scenario retries (default {RETRIED_REQUESTS})",
+    )
     ap.add_argument("--datasets", default=None, help="comma-separated subset of the seed's datasets (default: all)")
-    ap.add_argument("--toy", action="store_true",
-                    help=f"CI size: --scale 0.002 --max-shards 1 --retried 2 --datasets {','.join(TOY_DATASETS)}")
+    ap.add_argument(
+        "--toy",
+        action="store_true",
+        help=f"CI size: --scale 0.002 --max-shards 1 --retried 2 --datasets {','.join(TOY_DATASETS)}",
+    )
     args = ap.parse_args(argv)
     if args.full and args.toy:
         ap.error("--full and --toy are two sizes: give one")
@@ -744,28 +916,56 @@ def main(argv=None) -> int:
 
     names = rule_names()
     # file targets, not --until: Snakemake 9 left the plan job unscheduled ("Out of jobs ready") with --until
-    targets = ["results/merged/manifest.json"] + (["results/reports/plan.md"] if "plan" in names else []) + (
-        ["results/reports/tally.md"] if args.with_report else [])
-    cmd = ["snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work), "--configfile", str(cfg_path),
-           "--cores", str(args.cores), "--nolock", *targets]
-    env = {**os.environ, FAKE_KEY_ENV: "rehearsal-not-a-secret", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    targets = (
+        ["results/merged/manifest.json"]
+        + (["results/reports/plan.md"] if "plan" in names else [])
+        + (["results/reports/tally.md"] if args.with_report else [])
+    )
+    cmd = [
+        "snakemake",
+        "-s",
+        str(ROOT / "Snakefile"),
+        "-d",
+        str(work),
+        "--configfile",
+        str(cfg_path),
+        "--cores",
+        str(args.cores),
+        "--nolock",
+        *targets,
+    ]
+    env = {
+        **os.environ,
+        FAKE_KEY_ENV: "rehearsal-not-a-secret",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     be = cfg["backends"]
-    server = start_server(port, work / "server.log", server_config(
-        {b: be[b]["model"] for b in be}, {"openrouter": args.openrouter_tok_s, "sglang_local": args.local_tok_s}))
+    server = start_server(
+        port,
+        work / "server.log",
+        server_config(
+            {b: be[b]["model"] for b in be}, {"openrouter": args.openrouter_tok_s, "sglang_local": args.local_tok_s}
+        ),
+    )
     fc, t_forecast = None, 0.0
     if "forecast" in names:  # before paying: the forecast target (its pilot is journaled, never paid twice)
-        fc_cmd = cmd[:-len(targets)] + ["results/reports/forecast.json"]
+        fc_cmd = cmd[: -len(targets)] + ["results/reports/forecast.json"]
         print(f"\nrehearsal server on 127.0.0.1:{port}; forecast first: {' '.join(fc_cmd)}", flush=True)
         rc_fc, t_forecast, _m = run_workflow(fc_cmd, env, work / "snakemake.forecast.log", server.pid)
         if rc_fc != 0:
-            print(f"\nforecast FAILED (exit {rc_fc}); last lines:\n"
-                  + "\n".join((work / "snakemake.forecast.log").read_text(errors="replace").splitlines()[-40:]))
+            print(
+                f"\nforecast FAILED (exit {rc_fc}); last lines:\n"
+                + "\n".join((work / "snakemake.forecast.log").read_text(errors="replace").splitlines()[-40:])
+            )
         else:
             fc = json.loads((work / "results/reports/forecast.json").read_text())
             t = fc["total"]
-            print(f"forecast in {t_forecast:.0f} s: {t['requests_sent']:,} requests, "
-                  f"{human(t['expected_completion_tokens'])} completion tokens, ${t['usd'] or 0:.2f}, "
-                  f"{t['hours'] * 3600:.0f} s of generation", flush=True)
+            print(
+                f"forecast in {t_forecast:.0f} s: {t['requests_sent']:,} requests, "
+                f"{human(t['expected_completion_tokens'])} completion tokens, ${t['usd'] or 0:.2f}, "
+                f"{t['hours'] * 3600:.0f} s of generation",
+                flush=True,
+            )
     import httpx
 
     # the build's requests only: the forecast's pilot requests were answered before it started
@@ -805,11 +1005,15 @@ def main(argv=None) -> int:
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
     for b, f in flight.items():
         if f.get("requests"):
-            print(f"| {b} | {f['limit']:,} | {f['requests']:,} | {f['max']:,} | {f['mean']:,} | {f['mean_ratio']:.2f} | "
-                  f"{f['work_s']:,.0f} | {f['ideal_s']:,.1f} |")
-    print(f"\ngeneration span {gen_span:.0f} s; longest generate job {longest_shard:.0f} s; the work at the limit "
-          f"{ideal:.0f} s; span / (longest job + work at the limit) = "
-          f"{gen_span / max(1e-9, longest_shard + ideal):.2f} (target <= 1.1)")
+            print(
+                f"| {b} | {f['limit']:,} | {f['requests']:,} | {f['max']:,} | {f['mean']:,} | {f['mean_ratio']:.2f} | "
+                f"{f['work_s']:,.0f} | {f['ideal_s']:,.1f} |"
+            )
+    print(
+        f"\ngeneration span {gen_span:.0f} s; longest generate job {longest_shard:.0f} s; the work at the limit "
+        f"{ideal:.0f} s; span / (longest job + work at the limit) = "
+        f"{gen_span / max(1e-9, longest_shard + ideal):.2f} (target <= 1.1)"
+    )
 
     datasets = list(SEED_B) + list(SEED_A)
     rows = seed_table(work, datasets)
@@ -825,17 +1029,24 @@ def main(argv=None) -> int:
             print(f"  {d:22s} {str(st):10s} {str(reason):28s} {n:>6,}")
 
     summaries = [json.loads(p.read_text()) for p in work.glob("results/*/responses/*.json")]
-    gen = {"sent": sum(s.get("sent", 0) for s in summaries), "retries": sum(s.get("retries", 0) for s in summaries),
-           "failed": sum(s.get("failed_total", 0) for s in summaries),
-           "not_sent": sum(s.get("not_sent", 0) for s in summaries),
-           "stopped_by": sorted({s.get("stopped_by") for s in summaries if s.get("stopped_by")})}
+    gen = {
+        "sent": sum(s.get("sent", 0) for s in summaries),
+        "retries": sum(s.get("retries", 0) for s in summaries),
+        "failed": sum(s.get("failed_total", 0) for s in summaries),
+        "not_sent": sum(s.get("not_sent", 0) for s in summaries),
+        "stopped_by": sorted({s.get("stopped_by") for s in summaries if s.get("stopped_by")}),
+    }
     print(f"\ngeneration: {json.dumps(gen)}\nserver: {json.dumps(stats)}")
 
     manifest_p = work / "results/merged/manifest.json"
     manifest = json.loads(manifest_p.read_text()) if manifest_p.exists() else None
     if manifest:
         print("\n## Merge manifest (totals)\n")
-        print(json.dumps({k: v for k, v in manifest.items() if k not in ("shards", "inputs", "selections")}, indent=1)[:3000])
+        print(
+            json.dumps({k: v for k, v in manifest.items() if k not in ("shards", "inputs", "selections")}, indent=1)[
+                :3000
+            ]
+        )
     plan_files = sorted(p for p in work.glob("results/**/*plan*") if p.is_file())
     if plan_files:
         print("\n## Extraction plan\n")
@@ -844,8 +1055,13 @@ def main(argv=None) -> int:
             print(p.read_text(errors="replace")[:4000])
     else:
         print("\n## Extraction plan: not produced (no plan rule / report output in this workflow yet)")
-    fc_cmp = compare_forecast(fc, actual_generation(work, list(SEED_B)), gen_span,
-                              sum(f.get("work_s", 0.0) for f in flight.values())) if fc is not None else None
+    fc_cmp = (
+        compare_forecast(
+            fc, actual_generation(work, list(SEED_B)), gen_span, sum(f.get("work_s", 0.0) for f in flight.values())
+        )
+        if fc is not None
+        else None
+    )
     tally = work / "results/reports/tally.md"
     if tally.exists():
         print("\n## results/reports/tally.md\n\n" + tally.read_text())
@@ -861,27 +1077,48 @@ def main(argv=None) -> int:
     # the full scale's target is the build's (the seed run's); the default size's is the whole benchmark's
     judged_s = total_s if args.full else run_s
     peak_gb = mem.peak / 2**30
-    print(f"\ntotal wall {total_s:.0f} s (sources {t_sources:.0f} s + workflow {t_workflow:.0f} s); "
-          f"peak RSS of the process tree {peak_gb:.2f} GB at t={mem.peak_at:.0f} s: "
-          + "; ".join(f"{c} {r / 2**20:.0f} MiB" for c, r in mem.peak_procs))
+    print(
+        f"\ntotal wall {total_s:.0f} s (sources {t_sources:.0f} s + workflow {t_workflow:.0f} s); "
+        f"peak RSS of the process tree {peak_gb:.2f} GB at t={mem.peak_at:.0f} s: "
+        + "; ".join(f"{c} {r / 2**20:.0f} MiB" for c, r in mem.peak_procs)
+    )
     result = {
-        "benchmark": "rehearsal", "scale": args.scale, "cores": args.cores, "snakemake_rc": rc,
-        "samples": totals["samples"], "seed_samples_scaled": scaled(SEED_TOTAL_SAMPLES, args.scale),
-        "B_completion_tokens": comp_b, "billed_completion_tokens": billed, "A_tokens": totals["A_tokens"],
-        "tokens": totals["tokens"], "cost_usd": totals["cost_usd"],
+        "benchmark": "rehearsal",
+        "scale": args.scale,
+        "cores": args.cores,
+        "snakemake_rc": rc,
+        "samples": totals["samples"],
+        "seed_samples_scaled": scaled(SEED_TOTAL_SAMPLES, args.scale),
+        "B_completion_tokens": comp_b,
+        "billed_completion_tokens": billed,
+        "A_tokens": totals["A_tokens"],
+        "tokens": totals["tokens"],
+        "cost_usd": totals["cost_usd"],
         "stage_job_s": {k: round(v["job_s"]) for k, v in stages.items()},
         "stage_span_s": {k: round(v["last"] - v["first"]) for k, v in stages.items()},
-        "sources_s": round(t_sources, 1), "workflow_s": round(t_workflow, 1), "total_s": round(total_s, 1),
-        "peak_rss_gb": round(peak_gb, 2), "merged_samples": (manifest or {}).get("totals", {}).get("samples"),
-        "in_flight": flight, "generate_span_s": round(gen_span), "longest_generate_job_s": round(longest_shard),
-        "generate_jobs": len(gen_jobs), "work_at_limit_s": round(ideal, 1),
-        "generate_span_ratio": round(gen_span / max(1e-9, longest_shard + ideal), 3), "target_generate_span_ratio": 1.1,
+        "sources_s": round(t_sources, 1),
+        "workflow_s": round(t_workflow, 1),
+        "total_s": round(total_s, 1),
+        "peak_rss_gb": round(peak_gb, 2),
+        "merged_samples": (manifest or {}).get("totals", {}).get("samples"),
+        "in_flight": flight,
+        "generate_span_s": round(gen_span),
+        "longest_generate_job_s": round(longest_shard),
+        "generate_jobs": len(gen_jobs),
+        "work_at_limit_s": round(ideal, 1),
+        "generate_span_ratio": round(gen_span / max(1e-9, longest_shard + ideal), 3),
+        "target_generate_span_ratio": 1.1,
         "target_in_flight_ratio": 0.9,
         "plan_produced": bool(plan_files),
-        "forecast_s": round(t_forecast, 1), **(fc_cmp or {"forecast_cost_ratio": None, "forecast_time_ratio": None}),
-        "forecast_pilot_samples": (fc or {}).get("pilot_samples"), "target_forecast_tolerance": FORECAST_TOLERANCE,
-        "full_scale": args.full, "openrouter_tok_s": args.openrouter_tok_s, "local_tok_s": args.local_tok_s,
-        "run_s": round(run_s, 1), "target_total_s": target_total_s,
+        "forecast_s": round(t_forecast, 1),
+        **(fc_cmp or {"forecast_cost_ratio": None, "forecast_time_ratio": None}),
+        "forecast_pilot_samples": (fc or {}).get("pilot_samples"),
+        "target_forecast_tolerance": FORECAST_TOLERANCE,
+        "full_scale": args.full,
+        "openrouter_tok_s": args.openrouter_tok_s,
+        "local_tok_s": args.local_tok_s,
+        "run_s": round(run_s, 1),
+        "target_total_s": target_total_s,
         "target_applies_to": "total_s (the build)" if args.full else "run_s (forecast + build + incremental)",
         "target_peak_gb": TARGET_PEAK_GB,
         "total_ratio_to_target": round(judged_s / target_total_s, 3),
@@ -891,7 +1128,8 @@ def main(argv=None) -> int:
     }
     if inc is not None:
         result["incremental"] = {k: v for k, v in inc.items() if k != "selections_changed"} | {
-            "selections_changed": len(inc["selections_changed"])}
+            "selections_changed": len(inc["selections_changed"])
+        }
         rc = rc or inc["snakemake_rc"]
     if not (args.keep or args.workdir) and rc == 0:
         shutil.rmtree(work, ignore_errors=True)

@@ -47,7 +47,7 @@ class Texts:
     def text(self, n: int) -> str:
         n = int(n)
         off = self.r.randrange(len(CORPUS) - 1)
-        t = CORPUS[off:off + n]
+        t = CORPUS[off : off + n]
         while len(t) < n:
             t += CORPUS[: n - len(t)]
         return t.strip() or "x"
@@ -88,25 +88,37 @@ def write_glaive(path: Path, n: int, bad: int, seed: int) -> int:
         if tx.r.random() < 0.8:
             specs = []
             for k in range(tx.r.choice((1, 1, 2))):
-                specs.append({
-                    "name": f"get_{tx.text(12).split()[0].lower() or 'item'}_{k}",
-                    "description": tx.text(tx.r.randint(40, 120)),
-                    "parameters": {"type": "object", "properties": {
-                        "query": {"type": "string", "description": tx.text(30)},
-                        "limit": {"type": "integer", "description": "Maximum number of results"}},
-                        "required": ["query"]},
-                })
-            system = ("SYSTEM: You are a helpful assistant with access to the following functions. Use them if "
-                      "required -\n" + "\n".join(json.dumps(s, indent=4) for s in specs))
+                specs.append(
+                    {
+                        "name": f"get_{tx.text(12).split()[0].lower() or 'item'}_{k}",
+                        "description": tx.text(tx.r.randint(40, 120)),
+                        "parameters": {
+                            "type": "object",
+                            "properties": {
+                                "query": {"type": "string", "description": tx.text(30)},
+                                "limit": {"type": "integer", "description": "Maximum number of results"},
+                            },
+                            "required": ["query"],
+                        },
+                    }
+                )
+            system = (
+                "SYSTEM: You are a helpful assistant with access to the following functions. Use them if "
+                "required -\n" + "\n".join(json.dumps(s, indent=4) for s in specs)
+            )
             name = specs[0]["name"]
             q = tx.text(tx.lengths(1, 140)[0])
             args = json.dumps({"query": tx.text(24), "limit": tx.r.randint(1, 10)})
-            chat = (f"USER: {q}\n\n\nASSISTANT: <functioncall> {{\"name\": \"{name}\", \"arguments\": '{args}'}} "
-                    f"<|endoftext|>\n\n\nFUNCTION RESPONSE: {json.dumps({'results': [tx.text(60), tx.text(60)]})}"
-                    f"\n\n\nASSISTANT: {tx.text(tx.lengths(1, 260)[0])} <|endoftext|>\n\n\n")
+            chat = (
+                f'USER: {q}\n\n\nASSISTANT: <functioncall> {{"name": "{name}", "arguments": \'{args}\'}} '
+                f"<|endoftext|>\n\n\nFUNCTION RESPONSE: {json.dumps({'results': [tx.text(60), tx.text(60)]})}"
+                f"\n\n\nASSISTANT: {tx.text(tx.lengths(1, 260)[0])} <|endoftext|>\n\n\n"
+            )
             if tx.r.random() < 0.3:
-                chat += (f"USER: {tx.text(tx.lengths(1, 90)[0])}\n\n\n"
-                         f"ASSISTANT: {tx.text(tx.lengths(1, 220)[0])} <|endoftext|>\n\n\n")
+                chat += (
+                    f"USER: {tx.text(tx.lengths(1, 90)[0])}\n\n\n"
+                    f"ASSISTANT: {tx.text(tx.lengths(1, 220)[0])} <|endoftext|>\n\n\n"
+                )
         else:
             system = "SYSTEM: You are a helpful assistant, with no access to external functions.\n\n\n"
             chat = f"USER: {tx.text(tx.lengths(1, 160)[0])}\n\n\nASSISTANT: {tx.text(tx.lengths(1, 400)[0])} <|endoftext|>\n\n\n"
@@ -125,17 +137,19 @@ def write_opencodeinstruct(path: Path, n: int, bad: int, seed: int) -> int:
     inputs = tx.many(m, 450)
     for j in _bad_idx(m, bad):
         inputs[j] = "   "  # empty prompt
-    t = pa.table({
-        "id": [tx.hexid(32) for _ in range(m)],
-        "input": inputs,
-        "output": tx.many(m, 1500),
-        "domain": ["generic"] * m,
-        "generation_algorithm": ["self-instruct"] * m,
-        "llm_judgement": ['{"requirement_conformance": {"score": 5}, "logical_correctness": {"score": 5}}'] * m,
-        "unit_tests": [json.dumps([f"assert f({k}) == {k}" for k in range(3)])] * m,
-        "tests_execution_status": ['["pass", "pass", "pass"]'] * m,
-        "average_test_score": ["1"] * m,
-    })
+    t = pa.table(
+        {
+            "id": [tx.hexid(32) for _ in range(m)],
+            "input": inputs,
+            "output": tx.many(m, 1500),
+            "domain": ["generic"] * m,
+            "generation_algorithm": ["self-instruct"] * m,
+            "llm_judgement": ['{"requirement_conformance": {"score": 5}, "logical_correctness": {"score": 5}}'] * m,
+            "unit_tests": [json.dumps([f"assert f({k}) == {k}" for k in range(3)])] * m,
+            "tests_execution_status": ['["pass", "pass", "pass"]'] * m,
+            "average_test_score": ["1"] * m,
+        }
+    )
     pq.write_table(t, path)
     return m
 
@@ -146,15 +160,17 @@ def write_magicoder(path: Path, n: int, bad: int, seed: int) -> int:
     problems = tx.many(m, 900)
     for j in _bad_idx(m, bad):
         problems[j] = ""
-    t = pa.table({
-        "lang": [tx.r.choice(("python", "java", "cpp", "rust", "typescript", "shell")) for _ in range(m)],
-        "raw_index": pa.array(tx.rng.integers(0, 90_000, m), pa.int64()),
-        "index": pa.array(np.arange(m), pa.int64()),
-        "seed": tx.many(m, 500),
-        "openai_fingerprint": ["fp_44709d6fcb"] * m,
-        "problem": problems,
-        "solution": tx.many(m, 1100),
-    })
+    t = pa.table(
+        {
+            "lang": [tx.r.choice(("python", "java", "cpp", "rust", "typescript", "shell")) for _ in range(m)],
+            "raw_index": pa.array(tx.rng.integers(0, 90_000, m), pa.int64()),
+            "index": pa.array(np.arange(m), pa.int64()),
+            "seed": tx.many(m, 500),
+            "openai_fingerprint": ["fp_44709d6fcb"] * m,
+            "problem": problems,
+            "solution": tx.many(m, 1100),
+        }
+    )
     _copy_json(t, path, array=False)
     return m
 
@@ -164,27 +180,39 @@ def write_mixture_of_thoughts(path: Path, n: int, bad: int, seed: int) -> int:
     msgs = []
     for _ in range(n):
         think = tx.text(tx.lengths(1, 3000)[0])
-        msgs.append([{"content": tx.text(tx.lengths(1, 700)[0]), "role": "user"},
-                     {"content": f"<think>\n{think}\n</think>\n\n{tx.text(tx.lengths(1, 800)[0])}", "role": "assistant"}])
+        msgs.append(
+            [
+                {"content": tx.text(tx.lengths(1, 700)[0]), "role": "user"},
+                {"content": f"<think>\n{think}\n</think>\n\n{tx.text(tx.lengths(1, 800)[0])}", "role": "assistant"},
+            ]
+        )
     for j in range(bad):
         msgs.insert((j * 211) % (len(msgs) + 1), [])  # empty conversation
-    t = pa.table({"messages": pa.array(msgs, _msgs_type("content", "role")),
-                  "num_tokens": pa.array(tx.rng.integers(1000, 16000, len(msgs)), pa.int64()),
-                  "source": ["open-r1/codeforces-cots"] * len(msgs)})
+    t = pa.table(
+        {
+            "messages": pa.array(msgs, _msgs_type("content", "role")),
+            "num_tokens": pa.array(tx.rng.integers(1000, 16000, len(msgs)), pa.int64()),
+            "source": ["open-r1/codeforces-cots"] * len(msgs),
+        }
+    )
     pq.write_table(t, path)
     return len(msgs)
 
 
-SKY_T1_SYSTEM = ("Your role as an assistant involves thoroughly exploring questions through a systematic long "
-                 "thinking process before providing the final precise and accurate solutions. " * 6).strip()
+SKY_T1_SYSTEM = (
+    "Your role as an assistant involves thoroughly exploring questions through a systematic long "
+    "thinking process before providing the final precise and accurate solutions. " * 6
+).strip()
 
 
 def write_openthoughts(path: Path, n: int, bad: int, seed: int) -> int:
     tx = Texts(seed)
     conv = []
     for _ in range(n):
-        a = (f"<|begin_of_thought|>\n\n{tx.text(tx.lengths(1, 3000)[0])}\n\n<|end_of_thought|>\n\n"
-             f"<|begin_of_solution|>\n\n{tx.text(tx.lengths(1, 800)[0])}\n\n<|end_of_solution|>")
+        a = (
+            f"<|begin_of_thought|>\n\n{tx.text(tx.lengths(1, 3000)[0])}\n\n<|end_of_thought|>\n\n"
+            f"<|begin_of_solution|>\n\n{tx.text(tx.lengths(1, 800)[0])}\n\n<|end_of_solution|>"
+        )
         conv.append([{"from": "user", "value": tx.text(tx.lengths(1, 650)[0])}, {"from": "assistant", "value": a}])
     for j in range(bad):
         conv.insert((j * 157) % (len(conv) + 1), [{"from": "assistant", "value": tx.text(50)}])
@@ -234,45 +262,88 @@ def write_sharegpt(path: Path, n: int, bad: int, seed: int) -> int:
     return len(conv)
 
 
-SWE_SYSTEM = ("SETTING: You are an autonomous programmer, and you're working directly in the command line with a "
-              "special interface. The special interface consists of a file editor that shows you 100 lines of a "
-              "file at a time. COMMANDS: open <path> [<line_number>], goto <line_number>, scroll_down, scroll_up, "
-              "create <filename>, search_dir <search_term> [<dir>], search_file <search_term> [<file>], "
-              "find_file <file_name> [<dir>], edit <start_line>:<end_line> <replacement_text> end_of_edit, "
-              "submit. ") * 4
+SWE_SYSTEM = (
+    "SETTING: You are an autonomous programmer, and you're working directly in the command line with a "
+    "special interface. The special interface consists of a file editor that shows you 100 lines of a "
+    "file at a time. COMMANDS: open <path> [<line_number>], goto <line_number>, scroll_down, scroll_up, "
+    "create <filename>, search_dir <search_term> [<dir>], search_file <search_term> [<file>], "
+    "find_file <file_name> [<dir>], edit <start_line>:<end_line> <replacement_text> end_of_edit, "
+    "submit. "
+) * 4
 
 
 def write_nebius_swe_agent(path: Path, n: int, bad: int, seed: int) -> int:
     tx = Texts(seed)
-    rows = {k: [] for k in ("instance_id", "model_name", "target", "trajectory", "exit_status",
-                            "generated_patch", "eval_logs")}
+    rows = {
+        k: []
+        for k in ("instance_id", "model_name", "target", "trajectory", "exit_status", "generated_patch", "eval_logs")
+    }
     bad_rows = _bad_idx(n + bad, bad)
     for i in range(n + bad):
-        traj = [{"cutoff_date": "01.01.2023", "mask": False, "role": "system", "system_prompt": SWE_SYSTEM,
-                 "text": SWE_SYSTEM},
-                {"cutoff_date": "01.01.2023", "mask": False, "role": "user", "system_prompt": "",
-                 "text": "We're currently solving the following issue within our repository. ISSUE:\n"
-                         + tx.text(tx.lengths(1, 1500)[0])}]
+        traj = [
+            {
+                "cutoff_date": "01.01.2023",
+                "mask": False,
+                "role": "system",
+                "system_prompt": SWE_SYSTEM,
+                "text": SWE_SYSTEM,
+            },
+            {
+                "cutoff_date": "01.01.2023",
+                "mask": False,
+                "role": "user",
+                "system_prompt": "",
+                "text": "We're currently solving the following issue within our repository. ISSUE:\n"
+                + tx.text(tx.lengths(1, 1500)[0]),
+            },
+        ]
         if i in bad_rows:  # unknown role: rejected by normalize
             traj = traj[:1] + [{"cutoff_date": "", "mask": False, "role": "narrator", "system_prompt": "", "text": "?"}]
         else:
             for k in range(tx.r.randint(2, 8)):
                 if k:
-                    traj.append({"cutoff_date": "01.01.2023", "mask": False, "role": "user", "system_prompt": "",
-                                 "text": tx.text(tx.lengths(1, 500, 1.0)[0])})
-                traj.append({"cutoff_date": "01.01.2023", "mask": True, "role": "ai", "system_prompt": "",
-                             "text": f"DISCUSSION\n{tx.text(tx.lengths(1, 300)[0])}\n```\nsearch_dir \"x\"\n```"})
-        rows["instance_id"].append(f"{tx.r.choice(('django', 'astropy', 'sympy', 'pylint-dev'))}__repo-{tx.r.randint(1000, 29999)}")
+                    traj.append(
+                        {
+                            "cutoff_date": "01.01.2023",
+                            "mask": False,
+                            "role": "user",
+                            "system_prompt": "",
+                            "text": tx.text(tx.lengths(1, 500, 1.0)[0]),
+                        }
+                    )
+                traj.append(
+                    {
+                        "cutoff_date": "01.01.2023",
+                        "mask": True,
+                        "role": "ai",
+                        "system_prompt": "",
+                        "text": f'DISCUSSION\n{tx.text(tx.lengths(1, 300)[0])}\n```\nsearch_dir "x"\n```',
+                    }
+                )
+        rows["instance_id"].append(
+            f"{tx.r.choice(('django', 'astropy', 'sympy', 'pylint-dev'))}__repo-{tx.r.randint(1000, 29999)}"
+        )
         rows["model_name"].append(tx.r.choice(("swe-agent-llama-8b", "swe-agent-llama-70b", "swe-agent-llama-405b")))
         rows["target"].append(tx.r.random() < 0.4)
         rows["trajectory"].append(traj)
         rows["exit_status"].append("submitted")
         rows["generated_patch"].append("diff --git a/x.py b/x.py\n" + tx.text(300))
         rows["eval_logs"].append(tx.text(200))
-    st = pa.struct([("cutoff_date", pa.string()), ("mask", pa.bool_()), ("role", pa.string()),
-                    ("system_prompt", pa.string()), ("text", pa.string())])
-    t = pa.table({**{k: v for k, v in rows.items() if k != "trajectory"},
-                  "trajectory": pa.array(rows["trajectory"], pa.list_(st))})
+    st = pa.struct(
+        [
+            ("cutoff_date", pa.string()),
+            ("mask", pa.bool_()),
+            ("role", pa.string()),
+            ("system_prompt", pa.string()),
+            ("text", pa.string()),
+        ]
+    )
+    t = pa.table(
+        {
+            **{k: v for k, v in rows.items() if k != "trajectory"},
+            "trajectory": pa.array(rows["trajectory"], pa.list_(st)),
+        }
+    )
     pq.write_table(t, path)
     return t.num_rows
 
@@ -281,8 +352,9 @@ def write_nebius_swe_agent(path: Path, n: int, bad: int, seed: int) -> int:
 # A-type: pre-tokenized JSONL in the tiny target's vocabulary (rendered like its chat template)
 
 
-def write_pretokenized(path: Path, n: int, mean_tokens: float, seed: int, special_ids: dict[str, int],
-                       sigma: float = 0.5) -> tuple[int, int]:
+def write_pretokenized(
+    path: Path, n: int, mean_tokens: float, seed: int, special_ids: dict[str, int], sigma: float = 0.5
+) -> tuple[int, int]:
     """``n`` rows ``{sample_id, input_ids, loss_mask}`` averaging ``mean_tokens``; returns (rows, tokens).
 
     Each row is ``<|im_system|>system<|im_middle|>{sys}<|im_end|><|im_user|>user<|im_middle|>{prompt}<|im_end|>
@@ -308,7 +380,7 @@ def write_pretokenized(path: Path, n: int, mean_tokens: float, seed: int, specia
     def chunk(k: int) -> np.ndarray:
         o = int(rng.integers(0, len(CB) - 1))
         if o + k <= len(CB):
-            out = CB[o:o + k].astype(np.int32)
+            out = CB[o : o + k].astype(np.int32)
         else:
             out = np.take(CB, (o + np.arange(k)) % len(CB)).astype(np.int32)
         if k:
@@ -319,17 +391,26 @@ def write_pretokenized(path: Path, n: int, mean_tokens: float, seed: int, specia
         return out
 
     for i in range(n):
-        parts = [np.array(head_sys, np.int32), chunk(60), np.array(head_user, np.int32), chunk(int(prompt_len[i])),
-                 np.array(head_asst, np.int32), chunk(int(comp_len[i])), np.array([s["<|im_end|>"]], np.int32)]
+        parts = [
+            np.array(head_sys, np.int32),
+            chunk(60),
+            np.array(head_user, np.int32),
+            chunk(int(prompt_len[i])),
+            np.array(head_asst, np.int32),
+            chunk(int(comp_len[i])),
+            np.array([s["<|im_end|>"]], np.int32),
+        ]
         seq = np.concatenate(parts)
         a, b = offsets[i], offsets[i + 1]
         ids[a:b] = seq
-        mask[b - int(comp_len[i]) - 1:b] = 1
+        mask[b - int(comp_len[i]) - 1 : b] = 1
     off32 = pa.array(offsets, pa.int64())
-    t = pa.table({
-        "sample_id": [f"{path.stem}-{i:06d}" for i in range(n)],
-        "input_ids": pa.LargeListArray.from_arrays(off32, pa.array(ids)),
-        "loss_mask": pa.LargeListArray.from_arrays(off32, pa.array(mask)),
-    })
+    t = pa.table(
+        {
+            "sample_id": [f"{path.stem}-{i:06d}" for i in range(n)],
+            "input_ids": pa.LargeListArray.from_arrays(off32, pa.array(ids)),
+            "loss_mask": pa.LargeListArray.from_arrays(off32, pa.array(mask)),
+        }
+    )
     _copy_json(t, path, array=False)
     return n, int(offsets[-1])

@@ -39,8 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import fault_server as fs  # noqa: E402
 
 EXTRA_DEFAULTS = {
-    "profile_field": None, "profiles": {}, "length_dist": "uniform", "length_mean": None, "length_sigma": 0.8,
-    "eot_tokens": 0, "latency_per_token_s": 0.0, "model_profiles": {},
+    "profile_field": None,
+    "profiles": {},
+    "length_dist": "uniform",
+    "length_mean": None,
+    "length_sigma": 0.8,
+    "eot_tokens": 0,
+    "latency_per_token_s": 0.0,
+    "model_profiles": {},
 }
 
 _CORPUS_WORDS = (
@@ -73,7 +79,7 @@ def ascii_text(rnd: random.Random, n: int) -> str:
     reps = n // len(CORPUS) + 2
     off = rnd.randrange(len(CORPUS))
     src = CORPUS if reps <= 2 and off + n <= len(CORPUS) else CORPUS * reps
-    t = src[off:off + n]
+    t = src[off : off + n]
     if t[0].isspace():
         t = "A" + t[1:]
     if t[-1].isspace():
@@ -132,8 +138,9 @@ class RehearsalApp(fs.FaultApp):
         text = ascii_text(random.Random("txt:" + bh), n)
         nr = int(c["reasoning_tokens"])
         reasoning = ascii_text(random.Random("rsn:" + bh), nr) if nr else None
-        return fs.chat_completion(c, body, bh, text, reasoning, finish, completion_tokens=n + nr + eot,
-                                  reasoning_tokens=nr)
+        return fs.chat_completion(
+            c, body, bh, text, reasoning, finish, completion_tokens=n + nr + eot, reasoning_tokens=nr
+        )
 
     def routes(self) -> list:
         from starlette.routing import Route

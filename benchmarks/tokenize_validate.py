@@ -63,15 +63,20 @@ from eagle3_data.validate import validate  # noqa: E402
 
 #: fixture name -> (template family, tokenizer builder, regex of an assistant turn in a rendered conversation)
 FIXTURES = {
-    "kimi-k2-thinking": ("kimi-k2-thinking", F.kimi_k2_thinking,
-                         r"<\|im_assistant\|>assistant<\|im_middle\|>(.*?)<\|im_end\|>"),
+    "kimi-k2-thinking": (
+        "kimi-k2-thinking",
+        F.kimi_k2_thinking,
+        r"<\|im_assistant\|>assistant<\|im_middle\|>(.*?)<\|im_end\|>",
+    ),
     "qwen3-real": ("qwen3", F.qwen3_real, r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>"),
 }
 CHARS_PER_TOKEN = 4.2  #: characters per Qwen3 token of synth_rows' text (measured: 20M estimated -> 6.66M at 1/1.4)
-WORDS = ("the of and to in is that for it as with was on be by this are or from at an which have not but can "
-         "function return value code data model token python error list string number result example first "
-         "because however therefore consider step answer question let me think about problem solution case "
-         "Paris weather sunny 42 3.14 x = y + 1; def f(a, b): return a * b # comment\n").split(" ")
+WORDS = (
+    "the of and to in is that for it as with was on be by this are or from at an which have not but can "
+    "function return value code data model token python error list string number result example first "
+    "because however therefore consider step answer question let me think about problem solution case "
+    "Paris weather sunny 42 3.14 x = y + 1; def f(a, b): return a * b # comment\n"
+).split(" ")
 
 
 def synth_rows(n_tokens: int, seed: int = 0) -> list[dict]:
@@ -83,26 +88,52 @@ def synth_rows(n_tokens: int, seed: int = 0) -> list[dict]:
         return " ".join(words[rng.integers(0, len(words), n)])
 
     rows, approx = [], 0
-    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
-                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
     i = 0
     while approx < n_tokens:
         msgs = [] if rng.random() < 0.5 else [{"role": "system", "content": text(30)}]
         for _ in range(int(rng.integers(0, 3))):
-            msgs += [{"role": "user", "content": text(int(rng.integers(20, 200)))},
-                     {"role": "assistant", "content": text(int(rng.integers(50, 300))), "reasoning_content": text(50)}]
+            msgs += [
+                {"role": "user", "content": text(int(rng.integers(20, 200)))},
+                {"role": "assistant", "content": text(int(rng.integers(50, 300))), "reasoning_content": text(50)},
+            ]
         msgs.append({"role": "user", "content": text(int(rng.integers(20, 300)))})
         tools = [weather] if rng.random() < 0.2 else None
         reasoning, content = text(int(rng.integers(200, 2400))), text(int(rng.integers(50, 1200)))
         calls = None
         if tools and rng.random() < 0.5:
-            calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                                       "arguments": '{"city": "Paris"}'}}]
-        rows.append({"sample_id": f"s{i}", "dataset": "bench", "turn": len(msgs), "request_key": f"k{i}",
-                     "messages": json.dumps(msgs), "tools": json.dumps(tools) if tools else None, "status": "ok",
-                     "reasoning": reasoning, "content": content, "tool_calls": json.dumps(calls) if calls else None,
-                     "finish_reason": "tool_calls" if calls else "stop", "completion_tokens": None,
-                     "backend": "bench", "provider": "bench"})
+            calls = [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ]
+        rows.append(
+            {
+                "sample_id": f"s{i}",
+                "dataset": "bench",
+                "turn": len(msgs),
+                "request_key": f"k{i}",
+                "messages": json.dumps(msgs),
+                "tools": json.dumps(tools) if tools else None,
+                "status": "ok",
+                "reasoning": reasoning,
+                "content": content,
+                "tool_calls": json.dumps(calls) if calls else None,
+                "finish_reason": "tool_calls" if calls else "stop",
+                "completion_tokens": None,
+                "backend": "bench",
+                "provider": "bench",
+            }
+        )
         # ~4.2 characters a token: measured on these words with the real Qwen3 vocabulary (the older /1.4 gave
         # 6.66M tokens for a '20M' request)
         approx += int((sum(len(m["content"]) for m in msgs) + len(reasoning) + len(content)) / CHARS_PER_TOKEN)
@@ -126,8 +157,9 @@ def rerender_baseline(tok, rows, pattern: str, tensors: bool = True) -> tuple[fl
         final = {"role": "assistant", "content": r["content"], "reasoning_content": r["reasoning"]}
         if r["tool_calls"]:
             final["tool_calls"] = json.loads(r["tool_calls"])
-        conv = tok.apply_chat_template(msgs + [final], tools=json.loads(r["tools"]) if r["tools"] else None,
-                                       tokenize=False)
+        conv = tok.apply_chat_template(
+            msgs + [final], tools=json.loads(r["tools"]) if r["tools"] else None, tokenize=False
+        )
         if tensors:
             enc = tok(conv, return_offsets_mapping=True, add_special_tokens=False, return_tensors="pt")
             ids, offsets = enc.input_ids[0], enc.offset_mapping[0]
@@ -156,8 +188,9 @@ def run_fixture(name: str, rows: list[dict], args) -> dict:
     full_texts = []
     for r in rows:
         p = tt.render(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None)
-        segs = tt.completion_segments(r["reasoning"], r["content"], json.loads(r["tool_calls"]) if r["tool_calls"]
-                                      else None, p)
+        segs = tt.completion_segments(
+            r["reasoning"], r["content"], json.loads(r["tool_calls"]) if r["tool_calls"] else None, p
+        )
         full_texts.append(p + "".join(t for t, _ in segs))
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
@@ -175,22 +208,31 @@ def run_fixture(name: str, rows: list[dict], args) -> dict:
         t_raw = time.perf_counter() - t0
         del enc
 
-        shards = [rows[k::args.shards] for k in range(args.shards)]
+        shards = [rows[k :: args.shards] for k in range(args.shards)]
         for k, part in enumerate(shards):
             pq.write_table(schemas.from_rows(part, schemas.RESPONSES), d / f"resp{k}.parquet")
         del shards
-        settings = {"max_reject_rate": 0.0, "keep_truncated": False,
-                    "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": 0.0004}}
+        settings = {
+            "max_reject_rate": 0.0,
+            "keep_truncated": False,
+            "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": 0.0004},
+        }
         t_tok = t_val = 0.0
         n_tok = validated = 0
         os.environ["EAGLE3_TOKENIZER_CACHE"] = str(d / "tokenizer-cache")  # cold: the first job loads it
         for k in range(args.shards):
             t0 = time.perf_counter()
-            s = tokenize(str(d / f"resp{k}.parquet"), str(d / f"tok{k}.parquet"),
-                         settings=TokenizeSettings.defaults(target))
+            s = tokenize(
+                str(d / f"resp{k}.parquet"), str(d / f"tok{k}.parquet"), settings=TokenizeSettings.defaults(target)
+            )
             t1 = time.perf_counter()
-            v = validate(str(d / f"tok{k}.parquet"), str(d / f"val{k}.parquet"), str(d / f"rej{k}.parquet"),
-                         settings=ValidateSettings.defaults(target, **settings), shard=str(k))
+            v = validate(
+                str(d / f"tok{k}.parquet"),
+                str(d / f"val{k}.parquet"),
+                str(d / f"rej{k}.parquet"),
+                settings=ValidateSettings.defaults(target, **settings),
+                shard=str(k),
+            )
             t2 = time.perf_counter()
             t_tok += t1 - t0
             t_val += t2 - t1
@@ -243,22 +285,33 @@ def run_fixture(name: str, rows: list[dict], args) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=20_000_000,
-                    help="approximate Qwen3 tokens of synthetic responses (estimated at 4.2 characters a token)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=20_000_000,
+        help="approximate Qwen3 tokens of synthetic responses (estimated at 4.2 characters a token)",
+    )
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--rerender-frac", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixtures", default=",".join(FIXTURES), help=f"comma-separated, of {sorted(FIXTURES)}")
-    ap.add_argument("--toy", action="store_true", help="seconds-long run (CI: the script must not rot); figures "
-                                                       "dominated by fixed costs, not comparable to the targets")
+    ap.add_argument(
+        "--toy",
+        action="store_true",
+        help="seconds-long run (CI: the script must not rot); figures "
+        "dominated by fixed costs, not comparable to the targets",
+    )
     args = ap.parse_args(argv)
     if args.toy:
         args.tokens, args.shards, args.rerender_frac = 40_000, 2, 0.2
 
     rows = synth_rows(args.tokens, args.seed)
     figures = {name: run_fixture(name, rows, args) for name in args.fixtures.split(",")}
-    print(json.dumps({"benchmark": "tokenize_validate", "fixtures": figures,
-                      "pass": all(f["pass"] for f in figures.values())}))
+    print(
+        json.dumps(
+            {"benchmark": "tokenize_validate", "fixtures": figures, "pass": all(f["pass"] for f in figures.values())}
+        )
+    )
 
 
 if __name__ == "__main__":

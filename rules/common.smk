@@ -8,9 +8,20 @@ from pathlib import Path
 from eagle3_data import config as cfg
 from eagle3_data import settings as stage_settings
 from eagle3_data.gguf_target import gguf_file
-from eagle3_data.settings import (DecontaminateSettings, ExportSettings, ExtractSettings, GGUFTargetSettings,
-                                  MergeSettings, NormalizeSettings, PlanSettings, TargetSettings, TinyTargetSettings,
-                                  TokenizeSettings, ValidateSettings, VocabSettings)
+from eagle3_data.settings import (
+    DecontaminateSettings,
+    ExportSettings,
+    ExtractSettings,
+    GGUFTargetSettings,
+    MergeSettings,
+    NormalizeSettings,
+    PlanSettings,
+    TargetSettings,
+    TinyTargetSettings,
+    TokenizeSettings,
+    ValidateSettings,
+    VocabSettings,
+)
 
 
 def _check_config():
@@ -51,8 +62,11 @@ def _check_config():
 # a command the lock would stop ends there (eagle3_data.run.stale_lock_stops)
 from eagle3_data import run as run_state
 
-if workflow.is_main_process and "--unlock" not in sys.argv and not getattr(
-        getattr(workflow, "output_settings", None), "dryrun", False):
+if (
+    workflow.is_main_process
+    and "--unlock" not in sys.argv
+    and not getattr(getattr(workflow, "output_settings", None), "dryrun", False)
+):
     _hint = run_state.stale_lock_hint(config.get("cache_dir", "cache"))
     if _hint:
         print(_hint, file=sys.stderr, flush=True)
@@ -72,6 +86,7 @@ MERGED_SHARDS = cfg.merged_shard_names(config)
 EXPORT = ExportSettings.from_config(config)
 EXPORT_LAYOUTS = EXPORT.layouts
 from eagle3_data.export import LAYOUTS, SPECULATORS_DATASET_FILES, SPECULATORS_LAYOUTS
+
 EXPORT_LAYOUT_PATTERN = "|".join(LAYOUTS)
 SPECULATORS_LAYOUT_PATTERN = "|".join(SPECULATORS_LAYOUTS)
 
@@ -81,8 +96,14 @@ def speculators_datasets():
     set's with merge.heldout > 0."""
     layouts = [x for x in EXPORT_LAYOUTS if x in SPECULATORS_LAYOUTS]
     sets = ["results/export/{layout}"] + (["results/export/heldout/{layout}"] if MERGE.heldout else [])
-    return [os.path.join(f.format(layout=x), name) for f in sets for x in layouts
-            for name in list(SPECULATORS_DATASET_FILES) + ["token_freq.pt"]]
+    return [
+        os.path.join(f.format(layout=x), name)
+        for f in sets
+        for x in layouts
+        for name in list(SPECULATORS_DATASET_FILES) + ["token_freq.pt"]
+    ]
+
+
 TARGET = config["target"]
 # each stage's settings, built once from the validated config (defaults: the schema's); rule params are their
 # content keys (params()), so a change reruns exactly the rules whose output depends on it
@@ -97,8 +118,9 @@ CACHE_DIR = config["cache_dir"]
 DECONTAMINATE = DecontaminateSettings.from_config(config)
 PROMPT_DATASETS = [ds for ds in DATASETS if ds not in PRETOKENIZED]  # config order: near-duplicates keep the first
 #: what generate, original_answers and the forecast read: the prompts kept by decontaminate, else normalize's
-GENERATION_PROMPTS = ("results/{ds}/decontaminated/{shard}.parquet" if DECONTAMINATE.on
-                      else "results/{ds}/prompts/{shard}.parquet")
+GENERATION_PROMPTS = (
+    "results/{ds}/decontaminated/{shard}.parquet" if DECONTAMINATE.on else "results/{ds}/prompts/{shard}.parquet"
+)
 
 # The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through the environment: the
 # Snakefile's onstart begins it (so `snakemake -n` and --lint change nothing), its onsuccess/onerror hooks end it
@@ -109,8 +131,11 @@ if workflow.remote_exec:  # a cluster job: the backends' max_concurrency is spli
 # Generate-job seats per backend (one machine): a generate job takes a seat of each backend its dataset uses, so one
 # backend's shards never fill every `generate_jobs` seat while another backend idles (cfg.backend_job_seats).
 GENERATE_JOBS = getattr(workflow.global_resources.get("generate_jobs"), "value", None)  # profiles/default: 32
-SEATS = (cfg.backend_job_seats(config, GENERATE_JOBS)
-         if isinstance(GENERATE_JOBS, int) and not workflow.non_local_exec else {})
+SEATS = (
+    cfg.backend_job_seats(config, GENERATE_JOBS)
+    if isinstance(GENERATE_JOBS, int) and not workflow.non_local_exec
+    else {}
+)
 for _backend, _seats in SEATS.items():
     workflow.register_resource(cfg.seat_resource(_backend), _seats)
 
@@ -145,24 +170,30 @@ def validated_files(datasets):
 
 def rejected_files(datasets):
     out = [f"results/{ds}/rejected/normalize.parquet" for ds in datasets]
-    return out + decontaminate_rejects(datasets) + [f"results/{ds}/rejected/{s}.parquet" for ds in datasets
-                                                    for s in shards(ds)]
+    return (
+        out
+        + decontaminate_rejects(datasets)
+        + [f"results/{ds}/rejected/{s}.parquet" for ds in datasets for s in shards(ds)]
+    )
 
 
 def decontaminate_rejects(datasets):
     """Rule decontaminate's rejects of ``datasets`` (their prompt shards), none when the stage is off."""
     if not DECONTAMINATE.on:
         return []
-    return [f"results/{ds}/rejected/decontaminate/{s}.parquet" for ds in datasets if ds in PROMPT_DATASETS
-            for s in shards(ds)]
+    return [
+        f"results/{ds}/rejected/decontaminate/{s}.parquet"
+        for ds in datasets
+        if ds in PROMPT_DATASETS
+        for s in shards(ds)
+    ]
 
 
 def decontaminated_files(datasets):
     """Rule decontaminate's kept prompts of ``datasets``, none when the stage is off."""
     if not DECONTAMINATE.on:
         return []
-    return [f"results/{ds}/decontaminated/{s}.parquet" for ds in datasets if ds in PROMPT_DATASETS
-            for s in shards(ds)]
+    return [f"results/{ds}/decontaminated/{s}.parquet" for ds in datasets if ds in PROMPT_DATASETS for s in shards(ds)]
 
 
 def generation_prompts(datasets):
@@ -185,16 +216,22 @@ def prompts_files(datasets):
 def provenance_datasets():
     """Rule provenance's per-dataset params: the source file and format, and the generation settings the requests
     were sent with (None for answers: original and pre-tokenized datasets: nothing was sent)."""
-    return {ds: {"source_path": config["datasets"][ds]["source"]["path"],
-                 "source_format": config["datasets"][ds]["source"]["format"],
-                 "generation": stage_settings.generation_data_settings(config, ds) if ds in GENERATED else None}
-            for ds in MERGE_DATASETS}
+    return {
+        ds: {
+            "source_path": config["datasets"][ds]["source"]["path"],
+            "source_format": config["datasets"][ds]["source"]["format"],
+            "generation": stage_settings.generation_data_settings(config, ds) if ds in GENERATED else None,
+        }
+        for ds in MERGE_DATASETS
+    }
 
 
 def provenance_backends():
     """Rule provenance's per-backend params: type (the engine), model, extra_body."""
-    return {name: {k: (b or {}).get(k) for k in ("type", "model", "extra_body")}
-            for name, b in (config.get("backends") or {}).items()}
+    return {
+        name: {k: (b or {}).get(k) for k in ("type", "model", "extra_body")}
+        for name, b in (config.get("backends") or {}).items()
+    }
 
 
 def earlier_datasets(ds):
@@ -202,7 +239,7 @@ def earlier_datasets(ds):
     when near-duplicates are off."""
     if not DECONTAMINATE.near_on:
         return []
-    return PROMPT_DATASETS[:PROMPT_DATASETS.index(ds)]
+    return PROMPT_DATASETS[: PROMPT_DATASETS.index(ds)]
 
 
 def earlier_signatures(ds):
@@ -274,9 +311,15 @@ def print_run_summary(ok):
     runview.stop()  # the live table's last state first, then the summary below it, not under a redrawn table
     try:
         run = run_state.current()
-        text = run_summary(config["datasets"], "results", run_s=run_state.elapsed(), ok=ok,
-                           tally_path="results/reports/tally.md", run_dir=run.dir if run is not None else None,
-                           decontaminated=DECONTAMINATE.on)
+        text = run_summary(
+            config["datasets"],
+            "results",
+            run_s=run_state.elapsed(),
+            ok=ok,
+            tally_path="results/reports/tally.md",
+            run_dir=run.dir if run is not None else None,
+            decontaminated=DECONTAMINATE.on,
+        )
     except Exception as exc:  # a damaged file must not keep the end-of-run hook from stopping the servers
         text = f"(no run summary: {type(exc).__name__}: {exc})"
     print(f"\n{text}", file=sys.stderr)

@@ -11,14 +11,14 @@ rule minhash:
         prompts="results/{ds}/prompts/{shard}.parquet",
     output:
         "results/{ds}/minhash/{shard}.parquet",
-    wildcard_constraints:
-        ds=_alternation(PROMPT_DATASETS),
-    params:
-        settings=DECONTAMINATE.signature_params(),  # num_perm, shingle, seed
     log:
         "logs/minhash/{ds}/{shard}.log",
+    wildcard_constraints:
+        ds=_alternation(PROMPT_DATASETS),
     conda:
         "../envs/cpu.yaml"
+    params:
+        settings=DECONTAMINATE.signature_params(),  # num_perm, shingle, seed
     script:
         "../scripts/minhash.py"
 
@@ -32,17 +32,17 @@ rule decontaminate:
     output:
         prompts="results/{ds}/decontaminated/{shard}.parquet",
         rejects="results/{ds}/rejected/decontaminate/{shard}.parquet",
+    log:
+        "logs/decontaminate/{ds}/{shard}.log",
     wildcard_constraints:
         ds=_alternation(PROMPT_DATASETS),
+    conda:
+        "../envs/cpu.yaml"
     # params: the rules in force (DecontaminateSettings.params: the benchmarks' names and formats, the n-gram rule,
     # the near-duplicate threshold and signature keys) and which datasets come before this one
     params:
         settings=DECONTAMINATE.params(),
         earlier=lambda wc: earlier_datasets(wc.ds),
-    log:
-        "logs/decontaminate/{ds}/{shard}.log",
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/decontaminate.py"
 

@@ -14,15 +14,15 @@ rule export:
         provenance=rules.provenance.output.table,  # speculators' side table: each sample's provenance
     output:
         "results/export/{layout}/{k}.json",
+    log:
+        "logs/export/{layout}/{k}.log",
+    wildcard_constraints:
+        layout=EXPORT_LAYOUT_PATTERN,
+    conda:
+        "../envs/cpu.yaml"
     params:
         **EXPORT.params(),  # group_size
         out_dir=lambda wc: f"results/export/{wc.layout}",
-    wildcard_constraints:
-        layout=EXPORT_LAYOUT_PATTERN,
-    log:
-        "logs/export/{layout}/{k}.log",
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/export.py"
 
@@ -40,16 +40,16 @@ rule export_heldout:
         provenance=rules.provenance.output.table,
     output:
         "results/export/heldout/{layout}.json",
+    log:
+        "logs/export/heldout/{layout}.log",
+    wildcard_constraints:
+        layout=EXPORT_LAYOUT_PATTERN,
+    conda:
+        "../envs/cpu.yaml"
     params:
         **EXPORT.params(),  # group_size
         out_dir=lambda wc: f"results/export/heldout/{wc.layout}",
         heldout=True,
-    wildcard_constraints:
-        layout=EXPORT_LAYOUT_PATTERN,
-    log:
-        "logs/export/heldout/{layout}.log",
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/export.py"
 
@@ -66,10 +66,10 @@ rule export_dataset:
     output:
         files=[f"results/export/{{layout}}/{name}" for name in SPECULATORS_DATASET_FILES],
         token_freq="results/export/{layout}/token_freq.pt",
-    wildcard_constraints:
-        layout=SPECULATORS_LAYOUT_PATTERN,
     log:
         "logs/export/{layout}/dataset.log",
+    wildcard_constraints:
+        layout=SPECULATORS_LAYOUT_PATTERN,
     conda:
         "../envs/cpu.yaml"
     script:

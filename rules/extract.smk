@@ -11,13 +11,13 @@ rule extract:
     output:
         states="results/hidden_states/{ds}/{shard}.safetensors",
         summary="results/hidden_states/{ds}/{shard}.json",
+    log:
+        "logs/extract/{ds}/{shard}.log",
+    resources:
+        gpu=EXTRACT.gpus_per_job,
     params:
         selection=selection_digest,
         model_path=TARGET["path"],
         states=EXTRACT.params(),
-    resources:
-        gpu=EXTRACT.gpus_per_job,
-    log:
-        "logs/extract/{ds}/{shard}.log",
     script:
         "../scripts/extract.py"

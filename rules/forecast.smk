@@ -10,10 +10,10 @@ use rule generate as forecast_pilot with:
     output:
         responses="results/forecast/pilot/{ds}/{shard}.parquet",
         summary="results/forecast/pilot/{ds}/{shard}.json",
-    params:
-        pilot_samples=FORECAST["pilot_samples"],
     log:
         "logs/forecast_pilot/{ds}/{shard}.log",
+    params:
+        pilot_samples=FORECAST["pilot_samples"],
 
 
 rule forecast:
@@ -25,6 +25,10 @@ rule forecast:
     output:
         md="results/reports/forecast.md",
         json="results/reports/forecast.json",
+    log:
+        "logs/forecast.log",
+    conda:
+        "../envs/cpu.yaml"
     params:
         pilot_samples=FORECAST["pilot_samples"],
         target=TargetSettings.from_config(config).params(),
@@ -32,9 +36,5 @@ rule forecast:
         backends={ds: generate_settings(ds).params()["backends"] for ds in GENERATED},
         prices={name: b.get("price_per_m") for name, b in (config.get("backends") or {}).items()},
         concurrency={name: b.get("max_concurrency") for name, b in (config.get("backends") or {}).items()},
-    log:
-        "logs/forecast.log",
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/forecast.py"

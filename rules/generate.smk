@@ -28,27 +28,27 @@ rule generate:
     output:
         responses="results/{ds}/responses/{shard}.parquet",
         summary="results/{ds}/responses/{shard}.json",
+    log:
+        "logs/generate/{ds}/{shard}.log",
     wildcard_constraints:
         ds=_alternation(GENERATED),
+    conda:
+        "../envs/cpu.yaml"
+    # an HTTP client waiting on its backends: it takes no core from --cores, so CPU stages keep running beside
+    # it; how many run at once is the `generate_jobs` resource (profiles/default: 32; the run gives each a worker,
+    # eagle3_data.run.widen_local_workers), shared out over the backends in use (seat_resources, rules/common.smk)
+    threads: 0
+    resources:
+        **seat_resources(),
+        # a cluster job starts its own server for a launched backend: it asks for the server's GPUs (sbatch --gpus).
+        # Locally the run's one server holds its GPUs through the per-GPU locks (eagle3_data.devices) instead.
+        generate_jobs=1,
+        gpu=lambda wc: cfg.launch_gpus(config, wc.ds) if workflow.non_local_exec else 0,
     # params: what the responses depend on (GenerateSettings.params: cfg.GENERATION_DATA_KEYS, BACKEND_DATA_KEYS,
     # the target name and format, the target for SGLang's native /generate); the script reads the rest
     # (concurrency, timeouts, rate limits, headers, key variables, launch, retries) from the config at run time, so
     # changing those reruns nothing
     params:
         **{key: generate_param(key) for key in GenerateSettings.CONTENT},
-    # an HTTP client waiting on its backends: it takes no core from --cores, so CPU stages keep running beside
-    # it; how many run at once is the `generate_jobs` resource (profiles/default: 32; the run gives each a worker,
-    # eagle3_data.run.widen_local_workers), shared out over the backends in use (seat_resources, rules/common.smk)
-    threads: 0
-    resources:
-        generate_jobs=1,
-        **seat_resources(),
-        # a cluster job starts its own server for a launched backend: it asks for the server's GPUs (sbatch --gpus).
-        # Locally the run's one server holds its GPUs through the per-GPU locks (eagle3_data.devices) instead.
-        gpu=lambda wc: cfg.launch_gpus(config, wc.ds) if workflow.non_local_exec else 0,
-    log:
-        "logs/generate/{ds}/{shard}.log",
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/generate.py"

@@ -8,11 +8,11 @@ if TARGET.get("gguf"):
             gguf=str(gguf_file(TARGET["gguf"])),
         output:
             directory(TARGET["path"]),
-        params:
-            gguf=GGUFTargetSettings.from_config(config).params(),
         log:
             "logs/gguf_target.log",
         conda:
-            "../envs/cpu.yaml",
+            "../envs/cpu.yaml"
+        params:
+            gguf=GGUFTargetSettings.from_config(config).params(),
         script:
             "../scripts/gguf_target.py"

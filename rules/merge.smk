@@ -9,18 +9,18 @@ checkpoint merge:
     input:
         validated_files(MERGE_DATASETS),
     output:
+        **heldout_merged_output(),
         shards=expand("results/merged/{k}.parquet", k=MERGED_SHARDS),
         selections=selection_files(MERGE_DATASETS),
         manifest="results/merged/manifest.json",
-        **heldout_merged_output(),
-    params:
-        settings=MERGE.params(),
-    threads: MERGE.threads
-    resources:
-        mem_mb=MERGE.memory_mb,
     log:
         "logs/merge.log",
     conda:
         "../envs/cpu.yaml"
+    threads: MERGE.threads
+    resources:
+        mem_mb=MERGE.memory_mb,
+    params:
+        settings=MERGE.params(),
     script:
         "../scripts/merge.py"

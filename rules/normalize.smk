@@ -10,18 +10,15 @@ for _ds in DATASETS:
         input:
             source=config["datasets"][_ds]["source"]["path"],
         output:
-            shards=[
-                f"results/{_ds}/{'tokens' if _ds in PRETOKENIZED else 'prompts'}/{s}.parquet"
-                for s in shards(_ds)
-            ],
+            shards=[f"results/{_ds}/{'tokens' if _ds in PRETOKENIZED else 'prompts'}/{s}.parquet" for s in shards(_ds)],
             rejects=f"results/{_ds}/rejected/normalize.parquet",
+        log:
+            f"logs/normalize/{_ds}.log",
+        conda:
+            "../envs/cpu.yaml"
         params:
             dataset=_ds,
             source=NormalizeSettings.from_config(config, _ds).params(),  # max_reject_rate is a check: not a param
             num_shards=len(shards(_ds)),
-        log:
-            f"logs/normalize/{_ds}.log",
-        conda:
-            "../envs/cpu.yaml",
         script:
             "../scripts/normalize.py"

@@ -10,15 +10,15 @@ rule original_answers:
     output:
         responses="results/{ds}/responses/{shard}.parquet",
         summary="results/{ds}/responses/{shard}.json",
+    log:
+        "logs/original_answers/{ds}/{shard}.log",
     wildcard_constraints:
         ds=_alternation(ORIGINAL),
+    conda:
+        "../envs/cpu.yaml"
     # params: what the rows depend on (OriginalAnswersSettings.params): answers, generation.mode (which turns),
     # generation.max_samples and the shard count (which samples), the target's form of history tool-call ids
     params:
         settings=lambda wc: OriginalAnswersSettings.from_config(config, wc.ds).params(),
-    log:
-        "logs/original_answers/{ds}/{shard}.log",
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/original_answers.py"

@@ -15,14 +15,14 @@ checkpoint plan:
         md="results/reports/plan.md",
         html=report("results/reports/plan.html", caption="../report/plan.rst", category="3. Extraction plan"),
         json="results/reports/plan.json",
+    log:
+        "logs/plan.log",
+    resources:
+        gpu=0 if PLAN.tokens_per_s_per_gpu else EXTRACT.gpus_per_job,
     params:
         model_path=TARGET["path"],
         extract=PLAN.extract_params(),
         plan=PLAN.params(),
         overflow=PLAN.overflow,
-    resources:
-        gpu=0 if PLAN.tokens_per_s_per_gpu else EXTRACT.gpus_per_job,
-    log:
-        "logs/plan.log",
     script:
         "../scripts/plan.py"

@@ -16,13 +16,13 @@ rule provenance:
     output:
         table="results/merged/provenance.parquet",
         json="results/reports/provenance.json",
-    params:
-        datasets=provenance_datasets(),
-        backends=provenance_backends(),
-        decontaminate=DECONTAMINATE.params(),
     log:
         "logs/provenance.log",
     conda:
         "../envs/cpu.yaml"
+    params:
+        datasets=provenance_datasets(),
+        backends=provenance_backends(),
+        decontaminate=DECONTAMINATE.params(),
     script:
         "../scripts/provenance.py"

@@ -22,17 +22,20 @@ rule report:
         summaries=[f.replace(".parquet", ".json") for f in responses_files(DATASETS)],
     output:
         **report_outputs(),
-    params:
-        backends={n: {"type": b.get("type"), "base_url": b.get("base_url"), "launch": bool(b.get("launch"))}
-                  for n, b in config["backends"].items()},
-        datasets=stage_settings.datasets_data_settings(config),
-        # the limits report: generated datasets' budgets; an answers: original dataset has only its sample cap
-        generation={**{ds: stage_settings.generation_data_settings(config, ds) for ds in GENERATED},
-                    **{ds: {"max_samples": OriginalAnswersSettings.from_config(config, ds).max_samples}
-                       for ds in ORIGINAL}},
     log:
         "logs/report.log",
     conda:
-        "../envs/cpu.yaml",
+        "../envs/cpu.yaml"
+    params:
+        backends={
+            n: {"type": b.get("type"), "base_url": b.get("base_url"), "launch": bool(b.get("launch"))}
+            for n, b in config["backends"].items()
+        },
+        datasets=stage_settings.datasets_data_settings(config),
+        # the limits report: generated datasets' budgets; an answers: original dataset has only its sample cap
+        generation={
+            **{ds: stage_settings.generation_data_settings(config, ds) for ds in GENERATED},
+            **{ds: {"max_samples": OriginalAnswersSettings.from_config(config, ds).max_samples} for ds in ORIGINAL},
+        },
     script:
         "../scripts/report.py"

@@ -5,11 +5,11 @@ if TARGET.get("build_tiny"):
     rule tiny_target:
         output:
             directory(TARGET["path"]),
-        params:
-            tiny=TinyTargetSettings.from_config(config).params(),
         log:
             "logs/tiny_target.log",
         conda:
-            "../envs/cpu.yaml",
+            "../envs/cpu.yaml"
+        params:
+            tiny=TinyTargetSettings.from_config(config).params(),
         script:
             "../scripts/tiny_target.py"

@@ -7,17 +7,17 @@ rule tokenize:
         target=target_input(),
     output:
         "results/{ds}/tokens/{shard}.parquet",
+    log:
+        "logs/tokenize/{ds}/{shard}.log",
     wildcard_constraints:
         ds=_alternation(RESPONDED),
+    conda:
+        "../envs/cpu.yaml"
     params:
         target=TargetSettings.from_config(config).params(),
         # a dataset's chat_template_kwargs (e.g. thinking off) change the prompt the target saw
         chat_template_kwargs=lambda wc: TokenizeSettings.from_config(config, wc.ds).chat_template_kwargs,
         # the requests' max_tokens: a billed completion count at it means the reply was cut
         max_tokens=lambda wc: TokenizeSettings.from_config(config, wc.ds).max_tokens,
-    log:
-        "logs/tokenize/{ds}/{shard}.log",
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/tokenize.py"

@@ -8,15 +8,15 @@ rule validate:
     output:
         validated="results/{ds}/validated/{shard}.parquet",
         rejected="results/{ds}/rejected/{shard}.parquet",
+    log:
+        "logs/validate/{ds}/{shard}.log",
     wildcard_constraints:
         ds=_alternation(RESPONDED),
+    conda:
+        "../envs/cpu.yaml"
     params:
         target=VALIDATE.target.params(),
         settings=VALIDATE.params(),  # the rest (reject ceilings) only fails the job: not a param
-    log:
-        "logs/validate/{ds}/{shard}.log",
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/validate.py"
 

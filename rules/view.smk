@@ -17,14 +17,14 @@ rule view:
             )
             for ds in DATASETS
         ],
+    log:
+        "logs/view.log",
+    conda:
+        "../envs/cpu.yaml"
     params:
         validated={ds: validated_files([ds]) for ds in DATASETS},
         target={"path": TARGET["path"], "trust_remote_code": bool(TARGET.get("trust_remote_code", False))},
         examples=3,
         context=256,  # context runs longer than 2 x 256 tokens are shortened to their first and last 256
-    log:
-        "logs/view.log",
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/view.py"

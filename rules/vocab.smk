@@ -11,11 +11,11 @@ rule vocab:
         mapping="results/vocab/vocab_mapping.pt",
         freq="results/vocab/token_frequencies.parquet",
         summary="results/vocab/vocab.json",
-    params:
-        **VocabSettings.from_config(config).params(),  # draft_vocab_size, model_path
     log:
         "logs/vocab.log",
     conda:
-        "../envs/cpu.yaml",
+        "../envs/cpu.yaml"
+    params:
+        **VocabSettings.from_config(config).params(),  # draft_vocab_size, model_path
     script:
         "../scripts/vocab.py"

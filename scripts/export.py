@@ -1,6 +1,7 @@
 """Rules export / export_heldout: one merged shard (or the held-out set, indices from 0) -> SpecForge /
 speculators per-sample files (global sample indices), read from the hidden-states files of the selections its rows
 came from."""
+
 from eagle3_data.errors import run_stage
 from eagle3_data.export import export, start_indices
 from eagle3_data.logs import setup_logging
@@ -9,15 +10,18 @@ from eagle3_data.settings import ExportSettings
 log = setup_logging(snakemake.log[0])
 settings = ExportSettings.from_config(snakemake.config)
 heldout = bool(snakemake.params.get("heldout"))  # rule export_heldout
-run_stage(lambda: export(
-    snakemake.input.merged,
-    snakemake.params.out_dir,
-    settings=settings,
-    layout=snakemake.wildcards.layout,
-    states_dir="results/hidden_states",
-    merge_manifest=snakemake.input.manifest,
-    start_index=0 if heldout else start_indices(snakemake.input.manifest)[int(snakemake.wildcards.k)],
-    manifest_path=snakemake.output[0],
-    heldout=heldout,
-    provenance=snakemake.input.get("provenance"),
-), log=log)
+run_stage(
+    lambda: export(
+        snakemake.input.merged,
+        snakemake.params.out_dir,
+        settings=settings,
+        layout=snakemake.wildcards.layout,
+        states_dir="results/hidden_states",
+        merge_manifest=snakemake.input.manifest,
+        start_index=0 if heldout else start_indices(snakemake.input.manifest)[int(snakemake.wildcards.k)],
+        manifest_path=snakemake.output[0],
+        heldout=heldout,
+        provenance=snakemake.input.get("provenance"),
+    ),
+    log=log,
+)

@@ -1,5 +1,6 @@
 """Rules generate (prompts shard -> responses shard through the dataset's backends, journaled in cache/) and
 forecast_pilot (rule generate with its own outputs: the shard's share of the forecast's pilot samples)."""
+
 from eagle3_data import startup
 
 startup.acquire()  # one job per CPU core starts at a time, so the first requests leave early (eagle3_data.startup)
@@ -26,11 +27,28 @@ out = snakemake.output
 if snakemake.rule == "forecast_pilot":
     from eagle3_data.forecast import pilot
 
-    run_stage(lambda: pilot(
-        snakemake.input.prompts, out.responses, n=snakemake.params.pilot_samples, shard=shard,
-        summary_path=out.summary, attempts_path=f"{settings.cache_dir}/forecast/pilot/{ds}/{shard}.jsonl", log=log,
-        **settings.generate_kwargs(),
-    ), log=log)
+    run_stage(
+        lambda: pilot(
+            snakemake.input.prompts,
+            out.responses,
+            n=snakemake.params.pilot_samples,
+            shard=shard,
+            summary_path=out.summary,
+            attempts_path=f"{settings.cache_dir}/forecast/pilot/{ds}/{shard}.jsonl",
+            log=log,
+            **settings.generate_kwargs(),
+        ),
+        log=log,
+    )
 else:
-    run_stage(lambda: generate(snakemake.input.prompts, out.responses, shard=shard, summary_path=out.summary,
-                               log=log, **settings.generate_kwargs()), log=log)
+    run_stage(
+        lambda: generate(
+            snakemake.input.prompts,
+            out.responses,
+            shard=shard,
+            summary_path=out.summary,
+            log=log,
+            **settings.generate_kwargs(),
+        ),
+        log=log,
+    )

@@ -1,5 +1,6 @@
 """Rule merge: validated shards -> merged, shuffled shards + one selection per validated shard + manifest (+ the
 held-out set when merge.heldout > 0)."""
+
 from pathlib import Path
 
 from eagle3_data.errors import run_stage

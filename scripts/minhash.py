@@ -1,4 +1,5 @@
 """Rule minhash: prompts shard -> the MinHash signature of each prompt (near-duplicates across datasets)."""
+
 from eagle3_data.decontaminate import minhash
 from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging

@@ -1,4 +1,5 @@
 """Rule normalize_<dataset>: source file -> prompts (or pre-tokenized tokens) shards + rejects."""
+
 from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging
 from eagle3_data.normalize import normalize

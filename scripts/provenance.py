@@ -1,4 +1,5 @@
 """Rule provenance: results/merged/provenance.parquet (each merged row's origin) + results/reports/provenance.json."""
+
 import hashlib
 from pathlib import Path
 
@@ -8,9 +9,19 @@ from eagle3_data.provenance import build_provenance
 
 log = setup_logging(snakemake.log[0])
 benchmarks = {str(p): hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in snakemake.input.benchmarks}
-run_stage(lambda: build_provenance(
-    list(snakemake.input.merged), snakemake.output.table, heldout_path=(list(snakemake.input.heldout) or [None])[0],
-    responses_paths=list(snakemake.input.responses), prompts_paths=list(snakemake.input.prompts),
-    datasets=snakemake.params.datasets, backends=snakemake.params.backends, target_path=snakemake.config["target"]["path"],
-    json_path=snakemake.output.json, config=snakemake.config,
-    extra={"decontaminate": {**snakemake.params.decontaminate, "benchmark_files": benchmarks}}), log=log)
+run_stage(
+    lambda: build_provenance(
+        list(snakemake.input.merged),
+        snakemake.output.table,
+        heldout_path=(list(snakemake.input.heldout) or [None])[0],
+        responses_paths=list(snakemake.input.responses),
+        prompts_paths=list(snakemake.input.prompts),
+        datasets=snakemake.params.datasets,
+        backends=snakemake.params.backends,
+        target_path=snakemake.config["target"]["path"],
+        json_path=snakemake.output.json,
+        config=snakemake.config,
+        extra={"decontaminate": {**snakemake.params.decontaminate, "benchmark_files": benchmarks}},
+    ),
+    log=log,
+)

@@ -1,4 +1,5 @@
 """Rule report: DuckDB reports (Markdown + CSV) and plots (PNG) of samples, tokens, rejects, cost, throughput."""
+
 from pathlib import Path
 
 from eagle3_data.errors import run_stage

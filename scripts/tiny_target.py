@@ -1,4 +1,5 @@
 """Rule tiny_target: build the tiny random-weight target (tokenizer + model) from a seed."""
+
 from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging
 from eagle3_data.settings import TinyTargetSettings

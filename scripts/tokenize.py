@@ -1,4 +1,5 @@
 """Rule tokenize: responses shard -> token ids + loss mask with the target tokenizer."""
+
 from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging
 from eagle3_data.settings import TokenizeSettings

@@ -39,15 +39,24 @@ def snakemake_env(env: dict | None = None, unset: list[str] | tuple = ()) -> dic
     return out
 
 
-def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 3600, env: dict | None = None,
-                  unset: list[str] | tuple = ()) -> subprocess.CompletedProcess:
+def run_snakemake(
+    workdir: Path,
+    *args: str,
+    check: bool = True,
+    timeout: int = 3600,
+    env: dict | None = None,
+    unset: list[str] | tuple = (),
+) -> subprocess.CompletedProcess:
     """Run ``python -m snakemake <args>`` in ``workdir`` (environment: :func:`snakemake_env` of ``env`` and
     ``unset``); on ``check`` assert rc 0 showing the output."""
     cmd = [sys.executable, "-m", "snakemake", *args]
-    proc = subprocess.run(cmd, cwd=workdir, env=snakemake_env(env, unset), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=workdir, env=snakemake_env(env, unset), capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -63,15 +72,23 @@ def md_rows(text: str) -> list[list[str]]:
         out.append([c.strip() for c in line.strip().strip("|").split("|")])
     return out
 
+
 def save_tiny_llama(path: Path, *, hidden_size: int, num_layers: int, vocab_size: int, seed: int) -> Path:
     """A random-weight Llama target (4 heads, 2 KV heads, fp32) saved to ``path``, for extraction tests."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
-                      max_position_embeddings=512, initializer_range=0.2)
+    cfg = LlamaConfig(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 

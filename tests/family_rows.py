@@ -32,10 +32,42 @@ from eagle3_data.validate import Context, validate_rows  # noqa: E402
 from test_templates import row  # noqa: E402
 
 rng = random.Random(0)
-WORDS = ("the", "user", "asks", "about", "Paris", "weather", "東京", "café", "🚀", "2+2", "= 4", "so", "answer",
-         "is", "x**2", "def", "f(x):", "return", "«bitte»", "—", "42", "ok", "Let", "me", "think", "first")
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WORDS = (
+    "the",
+    "user",
+    "asks",
+    "about",
+    "Paris",
+    "weather",
+    "東京",
+    "café",
+    "🚀",
+    "2+2",
+    "= 4",
+    "so",
+    "answer",
+    "is",
+    "x**2",
+    "def",
+    "f(x):",
+    "return",
+    "«bitte»",
+    "—",
+    "42",
+    "ok",
+    "Let",
+    "me",
+    "think",
+    "first",
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 def text(n, nl=True):
@@ -48,8 +80,14 @@ def text(n, nl=True):
 
 
 def call(i):
-    return {"id": f"call_{i}", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": rng.choice(["Paris", "Rome", "東京"])}, ensure_ascii=False)}}
+    return {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "arguments": json.dumps({"city": rng.choice(["Paris", "Rome", "東京"])}, ensure_ascii=False),
+        },
+    }
 
 
 def conversation(kind, thinking):
@@ -70,8 +108,10 @@ def conversation(kind, thinking):
     if kind == "tool_result":
         tools = [WEATHER]
         c = call(0)
-        msgs += [{"role": "assistant", "content": "", "tool_calls": [c]},
-                 {"role": "tool", "tool_call_id": c["id"], "content": "sunny"}]
+        msgs += [
+            {"role": "assistant", "content": "", "tool_calls": [c]},
+            {"role": "tool", "tool_call_id": c["id"], "content": "sunny"},
+        ]
     return msgs, tools, reply
 
 
@@ -125,13 +165,21 @@ def oss_oracle(tt, msgs, tools, reply, out):
     if reply.get("tool_calls"):
         fn = reply["tool_calls"][0]["function"]
         got = [(m.channel, m.recipient, m.content[0].text) for m in parsed]
-        return got == [("analysis", None, reply["reasoning"]), ("commentary", "functions." + fn["name"],
-                                                                  fn["arguments"])]
+        return got == [
+            ("analysis", None, reply["reasoning"]),
+            ("commentary", "functions." + fn["name"], fn["arguments"]),
+        ]
     M = Message.from_role_and_content
-    want = enc.render_conversation_for_training(Conversation.from_messages(
-        [M(Role.ASSISTANT, reply["reasoning"]).with_channel("analysis"),
-         M(Role.ASSISTANT, reply["content"]).with_channel("final")]), RenderConversationConfig(auto_drop_analysis=False))
-    want = want[want.index(200006) + 2:]  # less the leading <|start|>assistant
+    want = enc.render_conversation_for_training(
+        Conversation.from_messages(
+            [
+                M(Role.ASSISTANT, reply["reasoning"]).with_channel("analysis"),
+                M(Role.ASSISTANT, reply["content"]).with_channel("final"),
+            ]
+        ),
+        RenderConversationConfig(auto_drop_analysis=False),
+    )
+    want = want[want.index(200006) + 2 :]  # less the leading <|start|>assistant
     return render_ids(tt, msgs, tools, reply, "thinking") == out["input_ids"] and comp == want
 
 
@@ -141,10 +189,16 @@ def v31_oracle(tt, msgs, tools, reply, out):
         want = reply["reasoning"] + "</think>" + (reply["content"] or "")
         if reply.get("tool_calls"):
             fn = reply["tool_calls"][0]["function"]
-            want += ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + fn["name"] + "<｜tool▁sep｜>" + fn["arguments"]
-                     + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
-        return out["input_ids"][p:] == tt.encode_texts([want + "<｜end▁of▁sentence｜>"])[0] and \
-            out["input_ids"][:p] == tt.prompt_ids(msgs, tools)
+            want += (
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+                + fn["name"]
+                + "<｜tool▁sep｜>"
+                + fn["arguments"]
+                + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+            )
+        return out["input_ids"][p:] == tt.encode_texts([want + "<｜end▁of▁sentence｜>"])[0] and out["input_ids"][
+            :p
+        ] == tt.prompt_ids(msgs, tools)
     return render_ids(tt, msgs, tools, reply) == out["input_ids"]
 
 
@@ -167,8 +221,9 @@ def load_specforge(path):
     sys.modules["specforge_data"] = pkg
     mods = {}
     for name in ("template", "parse"):
-        spec = importlib.util.spec_from_file_location(f"specforge_data.{name}",
-                                                      Path(path) / "specforge" / "data" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(
+            f"specforge_data.{name}", Path(path) / "specforge" / "data" / f"{name}.py"
+        )
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
@@ -187,10 +242,13 @@ def oss_specforge(parse, registry):
             hp.parse(msgs + [final_msg(reply)], 1 << 20)
         except ValueError as exc:
             regen = str(exc)
-        conv = [{"role": {"assistant": "assistant_final"}.get(m["role"], m["role"]), "content": m["content"]}
-                for m in msgs]
-        conv += [{"role": "assistant_analysis", "content": reply["reasoning"]},
-                 {"role": "assistant_final", "content": reply["content"]}]
+        conv = [
+            {"role": {"assistant": "assistant_final"}.get(m["role"], m["role"]), "content": m["content"]} for m in msgs
+        ]
+        conv += [
+            {"role": "assistant_analysis", "content": reply["reasoning"]},
+            {"role": "assistant_final", "content": reply["content"]},
+        ]
         ids, mask = (x.tolist() for x in hp.parse(conv, 1 << 20))
         p = out["num_prompt_tokens"]
         sup = [i for i, m in zip(ids, mask) if m]
@@ -199,9 +257,13 @@ def oss_specforge(parse, registry):
         if ids == out["input_ids"] and sup == ours:
             return tag + "exact"
         if sup[-1] == 200007 and ours[-1] == 200002:
-            return tag + "ends <|end|> not <|return|>" + (", prompt differs" if ids[:len(ids) - len(sup)] !=
-                                                            out["input_ids"][:p] else "")
+            return (
+                tag
+                + "ends <|end|> not <|return|>"
+                + (", prompt differs" if ids[: len(ids) - len(sup)] != out["input_ids"][:p] else "")
+            )
         return tag + "differs"
+
     return compare
 
 
@@ -210,7 +272,7 @@ def v31_specforge(parse, registry):
 
     def compare(tt, msgs, tools, reply, out):
         ids, mask = (x.tolist() for x in gp.parse(msgs + [final_msg(reply)], 1 << 20, tool=tools or [], **tt.kwargs))
-        ours = out["input_ids"][out["num_prompt_tokens"]:]
+        ours = out["input_ids"][out["num_prompt_tokens"] :]
         sup = [i for i, m in zip(ids, mask) if m]
         if ids == out["input_ids"] and sup == ours:
             return "exact"
@@ -222,13 +284,17 @@ def v31_specforge(parse, registry):
             tags.append("system prompt injected")
         if reply.get("tool_calls") and "<｜tool▁calls▁begin｜>" not in text.split("<｜User｜>")[-1]:
             tags.append("tool call not rendered")
-        if len(sup) > len(ours) and sup[-len(ours):] == ours:
-            extra = sup[:-len(ours)]
-            tags.append("supervises the prompt's </think>" if extra == [tt.think_close_id] else
-                        "history assistant turns supervised too")
-        elif sup[-len(ours):] != ours:
+        if len(sup) > len(ours) and sup[-len(ours) :] == ours:
+            extra = sup[: -len(ours)]
+            tags.append(
+                "supervises the prompt's </think>"
+                if extra == [tt.think_close_id]
+                else "history assistant turns supervised too"
+            )
+        elif sup[-len(ours) :] != ours:
             tags.append("final turn's ids differ")
         return ", ".join(tags) or "differs"
+
     return compare
 
 
@@ -236,19 +302,54 @@ def v31_specforge(parse, registry):
 def families():
     """``(name, target, kinds, thinking, oracle, specforge builder or None)`` per family."""
     return [
-        ("gpt-oss", TargetTokens(F.gpt_oss_real(), completion_format("gpt-oss")),
-         ["single", "multi", "tool_call", "tool_result", "empty"], True, oss_oracle, oss_specforge),
-        ("deepseek-v3.1 thinking", TargetTokens(F.deepseek_v31(), completion_format("deepseek-v3.1"),
-                                                {"thinking": True}),
-         ["single", "multi", "empty", "tool_call"], True, v31_oracle, v31_specforge),
-        ("deepseek-v3.1 non-thinking", TargetTokens(F.deepseek_v31(), completion_format("deepseek-v3.1")),
-         ["single", "multi", "tool_call", "tool_result"], False, v31_oracle, v31_specforge),
-        ("qwen3-coder", TargetTokens(F.qwen3_real("qwen3-coder"), completion_format("qwen3-coder")),
-         ["single", "multi", "tool_call", "tool_result"], False, template_nl_oracle, None),
-        ("llama3 (stand-in vocabulary)", TargetTokens(F.llama3_standin(), completion_format("llama3")),
-         ["single", "multi", "tool_call", "tool_result"], False, template_oracle, None),
-        ("qwen3 empty think", TargetTokens(F.qwen3_real(), completion_format("qwen3")), ["empty"], True,
-         template_nl_oracle, None),
+        (
+            "gpt-oss",
+            TargetTokens(F.gpt_oss_real(), completion_format("gpt-oss")),
+            ["single", "multi", "tool_call", "tool_result", "empty"],
+            True,
+            oss_oracle,
+            oss_specforge,
+        ),
+        (
+            "deepseek-v3.1 thinking",
+            TargetTokens(F.deepseek_v31(), completion_format("deepseek-v3.1"), {"thinking": True}),
+            ["single", "multi", "empty", "tool_call"],
+            True,
+            v31_oracle,
+            v31_specforge,
+        ),
+        (
+            "deepseek-v3.1 non-thinking",
+            TargetTokens(F.deepseek_v31(), completion_format("deepseek-v3.1")),
+            ["single", "multi", "tool_call", "tool_result"],
+            False,
+            v31_oracle,
+            v31_specforge,
+        ),
+        (
+            "qwen3-coder",
+            TargetTokens(F.qwen3_real("qwen3-coder"), completion_format("qwen3-coder")),
+            ["single", "multi", "tool_call", "tool_result"],
+            False,
+            template_nl_oracle,
+            None,
+        ),
+        (
+            "llama3 (stand-in vocabulary)",
+            TargetTokens(F.llama3_standin(), completion_format("llama3")),
+            ["single", "multi", "tool_call", "tool_result"],
+            False,
+            template_oracle,
+            None,
+        ),
+        (
+            "qwen3 empty think",
+            TargetTokens(F.qwen3_real(), completion_format("qwen3")),
+            ["empty"],
+            True,
+            template_nl_oracle,
+            None,
+        ),
     ]
 
 

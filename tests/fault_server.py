@@ -75,23 +75,56 @@ import threading
 import time
 
 DEFAULTS = {
-    "p429": 0.0, "p5xx": 0.0, "ptimeout": 0.0, "preset": 0.0, "perror200": 0.0, "pmalformed": 0.0, "p402": 0.0,
-    "psurrogate": 0.0, "pbadusage": 0.0, "pbadbytes": 0.0, "perror422body": 0.0,
-    "pad_bytes": 0, "echo_key": False,
-    "retry_after_s": 0.05, "hang_s": 30.0, "fail_after": None, "fail_status": 402, "fail_body": None,
+    "p429": 0.0,
+    "p5xx": 0.0,
+    "ptimeout": 0.0,
+    "preset": 0.0,
+    "perror200": 0.0,
+    "pmalformed": 0.0,
+    "p402": 0.0,
+    "psurrogate": 0.0,
+    "pbadusage": 0.0,
+    "pbadbytes": 0.0,
+    "perror422body": 0.0,
+    "pad_bytes": 0,
+    "echo_key": False,
+    "retry_after_s": 0.05,
+    "hang_s": 30.0,
+    "fail_after": None,
+    "fail_status": 402,
+    "fail_body": None,
     "require_key": None,
-    "latency_min_s": 0.0, "latency_max_s": 0.0, "min_tokens": 5, "max_tokens": 40,
-    "price_in": 1e-7, "price_out": 2e-6, "provider": "FaultProvider", "reasoning_field": "reasoning",
-    "reasoning_tokens": 0, "seed": 0, "model": None,
-    "latency_dist": "uniform", "latency_by_body": False,
-    "record_bodies": 50, "omit_cost": False, "cost_404s": 0,
-    "gen_vocab": list(range(97, 123)) + [32], "gen_think": None, "gen_eot": None, "gen_include_stop": True,
-    "gen_abort_rate": 0.0, "require_tool_reasoning": False, "fault_at": {},
-    "storm_s": 0.0, "error200_code": 502,
+    "latency_min_s": 0.0,
+    "latency_max_s": 0.0,
+    "min_tokens": 5,
+    "max_tokens": 40,
+    "price_in": 1e-7,
+    "price_out": 2e-6,
+    "provider": "FaultProvider",
+    "reasoning_field": "reasoning",
+    "reasoning_tokens": 0,
+    "seed": 0,
+    "model": None,
+    "latency_dist": "uniform",
+    "latency_by_body": False,
+    "record_bodies": 50,
+    "omit_cost": False,
+    "cost_404s": 0,
+    "gen_vocab": list(range(97, 123)) + [32],
+    "gen_think": None,
+    "gen_eot": None,
+    "gen_include_stop": True,
+    "gen_abort_rate": 0.0,
+    "require_tool_reasoning": False,
+    "fault_at": {},
+    "storm_s": 0.0,
+    "error200_code": 502,
 }
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega"
+).split()
 
 
 def body_hash(body: dict) -> str:
@@ -166,24 +199,38 @@ class FaultApp:
             ids.append(stop)
         cap = (body.get("sampling_params") or {}).get("max_new_tokens", 128)
         if len(ids) > int(cap):
-            ids, finish = ids[:int(cap)], {"type": "length", "length": int(cap)}
+            ids, finish = ids[: int(cap)], {"type": "length", "length": int(cap)}
         else:
             finish = {"type": "stop", "matched": stop}
             if stop is not None and not c["gen_include_stop"]:
                 ids = ids[:-1]
         text = "".join(chr(i) for i in ids if i < 256)
         n_in = len(body.get("input_ids") or [])
-        return {"text": text, "output_ids": ids, "meta_info": {
-            "id": bh, "finish_reason": finish, "prompt_tokens": n_in, "completion_tokens": len(ids),
-            "cached_tokens": 0, "e2e_latency": 0.0}}
+        return {
+            "text": text,
+            "output_ids": ids,
+            "meta_info": {
+                "id": bh,
+                "finish_reason": finish,
+                "prompt_tokens": n_in,
+                "completion_tokens": len(ids),
+                "cached_tokens": 0,
+                "e2e_latency": 0.0,
+            },
+        }
 
     def stats(self) -> dict:
         return {
-            "requests": self.requests, "outcomes": dict(self.outcomes), "completed": self.completed,
-            "completed_by_body": dict(self.completed_by_body), "billed_by_body": dict(self.billed_by_body),
-            "billed_completion_tokens": self.billed_completion_tokens, "billed_usd": self.billed_usd,
+            "requests": self.requests,
+            "outcomes": dict(self.outcomes),
+            "completed": self.completed,
+            "completed_by_body": dict(self.completed_by_body),
+            "billed_by_body": dict(self.billed_by_body),
+            "billed_completion_tokens": self.billed_completion_tokens,
+            "billed_usd": self.billed_usd,
             "in_flight": self.in_flight,
-            "max_in_flight": self.max_in_flight, "cpu_s": round(time.process_time(), 3),
+            "max_in_flight": self.max_in_flight,
+            "cpu_s": round(time.process_time(), 3),
             "connections": self.connections,
             "last_request_at": self.request_times[-1] if self.request_times else None,
         }
@@ -198,8 +245,19 @@ class FaultApp:
         if c["storm_s"] and self.request_times and self.request_times[-1] - self.request_times[0] < float(c["storm_s"]):
             return "storm"
         r = self.rng.random()
-        for name in ("p429", "p5xx", "ptimeout", "preset", "perror200", "pmalformed", "p402", "psurrogate",
-                     "pbadusage", "pbadbytes", "perror422body"):
+        for name in (
+            "p429",
+            "p5xx",
+            "ptimeout",
+            "preset",
+            "perror200",
+            "pmalformed",
+            "p402",
+            "psurrogate",
+            "pbadusage",
+            "pbadbytes",
+            "perror422body",
+        ):
             r -= float(c[name])
             if r < 0:
                 return name
@@ -270,13 +328,27 @@ class FaultApp:
         n = self.cost_lookups[gid] = self.cost_lookups.get(gid, 0) + 1
         if gid not in self.costs or n <= int(self.config["cost_404s"]):
             return _response(404, {"error": {"code": 404, "message": f"Generation {gid} not found"}})
-        return _response(200, {"data": {"id": gid, "total_cost": self.costs[gid],
-                                        "provider_name": self.config["provider"]}})
+        return _response(
+            200, {"data": {"id": gid, "total_cost": self.costs[gid], "provider_name": self.config["provider"]}}
+        )
 
     async def models(self, request):
         # OpenRouter's model list carries per-token prices (USD, decimal strings): the forecast reads them
-        return _response(200, {"object": "list", "data": [{"id": self.config["model"] or "fault-model", "pricing": {
-            "prompt": str(self.config["price_in"]), "completion": str(self.config["price_out"])}}]})
+        return _response(
+            200,
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config["model"] or "fault-model",
+                        "pricing": {
+                            "prompt": str(self.config["price_in"]),
+                            "completion": str(self.config["price_out"]),
+                        },
+                    }
+                ],
+            },
+        )
 
     async def no_route(self, request):
         return _response(404, {"error": {"code": 404, "message": f"no route {request.method} {request.url.path}"}})
@@ -309,12 +381,26 @@ class FaultApp:
             return _response(400, {"error": {"code": 400, "message": "invalid JSON body"}})
         self.record(body, headers)
         if c["require_tool_reasoning"] and not native:
-            bad = [i for i, m in enumerate(body.get("messages") or []) if isinstance(m, dict)
-                   and m.get("role") == "assistant" and m.get("tool_calls") and m.get("reasoning_content") is None]
+            bad = [
+                i
+                for i, m in enumerate(body.get("messages") or [])
+                if isinstance(m, dict)
+                and m.get("role") == "assistant"
+                and m.get("tool_calls")
+                and m.get("reasoning_content") is None
+            ]
             if bad:
                 self._count("400")
-                return _response(400, {"error": {"code": 400, "message": "thinking is enabled but reasoning_content "
-                                                 f"is missing in assistant tool call message at index {bad[0]}"}})
+                return _response(
+                    400,
+                    {
+                        "error": {
+                            "code": 400,
+                            "message": "thinking is enabled but reasoning_content "
+                            f"is missing in assistant tool call message at index {bad[0]}",
+                        }
+                    },
+                )
         fault = self.pick_fault()
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -332,12 +418,18 @@ class FaultApp:
                 await asyncio.sleep(lat)
             if fault == "storm":  # a rate-limit storm refuses at once, before generating
                 self._count("429")
-                return _response(429, {"error": {"code": 429, "message": "Rate limit exceeded"}},
-                                 {"Retry-After": str(c["retry_after_s"])})
+                return _response(
+                    429,
+                    {"error": {"code": 429, "message": "Rate limit exceeded"}},
+                    {"Retry-After": str(c["retry_after_s"])},
+                )
             if fault == "p429":
                 self._count("429")
-                return _response(429, {"error": {"code": 429, "message": "Rate limit exceeded"}},
-                                 {"Retry-After": str(c["retry_after_s"])})
+                return _response(
+                    429,
+                    {"error": {"code": 429, "message": "Rate limit exceeded"}},
+                    {"Retry-After": str(c["retry_after_s"])},
+                )
             if fault == "p5xx":
                 code = self.rng.choice([500, 502, 503])
                 self._count(str(code))
@@ -347,9 +439,24 @@ class FaultApp:
                 return await _drop(request, reset=True)
             if fault == "perror200":
                 self._count("error200")
-                return _response(200, {"id": "gen-err", "provider": c["provider"], "choices": [
-                    {"index": 0, "finish_reason": "error", "message": {"role": "assistant", "content": ""},
-                     "error": {"code": int(c["error200_code"]), "message": "upstream provider error mid-generation"}}]})
+                return _response(
+                    200,
+                    {
+                        "id": "gen-err",
+                        "provider": c["provider"],
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "error",
+                                "message": {"role": "assistant", "content": ""},
+                                "error": {
+                                    "code": int(c["error200_code"]),
+                                    "message": "upstream provider error mid-generation",
+                                },
+                            }
+                        ],
+                    },
+                )
             if fault == "pmalformed":  # billed like any generated reply, whatever reached the client
                 self._count("malformed")
                 self.billed_by_body[bh] = self.billed_by_body.get(bh, 0) + 1
@@ -361,19 +468,33 @@ class FaultApp:
                 return _response(200, resp)
             if fault == "perror422body":  # a client error in a 200 body: no retry can fix it
                 self._count("error422body")
-                return _response(200, {"error": {"code": 422, "message": "Unprocessable: max_tokens exceeds the "
-                                                 "model's context length"}})
+                return _response(
+                    200,
+                    {"error": {"code": 422, "message": "Unprocessable: max_tokens exceeds the model's context length"}},
+                )
             if fault in ("p402", "fail_status"):
                 code = int(c["fail_status"]) if fault == "fail_status" else 402
                 self._count(str(code))
                 self.fail_times.append(time.time())
-                return _response(code, (fault == "fail_status" and c["fail_body"]) or
-                                 {"error": {"code": code, "message": "Insufficient credits"}})
+                return _response(
+                    code,
+                    (fault == "fail_status" and c["fail_body"])
+                    or {"error": {"code": code, "message": "Insufficient credits"}},
+                )
             if native:
                 if self.rng.random() < float(c["gen_abort_rate"]):
                     self._count("abort")
-                    return _response(200, {"text": "", "output_ids": [], "meta_info": {
-                        "id": bh, "finish_reason": {"type": "abort", "message": "scheduler aborted the request"}}})
+                    return _response(
+                        200,
+                        {
+                            "text": "",
+                            "output_ids": [],
+                            "meta_info": {
+                                "id": bh,
+                                "finish_reason": {"type": "abort", "message": "scheduler aborted the request"},
+                            },
+                        },
+                    )
                 resp = self.native(body, bh)
             else:
                 resp = self.completion(body, bh)
@@ -384,8 +505,13 @@ class FaultApp:
                     del resp["usage"]["cost"]
                 if fault == "pbadusage":  # values no column can hold: the client stores nulls, keeps the reply
                     self._count("badusage")
-                    resp["usage"].update({"cost": float("nan"), "prompt_tokens": 1e30, "completion_tokens_details":
-                                          {"reasoning_tokens": -3}})
+                    resp["usage"].update(
+                        {
+                            "cost": float("nan"),
+                            "prompt_tokens": 1e30,
+                            "completion_tokens_details": {"reasoning_tokens": -3},
+                        }
+                    )
                     resp["choices"][0]["token_ids"] = [1, 2**40]
                 if c["echo_key"]:  # a reply quoting the request's API key (a prompt injection, a debug echo)
                     token = (headers.get("authorization") or "").removeprefix("Bearer ")
@@ -404,8 +530,18 @@ class FaultApp:
         finally:
             self.in_flight -= 1
 
-def chat_completion(c: dict, body: dict, bh: str, text: str, reasoning: str | None, finish: str, *,
-                    completion_tokens: int, reasoning_tokens: int) -> dict:
+
+def chat_completion(
+    c: dict,
+    body: dict,
+    bh: str,
+    text: str,
+    reasoning: str | None,
+    finish: str,
+    *,
+    completion_tokens: int,
+    reasoning_tokens: int,
+) -> dict:
     """An OpenRouter-style ``chat.completion`` reply for request ``body`` (hash ``bh``) under config ``c``: the
     prompt's word count as ``prompt_tokens``, a ``cost`` from ``price_in``/``price_out``, the reasoning (if any)
     under ``reasoning_field``. Shared with ``benchmarks/rehearsal_server.py``."""
@@ -415,17 +551,20 @@ def chat_completion(c: dict, body: dict, bh: str, text: str, reasoning: str | No
         msg[c["reasoning_field"]] = reasoning
     comp = completion_tokens
     return {
-        "id": f"gen-{bh}", "object": "chat.completion", "created": int(time.time()),
-        "model": c["model"] or body.get("model"), "provider": c["provider"],
+        "id": f"gen-{bh}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": c["model"] or body.get("model"),
+        "provider": c["provider"],
         "choices": [{"index": 0, "finish_reason": finish, "native_finish_reason": finish, "message": msg}],
         "usage": {
-            "prompt_tokens": prompt_words, "completion_tokens": comp, "total_tokens": prompt_words + comp,
+            "prompt_tokens": prompt_words,
+            "completion_tokens": comp,
+            "total_tokens": prompt_words + comp,
             "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "cost": round(prompt_words * c["price_in"] + comp * c["price_out"], 12),
         },
     }
-
-
 
 
 def _response(status: int, payload, headers: dict | None = None):
@@ -489,8 +628,17 @@ def _uvicorn_config(app: FaultApp, host: str, port: int):
     # keep-alive connections stay open (a client's pooled connection is never closed under it between requests,
     # which a test would see as a reset); a backlog for thousands of connections at once; on SIGINT/SIGTERM the
     # requests still running get 1 s, then are cancelled (FaultServer.stop forces the exit: cancelled at once)
-    return uvicorn.Config(make_asgi(app), host=host, port=port, log_level="warning", access_log=False,
-                          lifespan="off", backlog=8192, timeout_keep_alive=3600, timeout_graceful_shutdown=1)
+    return uvicorn.Config(
+        make_asgi(app),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        backlog=8192,
+        timeout_keep_alive=3600,
+        timeout_graceful_shutdown=1,
+    )
 
 
 class FaultServer:

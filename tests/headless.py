@@ -21,9 +21,19 @@ import time
 from pathlib import Path
 
 #: flags that work in a sandbox-less container with no network and no GPU
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+    "--mute-audio",
+]
 
 
 def find_chromium() -> str | None:
@@ -65,12 +75,20 @@ class Browser:
         # the child's ends move above 9 so that placing them on 3 and 4 never closes one of them (bash: dash
         # takes one-digit descriptors only)
         to_chrome_r, from_chrome_w = (_above_9(fd) for fd in (to_chrome_r, from_chrome_w))
-        args = FLAGS + [f"--user-data-dir={self._profile}", "--remote-debugging-pipe",
-                        f"--window-size={self.width},{self.height}", "about:blank"]
+        args = FLAGS + [
+            f"--user-data-dir={self._profile}",
+            "--remote-debugging-pipe",
+            f"--window-size={self.width},{self.height}",
+            "about:blank",
+        ]
         # fd 3: commands to Chromium, fd 4: its replies
         script = f'exec "$0" "$@" 3<&{to_chrome_r} 4>&{from_chrome_w} {to_chrome_r}<&- {from_chrome_w}>&-'
-        self.proc = subprocess.Popen(["bash", "-c", script, self.exe, *args], pass_fds=(to_chrome_r, from_chrome_w),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            ["bash", "-c", script, self.exe, *args],
+            pass_fds=(to_chrome_r, from_chrome_w),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         os.close(to_chrome_r)
         os.close(from_chrome_w)
         try:
@@ -78,8 +96,14 @@ class Browser:
             self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
             self.send("Page.enable", session=True)
             self.send("Runtime.enable", session=True)
-            self.send("Emulation.setDeviceMetricsOverride", session=True, width=self.width, height=self.height,
-                      deviceScaleFactor=1, mobile=False)
+            self.send(
+                "Emulation.setDeviceMetricsOverride",
+                session=True,
+                width=self.width,
+                height=self.height,
+                deviceScaleFactor=1,
+                mobile=False,
+            )
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -178,8 +202,9 @@ class Browser:
 
     def frame_context(self, frame_id: str) -> int:
         """An execution context in frame ``frame_id`` (works for cross-origin frames, e.g. ``data:`` iframes)."""
-        return self.send("Page.createIsolatedWorld", session=True, frameId=frame_id,
-                         worldName="test")["executionContextId"]
+        return self.send("Page.createIsolatedWorld", session=True, frameId=frame_id, worldName="test")[
+            "executionContextId"
+        ]
 
     def screenshot(self, path) -> Path:
         """PNG of the viewport written to ``path``."""

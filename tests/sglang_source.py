@@ -33,9 +33,23 @@ def pinned_source(version: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     wheels = sorted(cache.glob(f"sglang-{version}-*.whl"))
     if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--platform",
-               "manylinux_2_34_x86_64", "--python-version", "3.11", "--implementation", "cp", "-d", str(cache),
-               f"sglang=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--platform",
+            "manylinux_2_34_x86_64",
+            "--python-version",
+            "3.11",
+            "--implementation",
+            "cp",
+            "-d",
+            str(cache),
+            f"sglang=={version}",
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         wheels = sorted(cache.glob(f"sglang-{version}-*.whl"))
         if out.returncode != 0 or not wheels:
@@ -115,8 +129,13 @@ class Source:
                         if (alias.asname or alias.name) == name and node.module.startswith("sglang"):
                             return self.top_level(node.module, alias.name, _depth + 1)
             for node in tree.body:  # from sglang.x import *  (the name must not be private)
-                if (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang")
-                        and [a.name for a in node.names] == ["*"] and not name.startswith("_")):
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and node.module
+                    and node.module.startswith("sglang")
+                    and [a.name for a in node.names] == ["*"]
+                    and not name.startswith("_")
+                ):
                     found = self.top_level(node.module, name, _depth + 1)
                     if found is not None:
                         return found
@@ -172,17 +191,23 @@ class Source:
             for node in f.node.body:
                 if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
                     return Found(node, f.module, f.path, node.lineno)
-                if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name
-                                                        for t in node.targets):
+                if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
                     return Found(node, f.module, f.path, node.lineno)
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
                     return Found(node, f.module, f.path, node.lineno)
             for node in ast.walk(f.node):
-                targets = node.targets if isinstance(node, ast.Assign) else (
-                    [node.target] if isinstance(node, ast.AnnAssign) else [])
+                targets = (
+                    node.targets
+                    if isinstance(node, ast.Assign)
+                    else ([node.target] if isinstance(node, ast.AnnAssign) else [])
+                )
                 for t in targets:
-                    if (isinstance(t, ast.Attribute) and t.attr == name and isinstance(t.value, ast.Name)
-                            and t.value.id == "self"):
+                    if (
+                        isinstance(t, ast.Attribute)
+                        and t.attr == name
+                        and isinstance(t.value, ast.Name)
+                        and t.value.id == "self"
+                    ):
                         return Found(node, f.module, f.path, node.lineno)
         return None
 

@@ -36,8 +36,21 @@ from pathlib import Path
 
 PACKAGES = ("munge", "slurm-client", "slurmctld", "slurmd", "slurmdbd", "mariadb-server")
 SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
-COMMANDS = ("munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "sacct", "sacctmgr", "squeue", "scontrol",
-            "mariadbd", "mariadb-install-db", "mariadb", "setpriv")
+COMMANDS = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "slurmdbd",
+    "sbatch",
+    "sacct",
+    "sacctmgr",
+    "squeue",
+    "scontrol",
+    "mariadbd",
+    "mariadb-install-db",
+    "mariadb",
+    "setpriv",
+)
 CLUSTER = "eagle3ci"
 ACCOUNT = "eagle3ci"
 DB_PASSWORD = "eagle3ci-test-only"
@@ -118,12 +131,17 @@ class OneNodeCluster:
             SYSTEM_CONF.symlink_to(self.conf)
             self.linked = True
             self._start("slurmdbd", [_which("slurmdbd"), "-D"])  # reads slurmdbd.conf next to $SLURM_CONF
-            self._wait(lambda: self._run(["sacctmgr", "-n", "list", "cluster"], check=False).returncode == 0,
-                       timeout, "slurmdbd answering sacctmgr", "slurmdbd")
+            self._wait(
+                lambda: self._run(["sacctmgr", "-n", "list", "cluster"], check=False).returncode == 0,
+                timeout,
+                "slurmdbd answering sacctmgr",
+                "slurmdbd",
+            )
             self._run(["sacctmgr", "-i", "add", "cluster", CLUSTER], check=False)
             self._run(["sacctmgr", "-i", "add", "account", ACCOUNT, f"Cluster={CLUSTER}"], check=False)
-            self._run(["sacctmgr", "-i", "add", "user", "root", f"Account={ACCOUNT}", f"Cluster={CLUSTER}"],
-                      check=False)
+            self._run(
+                ["sacctmgr", "-i", "add", "user", "root", f"Account={ACCOUNT}", f"Cluster={CLUSTER}"], check=False
+            )
             self._start("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
             self._start("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf)])
             self._wait(self._node_idle, timeout, "the node to be idle", "slurmctld")
@@ -162,8 +180,19 @@ class OneNodeCluster:
 
     def sacct_jobs(self) -> list[dict]:
         """Every job of the cluster, as sacct sees it: id, name, partition, state, exit code, AllocTRES."""
-        out = self._run(["sacct", "-a", "-X", "-n", "-P", "-S", "2000-01-01", "--format",
-                         "JobID,JobName,Partition,State,ExitCode,AllocTRES"]).stdout
+        out = self._run(
+            [
+                "sacct",
+                "-a",
+                "-X",
+                "-n",
+                "-P",
+                "-S",
+                "2000-01-01",
+                "--format",
+                "JobID,JobName,Partition,State,ExitCode,AllocTRES",
+            ]
+        ).stdout
         keys = ("id", "name", "partition", "state", "exit_code", "tres")
         return [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
 
@@ -178,8 +207,14 @@ class OneNodeCluster:
 
     def _start(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "ab")
-        self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **self.env}, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         log.close()
 
     def _wait(self, ready, timeout: float, what: str, log: str) -> None:
@@ -187,8 +222,10 @@ class OneNodeCluster:
         while True:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
-                    raise ClusterError(f"{name} exited ({proc.returncode}) while waiting for {what}:\n"
-                                       f"{self.log_tail(name)}\n{self._out_tail(name)}")
+                    raise ClusterError(
+                        f"{name} exited ({proc.returncode}) while waiting for {what}:\n"
+                        f"{self.log_tail(name)}\n{self._out_tail(name)}"
+                    )
             if ready():
                 return
             if time.monotonic() - t0 > timeout:
@@ -204,27 +241,68 @@ class OneNodeCluster:
         shutil.chown(sock_dir, "munge", "munge")
         sock_dir.chmod(0o755)
         logf = sock_dir / "munged.log"
-        self._start("munged", [_which("setpriv"), "--reuid", "munge", "--regid", "munge", "--init-groups",
-                               _which("munged"), "-F", f"--socket={self.munge_socket}",
-                               f"--pid-file={sock_dir / 'munged.pid'}", f"--log-file={logf}",
-                               f"--seed-file={sock_dir / 'munged.seed'}"])
+        self._start(
+            "munged",
+            [
+                _which("setpriv"),
+                "--reuid",
+                "munge",
+                "--regid",
+                "munge",
+                "--init-groups",
+                _which("munged"),
+                "-F",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={sock_dir / 'munged.pid'}",
+                f"--log-file={logf}",
+                f"--seed-file={sock_dir / 'munged.seed'}",
+            ],
+        )
         self._wait(self.munge_socket.exists, 30, "the munge socket", "munged")
 
     def _start_mariadb(self, timeout: float) -> None:
         data = self.root / "db"
         if not (data / "mysql").exists():
-            self._run([_which("mariadb-install-db"), "--no-defaults", f"--datadir={data}", "--user=root",
-                       "--auth-root-authentication-method=socket", "--skip-test-db"], timeout=timeout)
+            self._run(
+                [
+                    _which("mariadb-install-db"),
+                    "--no-defaults",
+                    f"--datadir={data}",
+                    "--user=root",
+                    "--auth-root-authentication-method=socket",
+                    "--skip-test-db",
+                ],
+                timeout=timeout,
+            )
         sock = self.root / "run" / "mysqld.sock"
-        self._start("mariadbd", [_which("mariadbd"), "--no-defaults", f"--datadir={data}", "--user=root",
-                                 f"--socket={sock}", "--bind-address=127.0.0.1", f"--port={self.ports['mysql']}",
-                                 f"--pid-file={self.root / 'run' / 'mysqld.pid'}",
-                                 f"--log-error={self.root / 'log' / 'mariadbd.log'}", "--skip-name-resolve"])
+        self._start(
+            "mariadbd",
+            [
+                _which("mariadbd"),
+                "--no-defaults",
+                f"--datadir={data}",
+                "--user=root",
+                f"--socket={sock}",
+                "--bind-address=127.0.0.1",
+                f"--port={self.ports['mysql']}",
+                f"--pid-file={self.root / 'run' / 'mysqld.pid'}",
+                f"--log-error={self.root / 'log' / 'mariadbd.log'}",
+                "--skip-name-resolve",
+            ],
+        )
         self._wait(sock.exists, timeout, "the MariaDB socket", "mariadbd")
-        sql = (f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{DB_PASSWORD}'; "
-               "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;")
-        self._wait(lambda: self._run([_which("mariadb"), f"--socket={sock}", "-u", "root", "-e", sql],
-                                     check=False).returncode == 0, timeout, "MariaDB accepting the user", "mariadbd")
+        sql = (
+            f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{DB_PASSWORD}'; "
+            "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;"
+        )
+        self._wait(
+            lambda: (
+                self._run([_which("mariadb"), f"--socket={sock}", "-u", "root", "-e", sql], check=False).returncode == 0
+            ),
+            timeout,
+            "MariaDB accepting the user",
+            "mariadbd",
+        )
 
     def _fake_gpus(self) -> list[str]:
         files = []
@@ -254,8 +332,9 @@ class OneNodeCluster:
         (r / "etc" / "gres.conf").write_text("AutoDetect=off\n" + "".join(f"Name=gpu File={f}\n" for f in gres))
         self.conf.write_text(
             f"ClusterName={CLUSTER}\nSlurmctldHost={self.host}(127.0.0.1)\n"
-            f"SlurmctldPort={self.ports['slurmctld']}\nSlurmdPort={self.ports['slurmd']}\n" + auth +
-            "CredType=cred/munge\nSlurmUser=root\nSlurmdUser=root\n"
+            f"SlurmctldPort={self.ports['slurmctld']}\nSlurmdPort={self.ports['slurmd']}\n"
+            + auth
+            + "CredType=cred/munge\nSlurmUser=root\nSlurmdUser=root\n"
             f"StateSaveLocation={r / 'state'}\nSlurmdSpoolDir={r / 'spool'}\n"
             f"SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}\nSlurmdPidFile={r / 'run' / 'slurmd.pid'}\n"
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}\nSlurmdLogFile={r / 'log' / 'slurmd.log'}\n"
@@ -279,9 +358,22 @@ class OneNodeCluster:
         return bool(out) and all(s.startswith("idle") for s in out)
 
     def _check_a_job(self, timeout: float) -> None:
-        out = self._run(["sbatch", "--parsable", "-p", "gpu", "--gpus=1", "-A", ACCOUNT, "-t", "1",
-                         f"--output={self.root / 'log' / 'check-%j.out'}", "--wrap",
-                         "echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"]).stdout.strip()
+        out = self._run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "gpu",
+                "--gpus=1",
+                "-A",
+                ACCOUNT,
+                "-t",
+                "1",
+                f"--output={self.root / 'log' / 'check-%j.out'}",
+                "--wrap",
+                "echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES",
+            ]
+        ).stdout.strip()
         job = out.split(";")[0]
 
         def done() -> bool:

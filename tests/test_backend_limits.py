@@ -29,8 +29,14 @@ LIMIT = 4
 
 
 def backend(fs_url: str = "http://127.0.0.1:9", **kw) -> dict:
-    b = {"type": "openrouter", "base_url": f"{fs_url}/v1", "model": "vendor/model", "api_key_env": None,
-         "max_concurrency": LIMIT, "timeout_s": 20}
+    b = {
+        "type": "openrouter",
+        "base_url": f"{fs_url}/v1",
+        "model": "vendor/model",
+        "api_key_env": None,
+        "max_concurrency": LIMIT,
+        "timeout_s": 20,
+    }
     b.update(kw)
     return b
 
@@ -69,13 +75,23 @@ def test_a_set_in_use_keeps_its_limit_and_one_nobody_uses_takes_the_new_one(limi
 def test_a_set_removed_under_a_job_is_attached_again_without_exceeding_the_limit(limits_dir):
     """A set removed while a job holds slots (``ipcrm``, or an older release's onstart removing a dead run's sets):
     the job's next operation attaches to a new set and takes its held slots from it, never raising."""
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys; from eagle3_data.backends.limits import HostSlots\n"
-        f"s = HostSlots({str(limits_dir / 'b.sem')!r}, 3)\n"
-        "assert s.try_take() and s.try_take(); print('held', flush=True); sys.stdin.readline()\n"
-        "s.give(); print(s.free(), s.try_take(), s.try_take(), flush=True); sys.stdin.readline()\n"
-        "s.register(False); print('out', flush=True)")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from eagle3_data.backends.limits import HostSlots\n"
+                f"s = HostSlots({str(limits_dir / 'b.sem')!r}, 3)\n"
+                "assert s.try_take() and s.try_take(); print('held', flush=True); sys.stdin.readline()\n"
+                "s.give(); print(s.free(), s.try_take(), s.try_take(), flush=True); sys.stdin.readline()\n"
+                "s.register(False); print('out', flush=True)"
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert HostSlots.remove_all(limits_dir) == 1
@@ -100,8 +116,16 @@ def test_a_set_removed_under_a_job_is_attached_again_without_exceeding_the_limit
 
 
 def write_sharegpt(path: Path, n: int, tag: str) -> Path:
-    rows = [{"id": f"{tag}-{i}", "conversations": [{"from": "human", "value": f"{tag} question number {i}?"},
-                                                   {"from": "gpt", "value": "an answer"}]} for i in range(n)]
+    rows = [
+        {
+            "id": f"{tag}-{i}",
+            "conversations": [
+                {"from": "human", "value": f"{tag} question number {i}?"},
+                {"from": "gpt", "value": "an answer"},
+            ],
+        }
+        for i in range(n)
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows))
     return path
@@ -119,11 +143,14 @@ def workdir(path: Path, fs, datasets: dict[str, int], *, shards: int = 1) -> Pat
         "target": {"name": "t", "path": "results/target/tokenizer", "build_tiny": False, "template": "generic"},
         "vocab": {"draft_vocab_size": 256},
         "backends": {"fault": backend(fs.url)},
-        "generation": {"backends": ["fault"], "max_tokens": 30, "temperature": 1.0, "top_p": 1.0,
-                       "max_retries": 3},
-        "datasets": {ds: {"source": {"format": "sharegpt", "path": str(write_sharegpt(wd / "src" / f"{ds}.json",
-                                                                                       n, ds))}, "shards": shards}
-                     for ds, n in datasets.items()},
+        "generation": {"backends": ["fault"], "max_tokens": 30, "temperature": 1.0, "top_p": 1.0, "max_retries": 3},
+        "datasets": {
+            ds: {
+                "source": {"format": "sharegpt", "path": str(write_sharegpt(wd / "src" / f"{ds}.json", n, ds))},
+                "shards": shards,
+            }
+            for ds, n in datasets.items()
+        },
     }
     (wd / "limits.yaml").write_text(yaml.safe_dump(conf))
     return wd
@@ -137,8 +164,13 @@ def start(wd: Path, *targets: str, out: Path | None = None) -> subprocess.Popen:
     out = out or wd / "snakemake.out"
     fh = open(out, "ab")
     try:
-        return subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1", *targets, "--configfile",
-                                 "limits.yaml"], cwd=wd, env=snakemake_env(), stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "snakemake", "--cores", "1", *targets, "--configfile", "limits.yaml"],
+            cwd=wd,
+            env=snakemake_env(),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
     finally:
         fh.close()
 
@@ -179,8 +211,10 @@ def test_two_runs_never_exceed_the_backend_limit_together(tmp_path, fs, layout):
     # both runs' requests were answered while the other's were (the second run did not wait for the first)
     spans = []
     for wd, ds in ((wd_a, "ds_a"), (wd_b, "ds_b")):
-        t = sorted(json.loads(line)["completed_at"]
-                   for line in (wd / "cache" / "journal" / ds / "000.jsonl").read_text().splitlines())
+        t = sorted(
+            json.loads(line)["completed_at"]
+            for line in (wd / "cache" / "journal" / ds / "000.jsonl").read_text().splitlines()
+        )
         spans.append((t[0], t[-1]))
     assert spans[1][0] < spans[0][1], spans
 
@@ -199,8 +233,13 @@ def test_orphaned_jobs_of_a_killed_run_end_cleanly_beside_the_next_run(tmp_path,
     os.kill(run_a.pid, signal.SIGKILL)
     run_a.wait(10)
     assert fs.stats()["completed"] < 2 * n - 2 * LIMIT  # the orphans have most of their requests still to send
-    subprocess.run([sys.executable, "-m", "snakemake", "--unlock", "--configfile", "limits.yaml"], cwd=wd,
-                   env=snakemake_env(), check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "snakemake", "--unlock", "--configfile", "limits.yaml"],
+        cwd=wd,
+        env=snakemake_env(),
+        check=True,
+        capture_output=True,
+    )
     run_b = start(wd, *responses("ds_b", 2), out=wd / "b.out")
     assert run_b.wait(600) == 0, (wd / "b.out").read_text()[-5000:]
     # stop means stop (issue 22): the orphans see their snakemake gone, start no new request, journal what arrives

@@ -31,15 +31,36 @@ KEYS = {
     "extract": ["ours_tokens_per_s", "baseline_batch1_tokens_per_s", "speedup", "bytes_per_token_bf16", "flop_bound"],
     "extract_gpu": ["tokens"],
     "generation_client": ["clients", "ideal_schedule_s"],
-    "generation_run": ["client_cpu_ms_per_request", "time_to_first_request_s", "in_flight", "request_phase_s",
-                       "phase_vs_ideal", "server_cpu_ms_per_request", "baseline_one_process_per_job",
-                       "snakemake_floor", "met"],
+    "generation_run": [
+        "client_cpu_ms_per_request",
+        "time_to_first_request_s",
+        "in_flight",
+        "request_phase_s",
+        "phase_vs_ideal",
+        "server_cpu_ms_per_request",
+        "baseline_one_process_per_job",
+        "snakemake_floor",
+        "met",
+    ],
     "tokenize_validate": [],
     "rehearsal": ["incremental", "samples", "merged_samples"],
-    "capture_bytes": ["states_bytes_per_token", "exports_bytes_per_token", "baseline_specforge_bf16_bytes_per_token",
-                      "ratio_eagle3_fp8_states_vs_baseline", "target_eagle3_fp8_states_le", "met"],
-    "draft_quality": ["drafters", "tau_onpolicy", "ratio_regenerated_vs_original", "fp8_vs_bf16_tau_abs_diff",
-                      "targets", "sizes", "seeds"],
+    "capture_bytes": [
+        "states_bytes_per_token",
+        "exports_bytes_per_token",
+        "baseline_specforge_bf16_bytes_per_token",
+        "ratio_eagle3_fp8_states_vs_baseline",
+        "target_eagle3_fp8_states_le",
+        "met",
+    ],
+    "draft_quality": [
+        "drafters",
+        "tau_onpolicy",
+        "ratio_regenerated_vs_original",
+        "fp8_vs_bf16_tau_abs_diff",
+        "targets",
+        "sizes",
+        "seeds",
+    ],
 }
 
 
@@ -50,8 +71,14 @@ def test_every_benchmark_has_a_toy_mode():
 
 @pytest.mark.parametrize("name", sorted(TOY))
 def test_benchmark_runs_at_toy_size(name, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *TOY[name]], cwd=tmp_path,
-                          env=snakemake_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *TOY[name]],
+        cwd=tmp_path,
+        env=snakemake_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, f"{name}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     line = proc.stdout.strip().splitlines()[-1]
     out = json.loads(line)
@@ -75,20 +102,27 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         per_job = out["baseline_one_process_per_job"]  # the bare client as one process per job: every body sent
         assert per_job["processes"] == 4 and per_job["requests"] == 200 and per_job["cpu_ms_per_request"] > 0
         assert per_job["product_ratio"] == pytest.approx(
-            out["client_cpu_ms_per_request"]["product"] / per_job["cpu_ms_per_request"], rel=0.02), per_job
+            out["client_cpu_ms_per_request"]["product"] / per_job["cpu_ms_per_request"], rel=0.02
+        ), per_job
         # the targets: the request phase and the share of the limit in flight; CPU and first request: references
         assert set(out["met"]) == {"request_phase", "in_flight"} and set(out["targets"]) == {
-            "request_phase_ratio_max", "in_flight_share_min"}
+            "request_phase_ratio_max",
+            "in_flight_share_min",
+        }
         assert out["in_flight_share_of_limit"] == pytest.approx(out["in_flight"]["product"]["mean"] / 50, abs=2e-3)
         assert out["met"]["in_flight"] == (out["in_flight"]["product"]["mean"] >= 0.95 * 50)
-        assert out["references"]["cpu_within"] == (out["client_cpu_ms_per_request"]["ratio"] <= 1.25 + 1e-3) or \
-            abs(out["client_cpu_ms_per_request"]["ratio"] - 1.25) < 2e-3
+        assert (
+            out["references"]["cpu_within"] == (out["client_cpu_ms_per_request"]["ratio"] <= 1.25 + 1e-3)
+            or abs(out["client_cpu_ms_per_request"]["ratio"] - 1.25) < 2e-3
+        )
         floor = out["snakemake_floor"]  # thin script jobs (read + write their shard), launched as the product's are
         assert floor["jobs"] == 4 and 0 < floor["job_cpu_s_at_script_start_mean"] < floor["job_cpu_s_mean"], floor
         assert floor["ttfr_ratio"] == pytest.approx(
-            floor["time_to_first_job_s"] / out["time_to_first_request_s"]["baseline"], rel=0.01), floor
+            floor["time_to_first_job_s"] / out["time_to_first_request_s"]["baseline"], rel=0.01
+        ), floor
         assert floor["cpu_ratio"] == pytest.approx(
-            (floor["job_cpu_s_mean"] * 4 + out["baseline_cpu_s"]) / out["baseline_cpu_s"], rel=0.05), floor
+            (floor["job_cpu_s_mean"] * 4 + out["baseline_cpu_s"]) / out["baseline_cpu_s"], rel=0.05
+        ), floor
     if name == "capture_bytes":  # the writer's bytes at H = 4,096: the plan's formula plus the files' headers
         for part in ("states_bytes_per_token", "exports_bytes_per_token"):
             for k, v in out[part].items():
@@ -108,9 +142,12 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
             assert on["tau"] == pytest.approx(1 + sum(on["acc"]), abs=2e-4) and len(on["acc"]) == sizes["ttt_steps"]
             assert out["tau_onpolicy"][k] == on["tau"]
         # the same data in the same order, only the storage of the auxiliary states differs
-        assert d["regenerated_fp8"]["training"]["supervised_tokens"] == d["regenerated"]["training"]["supervised_tokens"]
+        assert (
+            d["regenerated_fp8"]["training"]["supervised_tokens"] == d["regenerated"]["training"]["supervised_tokens"]
+        )
         assert out["ratio_regenerated_vs_original"] == pytest.approx(
-            out["tau_onpolicy"]["regenerated"] / out["tau_onpolicy"]["original"], abs=2e-4)
+            out["tau_onpolicy"]["regenerated"] / out["tau_onpolicy"]["original"], abs=2e-4
+        )
         assert set(out["targets"]) >= {"onpolicy_tau_ratio_ge", "fp8_tau_abs_diff_le", "onpolicy_ratio_met", "fp8_met"}
     if name == "extract":  # the ceiling: the decoder's FLOPs at the best matmul rate; no run gets below its floor
         fb = out["flop_bound"]
@@ -141,11 +178,18 @@ def test_rehearsal_server_streams_each_backend_at_its_own_speed():
     import fault_server as fs
     import rehearsal_server as rs
 
-    app = rs.RehearsalApp({"profile_field": "user", "latency_min_s": 1.0, "latency_max_s": 1.0,
-                           "min_tokens": 10, "max_tokens": 10_000, "length_dist": "lognormal",
-                           "profiles": {"ds": {"length_mean": 2000.0}},
-                           "model_profiles": {"remote": {"latency_per_token_s": 0.01},
-                                              "local": {"latency_per_token_s": 0.002}}})
+    app = rs.RehearsalApp(
+        {
+            "profile_field": "user",
+            "latency_min_s": 1.0,
+            "latency_max_s": 1.0,
+            "min_tokens": 10,
+            "max_tokens": 10_000,
+            "length_dist": "lognormal",
+            "profiles": {"ds": {"length_mean": 2000.0}},
+            "model_profiles": {"remote": {"latency_per_token_s": 0.01}, "local": {"latency_per_token_s": 0.002}},
+        }
+    )
     body = {"model": "remote", "user": "ds", "messages": [{"role": "user", "content": "hi"}]}
     lat = {}
     for model in ("remote", "local"):

@@ -54,19 +54,28 @@ def test_kimi_projection_arithmetic():
 
 
 def test_import_guard_passes_and_blocks():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "extract_gpu.py"), "--check-imports"],
-                         capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "extract_gpu.py"), "--check-imports"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["check_imports"] and set(res["blocked"]) >= {"snakemake", "duckdb", "pandera", "sglang"}
     assert {"torch", "transformers", "safetensors", "numpy", "pyarrow"} <= set(res["third_party_loaded"])
     assert not set(res["blocked"]) & set(res["third_party_loaded"])
     # the guard really blocks: an import fails, and availability checks (find_spec) see nothing
-    code = ("import sys, importlib.util; sys.path.insert(0, 'benchmarks'); import extract_gpu as g\n"
-            "g.block_imports()\nprint(importlib.util.find_spec('duckdb'))\n"
-            "try:\n    import pandera\nexcept ImportError: print('blocked')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_env(),
-                         cwd=ROOT)
+    code = (
+        "import sys, importlib.util; sys.path.insert(0, 'benchmarks'); import extract_gpu as g\n"
+        "g.block_imports()\nprint(importlib.util.find_spec('duckdb'))\n"
+        "try:\n    import pandera\nexcept ImportError: print('blocked')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT
+    )
     assert out.stdout.split() == ["None", "blocked"], out.stderr[-2000:]
 
 
@@ -78,9 +87,23 @@ def _lines(text: str) -> list[dict]:
 def tiny(tmp_path_factory):
     """The --tiny run under the guard, as the GPU script runs the bench step: ``(stdout lines, --jsonl lines)``."""
     jsonl = tmp_path_factory.mktemp("tiny") / "out.jsonl"
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "extract_gpu.py"), "--tiny", "--block-imports",
-                          "--jsonl", str(jsonl), "--time-limit-s", "600"],
-                         capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "extract_gpu.py"),
+            "--tiny",
+            "--block-imports",
+            "--jsonl",
+            str(jsonl),
+            "--time-limit-s",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return _lines(out.stdout), _lines(jsonl.read_text())
 
@@ -88,8 +111,17 @@ def tiny(tmp_path_factory):
 def test_tiny_run_prints_imports_check_runs_profile_and_summary(tiny):
     lines, from_file = tiny
     assert lines == from_file  # every line also in --jsonl, as printed
-    assert [d["kind"] for d in lines] == ["imports", "check", "run", "run", "run", "profile", "profile", "run",
-                                          "summary"]
+    assert [d["kind"] for d in lines] == [
+        "imports",
+        "check",
+        "run",
+        "run",
+        "run",
+        "profile",
+        "profile",
+        "run",
+        "summary",
+    ]
     assert all(d["benchmark"] == "extract_gpu" for d in lines)
     imports = lines[0]
     assert {"torch", "transformers", "safetensors"} <= set(imports["third_party_loaded"])
@@ -97,8 +129,12 @@ def test_tiny_run_prints_imports_check_runs_profile_and_summary(tiny):
     runs, res = [d for d in lines if d["kind"] == "run"], lines[-1]
     # the default runs (bf16 aux eager, then with the fused elementwise kernels, fp8 aux), then the optional bigger
     # batch once the profiles are done (eager, then fused)
-    assert [r["run"] for r in runs] == ["packed:loop@1024+eager", "packed:loop@1024", "packed:loop@1024+fp8+eager",
-                                        "packed:loop@2048"]
+    assert [r["run"] for r in runs] == [
+        "packed:loop@1024+eager",
+        "packed:loop@1024",
+        "packed:loop@1024+fp8+eager",
+        "packed:loop@2048",
+    ]
     assert [r["aux_format"] for r in runs] == ["same", "same", "fp8_e4m3", "same"]
     # float32 on CPU: the MLP products fuse, the norms do not (compiled, their float32 rsqrt differs)
     assert [r["fused"]["mlps"] for r in runs] == [0, 8, 0, 8] and [r["fused"]["norms"] for r in runs] == [0] * 4
@@ -141,7 +177,7 @@ def test_tiny_check_line_compares_packed_with_one_by_one(tiny):
     fp8 = check["fp8_aux_vs_packed"]  # lossy, within half of e4m3's top-binade spacing of each row's max
     assert 1e-3 < fp8["max_rel_to_token_amax"] <= fp8["bound"] * (1 + 1e-4) and fp8["bound"] == pytest.approx(16 / 448)
     assert check["fp8_final_vs_packed"]["max_abs_err"] == 0  # fp8 touches the aux states only
-    assert check["ok"] is True and check["finite"] is True and check["tol_rel"] == 2 ** -5
+    assert check["ok"] is True and check["finite"] is True and check["tol_rel"] == 2**-5
 
 
 def test_tiny_profile_splits_the_forward(tiny):
@@ -168,8 +204,12 @@ def test_tiny_summary_targets_and_projection(tiny):
     # the summary's why is the run's, its MFU sentence completed by the profile's split (done after the runs)
     assert res["why"][1:] == best["why"][1:] and "; one batch's device time: matmul" in res["why"][0]
     assert res["why"][0].startswith(best["why"][0].split(";")[0])
-    assert set(res["targets"]) == {"tokens_per_s_ge_30000", "mfu_ge_0.45", "io_exposed_lt_0.1",
-                                   "peak_mem_within_device"}
+    assert set(res["targets"]) == {
+        "tokens_per_s_ge_30000",
+        "mfu_ge_0.45",
+        "io_exposed_lt_0.1",
+        "peak_mem_within_device",
+    }
     assert res["fp8"]["run"] == "packed:loop@1024+fp8+eager" and len(res["runs"]) == 4
     P, L, d = g.decoder_params(g.TINY), g.TINY["num_hidden_layers"], g.TINY["hidden_size"]
     dense = 2 * P * res["tokens"]  # + the attention term, 2 L d n^2 per sample of n <= max_len tokens
@@ -195,10 +235,25 @@ def test_report_summarises_the_jsonl(tiny, tmp_path):
 def test_sigterm_stops_the_run_and_prints_a_summary_of_those_done(tmp_path):
     """The step's time limit (SIGTERM) mid-run: the finished run's line, then a summary marked interrupted."""
     jsonl = tmp_path / "out.jsonl"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "extract_gpu.py"), "--tiny", "--only-runs",
-                             "--tokens", "40000", "--runs", "packed:1024,packed:1024:fp8,packed:256",
-                             "--jsonl", str(jsonl)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=_env(), cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "extract_gpu.py"),
+            "--tiny",
+            "--only-runs",
+            "--tokens",
+            "40000",
+            "--runs",
+            "packed:1024,packed:1024:fp8,packed:256",
+            "--jsonl",
+            str(jsonl),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
     try:
         first = json.loads(proc.stdout.readline())  # the first run done: stop in the second
         proc.send_signal(signal.SIGTERM)
@@ -214,20 +269,45 @@ def test_sigterm_stops_the_run_and_prints_a_summary_of_those_done(tmp_path):
 
 def test_the_gpu_script_runs_every_step_on_cpu_and_brings_back_its_files(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "extract_gpu.sh"), "--tiny"], capture_output=True,
-                          text=True, timeout=900, env={**_env(), "OUT": str(out), "PYTHON": sys.executable}, cwd=ROOT)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "extract_gpu.sh"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**_env(), "OUT": str(out), "PYTHON": sys.executable},
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
     for step in ("bench", "gpu_tests", "flex", "flex_tests"):
         assert f"== {step} rc=0" in text, text[-3000:]
     # the device tool brings back at most 8 files, none in a folder
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["bench.log", "env.txt", "extract_gpu.jsonl", "extract_gpu.log", "flex.log", "flex_tests.log",
-                     "gpu_tests.log"]
+    assert files == [
+        "bench.log",
+        "env.txt",
+        "extract_gpu.jsonl",
+        "extract_gpu.log",
+        "flex.log",
+        "flex_tests.log",
+        "gpu_tests.log",
+    ]
     lines = _lines((out / "extract_gpu.jsonl").read_text())
     kinds = [d["kind"] for d in lines]
-    assert kinds == ["imports", "check", "run", "run", "run", "profile", "profile", "run", "summary", "imports", "run",
-                     "summary"]
+    assert kinds == [
+        "imports",
+        "check",
+        "run",
+        "run",
+        "run",
+        "profile",
+        "profile",
+        "run",
+        "summary",
+        "imports",
+        "run",
+        "summary",
+    ]
     assert lines[-2]["run"] == "packed:flex@1024"
     # it ends with the short table, then the bench step's summary line
     tail = text.strip().splitlines()
@@ -237,9 +317,24 @@ def test_the_gpu_script_runs_every_step_on_cpu_and_brings_back_its_files(tmp_pat
 
 def test_a_failing_run_is_reported_and_the_padded_path_measured_instead():
     """Every packed run failing (here: the varlen kernel on CPU) costs its line, not the session's figures."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "extract_gpu.py"), "--tiny", "--tokens", "500",
-                          "--runs", "packed-varlen:256", "--optional-runs", ""],
-                         capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "extract_gpu.py"),
+            "--tiny",
+            "--tokens",
+            "500",
+            "--runs",
+            "packed-varlen:256",
+            "--optional-runs",
+            "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     runs = [d for d in _lines(out.stdout) if d["kind"] == "run"]
     assert runs[0]["run"] == "packed-varlen@256" and "needs CUDA" in runs[0]["error"]

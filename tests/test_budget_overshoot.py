@@ -33,8 +33,11 @@ LONG = 8  # completion tokens of each reply after the switch: the most any reply
 def _journal_tokens(wd: Path) -> int:
     import json
 
-    return sum(json.loads(ln).get("completion_tokens") or 0
-               for p in (wd / "cache" / "journal" / "chat").glob("*.jsonl") for ln in p.read_text().splitlines())
+    return sum(
+        json.loads(ln).get("completion_tokens") or 0
+        for p in (wd / "cache" / "journal" / "chat").glob("*.jsonl")
+        for ln in p.read_text().splitlines()
+    )
 
 
 def test_a_budget_overshoot_is_bounded_by_what_was_in_flight_and_reported(tmp_path, target_dir):  # noqa: F811
@@ -52,23 +55,37 @@ def test_a_budget_overshoot_is_bounded_by_what_was_in_flight_and_reported(tmp_pa
 
         t = threading.Thread(target=lengthen, daemon=True)
         t.start()
-        p = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile",
-                            "mine.yaml"], cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
+            cwd=wd,
+            env=snakemake_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         done.set()
         out = p.stdout + p.stderr
         assert p.returncode == 0, out[-3000:]
         billed = fs.app.billed_completion_tokens
         assert billed == _journal_tokens(wd)  # every billed token is journaled and counted
-        screen = out[out.rindex("Run summary"):]
+        screen = out[out.rindex("Run summary") :]
         row = next(ln.split() for ln in screen.splitlines() if ln.startswith("chat "))
         assert row[-1] == "budget_completion_tokens" and int(row[5]) > 0, row  # not sent: the budget stopped it
         # the overshoot, as the last screen says it, is the server's count
-        m = re.search(r"^Budget overshoot \(the replies in flight when it was reached; each at most max_tokens\): "
-                      r"chat budget_completion_tokens ([\d,]+) of ([\d,]+) completion tokens \(\+([\d.]+)%, "
-                      r"([\d,]+) in flight\)\.$", screen, re.M)
+        m = re.search(
+            r"^Budget overshoot \(the replies in flight when it was reached; each at most max_tokens\): "
+            r"chat budget_completion_tokens ([\d,]+) of ([\d,]+) completion tokens \(\+([\d.]+)%, "
+            r"([\d,]+) in flight\)\.$",
+            screen,
+            re.M,
+        )
         assert m, screen
-        spent, budget, pct, in_flight = (int(m[1].replace(",", "")), int(m[2].replace(",", "")), float(m[3]),
-                                         int(m[4].replace(",", "")))
+        spent, budget, pct, in_flight = (
+            int(m[1].replace(",", "")),
+            int(m[2].replace(",", "")),
+            float(m[3]),
+            int(m[4].replace(",", "")),
+        )
         assert (spent, budget) == (billed, BUDGET) and pct == round(100 * (billed / BUDGET - 1), 1)
         # bounded: at most the replies that could still arrive when each shard's spend reached its share (the
         # requests then in flight and the reply that reached it, each at most LONG tokens): per shard at most the

@@ -19,8 +19,12 @@ from eagle3_data.backends.limits import jobs_using
 SCHEMA = cfg.SCHEMA_PATH
 
 
-SHIPPED = ["config.yaml", "resources/configs/seed-kimi-k25.yaml", "resources/configs/openrouter.yaml",
-           "resources/configs/sglang-local.yaml"]
+SHIPPED = [
+    "config.yaml",
+    "resources/configs/seed-kimi-k25.yaml",
+    "resources/configs/openrouter.yaml",
+    "resources/configs/sglang-local.yaml",
+]
 
 
 @pytest.mark.parametrize("path", SHIPPED)
@@ -43,29 +47,56 @@ def test_minimal_configs_are_one_dataset_on_the_bundled_samples(path):
 
 def test_defaults_fill_every_section_and_match_the_documented_values():
     schema = cfg.load_schema(SCHEMA)
-    c = {"target": {"name": "t", "path": "p", "template": "kimi-k25"},
-         "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}}}
+    c = {
+        "target": {"name": "t", "path": "p", "template": "kimi-k25"},
+        "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}},
+    }
     cfg.validate_config(c, schema)
     assert c["cache_dir"] == "cache" and c["backends"] == {}
     assert c["datasets"]["d"]["shards"] == 1
-    assert c["generation"] == {"mode": "last", "extra_body": {}, "max_retries": 5, "retry_initial_s": 1.0,
-                               "retry_max_s": 60.0, "max_samples": None, "budget_completion_tokens": None,
-                               "budget_usd": None, "stop_grace_s": 10.0, "reject_other_models": False,
-                               "unpaid_failures": "rerun", "max_prompt_bytes": 4000000}
-    assert c["validate"] == {"max_reject_rate": 0.25, "keep_truncated": False, "max_tokens": None,
-                             "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None}}
-    assert c["merge"] == {"datasets": None, "max_samples": {}, "max_len": 32768, "overflow": "truncate", "seed": 0,
-                          "shards": 1, "heldout": 0.0, "memory_mb": 4000, "threads": 2}
+    assert c["generation"] == {
+        "mode": "last",
+        "extra_body": {},
+        "max_retries": 5,
+        "retry_initial_s": 1.0,
+        "retry_max_s": 60.0,
+        "max_samples": None,
+        "budget_completion_tokens": None,
+        "budget_usd": None,
+        "stop_grace_s": 10.0,
+        "reject_other_models": False,
+        "unpaid_failures": "rerun",
+        "max_prompt_bytes": 4000000,
+    }
+    assert c["validate"] == {
+        "max_reject_rate": 0.25,
+        "keep_truncated": False,
+        "max_tokens": None,
+        "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": None},
+    }
+    assert c["merge"] == {
+        "datasets": None,
+        "max_samples": {},
+        "max_len": 32768,
+        "overflow": "truncate",
+        "seed": 0,
+        "shards": 1,
+        "heldout": 0.0,
+        "memory_mb": 4000,
+        "threads": 2,
+    }
     assert c["normalize"] == {"max_reject_rate": 0.5}
     assert c["extract"]["dtype"] == "bfloat16" and c["extract"]["gpus_per_job"] == 1
     assert c["export"]["layouts"] == [] and c["plan"]["tokens_per_s_per_gpu"] is None
     assert c["vocab"]["draft_vocab_size"] == 32000
     assert "tiny" not in c["target"]
     # a dataset's own generation section gets no defaults: it must not mask the top-level values
-    c2 = {"target": {"name": "t", "path": "p", "template": "kimi-k25"}, "backends": {"b": {
-          "type": "openai", "base_url": "http://h/v1", "model": "m", "launch": {"command": "serve"}}},
-          "generation": {"backends": ["b"], "max_retries": 9, "mode": "all"},
-          "datasets": {"d": {"source": {"format": "sharegpt", "path": "x"}, "generation": {"max_tokens": 5}}}}
+    c2 = {
+        "target": {"name": "t", "path": "p", "template": "kimi-k25"},
+        "backends": {"b": {"type": "openai", "base_url": "http://h/v1", "model": "m", "launch": {"command": "serve"}}},
+        "generation": {"backends": ["b"], "max_retries": 9, "mode": "all"},
+        "datasets": {"d": {"source": {"format": "sharegpt", "path": "x"}, "generation": {"max_tokens": 5}}},
+    }
     cfg.validate_config(c2, schema)
     assert c2["datasets"]["d"]["generation"] == {"max_tokens": 5}
     assert cfg.generation_config(c2, "d")["max_retries"] == 9 and cfg.generation_config(c2, "d")["mode"] == "all"
@@ -89,24 +120,31 @@ def test_config_errors_are_short_and_say_did_you_mean():
     def typo(c):
         c["generation"]["max_token"] = c["generation"].pop("max_tokens")
 
-    assert _error(typo) == ("Config error in config.yaml: generation.max_token: unknown key; "
-                            "did you mean generation.max_tokens?")
+    assert _error(typo) == (
+        "Config error in config.yaml: generation.max_token: unknown key; did you mean generation.max_tokens?"
+    )
     assert _error(lambda c: c["merge"].__setitem__("max_len", "long")) == (
-        "Config error in config.yaml: merge.max_len: 'long' is not of type 'integer'")
+        "Config error in config.yaml: merge.max_len: 'long' is not of type 'integer'"
+    )
 
     def source_typo(c):
         c["datasets"]["sharegpt_demo"]["sources"] = c["datasets"]["sharegpt_demo"].pop("source")
 
     # the misspelt key is one problem, not also "missing key source"
-    assert _error(source_typo) == ("Config error in config.yaml: datasets.sharegpt_demo.sources: unknown key; "
-                                   "did you mean datasets.sharegpt_demo.source?")
+    assert _error(source_typo) == (
+        "Config error in config.yaml: datasets.sharegpt_demo.sources: unknown key; "
+        "did you mean datasets.sharegpt_demo.source?"
+    )
     assert _error(lambda c: c["target"].__setitem__("template", "kimi-k2.5")).endswith(
         "target.template: 'kimi-k2.5' is not one of auto, kimi-k2, kimi-k2-thinking, kimi-k25, qwen3, qwen3-coder, "
-        "glm45, deepseek-r1, deepseek-v3.1, gpt-oss, llama3, generic; did you mean kimi-k25?")
+        "glm45, deepseek-r1, deepseek-v3.1, gpt-oss, llama3, generic; did you mean kimi-k25?"
+    )
     assert _error(lambda c: c["generation"].__setitem__("shards", 2)).endswith(
-        "generation.shards: unknown key here; shards is a key of datasets.<name>, merge")
+        "generation.shards: unknown key here; shards is a key of datasets.<name>, merge"
+    )
     assert _error(lambda c: c.pop("target")) == (
-        "Config error in config.yaml: missing top-level key target (it has no default)")
+        "Config error in config.yaml: missing top-level key target (it has no default)"
+    )
     several = _error(lambda c: (typo(c), c["merge"].__setitem__("max_len", "x")))
     assert several.splitlines() == [
         "Config error in config.yaml:",
@@ -136,7 +174,9 @@ def test_seed_config_has_the_seed_datasets():
 def test_generation_slice_merges_defaults_and_dataset_overrides():
     c = yaml.safe_load((ROOT / "config.yaml").read_text())
     g = cfg.generation_config(c, "sweagent_demo")
-    assert g["max_tokens"] == c["datasets"]["sweagent_demo"]["generation"]["max_tokens"] != c["generation"]["max_tokens"]
+    assert (
+        g["max_tokens"] == c["datasets"]["sweagent_demo"]["generation"]["max_tokens"] != c["generation"]["max_tokens"]
+    )
     assert g["temperature"] == c["generation"]["temperature"]
     assert c["generation"]["max_tokens"] == 256, "the defaults are not modified by the merge"
 
@@ -154,7 +194,9 @@ def test_unknown_backend_and_merge_dataset_name_the_key():
 def test_bad_value_error_names_the_key():
     c = yaml.safe_load((ROOT / "config.yaml").read_text())
     c["backends"]["tiny_local"]["max_concurrency"] = 0
-    with pytest.raises(WorkflowError, match=r"(?s)0 is less than the minimum of 1.*\['backends'\]\['tiny_local'\]\['max_concurrency'\]"):
+    with pytest.raises(
+        WorkflowError, match=r"(?s)0 is less than the minimum of 1.*\['backends'\]\['tiny_local'\]\['max_concurrency'\]"
+    ):
         validate(c, str(SCHEMA))
 
 
@@ -177,10 +219,14 @@ def test_cross_key_checks_name_the_key(tmp_path):
         return str(info.value)
 
     assert err(lambda c: c["generation"].__setitem__("backends", ["tiny_locl"])) == (
-        "generation.backends: unknown backend 'tiny_locl'; defined: ['tiny_local']")
+        "generation.backends: unknown backend 'tiny_locl'; defined: ['tiny_local']"
+    )
     assert err(lambda c: c["merge"].__setitem__("max_samples", {"nosuch": 3})).startswith(
-        "merge.max_samples: unknown dataset(s) ['nosuch']")
-    assert err(lambda c: c["plan"].__setitem__("drop", ["nosuch"])).startswith("plan.drop: unknown dataset(s) ['nosuch']")
+        "merge.max_samples: unknown dataset(s) ['nosuch']"
+    )
+    assert err(lambda c: c["plan"].__setitem__("drop", ["nosuch"])).startswith(
+        "plan.drop: unknown dataset(s) ['nosuch']"
+    )
     c = yaml.safe_load(yaml.safe_dump(base))
     c["datasets"]["ultrachat_demo"]["source"]["path"] = str(tmp_path / "nope.jsonl")
     with pytest.raises(ValueError, match=r"datasets.ultrachat_demo.source.path: .*nope.jsonl does not exist"):
@@ -211,14 +257,17 @@ def test_layering_a_config_with_its_own_datasets_on_another_is_refused():
     with pytest.raises(cfg.ConfigError) as info:
         cfg.check_layering([("config.yaml", demo), ("my.yaml", mine)])
     msg = str(info.value)
-    assert msg.startswith("Config error: my.yaml is a config of its own (target or backends, and datasets), so the "
-                          "datasets of config.yaml (sharegpt_demo, ultrachat_demo, sweagent_demo, pretokenized_demo) "
-                          "would be built too, with its target and backends")
+    assert msg.startswith(
+        "Config error: my.yaml is a config of its own (target or backends, and datasets), so the "
+        "datasets of config.yaml (sharegpt_demo, ultrachat_demo, sweagent_demo, pretokenized_demo) "
+        "would be built too, with its target and backends"
+    )
     assert "Use my.yaml alone" in msg and "`sharegpt_demo: {}`" in msg
     # an override file changing keys (also of a dataset defined earlier) or adding a dataset layers fine, and so
     # does a config of one's own naming the earlier datasets to keep them
-    cfg.check_layering([("config.yaml", demo), ("o.yaml", {"merge": {"max_len": 512},
-                                                           "datasets": {"sharegpt_demo": {"shards": 4}}})])
+    cfg.check_layering(
+        [("config.yaml", demo), ("o.yaml", {"merge": {"max_len": 512}, "datasets": {"sharegpt_demo": {"shards": 4}}})]
+    )
     more = {"datasets": {"more": {"source": {"format": "ultrachat", "path": "x.jsonl"}}}}
     cfg.check_layering([("config.yaml", demo), ("more.yaml", more)])
     with pytest.raises(cfg.ConfigError, match="b.yaml is a config of its own"):
@@ -231,14 +280,21 @@ def test_layering_a_config_with_its_own_datasets_on_another_is_refused():
 
 def test_api_key_check_names_the_variable_and_close_names_never_values():
     c = yaml.safe_load((ROOT / "resources/configs/openrouter.yaml").read_text())
-    env = {"OPENROUTER_KEY": "sk-secret-1", "OPENROUTER_API_KEY_OLD": "sk-secret-2", "HOME": "/root",
-           "PATH": "/bin", "OPENROUTER_API_KEy": ""}
+    env = {
+        "OPENROUTER_KEY": "sk-secret-1",
+        "OPENROUTER_API_KEY_OLD": "sk-secret-2",
+        "HOME": "/root",
+        "PATH": "/bin",
+        "OPENROUTER_API_KEy": "",
+    }
     with pytest.raises(cfg.ConfigError) as info:
         cfg.check_api_keys(c, ["sharegpt"], env)
     msg = str(info.value)
-    assert msg == ("Config error: OPENROUTER_API_KEY is not set (backends.openrouter.api_key_env, used by sharegpt); "
-                   "set, with a close name: OPENROUTER_API_KEY_OLD, OPENROUTER_KEY. Export the key under the name "
-                   "the config gives (or correct api_key_env), then run again.")
+    assert msg == (
+        "Config error: OPENROUTER_API_KEY is not set (backends.openrouter.api_key_env, used by sharegpt); "
+        "set, with a close name: OPENROUTER_API_KEY_OLD, OPENROUTER_KEY. Export the key under the name "
+        "the config gives (or correct api_key_env), then run again."
+    )
     assert "sk-secret" not in msg
     cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "sk-or-v1-0123456789abcdef"})
     cfg.check_api_keys(c, [], {})  # nothing to generate: no key needed
@@ -251,7 +307,7 @@ def test_pending_generation_lists_datasets_with_responses_to_generate(tmp_path):
     c = yaml.safe_load((ROOT / "config.yaml").read_text())
     assert cfg.pending_generation(c, tmp_path) == ["sharegpt_demo", "ultrachat_demo", "sweagent_demo"]
     for s in ("000", "001"):
-        (tmp_path / f"results/sharegpt_demo/responses").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "results/sharegpt_demo/responses").mkdir(parents=True, exist_ok=True)
         (tmp_path / f"results/sharegpt_demo/responses/{s}.parquet").touch()
     assert cfg.pending_generation(c, tmp_path) == ["ultrachat_demo", "sweagent_demo"]
 
@@ -274,7 +330,7 @@ def test_every_config_key_says_what_its_change_reruns():
         assert prefix in keys, f"config.RERUNS names {entry!r}, which the schema doesn't have"
     # transport settings rerun nothing; data settings name the stages
     assert cfg.reruns_of("backends.<name>.max_concurrency") == cfg.NOTHING
-    assert cfg.reruns_of("backends.<name>.launch.command") .startswith(cfg.NOTHING)
+    assert cfg.reruns_of("backends.<name>.launch.command").startswith(cfg.NOTHING)
     assert cfg.reruns_of("datasets.<name>.generation.max_retries") == cfg.NOTHING
     assert cfg.reruns_of("datasets.<name>.generation.temperature") == "as generation.<key>, for that dataset only"
     assert "extract" in cfg.reruns_of("merge.max_len")
@@ -285,16 +341,26 @@ def test_every_config_key_says_what_its_change_reruns():
 def test_rule_params_leave_out_transport_settings():
     """The slices the rules pass as params don't move when a transport setting does."""
     c = yaml.safe_load((ROOT / "config.yaml").read_text())
-    before = {ds: (stage_settings.generation_data_settings(c, ds), stage_settings.backends_data_settings(c, ds))
-              for ds in cfg.generated_datasets(c)}
+    before = {
+        ds: (stage_settings.generation_data_settings(c, ds), stage_settings.backends_data_settings(c, ds))
+        for ds in cfg.generated_datasets(c)
+    }
     other = yaml.safe_load(yaml.safe_dump(c))
     b = other["backends"]["tiny_local"]
-    b.update(max_concurrency=99, timeout_s=1, requests_per_minute=5, tokens_per_minute=9, api_key_env="X",
-             headers={"X-Title": "t"})
+    b.update(
+        max_concurrency=99,
+        timeout_s=1,
+        requests_per_minute=5,
+        tokens_per_minute=9,
+        api_key_env="X",
+        headers={"X-Title": "t"},
+    )
     b["launch"]["command"] += " --verbose"
     other["generation"].update(max_retries=0, retry_initial_s=9.0)
-    after = {ds: (stage_settings.generation_data_settings(other, ds), stage_settings.backends_data_settings(other, ds))
-             for ds in cfg.generated_datasets(other)}
+    after = {
+        ds: (stage_settings.generation_data_settings(other, ds), stage_settings.backends_data_settings(other, ds))
+        for ds in cfg.generated_datasets(other)
+    }
     assert after == before
     other["backends"]["tiny_local"]["extra_body"] = {"top_k": 3}  # shapes requests: a data setting
     assert stage_settings.backends_data_settings(other, "sharegpt_demo") != before["sharegpt_demo"][1]
@@ -308,8 +374,10 @@ def test_rule_params_leave_out_transport_settings():
 
 def test_section_fills_what_the_schema_fills():
     """cfg.section() of an unvalidated config gives the schema's defaults: the ones validate_config fills in."""
-    c = {"target": {"name": "t", "path": "p", "template": "kimi-k25"},
-         "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}}}
+    c = {
+        "target": {"name": "t", "path": "p", "template": "kimi-k25"},
+        "datasets": {"d": {"source": {"format": "pretokenized", "path": "x.jsonl"}}},
+    }
     raw = copy.deepcopy(c)
     cfg.validate_config(c, cfg.load_schema(SCHEMA))
     for name in ("normalize", "validate", "merge", "extract", "export", "plan", "forecast", "vocab"):
@@ -319,8 +387,10 @@ def test_section_fills_what_the_schema_fills():
 def test_generation_source_names_where_a_budget_is_set():
     from eagle3_data.config import generation_source
 
-    config = {"generation": {"budget_usd": 5.0, "budget_completion_tokens": None},
-              "datasets": {"a": {"generation": {"budget_usd": 1.0}}, "b": {}, "c": {"generation": None}}}
+    config = {
+        "generation": {"budget_usd": 5.0, "budget_completion_tokens": None},
+        "datasets": {"a": {"generation": {"budget_usd": 1.0}}, "b": {}, "c": {"generation": None}},
+    }
     assert generation_source(config, "a", "budget_usd") == "datasets.a.generation.budget_usd"
     assert generation_source(config, "b", "budget_usd") == "generation.budget_usd"
     assert generation_source(config, "c", "budget_usd") == "generation.budget_usd"
@@ -331,8 +401,12 @@ def _two_backend_config() -> dict:
     """The embedded default with a second backend: sharegpt_demo on ``remote`` only, ultrachat_demo on
     ``tiny_local`` then ``remote``, sweagent_demo on ``tiny_local`` (the default)."""
     c = yaml.safe_load((ROOT / "config.yaml").read_text())
-    c["backends"]["remote.api"] = {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
-                                   "max_concurrency": 2000}
+    c["backends"]["remote.api"] = {
+        "type": "openai",
+        "base_url": "http://127.0.0.1:9/v1",
+        "model": "m",
+        "max_concurrency": 2000,
+    }
     c["datasets"]["sharegpt_demo"]["generation"] = {"backends": ["remote.api"]}
     c["datasets"]["ultrachat_demo"]["generation"] = {"backends": ["tiny_local", "remote.api"]}
     return c
@@ -369,8 +443,11 @@ def test_generate_job_seats_let_every_shard_of_the_seed_config_run_at_once():
     three["backends"]["third"] = dict(seed["backends"]["openrouter"])
     three["datasets"]["B7_sharegpt"]["generation"] = {"backends": ["third"]}
     three["datasets"]["B7_sharegpt"]["shards"] = 2
-    assert cfg.backend_job_seats(three, 30) == {"openrouter": 30 - 10 - 2, "sglang_local": 30 - 10 - 2,
-                                                 "third": 30 - 10 - 10}
+    assert cfg.backend_job_seats(three, 30) == {
+        "openrouter": 30 - 10 - 2,
+        "sglang_local": 30 - 10 - 2,
+        "third": 30 - 10 - 10,
+    }
 
 
 def test_each_generate_job_takes_a_seat_of_exactly_its_datasets_backends(tmp_path):
@@ -382,23 +459,37 @@ def test_each_generate_job_takes_a_seat_of_exactly_its_datasets_backends(tmp_pat
 
     wd = copy_workflow(tmp_path / "wf")
     (wd / "two.yaml").write_text(yaml.safe_dump(_two_backend_config()))
-    proc = run_snakemake(wd, "-n", "results/sharegpt_demo/responses/000.parquet",
-                         "results/sharegpt_demo/responses/001.parquet", "results/ultrachat_demo/responses/000.parquet",
-                         "results/sweagent_demo/responses/000.parquet", "--configfile", "two.yaml")
+    proc = run_snakemake(
+        wd,
+        "-n",
+        "results/sharegpt_demo/responses/000.parquet",
+        "results/sharegpt_demo/responses/001.parquet",
+        "results/ultrachat_demo/responses/000.parquet",
+        "results/sweagent_demo/responses/000.parquet",
+        "--configfile",
+        "two.yaml",
+    )
     seen = {}
     for block in (proc.stdout + proc.stderr).split("rule generate:")[1:]:
         ds = re.search(r"wildcards: ds=(\w+), shard=(\d+)", block)
         res = dict(kv.split("=") for kv in re.search(r"resources: (.*)", block).group(1).split(", "))
         seen[ds.groups()] = (int(res["generate_jobs_tiny_local"]), int(res["generate_jobs_remote_api"]))
-    assert seen == {("sharegpt_demo", "000"): (0, 1), ("sharegpt_demo", "001"): (0, 1),
-                    ("ultrachat_demo", "000"): (1, 1), ("sweagent_demo", "000"): (1, 0)}
+    assert seen == {
+        ("sharegpt_demo", "000"): (0, 1),
+        ("sharegpt_demo", "001"): (0, 1),
+        ("ultrachat_demo", "000"): (1, 1),
+        ("sweagent_demo", "000"): (1, 0),
+    }
 
 
 def test_a_server_told_other_chat_template_variables_than_tokenize_renders_with_is_refused():
     c = yaml.safe_load((ROOT / "config.yaml").read_text())  # target thinking: true
     c["backends"]["tiny_local"]["extra_body"] = {"chat_template_kwargs": {"thinking": False}}
-    with pytest.raises(cfg.ConfigError, match=r"backends\.tiny_local\.extra_body\.chat_template_kwargs\.thinking "
-                                              r"is False, but tokenize renders the prompts of \w+ with thinking True"):
+    with pytest.raises(
+        cfg.ConfigError,
+        match=r"backends\.tiny_local\.extra_body\.chat_template_kwargs\.thinking "
+        r"is False, but tokenize renders the prompts of \w+ with thinking True",
+    ):
         cfg.check_config(c, check_paths=False)
     # the same value on both sides, or none sent (the server's default), passes
     c["backends"]["tiny_local"]["extra_body"] = {"chat_template_kwargs": {"thinking": True}}
@@ -423,26 +514,30 @@ def test_a_server_told_other_chat_template_variables_than_tokenize_renders_with_
 def test_a_key_set_twice_in_a_config_file_is_an_error_naming_both_lines(tmp_path):
     """A second `generation:` block appended later would silently replace the first (and its budget)."""
     mine = tmp_path / "my.yaml"
-    mine.write_text("generation:\n  budget_usd: 0.0001\n  max_retries: 3\ndatasets: {}\n"
-                    "# appended later\ngeneration:\n  max_tokens: 64\n")
+    mine.write_text(
+        "generation:\n  budget_usd: 0.0001\n  max_retries: 3\ndatasets: {}\n"
+        "# appended later\ngeneration:\n  max_tokens: 64\n"
+    )
     with pytest.raises(cfg.ConfigError) as ei:
         cfg.config_sources([str(mine)])
     assert str(ei.value) == (
         f"Config error in {mine}: generation is set twice, at lines 1 and 6; YAML keeps only the one at line 6 and "
-        "silently drops the other (e.g. a budget): merge them into one")
+        "silently drops the other (e.g. a budget): merge them into one"
+    )
     mine.write_text("datasets:\n  a:\n    shards: 2\n    shards: 4\n")
     with pytest.raises(cfg.ConfigError, match=r"datasets\.a\.shards is set twice, at lines 3 and 4;"):
         cfg.config_sources([str(mine)])
     mine.write_text("generation:\n  budget_usd: 0.0001\ndatasets:\n  a: {shards: 2}\n")
-    assert cfg.config_sources([str(mine)]) == [(str(mine), {"generation": {"budget_usd": 0.0001},
-                                                            "datasets": {"a": {"shards": 2}}})]
+    assert cfg.config_sources([str(mine)]) == [
+        (str(mine), {"generation": {"budget_usd": 0.0001}, "datasets": {"a": {"shards": 2}}})
+    ]
 
 
 def test_concurrency_and_shards_past_their_bounds_name_the_file_line_and_the_bound(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     schema = cfg.load_schema(cfg.SCHEMA_PATH)
     base = yaml.safe_load((ROOT / "config.yaml").read_text())
-    text = ("backends:\n  tiny_local:\n    max_concurrency: 5000\ndatasets:\n  sharegpt_demo:\n    shards: 100000\n")
+    text = "backends:\n  tiny_local:\n    max_concurrency: 5000\ndatasets:\n  sharegpt_demo:\n    shards: 100000\n"
     (tmp_path / "my.yaml").write_text(text)
     over = yaml.safe_load(text)
     files = [("config.yaml", base), ("my.yaml", over)]
@@ -460,9 +555,13 @@ def test_concurrency_and_shards_past_their_bounds_name_the_file_line_and_the_bou
     assert str(ei.value) == (
         "Config error: my.yaml line 3: backends.tiny_local.max_concurrency: 5,000 is above bounds.max_concurrency "
         "(4,096; requests in flight to the backend (a budget stop lets them finish: they bound its overshoot)): "
-        "lower it, or set bounds.max_concurrency: 5000 to allow it")
-    with pytest.raises(cfg.ConfigError, match=r"^Config error: my.yaml line 6: datasets.sharegpt_demo.shards: "
-                                              r"100,000 is above bounds.max_shards \(1,024;"):
+        "lower it, or set bounds.max_concurrency: 5000 to allow it"
+    )
+    with pytest.raises(
+        cfg.ConfigError,
+        match=r"^Config error: my.yaml line 6: datasets.sharegpt_demo.shards: "
+        r"100,000 is above bounds.max_shards \(1,024;",
+    ):
         cfg.validate_config(merged(max_concurrency=5000), schema, files=files)
     cfg.validate_config(merged(max_concurrency=5000, max_shards=100000), schema, files=files)  # raised: accepted
     c = merged(max_concurrency=40000)
@@ -479,8 +578,10 @@ def test_a_key_shorter_than_a_safe_length_is_refused_before_any_request(key):
     with pytest.raises(cfg.ConfigError) as info:
         cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": key})
     msg = str(info.value)
-    assert msg.startswith(f"Config error: backends.openrouter.api_key_env: the key in OPENROUTER_API_KEY is {len(key)} "
-                          "characters; a key shorter than 16 could be an ordinary word of a reply")
+    assert msg.startswith(
+        f"Config error: backends.openrouter.api_key_env: the key in OPENROUTER_API_KEY is {len(key)} "
+        "characters; a key shorter than 16 could be an ordinary word of a reply"
+    )
     with pytest.raises(cfg.ConfigError) as other:  # the message does not depend on the value
         cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "x" * len(key)})
     assert str(other.value) == msg

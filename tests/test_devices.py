@@ -44,8 +44,15 @@ def run_workers(tmp_path, jobs: list[int], n_gpus: int, hold: float = 0.6) -> li
     procs = []
     for j, n in enumerate(jobs):
         out = tmp_path / f"out{j}.json"
-        procs.append((subprocess.Popen([sys.executable, str(script), str(n), str(hold), str(out),
-                                        str(tmp_path / "locks")], env=env), out, n))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(script), str(n), str(hold), str(out), str(tmp_path / "locks")], env=env
+                ),
+                out,
+                n,
+            )
+        )
     results = []
     for p, out, n in procs:
         assert p.wait(timeout=120) == 0
@@ -69,11 +76,11 @@ def test_concurrent_jobs_get_distinct_devices(tmp_path):
         assert r["env"] == ",".join(r["ids"])
         assert r["after"] is None  # restored after the block
     for i, a in enumerate(results):
-        for b in results[i + 1:]:
+        for b in results[i + 1 :]:
             if overlapping(a, b):
                 assert not set(a["ids"]) & set(b["ids"]), (a, b)
     # demand 10 > 4: the jobs cannot all have run at once
-    assert any(not overlapping(a, b) for i, a in enumerate(results) for b in results[i + 1:])
+    assert any(not overlapping(a, b) for i, a in enumerate(results) for b in results[i + 1 :])
 
 
 def test_job_needing_all_devices_gets_all(tmp_path):
@@ -81,7 +88,7 @@ def test_job_needing_all_devices_gets_all(tmp_path):
     full = [r for r in results if r["n"] == 8]
     assert all(sorted(r["ids"], key=int) == [str(i) for i in range(8)] for r in full)
     for i, a in enumerate(results):
-        for b in results[i + 1:]:
+        for b in results[i + 1 :]:
             assert not overlapping(a, b)  # an 8-GPU job excludes every other job
 
 
@@ -96,10 +103,16 @@ def test_pool_errors_timeout_and_release_on_kill(tmp_path):
 
     # a holder process keeps both devices; we time out; after it is killed we get them at once
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys,time; from eagle3_data.devices import gpu_devices\n"
-         f"with gpu_devices(2, lock_dir={str(tmp_path)!r}):\n print('held', flush=True); time.sleep(60)"],
-        env=env, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys,time; from eagle3_data.devices import gpu_devices\n"
+            f"with gpu_devices(2, lock_dir={str(tmp_path)!r}):\n print('held', flush=True); time.sleep(60)",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()

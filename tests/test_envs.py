@@ -21,8 +21,18 @@ TARGET = ["--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_3
 
 
 def compile_env(*extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "uv", "pip", "compile", "--no-header", *TARGET, "pyproject.toml",
-           "envs/sglang-gpu.txt", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "uv",
+        "pip",
+        "compile",
+        "--no-header",
+        *TARGET,
+        "pyproject.toml",
+        "envs/sglang-gpu.txt",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
@@ -55,8 +65,19 @@ def test_without_the_override_the_project_torch_pin_conflicts_with_sglang():
 def test_vllm_gpu_env_resolves_with_vllms_torch():
     """envs/vllm-gpu.txt with its override and the project: vllm at its pin (>= 0.10.2, return_token_ids), the
     override's torch, the project's own dependencies within their ranges."""
-    cmd = [sys.executable, "-m", "uv", "pip", "compile", "--no-header", *TARGET, "pyproject.toml",
-           "envs/vllm-gpu.txt", "--override", "envs/vllm-gpu-overrides.txt"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "uv",
+        "pip",
+        "compile",
+        "--no-header",
+        *TARGET,
+        "pyproject.toml",
+        "envs/vllm-gpu.txt",
+        "--override",
+        "envs/vllm-gpu-overrides.txt",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, f"the vLLM GPU environment does not resolve:\n{out.stderr[-4000:]}"
     got = pins(out.stdout)

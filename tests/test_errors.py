@@ -36,8 +36,9 @@ def test_config_typo_is_one_line_with_did_you_mean(tmp_path):
     proc = run_snakemake(wd, "-n", "--configfile", "my.yaml", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
-    assert _lines(out) == ["Config error in my.yaml: generation.max_token: unknown key; did you mean "
-                           "generation.max_tokens?"], out
+    assert _lines(out) == [
+        "Config error in my.yaml: generation.max_token: unknown key; did you mean generation.max_tokens?"
+    ], out
     assert "Traceback" not in out and "additionalProperties" not in out
 
 
@@ -56,8 +57,9 @@ def test_missing_key_variable_stops_before_any_job_and_a_dry_run_only_warns(tmp_
     (wd / "models").mkdir()
     (wd / "models" / "Kimi-K2.5").symlink_to(demo_run / "results" / "target" / "tiny-kimi")
     # the README route's step 2: a copy of the OpenRouter config with a draft vocabulary that fits the tiny target
-    (wd / "my.yaml").write_text((wd / "resources/configs/openrouter.yaml").read_text()
-                                + "\nvocab:\n  draft_vocab_size: 256\n")
+    (wd / "my.yaml").write_text(
+        (wd / "resources/configs/openrouter.yaml").read_text() + "\nvocab:\n  draft_vocab_size: 256\n"
+    )
     env = {"OPENROUTER_KEY": "sk-or-v1-NOT-TO-BE-PRINTED"}
     cmd = ["--configfile", "my.yaml"]
     proc = run_snakemake(wd, "--cores", "1", *cmd, check=False, env=env, unset=["OPENROUTER_API_KEY"])
@@ -66,7 +68,8 @@ def test_missing_key_variable_stops_before_any_job_and_a_dry_run_only_warns(tmp_
     assert _lines(out) == [
         "Config error: OPENROUTER_API_KEY is not set (backends.openrouter.api_key_env, used by sharegpt); set, with "
         "a close name: OPENROUTER_KEY. Export the key under the name the config gives (or correct api_key_env), "
-        "then run again."], out
+        "then run again."
+    ], out
     assert "NOT-TO-BE-PRINTED" not in out
     assert not (wd / "results").exists() and not (wd / "logs").exists(), "no job ran"
     dry = run_snakemake(wd, "-n", *cmd, check=False, unset=["OPENROUTER_API_KEY"])
@@ -80,9 +83,11 @@ def test_layering_a_config_of_ones_own_on_the_demo_is_refused(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
     (line,) = _lines(out)
-    assert line.startswith("Config error: resources/configs/openrouter.yaml is a config of its own (target or "
-                           "backends, and datasets), so the datasets of config.yaml (sharegpt_demo, ultrachat_demo, "
-                           "sweagent_demo, pretokenized_demo) would be built too, with its target and backends")
+    assert line.startswith(
+        "Config error: resources/configs/openrouter.yaml is a config of its own (target or "
+        "backends, and datasets), so the datasets of config.yaml (sharegpt_demo, ultrachat_demo, "
+        "sweagent_demo, pretokenized_demo) would be built too, with its target and backends"
+    )
 
 
 def test_unknown_backend_names_the_dataset(tmp_path):
@@ -116,7 +121,9 @@ def test_malformed_input_row_names_file_and_line(tmp_path):
 def test_missing_source_file_names_the_key(tmp_path):
     """Also after a build: Snakemake alone would keep using the old outputs of a source that went missing."""
     wd = copy_workflow(tmp_path)
-    _write_config(wd, lambda c: c["datasets"]["ultrachat_demo"]["source"].__setitem__("path", "resources/samples/nope.jsonl"))
+    _write_config(
+        wd, lambda c: c["datasets"]["ultrachat_demo"]["source"].__setitem__("path", "resources/samples/nope.jsonl")
+    )
     proc = run_snakemake(wd, "-n", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0

@@ -24,8 +24,9 @@ LAYERS = [1, 3, 4]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L,
-                           vocab_size=V, seed=1)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L, vocab_size=V, seed=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +42,18 @@ def merged(tmp_path_factory):
         n = rng.choice([5, 12, 33, 60])
         p = rng.randint(1, n - 2)
         q = rng.randint(p + 1, n)  # supervised span [p, q): not always to the end
-        rows.append({"sample_id": f"x{i}", "dataset": "d", "input_ids": [rng.randrange(V) for _ in range(n)],
-                     "loss_mask": [0] * p + [1] * (q - p) + [0] * (n - q), "num_tokens": n,
-                     "num_supervised": q - p, "truncated": False, "source": f"d/{i % 2:03d}"})
+        rows.append(
+            {
+                "sample_id": f"x{i}",
+                "dataset": "d",
+                "input_ids": [rng.randrange(V) for _ in range(n)],
+                "loss_mask": [0] * p + [1] * (q - p) + [0] * (n - q),
+                "num_tokens": n,
+                "num_supervised": q - p,
+                "truncated": False,
+                "source": f"d/{i % 2:03d}",
+            }
+        )
     path = tmp_path_factory.mktemp("merged") / "000.parquet"
     schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", path)
     return path, rows
@@ -58,13 +68,19 @@ def extract_selections(tmp_path, rows, model=None, **kw) -> tuple:
         part = sorted((r for r in rows if r["source"] == src), key=lambda r: r["sample_id"], reverse=True)
         sel = tmp_path / "selection" / f"{src}.parquet"
         schemas.write_checked(schemas.from_rows(part, schemas.MERGED), "merged", sel)
-        ex.extract_states(sel, states / f"{src}.safetensors", selection_digest=f"digest-{src}", model=model,
-                          settings=ExtractSettings.defaults(**{"dtype": "float32", **kw}))
+        ex.extract_states(
+            sel,
+            states / f"{src}.safetensors",
+            selection_digest=f"digest-{src}",
+            model=model,
+            settings=ExtractSettings.defaults(**{"dtype": "float32", **kw}),
+        )
         selections[src] = {"digest": f"digest-{src}"}
     return states, {"shards": [{"samples": len(rows)}], "selections": selections}
 
 
 # --- the readers, as the projects document them ----------------------------------------------------------
+
 
 def specforge_list_local_files(path, suffixes=(".ckpt", ".ckpt.gz")):
     """SpecForge specforge/data/preprocessing.py::list_local_files (walks recursively, sorted)."""
@@ -91,9 +107,12 @@ def speculators_get_raw(out_dir, index, arrow_row):
 
     loaded_hs = load_file(os.path.join(out_dir, "hidden_states", f"hs_{index}.safetensors"))
     assert torch.equal(loaded_hs["token_ids"], torch.tensor(arrow_row["input_ids"]))
-    return {"hidden_states": loaded_hs["hidden_states"][:, :-1].flatten(1), "input_ids": loaded_hs["token_ids"],
-            "verifier_last_hidden_states": loaded_hs["hidden_states"][:, -1],
-            "loss_mask": torch.tensor(arrow_row["loss_mask"])}
+    return {
+        "hidden_states": loaded_hs["hidden_states"][:, :-1].flatten(1),
+        "input_ids": loaded_hs["token_ids"],
+        "verifier_last_hidden_states": loaded_hs["hidden_states"][:, -1],
+        "loss_mask": torch.tensor(arrow_row["loss_mask"]),
+    }
 
 
 def hf_states(model, ids):
@@ -103,13 +122,23 @@ def hf_states(model, ids):
 
 # --- tests -------------------------------------------------------------------------------------------------
 
+
 def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     path, rows = merged
-    states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, batch_tokens=128,
-                                     model=loaded)
+    states, man = extract_selections(
+        tmp_path, rows, model_path=tiny_model, layers=LAYERS, batch_tokens=128, model=loaded
+    )
     out = tmp_path / "specforge"
-    got = exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=man, start_index=1998,
-                     settings=ExportSettings.defaults(group_size=2000), manifest_path=tmp_path / "m.json")
+    got = exp.export(
+        path,
+        out,
+        layout="specforge",
+        states_dir=states,
+        merge_manifest=man,
+        start_index=1998,
+        settings=ExportSettings.defaults(group_size=2000),
+        manifest_path=tmp_path / "m.json",
+    )
     assert json.loads((tmp_path / "m.json").read_text())["end_index"] == 1998 + len(rows)
     files = specforge_list_local_files(out)
     assert len(files) == len(rows) == got["num_samples"]
@@ -130,7 +159,7 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
         assert torch.equal(d["hidden_state"][0], stored["aux_hidden_states"])
         assert torch.equal(d["target"][0], stored["hidden_states"])
         ref = hf_states(model, r["input_ids"])
-        torch.testing.assert_close(d["hidden_state"][0, :, H:2 * H], ref[LAYERS[1] + 1][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d["hidden_state"][0, :, H : 2 * H], ref[LAYERS[1] + 1][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(d["target"][0], ref[-1][0], atol=1e-5, rtol=1e-5)  # post-norm
     # rerun overwrites in place, byte for byte, and leaves no temporary files
     before = {f: open(f, "rb").read() for f in files}
@@ -138,44 +167,88 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     assert {f: open(f, "rb").read() for f in specforge_list_local_files(out)} == before
     assert not [p for p in out.rglob(".*")]
     # the same states (final_norm both, the default) serve speculators too: its pre-norm final state
-    spec = exp.export(path, tmp_path / "spec", layout="speculators", states_dir=states, merge_manifest=man,
-                      settings=ExportSettings.defaults())
+    spec = exp.export(
+        path,
+        tmp_path / "spec",
+        layout="speculators",
+        states_dir=states,
+        merge_manifest=man,
+        settings=ExportSettings.defaults(),
+    )
     assert (spec["final_norm"], spec["final_state"], spec["num_written"]) == ("both", "pre", len(rows))
     # states computed for another selection (the merge's digest moved on) are refused by name
     stale = dict(man, selections={k: {"digest": "newer"} for k in man["selections"]})
     with pytest.raises(ValueError, match="another selection"):
-        exp.export(path, tmp_path / "stale", layout="specforge", states_dir=states, merge_manifest=stale,
-                   settings=ExportSettings.defaults())
+        exp.export(
+            path,
+            tmp_path / "stale",
+            layout="specforge",
+            states_dir=states,
+            merge_manifest=stale,
+            settings=ExportSettings.defaults(),
+        )
 
 
 def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     import pyarrow.parquet as pq
 
     path, rows = merged
-    states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
-                                     final_norm="pre")
+    states, man = extract_selections(
+        tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded, final_norm="pre"
+    )
     out = tmp_path / "speculators"
     # the merged set's provenance (rule provenance): the side table takes each sample's columns from it
     from eagle3_data.provenance import PROVENANCE, SIDE_COLUMNS
 
     prov = tmp_path / "provenance.parquet"
-    prov_rows = [{"set": "train", "merged_file": str(path), "row": j, "index": 5 + j, "sample_id": r["sample_id"],
-                  "dataset": "d", "source_path": "src.jsonl", "source_row": 100 + j, "request_key": f"key{j}",
-                  "backend": "b", "cost_usd": 0.01 * j, "attempts": 1 + j % 2} for j, r in enumerate(rows)]
+    prov_rows = [
+        {
+            "set": "train",
+            "merged_file": str(path),
+            "row": j,
+            "index": 5 + j,
+            "sample_id": r["sample_id"],
+            "dataset": "d",
+            "source_path": "src.jsonl",
+            "source_row": 100 + j,
+            "request_key": f"key{j}",
+            "backend": "b",
+            "cost_usd": 0.01 * j,
+            "attempts": 1 + j % 2,
+        }
+        for j, r in enumerate(rows)
+    ]
     prov_rows.append({**prov_rows[0], "set": "heldout", "index": 0, "sample_id": "other"})  # another set: ignored
     pq.write_table(pa.Table.from_pylist(prov_rows, schema=PROVENANCE), prov)
-    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=5,
-                     settings=ExportSettings.defaults(), provenance=prov)
+    got = exp.export(
+        path,
+        out,
+        layout="speculators",
+        states_dir=states,
+        merge_manifest=man,
+        start_index=5,
+        settings=ExportSettings.defaults(),
+        provenance=prov,
+    )
     assert got["final_norm"] == "pre"
     arrow = pq.read_table(out / "samples_000000005.parquet").to_pylist()
     assert [a["index"] for a in arrow] == list(range(5, 5 + len(rows)))
     assert [a["sample_id"] for a in arrow] == [r["sample_id"] for r in rows]
     assert set(SIDE_COLUMNS) <= set(arrow[0])
     assert [(a["source_row"], a["request_key"], a["attempts"]) for a in arrow] == [
-        (100 + j, f"key{j}", 1 + j % 2) for j in range(len(rows))]
+        (100 + j, f"key{j}", 1 + j % 2) for j in range(len(rows))
+    ]
     with pytest.raises(ValueError, match="does not describe the rows"):  # a provenance table of another merge
-        exp.export(path, tmp_path / "spec2", layout="speculators", states_dir=states, merge_manifest=man,
-                   start_index=4, settings=ExportSettings.defaults(), provenance=prov)
+        exp.export(
+            path,
+            tmp_path / "spec2",
+            layout="speculators",
+            states_dir=states,
+            merge_manifest=man,
+            start_index=4,
+            settings=ExportSettings.defaults(),
+            provenance=prov,
+        )
     model, decoder = loaded
     for j, r in enumerate(rows):
         d = speculators_get_raw(out, 5 + j, arrow[j])
@@ -184,20 +257,23 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
         assert d["loss_mask"].tolist() == r["loss_mask"] and arrow[j]["seq_len"] == T
         ref = hf_states(model, r["input_ids"])
         for k, layer in enumerate(LAYERS):
-            torch.testing.assert_close(d["hidden_states"][:, k * H:(k + 1) * H], ref[layer + 1][0], atol=1e-5,
-                                       rtol=1e-5)
+            torch.testing.assert_close(
+                d["hidden_states"][:, k * H : (k + 1) * H], ref[layer + 1][0], atol=1e-5, rtol=1e-5
+            )
         pre = d["verifier_last_hidden_states"]
         # pre-norm: the trainer's verifier_norm gives back HF's (post-norm) last hidden state
         with torch.inference_mode():
             torch.testing.assert_close(decoder.norm(pre), ref[-1][0], atol=1e-5, rtol=1e-5)
         assert (pre - ref[-1][0]).abs().max() > 1e-2
     # states of one form only (final_norm: pre) cannot serve a post-norm layout: refused, naming the setting
-    with pytest.raises(ValueError, match="holds pre-norm final states, not post-norm; extract with "
-                                         "extract.final_norm: both"):
+    with pytest.raises(
+        ValueError, match="holds pre-norm final states, not post-norm; extract with extract.final_norm: both"
+    ):
         exp.export(path, tmp_path / "sf", layout="specforge", states_dir=states, settings=ExportSettings.defaults())
     with pytest.raises(ValueError, match="add dflash to extract.drafters"):
-        exp.export(path, tmp_path / "df", layout="specforge_dflash", states_dir=states,
-                   settings=ExportSettings.defaults())
+        exp.export(
+            path, tmp_path / "df", layout="specforge_dflash", states_dir=states, settings=ExportSettings.defaults()
+        )
 
 
 def error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -210,13 +286,20 @@ def test_storage_savers_error_and_size(tmp_path, tiny_model, merged):
     path, rows = merged
     model16 = load_target(tiny_model, dtype="bfloat16", device="cpu")
     base, saved = tmp_path / "bf16.safetensors", tmp_path / "saved" / "d" / "all.safetensors"
-    ib = ex.extract_states(path, base,
-                           settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="bfloat16"),
-                           model=model16)
-    isv = ex.extract_states(path, saved,
-                            settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="bfloat16",
-                                                              final_states="supervised", aux_format="fp8_e4m3"),
-                            model=model16)
+    ib = ex.extract_states(
+        path,
+        base,
+        settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="bfloat16"),
+        model=model16,
+    )
+    isv = ex.extract_states(
+        path,
+        saved,
+        settings=ExtractSettings.defaults(
+            model_path=tiny_model, layers=LAYERS, dtype="bfloat16", final_states="supervised", aux_format="fp8_e4m3"
+        ),
+        model=model16,
+    )
     tb, _ = ex.load_states(base)
     ts, meta = ex.load_states(saved)
     assert meta["aux_format"] == "fp8_e4m3" and meta["final_states"] == "supervised"
@@ -239,7 +322,7 @@ def test_storage_savers_error_and_size(tmp_path, tiny_model, merged):
     ref = tb["aux_hidden_states"].float().reshape(-1, 3, H)
     got = ts["aux_hidden_states"].float().reshape(-1, 3, H)
     amax = ref.abs().amax(-1, keepdim=True)
-    assert ((got - ref).abs() <= amax * 2 ** -4 + 1e-6).all()
+    assert ((got - ref).abs() <= amax * 2**-4 + 1e-6).all()
     max_abs, min_cos = error_stats(got.reshape(-1, H), ref.reshape(-1, H))
     assert min_cos > 0.99 and 0 < max_abs
     # and it is smaller on disk: 3H fp8 + scales vs 3H bf16
@@ -282,13 +365,27 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded)
     out = tmp_path / "sf"
     two = dict(man, shards=[{"samples": 2}, {"samples": n}])  # this shard second, after 2 samples
-    exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=two, start_index=2,
-               settings=ExportSettings.defaults(group_size=4))
+    exp.export(
+        path,
+        out,
+        layout="specforge",
+        states_dir=states,
+        merge_manifest=two,
+        start_index=2,
+        settings=ExportSettings.defaults(group_size=4),
+    )
     assert len(specforge_list_local_files(out)) == n
     # the set shrinks by the 2 samples before it: this shard starts at 0 now, with 4 per folder -> rows_*/ of 3
     # and the old indices n, n+1 past the new end
-    got = exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=man, start_index=0,
-                     settings=ExportSettings.defaults(group_size=3))
+    got = exp.export(
+        path,
+        out,
+        layout="specforge",
+        states_dir=states,
+        merge_manifest=man,
+        start_index=0,
+        settings=ExportSettings.defaults(group_size=3),
+    )
     files = specforge_list_local_files(out)
     assert files == sorted(str(exp.specforge_path(out, i, 3)) for i in range(n))
     assert got["removed_stale"] == n  # every old file: moved folders or past the end
@@ -300,8 +397,18 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     stray.parent.mkdir(parents=True, exist_ok=True)
     stray.write_bytes(b"x")
     first = dict(man, shards=[{"samples": n}, {"samples": 10}])
-    assert exp.export(path, out, layout="specforge", states_dir=states, merge_manifest=first, start_index=0,
-                      settings=ExportSettings.defaults(group_size=3))["removed_stale"] == 0
+    assert (
+        exp.export(
+            path,
+            out,
+            layout="specforge",
+            states_dir=states,
+            merge_manifest=first,
+            start_index=0,
+            settings=ExportSettings.defaults(group_size=3),
+        )["removed_stale"]
+        == 0
+    )
     assert stray.exists()
     # at its own path in a shard's range it is that shard's to overwrite; past the end, the last shard removes it
     assert exp.prune_stale(out, "specforge", start=n, end=n + 10, total=n + 10, group_size=3) == []
@@ -309,14 +416,29 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
 
     # speculators: a moved start leaves a samples_{old start}.parquet whose indices point at other samples now,
     # and hs_{i} past the end
-    states, man = extract_selections(tmp_path / "pre", rows, model_path=tiny_model, layers=LAYERS, model=loaded,
-                                     final_norm="pre")
+    states, man = extract_selections(
+        tmp_path / "pre", rows, model_path=tiny_model, layers=LAYERS, model=loaded, final_norm="pre"
+    )
     out = tmp_path / "spec"
-    exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=two, start_index=2,
-               settings=ExportSettings.defaults())
+    exp.export(
+        path,
+        out,
+        layout="speculators",
+        states_dir=states,
+        merge_manifest=two,
+        start_index=2,
+        settings=ExportSettings.defaults(),
+    )
     assert (out / "samples_000000002.parquet").exists()
-    got = exp.export(path, out, layout="speculators", states_dir=states, merge_manifest=man, start_index=0,
-                     settings=ExportSettings.defaults())
+    got = exp.export(
+        path,
+        out,
+        layout="speculators",
+        states_dir=states,
+        merge_manifest=man,
+        start_index=0,
+        settings=ExportSettings.defaults(),
+    )
     assert sorted(p.name for p in out.glob("samples_*.parquet")) == ["samples_000000000.parquet"]
     assert sorted(int(p.stem[3:]) for p in (out / "hidden_states").glob("hs_*.safetensors")) == list(range(n))
     assert got["removed_stale"] == 1 + 2  # the old samples file, hs_n and hs_{n+1}
@@ -324,8 +446,15 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     # an empty shard writes no samples file: it would share its start with the next shard's
     empty = tmp_path / "empty.parquet"
     schemas.write_checked(schemas.from_rows([], schemas.MERGED), "merged", empty)
-    exp.export(empty, out, layout="speculators", states_dir=states, merge_manifest=dict(man, shards=[
-        {"samples": 0}, {"samples": n}]), start_index=0, settings=ExportSettings.defaults())
+    exp.export(
+        empty,
+        out,
+        layout="speculators",
+        states_dir=states,
+        merge_manifest=dict(man, shards=[{"samples": 0}, {"samples": n}]),
+        start_index=0,
+        settings=ExportSettings.defaults(),
+    )
     assert pq.read_table(out / "samples_000000000.parquet").num_rows == n
 
 
@@ -342,24 +471,36 @@ def test_heldout_set_exports_beside_the_training_set(tmp_path, tiny_model, loade
     schemas.write_checked(schemas.from_rows(train_rows, schemas.MERGED), "merged", train_p)
     schemas.write_checked(schemas.from_rows(held_rows, schemas.MERGED), "merged", held_p)
     for layout, norm in (("specforge", "post"), ("speculators", "pre")):
-        states, man = extract_selections(tmp_path / norm, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
-                                         final_norm=norm)  # one selection file per source: both sets' rows
+        states, man = extract_selections(
+            tmp_path / norm, rows, model_path=tiny_model, layers=LAYERS, model=loaded, final_norm=norm
+        )  # one selection file per source: both sets' rows
         man = dict(man, shards=[{"samples": len(train_rows)}], heldout={"samples": len(held_rows)})
         train_dir, held_dir = root / layout, root / "heldout" / layout
         # what an earlier, larger held-out export left past the end; and a training file at index 7
-        stale_held = (exp.specforge_path(held_dir, 7, 2000) if layout == "specforge"
-                      else exp.speculators_path(held_dir, 7))
-        stale_train = (exp.specforge_path(train_dir, 7, 2000) if layout == "specforge"
-                       else exp.speculators_path(train_dir, 7))
+        stale_held = (
+            exp.specforge_path(held_dir, 7, 2000) if layout == "specforge" else exp.speculators_path(held_dir, 7)
+        )
+        stale_train = (
+            exp.specforge_path(train_dir, 7, 2000) if layout == "specforge" else exp.speculators_path(train_dir, 7)
+        )
         for p in (stale_held, stale_train):
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(b"old")
-        got = exp.export(held_p, held_dir, layout=layout, states_dir=states, merge_manifest=man, heldout=True,
-                         settings=ExportSettings.defaults(), manifest_path=root / "heldout" / f"{layout}.json")
+        got = exp.export(
+            held_p,
+            held_dir,
+            layout=layout,
+            states_dir=states,
+            merge_manifest=man,
+            heldout=True,
+            settings=ExportSettings.defaults(),
+            manifest_path=root / "heldout" / f"{layout}.json",
+        )
         assert (got["set"], got["start_index"], got["end_index"], got["removed_stale"]) == ("heldout", 0, 3, 1)
         assert not stale_held.exists() and stale_train.exists()  # its own set only
-        exp.export(train_p, train_dir, layout=layout, states_dir=states, merge_manifest=man,
-                   settings=ExportSettings.defaults())
+        exp.export(
+            train_p, train_dir, layout=layout, states_dir=states, merge_manifest=man, settings=ExportSettings.defaults()
+        )
         assert not stale_train.exists()  # past the training set's end (6): the training export's to remove
         if layout == "specforge":
             train_files, held_files = specforge_list_local_files(train_dir), specforge_list_local_files(held_dir)
@@ -377,7 +518,8 @@ def test_heldout_set_exports_beside_the_training_set(tmp_path, tiny_model, loade
                 d = speculators_get_raw(held_dir, j, arrow[j])
                 assert d["loss_mask"].tolist() == r["loss_mask"]
             assert sorted(p.name for p in (held_dir / "hidden_states").iterdir()) == [
-                f"hs_{i}.safetensors" for i in range(3)]
+                f"hs_{i}.safetensors" for i in range(3)
+            ]
             assert len(list((train_dir / "hidden_states").iterdir())) == 6
         assert json.loads((root / "heldout" / f"{layout}.json").read_text())["num_samples"] == 3
 
@@ -391,13 +533,22 @@ def test_one_capture_exports_every_contract(tmp_path, tiny_model, loaded, merged
     from safetensors.torch import load_file
 
     path, rows = merged
-    odd = {"sample_id": "y0", "dataset": "d", "input_ids": list(range(10, 20)), "loss_mask": [0, 1] * 5,
-           "num_tokens": 10, "num_supervised": 5, "truncated": False, "source": "d/000"}
+    odd = {
+        "sample_id": "y0",
+        "dataset": "d",
+        "input_ids": list(range(10, 20)),
+        "loss_mask": [0, 1] * 5,
+        "num_tokens": 10,
+        "num_supervised": 5,
+        "truncated": False,
+        "source": "d/000",
+    }
     rows = rows[:4] + [odd] + rows[4:]
     one = tmp_path / "000.parquet"
     schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", one)
-    states, man = extract_selections(tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded,
-                                     drafters=["eagle3", "dflash", "dspark"])
+    states, man = extract_selections(
+        tmp_path, rows, model_path=tiny_model, layers=LAYERS, model=loaded, drafters=["eagle3", "dflash", "dspark"]
+    )
     dfl = ex.dflash_layer_ids(L)
     assert dfl == [1, 2, 3, 4, 5]
     model, decoder = loaded
@@ -406,8 +557,14 @@ def test_one_capture_exports_every_contract(tmp_path, tiny_model, loaded, merged
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"old")
     for layout in exp.LAYOUTS:
-        got[layout] = exp.export(one, tmp_path / layout, layout=layout, states_dir=states, merge_manifest=man,
-                                 settings=ExportSettings.defaults())
+        got[layout] = exp.export(
+            one,
+            tmp_path / layout,
+            layout=layout,
+            states_dir=states,
+            merge_manifest=man,
+            settings=ExportSettings.defaults(),
+        )
     lone = [r["sample_id"] for r in rows if not any(a and b for a, b in zip(r["loss_mask"], r["loss_mask"][1:]))]
     assert "y0" in lone and len(lone) < len(rows)
     for layout in ("specforge_dflash", "specforge_dspark"):
@@ -415,8 +572,10 @@ def test_one_capture_exports_every_contract(tmp_path, tiny_model, loaded, merged
         assert got[layout]["num_written"] == len(rows) - len(lone) and got[layout]["num_samples"] == len(rows)
         assert not exp.specforge_path(tmp_path / layout, 4, 2000).exists()
     assert got["specforge_dflash"]["removed_stale"] == 1 and not stale.exists()
-    assert all(got[k]["num_written"] == len(rows) and not got[k]["skipped"] for k in
-               ("specforge", "speculators", "speculators_fp8", "modelopt"))
+    assert all(
+        got[k]["num_written"] == len(rows) and not got[k]["skipped"]
+        for k in ("specforge", "speculators", "speculators_fp8", "modelopt")
+    )
     for j, r in enumerate(rows):
         ref = hf_states(model, r["input_ids"])
         T = len(r["input_ids"])
@@ -434,8 +593,9 @@ def test_one_capture_exports_every_contract(tmp_path, tiny_model, loaded, merged
         assert set(m) == {"input_ids", "hidden_states", "aux_hidden_states", "loss_mask", "conversation_id"}
         assert m["conversation_id"] == r["sample_id"] and m["loss_mask"].dtype == torch.int64
         torch.testing.assert_close(m["hidden_states"], ref[-1][0], atol=1e-5, rtol=1e-5)  # post-norm: HF [-1]
-        torch.testing.assert_close(m["aux_hidden_states"], torch.cat([ref[x + 1][0] for x in LAYERS], -1),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            m["aux_hidden_states"], torch.cat([ref[x + 1][0] for x in LAYERS], -1), atol=1e-5, rtol=1e-5
+        )
         # speculators FP8: the bf16/fp32 file's [T, 4, H] quantised with one scale per token, as hs_connectors does
         full = load_file(exp.speculators_path(tmp_path / "speculators", j))
         fp8 = load_file(exp.speculators_path(tmp_path / "speculators_fp8", j))
@@ -444,7 +604,7 @@ def test_one_capture_exports_every_contract(tmp_path, tiny_model, loaded, merged
         x = full["hidden_states"].float()
         deq = fp8["hidden_states"].float() * fp8["hidden_states_scales"]
         amax = x.abs().amax(dim=(1, 2), keepdim=True)
-        assert ((deq - x).abs() <= amax * 2 ** -4 + 1e-6).all()
+        assert ((deq - x).abs() <= amax * 2**-4 + 1e-6).all()
         with torch.inference_mode():  # the pre-norm final state, as speculators reads it
             torch.testing.assert_close(decoder.norm(full["hidden_states"][:, -1]), ref[-1][0], atol=1e-5, rtol=1e-5)
     # half the bytes of the full-precision file (here float32: a quarter), and each data path's rows

@@ -25,8 +25,9 @@ H, L, V = 32, 6, 300
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L,
-                           vocab_size=V, seed=0)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L, vocab_size=V, seed=0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,17 @@ def make_rows(n=13, seed=0, prefix="s"):
     for i in range(n):
         k = rng.choice([3, 7, 20, 45, 64, 90])
         p = rng.randint(1, k - 1)
-        rows.append({"sample_id": f"{prefix}{i}", "dataset": "d" if i % 2 else "e",
-                     "input_ids": [rng.randrange(V) for _ in range(k)], "loss_mask": [0] * p + [1] * (k - p),
-                     "num_tokens": k, "num_supervised": k - p, "truncated": False})
+        rows.append(
+            {
+                "sample_id": f"{prefix}{i}",
+                "dataset": "d" if i % 2 else "e",
+                "input_ids": [rng.randrange(V) for _ in range(k)],
+                "loss_mask": [0] * p + [1] * (k - p),
+                "num_tokens": k,
+                "num_supervised": k - p,
+                "truncated": False,
+            }
+        )
     return rows
 
 
@@ -106,8 +115,10 @@ def test_batch_plans_respect_budgets():
 
 
 def test_package_imports_no_torch_and_no_cycles():
-    code = ("import sys, eagle3_data.extract, eagle3_data.plan, eagle3_data.export\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'sglang') if m in sys.modules))")
+    code = (
+        "import sys, eagle3_data.extract, eagle3_data.plan, eagle3_data.export\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'sglang') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -119,8 +130,11 @@ def test_package_imports_no_torch_and_no_cycles():
     imports = {}
     for f in pkg.glob("*.py"):
         tree = ast.parse(f.read_text())
-        imports[f.stem] = {n.module.split(".")[0] for n in ast.walk(tree)
-                           if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+        imports[f.stem] = {
+            n.module.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module
+        }
     # norm: the final norm's formulas (torch only), read by the layout's readers
     assert imports["norm"] <= set() and imports["layout"] <= {"norm"} and imports["model"] <= set()
     assert imports["batching"] <= set() and imports["fused"] <= set()
@@ -133,10 +147,13 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
     path, rows = merged
     out = tmp_path / "hs" / "000.safetensors"
     layers = [0, 2, 4]
-    info = ex.extract_states(path, out,
-                             settings=ExtractSettings.defaults(model_path=tiny_model, layers=layers, batch_tokens=256,
-                                                               dtype="float32"), model=loaded,
-                             selection_digest="abc")
+    info = ex.extract_states(
+        path,
+        out,
+        settings=ExtractSettings.defaults(model_path=tiny_model, layers=layers, batch_tokens=256, dtype="float32"),
+        model=loaded,
+        selection_digest="abc",
+    )
     T = sum(len(r["input_ids"]) for r in rows)
     assert info["num_tokens"] == T and info["num_samples"] == len(rows) and info["batches"] > 1
     assert info["forwarded_tokens"] == T and info["reused_tokens"] == 0
@@ -164,8 +181,14 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
     assert meta["model_path"] == str(tiny_model) and meta["num_layers"] == str(L)
     assert meta["format"] == ex.FORMAT and meta["selection_digest"] == "abc"
     assert meta["state_settings"] == ex.settings_digest(
-        backend="transformers", fingerprint=ex.model_fingerprint(tiny_model), layers=layers, dtype="float32",
-        final_norm="both", final_states="all", aux_format="same")
+        backend="transformers",
+        fingerprint=ex.model_fingerprint(tiny_model),
+        layers=layers,
+        dtype="float32",
+        final_norm="both",
+        final_states="all",
+        aux_format="same",
+    )
 
     model, decoder = loaded
     for n, r in enumerate(rows):
@@ -174,7 +197,7 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
         assert t["loss_mask"][s:e].tolist() == r["loss_mask"]
         hs = reference_states(model, r["input_ids"])
         for j, layer in enumerate(layers):
-            got = t["aux_hidden_states"][s:e, j * H:(j + 1) * H]
+            got = t["aux_hidden_states"][s:e, j * H : (j + 1) * H]
             torch.testing.assert_close(got, hs[layer + 1][0], atol=1e-5, rtol=1e-5)
             # the other convention (input of layer i) is measurably different: the test can tell them apart
             assert (got - hs[layer][0]).abs().max() > 1e-2
@@ -195,8 +218,10 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
         hs = reference_states(model, rows[3]["input_ids"])
         assert torch.equal(sf.sample(3, final="post")["hidden_states"], hs[-1][0])
         two = sf.sample(3, layers=[4, 0])  # a drafter's layers, picked from the stored columns in its order
-        assert torch.equal(two["aux_hidden_states"], torch.cat([t["aux_hidden_states"][s:e, 2 * H:],
-                                                                t["aux_hidden_states"][s:e, :H]], dim=1))
+        assert torch.equal(
+            two["aux_hidden_states"],
+            torch.cat([t["aux_hidden_states"][s:e, 2 * H :], t["aux_hidden_states"][s:e, :H]], dim=1),
+        )
         with pytest.raises(ValueError, match="layers \\[3\\] are not stored.*extract.drafters"):
             sf.sample(3, layers=[3])
     whole, _ = ex.load_states(out, final="post")
@@ -206,12 +231,15 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
 def test_batched_equals_one_at_a_time_and_default_layers(tmp_path, tiny_model, loaded, merged):
     path, rows = merged
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    ia = ex.extract_states(path, a,
-                           settings=ExtractSettings.defaults(model_path=tiny_model, batch_tokens=4096, dtype="float32"),
-                           model=loaded)
-    ib = ex.extract_states(path, b,
-                           settings=ExtractSettings.defaults(model_path=tiny_model, batch_tokens=1, dtype="float32"),
-                           model=loaded)
+    ia = ex.extract_states(
+        path,
+        a,
+        settings=ExtractSettings.defaults(model_path=tiny_model, batch_tokens=4096, dtype="float32"),
+        model=loaded,
+    )
+    ib = ex.extract_states(
+        path, b, settings=ExtractSettings.defaults(model_path=tiny_model, batch_tokens=1, dtype="float32"), model=loaded
+    )
     assert ia["batches"] < ib["batches"] == len(rows)
     assert ia["layers"] == [1, 2]
     ta, ma = ex.read_hidden_states(a)
@@ -248,8 +276,14 @@ def test_rerun_forwards_only_new_or_longer_samples(tmp_path, tiny_model, loaded)
         new_row = make_rows(1, seed=99, prefix="new")[0]
         c = max(range(len(rows)), key=lambda k: rows[k]["num_tokens"])  # cut the longest
         n_cut = rows[c]["num_tokens"] // 2
-        cut = dict(rows[c], input_ids=rows[c]["input_ids"][:n_cut], loss_mask=rows[c]["loss_mask"][:n_cut],
-                   num_tokens=n_cut, num_supervised=sum(rows[c]["loss_mask"][:n_cut]), truncated=True)
+        cut = dict(
+            rows[c],
+            input_ids=rows[c]["input_ids"][:n_cut],
+            loss_mask=rows[c]["loss_mask"][:n_cut],
+            num_tokens=n_cut,
+            num_supervised=sum(rows[c]["loss_mask"][:n_cut]),
+            truncated=True,
+        )
         if cut["num_supervised"] == 0:  # merge would drop it; give it a (different) mask: not reusable
             cut["loss_mask"] = [0] * (n_cut - 1) + [1]
             cut["num_supervised"] = 1
@@ -269,26 +303,37 @@ def test_rerun_forwards_only_new_or_longer_samples(tmp_path, tiny_model, loaded)
             s, e = off2[k], off2[k + 1]
             if r["sample_id"] in old_pos and (r is not cut or changed == new_row["num_tokens"]):
                 j = old_pos[r["sample_id"]]  # reused (whole, or the truncation's prefix): the very same bytes
-                assert torch.equal(t2["aux_hidden_states"][s:e], old["aux_hidden_states"][old_off[j]:old_off[j] + e - s])
-                assert torch.equal(t2["hidden_states"][s:e], old["hidden_states"][old_off[j]:old_off[j] + e - s])
+                assert torch.equal(
+                    t2["aux_hidden_states"][s:e], old["aux_hidden_states"][old_off[j] : old_off[j] + e - s]
+                )
+                assert torch.equal(t2["hidden_states"][s:e], old["hidden_states"][old_off[j] : old_off[j] + e - s])
             ref = reference_states(loaded[0], r["input_ids"])  # and every sample still equals a fresh forward
-            torch.testing.assert_close(t2["aux_hidden_states"][s:e, H:2 * H], ref[4][0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(t2["aux_hidden_states"][s:e, H : 2 * H], ref[4][0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(post2[s:e], ref[-1][0], atol=1e-5, rtol=1e-5)
         assert os.stat(out).st_ino == os.stat(stash).st_ino  # the link follows the new file
 
         # the same selection again, nothing stored but the link: nothing forwarded, no model needed
         os.unlink(out)
         counter.tokens = 0
-        third = ex.extract_states(sel2, out, reuse_path=stash,
-                                  settings=ExtractSettings.defaults(model_path=tiny_model, layers=[1, 3, 4],
-                                                                    batch_tokens=200, dtype="float32"))
+        third = ex.extract_states(
+            sel2,
+            out,
+            reuse_path=stash,
+            settings=ExtractSettings.defaults(
+                model_path=tiny_model, layers=[1, 3, 4], batch_tokens=200, dtype="float32"
+            ),
+        )
         assert counter.tokens == 0 and third["forwarded_tokens"] == 0 and third["device"] == "none"
         assert torch.equal(ex.read_hidden_states(out)[0]["aux_hidden_states"], t2["aux_hidden_states"])
 
         # other settings (layers): nothing reusable, everything forwarded
         counter.tokens = 0
-        fourth = ex.extract_states(sel2, tmp_path / "other.safetensors", reuse_path=stash,
-                                   **dict(kw, settings=settings.replace(layers=[0, 2, 4])))
+        fourth = ex.extract_states(
+            sel2,
+            tmp_path / "other.safetensors",
+            reuse_path=stash,
+            **dict(kw, settings=settings.replace(layers=[0, 2, 4])),
+        )
         assert fourth["reused_tokens"] == 0 and counter.tokens == sum(r["num_tokens"] for r in new_rows)
     finally:
         counter.remove()
@@ -298,15 +343,25 @@ def test_reuse_keeps_storage_savers_exact(tmp_path, tiny_model):
     """fp8 auxiliary states and supervised-only final rows are copied byte for byte, truncations included."""
     loaded16 = tb.load_target(tiny_model, dtype="bfloat16", device="cpu")
     rows = make_rows(6, seed=8)
-    kw = dict(settings=ExtractSettings.defaults(tiny_model, layers=[1, 2, 3], dtype="bfloat16",
-                                                final_states="supervised", aux_format="fp8_e4m3"), model=loaded16)
+    kw = dict(
+        settings=ExtractSettings.defaults(
+            tiny_model, layers=[1, 2, 3], dtype="bfloat16", final_states="supervised", aux_format="fp8_e4m3"
+        ),
+        model=loaded16,
+    )
     a = tmp_path / "a.safetensors"
     ex.extract_states(write_selection(tmp_path / "a.parquet", rows), a, **kw)
     longest = max(range(len(rows)), key=lambda k: rows[k]["num_tokens"])
     r = rows[longest]
     n = r["num_tokens"] - 2
-    cut = dict(r, input_ids=r["input_ids"][:n], loss_mask=r["loss_mask"][:n], num_tokens=n,
-               num_supervised=sum(r["loss_mask"][:n]), truncated=True)
+    cut = dict(
+        r,
+        input_ids=r["input_ids"][:n],
+        loss_mask=r["loss_mask"][:n],
+        num_tokens=n,
+        num_supervised=sum(r["loss_mask"][:n]),
+        truncated=True,
+    )
     ta, _ = ex.load_states(a)
     b = tmp_path / "b.safetensors"
     info = ex.extract_states(write_selection(tmp_path / "b.parquet", [cut]), b, reuse_path=a, **kw)
@@ -315,18 +370,21 @@ def test_reuse_keeps_storage_savers_exact(tmp_path, tiny_model):
     tb_, meta = ex.load_states(b)
     s = ta["sample_offsets"][longest].item()
     assert meta["aux_format"] == "fp8_e4m3" and meta["final_states"] == "supervised"
-    assert torch.equal(tb_["aux_hidden_states"], ta["aux_hidden_states"][s:s + n])
-    assert torch.equal(tb_["final_mask"], ta["final_mask"][s:s + n])
-    assert torch.equal(tb_["hidden_states"], ta["hidden_states"][s:s + n])
+    assert torch.equal(tb_["aux_hidden_states"], ta["aux_hidden_states"][s : s + n])
+    assert torch.equal(tb_["final_mask"], ta["final_mask"][s : s + n])
+    assert torch.equal(tb_["hidden_states"], ta["hidden_states"][s : s + n])
 
 
 def test_bf16_and_crash_leaves_no_file(tmp_path, tiny_model, merged, monkeypatch):
     path, rows = merged
     loaded16 = tb.load_target(tiny_model, dtype="bfloat16", device="cpu")
     out = tmp_path / "bf.safetensors"
-    ex.extract_states(path, out,
-                      settings=ExtractSettings.defaults(model_path=tiny_model, layers=[1, 2, 3], dtype="bfloat16"),
-                      model=loaded16)
+    ex.extract_states(
+        path,
+        out,
+        settings=ExtractSettings.defaults(model_path=tiny_model, layers=[1, 2, 3], dtype="bfloat16"),
+        model=loaded16,
+    )
     t, meta = ex.read_hidden_states(out)
     assert t["aux_hidden_states"].dtype == torch.bfloat16 and meta["dtype"] == "bfloat16"
     assert torch.isfinite(t["aux_hidden_states"].float()).all()
@@ -350,9 +408,12 @@ def test_bf16_and_crash_leaves_no_file(tmp_path, tiny_model, merged, monkeypatch
     monkeypatch.setattr(tb.Capture, "_hook", flaky)
     crash = tmp_path / "crash" / "000.safetensors"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        ex.extract_states(path, crash,
-                          settings=ExtractSettings.defaults(model_path=tiny_model, batch_tokens=128, dtype="bfloat16"),
-                          model=loaded16)
+        ex.extract_states(
+            path,
+            crash,
+            settings=ExtractSettings.defaults(model_path=tiny_model, batch_tokens=128, dtype="bfloat16"),
+            model=loaded16,
+        )
     assert not crash.exists()
     assert list(crash.parent.iterdir()) == []
 
@@ -360,22 +421,39 @@ def test_bf16_and_crash_leaves_no_file(tmp_path, tiny_model, merged, monkeypatch
 def test_empty_selection_and_bad_ids(tmp_path, tiny_model, loaded):
     empty = write_selection(tmp_path / "empty.parquet", [])
     out = tmp_path / "empty.safetensors"
-    info = ex.extract_states(empty, out,
-                             settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32"), model=loaded)
+    info = ex.extract_states(
+        empty, out, settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32"), model=loaded
+    )
     t, meta = ex.read_hidden_states(out)
     assert info["num_tokens"] == 0 and t["aux_hidden_states"].shape == (0, 2 * H)
     assert t["sample_offsets"].tolist() == [0] and meta["num_samples"] == "0"
 
-    bad = write_selection(tmp_path / "bad.parquet", [{"sample_id": "x", "dataset": "d", "input_ids": [1, V + 5],
-                                                      "loss_mask": [0, 1], "num_tokens": 2, "num_supervised": 1,
-                                                      "truncated": False}])
+    bad = write_selection(
+        tmp_path / "bad.parquet",
+        [
+            {
+                "sample_id": "x",
+                "dataset": "d",
+                "input_ids": [1, V + 5],
+                "loss_mask": [0, 1],
+                "num_tokens": 2,
+                "num_supervised": 1,
+                "truncated": False,
+            }
+        ],
+    )
     with pytest.raises(ValueError, match="vocabulary"):
-        ex.extract_states(bad, tmp_path / "bad.safetensors",
-                          settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32"), model=loaded)
+        ex.extract_states(
+            bad,
+            tmp_path / "bad.safetensors",
+            settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32"),
+            model=loaded,
+        )
     assert not (tmp_path / "bad.safetensors").exists()
     with pytest.raises(ValueError, match="backend"):
-        ex.extract_states(empty, out,
-                          settings=ExtractSettings.defaults(model_path=tiny_model, backend="vllm", dtype="float32"))
+        ex.extract_states(
+            empty, out, settings=ExtractSettings.defaults(model_path=tiny_model, backend="vllm", dtype="float32")
+        )
 
 
 def test_keep_link_across_filesystems_turns_reuse_off(tmp_path, monkeypatch):
@@ -397,8 +475,15 @@ def test_keep_link_across_filesystems_turns_reuse_off(tmp_path, monkeypatch):
 def test_settings_digest_of_files_before_v3_is_kept():
     """A v2 file computed with the same settings stays reusable: the digest names the rows' encoding (unchanged
     since v2) and leaves out final_format at its default. The literal is the v2 stage's digest of these inputs."""
-    kw = dict(backend="transformers", fingerprint="abc", layers=[1, 15, 28], dtype="bfloat16", final_norm="post",
-              final_states="all", aux_format="same")
+    kw = dict(
+        backend="transformers",
+        fingerprint="abc",
+        layers=[1, 15, 28],
+        dtype="bfloat16",
+        final_norm="post",
+        final_states="all",
+        aux_format="same",
+    )
     assert ex.settings_digest(**kw) == "e194424249330900"
     assert ex.settings_digest(**kw, final_format="fp8_e4m3") != ex.settings_digest(**kw)
 
@@ -425,8 +510,14 @@ def test_one_capture_serves_every_drafter(tmp_path, tiny_model, loaded, merged):
     equal to HF's hidden_states[i + 1] (SpecForge's DFlash offset-1 convention)."""
     path, rows = merged
     out = tmp_path / "all.safetensors"
-    info = ex.extract_states(path, out, model=loaded, settings=ExtractSettings.defaults(
-        model_path=tiny_model, dtype="float32", layers=[1, 3, 4], drafters=["eagle3", "dflash", "dspark"]))
+    info = ex.extract_states(
+        path,
+        out,
+        model=loaded,
+        settings=ExtractSettings.defaults(
+            model_path=tiny_model, dtype="float32", layers=[1, 3, 4], drafters=["eagle3", "dflash", "dspark"]
+        ),
+    )
     assert info["layers"] == [1, 3, 4, 2] and info["drafter_layers"]["dflash"] == [1, 2, 2, 2, 3]
     with ex.StatesFile(out) as sf:
         assert sf.layers == [1, 3, 4, 2] and sf.drafter_layers == info["drafter_layers"]
@@ -450,8 +541,12 @@ def test_fp8_final_states(tmp_path, tiny_model, merged):
     ref_file, fp8_file = tmp_path / "bf16.safetensors", tmp_path / "fp8.safetensors"
     base = ExtractSettings.defaults(model_path=tiny_model, dtype="bfloat16", layers=[1, 2, 3])
     ex.extract_states(path, ref_file, settings=base, model=loaded16)
-    ex.extract_states(path, fp8_file, settings=base.replace(final_format="fp8_e4m3", aux_format="fp8_e4m3",
-                                                            final_states="supervised"), model=loaded16)
+    ex.extract_states(
+        path,
+        fp8_file,
+        settings=base.replace(final_format="fp8_e4m3", aux_format="fp8_e4m3", final_states="supervised"),
+        model=loaded16,
+    )
     t, meta = ex.read_hidden_states(fp8_file)
     S = int(t["final_mask"].sum())
     assert t["hidden_states"].dtype == torch.float8_e4m3fn and t["hidden_states"].shape == (S, H)
@@ -479,8 +574,9 @@ def test_final_norm_no_formula_stores_post_rows(tmp_path, tiny_model, merged):
 
     norm.forward = layer_norm_like
     out = tmp_path / "ln.safetensors"
-    info = ex.extract_states(path, out, model=(model, decoder),
-                             settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32"))
+    info = ex.extract_states(
+        path, out, model=(model, decoder), settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32")
+    )
     assert info["norm_formula"] == "none"
     t, meta = ex.read_hidden_states(out)
     assert meta["norm_formula"] == "none" and t["hidden_states_post"].shape == t["hidden_states"].shape
@@ -493,8 +589,12 @@ def test_final_norm_no_formula_stores_post_rows(tmp_path, tiny_model, merged):
 def test_reader_refuses_a_form_it_cannot_serve_and_reads_v2(tmp_path, tiny_model, loaded, merged):
     path, rows = merged
     post = tmp_path / "post.safetensors"
-    ex.extract_states(path, post, model=loaded, settings=ExtractSettings.defaults(
-        model_path=tiny_model, dtype="float32", final_norm="post"))
+    ex.extract_states(
+        path,
+        post,
+        model=loaded,
+        settings=ExtractSettings.defaults(model_path=tiny_model, dtype="float32", final_norm="post"),
+    )
     with ex.StatesFile(post) as sf:
         assert sf.final_forms == {"post"}
         with pytest.raises(ValueError, match="post-norm final states, not pre-norm.*extract.final_norm: both"):

@@ -19,8 +19,9 @@ from eagle3_data.settings import ExtractSettings
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("fused") / "tiny", hidden_size=64, num_layers=4, vocab_size=300,
-                           seed=3)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("fused") / "tiny", hidden_size=64, num_layers=4, vocab_size=300, seed=3
+    )
 
 
 def _states(decoder, ids):
@@ -71,8 +72,18 @@ def test_extraction_with_fused_kernels_writes_the_same_file(tiny, tmp_path):
     for i, n in enumerate([7, 19, 33]):
         ids = torch.randint(0, 300, (n,), generator=g).tolist()
         mask = [0] * (n // 2) + [1] * (n - n // 2)
-        rows.append({"sample_id": f"s{i}", "dataset": "d", "input_ids": ids, "loss_mask": mask, "num_tokens": n,
-                     "num_supervised": sum(mask), "truncated": False, "source": "d/000"})
+        rows.append(
+            {
+                "sample_id": f"s{i}",
+                "dataset": "d",
+                "input_ids": ids,
+                "loss_mask": mask,
+                "num_tokens": n,
+                "num_supervised": sum(mask),
+                "truncated": False,
+                "source": "d/000",
+            }
+        )
     sel = tmp_path / "sel.parquet"
     schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", sel)
     loaded = load_target(tiny, dtype="bfloat16", device="cpu")

@@ -33,13 +33,12 @@ from eagle3_data.extract import layout
 from eagle3_data.extract import transformers_backend as tb
 from eagle3_data.files import write_parquet
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 H, L, V, MAX_LEN = 128, 6, 300, 1024  # head size 32 (FlashAttention: a multiple of 8), GQA 4:2
 LAYERS = [1, 2, 4]
 LENGTHS = [1, MAX_LEN, 7, 130, 64, 3, 300, 33, 1, 520, 129]
-BF16_TOL = 2.0 ** -5
+BF16_TOL = 2.0**-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,8 +48,15 @@ def model_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(11)
-    cfg = LlamaConfig(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=MAX_LEN)
+    cfg = LlamaConfig(
+        hidden_size=H,
+        intermediate_size=2 * H,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        max_position_embeddings=MAX_LEN,
+    )
     path = tmp_path_factory.mktemp("gpu") / "tiny-llama"
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -62,9 +68,17 @@ def rows():
     out = []
     for i, n in enumerate(LENGTHS):
         p = rng.randint(0, n - 1)
-        out.append({"sample_id": f"g{i}", "dataset": "d", "input_ids": [rng.randrange(V) for _ in range(n)],
-                    "loss_mask": [0] * p + [1] * (n - p), "num_tokens": n, "num_supervised": n - p,
-                    "truncated": False})
+        out.append(
+            {
+                "sample_id": f"g{i}",
+                "dataset": "d",
+                "input_ids": [rng.randrange(V) for _ in range(n)],
+                "loss_mask": [0] * p + [1] * (n - p),
+                "num_tokens": n,
+                "num_supervised": n - p,
+                "truncated": False,
+            }
+        )
     return out
 
 
@@ -86,8 +100,7 @@ def bf16(model_dir):
 
 
 def extract(selection, out, model_dir, loaded, overlap=True, **kw):
-    settings = ExtractSettings.defaults(model_dir, **{"layers": LAYERS, "dtype": "float32", "final_norm": "post",
-                                                      **kw})
+    settings = ExtractSettings.defaults(model_dir, **{"layers": LAYERS, "dtype": "float32", "final_norm": "post", **kw})
     info = ex.extract_states(selection, out, settings=settings, model=loaded, overlap=overlap)
     return info, ex.read_hidden_states(out)[0]
 
@@ -98,8 +111,9 @@ def rel(a, b) -> float:
 
 @pytest.mark.parametrize("attention", ["padded", "packed-flex", "packed-loop"])
 def test_gpu_aux_equals_hf_output_hidden_states_fp32(tmp_path, model_dir, fp32, rows, selection, attention):
-    info, t = extract(selection, tmp_path / "a.safetensors", model_dir, fp32, dtype="float32", attention=attention,
-                      batch_tokens=1500)
+    info, t = extract(
+        selection, tmp_path / "a.safetensors", model_dir, fp32, dtype="float32", attention=attention, batch_tokens=1500
+    )
     assert info["attention"] == ("padded" if attention == "padded" else "packed:" + attention.split("-")[1])
     assert info["device"].startswith("cuda") and info["batches"] < len(rows)
     off = t["sample_offsets"].tolist()
@@ -109,8 +123,9 @@ def test_gpu_aux_equals_hf_output_hidden_states_fp32(tmp_path, model_dir, fp32, 
             hs = model(input_ids=torch.tensor([r["input_ids"]], device="cuda"), output_hidden_states=True).hidden_states
         s, e = off[n], off[n + 1]
         for j, layer in enumerate(LAYERS):
-            torch.testing.assert_close(t["aux_hidden_states"][s:e, j * H:(j + 1) * H], hs[layer + 1][0].cpu(),
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                t["aux_hidden_states"][s:e, j * H : (j + 1) * H], hs[layer + 1][0].cpu(), rtol=1e-4, atol=1e-4
+            )
         torch.testing.assert_close(t["hidden_states"][s:e], hs[-1][0].cpu(), rtol=1e-4, atol=1e-4)
     assert model.config._attn_implementation == "sdpa"
 
@@ -119,10 +134,12 @@ def test_gpu_aux_equals_hf_output_hidden_states_fp32(tmp_path, model_dir, fp32, 
 def references(tmp_path_factory, model_dir, fp32, bf16, selection):
     """The fp32 and the bf16 states of each sample forwarded alone: ``(ref, single)`` tensor dicts."""
     tmp = tmp_path_factory.mktemp("refs")
-    _, ref = extract(selection, tmp / "ref.safetensors", model_dir, fp32, dtype="float32", attention="padded",
-                     batch_tokens=1)
-    _, single = extract(selection, tmp / "single.safetensors", model_dir, bf16, dtype="bfloat16",
-                        attention="padded", batch_tokens=1)
+    _, ref = extract(
+        selection, tmp / "ref.safetensors", model_dir, fp32, dtype="float32", attention="padded", batch_tokens=1
+    )
+    _, single = extract(
+        selection, tmp / "single.safetensors", model_dir, bf16, dtype="bfloat16", attention="padded", batch_tokens=1
+    )
     return ref, single
 
 
@@ -130,8 +147,15 @@ def references(tmp_path_factory, model_dir, fp32, bf16, selection):
 def test_gpu_batched_equals_single_bf16(tmp_path, model_dir, bf16, selection, references, attention):
     ref, single = references
     off = ref["sample_offsets"].tolist()
-    info, t = extract(selection, tmp_path / "batched.safetensors", model_dir, bf16, dtype="bfloat16",
-                      attention=attention, batch_tokens=1500)
+    info, t = extract(
+        selection,
+        tmp_path / "batched.safetensors",
+        model_dir,
+        bf16,
+        dtype="bfloat16",
+        attention=attention,
+        batch_tokens=1500,
+    )
     # auto-picked kernel on CUDA in bf16: FlashAttention varlen; several samples per forward
     want = {"padded": "padded", "packed": "packed:varlen"}.get(attention, "packed:" + attention.split("-")[-1])
     assert info["attention"] == want and info["batches"] < len(LENGTHS)
@@ -203,17 +227,20 @@ def test_gpu_device_locks_with_real_devices(tmp_path, model_dir, selection):
     locks, release = tmp_path / "locks", tmp_path / "release"
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
-    holder = subprocess.Popen([sys.executable, str(script), str(n), str(locks), str(release)], env=env,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, str(script), str(n), str(locks), str(release)], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         held = json.loads(holder.stdout.readline())
         # the holder has every device, sees exactly those, and ran a kernel on one
         assert held["dev"] == "cuda" and sorted(held["ids"]) == sorted(pool) and held["count"] == n
         assert held["cvd"] == ",".join(held["ids"]) and held["x"] == 4.0
         # a second job needing one device waits (here: times out) while they are all held ...
-        probe = ("import sys\nfrom eagle3_data.devices import gpu_devices\n"
-                 f"try:\n with gpu_devices(1, lock_dir={str(locks)!r}, timeout_s=1.0, poll_s=0.05): print('got')\n"
-                 "except TimeoutError: print('timeout')")
+        probe = (
+            "import sys\nfrom eagle3_data.devices import gpu_devices\n"
+            f"try:\n with gpu_devices(1, lock_dir={str(locks)!r}, timeout_s=1.0, poll_s=0.05): print('got')\n"
+            "except TimeoutError: print('timeout')"
+        )
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == "timeout", out.stderr[-2000:]
@@ -222,11 +249,13 @@ def test_gpu_device_locks_with_real_devices(tmp_path, model_dir, selection):
         release.touch()
         holder.wait(timeout=60)
     # ... and gets one as soon as they are released: a whole extraction on one locked device
-    code = ("import json, sys\nfrom eagle3_data.extract import extract_states\n"
-            "from eagle3_data.settings import ExtractSettings\n"
-            f"info = extract_states({str(selection)!r}, {str(tmp_path / 'x.safetensors')!r}, "
-            f"settings=ExtractSettings.defaults({str(model_dir)!r}, layers={LAYERS}, dtype='bfloat16', "
-            f"device='cuda', gpus_per_job=1, gpu_lock_dir={str(locks)!r}))\nprint(json.dumps(info))")
+    code = (
+        "import json, sys\nfrom eagle3_data.extract import extract_states\n"
+        "from eagle3_data.settings import ExtractSettings\n"
+        f"info = extract_states({str(selection)!r}, {str(tmp_path / 'x.safetensors')!r}, "
+        f"settings=ExtractSettings.defaults({str(model_dir)!r}, layers={LAYERS}, dtype='bfloat16', "
+        f"device='cuda', gpus_per_job=1, gpu_lock_dir={str(locks)!r}))\nprint(json.dumps(info))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     info = json.loads(out.stdout.strip().splitlines()[-1])
@@ -237,8 +266,7 @@ def test_gpu_device_locks_with_real_devices(tmp_path, model_dir, selection):
 def test_gpu_packed_forward_computes_no_padding(model_dir, bf16):
     """The packed forward's input is exactly the real tokens (one row), and its attention ran once per layer."""
     seen = []
-    h = bf16[1].register_forward_pre_hook(lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)),
-                                          with_kwargs=True)
+    h = bf16[1].register_forward_pre_hook(lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     be = tb.TransformersBackend(model_dir, layers=LAYERS, dtype="bfloat16", loaded=bf16, attention="packed")
     try:
         out = be.capture([np.arange(n) % V for n in (1, 700, 5)])

@@ -28,8 +28,9 @@ LAYERS = [0, 2, 4]  # not L-1: HF's output_hidden_states[L] is the final norm's 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L,
-                           vocab_size=V, seed=3)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L, vocab_size=V, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,17 @@ def make_rows(lengths, seed=0):
     rows = []
     for i, n in enumerate(lengths):
         p = rng.randint(0, n - 1)
-        rows.append({"sample_id": f"p{i}", "dataset": "d", "input_ids": [rng.randrange(V) for _ in range(n)],
-                     "loss_mask": [0] * p + [1] * (n - p), "num_tokens": n, "num_supervised": n - p,
-                     "truncated": False})
+        rows.append(
+            {
+                "sample_id": f"p{i}",
+                "dataset": "d",
+                "input_ids": [rng.randrange(V) for _ in range(n)],
+                "loss_mask": [0] * p + [1] * (n - p),
+                "num_tokens": n,
+                "num_supervised": n - p,
+                "truncated": False,
+            }
+        )
     return rows
 
 
@@ -81,12 +90,17 @@ def test_packed_equals_padded_equals_one_by_one(tmp_path, tiny_model, loaded, se
     runs = {}
     counter = InputCounter(loaded[1])
     try:
-        for name, attention, batch_tokens in [("one_by_one", "padded", 1), ("padded", "padded", 700),
-                                              ("packed", "packed", 700), ("auto", "auto", 700)]:
+        for name, attention, batch_tokens in [
+            ("one_by_one", "padded", 1),
+            ("padded", "padded", 700),
+            ("packed", "packed", 700),
+            ("auto", "auto", 700),
+        ]:
             counter.per_forward = []
             out = tmp_path / f"{name}.safetensors"
-            info = ex.extract_states(path, out, model=loaded,
-                                     settings=settings.replace(attention=attention, batch_tokens=batch_tokens))
+            info = ex.extract_states(
+                path, out, model=loaded, settings=settings.replace(attention=attention, batch_tokens=batch_tokens)
+            )
             runs[name] = (info, ex.read_hidden_states(out), list(counter.per_forward))
     finally:
         counter.remove()
@@ -121,8 +135,9 @@ def test_packed_equals_padded_equals_one_by_one(tmp_path, tiny_model, loaded, se
         s, e = off[n], off[n + 1]
         assert e - s == LENGTHS[n]
         for j, layer in enumerate(LAYERS):
-            torch.testing.assert_close(tk["aux_hidden_states"][s:e, j * H:(j + 1) * H], hs[layer + 1][0],
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                tk["aux_hidden_states"][s:e, j * H : (j + 1) * H], hs[layer + 1][0], rtol=1e-5, atol=1e-5
+            )
         torch.testing.assert_close(tk["hidden_states"][s:e], hs[-1][0], rtol=1e-5, atol=1e-5)
     assert model.config._attn_implementation == "sdpa"  # the packed backend switched it back
 
@@ -181,8 +196,21 @@ def test_attention_modes_resolve_per_device(monkeypatch):
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt / mallinfo2")
@@ -204,8 +232,11 @@ def test_cpu_backend_keeps_freed_host_memory(tiny_model, loaded):
 
 def test_bad_attention_is_rejected_before_any_work(tmp_path, tiny_model, selection):
     with pytest.raises(ValueError, match="attention must be one of"):
-        ex.extract_states(selection[0], tmp_path / "x.safetensors",
-                          settings=ExtractSettings.defaults(model_path=tiny_model, attention="ragged", dtype="float32"))
+        ex.extract_states(
+            selection[0],
+            tmp_path / "x.safetensors",
+            settings=ExtractSettings.defaults(model_path=tiny_model, attention="ragged", dtype="float32"),
+        )
     assert not (tmp_path / "x.safetensors").exists()
 
 
@@ -213,9 +244,17 @@ def test_packing_refuses_models_it_cannot_express(tiny_model, loaded, monkeypatc
     from transformers import MistralConfig, MistralForCausalLM
 
     assert tb.packed_unsupported(loaded[0]) == ""
-    windowed = MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
-                                                sliding_window=16))
+    windowed = MistralForCausalLM(
+        MistralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=V,
+            sliding_window=16,
+        )
+    )
     assert "sliding" in tb.packed_unsupported(windowed)
     with pytest.raises(ValueError, match="sliding"):
         tb.TransformersBackend(tiny_model, loaded=(windowed, windowed.model), attention="packed")
@@ -252,7 +291,7 @@ def test_document_block_mask_is_block_diagonal_causal(lengths):
     dense = torch.zeros(T, T, dtype=torch.bool)
     s = 0
     for n in lengths:
-        dense[s:s + n, s:s + n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        dense[s : s + n, s : s + n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
         s += n
     # the element mask (mask_mod on the blocks it is evaluated on) is exactly block-diagonal causal
     from torch.nn.attention.flex_attention import create_mask
@@ -273,6 +312,7 @@ def test_document_block_mask_skips_blocks_across_samples():
 
 # -- overlapped writeback ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("savers", [{}, {"final_states": "supervised", "aux_format": "fp8_e4m3"}])
 def test_overlapped_writes_equal_in_order_writes(tmp_path, tiny_model, loaded, selection, savers, monkeypatch):
     from eagle3_data.extract import writeback
@@ -282,8 +322,12 @@ def test_overlapped_writes_equal_in_order_writes(tmp_path, tiny_model, loaded, s
     real_sync = layout.HiddenStateWriter.sync
     monkeypatch.setattr(layout.HiddenStateWriter, "sync", lambda self: (syncs.append(1), real_sync(self)))
     monkeypatch.setattr(writeback, "SYNC_BYTES", 1)  # the writer thread syncs after every batch
-    kw = dict(model=loaded, settings=ExtractSettings.defaults(tiny_model, layers=LAYERS, attention="packed",
-                                                              batch_tokens=400, dtype="float32", **savers))
+    kw = dict(
+        model=loaded,
+        settings=ExtractSettings.defaults(
+            tiny_model, layers=LAYERS, attention="packed", batch_tokens=400, dtype="float32", **savers
+        ),
+    )
     a, b = tmp_path / "overlap.safetensors", tmp_path / "inorder.safetensors"
     ia = ex.extract_states(path, a, overlap=True, **kw)
     assert len(syncs) == ia["batches"]
@@ -314,9 +358,14 @@ def test_writer_thread_error_surfaces_and_leaves_no_file(tmp_path, tiny_model, l
     out = tmp_path / "hs" / "000.safetensors"
     out.parent.mkdir()
     with pytest.raises(DiskError, match=r"cannot write .*000\.safetensors: the disk is full"):
-        ex.extract_states(path, out,
-                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, attention="packed",
-                                                            batch_tokens=100, dtype="float32"), model=loaded)
+        ex.extract_states(
+            path,
+            out,
+            settings=ExtractSettings.defaults(
+                model_path=tiny_model, layers=LAYERS, attention="packed", batch_tokens=100, dtype="float32"
+            ),
+            model=loaded,
+        )
     assert calls["n"] == 4  # the writer stopped at its error
     assert list(out.parent.iterdir()) == []  # no output, no temporary file
     assert _writeback_threads() == []
@@ -337,9 +386,14 @@ def test_forward_error_stops_the_writer_and_leaves_no_file(tmp_path, tiny_model,
     out = tmp_path / "hs" / "000.safetensors"
     out.parent.mkdir()
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        ex.extract_states(path, out,
-                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, attention="packed",
-                                                            batch_tokens=100, dtype="float32"), model=loaded)
+        ex.extract_states(
+            path,
+            out,
+            settings=ExtractSettings.defaults(
+                model_path=tiny_model, layers=LAYERS, attention="packed", batch_tokens=100, dtype="float32"
+            ),
+            model=loaded,
+        )
     assert list(out.parent.iterdir()) == [] and _writeback_threads() == []
     assert loaded[0].config._attn_implementation == "sdpa"
 
@@ -348,8 +402,16 @@ def test_writeback_rejects_a_wrong_length_before_queueing(tmp_path, selection):
     from eagle3_data.extract.writeback import Writeback
 
     shard = layout.TokenShard(selection[0])
-    w = layout.HiddenStateWriter(tmp_path / "w.safetensors", shard, hidden_size=4, num_aux=2, dtype="float32",
-                                 final_states="all", aux_format="same", metadata={})
+    w = layout.HiddenStateWriter(
+        tmp_path / "w.safetensors",
+        shard,
+        hidden_size=4,
+        num_aux=2,
+        dtype="float32",
+        final_states="all",
+        aux_format="same",
+        metadata={},
+    )
     with pytest.raises(RuntimeError, match="capture length must equal input length"):
         with w:
             sink = Writeback(w)
@@ -375,8 +437,16 @@ def test_writeback_wait_counts_each_blocked_second_once(tmp_path, selection, mon
         return real(self, i, parts)
 
     monkeypatch.setattr(layout.HiddenStateWriter, "put", slow)
-    w = layout.HiddenStateWriter(tmp_path / "w.safetensors", shard, hidden_size=4, num_aux=2, dtype="float32",
-                                 final_states="all", aux_format="same", metadata={})
+    w = layout.HiddenStateWriter(
+        tmp_path / "w.safetensors",
+        shard,
+        hidden_size=4,
+        num_aux=2,
+        dtype="float32",
+        final_states="all",
+        aux_format="same",
+        metadata={},
+    )
     with w:
         sink = Writeback(w)  # depth 2: the third put waits for the writer
         t0 = time.perf_counter()
@@ -389,4 +459,4 @@ def test_writeback_wait_counts_each_blocked_second_once(tmp_path, selection, mon
     assert 0.03 * (shard.n - 3) <= s["wait_s"] <= wall  # every blocked second counted once, none twice
     assert 0.03 <= s["drain_s"] <= s["wait_s"]
     aux = ex.load_states(tmp_path / "w.safetensors")[0]["aux_hidden_states"]
-    assert aux[shard.offsets[-2]:, 0].tolist() == [float(shard.n - 1)] * shard.lengths[-1]
+    assert aux[shard.offsets[-2] :, 0].tolist() == [float(shard.n - 1)] * shard.lengths[-1]

@@ -27,16 +27,39 @@ LAYERS = [4, 1, 3]  # unsorted on purpose: SGLang returns ascending blocks, the 
 
 # The fields of the public config.json files that extraction reads (no weights).
 CONFIGS = {
-    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 32,
-              "hidden_size": 4096, "vocab_size": 128256},
-    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 36,
-              "hidden_size": 4096, "vocab_size": 151936},
-    "deepseek-v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
-                    "hidden_size": 7168, "vocab_size": 129280},
-    "kimi-k2.5": {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-                  "text_config": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-                                  "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840},
-                  "vision_config": {"vt_num_hidden_layers": 27, "vt_hidden_size": 1152}},
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "vocab_size": 128256,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "num_hidden_layers": 36,
+        "hidden_size": 4096,
+        "vocab_size": 151936,
+    },
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "vocab_size": 129280,
+    },
+    "kimi-k2.5": {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "kimi_k2",
+            "num_hidden_layers": 61,
+            "hidden_size": 7168,
+            "vocab_size": 163840,
+        },
+        "vision_config": {"vt_num_hidden_layers": 27, "vt_hidden_size": 1152},
+    },
 }
 
 
@@ -60,12 +83,15 @@ def stand_in(tensor_for):
 # ------------------------------------------------------------------------------------------- layer-id mapping
 
 
-@pytest.mark.parametrize("name, default_ids, rule", [
-    ("llama", [1, 15, 28], sx.PLUS_ONE),
-    ("qwen3", [1, 17, 32], sx.PLUS_ONE),
-    ("deepseek-v3", [1, 29, 57], sx.PLUS_ONE_IF_FIRST_IS_ONE),
-    ("kimi-k2.5", [1, 29, 57], sx.PLUS_ONE_IF_FIRST_IS_ONE),
-])
+@pytest.mark.parametrize(
+    "name, default_ids, rule",
+    [
+        ("llama", [1, 15, 28], sx.PLUS_ONE),
+        ("qwen3", [1, 17, 32], sx.PLUS_ONE),
+        ("deepseek-v3", [1, 29, 57], sx.PLUS_ONE_IF_FIRST_IS_ONE),
+        ("kimi-k2.5", [1, 29, 57], sx.PLUS_ONE_IF_FIRST_IS_ONE),
+    ],
+)
 def test_default_layers_map_to_sglang_ids_per_family(config_dir, name, default_ids, rule):
     path = config_dir(name)
     arch = sx.model_architecture(path)
@@ -152,8 +178,14 @@ def test_unknown_family_and_missing_architectures_are_refused(tmp_path):
 
 
 def test_server_args_turn_on_sglangs_aux_capture_and_pass_trust_remote_code(config_dir):
-    be = sx.SglangBackend(config_dir("kimi-k2.5"), tp_size=8, max_len=4096, trust_remote_code=True,
-                          max_running_requests=64, capture=lambda ids: None)
+    be = sx.SglangBackend(
+        config_dir("kimi-k2.5"),
+        tp_size=8,
+        max_len=4096,
+        trust_remote_code=True,
+        max_running_requests=64,
+        capture=lambda ids: None,
+    )
     args = be._args
     assert args["enable_return_aux_hidden_states"] is True and args["speculative_algorithm"] == "EAGLE3"
     assert args["return_aux_hidden_state_layer_ids"] == [1, 29, 57]
@@ -168,8 +200,10 @@ def test_server_args_turn_on_sglangs_aux_capture_and_pass_trust_remote_code(conf
 
 
 def test_importable_without_sglang_and_refuses_to_run_without_it(tmp_path):
-    code = ("import sys; sys.modules['sglang'] = None\n"
-            "import eagle3_data.extract.sglang_backend as m; print(m.sglang_available())")
+    code = (
+        "import sys; sys.modules['sglang'] = None\n"
+        "import eagle3_data.extract.sglang_backend as m; print(m.sglang_available())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -201,7 +235,7 @@ def test_capture_reorders_blocks_into_layers_order_and_splits_per_sample():
     for (aux, fin), n in zip(out, lens, strict=True):
         tok = torch.arange(start, start + n, dtype=torch.float32)[:, None]
         for k, layer in enumerate([4, 1, 3]):
-            assert torch.equal(aux[:, 4 * k:4 * (k + 1)], (layer * 1000 + tok).expand(n, 4))
+            assert torch.equal(aux[:, 4 * k : 4 * (k + 1)], (layer * 1000 + tok).expand(n, 4))
         assert torch.equal(fin, (-tok).expand(n, 4))
         start += n
 
@@ -295,8 +329,9 @@ def test_tensor_parallel_capture_needs_start_first():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L,
-                           vocab_size=V, seed=2)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny") / "tiny-llama", hidden_size=H, num_layers=L, vocab_size=V, seed=2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -306,9 +341,17 @@ def merged(tmp_path_factory):
     for i in range(11):
         n = rng.choice([3, 9, 40, 70])
         p = rng.randint(1, n - 1)
-        rows.append({"sample_id": f"g{i}", "dataset": "d", "input_ids": [rng.randrange(V) for _ in range(n)],
-                     "loss_mask": [0] * p + [1] * (n - p), "num_tokens": n, "num_supervised": n - p,
-                     "truncated": False})
+        rows.append(
+            {
+                "sample_id": f"g{i}",
+                "dataset": "d",
+                "input_ids": [rng.randrange(V) for _ in range(n)],
+                "loss_mask": [0] * p + [1] * (n - p),
+                "num_tokens": n,
+                "num_supervised": n - p,
+                "truncated": False,
+            }
+        )
     path = tmp_path_factory.mktemp("merged") / "000.parquet"
     schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", path)
     return path, rows
@@ -336,10 +379,12 @@ def test_stand_in_writes_the_transformers_file_in_layers_order(tmp_path, tiny_mo
     path, rows = merged
     loaded = load_target(tiny_model, dtype="float32", device="cpu")
     ref = tmp_path / "hf.safetensors"
-    ex.extract_states(path, ref,  # SGLang stores post-norm final states only: compare with those
-                      settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32",
-                                                        final_norm="post"),
-                      model=loaded)
+    ex.extract_states(
+        path,
+        ref,  # SGLang stores post-norm final states only: compare with those
+        settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32", final_norm="post"),
+        model=loaded,
+    )
     seen = {}
     real_init = sx.SglangBackend.__init__
 
@@ -349,11 +394,20 @@ def test_stand_in_writes_the_transformers_file_in_layers_order(tmp_path, tiny_mo
 
     monkeypatch.setattr(sx.SglangBackend, "__init__", spy)
     out = tmp_path / "sg.safetensors"
-    info = ex.extract_states(path, out,
-                             settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32",
-                                                               batch_tokens=100, backend="sglang", final_norm="post",
-                                                               trust_remote_code=True),
-                             capture=hf_capture(loaded[0], LAYERS))
+    info = ex.extract_states(
+        path,
+        out,
+        settings=ExtractSettings.defaults(
+            model_path=tiny_model,
+            layers=LAYERS,
+            dtype="float32",
+            batch_tokens=100,
+            backend="sglang",
+            final_norm="post",
+            trust_remote_code=True,
+        ),
+        capture=hf_capture(loaded[0], LAYERS),
+    )
     assert seen["trust_remote_code"] is True and seen["layers"] == LAYERS
     assert info["backend"] == "sglang" and info["batches"] > 1
     ta, ma = ex.read_hidden_states(ref)
@@ -367,18 +421,30 @@ def test_stand_in_writes_the_transformers_file_in_layers_order(tmp_path, tiny_mo
     # a short capture (prefix-cache symptom) fails the shard and leaves no file
     bad = tmp_path / "bad" / "000.safetensors"
     with pytest.raises(RuntimeError, match="capture length must equal input length"):
-        ex.extract_states(path, bad,
-                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=LAYERS, dtype="float32",
-                                                            backend="sglang", final_norm="post"),
-                          capture=hf_capture(loaded[0], LAYERS, short_by=1))
+        ex.extract_states(
+            path,
+            bad,
+            settings=ExtractSettings.defaults(
+                model_path=tiny_model, layers=LAYERS, dtype="float32", backend="sglang", final_norm="post"
+            ),
+            capture=hf_capture(loaded[0], LAYERS, short_by=1),
+        )
     assert not bad.exists() and list(bad.parent.iterdir()) == []
     for norm in ("pre", "both"):
         with pytest.raises(ValueError, match="post-norm final states only: set extract.final_norm: post"):
-            ex.extract_states(path, bad,
-                              settings=ExtractSettings.defaults(model_path=tiny_model, backend="sglang",
-                                                                final_norm=norm, dtype="float32"))
+            ex.extract_states(
+                path,
+                bad,
+                settings=ExtractSettings.defaults(
+                    model_path=tiny_model, backend="sglang", final_norm=norm, dtype="float32"
+                ),
+            )
     with pytest.raises(ValueError, match="cannot capture the last decoder layer"):
-        ex.extract_states(path, bad,
-                          settings=ExtractSettings.defaults(model_path=tiny_model, layers=[1, L - 1],
-                                                            backend="sglang", final_norm="post", dtype="float32"),
-                          capture=hf_capture(loaded[0], [1, L - 1]))
+        ex.extract_states(
+            path,
+            bad,
+            settings=ExtractSettings.defaults(
+                model_path=tiny_model, layers=[1, L - 1], backend="sglang", final_norm="post", dtype="float32"
+            ),
+            capture=hf_capture(loaded[0], [1, L - 1]),
+        )

@@ -37,10 +37,18 @@ def target(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny") / "tiny-target"
     # head_dim 64: a size every SGLang attention backend supports
-    info = build_tiny_target(path,
-                             settings=TinyTargetSettings.defaults(seed=3, hidden_size=256, num_layers=8, num_heads=4,
-                                                                  num_kv_heads=2, intermediate_size=512,
-                                                                  max_position_embeddings=4096))
+    info = build_tiny_target(
+        path,
+        settings=TinyTargetSettings.defaults(
+            seed=3,
+            hidden_size=256,
+            num_layers=8,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=512,
+            max_position_embeddings=4096,
+        ),
+    )
     return path, info
 
 
@@ -54,9 +62,17 @@ def selection(tmp_path_factory, target):
     for i in range(40):  # more samples than one forward's request cap below, several lengths
         n = rng.choice([5, 17, 64, 300])
         p = rng.randint(1, n - 1)
-        rows.append({"sample_id": f"s{i}", "dataset": "d", "input_ids": [rng.randrange(256) for _ in range(n)],
-                     "loss_mask": [0] * p + [1] * (n - p), "num_tokens": n, "num_supervised": n - p,
-                     "truncated": False})
+        rows.append(
+            {
+                "sample_id": f"s{i}",
+                "dataset": "d",
+                "input_ids": [rng.randrange(256) for _ in range(n)],
+                "loss_mask": [0] * p + [1] * (n - p),
+                "num_tokens": n,
+                "num_supervised": n - p,
+                "truncated": False,
+            }
+        )
     path = tmp_path_factory.mktemp("sel") / "000.parquet"
     schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", path)
     return path, rows
@@ -91,7 +107,8 @@ def test_sglang_file_matches_the_transformers_file(tmp_path, target, selection):
     tb, mb = ex.read_hidden_states(out)
     assert mb["backend"] == "sglang" and json.loads(mb["layers"]) == LAYERS == json.loads(ma["layers"])
     assert torch.equal(ta["input_ids"], tb["input_ids"]) and tb["input_ids"].numel() == sum(
-        len(r["input_ids"]) for r in rows)
+        len(r["input_ids"]) for r in rows
+    )
     for k in ("aux_hidden_states", "hidden_states"):
         a, b = ta[k].float(), tb[k].float()
         assert a.shape == b.shape, k
@@ -135,6 +152,6 @@ def test_sglang_aux_states_match_the_public_engine_api(tmp_path, target, selecti
     for k, r in enumerate(few):
         n = len(r["input_ids"])
         eng = torch.from_numpy(engine[f"arr_{k}"]).reshape(n, len(LAYERS), 256)[:, order, :].reshape(n, -1)
-        mine = tb["aux_hidden_states"][offsets[k]:offsets[k] + n].float()
+        mine = tb["aux_hidden_states"][offsets[k] : offsets[k] + n].float()
         cos = torch.nn.functional.cosine_similarity(eng, mine, dim=-1)
         assert cos.min() > 0.99, (r["sample_id"], cos.min())

@@ -30,8 +30,13 @@ PILOT = 8
 
 @pytest.fixture
 def target(tmp_path):
-    return {"name": "tiny-target", "path": F.save_fixture("qwen3", tmp_path / "tok"), "template": "qwen3",
-            "trust_remote_code": False, "chat_template_kwargs": {}}
+    return {
+        "name": "tiny-target",
+        "path": F.save_fixture("qwen3", tmp_path / "tok"),
+        "template": "qwen3",
+        "trust_remote_code": False,
+        "chat_template_kwargs": {},
+    }
 
 
 def _prompts(tmp_path) -> list[Path]:
@@ -41,24 +46,43 @@ def _prompts(tmp_path) -> list[Path]:
         convs = simple_convs(N_PER_SHARD, start=100 * k)
         for i, c in enumerate(convs):
             c[0]["content"] += " and more" * (i % 5)
-        out.append(write_prompts(tmp_path / "prompts" / f"{shard}.parquet", convs,
-                                 ids=[f"s{k}{i:03d}" for i in range(N_PER_SHARD)]))
+        out.append(
+            write_prompts(
+                tmp_path / "prompts" / f"{shard}.parquet", convs, ids=[f"s{k}{i:03d}" for i in range(N_PER_SHARD)]
+            )
+        )
     return out
 
 
 def _pilot(tmp_path, fs, prompts, gen, bk, target):
     for path, shard in zip(prompts, SHARDS):
-        fc.pilot(path, tmp_path / "pilot" / f"{shard}.parquet", n=PILOT, dataset="ds", shard=shard, generation=gen,
-                 num_shards=len(SHARDS), target_name=target["name"], backends=bk, journal_dir=tmp_path / "journal",
-                 target_format={"template": target["template"]})
+        fc.pilot(
+            path,
+            tmp_path / "pilot" / f"{shard}.parquet",
+            n=PILOT,
+            dataset="ds",
+            shard=shard,
+            generation=gen,
+            num_shards=len(SHARDS),
+            target_name=target["name"],
+            backends=bk,
+            journal_dir=tmp_path / "journal",
+            target_format={"template": target["template"]},
+        )
     return [tmp_path / "pilot" / f"{s}.parquet" for s in SHARDS]
 
 
 def _forecast(tmp_path, prompts, pilots, gen, bk, target) -> dict:
-    spec = {"ds": {"prompts": prompts, "pilot": pilots, "generation": gen, "backends": bk,
-                   "num_shards": len(SHARDS)}}
-    return fc.forecast(spec, tmp_path / "forecast.md", tmp_path / "forecast.json", target=target, pilot_samples=PILOT,
-                       cache_dir=tmp_path / "cache", backends=bk)
+    spec = {"ds": {"prompts": prompts, "pilot": pilots, "generation": gen, "backends": bk, "num_shards": len(SHARDS)}}
+    return fc.forecast(
+        spec,
+        tmp_path / "forecast.md",
+        tmp_path / "forecast.json",
+        target=target,
+        pilot_samples=PILOT,
+        cache_dir=tmp_path / "cache",
+        backends=bk,
+    )
 
 
 def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_implies(tmp_path, fs, target):
@@ -78,7 +102,9 @@ def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_imp
         assert len(lines) == PILOT // len(SHARDS)
     for rec in records.values():
         msgs = json.loads(rec["messages"])
-        sampling = {k: gen[k] if k != "extra_body" else {} for k in ("max_tokens", "temperature", "top_p", "extra_body")}
+        sampling = {
+            k: gen[k] if k != "extra_body" else {} for k in ("max_tokens", "temperature", "top_p", "extra_body")
+        }
         assert rec["request_key"] == request_key("ds", rec["sample_id"], 1, "tiny-target", msgs, None, sampling)
 
     f = _forecast(tmp_path, prompts, pilots, gen, bk, target)
@@ -122,10 +148,21 @@ def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_imp
 
     # the build: every shard's generate job answers the pilot from the journal and sends only the rest
     before = fs.stats()["completed"]
-    summaries = [generate(p, tmp_path / "responses" / f"{s}.parquet", dataset="ds", shard=s, target_name="tiny-target",
-                          generation=gen, backends=bk, journal_dir=tmp_path / "journal", num_shards=len(SHARDS),
-                          target_format={"template": target["template"]})
-                 for p, s in zip(prompts, SHARDS)]
+    summaries = [
+        generate(
+            p,
+            tmp_path / "responses" / f"{s}.parquet",
+            dataset="ds",
+            shard=s,
+            target_name="tiny-target",
+            generation=gen,
+            backends=bk,
+            journal_dir=tmp_path / "journal",
+            num_shards=len(SHARDS),
+            target_format={"template": target["template"]},
+        )
+        for p, s in zip(prompts, SHARDS)
+    ]
     assert sum(s["from_journal"] for s in summaries) == PILOT
     assert fs.stats()["completed"] - before == n - PILOT
     assert max(fs.stats()["completed_by_body"].values()) == 1, "a pilot request was sent again"
@@ -133,8 +170,11 @@ def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_imp
     # prompt tokens: exactly the prompt lengths the tokenize stage finds in the build's responses
     tok_prompt = 0
     for s in SHARDS:
-        tokenize(str(tmp_path / "responses" / f"{s}.parquet"), str(tmp_path / "tokens" / f"{s}.parquet"),
-                 settings=TokenizeSettings.defaults(target))
+        tokenize(
+            str(tmp_path / "responses" / f"{s}.parquet"),
+            str(tmp_path / "tokens" / f"{s}.parquet"),
+            settings=TokenizeSettings.defaults(target),
+        )
         tok_prompt += sum(pq.read_table(tmp_path / "tokens" / f"{s}.parquet").column("num_prompt_tokens").to_pylist())
     assert d["prompt_tokens"] == tok_prompt > 0
 
@@ -221,8 +261,9 @@ def _fixed(tokens):
 
 def test_simulation_of_waves_on_the_slots():
     # 10 requests of 1 + 0.01 x 100 = 2 s on 4 slots: three waves, 6 s, in every run; 20 request-seconds
-    sim = fc.simulate_generation([{"dataset": "d", "requests": 10, "backends": ["x"]}], {"x": _backend(4, 1.0, 0.01)},
-                                 {"d": _fixed(100)}, runs=3)
+    sim = fc.simulate_generation(
+        [{"dataset": "d", "requests": 10, "backends": ["x"]}], {"x": _backend(4, 1.0, 0.01)}, {"d": _fixed(100)}, runs=3
+    )
     assert sim["span_s"] == pytest.approx([6.0] * 3)
     assert sim["work_s"] == {"d": pytest.approx(20.0)} and sim["busy_s"] == {"x": pytest.approx(20.0)}
 
@@ -232,10 +273,13 @@ def test_simulation_shares_a_backend_fairly_and_overflows_to_the_next():
     5 s each). At t=0 the fair share gives each job one local slot, and B's other 9 requests overflow to `or`;
     from t=1 A has both local slots: its 9 other requests take 1 + 9/2 -> t=6 (the last wave holds one). B's
     overflow ends at t=5."""
-    jobs = [{"dataset": "A", "requests": 10, "backends": ["local"]},
-            {"dataset": "B", "requests": 10, "backends": ["local", "or"]}]
-    sim = fc.simulate_generation(jobs, {"local": _backend(2, 1.0), "or": _backend(10, 5.0)},
-                                 {"A": _fixed(10), "B": _fixed(10)}, runs=1)
+    jobs = [
+        {"dataset": "A", "requests": 10, "backends": ["local"]},
+        {"dataset": "B", "requests": 10, "backends": ["local", "or"]},
+    ]
+    sim = fc.simulate_generation(
+        jobs, {"local": _backend(2, 1.0), "or": _backend(10, 5.0)}, {"A": _fixed(10), "B": _fixed(10)}, runs=1
+    )
     assert sim["dataset_s"] == {"A": [pytest.approx(6.0)], "B": [pytest.approx(5.0)]}
     assert sim["span_s"] == [pytest.approx(6.0)]
     assert sim["busy_s"] == {"local": pytest.approx(11.0), "or": pytest.approx(45.0)}
@@ -249,19 +293,38 @@ def test_simulation_retries_failures_and_rate_limits():
     one = [{"dataset": "d", "requests": 20, "backends": ["x"]}]
     # every attempt fails mid-request: each request is tried 1 + max_retries times, each attempt a uniform part of
     # its 10 s, with backoff waits between (0.25 .. 1 s here); nothing is left waiting
-    sim = fc.simulate_generation(one, {"x": _backend(100, 10.0, p_fault=1.0)}, {"d": _fixed(5)}, runs=20,
-                                 max_retries=2, retry_initial_s=1.0, retry_max_s=1.0)
+    sim = fc.simulate_generation(
+        one,
+        {"x": _backend(100, 10.0, p_fault=1.0)},
+        {"d": _fixed(5)},
+        runs=20,
+        max_retries=2,
+        retry_initial_s=1.0,
+        retry_max_s=1.0,
+    )
     per_request = sim["work_s"]["d"] / 20
     assert 3 * 10.0 * 0.3 < per_request < 3 * 10.0 * 0.7  # 3 attempts of 5 s on average
     assert max(sim["span_s"]) < 3 * 10.0 + 2 * 1.0
     # every attempt rate-limited: refused at once, so no request-seconds, only the backoff waits
-    sim = fc.simulate_generation(one, {"x": _backend(100, 10.0, p_rate_limit=1.0)}, {"d": _fixed(5)}, runs=5,
-                                 max_retries=3, retry_initial_s=0.4, retry_max_s=0.4)
+    sim = fc.simulate_generation(
+        one,
+        {"x": _backend(100, 10.0, p_rate_limit=1.0)},
+        {"d": _fixed(5)},
+        runs=5,
+        max_retries=3,
+        retry_initial_s=0.4,
+        retry_max_s=0.4,
+    )
     assert sim["work_s"]["d"] == 0.0
     assert all(3 * 0.1 <= s <= 3 * 0.4 for s in sim["span_s"])
     # a job's own retry settings win over the defaults
-    sim = fc.simulate_generation([{**one[0], "max_retries": 0}], {"x": _backend(100, 10.0, p_fault=1.0)},
-                                 {"d": _fixed(5)}, runs=20, max_retries=5)
+    sim = fc.simulate_generation(
+        [{**one[0], "max_retries": 0}],
+        {"x": _backend(100, 10.0, p_fault=1.0)},
+        {"d": _fixed(5)},
+        runs=20,
+        max_retries=5,
+    )
     assert sim["work_s"]["d"] / 20 < 10.0
 
 
@@ -271,37 +334,57 @@ def test_simulation_draws_lengths_from_the_lognormal_capped():
 
     mu, sigma, cap = math.log(1000), 0.8, 4000
     n = 20_000
-    sim = fc.simulate_generation([{"dataset": "d", "requests": n, "backends": ["x"]}],
-                                 {"x": _backend(1000, 0.5, 0.001)}, {"d": {"mu": mu, "sigma": sigma, "cap": cap}},
-                                 runs=1)
+    sim = fc.simulate_generation(
+        [{"dataset": "d", "requests": n, "backends": ["x"]}],
+        {"x": _backend(1000, 0.5, 0.001)},
+        {"d": {"mu": mu, "sigma": sigma, "cap": cap}},
+        runs=1,
+    )
     # E[min(L, cap)] of a lognormal: e^(mu + s^2/2) Phi((ln cap - mu - s^2) / s) + cap (1 - Phi((ln cap - mu) / s))
     z = (math.log(cap) - mu) / sigma
-    mean = math.exp(mu + sigma ** 2 / 2) * NormalDist().cdf(z - sigma) + cap * (1 - NormalDist().cdf(z))
+    mean = math.exp(mu + sigma**2 / 2) * NormalDist().cdf(z - sigma) + cap * (1 - NormalDist().cdf(z))
     assert sim["work_s"]["d"] / n == pytest.approx(0.5 + 0.001 * mean, rel=0.02)
-    assert fc.length_model([100, 400], 300) == {"mu": pytest.approx(math.log(200)),
-                                                "sigma": pytest.approx(math.log(4) / math.sqrt(2)), "cap": 300}
+    assert fc.length_model([100, 400], 300) == {
+        "mu": pytest.approx(math.log(200)),
+        "sigma": pytest.approx(math.log(4) / math.sqrt(2)),
+        "cap": 300,
+    }
     assert fc.length_model([250], None)["sigma"] == 0.0
 
 
 def test_pilot_faults_split_over_the_backends_by_their_answers():
-    summaries = [{"attempts": {"sent": 110, "retry_reasons": {"http_429": 6, "http_502": 4},
-                               "by_backend": {"a": 75, "b": 25}}},
-                 {"sent": 50, "retry_reasons": {"timeout": 5}, "by_backend": {"b": 45}},  # no `attempts`: its own
-                 {"sent": 0, "retry_reasons": {}, "by_backend": {}}]  # answered from the journal: nothing seen
+    summaries = [
+        {"attempts": {"sent": 110, "retry_reasons": {"http_429": 6, "http_502": 4}, "by_backend": {"a": 75, "b": 25}}},
+        {"sent": 50, "retry_reasons": {"timeout": 5}, "by_backend": {"b": 45}},  # no `attempts`: its own
+        {"sent": 0, "retry_reasons": {}, "by_backend": {}},
+    ]  # answered from the journal: nothing seen
     f = fc.pilot_faults(summaries)
     assert f["a"] == pytest.approx({"attempts": 82.5, "rate_limited": 4.5, "faults": 3.0})
     assert f["b"] == pytest.approx({"attempts": 27.5 + 50, "rate_limited": 1.5, "faults": 1.0 + 5})
 
 
 def test_job_overhead_is_the_pilot_jobs_mean_and_every_simulated_time_includes_it():
-    summaries = [{"attempts": {"startup_s": 4.0, "wrapup_s": 1.0}}, {"startup_s": 6.0, "wrapup_s": 3.0},
-                 {"startup_s": None, "wrapup_s": None}]  # sent nothing: measured nothing
+    summaries = [
+        {"attempts": {"startup_s": 4.0, "wrapup_s": 1.0}},
+        {"startup_s": 6.0, "wrapup_s": 3.0},
+        {"startup_s": None, "wrapup_s": None},
+    ]  # sent nothing: measured nothing
     assert fc.job_overhead(summaries) == {"startup_s": 5.0, "wrapup_s": 2.0, "job_s": 7.0}
     assert fc.job_overhead([]) == {"startup_s": 0.0, "wrapup_s": 0.0, "job_s": 0.0}
-    per = [{"dataset": "d", "backends": ["x"], "shards": [{"requests": 10, "remaining": 4}],
-            "retry": {"max_retries": 0}, "length_model": _fixed(100), "_pilot_lengths": [100]}]
-    models = {"x": _backend(4, 1.0, 0.01) | {"latency": {}, "pilot_attempts": 0.0, "pilot_rate_limited": 0.0,
-                                              "pilot_faults": 0.0}}
+    per = [
+        {
+            "dataset": "d",
+            "backends": ["x"],
+            "shards": [{"requests": 10, "remaining": 4}],
+            "retry": {"max_retries": 0},
+            "length_model": _fixed(100),
+            "_pilot_lengths": [100],
+        }
+    ]
+    models = {
+        "x": _backend(4, 1.0, 0.01)
+        | {"latency": {}, "pilot_attempts": 0.0, "pilot_rate_limited": 0.0, "pilot_faults": 0.0}
+    }
     full = fc.simulated_hours(per, models, "requests", 7.0)
     assert full["hours"] * 3600 == pytest.approx(6.0 + 7.0)  # 3 waves of 2 s, plus the job's own 7 s
     assert full["dataset_hours"]["d"] * 3600 == pytest.approx(13.0)
@@ -313,9 +396,19 @@ def test_a_rerun_pilot_answered_from_the_journal_keeps_the_failures_it_saw(tmp_p
     fs.app.reset()
     gen, bk = gen_cfg(), backends_cfg(fs)
     prompts = _prompts(tmp_path)
-    kw = dict(n=PILOT, dataset="ds", shard="000", generation=gen, num_shards=len(SHARDS), target_name=target["name"],
-              backends=bk, journal_dir=tmp_path / "journal", target_format={"template": target["template"]},
-              attempts_path=tmp_path / "cache/forecast/pilot/ds/000.jsonl", summary_path=tmp_path / "s.json")
+    kw = dict(
+        n=PILOT,
+        dataset="ds",
+        shard="000",
+        generation=gen,
+        num_shards=len(SHARDS),
+        target_name=target["name"],
+        backends=bk,
+        journal_dir=tmp_path / "journal",
+        target_format={"template": target["template"]},
+        attempts_path=tmp_path / "cache/forecast/pilot/ds/000.jsonl",
+        summary_path=tmp_path / "s.json",
+    )
     first = fc.pilot(prompts[0], tmp_path / "p.parquet", **kw)
     st = fs.stats()
     assert first["attempts"]["sent"] == st["requests"] > PILOT // 2  # the faults made retries
@@ -342,8 +435,15 @@ def test_forecast_target_then_build_pays_nothing_twice(tmp_path):
     try:
         wd = copy_workflow(tmp_path / "wf")
         cfg = yaml.safe_load((wd / "config.yaml").read_text())
-        cfg["backends"] = {"remote": {"type": "openrouter", "base_url": f"{server.url}/v1", "model": "fault-model",
-                                      "max_concurrency": 4, "timeout_s": 10}}
+        cfg["backends"] = {
+            "remote": {
+                "type": "openrouter",
+                "base_url": f"{server.url}/v1",
+                "model": "fault-model",
+                "max_concurrency": 4,
+                "timeout_s": 10,
+            }
+        }
         cfg["generation"].update({"backends": ["remote"], "max_retries": 1})
         cfg["datasets"] = {k: v for k, v in cfg["datasets"].items() if k in ("ultrachat_demo", "sharegpt_demo")}
         cfg["forecast"] = {"pilot_samples": 3}
@@ -357,8 +457,11 @@ def test_forecast_target_then_build_pays_nothing_twice(tmp_path):
             records, _ = read_journal(wd / "cache/journal", ds)
             assert len(records) == 3
         assert (wd / "results/reports/forecast.md").read_text().startswith("# Generation forecast")
-        targets = [f"results/{ds}/responses/{s}.parquet" for ds in f["datasets"]
-                   for s in ([f"{i:03d}" for i in range(cfg["datasets"][ds].get("shards", 1))])]
+        targets = [
+            f"results/{ds}/responses/{s}.parquet"
+            for ds in f["datasets"]
+            for s in ([f"{i:03d}" for i in range(cfg["datasets"][ds].get("shards", 1))])
+        ]
         run_snakemake(wd, "--cores", "2", *targets)
         st = server.stats()
         assert max(st["completed_by_body"].values()) == 1, "a pilot request was paid twice"
@@ -386,9 +489,12 @@ def test_expected_longest_is_the_lognormal_quantile_n_over_n_plus_1_capped():
 def test_simulation_overflows_in_each_datasets_priority_order():
     """Job B prefers `local` then `or`; `or` comes first in the backends' order (another dataset's only backend):
     B still fills local's free slots first and overflows to `or` only for the rest."""
-    jobs = [{"dataset": "C", "requests": 1, "backends": ["or"]},
-            {"dataset": "B", "requests": 5, "backends": ["local", "or"]}]
-    sim = fc.simulate_generation(jobs, {"or": _backend(10, 5.0), "local": _backend(3, 1.0)},
-                                 {"B": _fixed(10), "C": _fixed(10)}, runs=1)
+    jobs = [
+        {"dataset": "C", "requests": 1, "backends": ["or"]},
+        {"dataset": "B", "requests": 5, "backends": ["local", "or"]},
+    ]
+    sim = fc.simulate_generation(
+        jobs, {"or": _backend(10, 5.0), "local": _backend(3, 1.0)}, {"B": _fixed(10), "C": _fixed(10)}, runs=1
+    )
     # B: 3 requests on local (1 s each), 2 on or (5 s each); C: 1 on or
     assert sim["busy_s"] == {"local": pytest.approx(3.0), "or": pytest.approx(15.0)}

@@ -17,44 +17,87 @@ from eagle3_data.generate import GenerationStopped, assistant_turns, generate, r
 from eagle3_data.files import write_parquet  # noqa: E402
 from eagle3_data.journal import read_journal  # noqa: E402
 
-ACCEPTANCE_FAULTS = {"p429": 0.10, "p5xx": 0.05, "ptimeout": 0.02, "preset": 0.02, "perror200": 0.01,
-                     "pmalformed": 0.01, "hang_s": 3.0, "retry_after_s": 0.01}
+ACCEPTANCE_FAULTS = {
+    "p429": 0.10,
+    "p5xx": 0.05,
+    "ptimeout": 0.02,
+    "preset": 0.02,
+    "perror200": 0.01,
+    "pmalformed": 0.01,
+    "hang_s": 3.0,
+    "retry_after_s": 0.01,
+}
 
 
 def write_prompts(path: Path, convs: list[list[dict]], tools=None, ids=None) -> Path:
     rows = []
     for i, msgs in enumerate(convs):
-        rows.append(dict(sample_id=ids[i] if ids else f"s{i:04d}", dataset="ds",
-                         messages=msgs if isinstance(msgs, str) else json.dumps(msgs),
-                         tools=json.dumps(tools) if tools else None, source_format="test", source_row=i))
+        rows.append(
+            dict(
+                sample_id=ids[i] if ids else f"s{i:04d}",
+                dataset="ds",
+                messages=msgs if isinstance(msgs, str) else json.dumps(msgs),
+                tools=json.dumps(tools) if tools else None,
+                source_format="test",
+                source_row=i,
+            )
+        )
     write_parquet(schemas.from_rows(rows, schemas.PROMPTS), path)
     return path
 
 
 def simple_convs(n: int, start: int = 0) -> list[list[dict]]:
-    return [[{"role": "user", "content": f"question number {i}"}, {"role": "assistant", "content": "original"}]
-            for i in range(start, start + n)]
+    return [
+        [{"role": "user", "content": f"question number {i}"}, {"role": "assistant", "content": "original"}]
+        for i in range(start, start + n)
+    ]
 
 
 def gen_cfg(**kw) -> dict:
-    cfg = dict(backends=["fault"], mode="last", max_tokens=30, temperature=1.0, top_p=1.0, extra_body={},
-               max_retries=6, max_samples=None, budget_completion_tokens=None, budget_usd=None,
-               retry_initial_s=0.01, retry_max_s=0.05)
+    cfg = dict(
+        backends=["fault"],
+        mode="last",
+        max_tokens=30,
+        temperature=1.0,
+        top_p=1.0,
+        extra_body={},
+        max_retries=6,
+        max_samples=None,
+        budget_completion_tokens=None,
+        budget_usd=None,
+        retry_initial_s=0.01,
+        retry_max_s=0.05,
+    )
     cfg.update(kw)
     return cfg
 
 
 def backends_cfg(fs, name="fault", **kw) -> dict:
-    b = dict(type="openrouter", base_url=fs.url + "/v1", model="vendor/model", api_key_env=None,
-             max_concurrency=8, timeout_s=1.0)
+    b = dict(
+        type="openrouter",
+        base_url=fs.url + "/v1",
+        model="vendor/model",
+        api_key_env=None,
+        max_concurrency=8,
+        timeout_s=1.0,
+    )
     b.update(kw)
     return {name: b}
 
 
 def run(tmp_path, fs, prompts, gen=None, bk=None, shard="000", out="out.parquet", **kw):
-    return generate(prompts, tmp_path / out, dataset="ds", shard=shard, target_name="tiny-target",
-                    generation=gen or gen_cfg(), backends=bk or backends_cfg(fs), journal_dir=tmp_path / "journal",
-                    progress_interval_s=0.5, **kw)
+    return generate(
+        prompts,
+        tmp_path / out,
+        dataset="ds",
+        shard=shard,
+        target_name="tiny-target",
+        generation=gen or gen_cfg(),
+        backends=bk or backends_cfg(fs),
+        journal_dir=tmp_path / "journal",
+        progress_interval_s=0.5,
+        **kw,
+    )
 
 
 def rows_by_key(path) -> dict:
@@ -65,11 +108,11 @@ def test_assistant_turns_rules():
     u, a, t, s = ({"role": r, "content": r} for r in ("user", "assistant", "tool", "system"))
     assert assistant_turns([s, u, a, u, a], "last") == [4]
     assert assistant_turns([s, u, a, u, a], "all") == [2, 4]
-    assert assistant_turns([u, a, t], "last") == [1]           # last assistant, even with a tool result after it
-    assert assistant_turns([s, u], "last") == [2]              # no assistant: a fresh turn after the user message
+    assert assistant_turns([u, a, t], "last") == [1]  # last assistant, even with a tool result after it
+    assert assistant_turns([s, u], "last") == [2]  # no assistant: a fresh turn after the user message
     assert assistant_turns([u, a, t, a, t], "all") == [1, 3]
-    assert assistant_turns([s], "last") == []                  # nothing to answer
-    assert assistant_turns([a, u], "last") == [2]              # a leading assistant turn is never a target
+    assert assistant_turns([s], "last") == []  # nothing to answer
+    assert assistant_turns([a, u], "last") == [2]  # a leading assistant turn is never a target
 
 
 def test_replies_with_unstorable_values_are_retried_or_stored_as_nulls(tmp_path, fs):
@@ -98,19 +141,36 @@ def test_reply_values_are_checked_one_by_one():
     from eagle3_data.backends.native import parse_native_response
     from eagle3_data.backends.definition import BackendConfig
 
-    assert [as_count(v) for v in (5, 5.9, "7", None, True, -1, 1e30, float("inf"), float("nan"), "x", 2**31, 2**31 - 1)] \
-        == [5, 5, 7, None, None, None, None, None, None, None, None, 2**31 - 1]
-    assert [as_cost(v) for v in (0.5, "0.25", 0, -0.1, float("nan"), float("inf"), None, False, "x")] == \
-        [0.5, 0.25, 0.0, None, None, None, None, None, None]
+    assert [
+        as_count(v) for v in (5, 5.9, "7", None, True, -1, 1e30, float("inf"), float("nan"), "x", 2**31, 2**31 - 1)
+    ] == [5, 5, 7, None, None, None, None, None, None, None, None, 2**31 - 1]
+    assert [as_cost(v) for v in (0.5, "0.25", 0, -0.1, float("nan"), float("inf"), None, False, "x")] == [
+        0.5,
+        0.25,
+        0.0,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    ]
     assert as_token_ids([0, 5, 2**31 - 1]) == [0, 5, 2**31 - 1]
     assert [as_token_ids(v) for v in ([1, 2**31], [-1], [1, True], [1.0], [], None)] == [None] * 6
     be = BackendConfig.from_dict("b", {"type": "openrouter", "base_url": "http://x/v1", "model": "m"})
-    body = {"id": "gen-1", "provider": "P", "choices": [{"finish_reason": "stop", "message": {"content": "hi"}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.001}}
+    body = {
+        "id": "gen-1",
+        "provider": "P",
+        "choices": [{"finish_reason": "stop", "message": {"content": "hi"}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.001},
+    }
     f = parse_response(be, json.dumps(body).encode(), 0.5)
     assert (f["content"], f["prompt_tokens"], f["cost_usd"], f["provider"]) == ("hi", 3, 0.001, "P")
-    for path, value in ((("choices", 0, "message", "content"), "ok \ud800"), (("provider",), "P\udfff"),
-                        (("choices", 0, "message", "reasoning"), "\ud83d")):
+    for path, value in (
+        (("choices", 0, "message", "content"), "ok \ud800"),
+        (("provider",), "P\udfff"),
+        (("choices", 0, "message", "reasoning"), "\ud83d"),
+    ):
         b = json.loads(json.dumps(body))
         node = b
         for k in path[:-1]:
@@ -131,7 +191,7 @@ def test_faults_every_sample_ends_once(tmp_path, fs):
     summary = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=8))
     rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
     ids = [r["sample_id"] for r in rows]
-    assert sorted(ids) == [f"s{i:04d}" for i in range(300)]          # every sample exactly once
+    assert sorted(ids) == [f"s{i:04d}" for i in range(300)]  # every sample exactly once
     ok = [r for r in rows if r["status"] == "ok"]
     failed = [r for r in rows if r["status"] == "failed"]
     assert all(r["error"] and ":" in r["error"] for r in failed)
@@ -167,7 +227,7 @@ def test_unpaid_failures_fail_the_job_and_the_rerun_sends_exactly_them(tmp_path,
     assert "Rerun the same command to send them (2 responses of ds are journaled" in msg and "\n" not in msg
     assert not (tmp_path / "out.parquet").exists() and list(tmp_path.glob("*.tmp*")) == []
     assert fs.app.requests == 2 + 3 * 3 and fs.app.completed == 2
-    assert len(read_journal(tmp_path / "journal", "ds")[0]) == 2          # failures are not journaled
+    assert len(read_journal(tmp_path / "journal", "ds")[0]) == 2  # failures are not journaled
     fs.app.config.update({"fail_after": None})
     fs.app.reset()
     s2 = run(tmp_path, fs, prompts)
@@ -187,7 +247,7 @@ def test_unpaid_failures_kept_as_failed_rows_with_keep(tmp_path, fs):
     assert all(r["error"].startswith("http_500") and "3 attempt" in r["error"] for r in rows if r["status"] == "failed")
     assert s1["sent"] == 2 + 3 * 3 and s1["failed_total"] == 3 and s1["failed_unpaid"] == 3
     assert s1["unpaid"] == {"http_500": 3}
-    assert len(read_journal(tmp_path / "journal", "ds")[0]) == 2          # failures are not journaled
+    assert len(read_journal(tmp_path / "journal", "ds")[0]) == 2  # failures are not journaled
     fs.app.config.update({"fail_after": None})
     s2 = run(tmp_path, fs, prompts)
     assert s2["sent"] == 3 and s2["ok"] == 5 and s2["from_journal"] == 2
@@ -214,8 +274,9 @@ def test_a_429_storm_slows_the_backend_down_instead_of_failing_samples(tmp_path,
     fs.app.config.update({"storm_s": 3.0, "retry_after_s": 0.3, "latency_min_s": 0.01, "latency_max_s": 0.02})
     fs.app.reset()
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(100))
-    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=4, retry_initial_s=0.2, retry_max_s=0.5,
-                                                unpaid_failures="keep"))
+    s = run(
+        tmp_path, fs, prompts, gen=gen_cfg(max_retries=4, retry_initial_s=0.2, retry_max_s=0.5, unpaid_failures="keep")
+    )
     storm = fs.app.outcomes["429"]
     failed = s["failed"].get("http_429", 0)
     assert s["failed"] == s["unpaid"] == ({"http_429": failed} if failed else {}) and failed <= 2
@@ -261,7 +322,7 @@ def test_torn_last_journal_line(tmp_path, fs):
     jfile = tmp_path / "journal" / "ds" / "000.jsonl"
     lines = jfile.read_bytes().splitlines(keepends=True)
     assert len(lines) == 10
-    jfile.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])   # crash mid-write
+    jfile.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # crash mid-write
     fs.app.reset()
     s = run(tmp_path, fs, prompts, out="again.parquet")
     assert s["sent"] == 1 and s["from_journal"] == 9 and s["journal_bad_lines"] == 1
@@ -269,7 +330,7 @@ def test_torn_last_journal_line(tmp_path, fs):
     strip = lambda rows: {k: {f: v for f, v in r.items() if f not in timing} for k, r in rows.items()}  # noqa: E731
     assert strip(rows_by_key(tmp_path / "again.parquet")) == strip(rows_by_key(tmp_path / "out.parquet"))
     recs, stats = read_journal(tmp_path / "journal", "ds")
-    assert len(recs) == 10 and stats["bad_lines"] == 1                # the fragment stayed on its own line
+    assert len(recs) == 10 and stats["bad_lines"] == 1  # the fragment stayed on its own line
     assert run(tmp_path, fs, prompts, out="third.parquet")["sent"] == 0
 
 
@@ -298,27 +359,49 @@ def test_api_key_canary_never_written(tmp_path, fs, monkeypatch):
     fs.app.config.update({**ACCEPTANCE_FAULTS, "require_key": canary, "p5xx": 0.3})
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
     log = tmp_path / "logs" / "job.log"
-    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=1, unpaid_failures="keep"),
-            bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), log=log)
-    assert s["ok"] > 0 and s["failed_total"] > 0                      # a run with failures
+    s = run(
+        tmp_path,
+        fs,
+        prompts,
+        gen=gen_cfg(max_retries=1, unpaid_failures="keep"),
+        bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"),
+        log=log,
+    )
+    assert s["ok"] > 0 and s["failed_total"] > 0  # a run with failures
     # a wrong key stops the job with 401; the message names the variable, not the value
     monkeypatch.setenv("E3D_TEST_KEY", canary + "-wrong")
     with pytest.raises(GenerationStopped, match="401"):
-        run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(3, start=100)),
-            bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), log=log, out="o2.parquet")
+        run(
+            tmp_path,
+            fs,
+            write_prompts(tmp_path / "p2.parquet", simple_convs(3, start=100)),
+            bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"),
+            log=log,
+            out="o2.parquet",
+        )
     monkeypatch.delenv("E3D_TEST_KEY")
     with pytest.raises(GenerationStopped, match="E3D_TEST_KEY"):
-        run(tmp_path, fs, write_prompts(tmp_path / "p3.parquet", simple_convs(3, start=200)),
-            bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), log=log, out="o3.parquet")
+        run(
+            tmp_path,
+            fs,
+            write_prompts(tmp_path / "p3.parquet", simple_convs(3, start=200)),
+            bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"),
+            log=log,
+            out="o3.parquet",
+        )
     assert log.read_text().count("done") >= 1
     hits = [p for p in tmp_path.rglob("*") if p.is_file() and canary.encode() in p.read_bytes()]
     assert hits == []
 
 
 def test_mode_all_uses_regenerated_history(tmp_path, fs):
-    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first q"},
-            {"role": "assistant", "content": "orig one"}, {"role": "user", "content": "second q"},
-            {"role": "assistant", "content": "orig two"}]
+    conv = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "first q"},
+        {"role": "assistant", "content": "orig one"},
+        {"role": "user", "content": "second q"},
+        {"role": "assistant", "content": "orig two"},
+    ]
     prompts = write_prompts(tmp_path / "p.parquet", [conv, conv[:3]])
     s = run(tmp_path, fs, prompts, gen=gen_cfg(mode="all"))
     assert s["sent"] == 3 and s["ok"] == 2
@@ -335,19 +418,29 @@ def test_mode_all_uses_regenerated_history(tmp_path, fs):
 
 def test_agent_trajectory_tools_passed_through(tmp_path, fs):
     tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
-    call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{\"cmd\": \"ls\"}"}}
-    conv = [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix the bug"},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"},
-            {"role": "assistant", "content": "done"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}
+    conv = [
+        {"role": "system", "content": "agent"},
+        {"role": "user", "content": "fix the bug"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"},
+        {"role": "assistant", "content": "done"},
+    ]
     prompts = write_prompts(tmp_path / "p.parquet", [conv], tools=tools)
     run(tmp_path, fs, prompts)
     (row,) = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert row["turn"] == 4 and json.loads(row["messages"]) == conv[:4] and json.loads(row["tools"]) == tools
     sent_body = {"messages": conv[:4], "tools": tools, "max_tokens": 30, "temperature": 1.0, "top_p": 1.0}
     assert fs.stats()["completed_by_body"] == {body_hash(sent_body): 1}
-    assert row["request_key"] == request_key("ds", "s0000", 4, "tiny-target", conv[:4], tools,
-                                             {"max_tokens": 30, "temperature": 1.0, "top_p": 1.0, "extra_body": {}})
+    assert row["request_key"] == request_key(
+        "ds",
+        "s0000",
+        4,
+        "tiny-target",
+        conv[:4],
+        tools,
+        {"max_tokens": 30, "temperature": 1.0, "top_p": 1.0, "extra_body": {}},
+    )
 
 
 def test_bad_prompts_fail_with_reason_without_requests(tmp_path, fs):
@@ -365,14 +458,22 @@ def test_completion_token_budget_overshoot_bounded(tmp_path, fs):
     fs.app.config.update({"min_tokens": 20, "max_tokens": 40, "latency_min_s": 0.01, "latency_max_s": 0.03})
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(60))
     conc = 4
-    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=40, budget_completion_tokens=400),
-            bk=backends_cfg(fs, max_concurrency=conc))
+    s = run(
+        tmp_path,
+        fs,
+        prompts,
+        gen=gen_cfg(max_tokens=40, budget_completion_tokens=400),
+        bk=backends_cfg(fs, max_concurrency=conc),
+    )
     assert s["stopped_by"] == "budget_completion_tokens"
     assert 400 <= s["total_completion_tokens"] <= 400 + conc * 40
     assert s["not_sent"] > 0 and s["ok"] + s["not_sent"] == 60
-    assert pq.read_table(tmp_path / "out.parquet").num_rows == s["ok"]   # never-sent samples get no row
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == s["ok"]  # never-sent samples get no row
     # a rerun with the same budget sends nothing (journaled spend counts)
-    assert run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=40, budget_completion_tokens=400), out="b.parquet")["sent"] == 0
+    assert (
+        run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=40, budget_completion_tokens=400), out="b.parquet")["sent"]
+        == 0
+    )
 
 
 def test_budget_holds_when_most_attempts_get_429(tmp_path, fs):
@@ -382,16 +483,29 @@ def test_budget_holds_when_most_attempts_get_429(tmp_path, fs):
     fs.app.reset()
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(120))
     conc = 2
-    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=10, budget_completion_tokens=50, max_retries=30),
-            bk=backends_cfg(fs, max_concurrency=conc))
+    s = run(
+        tmp_path,
+        fs,
+        prompts,
+        gen=gen_cfg(max_tokens=10, budget_completion_tokens=50, max_retries=30),
+        bk=backends_cfg(fs, max_concurrency=conc),
+    )
     assert s["stopped_by"] == "budget_completion_tokens" and s["retries"] > 5
     assert 50 <= s["total_completion_tokens"] <= 50 + conc * 10
     assert s["ok"] + s["not_sent"] == 120 and s["failed"] == {}
 
 
 def test_usd_budget_and_sample_cap(tmp_path, fs):
-    fs.app.config.update({"min_tokens": 30, "max_tokens": 30, "price_out": 0.001, "price_in": 0.0,
-                          "latency_min_s": 0.01, "latency_max_s": 0.02})
+    fs.app.config.update(
+        {
+            "min_tokens": 30,
+            "max_tokens": 30,
+            "price_out": 0.001,
+            "price_in": 0.0,
+            "latency_min_s": 0.01,
+            "latency_max_s": 0.02,
+        }
+    )
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(50))
     s = run(tmp_path, fs, prompts, gen=gen_cfg(budget_usd=0.3), bk=backends_cfg(fs, max_concurrency=3))
     assert s["stopped_by"] == "budget_usd"
@@ -411,15 +525,35 @@ def test_priority_overflow_and_ejection(tmp_path, fs):
     # a dead first backend (connection refused) is taken out; its requests go to the next one
     from eagle3_data.backends import free_port
 
-    dead = {"dead": dict(type="openai", base_url=f"http://127.0.0.1:{free_port()}/v1", model="x", api_key_env=None,
-                         max_concurrency=4, timeout_s=1.0)}
+    dead = {
+        "dead": dict(
+            type="openai",
+            base_url=f"http://127.0.0.1:{free_port()}/v1",
+            model="x",
+            api_key_env=None,
+            max_concurrency=4,
+            timeout_s=1.0,
+        )
+    }
     bk2 = {**dead, **backends_cfg(fs, name="live", max_concurrency=2)}
-    s2 = run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(30, start=50)),
-             gen=gen_cfg(backends=["dead", "live"], max_retries=30), bk=bk2, out="o2.parquet")
+    s2 = run(
+        tmp_path,
+        fs,
+        write_prompts(tmp_path / "p2.parquet", simple_convs(30, start=50)),
+        gen=gen_cfg(backends=["dead", "live"], max_retries=30),
+        bk=bk2,
+        out="o2.parquet",
+    )
     assert s2["ok"] == 30 and s2["by_backend"] == {"live": 30}
     # a single retry is enough: a retry after a backend fault waits for another backend rather than the same one
-    s3 = run(tmp_path, fs, write_prompts(tmp_path / "p3.parquet", simple_convs(40, start=100)),
-             gen=gen_cfg(backends=["dead", "live"], max_retries=1), bk=bk2, out="o3.parquet")
+    s3 = run(
+        tmp_path,
+        fs,
+        write_prompts(tmp_path / "p3.parquet", simple_convs(40, start=100)),
+        gen=gen_cfg(backends=["dead", "live"], max_retries=1),
+        bk=bk2,
+        out="o3.parquet",
+    )
     assert s3["ok"] == 40 and s3["failed"] == {} and s3["by_backend"] == {"live": 40}
 
 
@@ -446,27 +580,36 @@ def test_debug_logs_of_every_library_never_show_the_key(tmp_path, fs, monkeypatc
     try:
         for n in names:
             logging.getLogger(n).setLevel(logging.DEBUG)
-        s = run(tmp_path, fs, write_prompts(tmp_path / "p.parquet", simple_convs(30)),
-                gen=gen_cfg(max_retries=1, unpaid_failures="keep"),
-                bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY", headers={"X-Title": "eagle3-data-test"}))
+        s = run(
+            tmp_path,
+            fs,
+            write_prompts(tmp_path / "p.parquet", simple_convs(30)),
+            gen=gen_cfg(max_retries=1, unpaid_failures="keep"),
+            bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY", headers={"X-Title": "eagle3-data-test"}),
+        )
         assert s["ok"] > 0 and s["failed_total"] > 0
-        monkeypatch.setenv("E3D_TEST_KEY", canary + "-wrong")   # 401: the fatal path formats an error message
+        monkeypatch.setenv("E3D_TEST_KEY", canary + "-wrong")  # 401: the fatal path formats an error message
         with pytest.raises(GenerationStopped, match="401") as ei:
-            run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(3, start=100)),
-                bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"), out="o2.parquet")
+            run(
+                tmp_path,
+                fs,
+                write_prompts(tmp_path / "p2.parquet", simple_convs(3, start=100)),
+                bk=backends_cfg(fs, api_key_env="E3D_TEST_KEY"),
+                out="o2.parquet",
+            )
         assert canary not in str(ei.value) and canary not in repr(ei.value.__context__)
     finally:
         root.removeHandler(h)
         for n, lv in old.items():
             logging.getLogger(n).setLevel(lv)
-    assert any(r.startswith("asyncio") for r in records)              # the DEBUG loggers really were on
+    assert any(r.startswith("asyncio") for r in records)  # the DEBUG loggers really were on
     assert [r for r in records if canary in r or "Bearer" in r] == []
 
 
 def test_prompt_with_an_escaped_unpaired_surrogate_is_a_bad_prompt_row(tmp_path, fs):
     convs = simple_convs(5)
-    convs[2][0]["content"] = "broken emoji \ud83d here"            # json.dumps escapes it: valid UTF-8 text
-    convs[3][0]["content"] = "valid pair \ud83d\ude00 here"          # a real emoji: fine
+    convs[2][0]["content"] = "broken emoji \ud83d here"  # json.dumps escapes it: valid UTF-8 text
+    convs[3][0]["content"] = "valid pair \ud83d\ude00 here"  # a real emoji: fine
     prompts = write_prompts(tmp_path / "p.parquet", convs)
     s = run(tmp_path, fs, prompts)
     assert s["ok"] == 4 and s["failed"] == {"bad_prompt": 1} and s["sent"] == 4
@@ -487,12 +630,28 @@ def test_max_samples_parts_add_up_to_the_cap_across_shards():
 def test_budget_stop_says_which_budget_and_how_many_were_not_sent(tmp_path, fs):
     """The job's last lines name the budget that stopped it (where the config sets it, its value and this shard's
     share), what was spent and how many samples were never sent; ``done`` counts only samples with an outcome."""
-    fs.app.config.update({"min_tokens": 30, "max_tokens": 30, "price_out": 0.001, "price_in": 0.0,
-                          "latency_min_s": 0.01, "latency_max_s": 0.02})
+    fs.app.config.update(
+        {
+            "min_tokens": 30,
+            "max_tokens": 30,
+            "price_out": 0.001,
+            "price_in": 0.0,
+            "latency_min_s": 0.01,
+            "latency_max_s": 0.02,
+        }
+    )
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(50))
     log = tmp_path / "job.log"
-    s = run(tmp_path, fs, prompts, gen=gen_cfg(budget_usd=0.6), bk=backends_cfg(fs, max_concurrency=3), log=log,
-            num_shards=2, budget_sources={"budget_usd": "datasets.ds.generation.budget_usd"})
+    s = run(
+        tmp_path,
+        fs,
+        prompts,
+        gen=gen_cfg(budget_usd=0.6),
+        bk=backends_cfg(fs, max_concurrency=3),
+        log=log,
+        num_shards=2,
+        budget_sources={"budget_usd": "datasets.ds.generation.budget_usd"},
+    )
     assert s["stopped_by"] == "budget_usd" and s["not_sent"] > 0 and s["ok"] + s["not_sent"] == 50
     text = log.read_text()
     finished = [ln for ln in text.splitlines() if "finished:" in ln]
@@ -502,29 +661,49 @@ def test_budget_stop_says_which_budget_and_how_many_were_not_sent(tmp_path, fs):
     assert f"${s['total_cost_usd']:.4f} of $0.3000 budget_usd" in finished[0]
     warn = [ln for ln in text.splitlines() if "WARNING" in ln and "stopped by budget_usd" in ln]
     assert len(warn) == 1
-    assert (f"[ds/000] stopped by budget_usd (datasets.ds.generation.budget_usd = $0.6000, this shard's share "
-            f"$0.3000 of 2 shards): ${s['total_cost_usd']:.4f} spent; {s['not_sent']} of 50 samples not sent") in warn[0]
+    assert (
+        f"[ds/000] stopped by budget_usd (datasets.ds.generation.budget_usd = $0.6000, this shard's share "
+        f"$0.3000 of 2 shards): ${s['total_cost_usd']:.4f} spent; {s['not_sent']} of 50 samples not sent"
+    ) in warn[0]
 
 
 def test_progress_lines_in_a_log_file_are_plain_lines(tmp_path, fs):
     """A log file (not a terminal) gets one plain progress line per interval: no carriage returns, the count, the
     rate and ETA, in flight, tok/s, dollars, outcomes; with a token budget, tokens of the budget."""
-    fs.app.config.update({"min_tokens": 10, "max_tokens": 10, "latency_min_s": 0.15, "latency_max_s": 0.15,
-                          "price_out": 0.0001, "price_in": 0.0})
+    fs.app.config.update(
+        {
+            "min_tokens": 10,
+            "max_tokens": 10,
+            "latency_min_s": 0.15,
+            "latency_max_s": 0.15,
+            "price_out": 0.0001,
+            "price_in": 0.0,
+        }
+    )
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
     log = tmp_path / "job.log"
-    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=10, budget_completion_tokens=100000),
-            bk=backends_cfg(fs, max_concurrency=2), log=log, out="a.parquet")
+    s = run(
+        tmp_path,
+        fs,
+        prompts,
+        gen=gen_cfg(max_tokens=10, budget_completion_tokens=100000),
+        bk=backends_cfg(fs, max_concurrency=2),
+        log=log,
+        out="a.parquet",
+    )
     assert s["ok"] == 30 and s["not_sent"] == 0
     text = log.read_text()
     assert "\r" not in text
     lines = [ln.split("[ds/000] ", 1)[1] for ln in text.splitlines() if " done " in ln and "|" in ln]
-    assert len(lines) >= 3                                             # ~2.3 s at 0.5 s per line, + the last one
+    assert len(lines) >= 3  # ~2.3 s at 0.5 s per line, + the last one
     import re
-    pat = re.compile(r"^(finished: )?(\d+)/30 done +(\d+)%\|[#0-9 ]{10}\| \[\d\d:\d\d<(\d\d:\d\d|\?), +"
-                     r"(\?|[\d.]+) samples/s\] \| in flight (\d) \| [\d.,]+ tok/s \| \$[\d.]+ spent \| "
-                     r"([\d,]+) of 100,000 budget_completion_tokens( \(budget in ~[\d:]+\))? \| "
-                     r"ok (\d+), failed 0, journal 0 \| retries \d+, requests \d+$")
+
+    pat = re.compile(
+        r"^(finished: )?(\d+)/30 done +(\d+)%\|[#0-9 ]{10}\| \[\d\d:\d\d<(\d\d:\d\d|\?), +"
+        r"(\?|[\d.]+) samples/s\] \| in flight (\d) \| [\d.,]+ tok/s \| \$[\d.]+ spent \| "
+        r"([\d,]+) of 100,000 budget_completion_tokens( \(budget in ~[\d:]+\))? \| "
+        r"ok (\d+), failed 0, journal 0 \| retries \d+, requests \d+$"
+    )
     for ln in lines:
         m = pat.match(ln)
         assert m, ln
@@ -535,40 +714,50 @@ def test_progress_lines_in_a_log_file_are_plain_lines(tmp_path, fs):
     assert lines[-1].startswith("finished: 30/30 done 100%")
     assert "in flight 0" in lines[-1] and "$0.0300 spent" in lines[-1]
     # rerun: everything answered by the journal, nothing sent, the rate counts no journaled sample
-    s2 = run(tmp_path, fs, prompts, gen=gen_cfg(max_tokens=10), bk=backends_cfg(fs, max_concurrency=2), log=log,
-             out="b.parquet")
+    s2 = run(
+        tmp_path,
+        fs,
+        prompts,
+        gen=gen_cfg(max_tokens=10),
+        bk=backends_cfg(fs, max_concurrency=2),
+        log=log,
+        out="b.parquet",
+    )
     assert s2["sent"] == 0 and s2["from_journal"] == 30
     last = [ln for ln in log.read_text().splitlines() if "finished:" in ln][-1]
     assert "finished: 30/30 done 100%" in last and "?" in last and "journal 30" in last
 
 
-def test_a_shard_answered_from_the_journal_reads_back_only_the_journal_files_holding_its_keys(tmp_path, fs,
-                                                                                              monkeypatch):
+def test_a_shard_answered_from_the_journal_reads_back_only_the_journal_files_holding_its_keys(
+    tmp_path, fs, monkeypatch
+):
     """At its end a job writes the responses the journal answered from the files the resume index found them in,
     not from every shard's journal of the dataset (a build after the forecast's pilot would otherwise parse every
     other shard's whole journal, once per shard)."""
     import eagle3_data.generate.output as g
 
     for k, shard in enumerate(("000", "001")):
-        p = write_prompts(tmp_path / f"p{shard}.parquet", simple_convs(6, start=10 * k),
-                          ids=[f"k{k}{i}" for i in range(6)])
+        p = write_prompts(
+            tmp_path / f"p{shard}.parquet", simple_convs(6, start=10 * k), ids=[f"k{k}{i}" for i in range(6)]
+        )
         run(tmp_path, fs, p, shard=shard, out=f"out{shard}.parquet")
     opened = []
     real = g.journal_batches
-    monkeypatch.setattr(g, "journal_batches", lambda path, *a, **kw: (opened.append(Path(path).name),
-                                                                       real(path, *a, **kw))[1])
+    monkeypatch.setattr(
+        g, "journal_batches", lambda path, *a, **kw: (opened.append(Path(path).name), real(path, *a, **kw))[1]
+    )
     s = run(tmp_path, fs, tmp_path / "p001.parquet", shard="001", out="again.parquet")
     assert s["from_journal"] == 6 and s["sent"] == 0
     assert opened == ["001.jsonl"]
-    assert sorted(pq.read_table(tmp_path / "again.parquet").column("sample_id").to_pylist()) == \
-        [f"k1{i}" for i in range(6)]
+    assert sorted(pq.read_table(tmp_path / "again.parquet").column("sample_id").to_pylist()) == [
+        f"k1{i}" for i in range(6)
+    ]
 
 
 def test_a_response_whose_cost_is_being_looked_up_when_the_job_stops_is_journaled(tmp_path, fs):
     """OpenRouter cost lookups wait seconds for the stats; when the job stops meanwhile (here a 402 on a later
     request: credits ran out) the paid response is journaled without its cost, never requested again."""
-    fs.configure(omit_cost=True, cost_404s=100, fail_after=3, fail_status=402, latency_min_s=0.0,
-                 latency_max_s=0.0)
+    fs.configure(omit_cost=True, cost_404s=100, fail_after=3, fail_status=402, latency_min_s=0.0, latency_max_s=0.0)
     p = write_prompts(tmp_path / "p.parquet", simple_convs(6))
     bk = backends_cfg(fs, cost_lookup=True, cost_lookup_delay_s=2.0, max_concurrency=3)
     with pytest.raises(GenerationStopped):
@@ -591,9 +780,11 @@ def test_a_prompt_larger_than_max_prompt_bytes_is_a_named_reject_never_sent(tmp_
     assert s["failed"] == {"prompt_too_large": 1} and s["ok"] == 4 and fs.app.requests == 4
     (row,) = [r for r in pq.read_table(tmp_path / "out.parquet").to_pylist() if r["status"] == "failed"]
     assert row["sample_id"] == "s0002" and row["messages"] == "[]"  # the oversized prompt is not copied either
-    assert row["error"] == (f"prompt_too_large: {prompts} row 2: 5,079 bytes of messages and tools > "
-                            "generation.max_prompt_bytes 2,000: not sent (raise generation.max_prompt_bytes to "
-                            "send it)")
+    assert row["error"] == (
+        f"prompt_too_large: {prompts} row 2: 5,079 bytes of messages and tools > "
+        "generation.max_prompt_bytes 2,000: not sent (raise generation.max_prompt_bytes to "
+        "send it)"
+    )
 
 
 def test_the_responses_parquet_has_the_generation_id_of_each_reply(tmp_path, fs):
@@ -610,8 +801,16 @@ def test_the_responses_parquet_has_the_generation_id_of_each_reply(tmp_path, fs)
 def test_sporadic_429s_do_not_slow_the_backend_down(tmp_path, fs, caplog):
     """5 % of requests refused with 429 (as a busy provider does): retried as before, the backend keeps its
     requests in flight (the adaptive back-off is for storms: most answers 429s)."""
-    fs.app.config.update({"p429": 0.05, "retry_after_s": 0.05, "latency_min_s": 0.02, "latency_max_s": 0.05,
-                          "fault_at": {"p429": "start"}, "seed": 9})
+    fs.app.config.update(
+        {
+            "p429": 0.05,
+            "retry_after_s": 0.05,
+            "latency_min_s": 0.02,
+            "latency_max_s": 0.05,
+            "fault_at": {"p429": "start"},
+            "seed": 9,
+        }
+    )
     fs.app.reset()
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(200))
     s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=8))

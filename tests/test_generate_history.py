@@ -32,8 +32,11 @@ def sent(fs) -> list[list[dict]]:
 
 
 def test_history_reasoning_goes_in_the_backend_field():
-    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"},
-            {"role": "assistant", "content": "", "tool_calls": [CALL0]}]
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning_content": "r"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL0]},
+    ]
     assert history_reasoning("openrouter", msgs, False)[1] == {"role": "assistant", "content": "a", "reasoning": "r"}
     assert history_reasoning("sglang", msgs, False) is msgs  # already in reasoning_content, nothing to add
     # thinking: a tool-call turn without reasoning gets an empty one (renders as the template's <think></think>)
@@ -47,7 +50,9 @@ def test_mode_all_on_a_thinking_target_satisfies_moonshots_rule(tmp_path, fs):
     """Moonshot-style providers answer 400 to a thinking request whose assistant tool-call message has no
     reasoning_content: the dataset's tool-call turn gets an empty one, regenerated turns send their reasoning back
     (reasoning_content for SGLang/Moonshot, reasoning for OpenRouter), Kimi ids name the function."""
-    fs.app.config.update({"require_tool_reasoning": True, "reasoning_tokens": 3, "reasoning_field": "reasoning_content"})
+    fs.app.config.update(
+        {"require_tool_reasoning": True, "reasoning_tokens": 3, "reasoning_field": "reasoning_content"}
+    )
     prompts = write_prompts(tmp_path / "p.parquet", [TOOL_CONV])
     s = run(tmp_path, fs, prompts, gen=gen_cfg(mode="all"), bk=backends_cfg(fs, type="sglang"), target_format=KIMI)
     rows = sorted(pq.read_table(tmp_path / "out.parquet").to_pylist(), key=lambda r: r["turn"])
@@ -62,14 +67,19 @@ def test_mode_all_on_a_thinking_target_satisfies_moonshots_rule(tmp_path, fs):
     assert rows[1]["reasoning"] and rows[1]["content"] != "It is sunny."
     # what is stored (and keyed, and tokenized) is the prompt form: reasoning under reasoning_content, Kimi ids
     stored = json.loads(rows[2]["messages"])
-    assert stored[3]["reasoning_content"] == rows[1]["reasoning"] and stored[1]["tool_calls"][0]["id"] == \
-        "functions.get_weather:0"
+    assert (
+        stored[3]["reasoning_content"] == rows[1]["reasoning"]
+        and stored[1]["tool_calls"][0]["id"] == "functions.get_weather:0"
+    )
     # OpenRouter gets the same history with the reasoning under "reasoning"
     fs.app.config.update({"require_tool_reasoning": False})
     fs.app.reset()
     run(tmp_path, fs, prompts, gen=gen_cfg(mode="all", max_tokens=29), target_format=KIMI, out="or.parquet")
-    assert sent(fs)[2][3] == {"role": "assistant", "content": sent(fs)[2][3]["content"],
-                              "reasoning": sent(fs)[2][3]["reasoning"]} and sent(fs)[1][1]["reasoning"] == ""
+    assert (
+        sent(fs)[2][3]
+        == {"role": "assistant", "content": sent(fs)[2][3]["content"], "reasoning": sent(fs)[2][3]["reasoning"]}
+        and sent(fs)[1][1]["reasoning"] == ""
+    )
 
 
 def test_without_the_empty_reasoning_the_rule_fails_the_turn_but_keeps_paid_ones(tmp_path, fs):
@@ -129,10 +139,11 @@ def test_kimi_ids_rewritten_on_the_request_path_equal_the_tokenized_prompt(tmp_p
     assert [m.get("tool_call_id") for m in stored] == [m.get("tool_call_id") for m in body]
     # the tokenize stage renders exactly what the server was sent (the rewrite is idempotent)
     tt = target("kimi-k2-thinking")
-    assert tt.render(stored, None) == tt.render([{k: v for k, v in m.items() if k != "reasoning_content"}
-                                                 for m in body], None)
+    assert tt.render(stored, None) == tt.render(
+        [{k: v for k, v in m.items() if k != "reasoning_content"} for m in body], None
+    )
     (tok,) = tokenize_rows([dict(resp, reasoning="r", content="Sunny.")], tt)
-    text = tt.tok.decode(tok["input_ids"][:tok["num_prompt_tokens"]], skip_special_tokens=False)
+    text = tt.tok.decode(tok["input_ids"][: tok["num_prompt_tokens"]], skip_special_tokens=False)
     assert "functions.get_weather:0" in text and "call_0" not in text
 
 
@@ -141,11 +152,24 @@ def test_mode_all_keeps_the_original_turn_when_the_regenerated_one_calls_tools()
     answers such a history with 400): the later turns are asked with the original turn in their history."""
     from eagle3_data.generate import JobState, Runner, Sample
 
-    conv = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
-            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
-            {"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3"}]
-    runner = Runner(dataset="ds", target_name="t", generation=gen_cfg(mode="all"), records={}, journal=None,
-                     pool=None, state=JobState(total=1, budget_tokens=None, budget_usd=None), sampling={})
+    conv = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "q3"},
+        {"role": "assistant", "content": "a3"},
+    ]
+    runner = Runner(
+        dataset="ds",
+        target_name="t",
+        generation=gen_cfg(mode="all"),
+        records={},
+        journal=None,
+        pool=None,
+        state=JobState(total=1, budget_tokens=None, budget_usd=None),
+        sampling={},
+    )
     sample = Sample("s", json.dumps(conv), None, [1, 3, 5])
     steps = runner.steps(sample)
     turn, prompt, *_ = next(steps)

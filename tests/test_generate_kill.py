@@ -29,8 +29,15 @@ from eagle3_data.journal import journal_path, read_journal  # noqa: E402
 N = 200
 CONC = 8
 # retryable faults only (and enough retries) so every sample ends ok in every run: the final sets compare exactly
-FAULTS = {"p429": 0.10, "p5xx": 0.05, "preset": 0.02, "perror200": 0.01, "retry_after_s": 0.01,
-          "latency_min_s": 0.02, "latency_max_s": 0.06}
+FAULTS = {
+    "p429": 0.10,
+    "p5xx": 0.05,
+    "preset": 0.02,
+    "perror200": 0.01,
+    "retry_after_s": 0.01,
+    "latency_min_s": 0.02,
+    "latency_max_s": 0.06,
+}
 SAMPLING = {"max_tokens": 30, "temperature": 1.0, "top_p": 1.0}
 
 CHILD = r"""
@@ -47,27 +54,54 @@ run_stage(lambda: generate(a["prompts"], a["out"], dataset="ds", shard="000", ta
 
 
 def write_prompts(path: Path) -> Path:
-    rows = [dict(sample_id=f"s{i:04d}", dataset="ds", source_format="test", source_row=i, tools=None,
-                 messages=json.dumps([{"role": "user", "content": f"question number {i}"},
-                                      {"role": "assistant", "content": "original"}]))
-            for i in range(N)]
+    rows = [
+        dict(
+            sample_id=f"s{i:04d}",
+            dataset="ds",
+            source_format="test",
+            source_row=i,
+            tools=None,
+            messages=json.dumps(
+                [{"role": "user", "content": f"question number {i}"}, {"role": "assistant", "content": "original"}]
+            ),
+        )
+        for i in range(N)
+    ]
     write_parquet(schemas.from_rows(rows, schemas.PROMPTS), path)
     return path
 
 
 def job_args(tmp_path: Path, fs: FaultServer, journal: str, out: str) -> dict:
     return {
-        "prompts": str(tmp_path / "p.parquet"), "out": str(tmp_path / out), "journal": str(tmp_path / journal),
-        "generation": dict(backends=["fault"], mode="last", extra_body={}, max_retries=12, retry_initial_s=0.01,
-                           retry_max_s=0.05, **SAMPLING),
-        "backends": {"fault": dict(type="openrouter", base_url=fs.url + "/v1", model="vendor/model",
-                                   api_key_env=None, max_concurrency=CONC, timeout_s=5.0)},
+        "prompts": str(tmp_path / "p.parquet"),
+        "out": str(tmp_path / out),
+        "journal": str(tmp_path / journal),
+        "generation": dict(
+            backends=["fault"],
+            mode="last",
+            extra_body={},
+            max_retries=12,
+            retry_initial_s=0.01,
+            retry_max_s=0.05,
+            **SAMPLING,
+        ),
+        "backends": {
+            "fault": dict(
+                type="openrouter",
+                base_url=fs.url + "/v1",
+                model="vendor/model",
+                api_key_env=None,
+                max_concurrency=CONC,
+                timeout_s=5.0,
+            )
+        },
     }
 
 
 def start_job(args: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
 
 
 def journal_lines(path: Path) -> int:
@@ -84,8 +118,10 @@ def sent_body_hash(rec: dict) -> str:
 
 
 def final_set(path: Path) -> set[tuple]:
-    return {(r["sample_id"], r["turn"], r["request_key"], r["status"], r["content"], r["completion_tokens"])
-            for r in pq.read_table(path).to_pylist()}
+    return {
+        (r["sample_id"], r["turn"], r["request_key"], r["status"], r["content"], r["completion_tokens"])
+        for r in pq.read_table(path).to_pylist()
+    }
 
 
 @pytest.fixture
@@ -126,7 +162,7 @@ def test_kill9_three_points_then_rerun(tmp_path, fs):
         recs, st = read_journal(tmp_path / "journal", "ds")
         assert st["duplicates"] == 0
         journaled = {sent_body_hash(r) for r in recs.values()}
-        assert journaled <= set(served)                # everything journaled was really served
+        assert journaled <= set(served)  # everything journaled was really served
         # answered by the server during this run but never received (journaled) by the client: in flight
         prev_served = kills[-1]["served"] if kills else {}
         prev_journaled = kills[-1]["journaled"] if kills else set()
@@ -136,9 +172,17 @@ def test_kill9_three_points_then_rerun(tmp_path, fs):
             assert extra in (0, 1), (at, b, extra)
             if extra:
                 lost.add(b)
-        assert len(lost) <= CONC                          # at most what was in flight
-        kills.append({"at": at, "journal": len(recs), "served": served, "journaled": journaled, "lost": lost,
-                      "bad_lines": st["bad_lines"]})
+        assert len(lost) <= CONC  # at most what was in flight
+        kills.append(
+            {
+                "at": at,
+                "journal": len(recs),
+                "served": served,
+                "journaled": journaled,
+                "lost": lost,
+                "bad_lines": st["bad_lines"],
+            }
+        )
 
     assert kills[0]["journal"] < kills[1]["journal"] < kills[2]["journal"] < N  # three distinct points
     final = start_job(args)
@@ -178,14 +222,17 @@ def test_sigterm_mid_run_stops_cleanly_and_the_rerun_completes(tmp_path, fs):
     assert proc.returncode == 130, out[-2000:]
     recs, st = read_journal(tmp_path / "journal", "ds")
     last = out.strip().splitlines()[-1]
-    assert last.endswith(f"ERROR eagle3_data: [ds/000] interrupted. Rerun the same command to resume; {len(recs)} "
-                         "responses of ds are journaled and will not be requested again"), out[-2000:]
+    assert last.endswith(
+        f"ERROR eagle3_data: [ds/000] interrupted. Rerun the same command to resume; {len(recs)} "
+        "responses of ds are journaled and will not be requested again"
+    ), out[-2000:]
     assert "Traceback" not in out and "ExceptionGroup" not in out and not (tmp_path / "out.parquet").exists()
-    assert not list(tmp_path.glob(".out.parquet.*.tmp"))           # the partial output was removed
+    assert not list(tmp_path.glob(".out.parquet.*.tmp"))  # the partial output was removed
     assert 40 <= len(recs) < N and st["bad_lines"] == 0
     rerun = start_job(args)
     assert rerun.wait(60) == 0, rerun.stdout.read().decode()[-2000:]
     rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert len(rows) == N and len({r["request_key"] for r in rows}) == N
-    assert all(rows_r["content"] == recs[rows_r["request_key"]]["content"]
-               for rows_r in rows if rows_r["request_key"] in recs)  # journaled responses come back unchanged
+    assert all(
+        rows_r["content"] == recs[rows_r["request_key"]]["content"] for rows_r in rows if rows_r["request_key"] in recs
+    )  # journaled responses come back unchanged

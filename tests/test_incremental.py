@@ -29,8 +29,10 @@ def states(wd: Path) -> dict[str, tuple[int, bytes]]:
 
 
 def summaries(wd: Path) -> dict[str, dict]:
-    return {f"{p.parent.name}/{p.stem}": json.loads(p.read_text())
-            for p in sorted((wd / "results/hidden_states").glob("*/*.json"))}
+    return {
+        f"{p.parent.name}/{p.stem}": json.loads(p.read_text())
+        for p in sorted((wd / "results/hidden_states").glob("*/*.json"))
+    }
 
 
 def selection_tokens(wd: Path, key: str) -> dict[str, int]:
@@ -68,7 +70,7 @@ def test_retrying_one_failed_request_forwards_only_that_sample(scratch):
     sel = selection_tokens(scratch, key)
     victim = next(i for i, ln in enumerate(lines) if json.loads(ln)["sample_id"] in sel)
     sid = json.loads(lines[victim])["sample_id"]
-    journal.write_text("\n".join(lines[:victim] + lines[victim + 1:]) + "\n")
+    journal.write_text("\n".join(lines[:victim] + lines[victim + 1 :]) + "\n")
     before_states, before_sum = states(scratch), summaries(scratch)
 
     proc = run_snakemake(scratch, "--cores", "2", "--forcerun", "generate")
@@ -92,8 +94,11 @@ def test_retrying_one_failed_request_forwards_only_that_sample(scratch):
 def test_new_dataset_forwards_only_its_tokens(scratch):
     cfg = yaml.safe_load((scratch / "config.yaml").read_text())
     before_states, before_sum = states(scratch), summaries(scratch)
-    args = _overrides(scratch, "datasets:\n  ultrachat_more:\n    source: {format: ultrachat, path: "
-                               "resources/samples/ultrachat.jsonl, max_samples: 5}\n    shards: 1\n")
+    args = _overrides(
+        scratch,
+        "datasets:\n  ultrachat_more:\n    source: {format: ultrachat, path: "
+        "resources/samples/ultrachat.jsonl, max_samples: 5}\n    shards: 1\n",
+    )
     run_snakemake(scratch, "--cores", "2", *args)
     after_states, after_sum = states(scratch), summaries(scratch)
     assert rerun_jobs(before_sum, after_sum) == {"ultrachat_more/000"}
@@ -167,15 +172,28 @@ def test_heldout_split_reruns_merge_and_exports_and_forwards_nothing(scratch):
     do not, and no extract job runs (the held-out rows stay in the selections). Off again: the training set is
     whole again and the held-out merged file is gone."""
     man0 = json.loads((scratch / "results/merged/manifest.json").read_text())
-    upstream = ("results/*/responses/*.parquet", "results/*/tokens/*.parquet", "results/*/validated/*.parquet",
-                "results/*/prompts/*.parquet", "results/merged/selection/*/*.parquet")
+    upstream = (
+        "results/*/responses/*.parquet",
+        "results/*/tokens/*.parquet",
+        "results/*/validated/*.parquet",
+        "results/*/prompts/*.parquet",
+        "results/merged/selection/*/*.parquet",
+    )
     before_up = _mtimes(scratch, *upstream[:-1])
     before_states, before_sum = states(scratch), summaries(scratch)
     vocab_before = (scratch / "results/vocab/vocab.json").stat().st_mtime_ns
     args = _overrides(scratch, "merge:\n  heldout: 0.3\n")
     # the dry run lists every extract job as waiting on the merge checkpoint; the real run below runs none
-    assert _dry_run_rules(scratch, *args) == {"merge", "provenance", "extract", "export", "export_heldout", "plan",
-                                              "vocab", "all"}
+    assert _dry_run_rules(scratch, *args) == {
+        "merge",
+        "provenance",
+        "extract",
+        "export",
+        "export_heldout",
+        "plan",
+        "vocab",
+        "all",
+    }
     run_snakemake(scratch, "--cores", "2", *args)
     assert _mtimes(scratch, *upstream[:-1]) == before_up  # generate, tokenize, validate, normalize: not rerun
     assert rerun_jobs(before_sum, summaries(scratch)) == set() and states(scratch) == before_states
@@ -183,8 +201,11 @@ def test_heldout_split_reruns_merge_and_exports_and_forwards_nothing(scratch):
 
     man = json.loads((scratch / "results/merged/manifest.json").read_text())
     held = pq.read_table(scratch / "results/merged/heldout.parquet").to_pylist()
-    train = [r for k in range(len(man["shards"]))
-             for r in pq.read_table(scratch / f"results/merged/{k:03d}.parquet").to_pylist()]
+    train = [
+        r
+        for k in range(len(man["shards"]))
+        for r in pq.read_table(scratch / f"results/merged/{k:03d}.parquet").to_pylist()
+    ]
     key = lambda r: (r["dataset"], r["sample_id"])  # noqa: E731
     assert len(held) == man["heldout"]["samples"] > 0 and len(train) == man["totals"]["samples"]
     assert not {key(r) for r in held} & {key(r) for r in train}
@@ -200,8 +221,10 @@ def test_heldout_split_reruns_merge_and_exports_and_forwards_nothing(scratch):
     info = json.loads((scratch / "results/export/heldout/specforge.json").read_text())
     assert (info["set"], info["num_samples"]) == ("heldout", len(held))
     # the vocabulary counts the training set's supervised tokens; the plan counts both sets (both are extracted)
-    assert json.loads((scratch / "results/vocab/vocab.json").read_text())["supervised_tokens"] == man["totals"][
-        "supervised_tokens"]
+    assert (
+        json.loads((scratch / "results/vocab/vocab.json").read_text())["supervised_tokens"]
+        == man["totals"]["supervised_tokens"]
+    )
     plan = json.loads((scratch / "results/reports/plan.json").read_text())
     assert plan["totals"]["tokens"] == man0["totals"]["tokens"] == man["totals"]["tokens"] + man["heldout"]["tokens"]
     assert plan["totals"]["heldout_samples"] == len(held)
@@ -221,8 +244,8 @@ def readme_step(n: int) -> list[str]:
 
     text = (ROOT / "README.md").read_text()
     start = text.index(f"**{n}. ")
-    block = text[text.index("```bash\n", start) + len("```bash\n"):]
-    return [ln for ln in block[:block.index("```")].splitlines() if ln.strip()]
+    block = text[text.index("```bash\n", start) + len("```bash\n") :]
+    return [ln for ln in block[: block.index("```")].splitlines() if ln.strip()]
 
 
 def test_readme_step_8_exports_both_layouts_without_extracting(scratch):

@@ -35,20 +35,20 @@ def test_batches_are_fsynced_by_the_writer_thread_not_the_appending_one(tmp_path
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(threading.current_thread().name), real(fd))[1])
     j = JournalWriter(tmp_path, "ds", "002", sync_every=3, sync_interval_s=0.2)
-    j.ensure_open()                                       # the file is made at the first record, or here
-    calls.clear()                                         # the new file's directory entry, synced at creation
+    j.ensure_open()  # the file is made at the first record, or here
+    calls.clear()  # the new file's directory entry, synced at creation
     main = threading.current_thread().name
     for k in "abc":
-        j.append(rec(k))                                  # a full batch: the thread syncs it
+        j.append(rec(k))  # a full batch: the thread syncs it
     deadline = time.monotonic() + 5
     while not calls and time.monotonic() < deadline:
         time.sleep(0.01)
     assert calls and main not in calls
-    j.append(rec("d"))                                    # a partial batch: synced after the interval
+    j.append(rec("d"))  # a partial batch: synced after the interval
     time.sleep(0.6)
     assert len(calls) == 2 and main not in calls
     j.append(rec("e"))
-    j.close()                                             # the rest: at close, in the caller's thread
+    j.close()  # the rest: at close, in the caller's thread
     assert calls[-1] == main and len(calls) == 3
     assert set(read_journal(tmp_path, "ds")[0]) == set("abcde")
 
@@ -73,8 +73,11 @@ def test_reads_all_shard_files_and_counts_duplicates(tmp_path):
         j.append(rec("z"))
     recs, stats = read_journal(tmp_path, "ds")
     assert set(recs) == {"a", "b"} and stats["files"] == 2 and stats["duplicates"] == 1
-    assert recs["a"]["content"] == "text a"       # first occurrence wins (files read in sorted order)
-    assert read_journal(tmp_path, "missing") == ({}, {"files": 0, "lines": 0, "records": 0, "bad_lines": 0, "duplicates": 0})
+    assert recs["a"]["content"] == "text a"  # first occurrence wins (files read in sorted order)
+    assert read_journal(tmp_path, "missing") == (
+        {},
+        {"files": 0, "lines": 0, "records": 0, "bad_lines": 0, "duplicates": 0},
+    )
 
 
 def test_torn_line_skipped_and_next_append_starts_fresh_line(tmp_path):
@@ -83,7 +86,7 @@ def test_torn_line_skipped_and_next_append_starts_fresh_line(tmp_path):
         j.append(rec("b"))
     p = journal_path(tmp_path, "ds", "000")
     data = p.read_bytes()
-    p.write_bytes(data[: len(data) - 9])                    # crash in the middle of record b
+    p.write_bytes(data[: len(data) - 9])  # crash in the middle of record b
     recs, stats = read_journal(tmp_path, "ds")
     assert set(recs) == {"a"} and stats["bad_lines"] == 1
     with JournalWriter(tmp_path, "ds", "000") as j:
@@ -110,12 +113,23 @@ def test_record_without_key_rejected(tmp_path):
 def test_records_with_values_no_responses_row_can_hold_are_bad_lines(tmp_path, caplog):
     p = journal_path(tmp_path, "ds", "000")
     p.parent.mkdir(parents=True)
-    bad = [rec("a", completion_tokens="12"), rec("b", cost_usd=float("nan")), rec("c", output_ids=[1, 2.0]),
-           rec("d", turn="1"), rec("e", content=7), rec("f", cost_usd=-0.5), rec("g", prompt_tokens=-1),
-           rec("h", output_ids=[1, 2**31]), rec("i", turn=True), rec("j", latency_s=float("inf")),
-           rec("k", prompt_tokens=2**40)]
-    good = [rec("ok1", completion_tokens=3, cost_usd=0.0, output_ids=[0, 5], turn=1, latency_s=1),
-            rec("ok2", prompt_tokens=2**31 - 1, completed_at=1.7e9)]
+    bad = [
+        rec("a", completion_tokens="12"),
+        rec("b", cost_usd=float("nan")),
+        rec("c", output_ids=[1, 2.0]),
+        rec("d", turn="1"),
+        rec("e", content=7),
+        rec("f", cost_usd=-0.5),
+        rec("g", prompt_tokens=-1),
+        rec("h", output_ids=[1, 2**31]),
+        rec("i", turn=True),
+        rec("j", latency_s=float("inf")),
+        rec("k", prompt_tokens=2**40),
+    ]
+    good = [
+        rec("ok1", completion_tokens=3, cost_usd=0.0, output_ids=[0, 5], turn=1, latency_s=1),
+        rec("ok2", prompt_tokens=2**31 - 1, completed_at=1.7e9),
+    ]
     p.write_text("".join(json.dumps(r) + "\n" for r in bad[:5] + good + bad[5:]))
     with caplog.at_level("WARNING", logger="eagle3_data.journal"):
         recs, stats = read_journal(tmp_path, "ds")
@@ -128,8 +142,8 @@ def test_records_with_values_no_responses_row_can_hold_are_bad_lines(tmp_path, c
 def test_stale_partial_outputs_are_removed_but_a_live_writers_is_not(tmp_path):
     from eagle3_data.files import atomic_path, remove_stale_partials
 
-    out = tmp_path / "out[1].parquet"                                  # glob characters in the name
-    dead = tmp_path / ".out[1].parquet.dead1234.tmp"                   # left by a kill -9: no lock held
+    out = tmp_path / "out[1].parquet"  # glob characters in the name
+    dead = tmp_path / ".out[1].parquet.dead1234.tmp"  # left by a kill -9: no lock held
     dead.write_bytes(b"partial")
     other = tmp_path / ".other.parquet.x.tmp"
     other.write_bytes(b"not ours")

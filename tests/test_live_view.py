@@ -33,9 +33,15 @@ def _run_in_pty(wd: Path, env: dict, timeout: float = 300) -> tuple[int, str]:
     """Run the build with a terminal as its stdout and stderr; return (exit code, everything it printed)."""
     master, slave = pty.openpty()
     os.set_blocking(master, False)
-    proc = subprocess.Popen([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile",
-                             "mine.yaml"], cwd=wd, env=snakemake_env({"COLUMNS": "160", "TERM": "xterm", **env}),
-                            stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
+        cwd=wd,
+        env=snakemake_env({"COLUMNS": "160", "TERM": "xterm", **env}),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -104,8 +110,9 @@ def test_a_backend_failing_every_request_shows_down_with_why_while_it_lasts(tmp_
 
     import yaml
 
-    with FaultServer({"latency_min_s": 0.02, "latency_max_s": 0.05, "min_tokens": 3, "max_tokens": 8,
-                      "p5xx": 1.0}) as fs:
+    with FaultServer(
+        {"latency_min_s": 0.02, "latency_max_s": 0.05, "min_tokens": 3, "max_tokens": 8, "p5xx": 1.0}
+    ) as fs:
         wd = _workflow(tmp_path, target_dir, fs, max_retries=12)
         cfg = yaml.safe_load((wd / "mine.yaml").read_text())
         cfg["backends"]["fake"]["down_after_s"] = 60
@@ -121,8 +128,14 @@ def test_a_backend_failing_every_request_shows_down_with_why_while_it_lasts(tmp_
 
         t = threading.Thread(target=recover, daemon=True)
         t.start()
-        p = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
-                           cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
+            cwd=wd,
+            env=snakemake_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         stop.set()
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
@@ -131,4 +144,4 @@ def test_a_backend_failing_every_request_shows_down_with_why_while_it_lasts(tmp_
     assert down, lines
     assert "attempts, none succeeded; out after 60 s); last error: http_50" in lines[down[0]], lines[down[0]]
     # ... while it lasted: the lines after it show an ETA or done again
-    assert any("| ETA " in ln or ln.endswith("| done") for ln in lines[down[-1] + 1:]), lines
+    assert any("| ETA " in ln or ln.endswith("| done") for ln in lines[down[-1] + 1 :]), lines

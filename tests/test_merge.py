@@ -69,13 +69,21 @@ def heldout_draw(seed, sid) -> float:
     """The documented held-out rule, restated: md5 of (seed, 'heldout', sample_id less a trailing @<turn>), its
     first 8 hex digits over 2^32."""
     base = re.sub(r"@[0-9]+$", "", sid)
-    return int(hashlib.md5(f"{seed}\x1fheldout\x1f{base}".encode()).hexdigest()[:8], 16) / 2 ** 32
+    return int(hashlib.md5(f"{seed}\x1fheldout\x1f{base}".encode()).hexdigest()[:8], 16) / 2**32
 
 
 def reference_merge(rows, *, k, datasets=None, max_samples=None, max_len, overflow, seed):
     """Plain-Python statement of the merge rules, to compare against the DuckDB implementation."""
-    return reference_split(rows, k=k, datasets=datasets, max_samples=max_samples, max_len=max_len,
-                           overflow=overflow, seed=seed, heldout=0.0)[0]
+    return reference_split(
+        rows,
+        k=k,
+        datasets=datasets,
+        max_samples=max_samples,
+        max_len=max_len,
+        overflow=overflow,
+        seed=seed,
+        heldout=0.0,
+    )[0]
 
 
 def reference_split(rows, *, k, datasets=None, max_samples=None, max_len, overflow, seed, heldout):
@@ -94,8 +102,17 @@ def reference_split(rows, *, k, datasets=None, max_samples=None, max_len, overfl
             ids, mask, trunc = ids[:max_len], mask[:max_len], True
         if sum(mask) == 0:
             continue
-        kept.append({"sample_id": r["sample_id"], "dataset": r["dataset"], "input_ids": ids, "loss_mask": mask,
-                     "num_tokens": len(ids), "num_supervised": sum(mask), "truncated": trunc})
+        kept.append(
+            {
+                "sample_id": r["sample_id"],
+                "dataset": r["dataset"],
+                "input_ids": ids,
+                "loss_mask": mask,
+                "num_tokens": len(ids),
+                "num_supervised": sum(mask),
+                "truncated": trunc,
+            }
+        )
     kept.sort(key=lambda r: shuffle_key(seed, r["dataset"], r["sample_id"]))
     held = [r for r in kept if heldout_draw(seed, r["sample_id"]) < heldout]
     kept = [r for r in kept if heldout_draw(seed, r["sample_id"]) >= heldout]
@@ -132,10 +149,18 @@ def test_matches_reference_and_is_independent_of_input_sharding(tmp_path):
     settings = dict(max_samples={"b": 50}, max_len=40, overflow="truncate", seed=7)
     outs1 = [tmp_path / "m1" / f"{i:03d}.parquet" for i in range(3)]
     outs7 = [tmp_path / "m7" / f"{i:03d}.parquet" for i in range(3)]
-    man1 = merge(write_inputs(tmp_path, rows, 1, tag="one"), outs1, tmp_path / "m1.json",
-                 settings=MergeSettings.defaults(**settings))
-    man7 = merge(write_inputs(tmp_path, rows, 7, shuffle_seed=11, tag="seven"), outs7, tmp_path / "m7.json",
-                 settings=MergeSettings.defaults(**settings))
+    man1 = merge(
+        write_inputs(tmp_path, rows, 1, tag="one"),
+        outs1,
+        tmp_path / "m1.json",
+        settings=MergeSettings.defaults(**settings),
+    )
+    man7 = merge(
+        write_inputs(tmp_path, rows, 7, shuffle_seed=11, tag="seven"),
+        outs7,
+        tmp_path / "m7.json",
+        settings=MergeSettings.defaults(**settings),
+    )
 
     got1, got7 = read_shards(outs1), read_shards(outs7)
     assert got1 == got7
@@ -153,7 +178,8 @@ def test_matches_reference_and_is_independent_of_input_sharding(tmp_path):
     assert sum(r["dataset"] == "b" for s in got1 for r in s) == 50
     assert man1["totals"]["dropped"]["duplicate"] == 2
     assert man1["datasets"]["b"]["dropped"]["over_max_samples"] == man1["datasets"]["b"]["input_samples"] - 50 - man1[
-        "datasets"]["b"]["dropped"].get("no_supervised_after_truncation", 0)
+        "datasets"
+    ]["b"]["dropped"].get("no_supervised_after_truncation", 0)
 
 
 def test_truncate_cuts_ids_and_mask_and_drops_unsupervised(tmp_path):
@@ -163,8 +189,12 @@ def test_truncate_cuts_ids_and_mask_and_drops_unsupervised(tmp_path):
         row("a", "short", [1, 2, 3], [0, 1, 1]),
     ]
     outs = [tmp_path / "m" / "000.parquet"]
-    man = merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json",
-                settings=MergeSettings.defaults(max_len=10, overflow="truncate", seed=0))
+    man = merge(
+        write_inputs(tmp_path, rows, 1),
+        outs,
+        tmp_path / "m.json",
+        settings=MergeSettings.defaults(max_len=10, overflow="truncate", seed=0),
+    )
     got = {r["sample_id"]: r for r in pq.read_table(outs[0]).to_pylist()}
     assert set(got) == {"long", "short"}
     assert got["long"]["input_ids"] == list(range(100, 110))
@@ -174,8 +204,12 @@ def test_truncate_cuts_ids_and_mask_and_drops_unsupervised(tmp_path):
     assert man["datasets"]["a"]["dropped"] == {"no_supervised_after_truncation": 1}
     assert man["totals"]["truncated"] == 1
 
-    man = merge(write_inputs(tmp_path, rows, 1, tag="d"), outs, tmp_path / "m.json",
-                settings=MergeSettings.defaults(max_len=10, overflow="drop", seed=0))
+    man = merge(
+        write_inputs(tmp_path, rows, 1, tag="d"),
+        outs,
+        tmp_path / "m.json",
+        settings=MergeSettings.defaults(max_len=10, overflow="drop", seed=0),
+    )
     assert [r["sample_id"] for r in pq.read_table(outs[0]).to_pylist()] == ["short"]
     assert man["datasets"]["a"]["dropped"] == {"over_max_len": 2}
 
@@ -184,8 +218,12 @@ def test_nothing_left_after_max_len_is_an_error_naming_the_setting(tmp_path):
     rows = [row("a", "late", list(range(200, 220)), [0] * 15 + [1] * 5), row("a", "late2", [5] * 30, [0] * 29 + [1])]
     outs = [tmp_path / "m" / "000.parquet", tmp_path / "m" / "001.parquet"]
     with pytest.raises(ValueError, match=r"no sample left of 2 .*no_supervised_after_truncation.*merge.max_len=10"):
-        merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json",
-              settings=MergeSettings.defaults(max_len=10, overflow="truncate", seed=0))
+        merge(
+            write_inputs(tmp_path, rows, 1),
+            outs,
+            tmp_path / "m.json",
+            settings=MergeSettings.defaults(max_len=10, overflow="truncate", seed=0),
+        )
     assert not any(p.exists() for p in outs) and not (tmp_path / "m.json").exists()
 
 
@@ -193,8 +231,9 @@ def test_dataset_filter_seed_and_balance(tmp_path):
     rows = make_rows(600, ["a", "b", "c"], seed=5, max_len=80)
     inputs = write_inputs(tmp_path, rows, 4)
     outs = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(4)]
-    man = merge(inputs, outs, tmp_path / "m.json",
-                settings=MergeSettings.defaults(datasets=["a", "c"], max_len=1000, seed=1))
+    man = merge(
+        inputs, outs, tmp_path / "m.json", settings=MergeSettings.defaults(datasets=["a", "c"], max_len=1000, seed=1)
+    )
     got = read_shards(outs)
     assert {r["dataset"] for s in got for r in s} == {"a", "c"}
     assert sum(len(s) for s in got) == 400
@@ -210,8 +249,9 @@ def test_dataset_filter_seed_and_balance(tmp_path):
     on_disk = json.loads((tmp_path / "m.json").read_text())
     assert on_disk["totals"] == man["totals"]
     # another seed: same set, different order
-    man2 = merge(inputs, outs, tmp_path / "m2.json",
-                 settings=MergeSettings.defaults(datasets=["a", "c"], max_len=1000, seed=2))
+    man2 = merge(
+        inputs, outs, tmp_path / "m2.json", settings=MergeSettings.defaults(datasets=["a", "c"], max_len=1000, seed=2)
+    )
     got2 = read_shards(outs)
     ids1 = [r["sample_id"] for s in got for r in s]
     ids2 = [r["sample_id"] for s in got2 for r in s]
@@ -222,8 +262,9 @@ def test_dataset_filter_seed_and_balance(tmp_path):
 def test_more_shards_than_samples_and_conflicting_ids(tmp_path):
     rows = make_rows(2, ["a"], seed=2)
     outs = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(4)]
-    man = merge(write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json",
-                settings=MergeSettings.defaults(max_len=100, seed=0))
+    man = merge(
+        write_inputs(tmp_path, rows, 1), outs, tmp_path / "m.json", settings=MergeSettings.defaults(max_len=100, seed=0)
+    )
     assert [pq.read_table(p).num_rows for p in outs] == [s["samples"] for s in man["shards"]]
     assert sum(s["samples"] for s in man["shards"]) == 2
     assert all(p.exists() for p in outs)
@@ -242,13 +283,21 @@ def test_more_shards_than_samples_and_conflicting_ids(tmp_path):
 def test_bad_arguments(tmp_path):
     p = write_inputs(tmp_path, make_rows(3, ["a"]), 1)
     with pytest.raises(ValueError, match="overflow"):
-        merge(p, [tmp_path / "o.parquet"], tmp_path / "m.json",
-              settings=MergeSettings.defaults(max_len=10, overflow="cut"))
+        merge(
+            p,
+            [tmp_path / "o.parquet"],
+            tmp_path / "m.json",
+            settings=MergeSettings.defaults(max_len=10, overflow="cut"),
+        )
     with pytest.raises(ValueError, match="max_len"):
         merge(p, [tmp_path / "o.parquet"], tmp_path / "m.json", settings=MergeSettings.defaults(max_len=0))
     with pytest.raises(FileNotFoundError, match="nope"):
-        merge([tmp_path / "nope.parquet"], [tmp_path / "o.parquet"], tmp_path / "m.json",
-              settings=MergeSettings.defaults(max_len=10))
+        merge(
+            [tmp_path / "nope.parquet"],
+            [tmp_path / "o.parquet"],
+            tmp_path / "m.json",
+            settings=MergeSettings.defaults(max_len=10),
+        )
 
 
 def test_crash_mid_write_leaves_no_partial_shard(tmp_path, monkeypatch):
@@ -277,22 +326,35 @@ def merged_table(rows):
 
 
 def good_rows(n=6):
-    return [{"sample_id": f"s{i}", "dataset": "d", "input_ids": [i + 1, 2, 3], "loss_mask": [0, 1, 1],
-             "num_tokens": 3, "num_supervised": 2, "truncated": False} for i in range(n)]
+    return [
+        {
+            "sample_id": f"s{i}",
+            "dataset": "d",
+            "input_ids": [i + 1, 2, 3],
+            "loss_mask": [0, 1, 1],
+            "num_tokens": 3,
+            "num_supervised": 2,
+            "truncated": False,
+        }
+        for i in range(n)
+    ]
 
 
-@pytest.mark.parametrize("change,rule", [
-    (dict(input_ids=[1, -2, 3]), "input_ids has values outside"),
-    (dict(loss_mask=[0, 2, 1]), "loss_mask has values outside"),
-    (dict(input_ids=[1, 2]), "input_ids length differs from num_tokens"),
-    (dict(loss_mask=[0, 1]), "loss_mask length differs"),
-    (dict(num_supervised=0), "num_supervised must be > 0"),
-    (dict(num_supervised=1), "num_supervised differs from sum"),
-    (dict(num_tokens=0, input_ids=[], loss_mask=[]), "num_tokens must be > 0"),
-    (dict(sample_id=None), "sample_id is null"),
-    (dict(sample_id="s1"), "sample_id repeated"),
-    (dict(input_ids=None), "input_ids is null"),
-])
+@pytest.mark.parametrize(
+    "change,rule",
+    [
+        (dict(input_ids=[1, -2, 3]), "input_ids has values outside"),
+        (dict(loss_mask=[0, 2, 1]), "loss_mask has values outside"),
+        (dict(input_ids=[1, 2]), "input_ids length differs from num_tokens"),
+        (dict(loss_mask=[0, 1]), "loss_mask length differs"),
+        (dict(num_supervised=0), "num_supervised must be > 0"),
+        (dict(num_supervised=1), "num_supervised differs from sum"),
+        (dict(num_tokens=0, input_ids=[], loss_mask=[]), "num_tokens must be > 0"),
+        (dict(sample_id=None), "sample_id is null"),
+        (dict(sample_id="s1"), "sample_id repeated"),
+        (dict(input_ids=None), "input_ids is null"),
+    ],
+)
 def test_fast_batch_check_fails_on_each_bad_row(change, rule):
     from eagle3_data.merge import check_merged_batch
 
@@ -334,6 +396,7 @@ def test_fast_batch_check_names_wrong_schema():
 
 # --- the held-out split (merge.heldout) ----------------------------------------------------------------------
 
+
 def turn_rows(n: int, datasets: list[str], seed: int = 1) -> list[dict]:
     """``make_rows`` plus multi-turn conversations (generation mode ``all``: ``<id>@<turn>`` rows)."""
     rows = make_rows(n, datasets, seed=seed)
@@ -356,8 +419,14 @@ def test_heldout_rows_follow_the_documented_rule_and_never_reach_the_training_sh
     held_path = tmp_path / "m" / "heldout.parquet"
     inputs = write_inputs(tmp_path, rows, 3)
     sels = [tmp_path / "sel" / f"{i:03d}.parquet" for i in range(3)]
-    man = merge(inputs, outs, tmp_path / "m.json", heldout_path=held_path, selections=sels,
-                settings=MergeSettings.defaults(heldout=0.2, **settings))
+    man = merge(
+        inputs,
+        outs,
+        tmp_path / "m.json",
+        heldout_path=held_path,
+        selections=sels,
+        settings=MergeSettings.defaults(heldout=0.2, **settings),
+    )
     train = [r for s in read_shards(outs) for r in s]
     held = pq.read_table(held_path).drop_columns(["source"]).to_pylist()
     want_train, want_held = reference_split(rows, k=3, heldout=0.2, **settings)
@@ -379,7 +448,11 @@ def test_heldout_rows_follow_the_documented_rule_and_never_reach_the_training_sh
     # the manifest: the training totals, the held-out set apart, per dataset held-out counts and tokens
     h = man["heldout"]
     assert (h["path"], h["fraction"], h["samples"], h["tokens"]) == (
-        str(held_path), 0.2, len(held), sum(r["num_tokens"] for r in held))
+        str(held_path),
+        0.2,
+        len(held),
+        sum(r["num_tokens"] for r in held),
+    )
     assert h["supervised_tokens"] == sum(r["num_supervised"] for r in held)
     assert man["totals"]["samples"] == len(train) == sum(s["samples"] for s in man["shards"])
     for ds in ("a", "b"):
@@ -391,12 +464,19 @@ def test_heldout_rows_follow_the_documented_rule_and_never_reach_the_training_sh
     # the selections hold both sets (extraction covers the held-out rows), as without the split
     sel_rows = {key(r) for p in sels for r in pq.read_table(p).to_pylist()}
     assert sel_rows == {key(r) for r in train + held}
-    man0 = merge(inputs, [tmp_path / "z" / "000.parquet"], tmp_path / "z.json", selections=[
-        tmp_path / "z" / "sel" / f"{i:03d}.parquet" for i in range(3)], settings=MergeSettings.defaults(**settings))
+    man0 = merge(
+        inputs,
+        [tmp_path / "z" / "000.parquet"],
+        tmp_path / "z.json",
+        selections=[tmp_path / "z" / "sel" / f"{i:03d}.parquet" for i in range(3)],
+        settings=MergeSettings.defaults(**settings),
+    )
     assert {k_: v["digest"] for k_, v in man0["selections"].items()} == {
-        k_: v["digest"] for k_, v in man["selections"].items()}
+        k_: v["digest"] for k_, v in man["selections"].items()
+    }
     assert [pq.read_table(p).to_pylist() for p in sels] == [
-        pq.read_table(tmp_path / "z" / "sel" / f"{i:03d}.parquet").to_pylist() for i in range(3)]
+        pq.read_table(tmp_path / "z" / "sel" / f"{i:03d}.parquet").to_pylist() for i in range(3)
+    ]
 
 
 def test_heldout_membership_depends_only_on_seed_and_base_id(tmp_path):
@@ -411,10 +491,16 @@ def test_heldout_membership_depends_only_on_seed_and_base_id(tmp_path):
         held = tmp_path / tag / "heldout.parquet"
         inputs = []  # one dataset per validated file (a file's sample ids are unique)
         for ds in sorted({r["dataset"] for r in rws}):
-            inputs += write_inputs(tmp_path, [r for r in rws if r["dataset"] == ds], n_files, shuffle_seed=n_files,
-                                   tag=f"in-{tag}-{ds}")
-        merge(inputs, outs, tmp_path / f"{tag}.json", heldout_path=held,
-              settings=MergeSettings.defaults(max_len=100, seed=seed, heldout=0.25, **kw))
+            inputs += write_inputs(
+                tmp_path, [r for r in rws if r["dataset"] == ds], n_files, shuffle_seed=n_files, tag=f"in-{tag}-{ds}"
+            )
+        merge(
+            inputs,
+            outs,
+            tmp_path / f"{tag}.json",
+            heldout_path=held,
+            settings=MergeSettings.defaults(max_len=100, seed=seed, heldout=0.25, **kw),
+        )
         train = [r for s in read_shards(outs) for r in s]
         return train, pq.read_table(held).drop_columns(["source"]).to_pylist()
 
@@ -441,8 +527,13 @@ def test_max_samples_caps_count_training_rows_only(tmp_path):
     outs = [tmp_path / "m" / "000.parquet"]
     held_path = tmp_path / "m" / "heldout.parquet"
     settings = dict(max_samples={"b": 40}, max_len=100, overflow="truncate", seed=2, heldout=0.3)
-    man = merge(write_inputs(tmp_path, rows, 2), outs, tmp_path / "m.json", heldout_path=held_path,
-                settings=MergeSettings.defaults(**settings))
+    man = merge(
+        write_inputs(tmp_path, rows, 2),
+        outs,
+        tmp_path / "m.json",
+        heldout_path=held_path,
+        settings=MergeSettings.defaults(**settings),
+    )
     train = read_shards(outs)[0]
     held = pq.read_table(held_path).drop_columns(["source"]).to_pylist()
     assert sum(r["dataset"] == "b" for r in train) == 40  # the cap: 40 training rows of b
@@ -462,15 +553,17 @@ def test_heldout_off_changes_nothing(tmp_path):
     def run(tag, **kw):
         outs = [tmp_path / tag / f"{i:03d}.parquet" for i in range(2)]
         sels = [tmp_path / tag / "sel" / f"{i:03d}.parquet" for i in range(2)]
-        man = merge(inputs, outs, tmp_path / f"{tag}.json", selections=sels,
-                    settings=MergeSettings.defaults(**settings), **kw)
+        man = merge(
+            inputs, outs, tmp_path / f"{tag}.json", selections=sels, settings=MergeSettings.defaults(**settings), **kw
+        )
         return man, [p.read_bytes() for p in outs + sels]
 
     man_a, files_a = run("plain")
     man_b, files_b = run("with", heldout_path=tmp_path / "with" / "heldout.parquet")
     assert files_a == files_b
     assert read_shards([tmp_path / "plain" / f"{i:03d}.parquet" for i in range(2)]) == reference_merge(
-        rows, k=2, overflow="truncate", **settings)
+        rows, k=2, overflow="truncate", **settings
+    )
     empty = pq.read_table(tmp_path / "with" / "heldout.parquet")
     assert empty.num_rows == 0 and empty.schema.equals(schemas.MERGED, check_metadata=False)
     for m in (man_a, man_b):
@@ -486,15 +579,26 @@ def test_heldout_bad_settings(tmp_path):
         merge(p, [out], tmp_path / "m.json", settings=MergeSettings.defaults(max_len=100, heldout=0.1))
     for bad in (1.0, -0.1, "0.1"):
         with pytest.raises(ValueError, match=r"merge.heldout must be a number in \[0, 1\)"):
-            merge(p, [out], tmp_path / "m.json", heldout_path=tmp_path / "h.parquet",
-                  settings=MergeSettings.defaults(max_len=100, heldout=bad))
+            merge(
+                p,
+                [out],
+                tmp_path / "m.json",
+                heldout_path=tmp_path / "h.parquet",
+                settings=MergeSettings.defaults(max_len=100, heldout=bad),
+            )
     with pytest.raises(ValueError, match="also a merged shard path"):
-        merge(p, [out], tmp_path / "m.json", heldout_path=out,
-              settings=MergeSettings.defaults(max_len=100, heldout=0.1))
+        merge(
+            p, [out], tmp_path / "m.json", heldout_path=out, settings=MergeSettings.defaults(max_len=100, heldout=0.1)
+        )
     # everything held out: no training sample is an error naming the share
     with pytest.raises(ValueError, match=r"no sample left of 20 .*held out 20.*merge.heldout=0.9999"):
-        merge(p, [out], tmp_path / "m.json", heldout_path=tmp_path / "h.parquet",
-              settings=MergeSettings.defaults(max_len=100, heldout=0.9999))
+        merge(
+            p,
+            [out],
+            tmp_path / "m.json",
+            heldout_path=tmp_path / "h.parquet",
+            settings=MergeSettings.defaults(max_len=100, heldout=0.9999),
+        )
     assert not out.exists() and not (tmp_path / "h.parquet").exists()
 
 

@@ -16,12 +16,14 @@ from eagle3_data import sql
 
 def _write(path, ids, masks, datasets=None, ids_type=pa.int32()):
     n = len(ids)
-    table = pa.table({
-        "sample_id": pa.array([f"s{i}" for i in range(n)]),
-        "dataset": pa.array(datasets or ["a"] * n),
-        "input_ids": pa.array(ids, pa.list_(ids_type)),
-        "loss_mask": pa.array(masks, pa.list_(pa.int8())),
-    })
+    table = pa.table(
+        {
+            "sample_id": pa.array([f"s{i}" for i in range(n)]),
+            "dataset": pa.array(datasets or ["a"] * n),
+            "input_ids": pa.array(ids, pa.list_(ids_type)),
+            "loss_mask": pa.array(masks, pa.list_(pa.int8())),
+        }
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path, row_group_size=3)  # several row groups: batches across them
     return str(path)
@@ -46,7 +48,10 @@ def test_list_text_md5_is_md5_of_duckdbs_varchar():
     assert M.list_text_md5(masks) == [hashlib.md5(t.encode()).hexdigest() for t in ["[0, 1, 1]", "[]", "[1]"]]
     assert M.list_text_md5(lists.slice(2, 2)) == [hashlib.md5(t.encode()).hexdigest() for t in texts[2:]]
     con = duckdb.connect()
-    assert con.execute("SELECT md5([3, 0, 17]::INTEGER[]::VARCHAR)").fetchall()[0][0] == hashlib.md5(b"[3, 0, 17]").hexdigest()
+    assert (
+        con.execute("SELECT md5([3, 0, 17]::INTEGER[]::VARCHAR)").fetchall()[0][0]
+        == hashlib.md5(b"[3, 0, 17]").hexdigest()
+    )
     # left to DuckDB: nulls, ids out of the table's range
     assert M.list_text_md5(pa.array([[1, None]], pa.list_(pa.int32()))) is None
     assert M.list_text_md5(pa.array([[1], None], pa.list_(pa.int32()))) is None
@@ -58,8 +63,10 @@ def test_row_keys_equal_the_query_with_truncation_empty_lists_and_a_dataset_filt
     ids = [[1, 2, 3, 4, 5, 6], [], [0], [999_999, 12, 7], [150_000, 42, 1, 9, 9], [8, 8], [77, 78, 79, 80]]
     masks = [[0, 0, 1, 1, 1, 1], [], [0], [1, 1, 0], [0, 0, 0, 0, 1], [1, 0], [1, 1, 1, 1]]
     dss = ["a", "b", "a", "a", "b", "c", "a"]
-    files = [_write(tmp_path / "x" / "000.parquet", ids, masks, dss),
-             _write(tmp_path / "x" / "001.parquet", ids[::-1], masks[::-1], dss[::-1])]
+    files = [
+        _write(tmp_path / "x" / "000.parquet", ids, masks, dss),
+        _write(tmp_path / "x" / "001.parquet", ids[::-1], masks[::-1], dss[::-1]),
+    ]
     for max_len in (1, 3, 4, 100):
         for datasets in (None, ["a", "c"], ["zzz"]):
             want, got, how = _both(files, max_len, datasets)
@@ -88,10 +95,12 @@ def test_row_keys_any_thread_count(tmp_path, threads):
     sql.set_variables(con, validated_files=files, datasets=None)
     con.execute("SET VARIABLE max_len = 2::BIGINT")
     M.row_keys(con, files, max_len=2, datasets=None, threads=threads)
-    rows = con.sql("SELECT filename, count(*), min(content_key), max(num_supervised_cut) FROM merge_row_keys "
-                   "GROUP BY 1 ORDER BY 1").fetchall()
-    assert rows == [(f, 5, hashlib.md5(f"[{i}, {10 * i}, {100 * i}]".encode()).hexdigest(), 1)
-                    for i, f in enumerate(files)]
+    rows = con.sql(
+        "SELECT filename, count(*), min(content_key), max(num_supervised_cut) FROM merge_row_keys GROUP BY 1 ORDER BY 1"
+    ).fetchall()
+    assert rows == [
+        (f, 5, hashlib.md5(f"[{i}, {10 * i}, {100 * i}]".encode()).hexdigest(), 1) for i, f in enumerate(files)
+    ]
 
 
 def _sql_selections(files, keys, settings, k):
@@ -104,7 +113,9 @@ def _sql_selections(files, keys, settings, k):
     con.execute("SET VARIABLE overflow = ?::VARCHAR", [settings.overflow])
     con.execute("SET VARIABLE seed = ?::VARCHAR", [str(settings.seed)])
     con.execute("CREATE TEMP TABLE merge_sources (filename VARCHAR, source VARCHAR, idx BIGINT)")
-    con.executemany("INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, s, i] for i, (f, s) in enumerate(zip(files, keys))])
+    con.executemany(
+        "INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, s, i] for i, (f, s) in enumerate(zip(files, keys))]
+    )
     con.execute(sql.load("merge_row_keys"))
     con.execute(sql.load("merge_plan"))
     rows = con.sql(sql.load("merge_selection_rows")).to_arrow_table().to_pylist()
@@ -123,17 +134,28 @@ def test_selections_are_the_rows_of_the_selection_query(tmp_path):
     files.append(_write(tmp_path / "in" / "only_d.parquet", [[1, 2, 3]], [[0, 1, 1]], ["d"]))
     keys = [f"k{i}" for i in range(len(files))]
     truncated = []
-    for settings in (MergeSettings.defaults(max_len=20, overflow="truncate", seed=1, max_samples={"a": 30}),
-                     MergeSettings.defaults(max_len=25, overflow="drop", seed=2, datasets=["a", "c"])):
+    for settings in (
+        MergeSettings.defaults(max_len=20, overflow="truncate", seed=1, max_samples={"a": 30}),
+        MergeSettings.defaults(max_len=25, overflow="drop", seed=2, datasets=["a", "c"]),
+    ):
         sels = [tmp_path / "sel" / f"{i}.parquet" for i in range(len(files))]
-        man = merge(files, [tmp_path / "m" / "0.parquet", tmp_path / "m" / "1.parquet"], tmp_path / "m.json",
-                    settings=settings, selections=sels, sources=keys, batch_rows=16)
+        man = merge(
+            files,
+            [tmp_path / "m" / "0.parquet", tmp_path / "m" / "1.parquet"],
+            tmp_path / "m.json",
+            settings=settings,
+            selections=sels,
+            sources=keys,
+            batch_rows=16,
+        )
         want = _sql_selections(files, keys, settings, 2)
         got = [pq.read_table(p).to_pylist() for p in sels]
         assert got == want
         assert [len(g) for g in got] == [man["selections"][k]["samples"] for k in keys]
-        assert sum(map(len, got)) == man["totals"]["samples"] and sum(r["truncated"] for g in got for r in g) == (
-            man["totals"]["truncated"])
+        assert (
+            sum(map(len, got)) == man["totals"]["samples"]
+            and sum(r["truncated"] for g in got for r in g) == (man["totals"]["truncated"])
+        )
         truncated.append(man["totals"]["truncated"])
         assert all(pq.read_schema(p).equals(pq.read_schema(tmp_path / "m" / "0.parquet")) for p in sels)
     assert got[-1] == []  # dataset d not selected: an empty selection is still written
@@ -155,8 +177,14 @@ def test_a_failing_merged_shard_leaves_no_file_of_the_run(tmp_path, monkeypatch)
 
     monkeypatch.setattr(merge_mod, "check_merged_batch", broken)
     with pytest.raises(merge_mod.schemas.SchemaError, match="simulated bad batch"):
-        merge_mod.merge(files, outs, tmp_path / "m.json", settings=MergeSettings.defaults(max_len=100, seed=0),
-                        selections=sels, batch_rows=32)
+        merge_mod.merge(
+            files,
+            outs,
+            tmp_path / "m.json",
+            settings=MergeSettings.defaults(max_len=100, seed=0),
+            selections=sels,
+            batch_rows=32,
+        )
     assert not any(p.exists() for p in outs + sels) and not (tmp_path / "m.json").exists()
     assert not [p for d in ("m", "sel") if (tmp_path / d).exists() for p in (tmp_path / d).iterdir()]
 
@@ -165,5 +193,8 @@ def test_list_text_md5_in_chunks_equals_one_pass(monkeypatch):
     lists = pa.array([[7] * 5, [], [123, 4], [1] * 9, [99_999]], pa.list_(pa.int32()))
     whole = M.list_text_md5(lists)
     monkeypatch.setattr(M, "_TEXT_CHUNK", 3)  # rows longer than a chunk, empty rows, chunk edges
-    assert M.list_text_md5(lists) == whole == [
-        hashlib.md5(("[" + ", ".join(map(str, x)) + "]").encode()).hexdigest() for x in lists.to_pylist()]
+    assert (
+        M.list_text_md5(lists)
+        == whole
+        == [hashlib.md5(("[" + ", ".join(map(str, x)) + "]").encode()).hexdigest() for x in lists.to_pylist()]
+    )

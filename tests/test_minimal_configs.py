@@ -46,8 +46,11 @@ def _stats(url: str) -> dict:
 def openrouter_standin():
     port = _free_port()
     conf = {**REPLY, "reasoning_field": "reasoning", "require_key": CANARY}
-    proc = subprocess.Popen([sys.executable, str(SERVER), "--port", str(port), "--config", json.dumps(conf)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", str(port), "--config", json.dumps(conf)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -87,13 +90,26 @@ def _check_build(wd, ds: str, shipped: dict) -> list[dict]:
 def test_openrouter_config_runs_on_its_own(tmp_path, openrouter_standin):
     wd = copy_workflow(tmp_path / "w")
     shipped = yaml.safe_load((wd / "resources/configs/openrouter.yaml").read_text())
-    standin = {"target": TINY, "backends": {"openrouter": {"base_url": f"{openrouter_standin}/v1"}},
-               "vocab": {"draft_vocab_size": 256}}
+    standin = {
+        "target": TINY,
+        "backends": {"openrouter": {"base_url": f"{openrouter_standin}/v1"}},
+        "vocab": {"draft_vocab_size": 256},
+    }
     (wd / "standin.yaml").write_text(yaml.safe_dump(standin))
-    run_snakemake(wd, "--cores", "2", "--configfile", "resources/configs/openrouter.yaml", "standin.yaml",
-                  env={"OPENROUTER_API_KEY": CANARY}, timeout=1800)
+    run_snakemake(
+        wd,
+        "--cores",
+        "2",
+        "--configfile",
+        "resources/configs/openrouter.yaml",
+        "standin.yaml",
+        env={"OPENROUTER_API_KEY": CANARY},
+        timeout=1800,
+    )
     responses = _check_build(wd, "sharegpt", shipped)
-    assert {r["backend"] for r in responses} == {"openrouter"} and {r["provider"] for r in responses} == {"FaultProvider"}
+    assert {r["backend"] for r in responses} == {"openrouter"} and {r["provider"] for r in responses} == {
+        "FaultProvider"
+    }
     assert _stats(openrouter_standin)["completed"] == len(responses)
     # the shipped routing and reasoning settings reached the endpoint; the key did not reach any file
     bodies = httpx.get(f"{openrouter_standin}/admin/bodies", timeout=10).json()["bodies"]
@@ -109,14 +125,30 @@ def test_sglang_local_config_runs_on_its_own(tmp_path):
     wd = copy_workflow(tmp_path / "w")
     shipped = yaml.safe_load((wd / "resources/configs/sglang-local.yaml").read_text())
     conf = {**REPLY, "reasoning_field": "reasoning_content"}
-    command = f"{shlex.quote(sys.executable)} {shlex.quote(str(SERVER))} --port {{port}} --config " \
-              f"{shlex.quote(json.dumps(conf))}"
-    standin = {"target": TINY, "backends": {"sglang_local": {"launch": {"command": command, "ready_timeout_s": 120,
-                                                                  "python": sys.executable, "gpus": 0}}},
-               "vocab": {"draft_vocab_size": 256}}
+    command = (
+        f"{shlex.quote(sys.executable)} {shlex.quote(str(SERVER))} --port {{port}} --config "
+        f"{shlex.quote(json.dumps(conf))}"
+    )
+    standin = {
+        "target": TINY,
+        "backends": {
+            "sglang_local": {
+                "launch": {"command": command, "ready_timeout_s": 120, "python": sys.executable, "gpus": 0}
+            }
+        },
+        "vocab": {"draft_vocab_size": 256},
+    }
     (wd / "standin.yaml").write_text(yaml.safe_dump(standin))
-    run_snakemake(wd, "--cores", "2", "--configfile", "resources/configs/sglang-local.yaml", "standin.yaml",
-                  unset=["OPENROUTER_API_KEY"], timeout=1800)
+    run_snakemake(
+        wd,
+        "--cores",
+        "2",
+        "--configfile",
+        "resources/configs/sglang-local.yaml",
+        "standin.yaml",
+        unset=["OPENROUTER_API_KEY"],
+        timeout=1800,
+    )
     responses = _check_build(wd, "ultrachat", shipped)
     assert {r["backend"] for r in responses} == {"sglang_local"}
     summary = json.loads((wd / "results/ultrachat/responses/000.json").read_text())

@@ -61,7 +61,12 @@ def test_normalize_sharegpt_rows_rejects_and_shards(tmp_path):
     src.write_text(json.dumps(messy_sharegpt()))
     counts, tables, rejects = run(tmp_path, src, "sharegpt", shards=3)
     assert counts["rows_read"] == 8 and counts["kept"] == 4
-    assert counts["rejected"] == {"duplicate_id": 1, "empty_conversation": 1, "starts_with_assistant": 1, "unknown_role": 1}
+    assert counts["rejected"] == {
+        "duplicate_id": 1,
+        "empty_conversation": 1,
+        "starts_with_assistant": 1,
+        "unknown_role": 1,
+    }
     assert counts["repaired"] == {"merged_consecutive_turns": 1}
     rows = {r["sample_id"]: r for t in tables for r in t.to_pylist()}
     hashed = content_hash([{"role": "user", "content": "no id"}, {"role": "assistant", "content": "hash id"}], None)
@@ -129,7 +134,11 @@ def test_openai_tools_roundtrip_through_json(tmp_path):
         "id": "t1",
         "messages": [
             {"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "w", "arguments": "{}"}}],
+            },
             {"role": "tool", "tool_call_id": "c", "content": "sunny"},
         ],
         "tools": [{"type": "function", "function": {"name": "w", "parameters": {}}}],
@@ -148,7 +157,8 @@ def test_unpaired_surrogates_are_replaced_and_counted_not_written_as_question_ma
         '"content": "ok \\ud83d\\ude00"}], "tools": [{"type": "function", "function": {"name": "w", '
         '"description": "x\\udc00"}}]}\n'
         '{"messages": [{"role": "user", "content": "no id \\udfff"}, {"role": "assistant", "content": "a"}]}\n'
-        '{"id": "c", "messages": [{"role": "user", "content": "fine"}, {"role": "assistant", "content": "b"}]}\n')
+        '{"id": "c", "messages": [{"role": "user", "content": "fine"}, {"role": "assistant", "content": "b"}]}\n'
+    )
     counts, tables, _ = run(tmp_path, src, "openai_messages", shards=1)
     assert counts["kept"] == 3 and counts["repaired"] == {"replaced_unpaired_surrogates": 2}
     rows = {r["sample_id"]: r for r in tables[0].to_pylist()}
@@ -162,11 +172,13 @@ def test_unpaired_surrogates_are_replaced_and_counted_not_written_as_question_ma
 
 def test_json_array_and_jsonl_sources_agree_on_broken_unicode(tmp_path):
     # the same records as a JSON array and as JSONL: lone high/low surrogates, a reversed pair, one in the id
-    recs = ['{"id": "a", "messages": [{"role": "user", "content": "hi \\ud83d"}, {"role": "assistant", "content": "x"}]}',
-            '{"id": "b", "messages": [{"role": "user", "content": "lo \\ude00 rev \\ude00\\ud83d"}, '
-            '{"role": "assistant", "content": "y"}]}',
-            '{"id": "c\\ud800", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "z"}]}',
-            '{"id": "d", "messages": [{"role": "user", "content": "ok \\ud83d\\ude00"}, {"role": "assistant", "content": "w"}]}']
+    recs = [
+        '{"id": "a", "messages": [{"role": "user", "content": "hi \\ud83d"}, {"role": "assistant", "content": "x"}]}',
+        '{"id": "b", "messages": [{"role": "user", "content": "lo \\ude00 rev \\ude00\\ud83d"}, '
+        '{"role": "assistant", "content": "y"}]}',
+        '{"id": "c\\ud800", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "z"}]}',
+        '{"id": "d", "messages": [{"role": "user", "content": "ok \\ud83d\\ude00"}, {"role": "assistant", "content": "w"}]}',
+    ]
     arr = tmp_path / "s.json"
     arr.write_text("[" + ",\n".join(recs) + "]")
     lines = tmp_path / "s.jsonl"
@@ -174,11 +186,17 @@ def test_json_array_and_jsonl_sources_agree_on_broken_unicode(tmp_path):
     got = {}
     for src in (arr, lines):
         counts, tables, rejects = run(tmp_path / src.suffix[1:], src, "openai_messages", shards=1)
-        got[src.suffix] = (counts, sorted(tables[0].to_pylist(), key=lambda r: r["sample_id"]),
-                           [(r["reason"], r["sample_id"]) for r in rejects])
+        got[src.suffix] = (
+            counts,
+            sorted(tables[0].to_pylist(), key=lambda r: r["sample_id"]),
+            [(r["reason"], r["sample_id"]) for r in rejects],
+        )
     counts, rows, rejects = got[".json"]
     assert (counts, [dict(r, source_format=None) for r in rows], rejects) == (
-        got[".jsonl"][0], [dict(r, source_format=None) for r in got[".jsonl"][1]], got[".jsonl"][2])
+        got[".jsonl"][0],
+        [dict(r, source_format=None) for r in got[".jsonl"][1]],
+        got[".jsonl"][2],
+    )
     assert counts["kept"] == 3 and counts["repaired"] == {"replaced_unpaired_surrogates": 2}
     assert rejects == [("invalid_id", None)]
     msgs = {r["sample_id"]: json.loads(r["messages"])[0]["content"] for r in rows}
@@ -205,14 +223,18 @@ def test_on_error_skip_rejects_and_counts_invalid_lines_with_their_numbers(tmp_p
     assert counts["rows_read"] == 8 and counts["kept"] == 6 and counts["skipped_lines"] == [3, 7]
     assert counts["rejected"] == {"invalid_json": 2}
     assert sorted(sum((t.column("sample_id").to_pylist() for t in tables), [])) == [f"id{i}_0" for i in range(6)]
-    assert [(r["reason"], r["detail"].split(": ")[0]) for r in rejects] == [("invalid_json", f"{src}:3"),
-                                                                           ("invalid_json", f"{src}:7")]
+    assert [(r["reason"], r["detail"].split(": ")[0]) for r in rejects] == [
+        ("invalid_json", f"{src}:3"),
+        ("invalid_json", f"{src}:7"),
+    ]
     with pytest.raises(SourceFormatError, match=r"x\.jsonl:3: invalid JSON .*source\.on_error: skip"):
         run(tmp_path, src, "sharegpt")  # the default: fail, naming file:line
 
 
 def test_wrong_format_fails_fast_and_late_breakage_is_rejected(tmp_path):
-    uc = write_jsonl(tmp_path / "uc.jsonl", [{"prompt_id": "p", "prompt": "q", "messages": [{"role": "user", "content": "q"}]}])
+    uc = write_jsonl(
+        tmp_path / "uc.jsonl", [{"prompt_id": "p", "prompt": "q", "messages": [{"role": "user", "content": "q"}]}]
+    )
     with pytest.raises(
         SourceFormatError,
         match=r"uc\.jsonl line 1: expected a ShareGPT record with a `conversations` list of \{from, value\}, got keys \['messages', 'prompt', 'prompt_id'\]",
@@ -228,8 +250,11 @@ def test_wrong_format_fails_fast_and_late_breakage_is_rejected(tmp_path):
     assert counts["rejected"] == {"malformed_record": 1} and counts["kept"] == 13
     assert rejects[0]["source_row"] == 12 and rejects[0]["detail"].startswith("line 13: got keys ['messages']")
     with pytest.raises(ValueError, match="2 output paths for 3 shards"):
-        normalize(NormalizeSettings.defaults("ds", format="sharegpt", path=late, shards=3),
-                  [tmp_path / "a", tmp_path / "b"], tmp_path / "r.parquet")
+        normalize(
+            NormalizeSettings.defaults("ds", format="sharegpt", path=late, shards=3),
+            [tmp_path / "a", tmp_path / "b"],
+            tmp_path / "r.parquet",
+        )
 
 
 # ------------------------------------------------------------------------------------------ pretokenized
@@ -248,7 +273,13 @@ def test_pretokenized_writes_tokens_rows(tmp_path):
     ]
     counts, tables, rejects = run(tmp_path, write_jsonl(tmp_path / "p.jsonl", recs), "pretokenized", shards=2)
     assert counts["output"] == "tokens" and counts["kept"] == 3
-    assert counts["rejected"] == {"duplicate_id": 1, "empty_input_ids": 1, "invalid_mask_value": 1, "length_mismatch": 1, "non_integer_id": 1}
+    assert counts["rejected"] == {
+        "duplicate_id": 1,
+        "empty_input_ids": 1,
+        "invalid_mask_value": 1,
+        "length_mismatch": 1,
+        "non_integer_id": 1,
+    }
     rows = {r["sample_id"]: r for t in tables for r in t.to_pylist()}
     p0 = rows["p0"]
     assert p0["input_ids"] == [1, 2, 3, 4, 5] and p0["loss_mask"] == [0, 0, 1, 1, 1]
@@ -280,7 +311,13 @@ BUNDLED = [
         "sharegpt",
         2,
         35,
-        {"duplicate_id": 1, "empty_conversation": 1, "empty_user_message": 1, "starts_with_assistant": 1, "unknown_role": 1},
+        {
+            "duplicate_id": 1,
+            "empty_conversation": 1,
+            "empty_user_message": 1,
+            "starts_with_assistant": 1,
+            "unknown_role": 1,
+        },
         {"merged_consecutive_turns": 2},
     ),
     ("ultrachat.jsonl", "ultrachat", 1, 28, {"duplicate_id": 1, "empty_user_message": 1}, {}),

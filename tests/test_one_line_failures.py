@@ -34,8 +34,10 @@ def test_a_full_disk_under_an_output_is_one_line_naming_it_and_leaves_no_tmp(tmp
     monkeypatch.setattr(Path, "write_text", full)
     with pytest.raises(Exception) as ei:
         write_text("# plan\n", out)
-    assert type(ei.value).__name__ == "DiskError" and str(ei.value) == (f"cannot write {out}: the disk is full ([Errno 28] No space left on device). Free "
-                             "space there (or make it writable), then rerun the same command")
+    assert type(ei.value).__name__ == "DiskError" and str(ei.value) == (
+        f"cannot write {out}: the disk is full ([Errno 28] No space left on device). Free "
+        "space there (or make it writable), then rerun the same command"
+    )
     assert list(out.parent.iterdir()) == []  # no .tmp left, no output
 
 
@@ -54,8 +56,10 @@ run_stage(main, log=log)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "Traceback" not in p.stderr + log_path.read_text()
     (line,) = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert line.endswith("cannot write the job's output: the disk is full ([Errno 28] No space left on device). "
-                         "Free space there (or make it writable), then rerun the same command")
+    assert line.endswith(
+        "cannot write the job's output: the disk is full ([Errno 28] No space left on device). "
+        "Free space there (or make it writable), then rerun the same command"
+    )
 
 
 def test_other_os_errors_keep_their_traceback(tmp_path):
@@ -89,8 +93,9 @@ def test_a_source_nested_too_deep_is_a_line_naming_file_and_line(tmp_path):
     jsonl.write_text('{"conversations": []}\n{"x": ' + deep + "}\n")
     with pytest.raises(SourceFormatError) as ei:
         list(iter_records(jsonl))
-    assert str(ei.value).startswith(f"{jsonl}:2: invalid JSON (nested too deep (more levels of arrays/objects than "
-                                    "the JSON reader allows))")
+    assert str(ei.value).startswith(
+        f"{jsonl}:2: invalid JSON (nested too deep (more levels of arrays/objects than the JSON reader allows))"
+    )
     records = list(iter_records(jsonl, on_error="skip"))
     assert isinstance(records[1][1], InvalidLine) and "nested too deep" in records[1][1].message
     arr = tmp_path / "s.json"
@@ -99,8 +104,9 @@ def test_a_source_nested_too_deep_is_a_line_naming_file_and_line(tmp_path):
         list(iter_records(arr))
 
 
-@pytest.mark.parametrize("encoding,name", [("utf-16", "UTF-16"), ("utf-16-be", "UTF-16 or UTF-32"),
-                                           ("utf-32", "UTF-32")])
+@pytest.mark.parametrize(
+    "encoding,name", [("utf-16", "UTF-16"), ("utf-16-be", "UTF-16 or UTF-32"), ("utf-32", "UTF-32")]
+)
 def test_a_utf16_source_says_so_and_how_to_convert_it(tmp_path, encoding, name):
     for suffix in (".jsonl", ".json"):
         src = tmp_path / f"s{suffix}"
@@ -132,8 +138,10 @@ def test_limits_dir_naming_a_file_is_one_line(tmp_path, fs, monkeypatch):
     with pytest.raises(GenerationStopped) as ei:
         run(tmp_path, fs, prompts, bk=backends_cfg(fs))
     msg = str(ei.value)
-    assert msg.startswith(f"[ds/000] the shared request slots can't be kept in EAGLE3_LIMITS_DIR={f}: it names a "
-                          "file, not a directory. Point EAGLE3_LIMITS_DIR at a directory (or unset it), then rerun")
+    assert msg.startswith(
+        f"[ds/000] the shared request slots can't be kept in EAGLE3_LIMITS_DIR={f}: it names a "
+        "file, not a directory. Point EAGLE3_LIMITS_DIR at a directory (or unset it), then rerun"
+    )
     assert fs.app.requests == 0 and "\n" not in msg
     assert os.path.isfile(f)
 
@@ -152,5 +160,6 @@ def test_a_duckdb_copy_onto_a_full_disk_is_one_line_naming_the_csv(tmp_path, mon
     with pytest.raises(Exception) as ei:
         write_csv(FullDisk(), "t", ["a"], out)
     assert type(ei.value).__name__ == "DiskError" and str(ei.value).startswith(
-        f"cannot write {out}: the disk is full ([Errno 28] No space left on device).")
+        f"cannot write {out}: the disk is full ([Errno 28] No space left on device)."
+    )
     assert list(out.parent.iterdir()) == []

@@ -31,7 +31,7 @@ def import_graph(src: Path, package: str) -> dict[str, set[str]]:
             elif isinstance(n, ast.ImportFrom):
                 if n.level:
                     base = m.split(".") if is_pkg else m.split(".")[:-1]
-                    base = base[:len(base) - (n.level - 1)]
+                    base = base[: len(base) - (n.level - 1)]
                     b = ".".join(base + ([n.module] if n.module else []))
                 else:
                     b = n.module or ""
@@ -105,8 +105,23 @@ def test_a_plain_install_validates_a_config_from_another_directory(tmp_path):
     """``pip install .`` (not editable) into a folder of its own; from a directory outside the repository, the
     installed package (not the checkout) finds its schema, fills defaults and refuses a bad key."""
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert (target / "eagle3_data" / "config" / "config.schema.yaml").is_file()
     code = (
         "import eagle3_data, yaml\n"
@@ -119,7 +134,8 @@ def test_a_plain_install_validates_a_config_from_another_directory(tmp_path):
         "try:\n"
         "    validate_config({'target': {'name': 't', 'path': 'm'}, 'datasets': ds, 'merg': {}}, schema())\n"
         "except ConfigError as e:\n"
-        "    print('refused:', str(e).splitlines()[0])\n")
+        "    print('refused:', str(e).splitlines()[0])\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}
     run = tmp_path / "elsewhere"
     run.mkdir()

@@ -4,7 +4,6 @@ retried; a journal that can't be written stops the job in one line before it pay
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 import time
@@ -45,7 +44,8 @@ def test_read_only_journal_is_one_line_and_nothing_is_sent(tmp_path, fs, monkeyp
     with pytest.raises(JournalWriteError) as e:
         run(tmp_path, fs, more, out="more.parquet")
     assert "\n" not in str(e.value) and e.value.message.startswith(
-        f"cannot write the response journal in {tmp_path / 'journal' / 'ds'}/: the file system is read-only")
+        f"cannot write the response journal in {tmp_path / 'journal' / 'ds'}/: the file system is read-only"
+    )
     assert fs.app.requests == 0
 
 
@@ -131,8 +131,13 @@ def test_reply_from_another_model_is_counted_or_refused(tmp_path, fs, caplog):
     # refused: a named reject, journaled (other prompts: the journal holds the 8 kept ones)
     fs.app.reset()
     with pytest.raises(Exception, match="every request failed"):
-        run(tmp_path, fs, write_prompts(tmp_path / "p2.parquet", simple_convs(8, start=20)),
-            gen=gen_cfg(reject_other_models=True), out="o2.parquet")
+        run(
+            tmp_path,
+            fs,
+            write_prompts(tmp_path / "p2.parquet", simple_convs(8, start=20)),
+            gen=gen_cfg(reject_other_models=True),
+            out="o2.parquet",
+        )
     recs, _ = read_journal(tmp_path / "journal", "ds")
     refused = [r for r in recs.values() if r["status"] == "failed"]
     assert len(refused) == 8 and all(r["error"].startswith("other_model: the reply names model") for r in refused)
@@ -171,8 +176,10 @@ def test_short_keys_are_scrubbed_from_messages():
 
     os.environ["E3D_SHORT_KEY"] = "abc12"
     try:
-        cfg = BackendConfig.from_dict("local", {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m",
-                                                "api_key_env": "E3D_SHORT_KEY"})
+        cfg = BackendConfig.from_dict(
+            "local",
+            {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m", "api_key_env": "E3D_SHORT_KEY"},
+        )
         assert cfg.scrub("401: bad key abc12 (Bearer abc12)") == "401: bad key [api key] (Bearer [api key])"
     finally:
         del os.environ["E3D_SHORT_KEY"]
@@ -185,8 +192,15 @@ def test_402_gives_replies_in_flight_the_grace_and_no_request_starts_after_it(tm
     server after the first 402 had been answered."""
     from eagle3_data.backends import pool, transport
 
-    fs.app.config.update({"fail_after": 30, "fail_status": 402, "latency_min_s": 0.2, "latency_max_s": 0.4,
-                          "fault_at": {"fail_status": "start"}})
+    fs.app.config.update(
+        {
+            "fail_after": 30,
+            "fail_status": 402,
+            "latency_min_s": 0.2,
+            "latency_max_s": 0.4,
+            "fault_at": {"fail_status": "start"},
+        }
+    )
     fs.app.reset()
     # the client's own clock: when each request started going out, when the first 402 reached it (the server in
     # this process answers under the GIL: its arrival times lag by tens of ms on a busy machine)
@@ -252,8 +266,10 @@ def test_replies_arriving_after_the_journal_fails_are_kept_and_not_bought_again(
     (held,) = spill.glob("eagle3-journal-ds-000-*.jsonl")
     n_held = len(held.read_text().splitlines())
     assert fs.app.completed == 5 + n_held and n_held >= 3  # every paid reply: journaled or held
-    assert f"{n_held} paid replies that arrived after it were written to {held}: move that file into " \
-           f"{tmp_path / 'journal' / 'ds'}/ before rerunning" in msg
+    assert (
+        f"{n_held} paid replies that arrived after it were written to {held}: move that file into "
+        f"{tmp_path / 'journal' / 'ds'}/ before rerunning" in msg
+    )
     first = fs.app.completed
     held.rename(tmp_path / "journal" / "ds" / held.name)
     fs.app.reset()
@@ -271,9 +287,11 @@ def test_a_cut_off_200_is_a_named_reject_journaled_raw_once(tmp_path, fs):
     assert n >= 4 and s["failed"] == {"undecodable_reply": n} and s["failed_unpaid"] == 0 and s["retries"] == 0
     assert fs.app.requests == 30 and max(fs.app.billed_by_body.values()) == 1
     rejects = [r for r in read_journal(tmp_path / "journal", "ds")[0].values() if r["status"] == "failed"]
-    assert len(rejects) == n and all(r["raw_reply"] == '{"id": "gen-x", "choices": [{"message": {"content": "trunc'
-                                     and r["error"].startswith("undecodable_reply: the HTTP 200 reply is not JSON")
-                                     for r in rejects)
+    assert len(rejects) == n and all(
+        r["raw_reply"] == '{"id": "gen-x", "choices": [{"message": {"content": "trunc'
+        and r["error"].startswith("undecodable_reply: the HTTP 200 reply is not JSON")
+        for r in rejects
+    )
     assert all(e.startswith("undecodable_reply: ") for e in _failed(tmp_path / "out.parquet").values())
     fs.app.reset()
     again = run(tmp_path, fs, prompts, out="again.parquet")
@@ -286,8 +304,10 @@ def test_a_client_error_inside_choices_fails_at_once_like_the_top_level_one(tmp_
     s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=6))
     n = fs.app.outcomes["error200"]
     assert n >= 4 and s["failed"] == {"http_413": n} and fs.app.requests == 30 and s["retries"] == 0
-    assert all(e.startswith("http_413: error 413 inside a 200 body (choices[0].error): upstream provider error")
-               for e in _failed(tmp_path / "out.parquet").values())
+    assert all(
+        e.startswith("http_413: error 413 inside a 200 body (choices[0].error): upstream provider error")
+        for e in _failed(tmp_path / "out.parquet").values()
+    )
 
 
 def test_a_key_in_any_field_of_a_reply_is_never_stored(tmp_path, fs, monkeypatch):
@@ -301,8 +321,10 @@ def test_a_key_in_any_field_of_a_reply_is_never_stored(tmp_path, fs, monkeypatch
     with pytest.raises(GenerationStopped, match="every request failed"):
         run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"), log=log)
     recs, _ = read_journal(tmp_path / "journal", "ds")
-    assert len(recs) == 6 and all(r["error"] == "api_key_in_reply: the reply's model quotes a configured API key "
-                                  "(not stored)" for r in recs.values())
+    assert len(recs) == 6 and all(
+        r["error"] == "api_key_in_reply: the reply's model quotes a configured API key (not stored)"
+        for r in recs.values()
+    )
     assert all(r["model"] == "vendor/model [api key]" for r in recs.values())
     hits = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
     assert hits == []
@@ -326,24 +348,30 @@ def test_a_key_in_a_source_prompt_is_a_named_reject_never_sent(tmp_path, fs, mon
     prompts = write_prompts(tmp_path / "p.parquet", convs)
     s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"))
     assert s["failed"] == {"api_key_in_prompt": 1} and s["ok"] == 4 and fs.app.requests == 4
-    assert _failed(tmp_path / "out.parquet") == {"s0001": (
-        f"api_key_in_prompt: {prompts} row 1: the prompt quotes a configured API key: not sent (its text is not "
-        "copied here; remove the key from the source)")}
+    assert _failed(tmp_path / "out.parquet") == {
+        "s0001": (
+            f"api_key_in_prompt: {prompts} row 1: the prompt quotes a configured API key: not sent (its text is not "
+            "copied here; remove the key from the source)"
+        )
+    }
     hits = [p for p in tmp_path.rglob("*") if p.is_file() and p != prompts and key.encode() in p.read_bytes()]
     assert hits == []
 
 
-@pytest.mark.parametrize("asked,replied,same", [
-    ("openai/gpt-4o", "openai/gpt-4o-2024-08-06", True),            # a date suffix
-    ("anthropic/claude-3-5-sonnet", "anthropic/claude-3-5-sonnet-20241022", True),
-    ("moonshotai/kimi-k2", "moonshotai/kimi-k2-0905", True),        # a version suffix
-    ("moonshotai/kimi-k2.5", "kimi-k2.5", True),                    # the vendor left out
-    ("moonshotai/kimi-k2.5", "MoonshotAI/Kimi-K2.5", True),         # case
-    ("vendor/model:free", "vendor/model", True),                    # an OpenRouter routing variant asked for
-    ("vendor/model-x", "vendor/model", False),                      # a shorter, older name: another model
-    ("openai/gpt-4o", "openai/gpt-4o-mini", False),                 # a longer name that is not a version
-    ("a/model", "b/model", False),                                  # another vendor's
-])
+@pytest.mark.parametrize(
+    "asked,replied,same",
+    [
+        ("openai/gpt-4o", "openai/gpt-4o-2024-08-06", True),  # a date suffix
+        ("anthropic/claude-3-5-sonnet", "anthropic/claude-3-5-sonnet-20241022", True),
+        ("moonshotai/kimi-k2", "moonshotai/kimi-k2-0905", True),  # a version suffix
+        ("moonshotai/kimi-k2.5", "kimi-k2.5", True),  # the vendor left out
+        ("moonshotai/kimi-k2.5", "MoonshotAI/Kimi-K2.5", True),  # case
+        ("vendor/model:free", "vendor/model", True),  # an OpenRouter routing variant asked for
+        ("vendor/model-x", "vendor/model", False),  # a shorter, older name: another model
+        ("openai/gpt-4o", "openai/gpt-4o-mini", False),  # a longer name that is not a version
+        ("a/model", "b/model", False),  # another vendor's
+    ],
+)
 def test_a_reply_names_the_model_asked_for_only_as_the_same_id_or_a_versioned_one(asked, replied, same):
     from eagle3_data.paid import same_model
 

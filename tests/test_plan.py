@@ -19,13 +19,21 @@ from eagle3_data.settings import ExtractSettings, MergeSettings, PlanSettings
 
 # The seed's table (samples, tokens) per dataset; A1: 2,800 samples, ~44.9M tokens, ~16k average.
 SEED = {
-    "B1_glaive": (9998, 17.0e6), "B2_opencodeinstruct": (2932, 11.4e6), "B3_magicoder": (3383, 10.5e6),
-    "B4_mixturethoughts": (1891, 10.2e6), "B5_openthoughts": (2112, 11.0e6), "B6_ultrachat": (5957, 11.1e6),
-    "B7_sharegpt": (5476, 10.9e6), "B8_sweagent": (3565, 8.8e6), "A1_deepswekimi": (2800, 44.9e6),
+    "B1_glaive": (9998, 17.0e6),
+    "B2_opencodeinstruct": (2932, 11.4e6),
+    "B3_magicoder": (3383, 10.5e6),
+    "B4_mixturethoughts": (1891, 10.2e6),
+    "B5_openthoughts": (2112, 11.0e6),
+    "B6_ultrachat": (5957, 11.1e6),
+    "B7_sharegpt": (5476, 10.9e6),
+    "B8_sweagent": (3565, 8.8e6),
+    "A1_deepswekimi": (2800, 44.9e6),
     "A2_kimik25": (2000, 2.6e6),
 }
-KIMI_K25 = {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 61,
-                                                      "hidden_size": 7168}}
+KIMI_K25 = {
+    "model_type": "kimi_k25",
+    "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 61, "hidden_size": 7168},
+}
 
 
 def seed_lengths(tmp_path, shards=4):
@@ -48,12 +56,22 @@ def seed_lengths(tmp_path, shards=4):
     paths, man_shards = [], []
     for k, idx in enumerate(np.array_split(np.arange(len(ds)), shards)):
         p = tmp_path / f"{k:03d}.parquet"
-        pq.write_table(pa.table({"dataset": ds[idx].tolist(), "num_tokens": n_tok[idx], "num_supervised": n_sup[idx]}), p)
+        pq.write_table(
+            pa.table({"dataset": ds[idx].tolist(), "num_tokens": n_tok[idx], "num_supervised": n_sup[idx]}), p
+        )
         paths.append(p)
-        man_shards.append({"path": str(p), "samples": len(idx), "tokens": int(n_tok[idx].sum()),
-                           "supervised_tokens": int(n_sup[idx].sum())})
-    manifest = {"shards": man_shards, "totals": {"samples": len(ds), "tokens": int(n_tok.sum()),
-                                                 "supervised_tokens": int(n_sup.sum())}}
+        man_shards.append(
+            {
+                "path": str(p),
+                "samples": len(idx),
+                "tokens": int(n_tok[idx].sum()),
+                "supervised_tokens": int(n_sup[idx].sum()),
+            }
+        )
+    manifest = {
+        "shards": man_shards,
+        "totals": {"samples": len(ds), "tokens": int(n_tok.sum()), "supervised_tokens": int(n_sup.sum())},
+    }
     return paths, manifest
 
 
@@ -66,9 +84,17 @@ def test_seed_figures(tmp_path):
     assert round(manifest["totals"]["tokens"] / 1e6, 1) == 138.4 and manifest["totals"]["samples"] == 40114
     # throughput: what the seed's 91 h for 138.4M tokens on 8 GPUs implies (422.5 tokens/s, 52.8 per GPU)
     tps = 138.4e6 / (91 * 3600) / 8
-    p = pl.build_plan(manifest, paths, settings=PlanSettings.defaults(
-        ExtractSettings.defaults(KIMI_K25, dtype="bfloat16", gpus_per_job=8), tokens_per_s_per_gpu=tps, gpus_total=8,
-        caps=[8192], drop=["A1_deepswekimi"]))
+    p = pl.build_plan(
+        manifest,
+        paths,
+        settings=PlanSettings.defaults(
+            ExtractSettings.defaults(KIMI_K25, dtype="bfloat16", gpus_per_job=8),
+            tokens_per_s_per_gpu=tps,
+            gpus_total=8,
+            caps=[8192],
+            drop=["A1_deepswekimi"],
+        ),
+    )
     assert p["layers"] == [1, 29, 57] and p["model"]["hidden_size"] == 7168
     sc = {s["name"]: s for s in p["scenarios"]}
     seed_key = "aux_only_bf16"
@@ -102,8 +128,12 @@ def test_bytes_per_token_and_model_dims(tmp_path):
     assert fp8["aux"] == 3 * 4096 + 12 and fp8["final"] == 4096 * 2 * 0.25 + 1
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 4096}))
     assert pl.model_dims(tmp_path)["num_layers"] == 32
-    assert pl.model_dims(KIMI_K25) == {"num_layers": 61, "hidden_size": 7168, "model_type": "kimi_k2",
-                                       "vocab_size": KIMI_K25["text_config"].get("vocab_size", 0)}
+    assert pl.model_dims(KIMI_K25) == {
+        "num_layers": 61,
+        "hidden_size": 7168,
+        "model_type": "kimi_k2",
+        "vocab_size": KIMI_K25["text_config"].get("vocab_size", 0),
+    }
     with pytest.raises(KeyError, match="num_hidden_layers"):
         pl.model_dims({"foo": 1})
     with pytest.raises(ValueError, match="throughput"):
@@ -120,11 +150,23 @@ def _rows(n, seed=3):
             a = rng.randrange(length)
             for j in range(a, min(length, a + rng.randint(1, 20))):
                 mask[j] = 1
-        rows.append({"sample_id": f"s{i}", "dataset": "ab"[i % 2], "input_ids": [rng.randrange(1000) for _ in range(length)],
-                     "loss_mask": mask, "num_tokens": length, "num_prompt_tokens": 0,
-                     "num_completion_tokens": sum(mask), "ids_source": "reconstructed",
-                     "billed_completion_tokens": None, "finish_reason": "stop", "backend": "x", "provider": None,
-                     "cost_usd": 0.0})
+        rows.append(
+            {
+                "sample_id": f"s{i}",
+                "dataset": "ab"[i % 2],
+                "input_ids": [rng.randrange(1000) for _ in range(length)],
+                "loss_mask": mask,
+                "num_tokens": length,
+                "num_prompt_tokens": 0,
+                "num_completion_tokens": sum(mask),
+                "ids_source": "reconstructed",
+                "billed_completion_tokens": None,
+                "finish_reason": "stop",
+                "backend": "x",
+                "provider": None,
+                "cost_usd": 0.0,
+            }
+        )
     return rows
 
 
@@ -136,11 +178,18 @@ def test_cap_alternative_equals_merge_with_that_max_len(tmp_path, overflow):
     full = [tmp_path / "full" / f"{i:03d}.parquet" for i in range(2)]
     merge([val], full, tmp_path / "full.json", settings=MergeSettings.defaults(max_len=1000, seed=0))
     for cap in (10, 50):
-        capped = merge([val], [tmp_path / f"c{cap}.parquet"], tmp_path / f"c{cap}.json",
-                       settings=MergeSettings.defaults(max_len=cap, overflow=overflow, seed=0))
+        capped = merge(
+            [val],
+            [tmp_path / f"c{cap}.parquet"],
+            tmp_path / f"c{cap}.json",
+            settings=MergeSettings.defaults(max_len=cap, overflow=overflow, seed=0),
+        )
         got = pl.scenario_totals(full, cap=cap, overflow=overflow)
         assert (got["samples"], got["tokens"], got["supervised_tokens"]) == (
-            capped["totals"]["samples"], capped["totals"]["tokens"], capped["totals"]["supervised_tokens"])
+            capped["totals"]["samples"],
+            capped["totals"]["tokens"],
+            capped["totals"]["supervised_tokens"],
+        )
         got_b = pl.scenario_totals(full, cap=cap, drop=["a"], overflow=overflow)
         assert got_b["samples"] == capped["shards"][0]["datasets"].get("b", 0) and set(got_b["per_dataset"]) == {"b"}
 
@@ -151,15 +200,25 @@ def test_plan_measures_throughput(tmp_path):
 
     torch.manual_seed(0)
     model_dir = tmp_path / "tiny"
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)).save_pretrained(model_dir)
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            max_position_embeddings=512,
+        )
+    ).save_pretrained(model_dir)
     val = tmp_path / "v.parquet"
     schemas.write_checked(schemas.from_rows(_rows(60), schemas.VALIDATED), "validated", val)
     merged = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(2)]
     merge([val], merged, tmp_path / "m.json", settings=MergeSettings.defaults(max_len=1000, seed=0))
     extract = ExtractSettings.defaults(model_dir, dtype="float32", device="cpu")
-    settings = PlanSettings.defaults(extract, measure_tokens=500, gpus_total=1, caps=[32], drop=["a"],
-                                     cache_dir=str(tmp_path / "cache"))
+    settings = PlanSettings.defaults(
+        extract, measure_tokens=500, gpus_total=1, caps=[32], drop=["a"], cache_dir=str(tmp_path / "cache")
+    )
     dirs = dict(states_dir=tmp_path / "results/hidden_states", export_dir=tmp_path / "results/export")
     p = pl.plan(tmp_path / "m.json", merged, tmp_path / "plan.md", tmp_path / "plan.json", settings=settings, **dirs)
     assert p["throughput"]["source"] == "measured" and p["throughput"]["tokens_per_s_per_gpu"] > 0
@@ -177,17 +236,26 @@ def test_plan_measures_throughput(tmp_path):
 
     real, ex.extract_states = ex.extract_states, no_forward
     try:
-        again = pl.plan(tmp_path / "m.json", merged, tmp_path / "plan.md", tmp_path / "plan.json",
-                        settings=settings.replace(export_layouts=["speculators"]), **dirs)
+        again = pl.plan(
+            tmp_path / "m.json",
+            merged,
+            tmp_path / "plan.md",
+            tmp_path / "plan.json",
+            settings=settings.replace(export_layouts=["speculators"]),
+            **dirs,
+        )
     finally:
         ex.extract_states = real
     kept = again["throughput"]["measured"]
-    assert kept["cached"].startswith(str(tmp_path / "cache" / "plan")) and kept["tokens_per_s_per_gpu"] == \
-        p["throughput"]["measured"]["tokens_per_s_per_gpu"]
+    assert (
+        kept["cached"].startswith(str(tmp_path / "cache" / "plan"))
+        and kept["tokens_per_s_per_gpu"] == p["throughput"]["measured"]["tokens_per_s_per_gpu"]
+    )
     assert again["exports"]["requested"] == ["speculators"] and "kept in" in (tmp_path / "plan.md").read_text()
     # another batch size is another measurement
-    assert pl.measure_key(merged[0], settings) != pl.measure_key(merged[0], settings.replace(
-        extract=extract.replace(batch_tokens=99)))
+    assert pl.measure_key(merged[0], settings) != pl.measure_key(
+        merged[0], settings.replace(extract=extract.replace(batch_tokens=99))
+    )
 
 
 def test_units_scale_with_the_size_of_the_build():
@@ -211,19 +279,28 @@ def test_heldout_tokens_are_planned_for_extraction(tmp_path):
     m0 = merge([val], full, tmp_path / "full.json", settings=MergeSettings.defaults(max_len=1000, seed=0))
     split = [tmp_path / "split" / "000.parquet"]
     held = tmp_path / "split" / "heldout.parquet"
-    m1 = merge([val], split, tmp_path / "split.json", heldout_path=held,
-               settings=MergeSettings.defaults(max_len=1000, seed=0, heldout=0.25))
+    m1 = merge(
+        [val],
+        split,
+        tmp_path / "split.json",
+        heldout_path=held,
+        settings=MergeSettings.defaults(max_len=1000, seed=0, heldout=0.25),
+    )
     assert 0 < m1["heldout"]["samples"] < m0["totals"]["samples"] and m1["totals"]["tokens"] < m0["totals"]["tokens"]
-    settings = PlanSettings.defaults(ExtractSettings.defaults(KIMI_K25), tokens_per_s_per_gpu=100.0, caps=[50],
-                                     drop=["a"])
+    settings = PlanSettings.defaults(
+        ExtractSettings.defaults(KIMI_K25), tokens_per_s_per_gpu=100.0, caps=[50], drop=["a"]
+    )
     p0 = pl.build_plan(m0, full, settings=settings)
     p1 = pl.build_plan(m1, split + [held], settings=settings)
     for key in ("samples", "tokens", "supervised_tokens", "bytes", "gpu_hours"):
         assert p1["totals"][key] == p0["totals"][key], key
     assert (p1["totals"]["heldout_samples"], p1["totals"]["heldout_tokens"]) == (
-        m1["heldout"]["samples"], m1["heldout"]["tokens"])
+        m1["heldout"]["samples"],
+        m1["heldout"]["tokens"],
+    )
     assert [(s["name"], s["samples"], s["tokens"]) for s in p1["scenarios"]] == [
-        (s["name"], s["samples"], s["tokens"]) for s in p0["scenarios"]]
+        (s["name"], s["samples"], s["tokens"]) for s in p0["scenarios"]
+    ]
     md = pl.render_markdown(p1)
     assert f"of which {m1['heldout']['tokens']:,} tokens in {m1['heldout']['samples']:,} samples are the held-out" in md
     assert "held-out" not in pl.render_markdown(p0)
@@ -237,10 +314,18 @@ def test_bytes_of_the_states_and_of_each_export_at_8b():
     16.4 KB), SpecForge's own bf16 layout 32.8 KB; each export's bytes per token from its contract."""
     fp8 = pl.bytes_per_token(4096, 3, aux_format="fp8_e4m3", final_format="fp8_e4m3")
     assert fp8["total"] == 3 * 4096 + 12 + 4096 + 4 + 5 == 16405 <= 16500
-    ex = {k: pl.export_bytes_per_token(k, 4096)["total"] for k in
-          ("specforge", "specforge_dflash", "specforge_dspark", "speculators", "speculators_fp8", "modelopt")}
-    assert ex == {"specforge": 8 * 4096 + 16, "specforge_dflash": 10 * 4096 + 16, "specforge_dspark": 12 * 4096 + 16,
-                  "speculators": 8 * 4096 + 8, "speculators_fp8": 4 * 4096 + 12, "modelopt": 8 * 4096 + 16}
+    ex = {
+        k: pl.export_bytes_per_token(k, 4096)["total"]
+        for k in ("specforge", "specforge_dflash", "specforge_dspark", "speculators", "speculators_fp8", "modelopt")
+    }
+    assert ex == {
+        "specforge": 8 * 4096 + 16,
+        "specforge_dflash": 10 * 4096 + 16,
+        "specforge_dspark": 12 * 4096 + 16,
+        "speculators": 8 * 4096 + 8,
+        "speculators_fp8": 4 * 4096 + 12,
+        "modelopt": 8 * 4096 + 16,
+    }
     assert ex["speculators_fp8"] == 16396  # hs_connectors' FP8 file: [T, 4, H] fp8 + a float32 scale + int64 ids
     with pytest.raises(ValueError, match="unknown export layout"):
         pl.export_bytes_per_token("eagle", 4096)
@@ -251,12 +336,19 @@ def test_plan_checks_the_sink(tmp_path, monkeypatch):
     the write rate at the configured throughput; a shortfall is a warning naming the settings that fix it."""
     import shutil as sh
 
-    man = {"shards": [{"samples": 1000, "tokens": 10_000_000, "supervised_tokens": 5_000_000}],
-           "selections": {"d/000": {"samples": 1000, "tokens": 10_000_000}}}
+    man = {
+        "shards": [{"samples": 1000, "tokens": 10_000_000, "supervised_tokens": 5_000_000}],
+        "selections": {"d/000": {"samples": 1000, "tokens": 10_000_000}},
+    }
     states, exports = tmp_path / "results/hidden_states", tmp_path / "results/export"
     extract = ExtractSettings.defaults(LLAMA_8B, dtype="bfloat16", drafters=["eagle3", "dspark"])
-    settings = PlanSettings.defaults(extract, tokens_per_s_per_gpu=27_000.0, gpus_total=8, write_gb_per_s=5.0,
-                                     export_layouts=["specforge", "speculators_fp8", "specforge_dspark"])
+    settings = PlanSettings.defaults(
+        extract,
+        tokens_per_s_per_gpu=27_000.0,
+        gpus_total=8,
+        write_gb_per_s=5.0,
+        export_layouts=["specforge", "speculators_fp8", "specforge_dspark"],
+    )
     Usage = type(sh.disk_usage(tmp_path))
     monkeypatch.setattr(pl.shutil, "disk_usage", lambda p: Usage(10**13, 10**13 - 10**11, 10**11))  # 100 GB free
     p = pl.build_plan(man, [], settings=settings, states_dir=states, export_dir=exports)
@@ -264,8 +356,12 @@ def test_plan_checks_the_sink(tmp_path, monkeypatch):
     U = 6
     states_bpt = U * 4096 * 2 + 4096 * 2 + 5
     assert p["bytes_per_token"]["configured"]["total"] == states_bpt
-    want = {"states": 10_000_000 * states_bpt + 8 * (1000 + 1), "specforge": 10_000_000 * (8 * 4096 + 16),
-            "speculators_fp8": 10_000_000 * (4 * 4096 + 12), "specforge_dspark": 10_000_000 * (12 * 4096 + 16)}
+    want = {
+        "states": 10_000_000 * states_bpt + 8 * (1000 + 1),
+        "specforge": 10_000_000 * (8 * 4096 + 16),
+        "speculators_fp8": 10_000_000 * (4 * 4096 + 12),
+        "specforge_dspark": 10_000_000 * (12 * 4096 + 16),
+    }
     [disk] = p["disks"]  # one filesystem (tmp_path's) for all of them
     assert disk["parts"] == pytest.approx(want) and disk["needed"] == pytest.approx(sum(want.values()))
     assert disk["free"] == 10**11 and disk["short"] == pytest.approx(sum(want.values()) - 10**11)
@@ -277,8 +373,12 @@ def test_plan_checks_the_sink(tmp_path, monkeypatch):
     assert disk_w.startswith(f"disk: {states} and {exports / 'specforge'} and ") and "short; set" in disk_w
     assert "extract.aux_format: fp8_e4m3 and extract.final_format: fp8_e4m3" in disk_w
     assert "extract.final_states: supervised" in disk_w and "fewer export.layouts" in disk_w
-    assert rate_w.startswith("write rate: 8 GPU(s) extracting write 12.39 GB/s of states, more than "
-                             "plan.write_gb_per_s = 5.00 GB/s") and "plan.gpus_total" in rate_w
+    assert (
+        rate_w.startswith(
+            "write rate: 8 GPU(s) extracting write 12.39 GB/s of states, more than plan.write_gb_per_s = 5.00 GB/s"
+        )
+        and "plan.gpus_total" in rate_w
+    )
     md = pl.render_markdown(p)
     assert md.index("## Warnings") < md.index("## Bytes per token") < md.index("## Exports") < md.index("## Disk")
     assert "| speculators_fp8 | **yes** | 16,396 B |" in md and "| modelopt | no | 32,784 B |" in md

@@ -5,8 +5,6 @@ Each is one line naming the key, at parse time (a dry run too), before anything 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
@@ -20,8 +18,12 @@ from eagle3_data.config import ConfigError
 
 
 def _config(target_path, **extra) -> dict:
-    cfg = {"target": {"name": "t", "path": str(target_path), "template": "qwen3"},
-           "vocab": {"draft_vocab_size": 256}, "backends": {}, "datasets": {}}
+    cfg = {
+        "target": {"name": "t", "path": str(target_path), "template": "qwen3"},
+        "vocab": {"draft_vocab_size": 256},
+        "backends": {},
+        "datasets": {},
+    }
     cfg.update(extra)
     return cfg
 
@@ -76,20 +78,31 @@ def test_draft_vocab_larger_than_the_target_vocabulary(tmp_path):
     prerun.check_draft_vocab(_config(d))  # 256 <= 272
     with pytest.raises(ConfigError) as e:
         prerun.check_draft_vocab(_config(d, vocab={"draft_vocab_size": 32000}))
-    assert str(e.value) == (f"Config error: vocab.draft_vocab_size is 32,000, larger than the target's vocabulary "
-                            f"(272 tokens, vocab_size of {d}/config.json); set it to at most 272.")
+    assert str(e.value) == (
+        f"Config error: vocab.draft_vocab_size is 32,000, larger than the target's vocabulary "
+        f"(272 tokens, vocab_size of {d}/config.json); set it to at most 272."
+    )
 
 
 def test_launch_python_that_does_not_exist(tmp_path):
-    cfg = _config(tmp_path, backends={"local": {"type": "sglang", "base_url": "http://127.0.0.1:{port}/v1",
-                                                "model": "m", "launch": {"command": "python -m x",
-                                                                         "python": str(tmp_path / "venv-gone")}}},
-                  generation={"backends": ["local"]},
-                  datasets={"d": {"source": {"format": "sharegpt", "path": "x"}}})
+    cfg = _config(
+        tmp_path,
+        backends={
+            "local": {
+                "type": "sglang",
+                "base_url": "http://127.0.0.1:{port}/v1",
+                "model": "m",
+                "launch": {"command": "python -m x", "python": str(tmp_path / "venv-gone")},
+            }
+        },
+        generation={"backends": ["local"]},
+        datasets={"d": {"source": {"format": "sharegpt", "path": "x"}}},
+    )
     with pytest.raises(ConfigError) as e:
         prerun.check_launch_python(cfg)
-    assert str(e.value).startswith(f"Config error: backends.local.launch.python: {tmp_path / 'venv-gone'} does "
-                                   "not exist") and "\n" not in str(e.value)
+    assert str(e.value).startswith(
+        f"Config error: backends.local.launch.python: {tmp_path / 'venv-gone'} does not exist"
+    ) and "\n" not in str(e.value)
     cfg["backends"]["local"]["launch"]["python"] = sys.executable
     prerun.check_launch_python(cfg)
 
@@ -116,13 +129,18 @@ def test_export_layouts_the_configured_states_cannot_serve(tmp_path):
     prerun.check_export_layouts(cfg(layouts=["specforge", "speculators", "speculators_fp8", "modelopt"]))  # both
     with pytest.raises(ConfigError) as e:
         prerun.check_export_layouts(cfg({"final_norm": "post"}, ["specforge", "speculators"]))
-    assert str(e.value) == ("Config error: export.layouts: speculators reads pre-norm final states, but "
-                            "extract.final_norm: post stores post-norm ones only; set extract.final_norm: both (the "
-                            "default: every layout from one extraction) or pre")
+    assert str(e.value) == (
+        "Config error: export.layouts: speculators reads pre-norm final states, but "
+        "extract.final_norm: post stores post-norm ones only; set extract.final_norm: both (the "
+        "default: every layout from one extraction) or pre"
+    )
     with pytest.raises(ConfigError, match="modelopt reads post-norm final states.*extract.final_norm: both"):
         prerun.check_export_layouts(cfg({"final_norm": "pre"}, ["modelopt"]))
-    with pytest.raises(ConfigError, match=r"specforge_dflash reads DFlash's target layers, which extract.drafters "
-                                          r"\['eagle3'\] does not capture; add dflash to extract.drafters"):
+    with pytest.raises(
+        ConfigError,
+        match=r"specforge_dflash reads DFlash's target layers, which extract.drafters "
+        r"\['eagle3'\] does not capture; add dflash to extract.drafters",
+    ):
         prerun.check_export_layouts(cfg(layouts=["specforge", "specforge_dflash"]))
     prerun.check_export_layouts(cfg({"drafters": ["eagle3", "dspark"]}, ["specforge_dflash", "specforge_dspark"]))
     with pytest.raises(ConfigError, match="reads EAGLE-3's auxiliary layers.*add eagle3"):
@@ -135,16 +153,19 @@ def test_export_layouts_the_configured_states_cannot_serve(tmp_path):
     (d / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64}))
     with pytest.raises(ConfigError) as e:
         prerun.check_export_layouts(cfg({"drafters": ["dflash"]}))
-    assert str(e.value).startswith("Config error: extract.dflash_layers: 5 DFlash layers of a 2-layer target give ids "
-                                   "[1, 0, 0, 0, -1] outside [0, 1]") and "\n" not in str(e.value)
+    assert str(e.value).startswith(
+        "Config error: extract.dflash_layers: 5 DFlash layers of a 2-layer target give ids "
+        "[1, 0, 0, 0, -1] outside [0, 1]"
+    ) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="extract layer 9 is outside the target's decoder layers"):
         prerun.check_export_layouts(cfg({"drafters": ["dspark"], "dflash_layers": [1, 9]}))
 
 
 def _dry_run(wd, *args, env=None, unset=()):
     e = snakemake_env(env, unset=list(unset))
-    return subprocess.run([sys.executable, "-m", "snakemake", "-n", *args], cwd=wd, env=e, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", *args], cwd=wd, env=e, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.slow

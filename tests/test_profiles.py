@@ -91,7 +91,8 @@ def submitted(tmp_path_factory):
         (work / f).parent.mkdir(parents=True, exist_ok=True)
         (work / f).touch()
     (work / "results/merged/manifest.json").write_text(
-        json.dumps({"selections": {f"{ds}/{s}": {"digest": f"{ds}/{s}"} for ds, s in shards}}))
+        json.dumps({"selections": {f"{ds}/{s}": {"digest": f"{ds}/{s}"} for ds, s in shards}})
+    )
     record = tmp / "record"
     record.mkdir()
     _standins(tmp / "bin")
@@ -101,9 +102,24 @@ def submitted(tmp_path_factory):
     env["EAGLE3_SLURM_ACCOUNT"] = "myproj"
     # one run per target: a forced generate would otherwise hold back the extract job behind the merge checkpoint
     for rule, target in (("extract", EXTRACT), ("generate", GENERATE), ("plan", PLAN)):
-        cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", "profiles/slurm", "--force",
-               "--allowed-rules", rule, "--slurm-init-seconds-before-status-checks", "1",
-               "--latency-wait", "1", "--retries", "0", "--", target]
+        cmd = [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--workflow-profile",
+            "profiles/slurm",
+            "--force",
+            "--allowed-rules",
+            rule,
+            "--slurm-init-seconds-before-status-checks",
+            "1",
+            "--latency-wait",
+            "1",
+            "--retries",
+            "0",
+            "--",
+            target,
+        ]
         proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
     sb = _calls(record, "sbatch")
     assert len(sb) == 3, f"expected 3 sbatch calls, got {len(sb)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

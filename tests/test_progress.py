@@ -34,14 +34,23 @@ def test_line_by_value(clock):
     st = make_state()
     assert progress.line(st, "[ds/000]") == (
         "[ds/000] 4/10 done  40%|####      | [00:10<00:15,  0.40 samples/s] | in flight 2 | 100.0 tok/s | "
-        "$0.5000 of $2.0000 budget_usd (budget in ~00:30) | ok 3, failed 1, journal 0 | retries 2, requests 6")
+        "$0.5000 of $2.0000 budget_usd (budget in ~00:30) | ok 3, failed 1, journal 0 | retries 2, requests 6"
+    )
     # journaled samples (instant) are left out of the rate: 2 samples in 10 s -> 0.2/s, 6 left -> 30 s
-    st = make_state(instant=2, from_journal=2, ok=3, budget_usd=None, budget_tokens=5000.0,
-                    journal_completion_tokens=500, journal_cost_usd=0.25)
+    st = make_state(
+        instant=2,
+        from_journal=2,
+        ok=3,
+        budget_usd=None,
+        budget_tokens=5000.0,
+        journal_completion_tokens=500,
+        journal_cost_usd=0.25,
+    )
     assert progress.line(st, "[ds/000]") == (
         "[ds/000] 4/10 done  40%|####      | [00:10<00:30,  0.20 samples/s] | in flight 2 | 100.0 tok/s | "
         "$0.7500 spent | 1,500 of 5,000 budget_completion_tokens (budget in ~00:35) | ok 3, failed 1, journal 2 | "
-        "retries 2, requests 6")
+        "retries 2, requests 6"
+    )
 
 
 def test_budget_stop_line_and_message(clock):
@@ -50,16 +59,19 @@ def test_budget_stop_line_and_message(clock):
     text = progress.final_line(st, "[ds/001]")
     assert text.startswith("[ds/001] 4/10 done  40%")
     assert text.endswith("| stopped by budget_usd: 6 of 10 samples not sent")
-    assert "$2.0100 of $1.0000 budget_usd | ok 3" in text                # nothing left to send: no "budget in"
+    assert "$2.0100 of $1.0000 budget_usd | ok 3" in text  # nothing left to send: no "budget in"
     assert progress.budget_stop_message(st, "budget_usd", 2, "generation.budget_usd", 2) == (
         "stopped by budget_usd (generation.budget_usd = $2.0000, this shard's share $1.0000 of 2 shards): $2.0100 "
         "spent; 6 of 10 samples not sent (no row for them; a rerun with a larger budget sends them, journaled "
-        "responses are not paid for again)")
+        "responses are not paid for again)"
+    )
     st = make_state(done=10, not_sent=6, stopped_by="budget_completion_tokens", budget_tokens=900.0, budget_usd=None)
-    assert progress.budget_stop_message(st, "budget_completion_tokens", 900, "datasets.ds.generation."
-                                        "budget_completion_tokens", 1).startswith(
+    assert progress.budget_stop_message(
+        st, "budget_completion_tokens", 900, "datasets.ds.generation.budget_completion_tokens", 1
+    ).startswith(
         "stopped by budget_completion_tokens (datasets.ds.generation.budget_completion_tokens = 900 completion "
-        "tokens): 1,000 completion tokens spent; 6 of 10 samples not sent")
+        "tokens): 1,000 completion tokens spent; 6 of 10 samples not sent"
+    )
 
 
 class FakeTTY(io.StringIO):
@@ -102,9 +114,9 @@ def test_terminal_gets_a_live_bar_and_the_log_file_plain_lines(tmp_path, monkeyp
     assert display.live
     _drive(display, st, log)
     out = tty.getvalue()
-    assert "\r" in out                                                # redrawn in place
-    assert "a warning while the bar shows" in out                      # log records still reach the terminal
-    assert "6/10 done  60%" in out.rsplit("\r", 1)[-1]                 # the bar left on screen: the last count
+    assert "\r" in out  # redrawn in place
+    assert "a warning while the bar shows" in out  # log records still reach the terminal
+    assert "6/10 done  60%" in out.rsplit("\r", 1)[-1]  # the bar left on screen: the last count
     text = (tmp_path / "job.log").read_text()
     lines = text.splitlines()
     assert "\r" not in text and "a warning while the bar shows" in lines
@@ -126,5 +138,6 @@ def test_a_workflow_run_console_gets_plain_lines_even_on_a_tty(tmp_path, monkeyp
     out = tty.getvalue()
     assert "\r" not in out
     prog = [ln for ln in out.splitlines() if ln.startswith("[ds/000] ")]
-    assert len(prog) >= 2 and prog == [ln for ln in (tmp_path / "job.log").read_text().splitlines()
-                                       if ln.startswith("[ds/000] ")]
+    assert len(prog) >= 2 and prog == [
+        ln for ln in (tmp_path / "job.log").read_text().splitlines() if ln.startswith("[ds/000] ")
+    ]

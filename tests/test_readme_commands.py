@@ -27,25 +27,29 @@ SHELLS = ("bash", "sh", "shell", "console")
 #: what the route's first steps leave in the repository, made in every scratch copy before its commands run
 PREPARED = {
     "models/Kimi-K2.5": "the demo's tiny Kimi K2.5-style target (results/target/tiny-kimi), as README step 1 "
-                        "fetches the real tokenizer there",
+    "fetches the real tokenizer there",
     "my.yaml": "resources/configs/openrouter.yaml, as README step 2 copies it (docs/ use the name too), with a "
-               "draft vocabulary that fits the stand-in target",
+    "draft vocabulary that fits the stand-in target",
 }
 
 
 @dataclass(frozen=True)
 class How:
     why: str
-    dry: bool = False          # run with -n after `snakemake`
-    run: str | None = None     # run this instead (None: as written, or not at all when skip)
-    skip: bool = False         # not run; `check` (if any) is run instead
+    dry: bool = False  # run with -n after `snakemake`
+    run: str | None = None  # run this instead (None: as written, or not at all when skip)
+    skip: bool = False  # not run; `check` (if any) is run instead
 
 
 QUICKSTART_SETUP = "python3.11 -m venv .venv && . .venv/bin/activate && pip install -e . && "
-TEST_SETUP = ("python3.11 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
-              "pip install --no-deps -r envs/no-deps.txt && ")
-HF_TOKENIZER = ('hf download moonshotai/Kimi-K2.5 --local-dir models/Kimi-K2.5 --include "*.json" --include '
-                '"*.py" --include "*.model" --include "*.jinja"')
+TEST_SETUP = (
+    "python3.11 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
+    "pip install --no-deps -r envs/no-deps.txt && "
+)
+HF_TOKENIZER = (
+    'hf download moonshotai/Kimi-K2.5 --local-dir models/Kimi-K2.5 --include "*.json" --include '
+    '"*.py" --include "*.model" --include "*.jinja"'
+)
 NETWORK = "network (a paid endpoint)"
 #: the stand-in target's vocabulary is 272 tokens: a draft vocabulary that fits it (the real one holds the default)
 STANDIN_VOCAB = "printf 'vocab:\\n  draft_vocab_size: 256\\n' >> my.yaml"
@@ -55,41 +59,54 @@ HOW: dict[str, How] = {
     QUICKSTART_SETUP + "snakemake --cores 2": How(
         "the venv it makes is this test's own (.ci/run makes it with the test command); `snakemake --cores 2` "
         "itself ran from scratch in the demo_run fixture, and here reruns on that finished build",
-        run="snakemake --cores 2 2>&1 | grep 'Nothing to be done'"),
+        run="snakemake --cores 2 2>&1 | grep 'Nothing to be done'",
+    ),
     TEST_SETUP + "pytest -q": How("the suite this test is part of (.ci/run runs exactly this command)", skip=True),
-    HF_TOKENIZER: How("network (the Hugging Face Hub): run offline with --dry-run, so its options must parse "
-                      "and it gets as far as asking the Hub",
-                      run=f"{{ HF_HUB_OFFLINE=1 {HF_TOKENIZER} --dry-run 2>&1 || true; }} | grep 'cannot be accessed'"),
+    HF_TOKENIZER: How(
+        "network (the Hugging Face Hub): run offline with --dry-run, so its options must parse "
+        "and it gets as far as asking the Hub",
+        run=f"{{ HF_HUB_OFFLINE=1 {HF_TOKENIZER} --dry-run 2>&1 || true; }} | grep 'cannot be accessed'",
+    ),
     "cp resources/configs/openrouter.yaml my.yaml": How(
         "as written, then a draft vocabulary that fits the stand-in target of models/Kimi-K2.5 (272 tokens; the "
-        "real Kimi vocabulary holds the default 32,000)", run=f"cp resources/configs/openrouter.yaml my.yaml && "
-                                                              f"{STANDIN_VOCAB}"),
+        "real Kimi vocabulary holds the default 32,000)",
+        run=f"cp resources/configs/openrouter.yaml my.yaml && {STANDIN_VOCAB}",
+    ),
     "snakemake forecast --cores 2 --configfile my.yaml": How(NETWORK, dry=True),
     "snakemake --cores 8 --configfile my.yaml --until merge": How(NETWORK, dry=True),
-    "snakemake --cores 8 --configfile my.yaml --until plan": How(NETWORK + " and the plan's GPU measurement",
-                                                                 dry=True),
+    "snakemake --cores 8 --configfile my.yaml --until plan": How(NETWORK + " and the plan's GPU measurement", dry=True),
     "snakemake --cores 16 --configfile my.yaml": How("GPUs for hours (extraction of the real target)", dry=True),
     "snakemake --workflow-profile profiles/slurm --configfile my.yaml": How("a SLURM cluster", dry=True),
-    "pip install -e '.[slurm]'": How("installs from PyPI; the test extra holds the same plugin, and the SLURM "
-                                     "profile's dry run after it loads it", skip=True),
+    "pip install -e '.[slurm]'": How(
+        "installs from PyPI; the test extra holds the same plugin, and the SLURM profile's dry run after it loads it",
+        skip=True,
+    ),
     "pip install --no-deps -r envs/no-deps.txt": How(
         "the README's test command installs the same (.ci/run runs it); tests/test_gguf_target.py fails without it",
-        skip=True),
+        skip=True,
+    ),
     "snakemake --cores 2 --configfile resources/configs/real-small.yaml": How(
         "minutes of CPU on the real model: tests/test_real_small.py runs it from scratch (fewer samples, shorter "
-        "replies); here a dry run from the demo's tree, which converts nothing", dry=True),
+        "replies); here a dry run from the demo's tree, which converts nothing",
+        dry=True,
+    ),
     "python -m eagle3_data.ids_check --configfile resources/configs/real-small.yaml": How(
-        "needs the real-small build; tests/test_real_small.py runs it on one", skip=True),
+        "needs the real-small build; tests/test_real_small.py runs it on one", skip=True
+    ),
     "python3.11 -m venv .venv-sglang && . .venv-sglang/bin/activate && pip install uv": How(
         "the SGLang GPU environment (Linux x86_64, CUDA, GBs of wheels); tests/test_envs.py resolves it with uv",
-        skip=True),
+        skip=True,
+    ),
     "uv pip install -e . -r envs/sglang-gpu.txt --override envs/sglang-gpu-overrides.txt": How(
-        "the SGLang GPU environment, as above", skip=True),
+        "the SGLang GPU environment, as above", skip=True
+    ),
     "python3.11 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install uv": How(
         "the vLLM GPU environment (Linux x86_64, CUDA, GBs of wheels); tests/test_envs.py resolves it with uv",
-        skip=True),
+        skip=True,
+    ),
     "uv pip install -e . -r envs/vllm-gpu.txt --override envs/vllm-gpu-overrides.txt": How(
-        "the vLLM GPU environment, as above", skip=True),
+        "the vLLM GPU environment, as above", skip=True
+    ),
 }
 
 
@@ -118,7 +135,7 @@ def fenced_commands(doc: Path) -> list[Command]:
         i += 1
         pending, start = "", 0
         while i < len(lines) and lines[i].strip() != "```":
-            body = lines[i][len(indent):] if lines[i].startswith(indent) else lines[i].strip()
+            body = lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i].strip()
             if lang in SHELLS and (pending or body.strip() and not body.lstrip().startswith("#")):
                 if not pending:
                     start = i + 1
@@ -143,7 +160,7 @@ def shell_line(cmd: Command) -> str | None:
         return how.run
     if how.dry:
         assert cmd.text.startswith("snakemake "), f"{cmd}: a dry run needs a snakemake command"
-        return "snakemake -n " + cmd.text[len("snakemake "):]
+        return "snakemake -n " + cmd.text[len("snakemake ") :]
     return cmd.text
 
 
@@ -177,8 +194,9 @@ def test_document_commands_run_as_written(doc, demo_run, tmp_path):
         script.append(f"echo '>>> {n}' >&2")
         script.append(f"{line} || {{ echo '<<< failed {n} rc='$? >&2; exit 1; }}")
     env = snakemake_env(unset=["OPENROUTER_API_KEY", "EAGLE3_SLURM_ACCOUNT"])
-    proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=wd, env=env, capture_output=True, text=True,
-                          timeout=1800)
+    proc = subprocess.run(
+        ["bash", "-c", "\n".join(script)], cwd=wd, env=env, capture_output=True, text=True, timeout=1800
+    )
     out = proc.stdout + proc.stderr
     failed = re.search(r"<<< failed (\d+)", out)
     if proc.returncode or failed:
@@ -194,7 +212,8 @@ def test_lint_count_in_the_docs_is_true(tmp_path):
     claim = re.search(r"`snakemake --lint` reports (\w+) lints of (\w+) kinds", (ROOT / "docs/stages.md").read_text())
     assert claim, "docs/stages.md no longer states the lint count"
     wd = copy_workflow(tmp_path / "wf")
-    proc = subprocess.run(["snakemake", "--lint"], cwd=wd, env=snakemake_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        ["snakemake", "--lint"], cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=300
+    )
     lints = re.findall(r"^    \* (.+?):?$", proc.stdout + proc.stderr, flags=re.M)
     assert (len(lints), len(set(lints))) == (words[claim.group(1)], words[claim.group(2)]), lints

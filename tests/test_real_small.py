@@ -29,17 +29,47 @@ pytestmark = pytest.mark.slow
 
 CONFIGS = ("resources/configs/real-small.yaml", "reduce.yaml")
 #: the reduction: the first usable rows of each sample file, replies of at most 48 tokens, one shard each
-REDUCE = {"generation": {"max_tokens": 48},
-          "datasets": {"sharegpt": {"source": {"max_samples": 10}, "shards": 1},
-                       "ultrachat": {"source": {"max_samples": 8}}}}
+REDUCE = {
+    "generation": {"max_tokens": 48},
+    "datasets": {"sharegpt": {"source": {"max_samples": 10}, "shards": 1}, "ultrachat": {"source": {"max_samples": 8}}},
+}
 #: what normalize rejects on purpose in those first rows of the bundled sample files
-NORMALIZE_REJECTS = {("sharegpt", "starts_with_assistant"), ("sharegpt", "empty_conversation"),
-                     ("sharegpt", "unknown_role"), ("sharegpt", "empty_user_message"),
-                     ("sharegpt", "duplicate_id")}
+NORMALIZE_REJECTS = {
+    ("sharegpt", "starts_with_assistant"),
+    ("sharegpt", "empty_conversation"),
+    ("sharegpt", "unknown_role"),
+    ("sharegpt", "empty_user_message"),
+    ("sharegpt", "duplicate_id"),
+}
 TARGET = "results/target/smollm2-135m-instruct"
 #: words any English reply of a few dozen tokens holds some of
-COMMON = {"the", "a", "an", "is", "are", "to", "of", "and", "in", "you", "your", "it", "for", "can", "with", "that",
-          "this", "on", "be", "or", "as", "i", "here", "what", "by"}
+COMMON = {
+    "the",
+    "a",
+    "an",
+    "is",
+    "are",
+    "to",
+    "of",
+    "and",
+    "in",
+    "you",
+    "your",
+    "it",
+    "for",
+    "can",
+    "with",
+    "that",
+    "this",
+    "on",
+    "be",
+    "or",
+    "as",
+    "i",
+    "here",
+    "what",
+    "by",
+}
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +135,19 @@ def test_ids_are_the_targets_render_of_the_finished_conversation(run):
         assert set(res.tails) <= {("stop", "\n"), ("length", "<|im_end|>\n")}, res.tails
         seen += res.samples
     assert seen == len(_rows(sorted(run.glob("results/*/validated/*.parquet"))))
-    proc = subprocess.run([sys.executable, "-m", "eagle3_data.ids_check", "--configfile", *CONFIGS], cwd=run,
-                          env=snakemake_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3_data.ids_check", "--configfile", *CONFIGS],
+        cwd=run,
+        env=snakemake_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 2 and all(re.match(r"^\w+: (\d+)/\1 validated samples are the target's render", ln)
-                                   for ln in lines), proc.stdout
+    assert len(lines) == 2 and all(
+        re.match(r"^\w+: (\d+)/\1 validated samples are the target's render", ln) for ln in lines
+    ), proc.stdout
 
 
 def test_hidden_states_are_the_real_models(run):
@@ -122,14 +159,17 @@ def test_hidden_states_are_the_real_models(run):
     key = sorted(manifest["selections"])[0]
     sel = _rows([run / manifest["selections"][key]["path"]])
     with safe_open(str(run / f"results/hidden_states/{key}.safetensors"), "pt") as f:
-        aux, final, offsets = f.get_tensor("aux_hidden_states"), f.get_tensor("hidden_states"), \
-            f.get_tensor("sample_offsets")
+        aux, final, offsets = (
+            f.get_tensor("aux_hidden_states"),
+            f.get_tensor("hidden_states"),
+            f.get_tensor("sample_offsets"),
+        )
         assert json.loads(f.metadata()["layers"]) == layers
     assert aux.dtype == torch.float32 and tuple(aux.shape) == (int(offsets[-1]), 3 * 576)
     r = sel[0]
     with torch.inference_mode():
         hs = model(input_ids=torch.tensor([r["input_ids"]]), output_hidden_states=True).hidden_states
-    a, fin = aux[offsets[0]:offsets[1]], final[offsets[0]:offsets[1]]
+    a, fin = aux[offsets[0] : offsets[1]], final[offsets[0] : offsets[1]]
     torch.testing.assert_close(a, torch.cat([hs[i + 1][0] for i in layers], -1), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(fin, hs[-1][0], atol=2e-3, rtol=2e-3)
     files = sorted((run / "results/export/specforge").rglob("data_*.ckpt"))
@@ -142,7 +182,10 @@ def test_target_built_once_and_a_second_run_does_nothing(run, tmp_path):
     assert "target.template: auto -> generic" in out
     facts = json.loads((run / TARGET / "gguf_target.json").read_text())
     assert (facts["gguf"], facts["num_layers"], facts["generation_config"].get("do_sample")) == (
-        "SmolLM2-135M-Instruct.Q4_1.gguf", 30, None)
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        30,
+        None,
+    )
     wd = tmp_path / "copy"
     shutil.copytree(run, wd, symlinks=True)
     again = run_snakemake(wd, "--cores", "2", "--configfile", *CONFIGS)

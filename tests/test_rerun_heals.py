@@ -24,8 +24,14 @@ pytestmark = pytest.mark.slow
 
 
 def _snakemake(wd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
-                          cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
+        cwd=wd,
+        env=snakemake_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_rerun_sends_exactly_the_samples_that_failed_without_a_paid_reply(tmp_path, target_dir):  # noqa: F811
@@ -45,7 +51,7 @@ def test_a_rerun_sends_exactly_the_samples_that_failed_without_a_paid_reply(tmp_
         assert " WARNING eagle3_data" not in out, [ln for ln in out.splitlines() if " WARNING " in ln][:5]
         views = [ln for ln in out.splitlines() if ln.startswith("generate fake: ")]
         assert any("| warnings: http_50" in ln for ln in views), views
-        screen = out[out.index("Run summary (the run failed"):]
+        screen = out[out.index("Run summary (the run failed") :]
         row = next(ln.split() for ln in screen.splitlines() if ln.startswith("chat "))
         # no shard finished generate; the columns add up: Samples = Kept + Rejected + Not sent + Left
         assert row[:5] == ["chat", "0/2", str(N), str(paid), str(N - paid)], row
@@ -54,11 +60,15 @@ def test_a_rerun_sends_exactly_the_samples_that_failed_without_a_paid_reply(tmp_
         last = out.rstrip().splitlines()[-1]
         assert last.startswith("The run failed: logs/generate/chat/00") and "without a paid reply" in last, last
         assert "At least one job did not complete successfully" not in out
-        assert (f"Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled is "
-                f"paid again): chat {N - paid}.") in screen
-        why = screen[screen.index("Why (each failed job's error; its log has the details):"):].splitlines()[1:3]
-        assert sorted(ln.split(":")[0].strip() for ln in why) == ["logs/generate/chat/000.log",
-                                                                  "logs/generate/chat/001.log"]
+        assert (
+            f"Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled is "
+            f"paid again): chat {N - paid}."
+        ) in screen
+        why = screen[screen.index("Why (each failed job's error; its log has the details):") :].splitlines()[1:3]
+        assert sorted(ln.split(":")[0].strip() for ln in why) == [
+            "logs/generate/chat/000.log",
+            "logs/generate/chat/001.log",
+        ]
 
         fs.app.config.update({"p5xx": 0.0})
         fs.app.reset()
@@ -84,9 +94,21 @@ def test_unlock_runs_without_the_api_key(tmp_path, target_dir):  # noqa: F811
     cfg["backends"]["fake"]["api_key_env"] = "E3D_NOT_SET_KEY"
     (wd / "mine.yaml").write_text(yaml.safe_dump(cfg))
     env = snakemake_env(unset=["E3D_NOT_SET_KEY"])
-    p = subprocess.run([sys.executable, "-m", "snakemake", "--unlock", "--configfile", "mine.yaml"], cwd=wd, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--unlock", "--configfile", "mine.yaml"],
+        cwd=wd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
-    p = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "1", "--configfile", "mine.yaml"],
-                       cwd=wd, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "1", "--configfile", "mine.yaml"],
+        cwd=wd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode != 0 and "E3D_NOT_SET_KEY is not set" in p.stderr  # a build still needs it

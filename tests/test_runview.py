@@ -42,10 +42,11 @@ class FakeState:  # the fields of generate's _State that a snapshot reads
 CONFIG = {
     "backends": {"openrouter": {"max_concurrency": 100}, "local": {"max_concurrency": 8}},
     "generation": {"backends": ["openrouter"]},
-    "datasets": {"a": {"source": {"format": "sharegpt", "path": "x"}, "shards": 2},
-                 "b": {"source": {"format": "sharegpt", "path": "x"}, "shards": 1,
-                       "generation": {"backends": ["local"]}},
-                 "p": {"source": {"format": "pretokenized", "path": "x"}}},
+    "datasets": {
+        "a": {"source": {"format": "sharegpt", "path": "x"}, "shards": 2},
+        "b": {"source": {"format": "sharegpt", "path": "x"}, "shards": 1, "generation": {"backends": ["local"]}},
+        "p": {"source": {"format": "pretokenized", "path": "x"}},
+    },
 }
 
 
@@ -58,24 +59,75 @@ def _write(run_dir, ds, shard, **kw):
 
 def test_rows_add_up_over_shards_and_a_dead_backend_shows_down(tmp_path):
     now = time.time()
-    _write(tmp_path, "a", "000", total=50, done=20, ok=19, failed={"http_400": 1}, in_flight=30,
-           completion_tokens=4000, cost_usd=1.25, budget_usd=5.0, last_done_at=now, new_ok=19)
-    _write(tmp_path, "a", "001", total=50, done=30, ok=30, in_flight=40, completion_tokens=6000, cost_usd=0.75,
-           journal_cost_usd=0.5, budget_usd=5.0, last_done_at=now, new_ok=20, from_journal=10)
-    _write(tmp_path, "b", "000", total=10, done=2, ok=2, in_flight=8, last_done_at=now - 500,
-           last_error="connect_error: refused", t0=time.monotonic() - 600)
+    _write(
+        tmp_path,
+        "a",
+        "000",
+        total=50,
+        done=20,
+        ok=19,
+        failed={"http_400": 1},
+        in_flight=30,
+        completion_tokens=4000,
+        cost_usd=1.25,
+        budget_usd=5.0,
+        last_done_at=now,
+        new_ok=19,
+    )
+    _write(
+        tmp_path,
+        "a",
+        "001",
+        total=50,
+        done=30,
+        ok=30,
+        in_flight=40,
+        completion_tokens=6000,
+        cost_usd=0.75,
+        journal_cost_usd=0.5,
+        budget_usd=5.0,
+        last_done_at=now,
+        new_ok=20,
+        from_journal=10,
+    )
+    _write(
+        tmp_path,
+        "b",
+        "000",
+        total=10,
+        done=2,
+        ok=2,
+        in_flight=8,
+        last_done_at=now - 500,
+        last_error="connect_error: refused",
+        t0=time.monotonic() - 600,
+    )
     view = runview.RunView(CONFIG, tmp_path, stall_s=120)
     rows = {r["backend"]: r for r in view.rows(now)}
     o = rows["openrouter"]
     assert (o["done"], o["total"], o["started"], o["shards"], o["in_flight"], o["limit"]) == (50, 100, 2, 2, 70, 100)
     assert o["spent_usd"] == 2.5 and o["budget_usd"] == 10.0 and o["down"] is None
     # a minute later 10 more samples: ETA = 40 left / (10 / 60 s) = 240 s
-    _write(tmp_path, "a", "000", total=50, done=30, ok=29, failed={"http_400": 1}, in_flight=30,
-           completion_tokens=5000, cost_usd=1.5, budget_usd=5.0, last_done_at=now + 60)
+    _write(
+        tmp_path,
+        "a",
+        "000",
+        total=50,
+        done=30,
+        ok=29,
+        failed={"http_400": 1},
+        in_flight=30,
+        completion_tokens=5000,
+        cost_usd=1.5,
+        budget_usd=5.0,
+        last_done_at=now + 60,
+    )
     o = {r["backend"]: r for r in view.rows(now + 60)}["openrouter"]
     assert o["done"] == 60 and round(o["eta_s"]) == 240 and round(o["tok_s"]) == round(1000 / 60)
     line = view.line(o)
-    assert line.startswith("generate openrouter: 60/100 samples, 2/2 shards | in flight 70/100 |") and "ETA 4:00" in line
+    assert (
+        line.startswith("generate openrouter: 60/100 samples, 2/2 shards | in flight 70/100 |") and "ETA 4:00" in line
+    )
     b = {r["backend"]: r for r in view.rows(now + 60)}["local"]
     assert b["eta_s"] is None and b["down"].startswith("no reply for 560 s (last error: connect_error: refused")
     assert "DOWN: no reply" in view.line(b) and len(view.line(b)) < 260
@@ -107,8 +159,20 @@ def test_last_screen_after_an_interrupted_run_counts_what_was_journaled(tmp_path
     # shard 000 finished (its summary), shard 001 was stopped: its job's last snapshot says 19 paid responses
     p = res / "a" / "responses" / "000.json"
     p.parent.mkdir(parents=True)
-    p.write_text(json.dumps({"samples": 50, "ok": 50, "failed_total": 0, "not_sent": 0, "total_cost_usd": 0.5,
-                             "wall_s": 12.0, "stopped_by": "all samples done", "other_model_replies": 3}))
+    p.write_text(
+        json.dumps(
+            {
+                "samples": 50,
+                "ok": 50,
+                "failed_total": 0,
+                "not_sent": 0,
+                "total_cost_usd": 0.5,
+                "wall_s": 12.0,
+                "stopped_by": "all samples done",
+                "other_model_replies": 3,
+            }
+        )
+    )
     _write(run_dir, "a", "001", total=50, done=20, ok=19, failed={"timeout": 1}, cost_usd=0.19, new_ok=19)
     _write(run_dir, "b", "000", total=10, done=0)  # started, nothing answered yet
     _rows_file(res / "a" / "validated" / "000.parquet", 48)
@@ -117,22 +181,33 @@ def test_last_screen_after_an_interrupted_run_counts_what_was_journaled(tmp_path
     _rows_file(res / "a" / "validated" / "001.parquet", 44)  # an earlier run's: shard 001 did not finish in this one
     _rows_file(res / "a" / "rejected" / "001.parquet", 6)
     (res / "forecast" / "pilot" / "a").mkdir(parents=True)
-    (res / "forecast" / "pilot" / "a" / "000.json").write_text(json.dumps({"ok": 8, "from_journal": 0,
-                                                                           "cost_usd": 0.063}))
+    (res / "forecast" / "pilot" / "a" / "000.json").write_text(
+        json.dumps({"ok": 8, "from_journal": 0, "cost_usd": 0.063})
+    )
     rows = {r["dataset"]: r for r in run_summary_rows(CONFIG["datasets"], res, run_dir)}
     a = rows["a"]
     # Shards: generate finished; Kept/Rejected: shard 000's (001's files are an earlier run's); Left: the 20 samples
     # shard 001 answered (journaled) but did not take through validate
-    assert (a["shards"], a["samples"], a["ok"], a["failed"], a["not_sent"], a["kept"], a["rejected"], a["left"]) == \
-        ("1/2", 100, 69, 1, 30, 48, 2, 20)
+    assert (a["shards"], a["samples"], a["ok"], a["failed"], a["not_sent"], a["kept"], a["rejected"], a["left"]) == (
+        "1/2",
+        100,
+        69,
+        1,
+        30,
+        48,
+        2,
+        20,
+    )
     assert abs(a["cost_usd"] - 0.69) < 1e-9 and a["ended_by"] == "all samples done, stopped"
     assert (rows["b"]["shards"], rows["b"]["ok"], rows["b"]["not_sent"], rows["b"]["left"]) == ("0/1", 0, 10, 0)
     for r in rows.values():  # the columns add up after a stop
         assert r["samples"] == r["kept"] + r["rejected"] + (r["not_sent"] or 0) + (r["left"] or 0), r
     text = run_summary(CONFIG["datasets"], res, ok=False, run_dir=run_dir)
     assert "Forecast pilot: 8 responses paid for, $0.063 " in text
-    assert "Replies naming another model than asked (kept; generation.reject_other_models: true refuses them): " \
-           "a 3." in text
+    assert (
+        "Replies naming another model than asked (kept; generation.reject_other_models: true refuses them): "
+        "a 3." in text
+    )
     cells = {ln.split()[0]: ln.split() for ln in text.splitlines()[3:7]}
     assert cells["a"][:9] == ["a", "1/2", "100", "69", "1", "30", "2", "48", "20"] and cells["a"][9] == "0.69"
     assert "Samples: source rows (= Kept + Rejected + Not sent + Left)." in text
@@ -150,8 +225,19 @@ def test_kept_counts_only_validated_files_made_from_the_current_responses(tmp_pa
         _rows_file(res / "a" / "rejected" / f"{shard}.parquet", 1)
         p = res / "a" / "responses" / f"{shard}.json"
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps({"samples": 10, "ok": 10, "failed_total": 0, "not_sent": 0, "total_cost_usd": 0.1,
-                                 "wall_s": 1.0, "stopped_by": "all samples done"}))
+        p.write_text(
+            json.dumps(
+                {
+                    "samples": 10,
+                    "ok": 10,
+                    "failed_total": 0,
+                    "not_sent": 0,
+                    "total_cost_usd": 0.1,
+                    "wall_s": 1.0,
+                    "stopped_by": "all samples done",
+                }
+            )
+        )
         _rows_file(res / "a" / "responses" / f"{shard}.parquet", 10)
     old = time.time() - 600  # shard 001's validate ran before its generate ran again
     for name in ("validated", "rejected"):
@@ -170,8 +256,18 @@ def test_eta_is_this_runs_own_rate_not_the_journals(tmp_path):
     _write(tmp_path, "a", "000", total=500, done=0, t0=time.monotonic())
     _write(tmp_path, "a", "001", total=500, done=500, ok=500, from_journal=500, instant=500, final=True)
     view.rows(now)
-    _write(tmp_path, "a", "000", total=500, done=410, ok=410, from_journal=400, instant=400, new_ok=10,
-           last_done_at=now + 60)
+    _write(
+        tmp_path,
+        "a",
+        "000",
+        total=500,
+        done=410,
+        ok=410,
+        from_journal=400,
+        instant=400,
+        new_ok=10,
+        last_done_at=now + 60,
+    )
     o = {r["backend"]: r for r in view.rows(now + 60)}["openrouter"]
     assert o["done"] == 910 and round(o["eta_s"]) == 540, o
     assert "ETA 9:00" in view.line(o)
@@ -187,8 +283,7 @@ def test_warnings_are_counted_per_reason_in_the_live_view(tmp_path):
     from eagle3_data.generate import JobState
     from eagle3_data.logs import tally_warnings
 
-    st = JobState(total=100, budget_tokens=None, budget_usd=None, done=30, ok=10,
-                  failed={"http_503": 12, "timeout": 8})
+    st = JobState(total=100, budget_tokens=None, budget_usd=None, done=30, ok=10, failed={"http_503": 12, "timeout": 8})
     with tally_warnings(st.warnings):
         lg = logging.getLogger("eagle3_data.generate")
         lg.warning("stopped by budget_usd", extra={"reason": "budget_usd"})
@@ -217,8 +312,17 @@ def test_a_failing_backend_shows_down_with_why_while_it_lasts(tmp_path):
     from eagle3_data.backends.pool import Backend, BackendPool
     from eagle3_data.backends.definition import BackendConfig
 
-    cfg = BackendConfig.from_dict("openrouter", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
-                                                 "api_key_env": None, "max_concurrency": 4, "down_after_s": 30})
+    cfg = BackendConfig.from_dict(
+        "openrouter",
+        {
+            "type": "openai",
+            "base_url": "http://127.0.0.1:9/v1",
+            "model": "m",
+            "api_key_env": None,
+            "max_concurrency": 4,
+            "down_after_s": 30,
+        },
+    )
 
     async def failing_pool():
         b = Backend(cfg)

@@ -45,7 +45,7 @@ def test_start_ready_stop(tmp_path):
     assert gone(pid)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{srv.port}/health")
-    assert f"listening on 127.0.0.1:{srv.port}" in log.read_text()      # output went to the log file
+    assert f"listening on 127.0.0.1:{srv.port}" in log.read_text()  # output went to the log file
 
 
 def test_stopped_on_exception(tmp_path):
@@ -81,11 +81,13 @@ def test_refuses_non_loopback_host(tmp_path):
 
 def test_placeholders_and_env(tmp_path):
     script = tmp_path / "echo_server.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys, http.server
         print("MODEL=" + sys.argv[1], "FLAG=" + os.environ.get("E3D_FLAG", ""), flush=True)
         http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), http.server.SimpleHTTPRequestHandler).serve_forever()
-    """))
+    """)
+    )
     launch = {"command": f"{sys.executable} {script} {{model}} {{port}}", "ready_path": "/", "env": {"E3D_FLAG": "on"}}
     with launch_server(launch, "my/model", tmp_path / "s.log") as srv:
         assert srv.command[-2:] == ["my/model", str(srv.port)]
@@ -108,12 +110,27 @@ def _job(tmp_path, n=30, latency=5.0):
 
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(n))
     cfg = json.dumps({"latency_min_s": latency, "latency_max_s": latency})
-    backends = {"local": dict(type="openai", base_url="http://127.0.0.1:{port}/v1", model="m", api_key_env=None,
-                              max_concurrency=4, timeout_s=60,
-                              launch={"command": FAULT + f" --config '{cfg}'", "ready_path": "/health"})}
+    backends = {
+        "local": dict(
+            type="openai",
+            base_url="http://127.0.0.1:{port}/v1",
+            model="m",
+            api_key_env=None,
+            max_concurrency=4,
+            timeout_s=60,
+            launch={"command": FAULT + f" --config '{cfg}'", "ready_path": "/health"},
+        )
+    }
     gen = dict(backends=["local"], mode="last", max_tokens=20, temperature=1.0, top_p=1.0, extra_body={}, max_retries=1)
-    code = JOB.format(tests=str(HERE), prompts=str(prompts), out=str(tmp_path / "out.parquet"), gen=gen,
-                      backends=backends, journal=str(tmp_path / "journal"), log=str(tmp_path / "logs" / "job.log"))
+    code = JOB.format(
+        tests=str(HERE),
+        prompts=str(prompts),
+        out=str(tmp_path / "out.parquet"),
+        gen=gen,
+        backends=backends,
+        journal=str(tmp_path / "journal"),
+        log=str(tmp_path / "logs" / "job.log"),
+    )
     return code, backends, gen, prompts
 
 
@@ -140,7 +157,7 @@ def test_server_stopped_when_job_is_killed(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path)
     try:
         child = _wait_child(proc)
-        time.sleep(1.5)                                         # server ready, requests in flight
+        time.sleep(1.5)  # server ready, requests in flight
         proc.send_signal(sig)
         proc.wait(30)
         assert gone(child), "local server outlived its job"
@@ -156,8 +173,15 @@ def test_generate_starts_server_only_when_needed(tmp_path):
     from eagle3_data.generate import generate
 
     code, backends, gen, prompts = _job(tmp_path, n=6, latency=0.0)
-    kw = dict(dataset="ds", shard="000", target_name="t", generation=gen, backends=backends,
-              journal_dir=tmp_path / "journal", log=tmp_path / "logs" / "job.log")
+    kw = dict(
+        dataset="ds",
+        shard="000",
+        target_name="t",
+        generation=gen,
+        backends=backends,
+        journal_dir=tmp_path / "journal",
+        log=tmp_path / "logs" / "job.log",
+    )
     s1 = generate(prompts, tmp_path / "a.parquet", **kw)
     assert s1["servers_started"] == ["local"] and s1["ok"] == 6 and s1["sent"] == 6
     size = (tmp_path / "logs" / "job.server-local.log").stat().st_size
@@ -193,7 +217,7 @@ def test_launch_runs_in_its_own_environment(tmp_path):
     script.write_text(ENV_SERVER)
     launch = {"command": f"python {script} {{port}}", "ready_path": "/", "python": str(env)}
     with launch_server(launch, "m", tmp_path / "s.log") as srv:
-        assert srv.command[0] == str(env / "bin" / "python")       # `python` is the environment's interpreter
+        assert srv.command[0] == str(env / "bin" / "python")  # `python` is the environment's interpreter
     text = (tmp_path / "s.log").read_text()
     assert f"EXE={env / 'bin' / 'python'}" in text and f"PATH0={env / 'bin'}" in text and f"CONDA_PREFIX={env}" in text
     with pytest.raises(ServerLaunchError, match=r"launch.python: /nonexistent/env does not exist") as ei:
@@ -228,8 +252,10 @@ def test_launched_servers_and_extraction_get_distinct_gpus(tmp_path, monkeypatch
     script.write_text(ENV_SERVER)
     run = Run(tmp_path / "run", Owner.me())
     launch = {"command": f"python {script} {{port}}", "ready_path": "/", "gpus": 2}
-    with shared_server(launch, "m", name="a", run=run, log_path=tmp_path / "a.log") as a, \
-            shared_server(launch, "m2", name="b", run=run, log_path=tmp_path / "b.log") as b:
+    with (
+        shared_server(launch, "m", name="a", run=run, log_path=tmp_path / "a.log") as a,
+        shared_server(launch, "m2", name="b", run=run, log_path=tmp_path / "b.log") as b,
+    ):
         da, db = _devices(tmp_path / "a.log"), _devices(tmp_path / "b.log")
         assert sorted(da) == sorted(a.devices) and sorted(db) == sorted(b.devices)
         assert len(da) == len(db) == 2 and sorted(da + db) == ["0", "1", "2", "3"]
@@ -257,10 +283,17 @@ ATTACH = textwrap.dedent("""
 
 
 def _attach(tmp_path, launch, owner):
-    arg = json.dumps({"run": str(tmp_path / "run"), "owner": str(owner), "launch": launch,
-                      "log": str(tmp_path / "logs" / "local.log")})
-    return subprocess.Popen([sys.executable, "-c", ATTACH, arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    arg = json.dumps(
+        {
+            "run": str(tmp_path / "run"),
+            "owner": str(owner),
+            "launch": launch,
+            "log": str(tmp_path / "logs" / "local.log"),
+        }
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", ATTACH, arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def test_concurrent_jobs_attach_to_one_server_which_the_run_end_stops(tmp_path):
@@ -273,18 +306,18 @@ def test_concurrent_jobs_attach_to_one_server_which_the_run_end_stops(tmp_path):
         seen = [json.loads(j.stdout.readline()) for j in jobs]
         assert len({s["port"] for s in seen}) == 1 and sum(s["started"] for s in seen) == 1
         log = (tmp_path / "logs" / "local.log").read_text()
-        assert log.count("fault server listening on") == 1                 # one start for four jobs
+        assert log.count("fault server listening on") == 1  # one start for four jobs
         sup = seen[0]["pid"]
         server = int(re.search(r"ready in [0-9.]+ s on port \d+ \(pid (\d+)\)", log).group(1))
         for j in jobs:
             j.stdin.write("\n")
             j.stdin.flush()
             assert j.wait(30) == 0
-        assert not gone(server, within=1.0)                                 # no lease: still up (idle timeout)
+        assert not gone(server, within=1.0)  # no lease: still up (idle timeout)
         assert stop_run_servers(tmp_path / "run") == ["local"]
         assert gone(server, within=0.5) and gone(sup, within=0.5)
         entries = [p for p in (tmp_path / "run" / "servers").glob("*.json") if not p.name.endswith(".spec.json")]
-        assert entries == []                                                # the registry entry is gone
+        assert entries == []  # the registry entry is gone
     finally:
         for j in jobs:
             j.kill()
@@ -299,9 +332,12 @@ def test_server_stops_when_the_run_owner_dies_or_idles(tmp_path):
         owner = Owner(Owner.me().host, owner_proc.pid, process_start(owner_proc.pid))
         run = Run(tmp_path / "run", owner)
         with shared_server({"command": FAULT}, "m", name="local", run=run, log_path=tmp_path / "l.log") as srv:
-            entry = json.loads(next(p for p in (tmp_path / "run" / "servers").glob("*.json")
-                                    if not p.name.endswith(".spec.json")).read_text())
-            owner_proc.kill()                                  # the snakemake process is killed (SIGKILL)
+            entry = json.loads(
+                next(
+                    p for p in (tmp_path / "run" / "servers").glob("*.json") if not p.name.endswith(".spec.json")
+                ).read_text()
+            )
+            owner_proc.kill()  # the snakemake process is killed (SIGKILL)
             assert gone(entry["server_pid"], within=5.0) and gone(srv.pid, within=5.0)
         assert "the workflow run ended (its snakemake process is gone)" in (tmp_path / "l.log").read_text()
     finally:
@@ -310,10 +346,10 @@ def test_server_stops_when_the_run_owner_dies_or_idles(tmp_path):
     launch = {"command": FAULT, "idle_timeout_s": 1}
     with shared_server(launch, "m", name="local", run=run, log_path=tmp_path / "i.log") as first:
         pass
-    assert gone(first.pid, within=8.0)                         # no job for 1 s: stopped
+    assert gone(first.pid, within=8.0)  # no job for 1 s: stopped
     assert "no job used it for 1 s" in (tmp_path / "i.log").read_text()
     with shared_server(launch, "m", name="local", run=run, log_path=tmp_path / "i.log") as again:
-        assert again.started and again.pid != first.pid        # the next job starts it again
+        assert again.started and again.pid != first.pid  # the next job starts it again
     assert gone(again.pid, within=8.0)
 
 
@@ -323,8 +359,9 @@ def test_shared_server_that_fails_to_start_says_why(tmp_path):
 
     run = Run(tmp_path / "run", Owner.me())
     with pytest.raises(ServerLaunchError, match="exited with code 3 before it was ready") as ei:
-        with shared_server({"command": FAULT + " --fail-startup"}, "m", name="local", run=run,
-                           log_path=tmp_path / "l.log"):
+        with shared_server(
+            {"command": FAULT + " --fail-startup"}, "m", name="local", run=run, log_path=tmp_path / "l.log"
+        ):
             pass
     assert "simulated startup failure" in str(ei.value)
     out = subprocess.run(["pgrep", "-f", "fail-startup"], capture_output=True, text=True).stdout.split()
@@ -357,8 +394,13 @@ def test_an_idle_server_keeps_its_gpus_until_it_is_gone_and_no_job_attaches_whil
     script = tmp_path / "slow.py"
     script.write_text(SLOW_STOP_SERVER)
     run = Run(tmp_path / "run", Owner.me())
-    launch = {"command": f"python {script} {{port}} 3", "ready_path": "/", "gpus": 2, "idle_timeout_s": 1,
-              "stop_grace_s": 10}
+    launch = {
+        "command": f"python {script} {{port}} 3",
+        "ready_path": "/",
+        "gpus": 2,
+        "idle_timeout_s": 1,
+        "stop_grace_s": 10,
+    }
     with shared_server(launch, "m", name="gpu", run=run, log_path=tmp_path / "g.log") as first:
         entry_path = next(p for p in (tmp_path / "run" / "servers").glob("*.json") if not p.name.endswith(".spec.json"))
         server_pid = json.loads(entry_path.read_text())["server_pid"]

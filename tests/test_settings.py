@@ -16,8 +16,10 @@ from eagle3_data import settings as st
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = cfg.load_schema(cfg.SCHEMA_PATH)
-MINIMAL = {"target": {"name": "t", "path": "p", "template": "qwen3"},
-           "datasets": {"d": {"source": {"format": "sharegpt", "path": "x.json"}}}}
+MINIMAL = {
+    "target": {"name": "t", "path": "p", "template": "qwen3"},
+    "datasets": {"d": {"source": {"format": "sharegpt", "path": "x.json"}}},
+}
 
 
 def schema_section(path: str) -> dict:
@@ -63,14 +65,24 @@ def test_settings_take_the_configs_values():
     assert (m.memory_mb, m.threads) == (4000, 2)  # not in config.yaml: the schema's
     e = st.ExtractSettings.from_config(c)
     assert (e.dtype, e.final_norm, e.batch_tokens, e.model_path, e.cache_dir) == (
-        "float32", "both", 8192, "results/target/tiny-kimi", "cache")
+        "float32",
+        "both",
+        8192,
+        "results/target/tiny-kimi",
+        "cache",
+    )
     assert e.reuse_path("sharegpt_demo", "001") == "cache/hidden_states/sharegpt_demo/001.safetensors"
     v = st.ValidateSettings.from_config(c)
     assert v.count_tolerance == {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": 0.0004}
     assert v.target.template == "kimi-k25" and v.target.chat_template_kwargs == {"thinking": True}
     p = st.PlanSettings.from_config(c)
-    assert (p.caps, p.measure_tokens, p.gpus_total, p.overflow, p.extract.dtype) == ([1024], 20000, 8, "truncate",
-                                                                                      "float32")
+    assert (p.caps, p.measure_tokens, p.gpus_total, p.overflow, p.extract.dtype) == (
+        [1024],
+        20000,
+        8,
+        "truncate",
+        "float32",
+    )
     assert st.VocabSettings.from_config(c).draft_vocab_size == 256
     assert st.ExportSettings.from_config(c).layouts == ["specforge"]
     t = st.TokenizeSettings.from_config(c, "sweagent_demo")
@@ -89,21 +101,31 @@ def test_params_are_the_content_keys_as_plain_values():
     assert st.MergeSettings.from_config(c).params() == {k: c["merge"][k] for k in cfg.MERGE_DATA_KEYS}
     # final_format, drafters and dflash_layers only where they change what is stored (here: at their defaults)
     assert st.ExtractSettings.from_config(c).params() == {k: c["extract"][k] for k in cfg.EXTRACT_STATE_KEYS[:6]}
-    e = st.ExtractSettings.from_config({**c, "extract": {**c["extract"], "drafters": ["eagle3", "dflash"],
-                                                         "final_format": "fp8_e4m3"}}).params()
+    e = st.ExtractSettings.from_config(
+        {**c, "extract": {**c["extract"], "drafters": ["eagle3", "dflash"], "final_format": "fp8_e4m3"}}
+    ).params()
     assert (e["drafters"], e["dflash_layers"], e["final_format"]) == (["eagle3", "dflash"], None, "fp8_e4m3")
     assert st.ValidateSettings.from_config(c).params() == {
-        "keep_truncated": False, "max_tokens": None, "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02}}
+        "keep_truncated": False,
+        "max_tokens": None,
+        "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02},
+    }
     assert st.TargetSettings.from_config(c).params() == {k: c["target"].get(k) for k in cfg.TARGET_DATA_KEYS}
     # the plan's keys (write_gb_per_s only when set) and the exports whose bytes its disk check adds
     assert st.PlanSettings.from_config(c).params() == {
-        **{k: v for k, v in c["plan"].items() if k != "write_gb_per_s"}, "export_layouts": ["specforge"]}
+        **{k: v for k, v in c["plan"].items() if k != "write_gb_per_s"},
+        "export_layouts": ["specforge"],
+    }
     # the plan depends on the measuring settings only when it measures
     assert "batch_tokens" in st.PlanSettings.from_config(c).extract_params()
     c["plan"]["tokens_per_s_per_gpu"] = 100.0
     assert "batch_tokens" not in st.PlanSettings.from_config(c).extract_params()
-    for obj in (st.MergeSettings.from_config(c), st.TokenizeSettings.from_config(c, "sharegpt_demo"),
-                st.ExportSettings.from_config(c), st.VocabSettings.from_config(c)):
+    for obj in (
+        st.MergeSettings.from_config(c),
+        st.TokenizeSettings.from_config(c, "sharegpt_demo"),
+        st.ExportSettings.from_config(c),
+        st.VocabSettings.from_config(c),
+    ):
         assert all(isinstance(v, (str, int, float, bool, list, dict, type(None))) for v in obj.params().values())
 
 
@@ -138,13 +160,21 @@ def _entry_points():
     from eagle3_data import export, merge, normalize, plan, tiny_target, tokenize, validate, vocab
     from eagle3_data.extract import stage
 
-    return [(normalize.normalize, st.NormalizeSettings), (tokenize.tokenize, st.TokenizeSettings),
-            (validate.validate, st.ValidateSettings), (merge.merge, st.MergeSettings),
-            (stage.extract_states, st.ExtractSettings), (plan.plan, st.PlanSettings),
-            (plan.build_plan, st.PlanSettings), (plan.measure_throughput, st.PlanSettings),
-            (vocab.build_vocab, st.VocabSettings), (export.export, st.ExportSettings),
-            (export.prune_stale, st.ExportSettings), (export.specforge_path, st.ExportSettings),
-            (tiny_target.build_tiny_target, st.TinyTargetSettings)]
+    return [
+        (normalize.normalize, st.NormalizeSettings),
+        (tokenize.tokenize, st.TokenizeSettings),
+        (validate.validate, st.ValidateSettings),
+        (merge.merge, st.MergeSettings),
+        (stage.extract_states, st.ExtractSettings),
+        (plan.plan, st.PlanSettings),
+        (plan.build_plan, st.PlanSettings),
+        (plan.measure_throughput, st.PlanSettings),
+        (vocab.build_vocab, st.VocabSettings),
+        (export.export, st.ExportSettings),
+        (export.prune_stale, st.ExportSettings),
+        (export.specforge_path, st.ExportSettings),
+        (tiny_target.build_tiny_target, st.TinyTargetSettings),
+    ]
 
 
 def _config_keys(cls) -> set[str]:
@@ -165,8 +195,9 @@ def test_no_stage_signature_restates_a_config_default(fn, cls):
         assert "settings" in sig.parameters, fn.__qualname__
         assert sig.parameters["settings"].default is inspect.Parameter.empty, fn.__qualname__
     keys = _config_keys(cls) - {"settings"}
-    restated = {n: p.default for n, p in sig.parameters.items()
-                if n in keys and p.default is not inspect.Parameter.empty}
+    restated = {
+        n: p.default for n, p in sig.parameters.items() if n in keys and p.default is not inspect.Parameter.empty
+    }
     # merge's memory_limit/threads default to None: "the settings' memory_mb and threads"
     restated = {n: d for n, d in restated.items() if not (fn.__name__ == "merge" and d is None)}
     assert not restated, f"{fn.__qualname__} restates {restated}"

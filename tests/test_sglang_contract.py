@@ -151,8 +151,10 @@ def contract(src: Source) -> tuple[list[tuple[str, str]], list[str]]:
                 if (d.module, d.node.name) == SERVER_ARGS:
                     star = [k for k in node.keywords if k.arg is None]
                     if kws or n_pos or len(star) != 1:
-                        problems.append(f"sglang_backend.py:{node.lineno}: ServerArgs is built from server_args() "
-                                        "only (checked against its fields)")
+                        problems.append(
+                            f"sglang_backend.py:{node.lineno}: ServerArgs is built from server_args() "
+                            "only (checked against its fields)"
+                        )
                     continue
                 init = src.method(d.module, d.node.name, "__init__")
                 if init is not None:
@@ -177,8 +179,9 @@ def contract(src: Source) -> tuple[list[tuple[str, str]], list[str]]:
                 m = src.method(*holder, node.func.attr)
                 if m is None:
                     if not (holder == SERVER_ARGS and node.func.attr in fields):
-                        problems.append(f"sglang_backend.py:{node.lineno}: method {holder[1]}.{node.func.attr} "
-                                        "not found")
+                        problems.append(
+                            f"sglang_backend.py:{node.lineno}: method {holder[1]}.{node.func.attr} not found"
+                        )
                     continue
                 decos = {ast.unparse(d) for d in m.node.decorator_list}
                 fn, bound = m.node, "staticmethod" not in decos
@@ -215,12 +218,22 @@ def test_every_sglang_symbol_exists_with_the_signature_the_backend_uses(src):
     assert not problems, "\n".join(problems)
     names = {name for name, _ in rows}
     # the symbols the capture depends on are among those checked (guards the checker itself)
-    for must in ("sglang.benchmark.one_batch.load_model", "ScheduleBatch.init_new", "ForwardBatch.init_new",
-                 "LogitsProcessorOutput.hidden_states", "LogitsProcessorOutput.last_hidden_states",
-                 "Req.full_untruncated_fill_ids", "Req.extend_end", "_TorchBenchRunner.torch_runner",
-                 "ModelRunner.max_running_requests", "ServerArgs.return_aux_hidden_state_layer_ids",
-                 "ServerArgs.enable_return_aux_hidden_states", "ServerArgs.trust_remote_code",
-                 "CaptureHiddenMode.FULL", "sglang.srt.runtime_context.publish"):
+    for must in (
+        "sglang.benchmark.one_batch.load_model",
+        "ScheduleBatch.init_new",
+        "ForwardBatch.init_new",
+        "LogitsProcessorOutput.hidden_states",
+        "LogitsProcessorOutput.last_hidden_states",
+        "Req.full_untruncated_fill_ids",
+        "Req.extend_end",
+        "_TorchBenchRunner.torch_runner",
+        "ModelRunner.max_running_requests",
+        "ServerArgs.return_aux_hidden_state_layer_ids",
+        "ServerArgs.enable_return_aux_hidden_states",
+        "ServerArgs.trust_remote_code",
+        "CaptureHiddenMode.FULL",
+        "sglang.srt.runtime_context.publish",
+    ):
         assert must in names, must
     assert all(re.fullmatch(r"sglang/\S+\.py:\d+", where) for _, where in rows), rows
 
@@ -242,16 +255,21 @@ def test_the_checker_catches_a_wrong_keyword_and_a_missing_attribute(src, tmp_pa
 
 def test_server_args_name_the_eagle3_capture_convention(src):
     tree = src.tree("sglang.srt.arg_groups.validation_hook")
-    methods = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                   and ast.unparse(n.targets[0]) == "_AUX_HIDDEN_STATE_CAPTURE_METHODS")
+    methods = next(
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "_AUX_HIDDEN_STATE_CAPTURE_METHODS"
+    )
     assert sx.server_args("/m", layer_ids=[1])["speculative_algorithm"] in methods
     hook = src.top_level("sglang.srt.arg_groups.validation_hook", "handle_aux_hidden_state_capture")
     body = ast.unparse(hook.node)
     # the speculative algorithm only names the convention: resolution resets it, so no draft is loaded
     assert "speculative_algorithm=None" in body and "aux_hidden_state_capture=method.lower()" in body
     # the capture-only path takes the layer ids as given and checks them against num_hidden_layers
-    cap = src.top_level("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state",
-                        "_resolve_capture_only_aux_hidden_state")
+    cap = src.top_level(
+        "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state",
+        "_resolve_capture_only_aux_hidden_state",
+    )
     text = ast.unparse(cap.node)
     assert "config.eagle_aux_hidden_state_layer_ids = list(layer_ids)" in text
 
@@ -261,8 +279,11 @@ def test_capture_semantics_the_backend_relies_on(src):
     cls = "LogitsProcessor"
     last = ast.unparse(src.method(lp, cls, "_get_last_hidden_states_to_store").node)
     # final states: the logits processor's own input (the post-norm state), under full capture with aux states
-    assert re.search(r"if self\.keep_last_hidden_states and aux_hidden_states is not None and "
-                     r"logits_metadata\.capture_hidden_mode\.is_full\(\):\s+return hidden_states", last), last
+    assert re.search(
+        r"if self\.keep_last_hidden_states and aux_hidden_states is not None and "
+        r"logits_metadata\.capture_hidden_mode\.is_full\(\):\s+return hidden_states",
+        last,
+    ), last
     store = ast.unparse(src.method(lp, cls, "_get_hidden_states_to_store").node)
     # aux states: all tokens, packed, under FULL; replaced by the pre-norm state only when that is asked for
     assert "hidden_states_to_store = pack_aux_hidden_states(aux_hidden_states)" in store
@@ -270,8 +291,10 @@ def test_capture_semantics_the_backend_relies_on(src):
     init = ast.unparse(src.method(lp, cls, "__init__").node)
     assert "self.keep_last_hidden_states = features.aux_hidden_state_capture is not None" in init
     # decoder loops: layer j's INPUT is captured when j is in layers_to_capture, in ascending layer order
-    for mod, model_cls in (("sglang.srt.models.llama", "LlamaModel"), ("sglang.srt.models.deepseek_v2",
-                                                                      "DeepseekV2Model")):
+    for mod, model_cls in (
+        ("sglang.srt.models.llama", "LlamaModel"),
+        ("sglang.srt.models.deepseek_v2", "DeepseekV2Model"),
+    ):
         fwd = ast.unparse(src.method(mod, model_cls, "forward").node)
         assert re.search(r"for i in range\([\w.]+, [\w.]+\):", fwd), (mod, fwd[:200])
         assert "if i in self.layers_to_capture" in fwd, mod
@@ -281,8 +304,11 @@ def _entry_module(src: Source, architecture: str) -> str:
     for f in sorted((src.root / "sglang/srt/models").glob("*.py")):
         mod = "sglang.srt.models." + f.stem
         for node in src.tree(mod).body:
-            if (isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "EntryClass"
-                    and architecture in {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}):
+            if (
+                isinstance(node, ast.Assign)
+                and ast.unparse(node.targets[0]) == "EntryClass"
+                and architecture in {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+            ):
                 return mod
     raise KeyError(f"no SGLang model file lists {architecture} in its EntryClass")
 
@@ -296,14 +322,24 @@ def id_rule_in_wheel(src: Source, module: str, cls: str, depth: int = 0) -> tupl
     plus_one = first_is_one = False
     delegate = None
     for n in ast.walk(m.node):
-        if (isinstance(n, ast.ListComp) and isinstance(n.elt, ast.BinOp) and isinstance(n.elt.op, ast.Add)
-                and ast.unparse(n.elt.right) == "1" and ast.unparse(n.generators[0].iter) == "layer_ids"):
+        if (
+            isinstance(n, ast.ListComp)
+            and isinstance(n.elt, ast.BinOp)
+            and isinstance(n.elt.op, ast.Add)
+            and ast.unparse(n.elt.right) == "1"
+            and ast.unparse(n.generators[0].iter) == "layer_ids"
+        ):
             plus_one = True
         if isinstance(n, ast.Compare) and ast.unparse(n) == "layer_ids[0] == 1":
             first_is_one = True
-        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                and n.func.attr == "set_eagle3_layers_to_capture" and [ast.unparse(a) for a in n.args] == ["layer_ids"]
-                and isinstance(n.func.value, ast.Attribute) and ast.unparse(n.func.value.value) == "self"):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "set_eagle3_layers_to_capture"
+            and [ast.unparse(a) for a in n.args] == ["layer_ids"]
+            and isinstance(n.func.value, ast.Attribute)
+            and ast.unparse(n.func.value.value) == "self"
+        ):
             delegate = n.func.value.attr
     if plus_one and first_is_one:
         return sx.PLUS_ONE_IF_FIRST_IS_ONE, m.where
@@ -312,8 +348,12 @@ def id_rule_in_wheel(src: Source, module: str, cls: str, depth: int = 0) -> tupl
     if delegate and depth < 3:
         init = src.method(module, cls, "__init__")
         for n in ast.walk(init.node):
-            if (isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == f"self.{delegate}"
-                    and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)):
+            if (
+                isinstance(n, ast.Assign)
+                and ast.unparse(n.targets[0]) == f"self.{delegate}"
+                and isinstance(n.value, ast.Call)
+                and isinstance(n.value.func, ast.Name)
+            ):
                 inner_mod, inner = src.resolve_name(init.module, n.value.func.id)
                 rule, where = id_rule_in_wheel(src, inner_mod, inner, depth + 1)
                 return rule, f"{m.where} -> {where}"
@@ -326,14 +366,20 @@ def decoder_classes(src: Source, module: str, cls: str, depth: int = 0) -> list:
     out = []
     init = src.method(module, cls, "__init__")
     for n in ast.walk(init.node) if init else ():
-        if not (isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) in ("self.model", "self.language_model")
-                and isinstance(n.value, ast.Call)):
+        if not (
+            isinstance(n, ast.Assign)
+            and ast.unparse(n.targets[0]) in ("self.model", "self.language_model")
+            and isinstance(n.value, ast.Call)
+        ):
             continue
         built = [(init.module, n.value.func)]
         if isinstance(n.value.func, ast.Attribute) and ast.unparse(n.value.func.value) == "self":  # a factory
             factory = src.method(module, cls, n.value.func.attr)
-            built = [(factory.module, r.value.func) for r in ast.walk(factory.node)
-                     if isinstance(r, ast.Return) and isinstance(r.value, ast.Call)]
+            built = [
+                (factory.module, r.value.func)
+                for r in ast.walk(factory.node)
+                if isinstance(r, ast.Return) and isinstance(r.value, ast.Call)
+            ]
         for mod, func in built:
             if isinstance(func, ast.Name):
                 inner_mod, inner = src.resolve_name(mod, func.id)
@@ -351,8 +397,10 @@ def test_family_id_rules_match_the_wheel(src):
         assert got == rule, f"{arch}: the backend assumes {rule}, sglang=={sx.SGLANG_VERSION} does {got} ({where})"
         # the family's decoder loop captures the input of layer i for i in layers_to_capture (in layer order)
         text = "\n".join(ast.unparse(f.node) for f in decoder_classes(src, _entry_module(src, arch), arch))
-        assert ("if i in self.layers_to_capture" in text
-                or "if getattr(layer, '_is_layer_to_capture', False)" in text), (arch, where)
+        assert "if i in self.layers_to_capture" in text or "if getattr(layer, '_is_layer_to_capture', False)" in text, (
+            arch,
+            where,
+        )
     assert "deepseek_v2.py" in found["KimiK25ForConditionalGeneration"][1]  # Kimi-K2.5 delegates to DeepSeek-V3
 
 
@@ -378,32 +426,57 @@ def test_prefill_follows_the_one_batch_benchmark(src):
     up = names(src.top_level(bench, "extend").node, [("model_runner", "runner")])
     mine = names(ours["_prefill"])
     first = mine.index("TreeCacheNamespace")
-    assert mine[first:first + len(up) - 1] == [c for c in up if c != "runner.sample"], (up, mine)
-    up_kw = {ast.unparse(c.func): {k.arg: ast.unparse(k.value) for k in c.keywords}
-             for c in _calls_in_order(src.top_level(bench, "extend").node)}
-    my_kw = {ast.unparse(c.func): {k.arg: ast.unparse(k.value) for k in c.keywords}
-             for c in _calls_in_order(ours["_prefill"])}
+    assert mine[first : first + len(up) - 1] == [c for c in up if c != "runner.sample"], (up, mine)
+    up_kw = {
+        ast.unparse(c.func): {k.arg: ast.unparse(k.value) for k in c.keywords}
+        for c in _calls_in_order(src.top_level(bench, "extend").node)
+    }
+    my_kw = {
+        ast.unparse(c.func): {k.arg: ast.unparse(k.value) for k in c.keywords}
+        for c in _calls_in_order(ours["_prefill"])
+    }
     assert set(my_kw["ScheduleBatch.init_new"]) == set(up_kw["ScheduleBatch.init_new"])
-    assert my_kw["ForwardBatch.init_new"] == {**up_kw["ForwardBatch.init_new"],
-                                              "capture_hidden_mode": "CaptureHiddenMode.FULL"}
+    assert my_kw["ForwardBatch.init_new"] == {
+        **up_kw["ForwardBatch.init_new"],
+        "capture_hidden_mode": "CaptureHiddenMode.FULL",
+    }
     # the requests: prepare_synthetic_inputs_for_latency_test's Req fields and settings
     up_req = src.top_level(bench, "prepare_synthetic_inputs_for_latency_test").node
-    sets = lambda fn: sorted(ast.unparse(n) for n in ast.walk(fn)  # noqa: E731
-                             if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]).startswith("req."))
+
+    def sets(fn):
+        return sorted(
+            ast.unparse(n)
+            for n in ast.walk(fn)  # noqa: E731
+            if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]).startswith("req.")
+        )
+
     assert sets(ours["_prefill"]) == sets(up_req)
-    req_kw = lambda fn: next(sorted(k.arg for k in c.keywords) for c in _calls_in_order(fn)  # noqa: E731
-                             if ast.unparse(c.func) == "Req")
+
+    def req_kw(fn):
+        return next(
+            sorted(k.arg for k in c.keywords)
+            for c in _calls_in_order(fn)  # noqa: E731
+            if ast.unparse(c.func) == "Req"
+        )
+
     assert req_kw(ours["_prefill"]) == req_kw(up_req)
     # the pools are emptied before the batch, as _TorchBenchRunner.clear does
     clear = names(src.method(bench, "_TorchBenchRunner", "clear").node, [("self.torch_runner", "runner")])
     assert mine[: len(clear)] == clear
     # the rank set-up: latency_test's publish, global configs and load_model, in that order
-    rank_init = next(n for n in ast.walk(ast.parse(BACKEND.read_text())) if isinstance(n, ast.ClassDef)
-                     and n.name == "_Rank").body[1]
-    up_setup = [ast.unparse(c) for c in _calls_in_order(src.top_level(bench, "latency_test").node)
-                if ast.unparse(c.func) in ("publish", "_init_process_global_configs", "load_model")]
-    my_setup = [ast.unparse(c) for c in _calls_in_order(rank_init)
-                if ast.unparse(c.func) in ("publish", "_init_process_global_configs", "load_model")]
+    rank_init = next(
+        n for n in ast.walk(ast.parse(BACKEND.read_text())) if isinstance(n, ast.ClassDef) and n.name == "_Rank"
+    ).body[1]
+    up_setup = [
+        ast.unparse(c)
+        for c in _calls_in_order(src.top_level(bench, "latency_test").node)
+        if ast.unparse(c.func) in ("publish", "_init_process_global_configs", "load_model")
+    ]
+    my_setup = [
+        ast.unparse(c)
+        for c in _calls_in_order(rank_init)
+        if ast.unparse(c.func) in ("publish", "_init_process_global_configs", "load_model")
+    ]
     assert my_setup == up_setup
     assert "return (model_runner, tokenizer)" in ast.unparse(src.top_level(bench, "load_model").node)
 
@@ -431,13 +504,17 @@ if __name__ == "__main__":  # the symbol table of the closing note
     ]
     for mod, cls, meth in facts:
         print(f"{cls + '.' + meth:62s} {source.method(mod, cls, meth).where}")
-    for mod, name in (("sglang.srt.arg_groups.validation_hook", "_AUX_HIDDEN_STATE_CAPTURE_METHODS"),
-                      ("sglang.srt.arg_groups.validation_hook", "handle_aux_hidden_state_capture"),
-                      ("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state",
-                       "_resolve_capture_only_aux_hidden_state"),
-                      ("sglang.benchmark.one_batch", "extend"),
-                      ("sglang.benchmark.one_batch", "prepare_synthetic_inputs_for_latency_test"),
-                      ("sglang.benchmark.one_batch", "latency_test")):
+    for mod, name in (
+        ("sglang.srt.arg_groups.validation_hook", "_AUX_HIDDEN_STATE_CAPTURE_METHODS"),
+        ("sglang.srt.arg_groups.validation_hook", "handle_aux_hidden_state_capture"),
+        (
+            "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state",
+            "_resolve_capture_only_aux_hidden_state",
+        ),
+        ("sglang.benchmark.one_batch", "extend"),
+        ("sglang.benchmark.one_batch", "prepare_synthetic_inputs_for_latency_test"),
+        ("sglang.benchmark.one_batch", "latency_test"),
+    ):
         print(f"{name:62s} {source.top_level(mod, name).where}")
     for arch in sx.ARCHITECTURE_ID_RULES:
         rule, where = id_rule_in_wheel(source, _entry_module(source, arch), arch)

@@ -39,18 +39,35 @@ exec {real} "$@"
 """
 
 GPU_RULES = {"extract", "plan"}
-EXPECTED_JOBS = {"tiny_target": 1, "normalize_sharegpt_demo": 1, "normalize_ultrachat_demo": 1,
-                 "normalize_sweagent_demo": 1, "normalize_pretokenized_demo": 1, "generate": 4, "tokenize": 4,
-                 "validate": 4, "validate_pretokenized": 1, "view": 1, "merge": 1, "extract": 5, "plan": 1,
-                 "vocab": 1, "export": 2, "report": 1, "provenance": 1}
+EXPECTED_JOBS = {
+    "tiny_target": 1,
+    "normalize_sharegpt_demo": 1,
+    "normalize_ultrachat_demo": 1,
+    "normalize_sweagent_demo": 1,
+    "normalize_pretokenized_demo": 1,
+    "generate": 4,
+    "tokenize": 4,
+    "validate": 4,
+    "validate_pretokenized": 1,
+    "view": 1,
+    "merge": 1,
+    "extract": 5,
+    "plan": 1,
+    "vocab": 1,
+    "export": 2,
+    "report": 1,
+    "provenance": 1,
+}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     gone = missing()
     if gone:
-        pytest.skip(f"real SLURM cluster test skipped: {', '.join(gone)} not available here (.ci/run installs "
-                    "munge slurm-client slurmctld slurmd slurmdbd mariadb-server with apt-get, as root)")
+        pytest.skip(
+            f"real SLURM cluster test skipped: {', '.join(gone)} not available here (.ci/run installs "
+            "munge slurm-client slurmctld slurmd slurmdbd mariadb-server with apt-get, as root)"
+        )
     if has_own_config():
         pytest.skip(f"real SLURM cluster test skipped: this machine has a SLURM config of its own ({SYSTEM_CONF})")
     c = OneNodeCluster(tmp_path_factory.mktemp("cluster"), gpus=2).start()
@@ -58,7 +75,6 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.stop()
-
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +91,21 @@ def slurm_run(cluster, demo_run, tmp_path_factory):
     shim.chmod(shim.stat().st_mode | stat.S_IXUSR)
     env = snakemake_env({**cluster.env, "EAGLE3_SLURM_ACCOUNT": ACCOUNT})
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", "profiles/slurm",
-           "--slurm-init-seconds-before-status-checks", "1", "--retries", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--workflow-profile",
+        "profiles/slurm",
+        "--slurm-init-seconds-before-status-checks",
+        "1",
+        "--retries",
+        "0",
+    ]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=wd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=2400)
     except subprocess.TimeoutExpired:

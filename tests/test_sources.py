@@ -142,7 +142,11 @@ def test_ultrachat_id_and_prompt_fallback():
         {
             "prompt": "Q",
             "prompt_id": pid,
-            "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}, {"role": "user", "content": "Q2"}],
+            "messages": [
+                {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "A"},
+                {"role": "user", "content": "Q2"},
+            ],
         },
     )
     assert s.sample_id == pid and [m["role"] for m in s.messages] == ["user", "assistant", "user"]
@@ -150,7 +154,10 @@ def test_ultrachat_id_and_prompt_fallback():
     assert s.messages == [{"role": "user", "content": "only prompt"}]
     assert reason_of("ultrachat", {"prompt": "", "prompt_id": pid, "messages": []}) == "empty_conversation"
     assert (
-        reason_of("ultrachat", {"prompt_id": pid, "messages": [{"role": "user", "content": "Q"}, {"role": "critic", "content": "x"}]})
+        reason_of(
+            "ultrachat",
+            {"prompt_id": pid, "messages": [{"role": "user", "content": "Q"}, {"role": "critic", "content": "x"}]},
+        )
         == "unknown_role"
     )
 
@@ -182,7 +189,13 @@ def test_openai_messages_tool_calls_and_tools():
                 "role": "assistant",
                 "content": None,
                 "reasoning_content": "dropped",
-                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    }
+                ],
             },
             {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": '{"t": 20}'},
             {"role": "assistant", "content": "20 C"},
@@ -197,7 +210,9 @@ def test_openai_messages_tool_calls_and_tools():
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
         },
         {"role": "tool", "content": '{"t": 20}', "tool_call_id": "c1", "name": "get_weather"},
         {"role": "assistant", "content": "20 C"},
@@ -212,10 +227,19 @@ def test_swe_smith_messages_as_json_text():
     msgs = [
         {"role": "system", "content": "You are a helpful agent."},
         {"role": "user", "content": "Fix the bug."},
-        {"role": "assistant", "content": "Looking.", "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]},
+        {
+            "role": "assistant",
+            "content": "Looking.",
+            "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "t1", "content": "a.py"},
     ]
-    s = convert("swe_smith", {"traj_id": "repo.abc.1", "instance_id": "repo.abc", "messages": json.dumps(msgs), "resolved": True})
+    s = convert(
+        "swe_smith",
+        {"traj_id": "repo.abc.1", "instance_id": "repo.abc", "messages": json.dumps(msgs), "resolved": True},
+    )
     assert s.sample_id == "repo.abc.1"
     assert s.messages[2]["tool_calls"][0]["function"] == {"name": "bash", "arguments": '{"command": "ls"}'}
     assert s.messages[3] == {"role": "tool", "content": "a.py", "tool_call_id": "t1"}
@@ -234,7 +258,11 @@ def test_nebius_swe_agent_mapping_and_id():
         "instance_id": "django__django-11099",
         "model_name": "swe-agent-llama-70b",
         "target": True,
-        "trajectory": [el("system", "", sp="SYS PROMPT"), el("user", "ISSUE\nbash-$"), el("ai", "DISCUSSION\n```\nls\n```")],
+        "trajectory": [
+            el("system", "", sp="SYS PROMPT"),
+            el("user", "ISSUE\nbash-$"),
+            el("ai", "DISCUSSION\n```\nls\n```"),
+        ],
         "exit_status": "submitted",
         "generated_patch": "",
     }
@@ -248,7 +276,10 @@ def test_nebius_swe_agent_mapping_and_id():
     other = convert("nebius_swe_agent", dict(rec, trajectory=rec["trajectory"] + [el("user", "more")]))
     assert other.sample_id != s.sample_id  # another trajectory of the same instance + model
     assert reason_of("nebius_swe_agent", dict(rec, trajectory=[el("system", "S")])) == "no_user_turn"
-    assert reason_of("nebius_swe_agent", dict(rec, trajectory=[el("system", "S"), el("ai", "x")])) == "starts_with_assistant"
+    assert (
+        reason_of("nebius_swe_agent", dict(rec, trajectory=[el("system", "S"), el("ai", "x")]))
+        == "starts_with_assistant"
+    )
     assert reason_of("nebius_swe_agent", dict(rec, trajectory=[el("user", "u"), el("robot", "x")])) == "unknown_role"
 
 
@@ -269,17 +300,27 @@ def test_glaive_system_tools_and_chat():
     )
     s = convert("glaive", {"system": system, "chat": chat})
     assert s.tools == [
-        {"type": "function", "function": {"name": "calculate_bmi", "description": "BMI", "parameters": {"type": "object"}}},
+        {
+            "type": "function",
+            "function": {"name": "calculate_bmi", "description": "BMI", "parameters": {"type": "object"}},
+        },
         {"type": "function", "function": {"name": "noop", "parameters": {}}},
     ]
     assert s.messages == [
-        {"role": "system", "content": "You are a helpful assistant with access to the following functions. Use them if required -"},
+        {
+            "role": "system",
+            "content": "You are a helpful assistant with access to the following functions. Use them if required -",
+        },
         {"role": "user", "content": "My weight is 70 kg and height 1.75 m."},
         {
             "role": "assistant",
             "content": "",
             "tool_calls": [
-                {"id": "call_0", "type": "function", "function": {"name": "calculate_bmi", "arguments": '{"weight": 70, "height": 1.75}'}}
+                {
+                    "id": "call_0",
+                    "type": "function",
+                    "function": {"name": "calculate_bmi", "arguments": '{"weight": 70, "height": 1.75}'},
+                }
             ],
         },
         {"role": "tool", "content": '{"bmi": 22.86}', "tool_call_id": "call_0", "name": "calculate_bmi"},
@@ -287,7 +328,9 @@ def test_glaive_system_tools_and_chat():
     ]
     text, tools = parse_glaive_system("SYSTEM: You are a helpful assistant, with no access to external functions.\n\n")
     assert (text, tools) == ("You are a helpful assistant, with no access to external functions.", [])
-    assert reason_of("glaive", {"system": "", "chat": "USER: \n\n\nASSISTANT: hi <|endoftext|>"}) == "empty_user_message"
+    assert (
+        reason_of("glaive", {"system": "", "chat": "USER: \n\n\nASSISTANT: hi <|endoftext|>"}) == "empty_user_message"
+    )
     assert reason_of("glaive", {"system": "", "chat": "FUNCTION RESPONSE: {}"}) == "malformed_message"
 
 
@@ -372,9 +415,14 @@ def test_jsonl_reader_lines_blank_lines_gzip_and_errors(tmp_path):
 
 def test_parquet_reader_and_bad_files(tmp_path):
     p = tmp_path / "t.parquet"
-    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "user", "content": "q"}], "k": i} for i in range(5)]), p)
+    pq.write_table(
+        pa.Table.from_pylist([{"messages": [{"role": "user", "content": "q"}], "k": i} for i in range(5)]), p
+    )
     got = list(iter_records(p, batch_rows=2))
-    assert [i for i, _, _ in got] == [0, 1, 2, 3, 4] and got[3][1] == {"messages": [{"role": "user", "content": "q"}], "k": 3}
+    assert [i for i, _, _ in got] == [0, 1, 2, 3, 4] and got[3][1] == {
+        "messages": [{"role": "user", "content": "q"}],
+        "k": 3,
+    }
     bad = tmp_path / "fake.parquet"
     bad.write_text("not parquet")
     with pytest.raises(SourceFormatError, match=r"fake\.parquet: not a readable parquet file"):
@@ -385,15 +433,21 @@ def test_parquet_reader_and_bad_files(tmp_path):
 
 def test_glaive_arguments_written_as_a_python_literal_become_json_or_a_named_reject():
     def call(args: str) -> str:
-        chat = ("USER: convert 5 inches\n\n\n"
-                f'ASSISTANT: <functioncall> {{"name": "convert", "arguments": \'{args}\'}} <|endoftext|>\n\n\n')
+        chat = (
+            "USER: convert 5 inches\n\n\n"
+            f'ASSISTANT: <functioncall> {{"name": "convert", "arguments": \'{args}\'}} <|endoftext|>\n\n\n'
+        )
         s = convert("glaive", {"system": "", "chat": chat})
         return s.messages[1]["tool_calls"][0]["function"]["arguments"]
 
     assert call('{"value": 5, "unit": "in"}') == '{"value": 5, "unit": "in"}'  # JSON: as it is
-    assert call("{'value': 5, 'unit': 'in', 'exact': True, 'note': None}") == \
-        '{"value": 5, "unit": "in", "exact": true, "note": null}'
+    assert (
+        call("{'value': 5, 'unit': 'in', 'exact': True, 'note': None}")
+        == '{"value": 5, "unit": "in", "exact": true, "note": null}'
+    )
     for bad in ("{'value': 5", "convert(5)", "5 inches"):
-        chat = ("USER: convert 5 inches\n\n\n"
-                f'ASSISTANT: <functioncall> {{"name": "convert", "arguments": \'{bad}\'}} <|endoftext|>\n\n\n')
+        chat = (
+            "USER: convert 5 inches\n\n\n"
+            f'ASSISTANT: <functioncall> {{"name": "convert", "arguments": \'{bad}\'}} <|endoftext|>\n\n\n'
+        )
         assert reason_of("glaive", {"system": "", "chat": chat}) == "malformed_tool_arguments", bad

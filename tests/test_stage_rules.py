@@ -16,7 +16,11 @@ def test_plan_vocab_and_export_outputs_of_the_demo(demo_run: Path):
     k = cfg["merge"]["shards"]
     man = json.loads((wd / "results/merged/manifest.json").read_text())
     merged_tokens = sum(
-        sum(pq.read_table(wd / f"results/merged/{i:03d}.parquet", columns=["num_tokens"]).column("num_tokens").to_pylist())
+        sum(
+            pq.read_table(wd / f"results/merged/{i:03d}.parquet", columns=["num_tokens"])
+            .column("num_tokens")
+            .to_pylist()
+        )
         for i in range(k)
     )
     plan = json.loads((wd / "results/reports/plan.json").read_text())
@@ -32,7 +36,8 @@ def test_plan_vocab_and_export_outputs_of_the_demo(demo_run: Path):
 
     exported = [json.loads((wd / f"results/export/specforge/{i:03d}.json").read_text()) for i in range(k)]
     assert [e["start_index"] for e in exported] == [0] + [
-        sum(s["samples"] for s in man["shards"][:i]) for i in range(1, k)]
+        sum(s["samples"] for s in man["shards"][:i]) for i in range(1, k)
+    ]
     files = sorted((wd / "results/export/specforge").rglob("data_*.ckpt"))
     assert len(files) == man["totals"]["samples"]
     rec = torch.load(files[0], weights_only=True)

@@ -1,5 +1,6 @@
 """The machine's start-up gate for generate jobs (eagle3_data.startup): at most ``slots`` processes hold it at once,
 a dead holder's slot comes back, and a job waits at most ``max_wait_s``."""
+
 import subprocess
 import sys
 import textwrap
@@ -17,8 +18,9 @@ HOLD = textwrap.dedent("""
 
 
 def _holder(tmp_path, wait_s, hold_s):
-    return subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path), str(wait_s), str(hold_s)],
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path), str(wait_s), str(hold_s)], stdout=subprocess.PIPE, text=True
+    )
 
 
 def test_two_slots_hold_two_jobs_and_a_third_waits_for_a_dead_holder(tmp_path):
@@ -50,8 +52,11 @@ def test_a_released_slot_lets_the_next_job_start(tmp_path):
     assert c.stdout.readline().strip() == "held"
     c.wait()
     startup.release()
-    d = subprocess.run([sys.executable, "-c", HOLD.replace("acquire(2", "acquire(1"), str(tmp_path), "0", "0"],
-                       capture_output=True, text=True)
+    d = subprocess.run(
+        [sys.executable, "-c", HOLD.replace("acquire(2", "acquire(1"), str(tmp_path), "0", "0"],
+        capture_output=True,
+        text=True,
+    )
     assert d.stdout.strip() == "held"
 
 

@@ -60,16 +60,34 @@ def _workflow(tmp_path: Path, target_dir, fs: FaultServer, max_retries: int = 2)
     wd = copy_workflow(tmp_path / "w")
     d, checks = target_dir
     shutil.copytree(checks, wd / "cache" / "checks")
-    convs = [{"id": f"c{i:04d}", "conversations": [{"from": "human", "value": f"question {i}"},
-                                                   {"from": "gpt", "value": "an answer"}]} for i in range(N)]
+    convs = [
+        {
+            "id": f"c{i:04d}",
+            "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "an answer"}],
+        }
+        for i in range(N)
+    ]
     (wd / "chat.json").write_text(json.dumps(convs))
     cfg = {
         "cache_dir": "cache",
         "target": {"name": "qwen-fixture", "path": str(d), "build_tiny": False, "template": "qwen3"},
-        "backends": {"fake": {"type": "openai", "base_url": fs.url + "/v1", "model": "m", "api_key_env": None,
-                              "max_concurrency": 8, "timeout_s": 30}},
-        "generation": {"backends": ["fake"], "max_tokens": 16, "max_retries": max_retries, "retry_initial_s": 0.1,
-                       "stop_grace_s": 2},
+        "backends": {
+            "fake": {
+                "type": "openai",
+                "base_url": fs.url + "/v1",
+                "model": "m",
+                "api_key_env": None,
+                "max_concurrency": 8,
+                "timeout_s": 30,
+            }
+        },
+        "generation": {
+            "backends": ["fake"],
+            "max_tokens": 16,
+            "max_retries": max_retries,
+            "retry_initial_s": 0.1,
+            "stop_grace_s": 2,
+        },
         "datasets": {"chat": {"source": {"format": "sharegpt", "path": "chat.json"}, "shards": 2}},
         "vocab": {"draft_vocab_size": 64},
     }
@@ -78,9 +96,15 @@ def _workflow(tmp_path: Path, target_dir, fs: FaultServer, max_retries: int = 2)
 
 
 def _start(wd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile",
-                             "mine.yaml"], cwd=wd, env=snakemake_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
+        cwd=wd,
+        env=snakemake_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_for_replies(fs: FaultServer, proc: subprocess.Popen, n: int = 12, timeout: float = 120) -> None:
@@ -126,8 +150,10 @@ def _stop_and_check(wd, fs, proc, how: str) -> tuple[float, str]:
         raise AssertionError(f"snakemake did not exit within 60 s of {how}:\n{out[-4000:]}")
     _wait_quiet(fs)
     after = [t - t_sig for t in fs.app.request_times if t > t_sig]
-    print(f"\n{how}: {fs.app.requests} requests, {len(after)} after the signal (the last "
-          f"{max(after, default=0):.2f} s after it), {fs.app.completed} completed, {_journaled(wd)} journaled")
+    print(
+        f"\n{how}: {fs.app.requests} requests, {len(after)} after the signal (the last "
+        f"{max(after, default=0):.2f} s after it), {fs.app.completed} completed, {_journaled(wd)} journaled"
+    )
     late = [t - t_sig for t in fs.app.request_times if t > t_sig + STOP_S]
     assert not late, f"{len(late)} requests started more than {STOP_S} s after {how} (last {max(late):.1f} s)"
     assert fs.app.completed < N, "the build ran to its end"
@@ -141,8 +167,14 @@ def _resume(wd, fs, *extra) -> str:
     before = _journaled(wd)
     fs.app.config.update({"latency_min_s": 0.0, "latency_max_s": 0.05})  # the resume need not be slow
     fs.app.reset()
-    p = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml",
-                        *extra], cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml", *extra],
+        cwd=wd,
+        env=snakemake_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert fs.app.completed == N - before, (fs.app.completed, before)
     assert _journaled(wd) == N
@@ -166,7 +198,7 @@ def test_a_signal_to_snakemake_stops_the_requests(tmp_path, target_dir, server, 
     assert "At least one job did not complete successfully" not in out and "WorkflowError" not in out
     # the last screen counts what the stopped shards journaled: OK = the journal's lines, a cost, the rest not sent;
     # no shard finished generate, and the columns add up: Samples = Kept + Rejected + Not sent + Left
-    screen = out[out.index("Run summary (the run failed"):]
+    screen = out[out.index("Run summary (the run failed") :]
     row = next(ln.split() for ln in screen.splitlines() if ln.startswith("chat "))
     assert row[:4] == ["chat", "0/2", str(N), str(n)], row
     assert int(row[4]) + int(row[5]) == N - n and float(row[9]) > 0 and row[-1] == "stopped", row
@@ -178,16 +210,30 @@ def test_kill_9_of_snakemake_stops_its_jobs_and_the_rerun_says_to_unlock(tmp_pat
     wd = _workflow(tmp_path, target_dir, server)
     proc = _start(wd)
     _stop_and_check(wd, server, proc, "kill9")
-    p = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
-                       cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
+        cwd=wd,
+        env=snakemake_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode != 0
     # the hint is the first line the run prints, and the only one: no banner, no DAG, no LockException after it
     # (Snakemake's own "Using workflow specific profile ..." comes first: it prints it before reading the Snakefile)
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if not ln.startswith("Using workflow specific profile")]
-    assert lines == [f"The snakemake run {proc.pid} was killed and left its lock on this directory: run "
-                     "`snakemake --unlock` (with the same --configfile, if any), then the same command again to "
-                     "resume."], p.stdout[-2000:] + p.stderr[-3000:]
-    u = subprocess.run([sys.executable, "-m", "snakemake", "--unlock", "--configfile", "mine.yaml"], cwd=wd,
-                       env=snakemake_env(), capture_output=True, text=True, timeout=300)
+    assert lines == [
+        f"The snakemake run {proc.pid} was killed and left its lock on this directory: run "
+        "`snakemake --unlock` (with the same --configfile, if any), then the same command again to "
+        "resume."
+    ], p.stdout[-2000:] + p.stderr[-3000:]
+    u = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--unlock", "--configfile", "mine.yaml"],
+        cwd=wd,
+        env=snakemake_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert u.returncode == 0, u.stderr[-3000:]
     _resume(wd, server)

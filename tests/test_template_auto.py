@@ -48,21 +48,33 @@ def test_auto_refuses_naming_the_property_that_failed():
     with pytest.raises(TemplateError, match="property 'tool-call layout' failed"):
         detect_family(F.glm45_real_template())
     # a generation prompt the finished conversation does not start with
-    bad = F.build_fixture_tokenizer(F.QWEN3_SPECIALS, F.QWEN3_NON_SPECIAL, F.chat_template("qwen3").replace(
-        "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\nSure: ' }}"), eos="<|im_end|>")
+    bad = F.build_fixture_tokenizer(
+        F.QWEN3_SPECIALS,
+        F.QWEN3_NON_SPECIAL,
+        F.chat_template("qwen3").replace(
+            "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\nSure: ' }}"
+        ),
+        eos="<|im_end|>",
+    )
     with pytest.raises(TemplateError, match="property 'prefix' failed"):
         detect_family(bad)
     # a Qwen-layout template that writes another think spacing than Qwen3's
-    odd = F.build_fixture_tokenizer(F.QWEN3_SPECIALS, F.QWEN3_NON_SPECIAL, F.chat_template("qwen3").replace(
-        "'\\n</think>\\n\\n'", "'</think>'"), eos="<|im_end|>")
+    odd = F.build_fixture_tokenizer(
+        F.QWEN3_SPECIALS,
+        F.QWEN3_NON_SPECIAL,
+        F.chat_template("qwen3").replace("'\\n</think>\\n\\n'", "'</think>'"),
+        eos="<|im_end|>",
+    )
     with pytest.raises(TemplateError, match="property 'think markers' failed"):
         detect_family(odd)
 
 
 def test_a_named_family_is_an_override(tmp_path):
     d = F.save_deepseek_dir(tmp_path / "v31", template="deepseek-v3.1")
-    assert resolve_template({"path": d, "template": "deepseek-r1"}) == ("deepseek-r1", {"family": "deepseek-r1",
-                                                                                         "source": "named"})
+    assert resolve_template({"path": d, "template": "deepseek-r1"}) == (
+        "deepseek-r1",
+        {"family": "deepseek-r1", "source": "named"},
+    )
     assert resolve_template({"path": d, "template": "auto"})[0] == "deepseek-v3.1"
 
 
@@ -74,9 +86,11 @@ def test_the_resolution_is_cached_and_a_cache_hit_imports_no_transformers(tmp_pa
     assert info["generation_prompt"] == "<｜Assistant｜><think>"
     stored = json.loads((tmp_path / "cache" / "template_family" / f"{cache_key(target)}.json").read_text())
     assert stored["family"] == "deepseek-v3.1"
-    code = ("import sys, time; t = time.process_time(); from eagle3_data.templates.auto import resolve_template; "
-            f"f, i = resolve_template({target!r}, {str(tmp_path / 'cache')!r}); "
-            "print(f, i['source'], 'transformers' in sys.modules, time.process_time() - t)")
+    code = (
+        "import sys, time; t = time.process_time(); from eagle3_data.templates.auto import resolve_template; "
+        f"f, i = resolve_template({target!r}, {str(tmp_path / 'cache')!r}); "
+        "print(f, i['source'], 'transformers' in sys.modules, time.process_time() - t)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[:3] == ["deepseek-v3.1", "cache", "False"], out
     assert float(out[3]) < 1.0  # CPU seconds, imports included (a probe: transformers + tokenizer, ~2.5 s)
@@ -96,7 +110,9 @@ def test_config_check_replaces_auto_and_says_which_was_chosen(tmp_path):
     config = {"cache_dir": str(tmp_path / "cache"), "target": {"name": "t", "path": d, "template": "auto"}}
     line = cfg.resolve_target_template(config)
     assert config["target"]["template"] == "deepseek-v3.1"
-    assert line.startswith("target.template: auto -> deepseek-v3.1 (probed; generation prompt '<｜Assistant｜></think>'")
+    assert line.startswith(
+        "target.template: auto -> deepseek-v3.1 (probed; generation prompt '<｜Assistant｜></think>'"
+    )
     config["target"]["template"] = "deepseek-r1"
     assert cfg.resolve_target_template(config) is None and config["target"]["template"] == "deepseek-r1"
     tiny = {"target": {"name": "t", "path": str(tmp_path / "absent"), "template": "auto", "build_tiny": True}}

@@ -13,8 +13,14 @@ from eagle3_data.templates import TargetTokens, TemplateError, completion_format
 from eagle3_data.tokens import tokenize_rows
 
 KIMI_SYS = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 CALL = {"id": "call_7f3", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 MULTI = [
     {"role": "user", "content": "Hi"},
@@ -28,10 +34,19 @@ def target(family, **kwargs):
 
 
 def row(messages, reasoning=None, content=None, tool_calls=None, tools=None, **extra):
-    r = {"sample_id": "s1", "dataset": "d", "turn": len(messages), "status": "ok", "messages": json.dumps(messages),
-         "tools": json.dumps(tools) if tools else None, "reasoning": reasoning, "content": content,
-         "tool_calls": json.dumps(tool_calls) if tool_calls else None, "finish_reason": "stop",
-         "completion_tokens": None}
+    r = {
+        "sample_id": "s1",
+        "dataset": "d",
+        "turn": len(messages),
+        "status": "ok",
+        "messages": json.dumps(messages),
+        "tools": json.dumps(tools) if tools else None,
+        "reasoning": reasoning,
+        "content": content,
+        "tool_calls": json.dumps(tool_calls) if tool_calls else None,
+        "finish_reason": "stop",
+        "completion_tokens": None,
+    }
     r.update(extra)
     return r
 
@@ -49,7 +64,7 @@ def expect(tt, out, prompt_text: str, completion_text: str):
     ids, mask = out["input_ids"], out["loss_mask"]
     assert ids[: len(p)] == p
     assert mask == [0] * len(p) + [1] * (len(ids) - len(p))
-    comp = ids[len(p):]
+    comp = ids[len(p) :]
     assert tok.decode(comp, skip_special_tokens=False) == completion_text
     assert out["num_prompt_tokens"] == len(p) and out["num_completion_tokens"] == len(comp)
     return np.array(comp)
@@ -63,57 +78,89 @@ def sid(tt, name):
 def test_kimi_thinking_default_system_history_dropped_and_completion():
     tt = target("kimi-k2-thinking")
     out = run(tt, row(MULTI, reasoning="Let me think.", content="Sunny."))
-    prompt = (KIMI_SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|>"
-              "<|im_assistant|>assistant<|im_middle|><think></think>Hello<|im_end|>"  # history reasoning dropped
-              "<|im_user|>user<|im_middle|>Weather?<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    prompt = (
+        KIMI_SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>Hello<|im_end|>"  # history reasoning dropped
+        "<|im_user|>user<|im_middle|>Weather?<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
     comp = expect(tt, out, prompt, "<think>Let me think.</think>Sunny.<|im_end|>")
     # the special tokens are single ids at the hand-checked positions
     assert comp[0] == sid(tt, "<think>") and comp[-1] == sid(tt, "<|im_end|>") == tt.eot_id
     assert comp[1 + len(tt.tok.encode("Let me think.", add_special_tokens=False))] == sid(tt, "</think>")
     # anchors §6 item 5: re-rendering the finished conversation would have dropped this answer's reasoning
-    full = tt.render(json.loads(row(MULTI)["messages"]) + [
-        {"role": "assistant", "content": "Sunny.", "reasoning_content": "Let me think."}], None, False)
+    full = tt.render(
+        json.loads(row(MULTI)["messages"])
+        + [{"role": "assistant", "content": "Sunny.", "reasoning_content": "Let me think."}],
+        None,
+        False,
+    )
     assert "Let me think." not in full and full.endswith("<think></think>Sunny.<|im_end|>")
 
 
 def test_kimi_thinking_explicit_system_has_no_default():
     tt = target("kimi-k2-thinking")
-    out = run(tt, row([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Q"}],
-                      reasoning="r", content="A"))
-    expect(tt, out, "<|im_system|>system<|im_middle|>Be terse.<|im_end|><|im_user|>user<|im_middle|>Q<|im_end|>"
-                    "<|im_assistant|>assistant<|im_middle|>", "<think>r</think>A<|im_end|>")
+    out = run(
+        tt,
+        row([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Q"}], reasoning="r", content="A"),
+    )
+    expect(
+        tt,
+        out,
+        "<|im_system|>system<|im_middle|>Be terse.<|im_end|><|im_user|>user<|im_middle|>Q<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>",
+        "<think>r</think>A<|im_end|>",
+    )
 
 
 def test_kimi_thinking_tool_calls_interleaved_reasoning_and_call_ids():
     tt = target("kimi-k2-thinking")
     msgs = [
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": "", "reasoning_content": "Need a tool.",
-         "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Need a tool.",
+            "tool_calls": [
+                {
+                    "id": "functions.get_weather:0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
     ]
     rome = {"id": "call_x9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
     out = run(tt, row(msgs, reasoning="Now Rome.", content="Checking.", tool_calls=[rome], tools=[WEATHER]))
     declare = "<|im_system|>tool_declare<|im_middle|>" + json.dumps([WEATHER], separators=(",", ":")) + "<|im_end|>"
-    prompt = (declare + KIMI_SYS + "<|im_user|>user<|im_middle|>Weather in Paris and Rome?<|im_end|>"
-              # a tool-call turn after the last plain answer keeps its reasoning (interleaved thinking)
-              "<|im_assistant|>assistant<|im_middle|><think>Need a tool.</think><|tool_calls_section_begin|>"
-              "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}"
-              "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
-              "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>"
-              "<|im_assistant|>assistant<|im_middle|>")
+    prompt = (
+        declare + KIMI_SYS + "<|im_user|>user<|im_middle|>Weather in Paris and Rome?<|im_end|>"
+        # a tool-call turn after the last plain answer keeps its reasoning (interleaved thinking)
+        "<|im_assistant|>assistant<|im_middle|><think>Need a tool.</think><|tool_calls_section_begin|>"
+        '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}'
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+        "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
     # the provider's id "call_x9" is not what Kimi emitted: functions.{name}:{global index}
-    comp = expect(tt, out, prompt,
-                  "<think>Now Rome.</think>Checking.<|tool_calls_section_begin|><|tool_call_begin|>"
-                  "functions.get_weather:1<|tool_call_argument_begin|>{\"city\": \"Rome\"}<|tool_call_end|>"
-                  "<|tool_calls_section_end|><|im_end|>")
+    comp = expect(
+        tt,
+        out,
+        prompt,
+        "<think>Now Rome.</think>Checking.<|tool_calls_section_begin|><|tool_call_begin|>"
+        'functions.get_weather:1<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>",
+    )
     for name in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>"):
         assert (comp == sid(tt, name)).sum() == 1
     # and it equals what the template itself renders for that turn (the final turn is a tool call: suffix turn)
     rome_ok = dict(rome, id="functions.get_weather:1")
-    full = tt.render(msgs + [{"role": "assistant", "content": "Checking.", "reasoning_content": "Now Rome.",
-                              "tool_calls": [rome_ok]}], [WEATHER], False)
+    full = tt.render(
+        msgs
+        + [{"role": "assistant", "content": "Checking.", "reasoning_content": "Now Rome.", "tool_calls": [rome_ok]}],
+        [WEATHER],
+        False,
+    )
     assert tt.tok.decode(out["input_ids"], skip_special_tokens=False) == full
 
 
@@ -121,9 +168,11 @@ def test_kimi_thinking_tool_calls_interleaved_reasoning_and_call_ids():
 def test_kimi_k25_prompt_holds_think_open():
     tt = target("kimi-k25")
     out = run(tt, row(MULTI, reasoning="Let me think.", content="Sunny."))
-    prompt = (KIMI_SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|>"
-              "<|im_assistant|>assistant<|im_middle|><think></think>Hello<|im_end|>"
-              "<|im_user|>user<|im_middle|>Weather?<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
+    prompt = (
+        KIMI_SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>Hello<|im_end|>"
+        "<|im_user|>user<|im_middle|>Weather?<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
+    )
     comp = expect(tt, out, prompt, "Let me think.</think>Sunny.<|im_end|>")
     assert sid(tt, "<think>") not in comp.tolist()  # the open marker is a prompt token, never supervised
 
@@ -142,16 +191,20 @@ def test_kimi_k25_thinking_off():
 def test_kimi_k2_instruct_no_think_and_rejects_reasoning():
     tt = target("kimi-k2")
     out = run(tt, row(MULTI, content="Sunny."))
-    p = (KIMI_SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|>Hello<|im_end|>"
-         "<|im_user|>user<|im_middle|>Weather?<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    p = (
+        KIMI_SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|>Hello<|im_end|>"
+        "<|im_user|>user<|im_middle|>Weather?<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
     expect(tt, out, p, "Sunny.<|im_end|>")
     (bad,) = tokenize_rows([row(MULTI, reasoning="x", content="y")], tt)
     assert bad["reject_reason"] == "unexpected_reasoning"
 
 
 # ------------------------------------------------------------------------------------------------ Qwen3
-QWEN_PROMPT = ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"  # history: no think block
-               "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n")
+QWEN_PROMPT = (
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"  # history: no think block
+    "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 def test_qwen3_thinking_completion_layout():
@@ -178,20 +231,29 @@ def test_qwen3_reasoning_only_after_last_real_query_and_tool_call_newlines():
     p = tt.render(msgs, [WEATHER])
     # the tool response is not a real query: the earlier tool-call turn keeps its think block; no newline before
     # the first <tool_call> because that turn's content is empty
-    assert ("<|im_start|>assistant\n<think>\nNeed a tool.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", "
-            "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n"
-            "sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in p
+    assert (
+        '<|im_start|>assistant\n<think>\nNeed a tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n'
+        "sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    ) in p
     expect(tt, out, p, "<think>\nDone.\n</think>\n\nIt is sunny.<|im_end|>")
     # a completion with content and two calls: newline before the first call (content non-empty) and between
     two = [CALL, {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
     out = run(tt, row(MULTI, reasoning="r", content="Checking.", tool_calls=two, tools=[WEATHER]))
-    comp_text = ("<think>\nr\n</think>\n\nChecking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
-                 "{\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
-                 "{\"city\": \"Rome\"}}\n</tool_call><|im_end|>")
+    comp_text = (
+        '<think>\nr\n</think>\n\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Rome"}}\n</tool_call><|im_end|>'
+    )
     expect(tt, out, tt.render(MULTI, [WEATHER]), comp_text)
     out = run(tt, row(MULTI, reasoning="r", content="", tool_calls=[CALL], tools=[WEATHER]))
-    expect(tt, out, tt.render(MULTI, [WEATHER]), "<think>\nr\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", "
-                                                 "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>")
+    expect(
+        tt,
+        out,
+        tt.render(MULTI, [WEATHER]),
+        '<think>\nr\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+    )
 
 
 def test_qwen3_matches_template_render_of_final_turn():
@@ -199,8 +261,9 @@ def test_qwen3_matches_template_render_of_final_turn():
     tt = target("qwen3")
     for reasoning, content in [("A\nB", "C"), ("\nr\n", "\n\nC"), ("x", "")]:
         out = run(tt, row(MULTI, reasoning=reasoning, content=content))
-        full = tt.render(MULTI + [{"role": "assistant", "content": content, "reasoning_content": reasoning}], None,
-                         False)
+        full = tt.render(
+            MULTI + [{"role": "assistant", "content": content, "reasoning_content": reasoning}], None, False
+        )
         assert tt.tok.decode(out["input_ids"], skip_special_tokens=False) + "\n" == full
 
 
@@ -219,19 +282,27 @@ def test_glm45_tool_call_ends_with_observation():
     tt = target("glm45")
     out = run(tt, row(MULTI, reasoning="r", content="", tool_calls=[CALL], tools=[WEATHER]))
     p = tt.render(MULTI, [WEATHER])
-    comp = expect(tt, out, p, "\n<think>r</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
-                              "<arg_value>Paris</arg_value>\n</tool_call><|observation|>")
+    comp = expect(
+        tt,
+        out,
+        p,
+        "\n<think>r</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Paris</arg_value>\n</tool_call><|observation|>",
+    )
     assert comp[-1] == sid(tt, "<|observation|>")
-    full = tt.render(MULTI + [{"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [CALL]}],
-                     [WEATHER], False)
+    full = tt.render(
+        MULTI + [{"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [CALL]}], [WEATHER], False
+    )
     assert tt.tok.decode(out["input_ids"][:-1], skip_special_tokens=False) == full
 
 
 def test_glm45_enable_thinking_false():
     tt = target("glm45", enable_thinking=False)
     out = run(tt, row(MULTI, content="Sunny."))
-    p = "[gMASK]<sop><|user|>Hi/nothink<|assistant|>\n<think></think>\nHello<|user|>Weather?/nothink<|assistant|>" \
+    p = (
+        "[gMASK]<sop><|user|>Hi/nothink<|assistant|>\n<think></think>\nHello<|user|>Weather?/nothink<|assistant|>"
         "\n<think></think>"
+    )
     expect(tt, out, p, "\nSunny.<|user|>")
 
 
@@ -251,8 +322,12 @@ def test_generic_rejects_dropped_reasoning_missing_end_and_non_prefix():
     (out,) = tokenize_rows([row(MULTI, content="Sunny.")], glm)
     assert out["reject_reason"] == "template_no_end_of_turn"
     tok = F.build_fixture_tokenizer(
-        F.QWEN3_SPECIALS, (), "{{ messages|length }}{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}", eos="<|im_end|>")
+        F.QWEN3_SPECIALS,
+        (),
+        "{{ messages|length }}{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}",
+        eos="<|im_end|>",
+    )
     (out,) = tokenize_rows([row(MULTI, content="Sunny.")], TargetTokens(tok, completion_format("generic")))
     assert out["reject_reason"] == "template_not_prefix"
     assert "not a prefix" in out["reject_detail"]
@@ -262,13 +337,18 @@ def test_generic_rejects_dropped_reasoning_missing_end_and_non_prefix():
 def test_bad_role_order_template_error_rejects_row_not_stage():
     """anchors §6 item 14: a template's raise_exception rejects that row only."""
     tok = F.build_fixture_tokenizer(
-        F.QWEN3_SPECIALS, F.QWEN3_NON_SPECIAL,
+        F.QWEN3_SPECIALS,
+        F.QWEN3_NON_SPECIAL,
         "{% if messages[0].role == 'assistant' %}{{ raise_exception('Conversation must start with user') }}{% endif %}"
-        + F.QWEN3_TEMPLATE, eos="<|im_end|>")
+        + F.QWEN3_TEMPLATE,
+        eos="<|im_end|>",
+    )
     tt = TargetTokens(tok, completion_format("qwen3"))
     good = row(MULTI, reasoning="r", content="c")
-    bad = dict(row([{"role": "assistant", "content": "Sure"}, {"role": "user", "content": "Hello"}], content="c"),
-               sample_id="s2")
+    bad = dict(
+        row([{"role": "assistant", "content": "Sure"}, {"role": "user", "content": "Hello"}], content="c"),
+        sample_id="s2",
+    )
     out = tokenize_rows([bad, good], tt)
     assert out[0]["reject_reason"] == "prompt_render_failed" and "must start with user" in out[0]["reject_detail"]
     assert out[1]["reject_reason"] is None and out[1]["num_completion_tokens"] > 0
@@ -286,9 +366,19 @@ def test_normalize_ids_every_return_type():
     from transformers import BatchEncoding
 
     want = [5, 6, 7]
-    cases = [want, [want], (5, 6, 7), np.array(want), np.array([want]), torch.tensor(want), torch.tensor([want]),
-             {"input_ids": want, "attention_mask": [1, 1, 1]}, BatchEncoding({"input_ids": [want]}),
-             BatchEncoding({"input_ids": torch.tensor([want])}), [np.int64(5), np.int64(6), np.int64(7)]]
+    cases = [
+        want,
+        [want],
+        (5, 6, 7),
+        np.array(want),
+        np.array([want]),
+        torch.tensor(want),
+        torch.tensor([want]),
+        {"input_ids": want, "attention_mask": [1, 1, 1]},
+        BatchEncoding({"input_ids": [want]}),
+        BatchEncoding({"input_ids": torch.tensor([want])}),
+        [np.int64(5), np.int64(6), np.int64(7)],
+    ]
     for c in cases:
         assert normalize_ids(c) == want, type(c)
     with pytest.raises(TemplateError, match="batch of 2"):
@@ -303,14 +393,20 @@ def test_normalize_ids_every_return_type():
 
 
 # ------------------------------------------------------------------------------------------------ DeepSeek-R1
-R1_TEMPLATE = ("{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% elif m.role == 'assistant' %}"
-               "<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
-               "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}")
+R1_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% elif m.role == 'assistant' %}"
+    "<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
+)
 
 
 def test_deepseek_r1_prompt_opens_think_with_newline():
-    tok = F.build_fixture_tokenizer(("<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"), (),
-                                    R1_TEMPLATE, eos="<｜end▁of▁sentence｜>")
+    tok = F.build_fixture_tokenizer(
+        ("<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"),
+        (),
+        R1_TEMPLATE,
+        eos="<｜end▁of▁sentence｜>",
+    )
     tt = TargetTokens(tok, completion_format("deepseek-r1"))
     msgs = [{"role": "user", "content": "2+2?"}]
     out = run(tt, row(msgs, reasoning="\nAdd them.\n", content="4"))

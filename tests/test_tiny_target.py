@@ -87,8 +87,9 @@ def test_build_rejects_bad_sizes(tmp_path):
     with pytest.raises(ValueError, match="mean_reasoning_tokens must be > 2"):
         build_tiny_target(tmp_path / "x", settings=TinyTargetSettings.defaults(mean_reasoning_tokens=1))
     with pytest.raises(ValueError, match="hidden_size must be at least 12"):
-        build_tiny_target(tmp_path / "x",
-                          settings=TinyTargetSettings.defaults(hidden_size=8, num_heads=2, num_kv_heads=1))
+        build_tiny_target(
+            tmp_path / "x", settings=TinyTargetSettings.defaults(hidden_size=8, num_heads=2, num_kv_heads=1)
+        )
     assert not (tmp_path / "x").exists()
 
 
@@ -112,8 +113,11 @@ def test_facts_and_configs(built):
     assert not set(REASONING_BYTES) & set(CONTENT_BYTES) and set(ALLOWED_COMPLETION_BYTES) <= set(range(10, 127))
     assert (ids["<think>"], ids["</think>"]) == (THINK, END_THINK)
     tcfg = json.loads((out / "tokenizer_config.json").read_text())
-    assert tcfg["response_template"]["fields"]["reasoning_content"] == {"open": "<think>", "close": "</think>",
-                                                                       "content": "text"}
+    assert tcfg["response_template"]["fields"]["reasoning_content"] == {
+        "open": "<think>",
+        "close": "</think>",
+        "content": "text",
+    }
     assert json.loads((out / "tiny_target.json").read_text()) == json.loads(json.dumps(facts))
 
 
@@ -138,11 +142,16 @@ def test_chat_template_default_system_and_generation_prompt(tok):
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)["input_ids"]
     assert ids == tok.encode(text, add_special_tokens=False) and ids[-1] == THINK and ids[0] == 261
     # Kimi K2.5: thinking=False closes the think block in the prompt; thinking=True is the default
-    off = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False,
-                                  thinking=False)
+    off = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False, thinking=False
+    )
     assert off == text + "</think>"
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False,
-                                   thinking=True) == text
+    assert (
+        tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False, thinking=True
+        )
+        == text
+    )
 
 
 def test_chat_template_drops_history_reasoning_up_to_the_last_plain_answer(tok):
@@ -150,8 +159,12 @@ def test_chat_template_drops_history_reasoning_up_to_the_last_plain_answer(tok):
         {"role": "user", "content": "a"},
         {"role": "assistant", "content": "A", "reasoning_content": "r1"},
         {"role": "user", "content": "b"},
-        {"role": "assistant", "content": "", "reasoning_content": "r2", "tool_calls": [
-            {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "r2",
+            "tool_calls": [{"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "functions.f:0", "content": "R"},
     ]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -211,7 +224,7 @@ def _check_grammar(seq: list[int]) -> tuple[int, int]:
     whitespace at the ends of either part; return (reasoning, answer) lengths, end markers included."""
     assert seq.count(END_THINK) == 1 and seq[-1] == IM_END and seq.count(IM_END) == 1, seq
     k = seq.index(END_THINK)
-    reasoning, answer = seq[:k], seq[k + 1:-1]
+    reasoning, answer = seq[:k], seq[k + 1 : -1]
     assert reasoning and answer
     assert set(reasoning) <= set(REASONING_BYTES) and set(answer) <= set(CONTENT_BYTES)
     for part in (reasoning, answer):
@@ -222,7 +235,9 @@ def _check_grammar(seq: list[int]) -> tuple[int, int]:
 
 def test_forward_and_sampling_follow_the_thinking_format(built, tok, model):
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "Tell me something."}], add_generation_prompt=True, return_tensors="pt",
+        [{"role": "user", "content": "Tell me something."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
         return_dict=True,
     )
     with torch.no_grad():
@@ -237,8 +252,13 @@ def test_forward_and_sampling_follow_the_thinking_format(built, tok, model):
     assert 10 <= mean_r <= 24 and 10 <= mean_a <= 24, lengths  # built with means 16 and 16
     assert len({r + a for r, a in lengths}) > 15  # varied lengths, not a fixed cut
     # thinking off: the prompt closed the think block, the target answers at once
-    off = tok.apply_chat_template([{"role": "user", "content": "Hi."}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True, thinking=False)
+    off = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+        thinking=False,
+    )
     m = off["input_ids"].shape[1]
     for s in model.generate(**off, max_new_tokens=256, num_return_sequences=10)[:, m:].tolist():
         s = s[: s.index(IM_END) + 1]
@@ -248,14 +268,16 @@ def test_forward_and_sampling_follow_the_thinking_format(built, tok, model):
 def test_mean_lengths_change_with_the_settings(tmp_path, tok):
     from transformers import AutoModelForCausalLM
 
-    build_tiny_target(tmp_path / "short",
-                      settings=TinyTargetSettings.defaults(mean_reasoning_tokens=40, mean_completion_tokens=6,
-                                                           num_layers=2))
+    build_tiny_target(
+        tmp_path / "short",
+        settings=TinyTargetSettings.defaults(mean_reasoning_tokens=40, mean_completion_tokens=6, num_layers=2),
+    )
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "short").eval()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     torch.manual_seed(1)
-    out = m.generate(**prompt, max_new_tokens=400, num_return_sequences=40)[:, prompt["input_ids"].shape[1]:]
+    out = m.generate(**prompt, max_new_tokens=400, num_return_sequences=40)[:, prompt["input_ids"].shape[1] :]
     lengths = [_check_grammar(s[: s.index(IM_END) + 1]) for s in out.tolist() if IM_END in s]
     assert len(lengths) >= 38
     assert 25 <= sum(r for r, _ in lengths) / len(lengths) <= 60, lengths
@@ -263,6 +285,7 @@ def test_mean_lengths_change_with_the_settings(tmp_path, tok):
 
 
 # ---------------------------------------------------------------- the bundled pre-tokenized (A-type) sample
+
 
 def _load_sample_script():
     spec = importlib.util.spec_from_file_location("make_pretok", REPO / "resources" / "make_pretokenized_sample.py")
@@ -282,7 +305,7 @@ def test_pretokenized_sample_is_current_and_as_documented(tok):
         assert len(ids) == len(mask) and ids[-1] == im_end and max(ids) < 272
         start = mask.index(1)
         assert all(mask[start:]) and not any(mask[:start])  # 1 exactly on the completion
-        assert ids[start - len(gen_prompt):start] == gen_prompt
+        assert ids[start - len(gen_prompt) : start] == gen_prompt
         assert ids[start:].count(END_THINK) == 1 and ids[start] != END_THINK  # reasoning, </think>, answer
         assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
     messy = rows[23:]
@@ -297,14 +320,16 @@ def test_pretokenized_sample_is_current_and_as_documented(tok):
 
 # ---------------------------------------------------------------- served over HTTP by `transformers serve`
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(shutil.which("transformers", path=os.path.dirname(sys.executable)) is None,
-                    reason="transformers CLI not installed")
+@pytest.mark.skipif(
+    shutil.which("transformers", path=os.path.dirname(sys.executable)) is None, reason="transformers CLI not installed"
+)
 def test_transformers_serve_returns_reasoning_and_content_exactly(built, tok):
     import httpx
 
@@ -312,8 +337,12 @@ def test_transformers_serve_returns_reasoning_and_content_exactly(built, tok):
     port = _free_port()
     cli = os.path.join(os.path.dirname(sys.executable), "transformers")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    proc = subprocess.Popen([cli, "serve", str(out), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [cli, "serve", str(out), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -329,13 +358,33 @@ def test_transformers_serve_returns_reasoning_and_content_exactly(built, tok):
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
         convs = [
             ([{"role": "user", "content": "Hello there"}], None),
-            ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-              {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}], None),
-            ([{"role": "user", "content": "Weather in Paris?"},
-              {"role": "assistant", "content": None, "tool_calls": [
-                  {"id": "functions.get_weather:0", "type": "function",
-                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-              {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}], tools),
+            (
+                [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "2+2?"},
+                    {"role": "assistant", "content": "4"},
+                    {"role": "user", "content": "and 3+3?"},
+                ],
+                None,
+            ),
+            (
+                [
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "functions.get_weather:0",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                            }
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+                ],
+                tools,
+            ),
         ]
         stops = 0
         for i in range(12):

@@ -25,8 +25,11 @@ def test_exact_output_ids_used_and_checked_against_text():
     hw = tt.tok.encode(" world", add_special_tokens=False)
     assert len(hw) == 1  # merged in the fixture
     text_ids = tt.tok.encode("Hello", add_special_tokens=False)
-    noncanon = (comp[: comp.index(tt.think_close_id) + 1] + text_ids
-                + tt.tok.convert_tokens_to_ids(["Ġ", "w", "o", "r", "l", "d"]))  # no <|im_end|>: appended
+    noncanon = (
+        comp[: comp.index(tt.think_close_id) + 1]
+        + text_ids
+        + tt.tok.convert_tokens_to_ids(["Ġ", "w", "o", "r", "l", "d"])
+    )  # no <|im_end|>: appended
     (out,) = tokenize_rows([row(MULTI, reasoning="think", content="Hello world", output_ids=noncanon)], tt)
     assert out["ids_source"] == "exact" and out["reject_reason"] is None
     assert out["input_ids"] == rec["input_ids"][:p] + noncanon + [tt.eot_id]
@@ -43,8 +46,9 @@ def test_truncated_response_gets_no_end_of_turn():
     assert out["reject_reason"] is None
     assert out["input_ids"][-1] != tt.eot_id
     # cut inside the reasoning: the prefix ends where the target stopped, no end-of-reasoning marker
-    assert tt.tok.decode(out["input_ids"][out["num_prompt_tokens"]:], skip_special_tokens=False) == \
-        "<think>long thoughts"
+    assert (
+        tt.tok.decode(out["input_ids"][out["num_prompt_tokens"] :], skip_special_tokens=False) == "<think>long thoughts"
+    )
 
 
 def test_failed_generation_and_bad_json_rows_keep_their_place():
@@ -65,8 +69,9 @@ def test_failed_generation_and_bad_json_rows_keep_their_place():
 
 def test_tokens_table_equals_row_dicts_and_passes_schema():
     tt = target("glm45")
-    rows = [dict(row(MULTI, reasoning=f"r{i}", content="x" * i), sample_id=f"s{i}", completion_tokens=5)
-            for i in range(6)]
+    rows = [
+        dict(row(MULTI, reasoning=f"r{i}", content="x" * i), sample_id=f"s{i}", completion_tokens=5) for i in range(6)
+    ]
     rows[2]["status"] = "failed"
     meta, ids, plens = tokenize_batch(rows, tt)
     table = tokens_table(meta, ids, plens)
@@ -77,13 +82,21 @@ def test_tokens_table_equals_row_dicts_and_passes_schema():
 
 def test_stage_writes_tokens_parquet(tmp_path):
     path = F.save_fixture("kimi-k2-thinking", tmp_path / "tok")
-    rows = [dict(row(MULTI, reasoning="r", content=f"answer {i}"), sample_id=f"s{i}", completion_tokens=9,
-                 prompt_tokens=None if i == 3 else 40 + i) for i in range(4)]
+    rows = [
+        dict(
+            row(MULTI, reasoning="r", content=f"answer {i}"),
+            sample_id=f"s{i}",
+            completion_tokens=9,
+            prompt_tokens=None if i == 3 else 40 + i,
+        )
+        for i in range(4)
+    ]
     resp = tmp_path / "responses.parquet"
     pq.write_table(schemas.from_rows(rows, schemas.RESPONSES), resp)
     out = tmp_path / "tokens.parquet"
-    summary = tokenize(str(resp), str(out),
-                       settings=TokenizeSettings.defaults({"path": path, "template": "kimi-k2-thinking"}))
+    summary = tokenize(
+        str(resp), str(out), settings=TokenizeSettings.defaults({"path": path, "template": "kimi-k2-thinking"})
+    )
     assert summary["rows"] == summary["tokenized"] == 4 and summary["rejected"] == {}
     got = pq.read_table(out)
     assert got.schema.equals(schemas.TOKENS) and got.num_rows == 4
@@ -91,8 +104,11 @@ def test_stage_writes_tokens_parquet(tmp_path):
     assert got.column("billed_prompt_tokens").to_pylist() == [40, 41, 42, None]  # usage.prompt_tokens, for the audit
     assert got.column("billed_completion_tokens").to_pylist() == [9] * 4
     with pytest.raises(ValueError, match="not a responses file"):
-        tokenize(str(out), str(tmp_path / "x.parquet"),
-                 settings=TokenizeSettings.defaults({"path": path, "template": "kimi-k2-thinking"}))
+        tokenize(
+            str(out),
+            str(tmp_path / "x.parquet"),
+            settings=TokenizeSettings.defaults({"path": path, "template": "kimi-k2-thinking"}),
+        )
 
 
 def test_dataset_chat_template_kwargs_change_the_rendered_prompt(tmp_path):
@@ -100,19 +116,26 @@ def test_dataset_chat_template_kwargs_change_the_rendered_prompt(tmp_path):
     generation.extra_body.chat_template_kwargs, sent with the request) gets <think></think> in the prompt."""
     path = F.save_fixture("kimi-k25", tmp_path / "tok")
     resp, resp_on = tmp_path / "responses.parquet", tmp_path / "responses_on.parquet"
-    pq.write_table(schemas.from_rows([row(MULTI, content="plain answer", completion_tokens=3)], schemas.RESPONSES), resp)
-    pq.write_table(schemas.from_rows([row(MULTI, reasoning="r", content="plain answer", completion_tokens=3)],
-                                     schemas.RESPONSES), resp_on)
+    pq.write_table(
+        schemas.from_rows([row(MULTI, content="plain answer", completion_tokens=3)], schemas.RESPONSES), resp
+    )
+    pq.write_table(
+        schemas.from_rows([row(MULTI, reasoning="r", content="plain answer", completion_tokens=3)], schemas.RESPONSES),
+        resp_on,
+    )
     target = {"path": path, "template": "kimi-k25", "chat_template_kwargs": {"thinking": True}}
     tokenize(str(resp_on), str(tmp_path / "on.parquet"), settings=TokenizeSettings.defaults(target))
-    tokenize(str(resp), str(tmp_path / "off.parquet"),
-             settings=TokenizeSettings.defaults(target, chat_template_kwargs={"thinking": False}))
+    tokenize(
+        str(resp),
+        str(tmp_path / "off.parquet"),
+        settings=TokenizeSettings.defaults(target, chat_template_kwargs={"thinking": False}),
+    )
     tok = F.FIXTURES["kimi-k25"]()
     on, off = (pq.read_table(tmp_path / f).to_pylist()[0] for f in ("on.parquet", "off.parquet"))
     prompt_on = tok.decode(on["input_ids"][: on["num_prompt_tokens"]], skip_special_tokens=False)
     prompt_off = tok.decode(off["input_ids"][: off["num_prompt_tokens"]], skip_special_tokens=False)
     assert prompt_on.endswith("<|im_middle|><think>") and prompt_off.endswith("<|im_middle|><think></think>")
-    comp_off = tok.decode(off["input_ids"][off["num_prompt_tokens"]:], skip_special_tokens=False)
+    comp_off = tok.decode(off["input_ids"][off["num_prompt_tokens"] :], skip_special_tokens=False)
     assert comp_off == "plain answer<|im_end|>" and off["reject_reason"] is None
 
 
@@ -138,8 +161,10 @@ def test_trust_remote_code_tokenizer_loads_only_when_allowed(tmp_path):
     tt = load_target_tokens(str(d), "kimi-k2-thinking", trust_remote_code=True)
     assert type(tt.tok).__name__ == "FixtureRemoteTokenizer"
     (out,) = tokenize_rows([row(MULTI, reasoning="r", content="c")], tt)
-    assert out["input_ids"] == tokenize_rows([row(MULTI, reasoning="r", content="c")], target("kimi-k2-thinking"))[0][
-        "input_ids"]
+    assert (
+        out["input_ids"]
+        == tokenize_rows([row(MULTI, reasoning="r", content="c")], target("kimi-k2-thinking"))[0]["input_ids"]
+    )
 
 
 def test_tokenizer_without_chat_template_is_a_clear_error(tmp_path):

@@ -31,8 +31,11 @@ def test_second_load_comes_from_the_cache_and_is_identical(tmp_path, monkeypatch
     assert calls == []  # not loaded from the directory again
     assert second.tok.encode(TEXT, add_special_tokens=False) == first.tok.encode(TEXT, add_special_tokens=False)
     assert second.render(MSGS, None) == first.render(MSGS, None)
-    assert (second.vocab_size, second.eot_id, second.think_open_id) == (first.vocab_size, first.eot_id,
-                                                                        first.think_open_id)
+    assert (second.vocab_size, second.eot_id, second.think_open_id) == (
+        first.vocab_size,
+        first.eot_id,
+        first.think_open_id,
+    )
     assert oct(cache.stat().st_mode & 0o777) == "0o700"
 
 
@@ -119,8 +122,16 @@ def test_lazy_target_answers_from_the_facts_and_loads_only_to_decode(tmp_path, m
     monkeypatch.setattr(tc.pickle, "load", lambda fh: loads.append(1) or real_load(fh))
     lazy = load_target_tokens(path, "qwen3", lazy=True)
     assert isinstance(lazy.tok, tc.LazyTokenizer) and not lazy.tok.loaded
-    for attr in ("vocab_size", "eot_id", "tool_eot_id", "end_ids", "think_open_id", "think_close_id",
-                 "role_marker_ids", "boundary_names"):
+    for attr in (
+        "vocab_size",
+        "eot_id",
+        "tool_eot_id",
+        "end_ids",
+        "think_open_id",
+        "think_close_id",
+        "role_marker_ids",
+        "boundary_names",
+    ):
         assert getattr(lazy, attr) == getattr(first, attr), attr
     assert lazy.tok.all_special_ids == first.tok.all_special_ids
     assert lazy.special_id("<|im_start|>") == first.special_id("<|im_start|>")

@@ -49,8 +49,11 @@ from eagle3_data.vocab import draft_vocab_maps
 try:
     from hs_connectors.fp8_utils import quantize_tensor_to_fp8
     from hs_connectors.transfer import FP8Transfer
-    from specforge.algorithms.common.dflash_family_data import (build_dspark_offline_reader, build_offline_reader,
-                                                                normalize_dspark_offline_sample)
+    from specforge.algorithms.common.dflash_family_data import (
+        build_dspark_offline_reader,
+        build_offline_reader,
+        normalize_dspark_offline_sample,
+    )
     from specforge.algorithms.common.dflash_family_data import normalize_offline_sample as dflash_normalize
     from specforge.algorithms.eagle3.data import normalize_offline_sample
     from specforge.modeling.draft.dflash import build_target_layer_ids, extract_context_feature
@@ -63,16 +66,22 @@ try:
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 except ImportError as exc:  # pragma: no cover - the README's test command installs them
-    raise ImportError(f"{exc}: install the trainers as the README's test command does "
-                      "(pip install --no-deps -r envs/no-deps.txt)") from exc
+    raise ImportError(
+        f"{exc}: install the trainers as the README's test command does (pip install --no-deps -r envs/no-deps.txt)"
+    ) from exc
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a Python function that returns the square of a number."}],
-    [{"role": "system", "content": "You are a careful math tutor."},
-     {"role": "user", "content": "A pen costs 3 dollars. How much do 4 pens cost?"}],
-    [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
-     {"role": "user", "content": "Name another one and say why you like it."}],
+    [
+        {"role": "system", "content": "You are a careful math tutor."},
+        {"role": "user", "content": "A pen costs 3 dollars. How much do 4 pens cost?"},
+    ],
+    [
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Name another one and say why you like it."},
+    ],
 ]
 MAX_NEW = 24
 
@@ -105,30 +114,54 @@ def rows(real_target, loaded):
         enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         with torch.inference_mode():
             out = model.generate(**enc, max_new_tokens=MAX_NEW, do_sample=False)
-        reply = out[0, enc["input_ids"].shape[1]:]
+        reply = out[0, enc["input_ids"].shape[1] :]
         finished = bool(reply[-1] == tok.eos_token_id)
         text = tok.decode(reply[:-1] if finished else reply)
         assert sum(c.isalpha() for c in text) >= 3, f"not a real reply: {text!r}"
-        responses.append({"sample_id": f"s{i}", "dataset": "chat", "turn": len(messages), "status": "ok",
-                          "messages": json.dumps(messages), "tools": None, "reasoning": None,
-                          "content": text, "tool_calls": None, "finish_reason": "stop" if finished else "length",
-                          "completion_tokens": len(reply), "backend": "test"})
+        responses.append(
+            {
+                "sample_id": f"s{i}",
+                "dataset": "chat",
+                "turn": len(messages),
+                "status": "ok",
+                "messages": json.dumps(messages),
+                "tools": None,
+                "reasoning": None,
+                "content": text,
+                "tool_calls": None,
+                "finish_reason": "stop" if finished else "length",
+                "completion_tokens": len(reply),
+                "backend": "test",
+            }
+        )
         prompt_lens.append(enc["input_ids"].shape[1])
     out = []
     for i, (r, p) in enumerate(zip(tokenize_rows(responses, target, max_tokens=MAX_NEW), prompt_lens)):
         assert r["reject_reason"] is None, r
         assert r["num_prompt_tokens"] == p  # the mask starts where the target's own generation prompt ends
-        out.append({"sample_id": r["sample_id"], "dataset": "chat", "input_ids": r["input_ids"],
-                    "loss_mask": r["loss_mask"], "num_tokens": r["num_tokens"],
-                    "num_supervised": sum(r["loss_mask"]), "truncated": False, "source": f"chat/{i % 2:03d}",
-                    "prompt_len": p})
+        out.append(
+            {
+                "sample_id": r["sample_id"],
+                "dataset": "chat",
+                "input_ids": r["input_ids"],
+                "loss_mask": r["loss_mask"],
+                "num_tokens": r["num_tokens"],
+                "num_supervised": sum(r["loss_mask"]),
+                "truncated": False,
+                "source": f"chat/{i % 2:03d}",
+                "prompt_len": p,
+            }
+        )
     return out
 
 
 def _merged(tmp: Path, rows) -> Path:
     path = tmp / "merged" / "000.parquet"
-    schemas.write_checked(schemas.from_rows([{k: v for k, v in r.items() if k != "prompt_len"} for r in rows],
-                                            schemas.MERGED), "merged", path)
+    schemas.write_checked(
+        schemas.from_rows([{k: v for k, v in r.items() if k != "prompt_len"} for r in rows], schemas.MERGED),
+        "merged",
+        path,
+    )
     return path
 
 
@@ -142,9 +175,13 @@ def _extract(tmp: Path, rows, model_path, loaded) -> tuple[Path, dict]:
         part = [{k: v for k, v in r.items() if k != "prompt_len"} for r in rows if r["source"] == src]
         sel = tmp / "selection" / f"{src}.parquet"
         schemas.write_checked(schemas.from_rows(part, schemas.MERGED), "merged", sel)
-        info = ex.extract_states(sel, states / f"{src}.safetensors", selection_digest=f"digest-{src}", model=loaded,
-                                 settings=ExtractSettings.defaults(model_path=str(model_path), dtype="float32",
-                                                                   drafters=DRAFTERS))
+        info = ex.extract_states(
+            sel,
+            states / f"{src}.safetensors",
+            selection_digest=f"digest-{src}",
+            model=loaded,
+            settings=ExtractSettings.defaults(model_path=str(model_path), dtype="float32", drafters=DRAFTERS),
+        )
         assert info["norm_formula"] == "llama"  # SmolLM2: LlamaRMSNorm, found on the first batch
         selections[src] = {"digest": f"digest-{src}"}
     return states, {"shards": [{"samples": len(rows)}], "selections": selections}
@@ -160,8 +197,14 @@ def exports(tmp_path_factory, real_target, loaded, rows):
     out = {"states": states, "merged": merged, "manifest": manifest}
     for layout in exp.LAYOUTS:
         out[layout] = tmp / layout
-        out[f"{layout}_manifest"] = exp.export(merged, out[layout], layout=layout, states_dir=states,
-                                               merge_manifest=manifest, settings=ExportSettings.defaults())
+        out[f"{layout}_manifest"] = exp.export(
+            merged,
+            out[layout],
+            layout=layout,
+            states_dir=states,
+            merge_manifest=manifest,
+            settings=ExportSettings.defaults(),
+        )
     from eagle3_data.vocab import token_frequencies
     from eagle3_data.files import write_parquet
 
@@ -175,8 +218,9 @@ def exports(tmp_path_factory, real_target, loaded, rows):
 def _broken(tmp_path, exports, rows, layout, **kw) -> Path:
     """``layout`` exported again from the same states with ``kw`` (e.g. ``final_form``: the other norm)."""
     out = tmp_path / f"{layout}-{'-'.join(map(str, kw.values()))}"
-    exp.export(exports["merged"], out, layout=layout, states_dir=exports["states"], settings=ExportSettings.defaults(),
-               **kw)
+    exp.export(
+        exports["merged"], out, layout=layout, states_dir=exports["states"], settings=ExportSettings.defaults(), **kw
+    )
     if layout in exp.SPECULATORS_LAYOUTS:
         exp.write_speculators_dataset(out)
     return out
@@ -192,6 +236,7 @@ def _index(path: str) -> int:
 
 
 # --- the checks, each a function so that it also runs on a broken export ----------------------------------
+
 
 def check_specforge(out_dir: Path, rows, loaded, max_len: int = 4096) -> int:
     """What SpecForge 0.2.0 reads from ``out_dir``, checked against ``rows`` and the target. Returns the number
@@ -219,13 +264,14 @@ def check_specforge(out_dir: Path, rows, loaded, max_len: int = 4096) -> int:
         assert d["loss_mask"][0].tolist() == [0] * r["prompt_len"] + [1] * (T - r["prompt_len"] - 1) + [0]
         ref_states = _hf(model, r["input_ids"])
         for k, layer in enumerate(layers):  # aux order: layer by layer, each H wide
-            torch.testing.assert_close(d["hidden_state"][0, :, k * H:(k + 1) * H], ref_states[layer + 1][0],
-                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                d["hidden_state"][0, :, k * H : (k + 1) * H], ref_states[layer + 1][0], atol=1e-4, rtol=1e-4
+            )
         # SpecForge applies the target's lm_head to `target` with no norm (specforge/modeling/target/target_head.py):
         # post-norm. The target's greedy reply: lm_head(target[p]) picks token p + 1 over the reply.
         logits = model.lm_head(d["target"][0].float())
         P = r["prompt_len"]
-        assert logits[P - 1:T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
+        assert logits[P - 1 : T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
     return len(refs)
 
 
@@ -233,13 +279,27 @@ def speculators_model(real_target, t2d=None, d2t=None, draft_vocab_size=None) ->
     """speculators' default EAGLE-3 draft for the target, as its train command builds it with its eagle3 defaults
     (speculators/train/config/schema.py: one llama decoder layer, norm_before_fc and norm_output on;
     speculators/train/cli.py: create_transformer_layer_config, from_training_args), with full attention."""
-    cfg = create_transformer_layer_config(str(real_target), num_layers=1, draft_arch="llama", hidden_act=None,
-                                          sliding_window=4096, full_attention_indices=[0])
+    cfg = create_transformer_layer_config(
+        str(real_target),
+        num_layers=1,
+        draft_arch="llama",
+        hidden_act=None,
+        sliding_window=4096,
+        full_attention_indices=[0],
+    )
     return Eagle3DraftModel.from_training_args(
-        cfg, verifier_name_or_path=str(real_target), draft_vocab_size=draft_vocab_size or cfg.vocab_size,
-        norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=3, draft_attn_impl="eager",
-        t2d=t2d, d2t=d2t,
-        target_layer_ids=resolve_target_layer_ids(None, str(real_target)))
+        cfg,
+        verifier_name_or_path=str(real_target),
+        draft_vocab_size=draft_vocab_size or cfg.vocab_size,
+        norm_before_residual=True,
+        norm_before_fc=True,
+        norm_output=True,
+        ttt_steps=3,
+        draft_attn_impl="eager",
+        t2d=t2d,
+        d2t=d2t,
+        target_layer_ids=resolve_target_layer_ids(None, str(real_target)),
+    )
 
 
 def check_speculators(out_dir: Path, rows, loaded, target_path, max_len: int = 4096) -> int:
@@ -262,8 +322,9 @@ def check_speculators(out_dir: Path, rows, loaded, target_path, max_len: int = 4
         assert item["loss_mask"].tolist() == [0] * P + [1] * (T - P)
         ref_states = _hf(model, r["input_ids"])
         for k, layer in enumerate(layers):  # aux order: layer by layer, each H wide
-            torch.testing.assert_close(item["hidden_states"][:, k * H:(k + 1) * H], ref_states[layer][0],
-                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                item["hidden_states"][:, k * H : (k + 1) * H], ref_states[layer][0], atol=1e-4, rtol=1e-4
+            )
         # pre-norm: speculators applies the verifier's norm, then its lm_head (speculators/models/eagle3/core.py:
         # verifier_lm_head(verifier_norm(verifier_last_hidden_states)))
         with torch.inference_mode():
@@ -314,8 +375,9 @@ def check_specforge_dflash(out_dir: Path, rows, loaded, dspark: bool = False, ma
         assert d["hidden_states"].shape == (1, T, len(layer_ids) * H)
         states = _hf(model, r["input_ids"])
         # the draft model's own feature extraction from the target's states: hidden_states[layer_id + 1]
-        torch.testing.assert_close(d["hidden_states"], extract_context_feature(list(states), layer_ids),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            d["hidden_states"], extract_context_feature(list(states), layer_ids), atol=1e-4, rtol=1e-4
+        )
         if dspark:
             # SpecForge applies the target's lm_head to target_last_hidden_states with no norm
             # (specforge/algorithms/common/dflash_family_model.py, _dspark_objective_chunk_terms): post-norm, and row
@@ -323,7 +385,7 @@ def check_specforge_dflash(out_dir: Path, rows, loaded, dspark: bool = False, ma
             last = d["target_last_hidden_states"]
             assert last.shape == (1, T, H)
             logits = model.lm_head(last[0].float())
-            assert logits[P - 1:T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
+            assert logits[P - 1 : T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
     return len(refs)
 
 
@@ -336,8 +398,9 @@ def check_speculators_fp8(out_dir: Path, full_dir: Path, rows, loaded, max_len: 
     from safetensors.torch import load_file
 
     transfer = FP8Transfer(Path(out_dir) / "hidden_states", dequantize_dtype=torch.float32)
-    ds = ArrowDataset(max_len=max_len, datapath=str(out_dir), transfer=transfer, on_missing="raise",
-                      hidden_states_dtype=torch.float32)
+    ds = ArrowDataset(
+        max_len=max_len, datapath=str(out_dir), transfer=transfer, on_missing="raise", hidden_states_dtype=torch.float32
+    )
     assert len(ds) == len(rows)
     for i, r in enumerate(rows):
         item = ds[i]
@@ -348,8 +411,8 @@ def check_speculators_fp8(out_dir: Path, full_dir: Path, rows, loaded, max_len: 
         # whose states check_speculators compares with the target's
         full = load_file(Path(full_dir) / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
         amax = full.abs().amax(dim=(1, 2))[:, None]
-        assert ((item["hidden_states"] - full[:, :-1].flatten(1)).abs() <= amax * 2 ** -4 + 1e-6).all()
-        assert ((item["verifier_last_hidden_states"] - full[:, -1]).abs() <= amax * 2 ** -4 + 1e-6).all()
+        assert ((item["hidden_states"] - full[:, :-1].flatten(1)).abs() <= amax * 2**-4 + 1e-6).all()
+        assert ((item["verifier_last_hidden_states"] - full[:, -1]).abs() <= amax * 2**-4 + 1e-6).all()
         with torch.inference_mode():  # pre-norm: the verifier's norm gives the target's last hidden state
             got = decoder.norm(item["verifier_last_hidden_states"])
         cos = torch.nn.functional.cosine_similarity(got, _hf(model, r["input_ids"])[-1][0], dim=-1)
@@ -384,28 +447,38 @@ def modelopt_getitem(path, answer_only_loss: bool = True) -> dict:
     labels[..., :-1] = offline_data["input_ids"][..., 1:]
     if answer_only_loss:
         if "loss_mask" not in offline_data:
-            raise ValueError(f"answer_only_loss=True requires a 'loss_mask' entry in the offline .pt file, but {path} "
-                             "does not have one")
+            raise ValueError(
+                f"answer_only_loss=True requires a 'loss_mask' entry in the offline .pt file, but {path} "
+                "does not have one"
+            )
         loss_mask = offline_data["loss_mask"].to(offline_data["input_ids"].dtype)
     else:
         loss_mask = torch.ones_like(offline_data["input_ids"])
-    return {"input_ids": offline_data["input_ids"], "base_model_hidden_states": offline_data["hidden_states"],
-            "aux_hidden_states": offline_data["aux_hidden_states"],
-            "attention_mask": torch.ones_like(offline_data["input_ids"]), "loss_mask": loss_mask, "labels": labels,
-            "base_hidden_prenorm": bool(offline_data.get("hidden_states_prenorm", False))}
+    return {
+        "input_ids": offline_data["input_ids"],
+        "base_model_hidden_states": offline_data["hidden_states"],
+        "aux_hidden_states": offline_data["aux_hidden_states"],
+        "attention_mask": torch.ones_like(offline_data["input_ids"]),
+        "loss_mask": loss_mask,
+        "labels": labels,
+        "base_hidden_prenorm": bool(offline_data.get("hidden_states_prenorm", False)),
+    }
 
 
 def modelopt_collate(features, train_len: int) -> dict:
     """``EagleOfflineDataCollator(train_len)``: every tensor padded with zeros or cut to ``train_len``."""
+
     def pad(x):
         out = x.new_zeros([train_len, *x.shape[1:]])
-        out[:min(train_len, x.shape[0])] = x[:train_len]
+        out[: min(train_len, x.shape[0])] = x[:train_len]
         return out
 
-    batch = {k: torch.stack([pad(f[k]) for f in features]) for k in ("input_ids", "attention_mask", "loss_mask",
-                                                                       "labels")}
-    batch["base_model_outputs"] = {k: torch.stack([pad(f[k]) for f in features])
-                                   for k in ("base_model_hidden_states", "aux_hidden_states")}
+    batch = {
+        k: torch.stack([pad(f[k]) for f in features]) for k in ("input_ids", "attention_mask", "loss_mask", "labels")
+    }
+    batch["base_model_outputs"] = {
+        k: torch.stack([pad(f[k]) for f in features]) for k in ("base_model_hidden_states", "aux_hidden_states")
+    }
     return batch
 
 
@@ -429,10 +502,11 @@ def check_modelopt(out_dir: Path, rows, loaded) -> int:
         assert item["aux_hidden_states"].shape == (T, 3 * H) and item["base_model_hidden_states"].shape == (T, H)
         states = _hf(model, r["input_ids"])
         # the dumper: aux = cat(hidden_states[lid + 1]); hidden_states = hidden_states[-1] (post-norm)
-        torch.testing.assert_close(item["aux_hidden_states"], torch.cat([states[x + 1][0] for x in layers], -1),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            item["aux_hidden_states"], torch.cat([states[x + 1][0] for x in layers], -1), atol=1e-4, rtol=1e-4
+        )
         logits = model.lm_head(item["base_model_hidden_states"].float())
-        assert logits[P - 1:T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
+        assert logits[P - 1 : T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
         items.append(item)
     n = max(r["num_tokens"] for r in rows) + 8
     batch = modelopt_collate(items, train_len=n)
@@ -442,6 +516,7 @@ def check_modelopt(out_dir: Path, rows, loaded) -> int:
 
 
 # --- tests --------------------------------------------------------------------------------------------------
+
 
 def test_specforge_reads_the_export(exports, rows, loaded):
     assert check_specforge(exports["specforge"], rows, loaded) == len(rows)
@@ -482,8 +557,9 @@ def test_speculators_reads_the_export_and_trains_a_step(exports, rows, loaded, r
     assert torch.equal(d2t, ours["d2t"]) and torch.equal(t2d, ours["t2d"])
     # one packed batch through speculators' collate (with its EAGLE-3 shift) and Eagle3DraftModel
     H = loaded[0].config.hidden_size
-    ds = ArrowDataset(max_len=4096, datapath=str(exports["speculators"]), on_missing="raise",
-                      hidden_states_dtype=torch.float32)
+    ds = ArrowDataset(
+        max_len=4096, datapath=str(exports["speculators"]), on_missing="raise", hidden_states_dtype=torch.float32
+    )
     total = sum(r["num_tokens"] - 1 for r in rows)
     batch = CollateFn(total, H, 3, torch.float32, preprocess=shift_batch)([ds[i] for i in range(len(ds))])
     assert batch["hidden_states"].shape == (1, total, 3 * H) and batch["loss_mask"].shape == (1, total)
@@ -493,11 +569,16 @@ def test_speculators_reads_the_export_and_trains_a_step(exports, rows, loaded, r
     # the verifier head is the target's (tied) embedding rows of the draft vocabulary
     emb = loaded[0].get_input_embeddings().weight
     assert torch.equal(draft.verifier_lm_head.weight, emb[t2d])
-    _, loss, metrics = draft(hidden_states=batch["hidden_states"], input_ids=batch["input_ids"],
-                             document_ids=batch["document_ids"], loss_mask=batch["loss_mask"],
-                             position_ids=batch["position_ids"],
-                             verifier_last_hidden_states=batch["verifier_last_hidden_states"], ttt_steps=3,
-                             loss_config=resolve_loss_config("kl_div", implementation="eager"))
+    _, loss, metrics = draft(
+        hidden_states=batch["hidden_states"],
+        input_ids=batch["input_ids"],
+        document_ids=batch["document_ids"],
+        loss_mask=batch["loss_mask"],
+        position_ids=batch["position_ids"],
+        verifier_last_hidden_states=batch["verifier_last_hidden_states"],
+        ttt_steps=3,
+        loss_config=resolve_loss_config("kl_div", implementation="eager"),
+    )
     assert torch.isfinite(loss) and loss.item() > 0
     loss.backward()
     assert draft.fc.weight.grad is not None and torch.isfinite(draft.fc.weight.grad).all()
@@ -534,8 +615,7 @@ def test_speculators_check_fails_on_broken_exports(exports, rows, loaded, real_t
         check_speculators(broken, rows, loaded, real_target)
     # post-norm final states where speculators expects pre-norm
     with pytest.raises(AssertionError):
-        check_speculators(_broken(tmp_path, exports, rows, "speculators", final_form="post"), rows, loaded,
-                          real_target)
+        check_speculators(_broken(tmp_path, exports, rows, "speculators", final_form="post"), rows, loaded, real_target)
 
 
 def test_speculators_dataset_refuses_a_missing_shard(exports, tmp_path):
@@ -601,8 +681,9 @@ def test_specforge_dflash_family_check_fails_on_broken_exports(exports, rows, lo
         check_specforge_dflash(broken, rows, loaded, dspark=dspark)
     if dspark:  # the pre-norm final state where DSpark applies the lm_head directly
         with pytest.raises(AssertionError):
-            check_specforge_dflash(_broken(tmp_path, exports, rows, layout, final_form="pre"), rows, loaded,
-                                   dspark=True)
+            check_specforge_dflash(
+                _broken(tmp_path, exports, rows, layout, final_form="pre"), rows, loaded, dspark=True
+            )
 
 
 def test_speculators_fp8_reads_the_export(exports, rows, loaded):
@@ -615,8 +696,10 @@ def test_speculators_fp8_reads_the_export(exports, rows, loaded):
 def test_speculators_fp8_check_fails_on_broken_exports(exports, rows, loaded, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    for name, change in (("no-scales", lambda d: d.pop("hidden_states_scales")),
-                         ("scales-x2", lambda d: d.__setitem__("hidden_states_scales", d["hidden_states_scales"] * 2))):
+    for name, change in (
+        ("no-scales", lambda d: d.pop("hidden_states_scales")),
+        ("scales-x2", lambda d: d.__setitem__("hidden_states_scales", d["hidden_states_scales"] * 2)),
+    ):
         broken = tmp_path / name
         shutil.copytree(exports["speculators_fp8"], broken)
         f = broken / "hidden_states" / "hs_2.safetensors"
@@ -627,8 +710,9 @@ def test_speculators_fp8_check_fails_on_broken_exports(exports, rows, loaded, tm
             check_speculators_fp8(broken, exports["speculators"], rows, loaded)
     # post-norm final states where speculators expects pre-norm
     with pytest.raises(AssertionError):
-        check_speculators_fp8(_broken(tmp_path, exports, rows, "speculators_fp8", final_form="post"),
-                              exports["speculators"], rows, loaded)
+        check_speculators_fp8(
+            _broken(tmp_path, exports, rows, "speculators_fp8", final_form="post"), exports["speculators"], rows, loaded
+        )
 
 
 def test_modelopt_reads_the_export(exports, rows, loaded):
@@ -668,11 +752,20 @@ def test_fp8_states_keep_the_teacher(tmp_path, real_target, loaded, rows, export
 
     model, decoder = loaded
     sel = tmp_path / "sel.parquet"
-    schemas.write_checked(schemas.from_rows([{k: v for k, v in r.items() if k != "prompt_len"} for r in rows],
-                                            schemas.MERGED), "merged", sel)
+    schemas.write_checked(
+        schemas.from_rows([{k: v for k, v in r.items() if k != "prompt_len"} for r in rows], schemas.MERGED),
+        "merged",
+        sel,
+    )
     fp8 = tmp_path / "fp8" / "chat" / "all.safetensors"
-    ex.extract_states(sel, fp8, model=loaded, settings=ExtractSettings.defaults(
-        model_path=str(real_target), dtype="float32", aux_format="fp8_e4m3", final_format="fp8_e4m3"))
+    ex.extract_states(
+        sel,
+        fp8,
+        model=loaded,
+        settings=ExtractSettings.defaults(
+            model_path=str(real_target), dtype="float32", aux_format="fp8_e4m3", final_format="fp8_e4m3"
+        ),
+    )
     stats = {"ours": [], "speculators": []}
     with ex.StatesFile(fp8) as sf:
         for i, r in enumerate(rows):
@@ -683,8 +776,12 @@ def test_fp8_states_keep_the_teacher(tmp_path, real_target, loaded, rows, export
                 theirs = model.lm_head(decoder.norm((q.float() * scales)[:, -1])).softmax(-1)
                 ours = model.lm_head(sf.sample(sf.index[r["sample_id"]], final="post")["hidden_states"]).softmax(-1)
             for name, got in (("ours", ours), ("speculators", theirs)):
-                stats[name].append(((got.argmax(-1) == want.argmax(-1)).float().mean().item(),
-                                    (0.5 * (got - want).abs().sum(-1)).mean().item()))
+                stats[name].append(
+                    (
+                        (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+                        (0.5 * (got - want).abs().sum(-1)).mean().item(),
+                    )
+                )
     agree = {k: sum(a for a, _ in v) / len(v) for k, v in stats.items()}
     tv = {k: sum(t for _, t in v) / len(v) for k, v in stats.items()}
     assert agree["ours"] >= agree["speculators"] - 0.02 and tv["ours"] <= tv["speculators"] + 0.01, (agree, tv)
@@ -692,12 +789,17 @@ def test_fp8_states_keep_the_teacher(tmp_path, real_target, loaded, rows, export
     # speculators_fp8 from FP8 states: quantised twice (per token and layer, then per token), still e4m3's rounding
     out = tmp_path / "spec8"
     merged = tmp_path / "merged.parquet"
-    schemas.write_checked(schemas.from_rows([dict({k: v for k, v in r.items() if k != "prompt_len"},
-                                                  source="chat/all") for r in rows], schemas.MERGED), "merged", merged)
+    schemas.write_checked(
+        schemas.from_rows(
+            [dict({k: v for k, v in r.items() if k != "prompt_len"}, source="chat/all") for r in rows], schemas.MERGED
+        ),
+        "merged",
+        merged,
+    )
     exp.export(merged, out, layout="speculators_fp8", states_dir=tmp_path / "fp8", settings=ExportSettings.defaults())
     for i in range(len(rows)):
         full = load_file(exports["speculators"] / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
         d = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
         deq = d["hidden_states"].float() * d["hidden_states_scales"]
         amax = full.abs().amax(dim=(1, 2), keepdim=True)
-        assert ((deq - full).abs() <= amax * 2 ** -3).all()  # two roundings of at most 2^-4 of the token's largest
+        assert ((deq - full).abs() <= amax * 2**-3).all()  # two roundings of at most 2^-4 of the token's largest

@@ -44,17 +44,27 @@ def test_every_registered_check_is_listed():
 
 
 def test_good_rows_pass_for_every_family():
-    for fam, kw in [("kimi-k2-thinking", {}), ("kimi-k25", {}), ("qwen3", {}), ("glm45", {}),
-                    ("kimi-k2", {"reasoning": None}), ("qwen3", {"enable_thinking": False, "reasoning": None}),
-                    ("kimi-k25", {"thinking": False, "reasoning": None})]:
+    for fam, kw in [
+        ("kimi-k2-thinking", {}),
+        ("kimi-k25", {}),
+        ("qwen3", {}),
+        ("glm45", {}),
+        ("kimi-k2", {"reasoning": None}),
+        ("qwen3", {"enable_thinking": False, "reasoning": None}),
+        ("kimi-k25", {"thinking": False, "reasoning": None}),
+    ]:
         tkw = {k: v for k, v in kw.items() if k in ("enable_thinking", "thinking")}
         tt = target(fam, **tkw)
         r = tok_row(tt, **{k: v for k, v in kw.items() if k == "reasoning"}, completion_tokens=None)
         assert reason(r, tt) is None, fam
         # and a tool-call turn
         call = {"id": "x", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-        r = tok_row(tt, **{k: v for k, v in kw.items() if k == "reasoning"}, tool_calls=[call],
-                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+        r = tok_row(
+            tt,
+            **{k: v for k, v in kw.items() if k == "reasoning"},
+            tool_calls=[call],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
         assert reason(r, tt) is None, fam
 
 
@@ -66,8 +76,10 @@ def test_earlier_stage_reject_is_carried():
 
 def test_empty_sequence_and_length_mismatch():
     good = tok_row()
-    assert reason(dict(good, input_ids=[], loss_mask=[], num_tokens=0, num_prompt_tokens=0,
-                       num_completion_tokens=0)) == "empty_sequence"
+    assert (
+        reason(dict(good, input_ids=[], loss_mask=[], num_tokens=0, num_prompt_tokens=0, num_completion_tokens=0))
+        == "empty_sequence"
+    )
     assert reason(dict(good, loss_mask=good["loss_mask"][:-1])) == "length_mismatch"
     assert reason(dict(good, num_completion_tokens=good["num_completion_tokens"] + 1)) == "length_mismatch"
     assert reason(good) is None
@@ -119,8 +131,10 @@ def test_truncated_rejected_or_kept_by_config():
 
 def test_missing_and_early_end_of_turn():
     good = tok_row()
-    assert reason(fix(dict(good, input_ids=good["input_ids"][:-1], loss_mask=good["loss_mask"][:-1]))) == \
-        "missing_end_of_turn"
+    assert (
+        reason(fix(dict(good, input_ids=good["input_ids"][:-1], loss_mask=good["loss_mask"][:-1])))
+        == "missing_end_of_turn"
+    )
     unsup = dict(good, loss_mask=good["loss_mask"][:-1] + [0])
     assert reason(unsup) == "mask_not_completion"  # 1s no longer number num_completion_tokens
     assert reason(fix(unsup)) == "mask_not_completion"  # the last position is not supervised
@@ -176,8 +190,12 @@ def test_round_trip_for_ids_we_did_not_encode():
     p = good["num_prompt_tokens"]
     comp = good["input_ids"][p:]
     s = comp.index(KT.think_close_id) + 1
-    split = comp[:s] + KT.tok.convert_tokens_to_ids(list("Hello")) + KT.tok.encode(" today.", add_special_tokens=False) \
+    split = (
+        comp[:s]
+        + KT.tok.convert_tokens_to_ids(list("Hello"))
+        + KT.tok.encode(" today.", add_special_tokens=False)
         + [KT.eot_id]
+    )
     assert KT.tok.decode(split[s:], skip_special_tokens=False) == "Hello today.<|im_end|>"
     bad = fix(dict(pre, input_ids=good["input_ids"][:p] + split, loss_mask=[0] * p + [1] * len(split)))
     assert bad["input_ids"] != good["input_ids"]
@@ -206,36 +224,52 @@ def test_too_long():
 def trimmed_rows(n: int, trim: bool):
     """Responses whose model output began with blank lines that the provider stripped from the returned text."""
     body = ("The weather in Paris is sunny and the temperature is mild. " * 8).strip()
-    full = [dict(row(MULTI, reasoning="Let me check the forecast.", content="\n\n" + body), sample_id=f"s{i}")
-            for i in range(n)]
+    full = [
+        dict(row(MULTI, reasoning="Let me check the forecast.", content="\n\n" + body), sample_id=f"s{i}")
+        for i in range(n)
+    ]
     billed = [r["num_completion_tokens"] for r in tokenize_rows(full, KT)]  # what the backend counted
-    sent = [dict(r, content=r["content"].lstrip("\n") if trim else r["content"], completion_tokens=b)
-            for r, b in zip(full, billed)]
+    sent = [
+        dict(r, content=r["content"].lstrip("\n") if trim else r["content"], completion_tokens=b)
+        for r, b in zip(full, billed)
+    ]
     return tokenize_rows(sent, KT)
 
 
 def test_trimmed_whitespace_is_caught_by_the_count_audit(tmp_path):
     rows = trimmed_rows(20, trim=True)
     assert all(r["billed_completion_tokens"] - r["num_completion_tokens"] == 2 for r in rows)  # "\n", "\n"
-    assert {reason(r, per_sample_abs=0, per_sample_rel=0.0) for r in rows} == {"count_mismatch"}  # exact-billing per sample
+    assert {reason(r, per_sample_abs=0, per_sample_rel=0.0) for r in rows} == {
+        "count_mismatch"
+    }  # exact-billing per sample
     assert {reason(r) for r in rows} == {None}  # the default per-sample tolerance lets each row through...
     path = F.save_fixture("kimi-k2-thinking", tmp_path / "tok")
     tokens = tmp_path / "tokens.parquet"
     pq.write_table(schemas.from_rows(rows, schemas.TOKENS), tokens)
     tgt = {"path": path, "template": "kimi-k2-thinking"}
-    settings = {"max_reject_rate": 0.5, "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02,
-                                                            "aggregate_rel": 0.0004}}
+    settings = {
+        "max_reject_rate": 0.5,
+        "count_tolerance": {"per_sample_abs": 3, "per_sample_rel": 0.02, "aggregate_rel": 0.0004},
+    }
     with pytest.raises(CountAuditFailed, match="aggregate_rel"):  # ...but the shard's aggregate does not
-        validate(str(tokens), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"),
-                 settings=ValidateSettings.defaults(tgt, **settings))
+        validate(
+            str(tokens),
+            str(tmp_path / "v.parquet"),
+            str(tmp_path / "r.parquet"),
+            settings=ValidateSettings.defaults(tgt, **settings),
+        )
     ok = tmp_path / "ok.parquet"
     good = trimmed_rows(20, trim=False)
     for i, r in enumerate(good):  # the prompt audit: billed prompt counts, 5 of them off by one (reported only)
         r["billed_prompt_tokens"] = r["num_prompt_tokens"] + (1 if i % 4 == 0 else 0)
     good[1]["billed_prompt_tokens"] = None
     pq.write_table(schemas.from_rows(good, schemas.TOKENS), ok)
-    s = validate(str(ok), str(tmp_path / "v.parquet"), str(tmp_path / "r.parquet"),
-                 settings=ValidateSettings.defaults(tgt, **settings))
+    s = validate(
+        str(ok),
+        str(tmp_path / "v.parquet"),
+        str(tmp_path / "r.parquet"),
+        settings=ValidateSettings.defaults(tgt, **settings),
+    )
     assert s["validated"] == 20 and s["count_rel"] == 0.0
     assert s["billed_completion_tokens"] == s["reconstructed_completion_tokens"] > 20 * 100
     rendered = sum(r["num_prompt_tokens"] for i, r in enumerate(good) if i != 1)
@@ -245,8 +279,12 @@ def test_trimmed_whitespace_is_caught_by_the_count_audit(tmp_path):
     # a tokens file from before the billed_prompt_tokens column still validates (the column comes out null)
     old = tmp_path / "old.parquet"
     pq.write_table(schemas.from_rows(good, schemas.TOKENS).drop_columns(["billed_prompt_tokens"]), old)
-    s = validate(str(old), str(tmp_path / "v2.parquet"), str(tmp_path / "r2.parquet"),
-                 settings=ValidateSettings.defaults(tgt, **settings))
+    s = validate(
+        str(old),
+        str(tmp_path / "v2.parquet"),
+        str(tmp_path / "r2.parquet"),
+        settings=ValidateSettings.defaults(tgt, **settings),
+    )
     assert s["validated"] == 20 and s["prompt_samples_billed"] == 0
 
 
@@ -259,16 +297,19 @@ def test_stage_writes_validated_and_rejects_and_enforces_ceiling(tmp_path):
     pq.write_table(schemas.from_rows(rows, schemas.TOKENS), tokens)
     tgt = {"path": path, "template": "kimi-k2-thinking"}
     v, rj = tmp_path / "v.parquet", tmp_path / "r.parquet"
-    s = validate(str(tokens), str(v), str(rj), settings=ValidateSettings.defaults(tgt, max_reject_rate=0.3),
-                 shard="000")
+    s = validate(
+        str(tokens), str(v), str(rj), settings=ValidateSettings.defaults(tgt, max_reject_rate=0.3), shard="000"
+    )
     assert s["rows"] == 8 and s["validated"] == 6
     assert s["rejected"] == {"reasoning_marker_leak": 1, "truncated": 1}
     got = pq.read_table(v)
     assert got.schema.equals(schemas.VALIDATED) and got.column("sample_id").to_pylist() == [f"g{i}" for i in range(6)]
     assert got.column("input_ids").to_pylist() == [r["input_ids"] for r in rows[:6]]
     rej = pq.read_table(rj).to_pylist()
-    assert {(r["sample_id"], r["stage"], r["reason"]) for r in rej} == {("leak", "validate", "reasoning_marker_leak"),
-                                                                         ("cut", "validate", "truncated")}
+    assert {(r["sample_id"], r["stage"], r["reason"]) for r in rej} == {
+        ("leak", "validate", "reasoning_marker_leak"),
+        ("cut", "validate", "truncated"),
+    }
     with pytest.raises(RejectRateExceeded, match="2/8"):
         validate(str(tokens), str(v), str(rj), settings=ValidateSettings.defaults(tgt, max_reject_rate=0.2))
     assert pq.read_table(rj).num_rows == 2  # both files are written before the shard fails
@@ -291,18 +332,28 @@ def test_turn_counts_match_the_dense_prefix_sums():
         ids.append(rng.choice(pool, n).tolist())
         p = int(rng.integers(0, n + 1))
         masks.append([0] * p + [1] * (n - p) if rng.random() < 0.8 else rng.integers(0, 2, n).tolist())
-    table = pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())), "loss_mask": pa.array(masks, pa.list_(pa.int8())),
-                      "num_completion_tokens": [sum(m) for m in masks], "num_prompt_tokens": [0] * len(ids),
-                      "num_tokens": [len(x) for x in ids]})
+    table = pa.table(
+        {
+            "input_ids": pa.array(ids, pa.list_(pa.int32())),
+            "loss_mask": pa.array(masks, pa.list_(pa.int8())),
+            "num_completion_tokens": [sum(m) for m in masks],
+            "num_prompt_tokens": [0] * len(ids),
+            "num_tokens": [len(x) for x in ids],
+        }
+    )
     b = Batch(table, np.arange(len(ids)))
     got = _turn_counts(b, ctx)
     bound = np.isin(b.ids, ctx.boundary_ids) & (b.mask == 0)
     turn_start = np.maximum(b.per_row(np.where(bound, b.pos, -1), np.maximum) + 1, b.starts)
     is_open, is_close = b.ids == tt.think_open_id, b.ids == tt.think_close_id
     co, cc = b.cum(is_open), b.cum(is_close)
-    want = (co[b.ends] - co[turn_start], cc[b.ends] - cc[turn_start],
-            b.per_row(np.where(is_open, b.pos, -1), np.maximum), b.per_row(np.where(is_close, b.pos, -1), np.maximum),
-            b.per_row(((is_open | is_close) & (b.mask == 1)).astype(np.int64)))
+    want = (
+        co[b.ends] - co[turn_start],
+        cc[b.ends] - cc[turn_start],
+        b.per_row(np.where(is_open, b.pos, -1), np.maximum),
+        b.per_row(np.where(is_close, b.pos, -1), np.maximum),
+        b.per_row(((is_open | is_close) & (b.mask == 1)).astype(np.int64)),
+    )
     for g, w in zip(got, want):
         assert g.tolist() == w.tolist()
     assert _turn_counts(b, ctx) is got  # once per batch
@@ -314,8 +365,13 @@ def test_reject_ceiling_counts_the_samples_that_failed_without_a_paid_reply(tmp_
     summary and named in the ceiling's message with what sends them again."""
     path = F.save_fixture("kimi-k2-thinking", tmp_path / "tok")
     good = [dict(tok_row(), sample_id=f"g{i}", billed_completion_tokens=None) for i in range(5)]
-    failed = tokenize_rows([dict(row(MULTI, content="x"), sample_id=f"f{i}", status="failed", error=err)
-                            for i, err in enumerate(["http_500: boom", "timeout: ReadTimeout", "http_422: bad"])], KT)
+    failed = tokenize_rows(
+        [
+            dict(row(MULTI, content="x"), sample_id=f"f{i}", status="failed", error=err)
+            for i, err in enumerate(["http_500: boom", "timeout: ReadTimeout", "http_422: bad"])
+        ],
+        KT,
+    )
     tokens = tmp_path / "tokens.parquet"
     pq.write_table(schemas.from_rows(good + failed, schemas.TOKENS), tokens)
     tgt = {"path": path, "template": "kimi-k2-thinking"}
@@ -325,6 +381,7 @@ def test_reject_ceiling_counts_the_samples_that_failed_without_a_paid_reply(tmp_
     msg = str(ei.value)
     assert "3/8 samples rejected" in msg and msg.endswith(
         "; 2 failed, not paid: rerun to retry them (`snakemake --forcerun generate` sends only those samples: they "
-        "were recorded as failed with generation.unpaid_failures: keep)")
+        "were recorded as failed with generation.unpaid_failures: keep)"
+    )
     s = validate(str(tokens), str(v), str(rj), settings=ValidateSettings.defaults(tgt, max_reject_rate=0.5))
     assert s["failed_unpaid"] == 2 and s["rejected"] == {"http_500": 1, "timeout": 1, "http_422": 1}

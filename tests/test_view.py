@@ -31,17 +31,40 @@ def known(tmp_path_factory):
     ids = prompt_ids + comp_ids
     mask = [0] * len(prompt_ids) + [1] * len(comp_ids)
     rows = [
-        {"sample_id": "other", "dataset": "ds", "input_ids": prompt_ids + comp_ids[:3], "loss_mask": [0] * len(prompt_ids) + [1] * 3,
-         "num_tokens": len(prompt_ids) + 3, "num_prompt_tokens": len(prompt_ids), "num_completion_tokens": 3,
-         "ids_source": "reconstructed", "finish_reason": "stop"},
-        {"sample_id": "known", "dataset": "ds", "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
-         "num_prompt_tokens": len(prompt_ids), "num_completion_tokens": len(comp_ids), "ids_source": "exact",
-         "finish_reason": "stop"},
+        {
+            "sample_id": "other",
+            "dataset": "ds",
+            "input_ids": prompt_ids + comp_ids[:3],
+            "loss_mask": [0] * len(prompt_ids) + [1] * 3,
+            "num_tokens": len(prompt_ids) + 3,
+            "num_prompt_tokens": len(prompt_ids),
+            "num_completion_tokens": 3,
+            "ids_source": "reconstructed",
+            "finish_reason": "stop",
+        },
+        {
+            "sample_id": "known",
+            "dataset": "ds",
+            "input_ids": ids,
+            "loss_mask": mask,
+            "num_tokens": len(ids),
+            "num_prompt_tokens": len(prompt_ids),
+            "num_completion_tokens": len(comp_ids),
+            "ids_source": "exact",
+            "finish_reason": "stop",
+        },
     ]
     path = d / "validated.parquet"
     schemas.write_checked(schemas.from_rows(rows, schemas.VALIDATED), "validated", path)
-    return {"path": path, "tok_dir": tok_dir, "tok": tok, "ids": ids, "mask": mask, "prompt_len": len(prompt_ids),
-            "comp_ids": comp_ids}
+    return {
+        "path": path,
+        "tok_dir": tok_dir,
+        "tok": tok,
+        "ids": ids,
+        "mask": mask,
+        "prompt_len": len(prompt_ids),
+        "comp_ids": comp_ids,
+    }
 
 
 class _Spans(HTMLParser):
@@ -55,8 +78,13 @@ class _Spans(HTMLParser):
         a = dict(attrs)
         cls = (a.get("class") or "").split()
         if tag == "span" and "t" in cls and "data-id" in a:
-            self._cur = {"i": int(a["data-i"]), "id": int(a["data-id"]), "mask": int(a["data-mask"]), "cls": cls,
-                         "text": ""}
+            self._cur = {
+                "i": int(a["data-i"]),
+                "id": int(a["data-id"]),
+                "mask": int(a["data-mask"]),
+                "cls": cls,
+                "text": "",
+            }
             self.tokens.append(self._cur)
         elif tag == "span" and "mark" in cls and "data-at" in a:  # not the legend's
             self.marks.append((int(a["data-at"]), cls))
@@ -77,7 +105,9 @@ def _spans(html_text: str) -> _Spans:
 
 def test_html_marks_exactly_the_supervised_tokens(known, tmp_path, capsys):
     out = tmp_path / "v.html"
-    assert view.main([str(known["path"]), "--sample", "known", "--tokenizer", known["tok_dir"], "--html", str(out)]) == 0
+    assert (
+        view.main([str(known["path"]), "--sample", "known", "--tokenizer", known["tok_dir"], "--html", str(out)]) == 0
+    )
     assert f"{len(known['ids']):,} tokens, {len(known['comp_ids']):,} supervised" in capsys.readouterr().out
     page = out.read_text()
     p = _spans(page)
@@ -104,7 +134,7 @@ def test_html_marks_exactly_the_supervised_tokens(known, tmp_path, capsys):
     sup = ["" if "pend" in t["cls"] else t["text"] for t in p.tokens if t["mask"] == 1]
     for ch in "ö日本":
         k = len(ch.encode())
-        assert sup[sup.index(ch) - k + 1:sup.index(ch)] == [""] * (k - 1), ch
+        assert sup[sup.index(ch) - k + 1 : sup.index(ch)] == [""] * (k - 1), ch
     assert sup.count("") == 1 + 2 + 2
     assert "<script" not in page and "http" not in page.split("<body>")[1]  # self-contained
 
@@ -156,15 +186,20 @@ def test_terminal_plain_colour_and_table(known, capsys, monkeypatch):
 def test_tokens_and_merged_files_and_errors(known, tmp_path, capsys):
     t = pq.read_table(known["path"]).to_pylist()
     # a merged file
-    merged = [{k: r[k] for k in ("sample_id", "dataset", "input_ids", "loss_mask", "num_tokens")} | {
-        "num_supervised": sum(r["loss_mask"]), "truncated": False} for r in reversed(t)]
+    merged = [
+        {k: r[k] for k in ("sample_id", "dataset", "input_ids", "loss_mask", "num_tokens")}
+        | {"num_supervised": sum(r["loss_mask"]), "truncated": False}
+        for r in reversed(t)
+    ]
     mp = tmp_path / "merged.parquet"
     schemas.write_checked(schemas.from_rows(merged, schemas.MERGED), "merged", mp)
     row, idx, kind = view.load_row(mp, sample_id="known")
     assert (kind, idx, row["input_ids"], row["loss_mask"]) == ("merged", 0, known["ids"], known["mask"])
     dup = tmp_path / "dup.parquet"
     pq.write_table(pq.read_table(mp).take([0, 1, 0]), dup)  # breaks the unique-id contract
-    with pytest.raises(ValueError, match=r"dup\.parquet: sample 'known' is in 2 rows \(\[0, 2\]\); choose one with --index"):
+    with pytest.raises(
+        ValueError, match=r"dup\.parquet: sample 'known' is in 2 rows \(\[0, 2\]\); choose one with --index"
+    ):
         view.load_row(dup, sample_id="known")
     # a tokens file (with the reject columns) and a negative index
     tp = tmp_path / "tokens.parquet"

@@ -72,14 +72,16 @@ def target_of(path):
 
 def test_body_carries_return_token_ids_only_when_on():
     off = BackendConfig.from_dict("v", {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m"})
-    on = BackendConfig.from_dict("v", {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m",
-                                       "return_token_ids": True})
+    on = BackendConfig.from_dict(
+        "v", {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m", "return_token_ids": True}
+    )
     msgs = [{"role": "user", "content": "hi"}]
     a, b = build_body(off, msgs, None, {"max_tokens": 5}), build_body(on, msgs, None, {"max_tokens": 5})
     assert "return_token_ids" not in a and b.pop("return_token_ids") is True and a == b
     with pytest.raises(ValueError, match="return_token_ids is a vLLM option"):
-        BackendConfig.from_dict("v", {"type": "openrouter", "base_url": "http://x/v1", "model": "m",
-                                      "return_token_ids": True})
+        BackendConfig.from_dict(
+            "v", {"type": "openrouter", "base_url": "http://x/v1", "model": "m", "return_token_ids": True}
+        )
 
 
 def test_matching_render_exact_ids_and_prompt_ids_kept(tmp_path, fs, tiny):
@@ -108,8 +110,14 @@ def test_early_mismatch_stops_the_job_naming_position_and_tokens(tmp_path, fs, t
     try:
         prompts = write_prompts(tmp_path / "p.parquet", simple_convs(200))
         with pytest.raises(GenerationStopped) as ei:
-            run(tmp_path, fs, prompts, gen=gen_cfg(backends=["vllm"]),
-                bk=vllm_backend(fs, max_concurrency=2), target=target_of(path))
+            run(
+                tmp_path,
+                fs,
+                prompts,
+                gen=gen_cfg(backends=["vllm"]),
+                bk=vllm_backend(fs, max_concurrency=2),
+                target=target_of(path),
+            )
     finally:
         fs.app.completion = orig
     msg = str(ei.value)
@@ -126,8 +134,14 @@ def test_late_mismatch_is_a_tokenize_reject(tmp_path, fs, tiny):
     orig = vllm_like(fs, tt, 30)  # samples 30..39 rendered otherwise by the "server": after the early check
     try:
         prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
-        s = run(tmp_path, fs, prompts, gen=gen_cfg(backends=["vllm"]), bk=vllm_backend(fs, max_concurrency=1),
-                target=target_of(path))
+        s = run(
+            tmp_path,
+            fs,
+            prompts,
+            gen=gen_cfg(backends=["vllm"]),
+            bk=vllm_backend(fs, max_concurrency=1),
+            target=target_of(path),
+        )
     finally:
         fs.app.completion = orig
     assert s["ok"] == 40 and EARLY_REPLIES < 30
@@ -177,12 +191,24 @@ def test_launched_vllm_command_line_and_ready_check(tmp_path):
     from eagle3_data.backends.server import launch_server
 
     env = fake_vllm_env(tmp_path)
-    launch = {"command": "vllm serve {model} --host 127.0.0.1 --port {port} --tensor-parallel-size 1",
-              "python": str(env), "ready_path": "/health", "ready_timeout_s": 30}
+    launch = {
+        "command": "vllm serve {model} --host 127.0.0.1 --port {port} --tensor-parallel-size 1",
+        "python": str(env),
+        "ready_path": "/health",
+        "ready_timeout_s": 30,
+    }
     with launch_server(launch, "org/model", tmp_path / "server.log", name="vllm") as srv:
         assert srv.command[0] == str(env / "bin" / "vllm")
-        assert srv.command[1:] == ["serve", "org/model", "--host", "127.0.0.1", "--port", str(srv.port),
-                                   "--tensor-parallel-size", "1"]
+        assert srv.command[1:] == [
+            "serve",
+            "org/model",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(srv.port),
+            "--tensor-parallel-size",
+            "1",
+        ]
         import httpx
 
         assert httpx.get(f"http://127.0.0.1:{srv.port}/health", trust_env=False).status_code == 200

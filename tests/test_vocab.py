@@ -15,9 +15,21 @@ from eagle3_data import vocab as vb
 
 
 def merged_file(path, rows):
-    table = schemas.from_rows([{"sample_id": f"s{i}", "dataset": "d", "input_ids": ids, "loss_mask": m,
-                                "num_tokens": len(ids), "num_supervised": sum(m), "truncated": False}
-                               for i, (ids, m) in enumerate(rows)], schemas.MERGED)
+    table = schemas.from_rows(
+        [
+            {
+                "sample_id": f"s{i}",
+                "dataset": "d",
+                "input_ids": ids,
+                "loss_mask": m,
+                "num_tokens": len(ids),
+                "num_supervised": sum(m),
+                "truncated": False,
+            }
+            for i, (ids, m) in enumerate(rows)
+        ],
+        schemas.MERGED,
+    )
     schemas.write_checked(table, "merged", path)
     return path
 
@@ -68,9 +80,13 @@ def test_build_vocab_writes_loadable_map(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 64}}))
     f = merged_file(tmp_path / "m.parquet", [([1, 2, 2, 3, 60], [0, 1, 1, 1, 1]), ([2, 4], [1, 0])])
-    s = vb.build_vocab([f], tmp_path / "out" / "vocab_mapping.pt", tmp_path / "out" / "freq.parquet",
-                       tmp_path / "out" / "vocab.json",
-                       settings=VocabSettings.defaults(tmp_path / "model", draft_vocab_size=6))
+    s = vb.build_vocab(
+        [f],
+        tmp_path / "out" / "vocab_mapping.pt",
+        tmp_path / "out" / "freq.parquet",
+        tmp_path / "out" / "vocab.json",
+        settings=VocabSettings.defaults(tmp_path / "model", draft_vocab_size=6),
+    )
     assert s["distinct_supervised_ids"] == 3 and s["padded_ids"] == 3 and s["coverage"] == 1.0
     vm = torch.load(tmp_path / "out" / "vocab_mapping.pt", weights_only=True)
     assert set(vm) == {"d2t", "t2d"} and vm["t2d"].shape == (64,) and vm["d2t"].shape == (6,)

@@ -50,7 +50,7 @@ def test_every_stage_output_exists_and_tally_is_printed(built):
             assert (built / f"results/hidden_states/{ds}/{s:03d}.safetensors").exists()
     out = (built / "run.out").read_text()
     # the run's last lines: one row per dataset with what generate, validate and the rejects counted
-    summary = out[out.rindex("Run summary"):].splitlines()
+    summary = out[out.rindex("Run summary") :].splitlines()
     assert summary[0] == "Run summary"
     cells = {ln.split()[0]: ln.split() for ln in summary[3:]}
     for ds, d in cfg["datasets"].items():
@@ -65,8 +65,17 @@ def test_every_stage_output_exists_and_tally_is_printed(built):
             source_rejects = len(rows([built / f"results/{ds}/rejected/normalize.parquet"]))
             # shards, samples (the source rows: prompts + normalize's rejects), ok, failed, not sent, rejected,
             # kept, left, cost; every source row is kept or rejected (the columns add up)
-            assert cells[ds][1:10] == [f"{n}/{n}", str(prompts + source_rejects), str(prompts), "0", "0",
-                                       str(rejected), str(kept), "0", "0.00"], summary
+            assert cells[ds][1:10] == [
+                f"{n}/{n}",
+                str(prompts + source_rejects),
+                str(prompts),
+                "0",
+                "0",
+                str(rejected),
+                str(kept),
+                "0",
+                "0.00",
+            ], summary
             assert prompts + source_rejects == kept + rejected
         assert cells[ds][-1] in ("done", "pre-tokenized")
     # the server the build launched is gone and left no temp files behind
@@ -125,8 +134,13 @@ def test_audit_shows_our_prompts_and_completions_are_what_the_server_counted(bui
     total = audit[("(all)", "(all)")]
     cfg = config(built)
     generated = [ds for ds, d in cfg["datasets"].items() if d["source"]["format"] != "pretokenized"]
-    validated = rows([built / f"results/{ds}/validated/{s:03d}.parquet" for ds in generated
-                      for s in range(cfg["datasets"][ds].get("shards", 1))])
+    validated = rows(
+        [
+            built / f"results/{ds}/validated/{s:03d}.parquet"
+            for ds in generated
+            for s in range(cfg["datasets"][ds].get("shards", 1))
+        ]
+    )
     assert int(total["samples"]) == len(validated) > 50
     assert int(total["prompt_billed_samples"]) == int(total["prompt_equal_samples"]) == len(validated)
     assert int(total["completion_billed_samples"]) == int(total["completion_equal_samples"]) == len(validated)
@@ -212,7 +226,7 @@ def test_merged_shards_and_hidden_states_match_the_tiny_target(built):
         # the demo's final_norm both: the final norm's input, with the formula its first batch showed
         assert meta["final_norm"] == "both" and meta["norm_formula"] in ("llama", "weight_in_fp32", "gemma")
         for j, r in enumerate(sel_rows):
-            held[(key, r["sample_id"])] = (aux[offsets[j]:offsets[j + 1]], final[offsets[j]:offsets[j + 1]])
+            held[(key, r["sample_id"])] = (aux[offsets[j] : offsets[j + 1]], final[offsets[j] : offsets[j + 1]])
     # the merged set is an index over the selections' states: every row found, none left over
     assert {(r["source"], r["sample_id"]) for r in merged} == set(held)
     model = AutoModelForCausalLM.from_pretrained(built / cfg["target"]["path"], dtype=torch.float32)
@@ -295,16 +309,20 @@ def test_journal_survives_deleting_results_and_rebuilds_are_deterministic(built,
     shutil.rmtree(scratch / ".snakemake", ignore_errors=True)
     shutil.rmtree(scratch / "cache/hidden_states")
     run_snakemake(scratch, "--cores", "2")
-    for pattern in ("results/hidden_states/*/*.safetensors", "results/export/specforge/rows_*/*.ckpt",
-                    "results/merged/*.parquet"):
+    for pattern in (
+        "results/hidden_states/*/*.safetensors",
+        "results/export/specforge/rows_*/*.ckpt",
+        "results/merged/*.parquet",
+    ):
         old, new = _outputs(built, pattern), _outputs(scratch, pattern)
         assert old.keys() == new.keys() and old, pattern
         assert [k for k in old if old[k] != new[k]] == [], pattern
     sums = [json.loads(p.read_text()) for p in (scratch / "results/hidden_states").glob("*/*.json")]
     assert all(s["reused_tokens"] == 0 and s["forwarded_tokens"] == s["num_tokens"] for s in sums)
     logs = [p for p in (scratch / "logs/generate").rglob("*.log") if ".server-" not in p.name]
-    assert len(logs) == sum(d.get("shards", 1) for d in config(scratch)["datasets"].values()
-                            if d["source"]["format"] != "pretokenized")
+    assert len(logs) == sum(
+        d.get("shards", 1) for d in config(scratch)["datasets"].values() if d["source"]["format"] != "pretokenized"
+    )
     assert not [p for p in (scratch / "logs/generate").rglob("*.log") if ".server-" in p.name], "no server started"
     for log in logs:
         text = log.read_text()
@@ -317,10 +335,21 @@ def test_transport_and_run_settings_rerun_nothing(scratch, monkeypatch):
 
     def change(c):
         b = c["backends"]["tiny_local"]
-        b.update(max_concurrency=3, timeout_s=77, requests_per_minute=600, tokens_per_minute=10**6,
-                 headers={"X-Title": "eagle3"}, cost_lookup_delay_s=2, api_key_env="EAGLE3_TEST_KEY")
-        b["launch"].update(command=b["launch"]["command"] + " --log-level warning", ready_timeout_s=99,
-                           stop_grace_s=3, env=dict(b["launch"].get("env") or {}, EXTRA="1"))
+        b.update(
+            max_concurrency=3,
+            timeout_s=77,
+            requests_per_minute=600,
+            tokens_per_minute=10**6,
+            headers={"X-Title": "eagle3"},
+            cost_lookup_delay_s=2,
+            api_key_env="EAGLE3_TEST_KEY",
+        )
+        b["launch"].update(
+            command=b["launch"]["command"] + " --log-level warning",
+            ready_timeout_s=99,
+            stop_grace_s=3,
+            env=dict(b["launch"].get("env") or {}, EXTRA="1"),
+        )
         c["generation"].update(max_retries=2, retry_initial_s=0.5, retry_max_s=9, stop_grace_s=3)
         c["datasets"]["sweagent_demo"]["generation"].update(max_retries=1)
         c["datasets"]["ultrachat_demo"]["source"]["max_reject_rate"] = 0.9

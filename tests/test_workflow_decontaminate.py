@@ -31,8 +31,11 @@ def _jobs(out: str) -> dict[str, int]:
     if "Job stats:" not in out:
         return {}
     table = out.split("Job stats:")[1].split("Reasons:")[0].split("DAG of jobs")[0]
-    return {m.group(1): int(m.group(2)) for line in table.splitlines()
-            if (m := re.match(r"^(\S+)\s+(\d+)\s*$", line.strip())) and m.group(1) not in ("total", "job")}
+    return {
+        m.group(1): int(m.group(2))
+        for line in table.splitlines()
+        if (m := re.match(r"^(\S+)\s+(\d+)\s*$", line.strip())) and m.group(1) not in ("total", "job")
+    }
 
 
 def _dry(wd: Path, *files: str) -> dict[str, int]:
@@ -62,10 +65,24 @@ def decon(demo_run, tmp_path_factory) -> Path:
     ]
     with open(wd / "planted.jsonl", "w") as fh:
         for p in planted:
-            fh.write(json.dumps({"prompt": p, "messages": [{"role": "user", "content": p},
-                                                           {"role": "assistant", "content": "An answer."}]}) + "\n")
-    (wd / "planted.yaml").write_text(yaml.safe_dump({"datasets": {"planted_demo": {
-        "source": {"format": "ultrachat", "path": "planted.jsonl"}, "answers": "original"}}}))
+            fh.write(
+                json.dumps(
+                    {
+                        "prompt": p,
+                        "messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "An answer."}],
+                    }
+                )
+                + "\n"
+            )
+    (wd / "planted.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "datasets": {
+                    "planted_demo": {"source": {"format": "ultrachat", "path": "planted.jsonl"}, "answers": "original"}
+                }
+            }
+        )
+    )
     (wd / "run.ids").write_text(json.dumps({"ultra_first": ultra["prompt_id"]}))
     files = ("resources/configs/decontaminate.yaml", "planted.yaml")
     # turning it on: minhash and decontaminate of every prompts shard, generate again (from the journal), no
@@ -107,11 +124,12 @@ def test_one_planted_case_per_rule_is_rejected_named_and_counted(decon):
         ["planted_demo", "5", "1", "benchmark_overlap", "humaneval", "13-gram", "1"],
         ["planted_demo", "5", "1", "benchmark_overlap", "humaneval", "exact", "1"],
         ["planted_demo", "5", "1", "benchmark_overlap", "humaneval", "whitespace", "1"],
-        ["planted_demo", "5", "1", "near_duplicate", "ultrachat_demo", "minhash", "1"]]
+        ["planted_demo", "5", "1", "near_duplicate", "ultrachat_demo", "minhash", "1"],
+    ]
     assert ["ultrachat_demo", "28", "28", "", "", "", ""] in [r[:7] for r in table]
     # the run's last table: the planted dataset's 5 source rows are 1 kept + 4 rejected
     out = (decon / "decon.out").read_text()
-    line = next(ln.split() for ln in out[out.rindex("Run summary"):].splitlines() if ln.startswith("planted_demo"))
+    line = next(ln.split() for ln in out[out.rindex("Run summary") :].splitlines() if ln.startswith("planted_demo"))
     assert line[1:3] == ["1/1", "5"] and line[6:8] == ["4", "1"], line
     # nothing was sent: every generated dataset's replies came from the journal
     for log in (decon / "logs/generate").rglob("*.log"):
@@ -122,8 +140,15 @@ def test_one_planted_case_per_rule_is_rejected_named_and_counted(decon):
 def test_changing_the_benchmark_list_reruns_decontaminate_and_below_only(decon):
     base = ("resources/configs/decontaminate.yaml", "planted.yaml")
     assert _dry(decon, *base) == {}  # the build is up to date
-    (decon / "bench2.yaml").write_text(yaml.safe_dump({"decontaminate": {"benchmarks": [
-        HUMANEVAL, {"name": "gsm8k", "format": "gsm8k", "path": str(FIX / "gsm8k.jsonl")}]}}))
+    (decon / "bench2.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "decontaminate": {
+                    "benchmarks": [HUMANEVAL, {"name": "gsm8k", "format": "gsm8k", "path": str(FIX / "gsm8k.jsonl")}]
+                }
+            }
+        )
+    )
     jobs = _dry(decon, *base, "bench2.yaml")
     assert jobs["decontaminate"] == 5 and "minhash" not in jobs, jobs
     assert not [j for j in jobs if j.startswith("normalize_")], jobs
@@ -136,11 +161,25 @@ def test_changing_the_benchmark_list_reruns_decontaminate_and_below_only(decon):
     (decon / "off_base.yaml").write_text("decontaminate:\n  benchmarks: []\n")
     assert _dry(decon, *base, "off.yaml") == _dry(decon, *base, "off_base.yaml")
     # a dataset added at the end: its own chain only; the others' decontaminate jobs read nothing it changed
-    (decon / "late.yaml").write_text(yaml.safe_dump({"datasets": {"late_demo": {
-        "source": {"format": "ultrachat", "path": "resources/samples/ultrachat.jsonl"}, "answers": "original"}}}))
+    (decon / "late.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "datasets": {
+                    "late_demo": {
+                        "source": {"format": "ultrachat", "path": "resources/samples/ultrachat.jsonl"},
+                        "answers": "original",
+                    }
+                }
+            }
+        )
+    )
     jobs = _dry(decon, *base, "late.yaml")
     assert (jobs["normalize_late_demo"], jobs["minhash"], jobs["decontaminate"], jobs["original_answers"]) == (
-        1, 1, 1, 1), jobs
+        1,
+        1,
+        1,
+        1,
+    ), jobs
     assert "generate" not in jobs and [j for j in jobs if j.startswith("normalize_")] == ["normalize_late_demo"]
 
 
@@ -151,7 +190,8 @@ def test_a_merged_rows_provenance_traces_back_to_its_source_line_and_journal_rec
     # every row is where the table says, in the set's order: its index is the export's file number
     flat = [(f"results/merged/{k:03d}.parquet", j, r) for k, m in enumerate(merged) for j, r in enumerate(m)]
     assert [(p["merged_file"], p["row"], p["index"], p["sample_id"], p["dataset"]) for p in prov] == [
-        (f, j, i, r["sample_id"], r["dataset"]) for i, (f, j, r) in enumerate(flat)]
+        (f, j, i, r["sample_id"], r["dataset"]) for i, (f, j, r) in enumerate(flat)
+    ]
     assert (decon / f"results/export/specforge/rows_0-2000/data_{len(prov) - 1}.ckpt").is_file()
     row = next(p for p in prov if p["dataset"] == "ultrachat_demo")
     # the source line: record source_row of the configured file is this sample (UltraChat: its prompt_id)
@@ -161,16 +201,37 @@ def test_a_merged_rows_provenance_traces_back_to_its_source_line_and_journal_rec
     line = (decon / row["source_path"]).read_text().splitlines()[row["source_row"]]  # no blank line in the file
     assert json.loads(line)["prompt_id"] == row["sample_id"]
     # the journal record: the request key's record holds this reply
-    records = [json.loads(ln) for f in sorted((decon / "cache/journal/ultrachat_demo").glob("*.jsonl"))
-               for ln in f.read_text().splitlines() if ln.strip()]
+    records = [
+        json.loads(ln)
+        for f in sorted((decon / "cache/journal/ultrachat_demo").glob("*.jsonl"))
+        for ln in f.read_text().splitlines()
+        if ln.strip()
+    ]
     (rec,) = [r for r in records if r["request_key"] == row["request_key"]]
-    assert (rec["sample_id"], rec["backend"], rec["model"], rec["provider"], rec["generation_id"], rec["cost_usd"],
-            rec["completed_at"]) == (row["sample_id"], row["backend"], row["model"], row["provider"],
-                                      row["generation_id"], row["cost_usd"], row["completed_at"])
+    assert (
+        rec["sample_id"],
+        rec["backend"],
+        rec["model"],
+        rec["provider"],
+        rec["generation_id"],
+        rec["cost_usd"],
+        rec["completed_at"],
+    ) == (
+        row["sample_id"],
+        row["backend"],
+        row["model"],
+        row["provider"],
+        row["generation_id"],
+        row["cost_usd"],
+        row["completed_at"],
+    )
     assert rec["generation_id"] and rec["attempts"] == row["attempts"] == 1
     cfg = yaml.safe_load((decon / "config.yaml").read_text())
     assert (row["engine"], json.loads(row["sampling"])["max_tokens"], json.loads(row["sampling"])["temperature"]) == (
-        cfg["backends"]["tiny_local"]["type"], cfg["generation"]["max_tokens"], cfg["generation"]["temperature"])
+        cfg["backends"]["tiny_local"]["type"],
+        cfg["generation"]["max_tokens"],
+        cfg["generation"]["temperature"],
+    )
     assert len(row["chat_template_sha256"]) == 64 and row["target_fingerprint"]
     # the planted dataset's answers were not requested: backend original, no sampling
     planted = next(p for p in prov if p["dataset"] == "planted_demo")
@@ -179,5 +240,6 @@ def test_a_merged_rows_provenance_traces_back_to_its_source_line_and_journal_rec
     assert len(doc["config_sha256"]) == 64 and doc["packages"]["datasketch"] and doc["packages"]["snakemake"]
     assert doc["repository"] == {"commit": None, "dirty": None}  # the scratch copy is no git checkout
     assert list(doc["decontaminate"]["benchmark_files"].values()) == [
-        __import__("hashlib").sha256(benchmark_path(HUMANEVAL).read_bytes()).hexdigest()]
+        __import__("hashlib").sha256(benchmark_path(HUMANEVAL).read_bytes()).hexdigest()
+    ]
     assert doc["rows"] == {"train": len(prov), "heldout": 0, "without_reply": 0}

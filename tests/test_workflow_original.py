@@ -90,8 +90,9 @@ def test_original_answers_beside_generated_datasets_end_to_end_and_back(demo_run
     proc = run_snakemake(scratch, "--cores", "2")
     out = proc.stdout + proc.stderr
     ran = _jobs(out)
-    assert ran.get("original_answers") == 1 and "generate" not in ran and not any(
-        j.startswith("normalize_") for j in ran), ran
+    assert (
+        ran.get("original_answers") == 1 and "generate" not in ran and not any(j.startswith("normalize_") for j in ran)
+    ), ran
     assert _files(scratch, "cache/journal/**/*") == journal  # no request, nothing journaled
     assert {k: v for k, v in _files(scratch, "results/*/responses/*").items() if k in others} == others
 
@@ -122,7 +123,7 @@ def test_original_answers_beside_generated_datasets_end_to_end_and_back(demo_run
     with open(scratch / "results/reports/cost.csv") as fh:
         cost = {(r["dataset"], r["backend"]): r for r in csv.DictReader(fh)}
     assert float(cost[(DS, "original")]["cost_usd"]) == 0.0 and int(cost[(DS, "original")]["responses_ok"]) == len(ok)
-    last = out[out.rindex("Run summary"):].splitlines()
+    last = out[out.rindex("Run summary") :].splitlines()
     line = next(ln for ln in last if ln.startswith(DS))
     assert line.rstrip().endswith("original answers") and "Original answers (answers: original" in out
     # the request settings of generation are nothing to a dataset that sends no request
@@ -152,8 +153,10 @@ def test_a_config_without_backends_when_no_dataset_is_generated(tmp_path):
     wd = copy_workflow(tmp_path / "wf")
     cfg = _config(wd)
     del cfg["backends"], cfg["generation"]
-    cfg["datasets"] = {DS: {**cfg["datasets"][DS], "answers": "original"},
-                       "pretokenized_demo": cfg["datasets"]["pretokenized_demo"]}
+    cfg["datasets"] = {
+        DS: {**cfg["datasets"][DS], "answers": "original"},
+        "pretokenized_demo": cfg["datasets"]["pretokenized_demo"],
+    }
     (wd / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     jobs = _dry_run_jobs(wd)
     assert jobs["original_answers"] == 1 and "generate" not in jobs and jobs["validate_pretokenized"] == 1, jobs

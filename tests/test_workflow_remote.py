@@ -31,8 +31,16 @@ def _files_containing(root: Path, needle: str) -> list[Path]:
 @pytest.fixture
 def remote_workflow(tmp_path):
     server = FaultServer(
-        {"require_key": CANARY, "p429": 0.10, "p5xx": 0.05, "perror200": 0.02, "pmalformed": 0.02,
-         "retry_after_s": 0.01, "min_tokens": 5, "max_tokens": 30}
+        {
+            "require_key": CANARY,
+            "p429": 0.10,
+            "p5xx": 0.05,
+            "perror200": 0.02,
+            "pmalformed": 0.02,
+            "retry_after_s": 0.01,
+            "min_tokens": 5,
+            "max_tokens": 30,
+        }
     ).start()
     wd = copy_workflow(tmp_path / "wf")
     cfg = yaml.safe_load((wd / "config.yaml").read_text())
@@ -46,8 +54,15 @@ def remote_workflow(tmp_path):
     }
     # unpaid_failures: keep, so a sample whose one retry failed is written as a failed row (its error message must
     # not carry the key either) and the run ends rc 0
-    cfg["generation"].update({"backends": ["remote"], "max_retries": 1, "retry_initial_s": 0.01, "retry_max_s": 0.05,
-                              "unpaid_failures": "keep"})
+    cfg["generation"].update(
+        {
+            "backends": ["remote"],
+            "max_retries": 1,
+            "retry_initial_s": 0.01,
+            "retry_max_s": 0.05,
+            "unpaid_failures": "keep",
+        }
+    )
     cfg["datasets"] = {k: v for k, v in cfg["datasets"].items() if k in ("ultrachat_demo", "sharegpt_demo")}
     (wd / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     try:

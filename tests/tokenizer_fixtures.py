@@ -27,21 +27,72 @@ from eagle3_data.tiny_target import bytes_to_unicode
 
 #: Merges (GPT-2 byte alphabet: Ġ = space, Ċ = newline) so that tokenization is not one-byte-per-token.
 MERGES: tuple[tuple[str, str], ...] = (
-    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġ", "s"),
-    ("r", "e"), ("a", "t"), ("e", "n"), ("o", "r"), ("Ġ", "w"), ("in", "g"), ("Ġ", "c"), ("i", "s"),
-    ("Ġ", "o"), ("e", "s"), ("a", "n"), ("Ġ", "i"), ("Ġ", "f"), ("Ġ", "b"), ("e", "d"), ("l", "l"),
-    ("Ġ", "p"), ("o", "u"), ("Ġ", "m"), ("a", "r"), ("Ġ", "d"), ("i", "t"), ("Ċ", "Ċ"), ("Ġ", "Ġ"),
-    ("ĠĠ", "ĠĠ"), ("H", "e"), ("He", "ll"), ("Hell", "o"), ("Ġw", "or"), ("Ġwor", "l"), ("Ġworl", "d"),
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("Ġ", "a"),
+    ("e", "r"),
+    ("o", "n"),
+    ("Ġ", "s"),
+    ("r", "e"),
+    ("a", "t"),
+    ("e", "n"),
+    ("o", "r"),
+    ("Ġ", "w"),
+    ("in", "g"),
+    ("Ġ", "c"),
+    ("i", "s"),
+    ("Ġ", "o"),
+    ("e", "s"),
+    ("a", "n"),
+    ("Ġ", "i"),
+    ("Ġ", "f"),
+    ("Ġ", "b"),
+    ("e", "d"),
+    ("l", "l"),
+    ("Ġ", "p"),
+    ("o", "u"),
+    ("Ġ", "m"),
+    ("a", "r"),
+    ("Ġ", "d"),
+    ("i", "t"),
+    ("Ċ", "Ċ"),
+    ("Ġ", "Ġ"),
+    ("ĠĠ", "ĠĠ"),
+    ("H", "e"),
+    ("He", "ll"),
+    ("Hell", "o"),
+    ("Ġw", "or"),
+    ("Ġwor", "l"),
+    ("Ġworl", "d"),
 )
 
 KIMI_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 
-KIMI_SPECIALS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-                 "<think>", "</think>", "[UNK]", "[PAD]")
-KIMI_NON_SPECIAL = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                    "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+KIMI_SPECIALS = (
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<think>",
+    "</think>",
+    "[UNK]",
+    "[PAD]",
+)
+KIMI_NON_SPECIAL = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
 
-_KIMI_COMMON = r"""
+_KIMI_COMMON = (
+    r"""
 {%- macro render_content(msg) -%}
   {%- set c = msg.get('content') -%}
   {%- if c is string -%}{{ c }}
@@ -85,10 +136,13 @@ _KIMI_COMMON = r"""
 {%- set hist_msgs = messages[:ns.last_non_tool_call_assistant_msg + 1] -%}
 {%- set suffix_msgs = messages[ns.last_non_tool_call_assistant_msg + 1:] -%}
 {%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>{%- endif -%}
-{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}<|im_system|>system<|im_middle|>""" + KIMI_DEFAULT_SYSTEM + r"""<|im_end|>{%- endif -%}
+{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}<|im_system|>system<|im_middle|>"""
+    + KIMI_DEFAULT_SYSTEM
+    + r"""<|im_end|>{%- endif -%}
 {%- for message in hist_msgs -%}{{ header(message) }}{{ body(message, HIST_THINK) }}<|im_end|>{%- endfor -%}
 {%- for message in suffix_msgs -%}{{ header(message) }}{{ body(message, SUFFIX_THINK) }}<|im_end|>{%- endfor -%}
 """
+)
 
 #: Kimi K2-Thinking-like template (hist reasoning -> ``<think></think>``; the real one: chat_templates/).
 KIMI_K2_THINKING_TEMPLATE = (
@@ -105,9 +159,10 @@ KIMI_K25_TEMPLATE = (
 #: K2.6 template is not obtainable here; reconstructed from its documented behaviour: tinker-cookbook
 #: ``renderers/kimi_k26.py``, "HF's preserve_thinking=true is byte-equivalent to strip_thinking_from_history=False").
 KIMI_K26_TEMPLATE = (
-    _KIMI_COMMON.replace("HIST_THINK", "((message.get('reasoning_content') or '') if preserve_thinking is defined "
-                                       "and preserve_thinking else '')")
-    .replace("SUFFIX_THINK", "(message.get('reasoning_content') or '')")
+    _KIMI_COMMON.replace(
+        "HIST_THINK",
+        "((message.get('reasoning_content') or '') if preserve_thinking is defined and preserve_thinking else '')",
+    ).replace("SUFFIX_THINK", "(message.get('reasoning_content') or '')")
     + r"{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
     r"{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}{%- endif -%}"
 )
@@ -213,10 +268,30 @@ QWEN3_TEMPLATE = r"""
 {%- endif %}
 """
 
-GLM45_SPECIALS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
-                  "<|assistant|>", "<|observation|>")
-GLM45_NON_SPECIAL = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                     "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+GLM45_SPECIALS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+)
+GLM45_NON_SPECIAL = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+)
 
 #: The GLM-4.5 chat template in the layout of the official one (zai-org/GLM-4.5), tools header
 #: shortened. Needs tool-call ``arguments`` as a mapping (``_args.items()``).
@@ -313,8 +388,17 @@ GLM45_TEMPLATE = r"""[gMASK]<sop>
 {%- endif -%}"""
 
 
-def build_fixture_tokenizer(specials, non_special, chat_template: str, *, eos: str, bos: str | None = None,
-                            unk: str | None = None, pad: str | None = None, merges=MERGES):
+def build_fixture_tokenizer(
+    specials,
+    non_special,
+    chat_template: str,
+    *,
+    eos: str,
+    bos: str | None = None,
+    unk: str | None = None,
+    pad: str | None = None,
+    merges=MERGES,
+):
     """A transformers fast tokenizer: byte-level BPE (ids 0..255 = bytes) + ``merges`` + added tokens.
 
     ``specials`` are added as special tokens, ``non_special`` as ordinary added tokens (atomic, kept by
@@ -338,15 +422,22 @@ def build_fixture_tokenizer(specials, non_special, chat_template: str, *, eos: s
         else:
             tok.add_tokens([added])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=eos, bos_token=bos, unk_token=unk, pad_token=pad,
-        chat_template=chat_template, clean_up_tokenization_spaces=False, model_max_length=1 << 20,
+        tokenizer_object=tok,
+        eos_token=eos,
+        bos_token=bos,
+        unk_token=unk,
+        pad_token=pad,
+        chat_template=chat_template,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
     )
 
 
 def _kimi(template: str):
     """A Kimi-family tokenizer (Kimi's special tokens and vocabulary) with ``template``."""
-    return build_fixture_tokenizer(KIMI_SPECIALS, KIMI_NON_SPECIAL, template, eos="<|im_end|>", bos="[BOS]",
-                                   unk="[UNK]", pad="[PAD]")
+    return build_fixture_tokenizer(
+        KIMI_SPECIALS, KIMI_NON_SPECIAL, template, eos="<|im_end|>", bos="[BOS]", unk="[UNK]", pad="[PAD]"
+    )
 
 
 @lru_cache(maxsize=None)
@@ -376,19 +467,27 @@ def kimi_k2():
 @lru_cache(maxsize=None)
 def qwen3():
     """Qwen3-like tokenizer (family ``qwen3``; template kwarg ``enable_thinking``)."""
-    return build_fixture_tokenizer(QWEN3_SPECIALS, QWEN3_NON_SPECIAL, QWEN3_TEMPLATE, eos="<|im_end|>",
-                                   pad="<|endoftext|>")
+    return build_fixture_tokenizer(
+        QWEN3_SPECIALS, QWEN3_NON_SPECIAL, QWEN3_TEMPLATE, eos="<|im_end|>", pad="<|endoftext|>"
+    )
 
 
 @lru_cache(maxsize=None)
 def glm45():
     """GLM-4.5-like tokenizer (family ``glm45``; template kwarg ``enable_thinking``)."""
-    return build_fixture_tokenizer(GLM45_SPECIALS, GLM45_NON_SPECIAL, GLM45_TEMPLATE, eos="<|endoftext|>",
-                                   pad="<|endoftext|>")
+    return build_fixture_tokenizer(
+        GLM45_SPECIALS, GLM45_NON_SPECIAL, GLM45_TEMPLATE, eos="<|endoftext|>", pad="<|endoftext|>"
+    )
 
 
-FIXTURES = {"kimi-k2-thinking": kimi_k2_thinking, "kimi-k25": kimi_k25, "kimi-k2": kimi_k2, "qwen3": qwen3,
-            "glm45": glm45, "kimi-k26": kimi_k26}
+FIXTURES = {
+    "kimi-k2-thinking": kimi_k2_thinking,
+    "kimi-k25": kimi_k25,
+    "kimi-k2": kimi_k2,
+    "qwen3": qwen3,
+    "glm45": glm45,
+    "kimi-k26": kimi_k26,
+}
 
 
 def save_fixture(name: str, path) -> str:
@@ -411,15 +510,32 @@ def chat_template(name: str) -> str:
 #: Qwen3's added tokens after the 151,643 BPE ranks: (id, content, special), from Qwen3's tokenizer.json /
 #: tokenizer_config.json ``added_tokens_decoder`` (the same for every Qwen3 and Qwen3-2507 checkpoint).
 QWEN3_ADDED = (
-    (151643, "<|endoftext|>", True), (151644, "<|im_start|>", True), (151645, "<|im_end|>", True),
-    (151646, "<|object_ref_start|>", True), (151647, "<|object_ref_end|>", True), (151648, "<|box_start|>", True),
-    (151649, "<|box_end|>", True), (151650, "<|quad_start|>", True), (151651, "<|quad_end|>", True),
-    (151652, "<|vision_start|>", True), (151653, "<|vision_end|>", True), (151654, "<|vision_pad|>", True),
-    (151655, "<|image_pad|>", True), (151656, "<|video_pad|>", True), (151657, "<tool_call>", False),
-    (151658, "</tool_call>", False), (151659, "<|fim_prefix|>", False), (151660, "<|fim_middle|>", False),
-    (151661, "<|fim_suffix|>", False), (151662, "<|fim_pad|>", False), (151663, "<|repo_name|>", False),
-    (151664, "<|file_sep|>", False), (151665, "<tool_response>", False), (151666, "</tool_response>", False),
-    (151667, "<think>", False), (151668, "</think>", False),
+    (151643, "<|endoftext|>", True),
+    (151644, "<|im_start|>", True),
+    (151645, "<|im_end|>", True),
+    (151646, "<|object_ref_start|>", True),
+    (151647, "<|object_ref_end|>", True),
+    (151648, "<|box_start|>", True),
+    (151649, "<|box_end|>", True),
+    (151650, "<|quad_start|>", True),
+    (151651, "<|quad_end|>", True),
+    (151652, "<|vision_start|>", True),
+    (151653, "<|vision_end|>", True),
+    (151654, "<|vision_pad|>", True),
+    (151655, "<|image_pad|>", True),
+    (151656, "<|video_pad|>", True),
+    (151657, "<tool_call>", False),
+    (151658, "</tool_call>", False),
+    (151659, "<|fim_prefix|>", False),
+    (151660, "<|fim_middle|>", False),
+    (151661, "<|fim_suffix|>", False),
+    (151662, "<|fim_pad|>", False),
+    (151663, "<|repo_name|>", False),
+    (151664, "<|file_sep|>", False),
+    (151665, "<tool_response>", False),
+    (151666, "</tool_response>", False),
+    (151667, "<think>", False),
+    (151668, "</think>", False),
 )
 
 
@@ -453,8 +569,13 @@ def qwen3_real(template: str = "qwen3"):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=qwen3_backend(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        chat_template=chat_template(template), clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+        tokenizer_object=qwen3_backend(),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=chat_template(template),
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
 
 
 def deepseek_tokenizer_json() -> str:
@@ -478,10 +599,18 @@ def save_deepseek_dir(path, tokenizer_class: str = "LlamaTokenizerFast", templat
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     shutil.copy(deepseek_tokenizer_json(), d / "tokenizer.json")
-    cfg = {"tokenizer_class": tokenizer_class, "add_bos_token": True, "add_eos_token": False, "legacy": True,
-           "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
-           "pad_token": "<｜end▁of▁sentence｜>", "clean_up_tokenization_spaces": False,
-           "model_max_length": 131072, "chat_template": chat_template(template)}
+    cfg = {
+        "tokenizer_class": tokenizer_class,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "legacy": True,
+        "bos_token": "<｜begin▁of▁sentence｜>",
+        "eos_token": "<｜end▁of▁sentence｜>",
+        "pad_token": "<｜end▁of▁sentence｜>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "chat_template": chat_template(template),
+    }
     (d / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
     return str(d)
 
@@ -493,9 +622,13 @@ def deepseek_real():
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_file=deepseek_tokenizer_json(), bos_token="<｜begin▁of▁sentence｜>",
-        eos_token="<｜end▁of▁sentence｜>", chat_template=chat_template("deepseek-r1"),
-        clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+        tokenizer_file=deepseek_tokenizer_json(),
+        bos_token="<｜begin▁of▁sentence｜>",
+        eos_token="<｜end▁of▁sentence｜>",
+        chat_template=chat_template("deepseek-r1"),
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
 
 
 @lru_cache(maxsize=None)
@@ -508,29 +641,41 @@ def kimi_real_template(name: str):
 @lru_cache(maxsize=None)
 def glm45_real_template():
     """The GLM-4.5 fixture vocabulary with the public GLM-4.5 template (``glm-4.5.jinja``)."""
-    return build_fixture_tokenizer(GLM45_SPECIALS, GLM45_NON_SPECIAL, chat_template("glm-4.5"), eos="<|endoftext|>",
-                                   pad="<|endoftext|>")
+    return build_fixture_tokenizer(
+        GLM45_SPECIALS, GLM45_NON_SPECIAL, chat_template("glm-4.5"), eos="<|endoftext|>", pad="<|endoftext|>"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # gpt-oss (o200k_harmony), DeepSeek-V3.1, Qwen3-Coder, Llama 3
 
 #: o200k_base's pre-tokenizer pattern (openai/tiktoken ``tiktoken_ext/openai_public.py``), also o200k_harmony's
-O200K_PATTERN = "|".join([
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 #: o200k_harmony's special tokens after o200k_base's 199,998 ranks (openai/gpt-oss-20b ``tokenizer_config.json``;
 #: the reference renderer ``openai-harmony`` agrees, tests/test_families.py), the unnamed ones as gpt-oss names them
-HARMONY_SPECIALS = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>",
-                    200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>",
-                    200008: "<|message|>", 200012: "<|call|>", 200018: "<|endofprompt|>"}
+HARMONY_SPECIALS = {
+    199998: "<|startoftext|>",
+    199999: "<|endoftext|>",
+    200002: "<|return|>",
+    200003: "<|constrain|>",
+    200005: "<|channel|>",
+    200006: "<|start|>",
+    200007: "<|end|>",
+    200008: "<|message|>",
+    200012: "<|call|>",
+    200018: "<|endofprompt|>",
+}
 
 
 def o200k_ranks_file(directory) -> str:
@@ -570,8 +715,14 @@ def gpt_oss_real():
         tok.add_special_tokens([AddedToken(name, special=True, normalized=False)])
         assert tok.token_to_id(name) == i, (name, tok.token_to_id(name))
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>",
-        chat_template=chat_template("gpt-oss"), clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+        tokenizer_object=tok,
+        bos_token="<|startoftext|>",
+        eos_token="<|return|>",
+        pad_token="<|endoftext|>",
+        chat_template=chat_template("gpt-oss"),
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
 
 
 @lru_cache(maxsize=None)
@@ -593,19 +744,36 @@ def deepseek_v31():
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_file=deepseek_tokenizer_json(), bos_token="<｜begin▁of▁sentence｜>",
-        eos_token="<｜end▁of▁sentence｜>", chat_template=chat_template("deepseek-v3.1"),
-        clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+        tokenizer_file=deepseek_tokenizer_json(),
+        bos_token="<｜begin▁of▁sentence｜>",
+        eos_token="<｜end▁of▁sentence｜>",
+        chat_template=chat_template("deepseek-v3.1"),
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
 
 
 #: Llama 3's pre-tokenizer pattern (meta-llama/llama-models ``models/llama3/tokenizer.py``; cl100k_base's)
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 #: Llama 3's first special tokens from id 128000 (meta-llama/llama-models ``models/llama3/tokenizer.py``); the
 #: other 244 of the 256 are ``<|reserved_special_token_N|>``
-LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>",
-                   "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>", "<|image|>")
+LLAMA3_SPECIALS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+    "<|image|>",
+)
 
 
 @lru_cache(maxsize=None)
@@ -634,9 +802,16 @@ def llama3_standin():
     tok = TikTokenConverter(vocab_file=out, pattern=LLAMA3_PATTERN).converted()
     n = tok.get_vocab_size()
     tok.add_tokens([AddedToken(f"<|unused_{i}|>", special=True, normalized=False) for i in range(n, 128000)])
-    names = list(LLAMA3_SPECIALS) + [f"<|reserved_special_token_{i}|>" for i in range(2, 2 + 256 - len(LLAMA3_SPECIALS))]
+    names = list(LLAMA3_SPECIALS) + [
+        f"<|reserved_special_token_{i}|>" for i in range(2, 2 + 256 - len(LLAMA3_SPECIALS))
+    ]
     tok.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in names])
     assert tok.token_to_id("<|begin_of_text|>") == 128000 and tok.token_to_id("<|eot_id|>") == 128009
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-        chat_template=chat_template("llama-3.1"), clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        chat_template=chat_template("llama-3.1"),
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )

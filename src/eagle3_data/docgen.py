@@ -22,6 +22,7 @@ RERUNS_END = "<!-- reruns:end -->"
 def schema_reference(schema: dict) -> str:
     """A markdown table of every config key in the JSON ``schema`` (path, type, allowed values, description),
     one row per key in schema order; ``|`` in a description is written ``/`` (it would split the cell)."""
+
     def kind(node: dict) -> str:
         t = node.get("type", "object" if "properties" in node else "")
         t = " or ".join(t) if isinstance(t, list) else t

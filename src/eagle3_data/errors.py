@@ -68,9 +68,15 @@ class DiskError(ExpectedFailure):
 
 
 #: errno -> what it means for a file being written
-DISK_ERRNOS = {28: "the disk is full", 122: "the disk quota is used up", 30: "the file system is read-only",
-               13: "no permission to write there", 1: "no permission to write there", 27: "the file is too large",
-               5: "an I/O error (a failing disk?)"}
+DISK_ERRNOS = {
+    28: "the disk is full",
+    122: "the disk quota is used up",
+    30: "the file system is read-only",
+    13: "no permission to write there",
+    1: "no permission to write there",
+    27: "the file is too large",
+    5: "an I/O error (a failing disk?)",
+}
 
 
 #: the errnos only a write can raise (a read of an input never does): what :func:`disk_error` blames on ``path``
@@ -101,8 +107,10 @@ def disk_error(exc: BaseException, path=None) -> DiskError | None:
         return None
     where = path if path is not None else exc.filename
     what = f"cannot write {where}" if where is not None else "cannot write the job's output"
-    return DiskError(f"{what}: {DISK_ERRNOS[code]} ([Errno {code}] {os.strerror(code)})",
-                     hint="free space there (or make it writable), then rerun the same command")
+    return DiskError(
+        f"{what}: {DISK_ERRNOS[code]} ([Errno {code}] {os.strerror(code)})",
+        hint="free space there (or make it writable), then rerun the same command",
+    )
 
 
 def format_failure(exc: ExpectedFailure) -> str:
@@ -150,8 +158,12 @@ def report_failure(exc: ExpectedFailure, log: logging.Logger | None = None) -> N
         log.error("%s", format_failure(exc))
 
 
-def run_stage(main: Callable[[], T], *, log: logging.Logger | None = None,
-              interrupted: Callable[[], ExpectedFailure] | None = None) -> T:
+def run_stage(
+    main: Callable[[], T],
+    *,
+    log: logging.Logger | None = None,
+    interrupted: Callable[[], ExpectedFailure] | None = None,
+) -> T:
     """Run a stage's body; turn expected failures into one logged line and an exit code (see module docstring).
 
     Args:

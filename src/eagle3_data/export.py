@@ -297,16 +297,19 @@ def export(
                         f"{sf.path}: holds the layers of {sorted(sf.drafter_layers)}, not those of "
                         f"{contract['drafters'][0]}, which export layout {layout} reads; add "
                         f"{contract['drafters'][0]} to extract.drafters (the extraction then captures its layers "
-                        "too)")
+                        "too)"
+                    )
                 layers_of[sf.path] = sf.drafter_layers[drafter]
                 norms.add(sf.meta.get("final_norm", "post"))
             jj = sf.index.get(sample_ids[j])
             if jj is None:
                 raise KeyError(f"export: sample {sample_ids[j]!r} is not in {sf.path}")
             t = sf.sample(jj, final=final, layers=layers_of[sf.path])
-            want = flat_ids[offs[j]:offs[j + 1]]
+            want = flat_ids[offs[j] : offs[j + 1]]
             if not np.array_equal(t["input_ids"].numpy(), want):
-                raise ValueError(f"{sf.path}: sample {sample_ids[j]!r} holds other token ids than {merged_path} row {j}")
+                raise ValueError(
+                    f"{sf.path}: sample {sample_ids[j]!r} holds other token ids than {merged_path} row {j}"
+                )
             idx = start_index + j
             L = len(want)
             if layout in ("specforge_dflash", "specforge_dspark") and not has_consecutive_supervised(t["loss_mask"]):
@@ -317,14 +320,26 @@ def export(
             aux, fin = t["aux_hidden_states"], t["hidden_states"]
             if contract["files"] == "grouped":
                 if layout == "specforge":
-                    record = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
-                              "aux_hidden_state": aux.unsqueeze(0), "hidden_state": fin.unsqueeze(0)}
+                    record = {
+                        "input_ids": t["input_ids"],
+                        "loss_mask": t["loss_mask"],
+                        "aux_hidden_state": aux.unsqueeze(0),
+                        "hidden_state": fin.unsqueeze(0),
+                    }
                 elif layout == "modelopt":
-                    record = {"input_ids": t["input_ids"], "hidden_states": fin, "aux_hidden_states": aux,
-                              "loss_mask": t["loss_mask"], "conversation_id": sample_ids[j]}
+                    record = {
+                        "input_ids": t["input_ids"],
+                        "hidden_states": fin,
+                        "aux_hidden_states": aux,
+                        "loss_mask": t["loss_mask"],
+                        "conversation_id": sample_ids[j],
+                    }
                 else:
-                    record = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
-                              "hidden_states": aux.unsqueeze(0)}
+                    record = {
+                        "input_ids": t["input_ids"],
+                        "loss_mask": t["loss_mask"],
+                        "hidden_states": aux.unsqueeze(0),
+                    }
                     if layout == "specforge_dspark":
                         record["target_last_hidden_states"] = fin.unsqueeze(0)
                 # through a file object: torch.save names the archive inside after a path's file name, which
@@ -351,34 +366,46 @@ def export(
     if contract["files"] == "speculators" and spec_rows["ids"]:
         # (an empty shard shares its start with the next one: it writes none)
         idxs, sids, dss, ids = zip(*spec_rows["ids"])
-        table = pa.table({
-            "index": pa.array(idxs, pa.int64()),
-            "sample_id": pa.array(sids, pa.string()),
-            "dataset": pa.array(dss, pa.string()),
-            "input_ids": pa.array(ids, pa.list_(pa.int64())),
-            "loss_mask": pa.array(spec_rows["mask"], pa.list_(pa.int64())),
-            "seq_len": pa.array([len(x) for x in ids], pa.int64()),
-        })
+        table = pa.table(
+            {
+                "index": pa.array(idxs, pa.int64()),
+                "sample_id": pa.array(sids, pa.string()),
+                "dataset": pa.array(dss, pa.string()),
+                "input_ids": pa.array(ids, pa.list_(pa.int64())),
+                "loss_mask": pa.array(spec_rows["mask"], pa.list_(pa.int64())),
+                "seq_len": pa.array([len(x) for x in ids], pa.int64()),
+            }
+        )
         if provenance is not None:
             table = _with_provenance(table, provenance, "heldout" if heldout else "train", merged_path)
         write_parquet(table, out_dir / f"samples_{start_index:09d}.parquet")
     skipped_ids = {s for v in skipped.values() for s in v}
     skip_idx = {start_index + j for j in range(n) if sample_ids[j] in skipped_ids}
     for reason, sids in skipped.items():
-        log.warning("export %s: %d sample(s) of %s not written (%s: SpecForge's DFlash family refuses a sample "
-                    "without two consecutive supervised tokens), e.g. %s", layout, len(sids), merged_path, reason,
-                    sids[:3])
+        log.warning(
+            "export %s: %d sample(s) of %s not written (%s: SpecForge's DFlash family refuses a sample "
+            "without two consecutive supervised tokens), e.g. %s",
+            layout,
+            len(sids),
+            merged_path,
+            reason,
+            sids[:3],
+        )
     removed = []
     if merge_manifest is not None:
         if heldout:
             total = int((m.get("heldout") or {}).get("samples", n))
         else:
             total = sum(int(sh["samples"]) for sh in m.get("shards") or [])
-        removed = prune_stale(out_dir, layout, start=start_index, end=start_index + n, total=total,
-                              group_size=group_size, skip=skip_idx)
+        removed = prune_stale(
+            out_dir, layout, start=start_index, end=start_index + n, total=total, group_size=group_size, skip=skip_idx
+        )
         if removed:
-            log.info("removed %d file(s) of an earlier export that this one does not write (e.g. %s)",
-                     len(removed), removed[0])
+            log.info(
+                "removed %d file(s) of an earlier export that this one does not write (e.g. %s)",
+                len(removed),
+                removed[0],
+            )
     manifest = {
         "layout": layout,
         "set": "heldout" if heldout else "train",
@@ -399,8 +426,15 @@ def export(
     }
     if manifest_path is not None:
         write_json(manifest, manifest_path)
-    log.info("exported %d samples (%d tokens, %d bytes) of %s as %s into %s", len(files), tokens, nbytes,
-             merged_path, layout, out_dir)
+    log.info(
+        "exported %d samples (%d tokens, %d bytes) of %s as %s into %s",
+        len(files),
+        tokens,
+        nbytes,
+        merged_path,
+        layout,
+        out_dir,
+    )
     return manifest
 
 
@@ -411,26 +445,37 @@ def _with_provenance(table: pa.Table, provenance, set_name: str, merged_path) ->
     from .provenance import SIDE_COLUMNS
 
     idx = table.column("index").to_pylist()
-    prov = pq.read_table(provenance, columns=["set", "index", "sample_id", *SIDE_COLUMNS],
-                         filters=[("set", "=", set_name), ("index", ">=", idx[0]), ("index", "<=", idx[-1])])
+    prov = pq.read_table(
+        provenance,
+        columns=["set", "index", "sample_id", *SIDE_COLUMNS],
+        filters=[("set", "=", set_name), ("index", ">=", idx[0]), ("index", "<=", idx[-1])],
+    )
     prov = prov.filter(pc.is_in(prov.column("index"), pa.array(idx, pa.int64()))).sort_by("index")  # (skipped: none)
-    if prov.column("index").to_pylist() != idx or prov.column("sample_id").to_pylist() != table.column(
-            "sample_id").to_pylist():
-        raise ValueError(f"export: {provenance} does not describe the rows of {merged_path} (another merge's?): "
-                         "rerun rule provenance")
+    if (
+        prov.column("index").to_pylist() != idx
+        or prov.column("sample_id").to_pylist() != table.column("sample_id").to_pylist()
+    ):
+        raise ValueError(
+            f"export: {provenance} does not describe the rows of {merged_path} (another merge's?): "
+            "rerun rule provenance"
+        )
     for name in SIDE_COLUMNS:
         table = table.append_column(prov.schema.field(name), prov.column(name))
     return table
 
 
-_INDEX = {"specforge": re.compile(r"^data_(\d+)\.ckpt$"), "modelopt": re.compile(r"^(\d+)\.pt$"),
-          "speculators": re.compile(r"^hs_(\d+)\.safetensors$")}
+_INDEX = {
+    "specforge": re.compile(r"^data_(\d+)\.ckpt$"),
+    "modelopt": re.compile(r"^(\d+)\.pt$"),
+    "speculators": re.compile(r"^hs_(\d+)\.safetensors$"),
+}
 _GROUP = re.compile(r"^rows_(\d+)-(\d+)$")
 _SAMPLES = re.compile(r"^samples_(\d+)\.parquet$")
 
 
-def prune_stale(out_dir, layout: str, *, start: int, end: int, total: int, group_size: int,
-                skip=frozenset()) -> list[str]:
+def prune_stale(
+    out_dir, layout: str, *, start: int, end: int, total: int, group_size: int, skip=frozenset()
+) -> list[str]:
     """Remove the files of an earlier export in ``out_dir`` that this export does not write, among those this
     shard owns: sample indices in ``[start, end)`` (its rows) and, for the shard that ends the set
     (``end >= total``), every index from ``total`` on. A sample file is stale when its index is owned and it is not
@@ -465,8 +510,11 @@ def prune_stale(out_dir, layout: str, *, start: int, end: int, total: int, group
                 continue
             for f in os.scandir(d.path):
                 k = pattern.match(f.name)
-                if k and owned(i := int(k.group(1))) and (
-                        i >= total or i in skip or Path(f.path) != sample_path(layout, out_dir, i, group_size)):
+                if (
+                    k
+                    and owned(i := int(k.group(1)))
+                    and (i >= total or i in skip or Path(f.path) != sample_path(layout, out_dir, i, group_size))
+                ):
                     rm(Path(f.path))
     else:
         if last and (out_dir / "hidden_states").is_dir():
@@ -517,16 +565,28 @@ def write_speculators_dataset(out_dir, *, token_frequencies=None) -> dict:
     out_dir = Path(out_dir)
     parts = sorted(out_dir.glob("samples_*.parquet"), key=lambda p: int(_SAMPLES.match(p.name).group(1)))
     tables = [pq.read_table(p, columns=["index", "input_ids", "loss_mask", "seq_len"]) for p in parts]
-    table = pa.concat_tables(tables) if tables else pa.table(
-        {"index": pa.array([], pa.int64()), "input_ids": pa.array([], pa.list_(pa.int64())),
-         "loss_mask": pa.array([], pa.list_(pa.int64())), "seq_len": pa.array([], pa.int64())})
+    table = (
+        pa.concat_tables(tables)
+        if tables
+        else pa.table(
+            {
+                "index": pa.array([], pa.int64()),
+                "input_ids": pa.array([], pa.list_(pa.int64())),
+                "loss_mask": pa.array([], pa.list_(pa.int64())),
+                "seq_len": pa.array([], pa.int64()),
+            }
+        )
+    )
     index = table.column("index").to_numpy()
     if not np.array_equal(index, np.arange(len(index))):
         gap = next(i for i, v in enumerate(np.append(index, -1)) if v != i)
-        raise ValueError(f"export: {out_dir} has no sample {gap} in its samples_*.parquet files (a shard's export "
-                         "is missing): rerun the export")
-    table = table.select(["input_ids", "loss_mask", "seq_len"]).cast(pa.schema(
-        [("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())]))
+        raise ValueError(
+            f"export: {out_dir} has no sample {gap} in its samples_*.parquet files (a shard's export "
+            "is missing): rerun the export"
+        )
+    table = table.select(["input_ids", "loss_mask", "seq_len"]).cast(
+        pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())])
+    )
     ds = datasets.Dataset(table)
     ds.set_format("torch")
     out_dir.mkdir(parents=True, exist_ok=True)

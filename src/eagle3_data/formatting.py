@@ -66,4 +66,4 @@ def format_bytes(x: float) -> str:
     j = 0
     while j < 4 and abs(x) >= 1024 ** (j + 1):
         j += 1
-    return f"{x / 1000 ** k:,.2f} {'B KB MB GB TB'.split()[k]} ({x / 1024 ** j:,.2f} {'B KiB MiB GiB TiB'.split()[j]})"
+    return f"{x / 1000**k:,.2f} {'B KB MB GB TB'.split()[k]} ({x / 1024**j:,.2f} {'B KiB MiB GiB TiB'.split()[j]})"

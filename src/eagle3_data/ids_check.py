@@ -33,15 +33,21 @@ class IdsMismatch(ValueError):
     """A sample's ids are not the start of the target's render of the finished conversation."""
 
 
-def finished_render_ids(tok, messages: list[dict], reply: dict, tools: list[dict] | None = None,
-                        chat_template_kwargs: dict | None = None) -> list[int]:
+def finished_render_ids(
+    tok, messages: list[dict], reply: dict, tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+) -> list[int]:
     """Ids of the finished conversation ``messages + [reply]`` as the tokenizer's chat template renders it
     (``add_generation_prompt=False``, ``tokenize=True``; a BatchEncoding's ``input_ids`` taken).
 
     ``tok``: a transformers tokenizer with a chat template; ``reply``: the assistant message (``content``, and
     ``reasoning_content`` / ``tool_calls`` when the reply has them)."""
-    out = tok.apply_chat_template(list(messages) + [reply], tools=tools or None, add_generation_prompt=False,
-                                  tokenize=True, **(chat_template_kwargs or {}))
+    out = tok.apply_chat_template(
+        list(messages) + [reply],
+        tools=tools or None,
+        add_generation_prompt=False,
+        tokenize=True,
+        **(chat_template_kwargs or {}),
+    )
     if hasattr(out, "keys") and "input_ids" in out:
         out = out["input_ids"]
     return [int(i) for i in out]
@@ -74,8 +80,10 @@ class DatasetCheck:
         """One line: how many samples matched and the tails seen."""
         ok = self.samples - len(self.mismatches)
         tails = ", ".join(f"{tail!r} x{n} ({reason})" for (reason, tail), n in sorted(self.tails.items()))
-        text = (f"{self.dataset}: {ok}/{self.samples} validated samples are the target's render of the finished "
-                f"conversation up to the reply's end of turn; the render's tail after them: {tails or 'none'}")
+        text = (
+            f"{self.dataset}: {ok}/{self.samples} validated samples are the target's render of the finished "
+            f"conversation up to the reply's end of turn; the render's tail after them: {tails or 'none'}"
+        )
         if self.mismatches:
             sid, detail = self.mismatches[0]
             text += f"; {len(self.mismatches)} differ, e.g. {sid}: {detail}"
@@ -114,8 +122,9 @@ def check_dataset(config: dict, ds: str, tok, root: str | Path = ".") -> Dataset
                 replies[r["sample_id"]] = r
         for row in pq.read_table(paths["validated"], columns=["sample_id", "input_ids", "finish_reason"]).to_pylist():
             r = replies[row["sample_id"]]
-            finished = finished_render_ids(tok, json.loads(r["messages"]), _reply(r),
-                                           json.loads(r["tools"]) if r["tools"] else None, kwargs)
+            finished = finished_render_ids(
+                tok, json.loads(r["messages"]), _reply(r), json.loads(r["tools"]) if r["tools"] else None, kwargs
+            )
             res.samples += 1
             try:
                 tail = render_tail(row["input_ids"], finished)
@@ -132,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     ap = argparse.ArgumentParser(prog="python -m eagle3_data.ids_check", description=__doc__.splitlines()[0])
-    ap.add_argument("--configfile", nargs="+", default=["config.yaml"],
-                    help="the build's config file(s), merged key by key as snakemake does (default: config.yaml)")
+    ap.add_argument(
+        "--configfile",
+        nargs="+",
+        default=["config.yaml"],
+        help="the build's config file(s), merged key by key as snakemake does (default: config.yaml)",
+    )
     ap.add_argument("--dataset", action="append", help="only this dataset (repeatable)")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer

@@ -53,13 +53,19 @@ class JournalWriteError(ExpectedFailure):
 
     @classmethod
     def of(cls, path: Path, exc: OSError) -> "JournalWriteError":
-        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
-               errno.EROFS: "the file system is read-only", errno.EACCES: "no permission to write there",
-               errno.EPERM: "no permission to write there"}.get(exc.errno, exc.strerror or str(exc))
-        return cls(f"cannot write the response journal in {path.parent}/: {why} ({path.name}: "
-                   f"[Errno {exc.errno}] {exc.strerror})",
-                   hint=f"free space in (or make writable) {path.parent}/, then rerun the same command: every "
-                        "response journaled so far is kept and not paid for again; no request was sent after this")
+        why = {
+            errno.ENOSPC: "the disk is full",
+            errno.EDQUOT: "the disk quota is used up",
+            errno.EROFS: "the file system is read-only",
+            errno.EACCES: "no permission to write there",
+            errno.EPERM: "no permission to write there",
+        }.get(exc.errno, exc.strerror or str(exc))
+        return cls(
+            f"cannot write the response journal in {path.parent}/: {why} ({path.name}: "
+            f"[Errno {exc.errno}] {exc.strerror})",
+            hint=f"free space in (or make writable) {path.parent}/, then rerun the same command: every "
+            "response journaled so far is kept and not paid for again; no request was sent after this",
+        )
 
 
 def journal_path(journal_dir: str | os.PathLike, dataset: str, shard: str) -> Path:
@@ -67,8 +73,23 @@ def journal_path(journal_dir: str | os.PathLike, dataset: str, shard: str) -> Pa
     return Path(journal_dir) / dataset / f"{shard}.jsonl"
 
 
-_TEXT_FIELDS = ("sample_id", "dataset", "messages", "tools", "status", "error", "reasoning", "content", "tool_calls",
-                "finish_reason", "backend", "provider", "model", "generation_id", "system_fingerprint")
+_TEXT_FIELDS = (
+    "sample_id",
+    "dataset",
+    "messages",
+    "tools",
+    "status",
+    "error",
+    "reasoning",
+    "content",
+    "tool_calls",
+    "finish_reason",
+    "backend",
+    "provider",
+    "model",
+    "generation_id",
+    "system_fingerprint",
+)
 _COUNT_FIELDS = ("turn", "prompt_tokens", "completion_tokens", "reasoning_tokens", "attempts")
 _NUMBER_FIELDS = ("cost_usd", "latency_s", "completed_at")
 
@@ -118,14 +139,20 @@ def iter_journal_file(path: str | os.PathLike, stats: dict | None = None, warn: 
             except ValueError as exc:
                 stats["bad_lines"] += 1
                 if warn:
-                    logger.warning("journal %s line %d: %s; skipped (its request is sent again)", path, lineno,
-                                   str(exc)[:200], extra={"reason": "journal_bad_line"})
+                    logger.warning(
+                        "journal %s line %d: %s; skipped (its request is sent again)",
+                        path,
+                        lineno,
+                        str(exc)[:200],
+                        extra={"reason": "journal_bad_line"},
+                    )
                 continue
             yield rec
 
 
-def read_journal(journal_dir: str | os.PathLike, dataset: str, fields: Iterable[str] | None = None,
-                 key_files: dict | None = None) -> tuple[dict[str, dict], dict]:
+def read_journal(
+    journal_dir: str | os.PathLike, dataset: str, fields: Iterable[str] | None = None, key_files: dict | None = None
+) -> tuple[dict[str, dict], dict]:
     """Read every ``*.jsonl`` of ``<journal_dir>/<dataset>/``.
 
     Returns ``(records, stats)``: ``records`` maps ``request_key`` -> record dict (first occurrence wins;
@@ -190,12 +217,12 @@ class JournalWriter:
         cond = self._cond
         while True:
             with cond:
-                cond.wait_for(lambda: self._closing or self._unsynced >= self.sync_every,
-                              timeout=self.sync_interval_s)
+                cond.wait_for(lambda: self._closing or self._unsynced >= self.sync_every, timeout=self.sync_interval_s)
                 if self._closing:
                     return
-                if not self._unsynced or (self._unsynced < self.sync_every
-                                          and time.monotonic() - self._last_sync < self.sync_interval_s):
+                if not self._unsynced or (
+                    self._unsynced < self.sync_every and time.monotonic() - self._last_sync < self.sync_interval_s
+                ):
                     continue
                 self._unsynced = 0
                 self._last_sync = time.monotonic()
@@ -303,8 +330,13 @@ class JournalWriter:
                 raise
 
 
-def save_held(records: list[dict], journal_dir: str | os.PathLike, dataset: str, shard: str,
-              fallback_dir: str | os.PathLike | None = None) -> tuple[Path | None, bool]:
+def save_held(
+    records: list[dict],
+    journal_dir: str | os.PathLike,
+    dataset: str,
+    shard: str,
+    fallback_dir: str | os.PathLike | None = None,
+) -> tuple[Path | None, bool]:
     """Write paid ``records`` that the journal could not take when they arrived: appended to the shard's journal
     if it can be written now, else to ``<fallback_dir>/eagle3-journal-<dataset>-<shard>-<pid>.jsonl`` (default
     the system's temp directory; a journal file a rerun reads once moved into ``<journal_dir>/<dataset>/``).

@@ -6,8 +6,9 @@ import logging
 import sys
 
 
-def setup_logging(log_path: str | None = None, level: int = logging.INFO,
-                  console_level: int | None = None) -> logging.Logger:
+def setup_logging(
+    log_path: str | None = None, level: int = logging.INFO, console_level: int | None = None
+) -> logging.Logger:
     """Send the ``eagle3_data`` logger's records to ``log_path`` (if given; appended below a line opening this
     attempt, so a rerun keeps the earlier attempts' lines) and stderr; return it.
 

@@ -64,9 +64,11 @@ log = logging.getLogger("eagle3_data.merge")
 
 OVERFLOW_MODES = ("truncate", "drop")
 #: the held-out rule, as the manifest states it
-HELDOUT_RULE = ("held out when int(md5(f'{seed}\\x1fheldout\\x1f{base_id}')[:8], 16) / 2**32 < heldout; base_id = "
-                "sample_id without a trailing @<turn>; decided among rows no dedup / supervision / length rule drops; "
-                "max_samples caps count training rows only")
+HELDOUT_RULE = (
+    "held out when int(md5(f'{seed}\\x1fheldout\\x1f{base_id}')[:8], 16) / 2**32 < heldout; base_id = "
+    "sample_id without a trailing @<turn>; decided among rows no dedup / supervision / length rule drops; "
+    "max_samples caps count training rows only"
+)
 _TURN = re.compile(r"@[0-9]+$")
 #: MERGED columns written with dictionary encoding (every one but the token ids)
 _DICT_COLUMNS = [n for n in schemas.MERGED.names if n != "input_ids"]
@@ -241,7 +243,9 @@ def merge(
         con.execute("SET VARIABLE seed = ?::VARCHAR", [str(seed)])
         con.execute("SET VARIABLE heldout = ?::DOUBLE", [heldout])
         con.execute("CREATE TEMP TABLE merge_sources (filename VARCHAR, source VARCHAR, idx BIGINT)")
-        con.executemany("INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, key, i] for i, (f, key) in enumerate(zip(files, keys))])
+        con.executemany(
+            "INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, key, i] for i, (f, key) in enumerate(zip(files, keys))]
+        )
 
         row_keys(con, files, max_len=max_len, datasets=datasets, threads=threads or None, batch_rows=batch_rows)
         t_keys = time.perf_counter() - t0
@@ -283,8 +287,14 @@ def merge(
             sel_job = pool.submit(write_selections)
         try:
             t1 = time.perf_counter()
-            written = _write_groups(con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows), groups, check,
-                                    timing, "shards", commit=commit)
+            written = _write_groups(
+                con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows),
+                groups,
+                check,
+                timing,
+                "shards",
+                commit=commit,
+            )
             timing["shards"] = time.perf_counter() - t1
         except BaseException:
             stop.set()
@@ -294,21 +304,41 @@ def merge(
             raise
         if sel_job is not None:
             sel_written = sel_job.result()
-            for (idx, key, n, _tok, _dig) in sel_stats:
+            for idx, key, n, _tok, _dig in sel_stats:
                 if sel_written[idx] != n:
                     raise RuntimeError(f"merge: selection {sel_outs[idx]} has {sel_written[idx]} rows, plan says {n}")
         _check_written(groups, stats, written)  # before the files are renamed into place
 
-    manifest = _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed,
-                         heldout=heldout, heldout_path=heldout_path)
+    manifest = _manifest(
+        outs,
+        files,
+        stats,
+        drops,
+        datasets,
+        max_samples,
+        max_len,
+        overflow,
+        seed,
+        heldout=heldout,
+        heldout_path=heldout_path,
+    )
     manifest["selections"] = {
-        key: {"path": sel_outs[idx] if sel_outs is not None else None, "input": files[idx], "samples": n,
-              "tokens": tok, "digest": dig}
+        key: {
+            "path": sel_outs[idx] if sel_outs is not None else None,
+            "input": files[idx],
+            "samples": n,
+            "tokens": tok,
+            "digest": dig,
+        }
         for idx, key, n, tok, dig in sel_stats
     }
-    manifest["timing_s"] = {"plan": round(t_plan, 3), "plan_row_keys": round(t_keys, 3), "stats": round(t_stats, 3),
-                            **{k_: round(v, 3) for k_, v in timing.items()},
-                            "total": round(time.perf_counter() - t0, 3)}
+    manifest["timing_s"] = {
+        "plan": round(t_plan, 3),
+        "plan_row_keys": round(t_keys, 3),
+        "stats": round(t_stats, 3),
+        **{k_: round(v, 3) for k_, v in timing.items()},
+        "total": round(time.perf_counter() - t0, 3),
+    }
     tot = manifest["totals"]
     if tot["samples"] == 0 and tot.get("input_samples", 0) > 0:
         for p in groups + (sel_outs or []):  # an empty merged set is a configuration error, not a result
@@ -321,13 +351,23 @@ def merge(
     write_json(manifest, manifest_path)
     log.info(
         "merged %d samples (%d tokens, %d supervised) from %d files into %d shards in %.1fs; dropped %s",
-        tot["samples"], tot["tokens"], tot["supervised_tokens"], len(files), k,
-        manifest["timing_s"]["total"], tot["dropped"],
+        tot["samples"],
+        tot["tokens"],
+        tot["supervised_tokens"],
+        len(files),
+        k,
+        manifest["timing_s"]["total"],
+        tot["dropped"],
     )
     if heldout:
         h = manifest["heldout"]
-        log.info("held out %d samples (%d tokens; merge.heldout = %s) in %s", h["samples"], h["tokens"], heldout,
-                 heldout_path)
+        log.info(
+            "held out %d samples (%d tokens; merge.heldout = %s) in %s",
+            h["samples"],
+            h["tokens"],
+            heldout,
+            heldout_path,
+        )
     return manifest
 
 
@@ -339,16 +379,25 @@ def remove_leftover_heldout(path, export_dir=None) -> bool:
     removed = p.is_file()
     if removed:
         p.unlink()
-        log.warning("merge.heldout is 0: removed %s, left by an earlier merge (its samples are training samples now)",
-                    p)
+        log.warning(
+            "merge.heldout is 0: removed %s, left by an earlier merge (its samples are training samples now)", p
+        )
     if export_dir is not None and Path(export_dir).is_dir():
-        log.warning("merge.heldout is 0: %s holds an earlier held-out export whose samples are now trained on; "
-                    "delete it", export_dir)
+        log.warning(
+            "merge.heldout is 0: %s holds an earlier held-out export whose samples are now trained on; delete it",
+            export_dir,
+        )
     return removed
 
 
-def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = None, name: str = "",
-                  commit: contextlib.ExitStack | None = None) -> dict[int, int]:
+def _write_groups(
+    reader,
+    outs: list[str],
+    check: bool,
+    timing: dict | None = None,
+    name: str = "",
+    commit: contextlib.ExitStack | None = None,
+) -> dict[int, int]:
     """Write a stream of MERGED rows carrying a ``shard`` column (non-decreasing) into one parquet file per
     group: ``outs[shard]``. ``reader``: record batches (an arrow reader or any iterable). Every file is written
     (an empty table for a group without rows), each under a temporary name renamed when complete, or, with
@@ -366,8 +415,11 @@ def _write_groups(reader, outs: list[str], check: bool, timing: dict | None = No
         s = contextlib.ExitStack()
         tmp = (commit if commit is not None else s).enter_context(atomic_path(outs[i]))
         # input_ids plain-encoded (zstd only): a dictionary of token ids costs more write time than it saves
-        state.update(shard=i, stack=s, writer=pq.ParquetWriter(tmp, schemas.MERGED, compression="zstd",
-                                                               use_dictionary=_DICT_COLUMNS))
+        state.update(
+            shard=i,
+            stack=s,
+            writer=pq.ParquetWriter(tmp, schemas.MERGED, compression="zstd", use_dictionary=_DICT_COLUMNS),
+        )
 
     def close_shard() -> None:
         if state["writer"] is not None:
@@ -457,13 +509,22 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
         for r in np.flatnonzero(arr)[:5]:
             bad.append((int(r), rule))
 
-    for name in ("sample_id", "dataset", "input_ids", "loss_mask", "num_tokens", "num_supervised", "truncated"):  # source may be null
+    for name in (
+        "sample_id",
+        "dataset",
+        "input_ids",
+        "loss_mask",
+        "num_tokens",
+        "num_supervised",
+        "truncated",
+    ):  # source may be null
         col = table.column(name)
         if col.null_count:
             flag(pc.is_null(col).to_numpy(zero_copy_only=False), f"{name} is null")
     # a merged row is (dataset, sample_id): datasets built from one source may share ids
-    sid = pc.binary_join_element_wise(table.column("dataset").combine_chunks(),
-                                      table.column("sample_id").combine_chunks(), "\x00")
+    sid = pc.binary_join_element_wise(
+        table.column("dataset").combine_chunks(), table.column("sample_id").combine_chunks(), "\x00"
+    )
     if pc.count_distinct(sid, mode="only_valid").as_py() != n - sid.null_count:
         counts = pc.value_counts(sid)
         dups = {v["values"] for v in counts.to_pylist() if v["counts"] > 1}
@@ -476,7 +537,7 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
     for name, low, high in (("input_ids", 0, None), ("loss_mask", 0, 1)):
         lists = table.column(name).combine_chunks()
         off = lists.offsets.to_numpy()
-        vals = lists.values.to_numpy(zero_copy_only=False)[off[0]:off[-1]]  # int32 ids / int8 mask, no copy
+        vals = lists.values.to_numpy(zero_copy_only=False)[off[0] : off[-1]]  # int32 ids / int8 mask, no copy
         rel = off - off[0]
         lens = np.diff(rel)
         flag(lens != ntok, f"{name} length differs from num_tokens")
@@ -507,8 +568,9 @@ def _check_written(outs, stats, written) -> None:
             raise RuntimeError(f"merge: shard {outs[i]} has {written[i]} rows written, plan says {n}")
 
 
-def _selection_batches(files: list[str], keys: list[str], plan: dict, max_len: int, batch_rows: int,
-                       stop: threading.Event):
+def _selection_batches(
+    files: list[str], keys: list[str], plan: dict, max_len: int, batch_rows: int, stop: threading.Event
+):
     """Record batches of each selection's rows (MERGED columns + ``shard`` = the file's index), file after file,
     read straight from the validated files: the kept rows (``plan``: ``sql/merge_selection_plan.sql`` as numpy
     arrays idx, file_row_number, out_tokens, out_supervised, truncated) in file row order, ``input_ids`` and
@@ -533,7 +595,7 @@ def _selection_batches(files: list[str], keys: list[str], plan: dict, max_len: i
             pos = rows[a:b] - (first - n_batch)
             if b - a < n_batch:
                 batch = batch.take(pa.array(pos))
-            trunc = plan["truncated"][lo + a: lo + b]
+            trunc = plan["truncated"][lo + a : lo + b]
             ids, mask = batch.column("input_ids"), batch.column("loss_mask")
             if trunc.any():
                 flag = pa.array(trunc)
@@ -541,24 +603,39 @@ def _selection_batches(files: list[str], keys: list[str], plan: dict, max_len: i
                 mask = pc.if_else(flag, pc.list_slice(mask, 0, max_len), mask)
             n = b - a
             yield pa.RecordBatch.from_arrays(
-                [batch.column("sample_id"), batch.column("dataset"), ids, mask,
-                 pa.array(plan["out_tokens"][lo + a: lo + b], pa.int64()),
-                 pa.array(plan["out_supervised"][lo + a: lo + b], pa.int64()),
-                 pa.array(trunc, pa.bool_()), pa.array([keys[i]] * n, pa.string()), pa.array(np.full(n, i, np.int64))],
+                [
+                    batch.column("sample_id"),
+                    batch.column("dataset"),
+                    ids,
+                    mask,
+                    pa.array(plan["out_tokens"][lo + a : lo + b], pa.int64()),
+                    pa.array(plan["out_supervised"][lo + a : lo + b], pa.int64()),
+                    pa.array(trunc, pa.bool_()),
+                    pa.array([keys[i]] * n, pa.string()),
+                    pa.array(np.full(n, i, np.int64)),
+                ],
                 names=[*schemas.MERGED.names, "shard"],
             )
 
 
-def _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed, *, heldout=0.0,
-              heldout_path=None) -> dict:
+def _manifest(
+    outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed, *, heldout=0.0, heldout_path=None
+) -> dict:
     """The manifest dict from the SQL results: ``stats`` (merge_stats.sql; shard ``len(outs)`` is the held-out
     set) and ``drops`` (merge_drops.sql)."""
     shards = [
-        {"path": p, "samples": 0, "tokens": 0, "supervised_tokens": 0, "truncated": 0, "datasets": {}}
-        for p in outs
+        {"path": p, "samples": 0, "tokens": 0, "supervised_tokens": 0, "truncated": 0, "datasets": {}} for p in outs
     ]
-    held = {"path": heldout_path, "fraction": heldout, "rule": HELDOUT_RULE, "samples": 0, "tokens": 0,
-            "supervised_tokens": 0, "truncated": 0, "datasets": {}}
+    held = {
+        "path": heldout_path,
+        "fraction": heldout,
+        "rule": HELDOUT_RULE,
+        "samples": 0,
+        "tokens": 0,
+        "supervised_tokens": 0,
+        "truncated": 0,
+        "datasets": {},
+    }
     held_tokens: dict = {}
     for shard, ds, n, tok, sup, trunc in stats:
         s = shards[shard] if shard < len(outs) else held
@@ -571,8 +648,9 @@ def _manifest(outs, files, stats, drops, datasets, max_samples, max_len, overflo
             held_tokens[ds] = tok
     per_ds: dict = {}
     for ds, decision, n, tok in drops:
-        d = per_ds.setdefault(ds, {"input_samples": 0, "input_tokens": 0, "kept": 0, "heldout": 0,
-                                   "heldout_tokens": 0, "dropped": {}})
+        d = per_ds.setdefault(
+            ds, {"input_samples": 0, "input_tokens": 0, "kept": 0, "heldout": 0, "heldout_tokens": 0, "dropped": {}}
+        )
         d["input_samples"] += n
         d["input_tokens"] += tok
         if decision == "kept":

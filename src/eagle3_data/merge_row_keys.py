@@ -40,8 +40,8 @@ def _id_text_table(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _list_parts(lists: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Offsets (int64, rebased to 0, ``len + 1``) and the values (no copy) of a list array without nulls."""
-    off = np.frombuffer(lists.buffers()[1], np.int32)[lists.offset: lists.offset + len(lists) + 1].astype(np.int64)
-    vals = lists.values.to_numpy(zero_copy_only=False)[off[0]: off[-1]]
+    off = np.frombuffer(lists.buffers()[1], np.int32)[lists.offset : lists.offset + len(lists) + 1].astype(np.int64)
+    vals = lists.values.to_numpy(zero_copy_only=False)[off[0] : off[-1]]
     return off - off[0], vals
 
 
@@ -89,7 +89,7 @@ def list_text_md5(lists: pa.Array) -> list[str] | None:
     n, r = len(rel) - 1, 0
     while r < n:  # rows in chunks of about _TEXT_CHUNK values: the text buffers stay small
         e = min(n, max(r + 1, int(np.searchsorted(rel, rel[r] + _TEXT_CHUNK, side="right")) - 1))
-        out += _text_md5(vals[rel[r]: rel[e]], rel[r: e + 1] - rel[r])
+        out += _text_md5(vals[rel[r] : rel[e]], rel[r : e + 1] - rel[r])
         r = e
     return out
 
@@ -132,21 +132,26 @@ def _file_row_keys(path: str, max_len: int, datasets: list[str] | None, batch_ro
         sup = _row_sums(mvals, mask_rel)
         cut = sup.copy()
         for r in np.flatnonzero(np.diff(mask_rel) > max_len).tolist():  # rows past max_len: sum of the head
-            cut[r] = int(mvals[mask_rel[r]: mask_rel[r] + max_len].sum(dtype=np.int64))
-        parts.append(pa.table({
-            "filename": pa.array([path] * batch.num_rows, pa.string()),
-            "file_row_number": pa.array(rows, pa.int64()),
-            "content_key": pa.array(content, pa.string()),
-            "mask_key": pa.array(masks, pa.string()),
-            "num_tokens": pa.array(np.diff(ids_rel), pa.int64()),
-            "num_supervised": pa.array(sup, pa.int64()),
-            "num_supervised_cut": pa.array(cut, pa.int64()),
-        }))
+            cut[r] = int(mvals[mask_rel[r] : mask_rel[r] + max_len].sum(dtype=np.int64))
+        parts.append(
+            pa.table(
+                {
+                    "filename": pa.array([path] * batch.num_rows, pa.string()),
+                    "file_row_number": pa.array(rows, pa.int64()),
+                    "content_key": pa.array(content, pa.string()),
+                    "mask_key": pa.array(masks, pa.string()),
+                    "num_tokens": pa.array(np.diff(ids_rel), pa.int64()),
+                    "num_supervised": pa.array(sup, pa.int64()),
+                    "num_supervised_cut": pa.array(cut, pa.int64()),
+                }
+            )
+        )
     return pa.concat_tables(parts) if parts else None
 
 
-def row_keys(con, files: list[str], *, max_len: int, datasets: list[str] | None, threads: int | None,
-             batch_rows: int = 1024) -> dict:
+def row_keys(
+    con, files: list[str], *, max_len: int, datasets: list[str] | None, threads: int | None, batch_rows: int = 1024
+) -> dict:
     """Create DuckDB temp table ``merge_row_keys`` (``sql/merge_row_keys.sql``: per row of ``files``, md5 of
     ``input_ids`` and of ``loss_mask`` as VARCHAR, num_tokens, num_supervised, num_supervised_cut; only rows of
     ``datasets`` when given) on connection ``con``, the same values as that query, computed with numpy in

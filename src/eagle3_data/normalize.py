@@ -49,17 +49,19 @@ class RejectCeilingError(ExpectedFailure, ValueError):
     (or options) for the file. Nothing is written."""
 
 
-def reject_ceiling_message(dataset: str, source_format: str, source_path, rows_read: int, rejected: Counter,
-                           examples: dict, ceiling: float) -> str:
+def reject_ceiling_message(
+    dataset: str, source_format: str, source_path, rows_read: int, rejected: Counter, examples: dict, ceiling: float
+) -> str:
     """The message of :class:`RejectCeilingError`: the dataset, its format and file, the share rejected and the
     top reasons, each with one example."""
     n = sum(rejected.values())
-    top = "\n".join(f"  {reason}: {k} (e.g. {examples.get(reason, '')[:160]})"
-                     for reason, k in rejected.most_common(3))
-    return (f"normalize {dataset}: {n} of {rows_read} rows of {source_path} rejected ({n / rows_read:.0%}, more than "
-            f"max_reject_rate {ceiling:.0%}) reading it as format {source_format!r}; top reasons:\n{top}\n"
-            f"Check datasets.{dataset}.source.format (and its options), or raise "
-            f"datasets.{dataset}.source.max_reject_rate / normalize.max_reject_rate if these rows are really unusable.")
+    top = "\n".join(f"  {reason}: {k} (e.g. {examples.get(reason, '')[:160]})" for reason, k in rejected.most_common(3))
+    return (
+        f"normalize {dataset}: {n} of {rows_read} rows of {source_path} rejected ({n / rows_read:.0%}, more than "
+        f"max_reject_rate {ceiling:.0%}) reading it as format {source_format!r}; top reasons:\n{top}\n"
+        f"Check datasets.{dataset}.source.format (and its options), or raise "
+        f"datasets.{dataset}.source.max_reject_rate / normalize.max_reject_rate if these rows are really unusable."
+    )
 
 
 class _ShardWriter:
@@ -191,10 +193,19 @@ def normalize(
         rejected[reason] += 1
         examples.setdefault(reason, detail)
         rejects.append(
-            {"sample_id": sid, "dataset": dataset, "stage": "normalize", "reason": reason, "detail": detail[:2000], "source_row": index}
+            {
+                "sample_id": sid,
+                "dataset": dataset,
+                "stage": "normalize",
+                "reason": reason,
+                "detail": detail[:2000],
+                "source_row": index,
+            }
         )
 
-    log.info("normalize %s: reading %s as %s -> %d shard(s) of %s", dataset, source_path, source_format, num_shards, kind)
+    log.info(
+        "normalize %s: reading %s as %s -> %d shard(s) of %s", dataset, source_path, source_format, num_shards, kind
+    )
     with contextlib.ExitStack() as stack:
         shards = [_ShardWriter(p, kind, stack, batch_rows) for p in out_paths]
         records = stack.enter_context(contextlib.closing(iter_records(source_path, on_error=on_error)))
@@ -226,8 +237,9 @@ def normalize(
                 reject("nested_too_deep", f"{source_path} {where}: {TOO_DEEP}", None, index)
                 continue
             if _SURROGATE.search(sid):  # an id must be stable and exact: not repaired
-                reject("invalid_id", f"{where}: sample id {sid!r} is not valid Unicode (unpaired surrogate)", None,
-                       index)
+                reject(
+                    "invalid_id", f"{where}: sample id {sid!r} is not valid Unicode (unpaired surrogate)", None, index
+                )
                 continue
             if sid in seen:
                 reject("duplicate_id", f"{where}: sample_id {sid!r} already used by an earlier row", sid, index)
@@ -252,11 +264,18 @@ def normalize(
                 last = now
                 log.info(
                     "normalize %s: %d read, %d kept, %d rejected (%.0f rows/s)",
-                    dataset, rows_read, kept, sum(rejected.values()), rows_read / max(now - t0, 1e-9),
+                    dataset,
+                    rows_read,
+                    kept,
+                    sum(rejected.values()),
+                    rows_read / max(now - t0, 1e-9),
                 )
         if rows_read and sum(rejected.values()) > max_reject_rate * rows_read:
-            raise RejectCeilingError(reject_ceiling_message(dataset, source_format, source_path, rows_read, rejected,
-                                                            examples, max_reject_rate))
+            raise RejectCeilingError(
+                reject_ceiling_message(
+                    dataset, source_format, source_path, rows_read, rejected, examples, max_reject_rate
+                )
+            )
         for s in shards:
             s.flush()
         schemas.write_checked(schemas.from_rows(rejects, schemas.REJECTS), "rejects", rejects_path)
@@ -277,10 +296,21 @@ def normalize(
     }
     if skipped_lines:
         shown = ", ".join(map(str, skipped_lines[:20])) + (", ..." if len(skipped_lines) > 20 else "")
-        log.warning("normalize %s: skipped %d line(s) of %s that are not valid JSON (source.on_error: skip; "
-                    "rejected invalid_json): line(s) %s", dataset, len(skipped_lines), source_path, shown)
+        log.warning(
+            "normalize %s: skipped %d line(s) of %s that are not valid JSON (source.on_error: skip; "
+            "rejected invalid_json): line(s) %s",
+            dataset,
+            len(skipped_lines),
+            source_path,
+            shown,
+        )
     log.info(
         "normalize %s: done in %.1fs: %d read, %d kept, rejected %s, per shard %s",
-        dataset, time.monotonic() - t0, rows_read, kept, counts["rejected"] or "{}", counts["per_shard"],
+        dataset,
+        time.monotonic() - t0,
+        rows_read,
+        kept,
+        counts["rejected"] or "{}",
+        counts["per_shard"],
     )
     return counts

@@ -76,8 +76,11 @@ def answer_fields(message: dict) -> dict:
             sol = _SOLUTION.search(rest)
             reasoning, content = m.group(1).strip(), (sol.group(1) if sol else rest).strip()
     calls = message.get("tool_calls") or None
-    return {"reasoning": reasoning if reasoning is not None else "", "content": content,
-            "tool_calls": json.dumps(calls, ensure_ascii=False) if calls else None}
+    return {
+        "reasoning": reasoning if reasoning is not None else "",
+        "content": content,
+        "tool_calls": json.dumps(calls, ensure_ascii=False) if calls else None,
+    }
 
 
 def prompt_messages(history: list[dict], tool_call_ids: str) -> list[dict]:
@@ -102,27 +105,44 @@ def answer_rows(sample, dataset: str, mode: str, tool_call_ids: str) -> list[dic
     if not turns:
         prompt = prompt_messages(messages, tool_call_ids)
         key = content_hash(dataset, sample.sample_id, NO_ANSWER, length=16)
-        row = failed_row(sample, dataset, len(messages), key, prompt, NO_ANSWER,
-                         "no assistant answer after the first message (the conversation ends with "
-                         f"{messages[-1].get('role') if messages else 'nothing'!r}): nothing to train on")
+        row = failed_row(
+            sample,
+            dataset,
+            len(messages),
+            key,
+            prompt,
+            NO_ANSWER,
+            "no assistant answer after the first message (the conversation ends with "
+            f"{messages[-1].get('role') if messages else 'nothing'!r}): nothing to train on",
+        )
         return [{**row, "backend": ORIGINAL_BACKEND}]
     rows = []
     for turn in turns:
         prompt = prompt_messages(messages[:turn], tool_call_ids)
         fields = answer_fields(messages[turn])
-        rows.append({
-            "sample_id": sample.sample_id, "dataset": dataset, "turn": int(turn),
-            "request_key": content_hash(dataset, sample.sample_id, int(turn), ORIGINAL_BACKEND, prompt, sample.tools,
-                                        fields, length=16),
-            "messages": json.dumps(prompt, ensure_ascii=False), "tools": tools_json, "status": "ok", "error": None,
-            **fields, "finish_reason": "tool_calls" if fields["tool_calls"] else "stop",
-            "backend": ORIGINAL_BACKEND,
-        })
+        rows.append(
+            {
+                "sample_id": sample.sample_id,
+                "dataset": dataset,
+                "turn": int(turn),
+                "request_key": content_hash(
+                    dataset, sample.sample_id, int(turn), ORIGINAL_BACKEND, prompt, sample.tools, fields, length=16
+                ),
+                "messages": json.dumps(prompt, ensure_ascii=False),
+                "tools": tools_json,
+                "status": "ok",
+                "error": None,
+                **fields,
+                "finish_reason": "tool_calls" if fields["tool_calls"] else "stop",
+                "backend": ORIGINAL_BACKEND,
+            }
+        )
     return rows
 
 
-def original_answers(prompts_path, out_path, *, shard: str, settings: "OriginalAnswersSettings",
-                     summary_path=None) -> dict:
+def original_answers(
+    prompts_path, out_path, *, shard: str, settings: "OriginalAnswersSettings", summary_path=None
+) -> dict:
     """Write the RESPONSES shard ``out_path`` (atomically) of the source's own answers to the prompts of
     ``prompts_path`` (PROMPTS parquet); return its summary (also written to ``summary_path`` as JSON).
 
@@ -158,8 +178,15 @@ def original_answers(prompts_path, out_path, *, shard: str, settings: "OriginalA
         if b.get("dup"):
             log.warning("%s row %d: duplicate sample_id %s skipped", tag, b["row"], b["sample_id"])
             continue
-        r = failed_row(Sample(b["sample_id"], "[]", None, []), ds, 0,
-                       content_hash(ds, b["sample_id"], "bad_prompt"), b.get("raw") or "[]", "bad_prompt", b["detail"])
+        r = failed_row(
+            Sample(b["sample_id"], "[]", None, []),
+            ds,
+            0,
+            content_hash(ds, b["sample_id"], "bad_prompt"),
+            b.get("raw") or "[]",
+            "bad_prompt",
+            b["detail"],
+        )
         r["tools"] = b.get("tools")
         r["backend"] = ORIGINAL_BACKEND
         failed_rows.append(r)
@@ -179,18 +206,48 @@ def original_answers(prompts_path, out_path, *, shard: str, settings: "OriginalA
         n_rows = writer.rows
     failed_total = sum(failed.values())
     summary = {
-        "dataset": ds, "shard": shard, "answers": "original", "samples": len(samples) + failed.get("bad_prompt", 0),
-        "ok": ok, "failed": failed, "failed_total": failed_total, "from_journal": 0, "sent": 0, "retries": 0,
-        "retry_reasons": {}, "not_sent": 0, "over_max_samples": capped, "prompt_tokens": 0, "completion_tokens": 0,
-        "cost_usd": 0.0, "total_completion_tokens": 0, "total_cost_usd": 0.0,
+        "dataset": ds,
+        "shard": shard,
+        "answers": "original",
+        "samples": len(samples) + failed.get("bad_prompt", 0),
+        "ok": ok,
+        "failed": failed,
+        "failed_total": failed_total,
+        "from_journal": 0,
+        "sent": 0,
+        "retries": 0,
+        "retry_reasons": {},
+        "not_sent": 0,
+        "over_max_samples": capped,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "cost_usd": 0.0,
+        "total_completion_tokens": 0,
+        "total_cost_usd": 0.0,
         "by_backend": {ORIGINAL_BACKEND: len(ok_rows)} if ok_rows else {},
-        "stopped_by": "max_samples" if capped else "all samples done", "servers_started": [],
-        "servers_attached": [], "journal_bad_lines": 0, "rows": n_rows, "other_model_replies": 0,
-        "wall_s": round(time.monotonic() - t0, 3), "startup_s": None, "wrapup_s": None, "cpu_s": _cpu_s(),
+        "stopped_by": "max_samples" if capped else "all samples done",
+        "servers_started": [],
+        "servers_attached": [],
+        "journal_bad_lines": 0,
+        "rows": n_rows,
+        "other_model_replies": 0,
+        "wall_s": round(time.monotonic() - t0, 3),
+        "startup_s": None,
+        "wrapup_s": None,
+        "cpu_s": _cpu_s(),
     }
-    log.info("%s %d sample(s): %d answered from the source (%d row(s), mode %s), %d failed %s, %d over "
-             "max_samples; no request sent", tag, summary["samples"], ok, len(ok_rows), settings.mode, failed_total,
-             failed, capped)
+    log.info(
+        "%s %d sample(s): %d answered from the source (%d row(s), mode %s), %d failed %s, %d over "
+        "max_samples; no request sent",
+        tag,
+        summary["samples"],
+        ok,
+        len(ok_rows),
+        settings.mode,
+        failed_total,
+        failed,
+        capped,
+    )
     if summary_path is not None:
         write_json(summary, summary_path)
     return summary

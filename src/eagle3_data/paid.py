@@ -79,11 +79,20 @@ def undecodable_reply(backend, content: bytes, exc: Exception, latency_s: float)
     at most :data:`RAW_REPLY_CHARS` characters, keys scrubbed) and never bought again."""
     import time
 
-    raw = content[:RAW_REPLY_CHARS * 4].decode("utf-8", "replace")[:RAW_REPLY_CHARS]
-    return PaidReject("undecodable_reply", f"the HTTP 200 reply is not JSON ({len(content):,} bytes: {str(exc)[:120]}"
-                      "; cut off?): paid for, its raw text journaled, not bought again",
-                      {"backend": backend.name, "provider": backend.name, "model": backend.model,
-                       "latency_s": float(latency_s), "completed_at": time.time(), "raw_reply": raw})
+    raw = content[: RAW_REPLY_CHARS * 4].decode("utf-8", "replace")[:RAW_REPLY_CHARS]
+    return PaidReject(
+        "undecodable_reply",
+        f"the HTTP 200 reply is not JSON ({len(content):,} bytes: {str(exc)[:120]}"
+        "; cut off?): paid for, its raw text journaled, not bought again",
+        {
+            "backend": backend.name,
+            "provider": backend.name,
+            "model": backend.model,
+            "latency_s": float(latency_s),
+            "completed_at": time.time(),
+            "raw_reply": raw,
+        },
+    )
 
 
 def client_error(code) -> int | None:
@@ -99,8 +108,11 @@ def client_error(code) -> int | None:
 def configured_keys(backends: dict | None, environ=None) -> list[str]:
     """The values of every ``api_key_env`` of ``backends`` (config ``backends:``) that is set, longest first."""
     env = os.environ if environ is None else environ
-    keys = {(env.get(b.get("api_key_env")) or "").strip() for b in (backends or {}).values()
-            if isinstance(b, dict) and b.get("api_key_env")}
+    keys = {
+        (env.get(b.get("api_key_env")) or "").strip()
+        for b in (backends or {}).values()
+        if isinstance(b, dict) and b.get("api_key_env")
+    }
     return sorted((k for k in keys if k), key=len, reverse=True)
 
 
@@ -122,10 +134,12 @@ def short_key_problem(var: str, key: str) -> str | None:
     """Why the key in variable ``var`` can't be used (shorter than :data:`MIN_KEY_CHARS` characters), or None."""
     if len(key) >= MIN_KEY_CHARS:
         return None
-    return (f"the key in {var} is {len(key)} character{'s' if len(key) != 1 else ''}; a key shorter than {MIN_KEY_CHARS} could be an ordinary word "
-            "of a reply, so replies could not be checked for it (a reply saying 'test' would be refused, or a key "
-            "echoed would be stored): use a longer key (a local server: start it with e.g. `--api-key "
-            "$(python -c 'import secrets; print(secrets.token_hex(16))')`)")
+    return (
+        f"the key in {var} is {len(key)} character{'s' if len(key) != 1 else ''}; a key shorter than {MIN_KEY_CHARS} could be an ordinary word "
+        "of a reply, so replies could not be checked for it (a reply saying 'test' would be refused, or a key "
+        "echoed would be stored): use a longer key (a local server: start it with e.g. `--api-key "
+        "$(python -c 'import secrets; print(secrets.token_hex(16))')`)"
+    )
 
 
 #: what a reply's model may add to the name asked for and still be that model: a version or a date
@@ -151,7 +165,7 @@ def same_model(asked: str | None, replied: str | None) -> bool:
     r_vendor, _, r_name = r.rpartition("/")
     if a_vendor and r_vendor and a_vendor != r_vendor:
         return False
-    return r_name == a_name or (r_name.startswith(a_name) and bool(_VERSION_SUFFIX.fullmatch(r_name[len(a_name):])))
+    return r_name == a_name or (r_name.startswith(a_name) and bool(_VERSION_SUFFIX.fullmatch(r_name[len(a_name) :])))
 
 
 def text_bytes(fields: dict) -> int:
@@ -159,25 +173,36 @@ def text_bytes(fields: dict) -> int:
     return sum(len((fields.get(k) or "").encode("utf-8", "replace")) for k in ("content", "reasoning", "tool_calls"))
 
 
-def check_reply(fields: dict, *, asked_model: str | None, keys=(), reject_other_models: bool = False,
-                bad_bytes: int = 0) -> str | None:
+def check_reply(
+    fields: dict, *, asked_model: str | None, keys=(), reject_other_models: bool = False, bad_bytes: int = 0
+) -> str | None:
     """Raise :class:`PaidReject` for a reply that can't be kept (see the module docstring); return a warning
     (``"other_model: ..."``) for a reply from another model that is kept, else None.
 
     ``fields``: the parsed reply (RESPONSES fields); ``keys``: :func:`configured_keys`; ``bad_bytes``: bytes
     :func:`decode_json` replaced."""
     if bad_bytes:
-        raise PaidReject("invalid_utf8", f"the reply held {bad_bytes} byte(s) that are not UTF-8 (replaced by "
-                         "U+FFFD: not the model's text)", fields)
+        raise PaidReject(
+            "invalid_utf8",
+            f"the reply held {bad_bytes} byte(s) that are not UTF-8 (replaced by U+FFFD: not the model's text)",
+            fields,
+        )
     n = text_bytes(fields)
     billed = fields.get("completion_tokens")
     if billed is not None and n > MAX_BYTES_PER_TOKEN * int(billed) + SIZE_SLACK_BYTES:
-        raise PaidReject("reply_too_large", f"{n:,} bytes of text for {int(billed):,} billed completion tokens "
-                         f"(more than {MAX_BYTES_PER_TOKEN} bytes a token)", fields)
+        raise PaidReject(
+            "reply_too_large",
+            f"{n:,} bytes of text for {int(billed):,} billed completion tokens "
+            f"(more than {MAX_BYTES_PER_TOKEN} bytes a token)",
+            fields,
+        )
     hit = [k for k in REPLY_TEXT_FIELDS if keys and key_in_text(str(fields.get(k) or ""), keys)]
     if hit:
-        raise PaidReject("api_key_in_reply", f"the reply's {', '.join(hit)} quote{'s' if len(hit) == 1 else ''} a "
-                         "configured API key (not stored)", fields)
+        raise PaidReject(
+            "api_key_in_reply",
+            f"the reply's {', '.join(hit)} quote{'s' if len(hit) == 1 else ''} a configured API key (not stored)",
+            fields,
+        )
     model = fields.get("model")
     if not same_model(asked_model, model):
         what = f"the reply names model {model!r}, not {asked_model!r} (a provider fallback?)"
@@ -188,17 +213,35 @@ def check_reply(fields: dict, *, asked_model: str | None, keys=(), reject_other_
 
 
 #: the fields a paid reject's journal record keeps (no text: never the reply's content, a key, 10 MB)
-REJECT_FIELDS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd", "backend", "provider",
-                 "model", "latency_s", "completed_at", "finish_reason", "generation_id", "attempts")
+REJECT_FIELDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "cost_usd",
+    "backend",
+    "provider",
+    "model",
+    "latency_s",
+    "completed_at",
+    "finish_reason",
+    "generation_id",
+    "attempts",
+)
 
 
 def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
     """The journal record of a paid reject: ``base`` (request_key, sample_id, dataset, turn, messages, tools) with
     ``status`` ``failed``, ``error`` ``"<reason>: <message>"`` and :data:`REJECT_FIELDS` of the reply."""
     rec = {**base, **{k: exc.fields.get(k) for k in REJECT_FIELDS}}
-    rec.update(status="failed", error=scrub(f"{exc.reason}: {exc.message}", keys)[:2000], reasoning=None,
-               content=None, tool_calls=None, output_ids=None,
-               prompt_ids=None)
+    rec.update(
+        status="failed",
+        error=scrub(f"{exc.reason}: {exc.message}", keys)[:2000],
+        reasoning=None,
+        content=None,
+        tool_calls=None,
+        output_ids=None,
+        prompt_ids=None,
+    )
     for k in ("model", "provider", "backend", "finish_reason", "generation_id"):  # every text field kept: scrubbed
         if isinstance(rec.get(k), str):
             rec[k] = scrub(rec[k], keys)[:200]

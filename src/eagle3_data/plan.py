@@ -50,26 +50,49 @@ from typing import TYPE_CHECKING
 
 import duckdb
 
-from .extract.model import (DFLASH_DRAFT_LAYERS, default_layers, dflash_layer_ids, model_dims, model_fingerprint,
-                            resolve_drafter_layers)
+from .extract.model import (
+    DFLASH_DRAFT_LAYERS,
+    default_layers,
+    dflash_layer_ids,
+    model_dims,
+    model_fingerprint,
+    resolve_drafter_layers,
+)
 from .files import write_json, write_text
 from .formatting import format_bytes, format_hours
 
 if TYPE_CHECKING:
     from .settings import PlanSettings
 
-__all__ = ["model_dims", "bytes_per_token", "export_bytes_per_token", "sink_check", "scenario_totals",
-           "measure_throughput", "build_plan", "render_markdown", "plan"]
+__all__ = [
+    "model_dims",
+    "bytes_per_token",
+    "export_bytes_per_token",
+    "sink_check",
+    "scenario_totals",
+    "measure_throughput",
+    "build_plan",
+    "render_markdown",
+    "plan",
+]
 
 log = logging.getLogger("eagle3_data.plan")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TB, TIB = 1e12, float(2 ** 40)
+TB, TIB = 1e12, float(2**40)
 
 
-def bytes_per_token(hidden_size: int, num_aux: int = 3, *, dtype: str = "bfloat16", aux_format: str = "same",
-                    final: str = "all", final_share: float = 1.0, ids_bytes: int = 5,
-                    final_format: str = "same") -> dict:
+def bytes_per_token(
+    hidden_size: int,
+    num_aux: int = 3,
+    *,
+    dtype: str = "bfloat16",
+    aux_format: str = "same",
+    final: str = "all",
+    final_share: float = 1.0,
+    ids_bytes: int = 5,
+    final_format: str = "same",
+) -> dict:
     """Bytes per token of one layout, by part: ``{aux, final, ids, total}`` (floats).
 
     ``final``: ``all`` (H rows for every token), ``supervised`` (``final_share`` of the rows + a 1-byte
@@ -94,12 +117,18 @@ def bytes_per_token(hidden_size: int, num_aux: int = 3, *, dtype: str = "bfloat1
     return {"aux": float(aux), "final": float(fin), "ids": float(ids_bytes), "total": float(aux + fin + ids_bytes)}
 
 
-def export_bytes_per_token(layout: str, hidden_size: int, *, eagle3_layers: int = 3,
-                           dflash_layers: int = DFLASH_DRAFT_LAYERS, dtype: str = "bfloat16") -> dict:
+def export_bytes_per_token(
+    layout: str,
+    hidden_size: int,
+    *,
+    eagle3_layers: int = 3,
+    dflash_layers: int = DFLASH_DRAFT_LAYERS,
+    dtype: str = "bfloat16",
+) -> dict:
     """Bytes per token of an export ``layout`` (``eagle3_data.export.CONTRACTS``), every row written in ``dtype``:
     ``{aux, final, ids, total}`` (module docstring; the file headers not counted). Raises ValueError for an
     unknown layout."""
-    H, A, F, b = int(hidden_size), int(eagle3_layers), int(dflash_layers), DTYPE_BYTES[dtype]
+    H, A, F = int(hidden_size), int(eagle3_layers), int(dflash_layers)
     if layout in ("specforge", "modelopt"):
         return bytes_per_token(H, A, dtype=dtype, ids_bytes=16)
     if layout in ("specforge_dflash", "specforge_dspark"):
@@ -123,6 +152,7 @@ def written_bytes(states_dir, export_dir, layouts) -> dict:
     """Bytes the states and the exports of ``layouts`` already hold, from the stage summaries
     (``<states_dir>/*/*.json``, ``<export_dir>/<layout>/*.json``, ``<export_dir>/heldout/<layout>.json``: their
     ``bytes``; an export manifest without it counts 0): ``{"states": n, "<layout>": n, ...}``."""
+
     def total(paths) -> int:
         n = 0
         for p in paths:
@@ -151,8 +181,17 @@ def sink_check(needed: dict, places: dict, written: dict | None = None) -> list[
     for part, nbytes in needed.items():
         d = _existing_dir(places[part])
         dev = os.stat(d).st_dev
-        row = rows.setdefault(dev, {"device": dev, "folders": [], "parts": {}, "needed": 0.0,
-                                    "free": float(shutil.disk_usage(d).free), "short": 0.0})
+        row = rows.setdefault(
+            dev,
+            {
+                "device": dev,
+                "folders": [],
+                "parts": {},
+                "needed": 0.0,
+                "free": float(shutil.disk_usage(d).free),
+                "short": 0.0,
+            },
+        )
         if str(places[part]) not in row["folders"]:
             row["folders"].append(str(places[part]))
         left = max(0.0, float(nbytes) - float(written.get(part, 0)))
@@ -203,8 +242,12 @@ def scenario_totals(files, *, cap: int | None = None, drop=(), overflow: str = "
             {"drop": [str(d) for d in drop]},
         ).fetchall()
     per = {ds: {"samples": n, "tokens": t, "supervised_tokens": s} for ds, n, t, s in rows}
-    return {"samples": sum(v["samples"] for v in per.values()), "tokens": sum(v["tokens"] for v in per.values()),
-            "supervised_tokens": sum(v["supervised_tokens"] for v in per.values()), "per_dataset": per}
+    return {
+        "samples": sum(v["samples"] for v in per.values()),
+        "tokens": sum(v["tokens"] for v in per.values()),
+        "supervised_tokens": sum(v["supervised_tokens"] for v in per.values()),
+        "per_dataset": per,
+    }
 
 
 def measure_key(merged_path, settings: "PlanSettings") -> str:
@@ -214,8 +257,12 @@ def measure_key(merged_path, settings: "PlanSettings") -> str:
     import pyarrow.parquet as pq
 
     ids = pq.read_table(merged_path, columns=["sample_id"]).column("sample_id").to_pylist()[:1000]
-    key = {"extract": settings.extract_params(), "measure_tokens": settings.measure_tokens,
-           "target": model_fingerprint(settings.extract.model_path), "samples": ids}
+    key = {
+        "extract": settings.extract_params(),
+        "measure_tokens": settings.measure_tokens,
+        "target": model_fingerprint(settings.extract.model_path),
+        "samples": ids,
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -257,9 +304,15 @@ def measure_throughput(merged_path, *, settings: "PlanSettings", cache: bool = T
         info = extract_states(part, Path(tmp) / "part.safetensors", settings=settings.extract)
     per_job = info["tokens_per_s"] or 0.0
     used = max(1, len(info.get("devices") or [])) if str(info["device"]).startswith("cuda") else 1
-    out = {"tokens": info["num_tokens"], "seconds": info["model_seconds"], "tokens_per_s": per_job,
-           "tokens_per_s_per_gpu": per_job / used, "device": info["device"], "samples": n,
-           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = {
+        "tokens": info["num_tokens"],
+        "seconds": info["model_seconds"],
+        "tokens_per_s": per_job,
+        "tokens_per_s_per_gpu": per_job / used,
+        "device": info["device"],
+        "samples": n,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     if stash is not None:
         write_json(out, stash)
     return out
@@ -336,17 +389,32 @@ def build_plan(
 
     cfg_share = share if final_states == "supervised" else 1.0
     layouts = {
-        "configured": bytes_per_token(H, A, dtype=dtype, aux_format=aux_format, final=final_states,
-                                      final_share=cfg_share, final_format=final_format),
+        "configured": bytes_per_token(
+            H,
+            A,
+            dtype=dtype,
+            aux_format=aux_format,
+            final=final_states,
+            final_share=cfg_share,
+            final_format=final_format,
+        ),
         "aux_only_bf16": bytes_per_token(H, 3, dtype="bfloat16", final="none", ids_bytes=0),
         "extract bf16, all finals": bytes_per_token(H, A, dtype="bfloat16"),
-        "extract fp8 aux + fp8 finals": bytes_per_token(H, A, dtype="bfloat16", aux_format="fp8_e4m3",
-                                                        final_format="fp8_e4m3"),
-        "extract fp8 aux + supervised finals": bytes_per_token(H, A, dtype="bfloat16", aux_format="fp8_e4m3",
-                                                               final="supervised", final_share=share),
+        "extract fp8 aux + fp8 finals": bytes_per_token(
+            H, A, dtype="bfloat16", aux_format="fp8_e4m3", final_format="fp8_e4m3"
+        ),
+        "extract fp8 aux + supervised finals": bytes_per_token(
+            H, A, dtype="bfloat16", aux_format="fp8_e4m3", final="supervised", final_share=share
+        ),
         "extract fp8 aux + supervised fp8 finals": bytes_per_token(
-            H, A, dtype="bfloat16", aux_format="fp8_e4m3", final="supervised", final_share=share,
-            final_format="fp8_e4m3"),
+            H,
+            A,
+            dtype="bfloat16",
+            aux_format="fp8_e4m3",
+            final="supervised",
+            final_share=share,
+            final_format="fp8_e4m3",
+        ),
     }
     from .export import LAYOUTS
 
@@ -354,14 +422,22 @@ def build_plan(
     bpt = layouts["configured"]["total"]
 
     # one extraction job per merge selection (per merged shard for a manifest without selections)
-    units = ([(key, sel) for key, sel in sorted((m.get("selections") or {}).items())]
-             or [(f"{i:03d}", s) for i, s in enumerate(m["shards"])])
+    units = [(key, sel) for key, sel in sorted((m.get("selections") or {}).items())] or [
+        (f"{i:03d}", s) for i, s in enumerate(m["shards"])
+    ]
     shards = []
     for key, s in units:
         t = int(s["tokens"])
-        shards.append({"job": key, "path": s.get("path"), "samples": int(s["samples"]), "tokens": t,
-                       "bytes": t * bpt + 8 * (int(s["samples"]) + 1),
-                       "gpu_hours": t / tps / 3600.0})
+        shards.append(
+            {
+                "job": key,
+                "path": s.get("path"),
+                "samples": int(s["samples"]),
+                "tokens": t,
+                "bytes": t * bpt + 8 * (int(s["samples"]) + 1),
+                "gpu_hours": t / tps / 3600.0,
+            }
+        )
 
     def scenario(name, cap=None, drop_=()):
         if cap is None and not drop_:
@@ -370,9 +446,16 @@ def build_plan(
             tot = scenario_totals(merged_paths, cap=cap, drop=drop_, overflow=overflow)
         t = tot["tokens"]
         gh = t / tps / 3600.0
-        return {"name": name, "cap": cap, "drop": list(drop_), "samples": tot["samples"], "tokens": t,
-                "bytes": {k: t * v["total"] for k, v in layouts.items()},
-                "gpu_hours": gh, "wall_hours": gh / busy}
+        return {
+            "name": name,
+            "cap": cap,
+            "drop": list(drop_),
+            "samples": tot["samples"],
+            "tokens": t,
+            "bytes": {k: t * v["total"] for k, v in layouts.items()},
+            "gpu_hours": gh,
+            "wall_hours": gh / busy,
+        }
 
     scenarios = [scenario("as merged")]
     if merged_paths:
@@ -390,26 +473,50 @@ def build_plan(
     written = written_bytes(states_dir, export_dir, requested)
     disks = sink_check(needed, places, written)
     busy_tps = tps * busy
-    write = {"bytes_per_s": busy_tps * bpt, "bytes_per_s_per_gpu": tps * bpt, "gpus": busy,
-             "limit_bytes_per_s": settings.write_gb_per_s * 1e9 if settings.write_gb_per_s else None}
+    write = {
+        "bytes_per_s": busy_tps * bpt,
+        "bytes_per_s_per_gpu": tps * bpt,
+        "gpus": busy,
+        "limit_bytes_per_s": settings.write_gb_per_s * 1e9 if settings.write_gb_per_s else None,
+    }
     warnings = _warnings(disks, write, e, H=H, A=A, requested=requested)
     return {
         "model": {"path": str(model_path) if not isinstance(model_path, dict) else None, **dims},
         "layers": chosen,
         "drafter_layers": per_drafter,
-        "layout": {"dtype": dtype, "aux_format": aux_format, "final_states": final_states,
-                   "final_share": share, "final_format": final_format, "final_norm": e.final_norm},
+        "layout": {
+            "dtype": dtype,
+            "aux_format": aux_format,
+            "final_states": final_states,
+            "final_share": share,
+            "final_format": final_format,
+            "final_norm": e.final_norm,
+        },
         "bytes_per_token": layouts,
         "export_bytes_per_token": exports,
         "exports": {"requested": requested, "bytes": {k: needed[k] for k in requested}, "written": written},
         "disks": disks,
         "write_rate": write,
         "warnings": warnings,
-        "throughput": {"tokens_per_s_per_gpu": tps, "source": tps_source, "measured": measured,
-                       "gpus_per_job": gpus_per_job, "gpus_total": gpus_total, "gpus_busy": busy},
-        "totals": {"samples": N, "tokens": T, "supervised_tokens": S, "heldout_samples": HN, "heldout_tokens": HT,
-                   "bytes": states_bytes, "bytes_with_exports": sum(needed.values()),
-                   "gpu_hours": T / tps / 3600.0, "wall_hours": T / tps / 3600.0 / busy},
+        "throughput": {
+            "tokens_per_s_per_gpu": tps,
+            "source": tps_source,
+            "measured": measured,
+            "gpus_per_job": gpus_per_job,
+            "gpus_total": gpus_total,
+            "gpus_busy": busy,
+        },
+        "totals": {
+            "samples": N,
+            "tokens": T,
+            "supervised_tokens": S,
+            "heldout_samples": HN,
+            "heldout_tokens": HT,
+            "bytes": states_bytes,
+            "bytes_with_exports": sum(needed.values()),
+            "gpu_hours": T / tps / 3600.0,
+            "wall_hours": T / tps / 3600.0 / busy,
+        },
         "shards": shards,
         "scenarios": scenarios,
     }
@@ -421,8 +528,9 @@ def _fixes(e, *, H: int, A: int, requested: list, rate: bool = False) -> list[st
     out = []
     fp8 = bytes_per_token(H, A, aux_format="fp8_e4m3", final_format="fp8_e4m3")["total"]
     if e.aux_format != "fp8_e4m3" or e.final_format != "fp8_e4m3":
-        out.append(f"extract.aux_format: fp8_e4m3 and extract.final_format: fp8_e4m3 (the states at {fp8:,.0f} "
-                   "B/token)")
+        out.append(
+            f"extract.aux_format: fp8_e4m3 and extract.final_format: fp8_e4m3 (the states at {fp8:,.0f} B/token)"
+        )
     if e.final_states != "supervised":
         out.append("extract.final_states: supervised (final states only where the loss reads them)")
     if rate:
@@ -430,8 +538,10 @@ def _fixes(e, *, H: int, A: int, requested: list, rate: bool = False) -> list[st
     if "speculators" in requested:
         out.append("export.layouts: speculators_fp8 instead of speculators (half its bytes)")
     if requested:
-        out.append("fewer export.layouts (each is a full copy), or export one merged shard at a time "
-                   "(snakemake results/export/<layout>/<k>.json) and delete it once trained on")
+        out.append(
+            "fewer export.layouts (each is a full copy), or export one merged shard at a time "
+            "(snakemake results/export/<layout>/<k>.json) and delete it once trained on"
+        )
     out.append("a lower merge.max_len or a dataset left out (the alternatives below)")
     return out
 
@@ -443,14 +553,18 @@ def _warnings(disks: list, write: dict, e, *, H: int, A: int, requested: list) -
     for d in disks:
         if d["short"] > 0:
             parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in d["parts"].items())
-            out.append(f"disk: {' and '.join(d['folders'])} need {format_bytes(d['needed'])} ({parts}) but their "
-                       f"filesystem has {format_bytes(d['free'])} free, {format_bytes(d['short'])} short; set {fixes}")
+            out.append(
+                f"disk: {' and '.join(d['folders'])} need {format_bytes(d['needed'])} ({parts}) but their "
+                f"filesystem has {format_bytes(d['free'])} free, {format_bytes(d['short'])} short; set {fixes}"
+            )
     lim = write.get("limit_bytes_per_s")
     if lim and write["bytes_per_s"] > lim:
-        out.append(f"write rate: {write['gpus']} GPU(s) extracting write {write['bytes_per_s'] / 1e9:,.2f} GB/s of "
-                   f"states, more than plan.write_gb_per_s = {lim / 1e9:,.2f} GB/s (extraction would wait on the "
-                   f"disk); set {'; '.join(_fixes(e, H=H, A=A, requested=[], rate=True) + [''])}or fewer GPUs "
-                   "at once (plan.gpus_total)")
+        out.append(
+            f"write rate: {write['gpus']} GPU(s) extracting write {write['bytes_per_s'] / 1e9:,.2f} GB/s of "
+            f"states, more than plan.write_gb_per_s = {lim / 1e9:,.2f} GB/s (extraction would wait on the "
+            f"disk); set {'; '.join(_fixes(e, H=H, A=A, requested=[], rate=True) + [''])}or fewer GPUs "
+            "at once (plan.gpus_total)"
+        )
     return out
 
 
@@ -472,26 +586,32 @@ def throughput_phrase(thr: dict) -> str:
     if cached:
         rate += f" (measured {(thr.get('measured') or {}).get('when', 'before')}, kept in {cached})"
     if measured_on_cpu(thr):
-        return (f"{rate} measured on the CPU (no GPU here): every GPU figure below assumes a GPU this slow; set "
-                "plan.tokens_per_s_per_gpu, or run plan on a GPU node, for a GPU's rate")
+        return (
+            f"{rate} measured on the CPU (no GPU here): every GPU figure below assumes a GPU this slow; set "
+            "plan.tokens_per_s_per_gpu, or run plan on a GPU node, for a GPU's rate"
+        )
     return f"{rate} per GPU ({thr['source']})"
 
 
 def wall_line(thr: dict, tot: dict) -> str:
     """The plan's wall-time bullet: on the GPUs in use, or (measured on a CPU) what that rate would give."""
-    gpus = (f"{_count(thr['gpus_busy'], 'GPU')} ({thr['gpus_per_job']} per job, of plan.gpus_total = "
-            f"{thr['gpus_total']})")
+    gpus = (
+        f"{_count(thr['gpus_busy'], 'GPU')} ({thr['gpus_per_job']} per job, of plan.gpus_total = {thr['gpus_total']})"
+    )
     if measured_on_cpu(thr):
-        return (f"- wall time if {gpus} each ran at the CPU's rate: {format_hours(tot['wall_hours'])} (no GPU was "
-                "used for this plan)")
+        return (
+            f"- wall time if {gpus} each ran at the CPU's rate: {format_hours(tot['wall_hours'])} (no GPU was "
+            "used for this plan)"
+        )
     return f"- wall time on {gpus}: {format_hours(tot['wall_hours'])}"
 
 
 def summary_line(plan: dict, md_path) -> str:
     """One line of the plan: tokens, storage, GPU hours and wall time (``md_path``: where the full plan is)."""
     tot, thr = plan["totals"], plan["throughput"]
-    head = (f"plan: {tot['tokens']:,} tokens in {tot['samples']:,} samples -> {format_bytes(tot['bytes'])} of "
-            "hidden states")
+    head = (
+        f"plan: {tot['tokens']:,} tokens in {tot['samples']:,} samples -> {format_bytes(tot['bytes'])} of hidden states"
+    )
     req = (plan.get("exports") or {}).get("requested") or []
     if req:
         head += f" + {format_bytes(tot['bytes_with_exports'] - tot['bytes'])} of exports ({', '.join(req)})"
@@ -499,11 +619,15 @@ def summary_line(plan: dict, md_path) -> str:
         head += f" [{_count(len(plan['warnings']), 'warning')}]"
     tail = f"; read {md_path} before extraction starts"
     if measured_on_cpu(thr):
-        return (f"{head}; extraction at this CPU's measured {thr['tokens_per_s_per_gpu']:,.0f} tokens/s: "
-                f"{format_hours(tot['gpu_hours'])} (no GPU here: plan on the GPU node, or set "
-                f"plan.tokens_per_s_per_gpu, for GPU hours){tail}")
-    return (f"{head}, {tot['gpu_hours']:,.4g} GPU hours ({format_hours(tot['wall_hours'])} on "
-            f"{_count(thr['gpus_busy'], 'GPU')}){tail}")
+        return (
+            f"{head}; extraction at this CPU's measured {thr['tokens_per_s_per_gpu']:,.0f} tokens/s: "
+            f"{format_hours(tot['gpu_hours'])} (no GPU here: plan on the GPU node, or set "
+            f"plan.tokens_per_s_per_gpu, for GPU hours){tail}"
+        )
+    return (
+        f"{head}, {tot['gpu_hours']:,.4g} GPU hours ({format_hours(tot['wall_hours'])} on "
+        f"{_count(thr['gpus_busy'], 'GPU')}){tail}"
+    )
 
 
 def render_markdown(plan: dict) -> str:
@@ -519,101 +643,159 @@ def render_markdown(plan: dict) -> str:
     if plan.get("warnings"):
         out += ["## Warnings", ""] + [f"- **{w}**" for w in plan["warnings"]] + [""]
     drafters = plan.get("drafter_layers") or {"eagle3": plan["layers"]}
-    out.append(f"Target: {plan['model'].get('path') or '(config)'} ({plan['model']['model_type']}), "
-               f"{plan['model']['num_layers']} layers, hidden size H = {H:,}. Auxiliary layers {plan['layers']} "
-               f"(output of 0-based decoder layer i), A = {A}: "
-               + "; ".join(f"{d} {v}" for d, v in drafters.items()) + ".")
-    out.append(f"Layout: dtype {lay['dtype']}, auxiliary states {lay['aux_format']}, final states "
-               f"{lay['final_states']}" + (f" (share of rows stored {lay['final_share']:.3f})"
-                                           if lay['final_states'] == 'supervised' else "")
-               + f", {lay.get('final_format', 'same')}, final norm {lay.get('final_norm', 'post')}.")
-    out += ["", "## Bytes per token", "",
-            "| layout | auxiliary | final | ids+mask | total | x 1M tokens |", "|---|---:|---:|---:|---:|---:|"]
+    out.append(
+        f"Target: {plan['model'].get('path') or '(config)'} ({plan['model']['model_type']}), "
+        f"{plan['model']['num_layers']} layers, hidden size H = {H:,}. Auxiliary layers {plan['layers']} "
+        f"(output of 0-based decoder layer i), A = {A}: " + "; ".join(f"{d} {v}" for d, v in drafters.items()) + "."
+    )
+    out.append(
+        f"Layout: dtype {lay['dtype']}, auxiliary states {lay['aux_format']}, final states "
+        f"{lay['final_states']}"
+        + (f" (share of rows stored {lay['final_share']:.3f})" if lay["final_states"] == "supervised" else "")
+        + f", {lay.get('final_format', 'same')}, final norm {lay.get('final_norm', 'post')}."
+    )
+    out += [
+        "",
+        "## Bytes per token",
+        "",
+        "| layout | auxiliary | final | ids+mask | total | x 1M tokens |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, v in bpt.items():
-        out.append(f"| {name} | {v['aux']:,.0f} | {v['final']:,.0f} | {v['ids']:,.0f} | {v['total']:,.0f} | "
-                   f"{format_bytes(v['total'] * 1e6)} |")
+        out.append(
+            f"| {name} | {v['aux']:,.0f} | {v['final']:,.0f} | {v['ids']:,.0f} | {v['total']:,.0f} | "
+            f"{format_bytes(v['total'] * 1e6)} |"
+        )
     b = 2 if lay["dtype"] != "float32" else 4
-    out += ["", f"Configured: auxiliary {A} x {H:,} x {b if lay['aux_format'] == 'same' else 1} B"
-            + (" + 4 B scale per layer" if lay["aux_format"] == "fp8_e4m3" else "")
-            + f" = {cfg['aux']:,.0f} B; final {cfg['final']:,.0f} B; ids int32 + mask int8 = {cfg['ids']:.0f} B; "
-            f"total {cfg['total']:,.0f} B/token." + (" The final norm's weight (4H B per file) is not counted."
-                                                       if lay.get("final_norm") == "both" else ""), ""]
+    out += [
+        "",
+        f"Configured: auxiliary {A} x {H:,} x {b if lay['aux_format'] == 'same' else 1} B"
+        + (" + 4 B scale per layer" if lay["aux_format"] == "fp8_e4m3" else "")
+        + f" = {cfg['aux']:,.0f} B; final {cfg['final']:,.0f} B; ids int32 + mask int8 = {cfg['ids']:.0f} B; "
+        f"total {cfg['total']:,.0f} B/token."
+        + (" The final norm's weight (4H B per file) is not counted." if lay.get("final_norm") == "both" else ""),
+        "",
+    ]
     ex = plan.get("export_bytes_per_token") or {}
     req = (plan.get("exports") or {}).get("requested") or []
     if ex:
-        out += ["## Exports", "",
-                "Each export layout is a copy of the states in the form its trainer reads, in the extract dtype "
-                "(speculators_fp8: fp8), every row: bytes per token, and in total for this build's tokens "
-                "(requested in export.layouts: **yes**).", "",
-                "| layout | requested | per token | total |", "|---|---|---:|---:|"]
+        out += [
+            "## Exports",
+            "",
+            "Each export layout is a copy of the states in the form its trainer reads, in the extract dtype "
+            "(speculators_fp8: fp8), every row: bytes per token, and in total for this build's tokens "
+            "(requested in export.layouts: **yes**).",
+            "",
+            "| layout | requested | per token | total |",
+            "|---|---|---:|---:|",
+        ]
         for k, v in ex.items():
-            out.append(f"| {k} | {'**yes**' if k in req else 'no'} | {v['total']:,.0f} B | "
-                       f"{format_bytes(v['total'] * tot['tokens'])} |")
+            out.append(
+                f"| {k} | {'**yes**' if k in req else 'no'} | {v['total']:,.0f} B | "
+                f"{format_bytes(v['total'] * tot['tokens'])} |"
+            )
         out.append("")
     if plan.get("disks"):
-        out += ["## Disk", "",
-                "What is still to be written, per filesystem (the states and each requested export, less what the "
-                "stage summaries say is already there), against its free space:", "",
-                "| folders | to write | free | short |", "|---|---:|---:|---:|"]
+        out += [
+            "## Disk",
+            "",
+            "What is still to be written, per filesystem (the states and each requested export, less what the "
+            "stage summaries say is already there), against its free space:",
+            "",
+            "| folders | to write | free | short |",
+            "|---|---:|---:|---:|",
+        ]
         for d in plan["disks"]:
-            out.append(f"| {', '.join(d['folders'])} | {format_bytes(d['needed'])} | {format_bytes(d['free'])} | "
-                       f"{format_bytes(d['short']) if d['short'] else '-'} |")
+            out.append(
+                f"| {', '.join(d['folders'])} | {format_bytes(d['needed'])} | {format_bytes(d['free'])} | "
+                f"{format_bytes(d['short']) if d['short'] else '-'} |"
+            )
         out.append("")
     wr = plan.get("write_rate")
     if wr:
         lim = wr.get("limit_bytes_per_s")
-        out += ["## Write rate", "",
-                f"- {thr['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU x {cfg['total']:,.0f} B/token = "
-                f"{wr['bytes_per_s_per_gpu'] / 1e9:,.3f} GB/s per GPU; on {_count(wr['gpus'], 'GPU')} "
-                f"{wr['bytes_per_s'] / 1e9:,.3f} GB/s into the states' filesystem"
-                + (f" (plan.write_gb_per_s: {lim / 1e9:,.2f} GB/s)" if lim else
-                   " (set plan.write_gb_per_s to compare with the filesystem's rate)") + ".",
-                "- For scale: an 8B target (H = 4,096) at 27,000 prefill tokens/s on one H200 (SpecForge's published "
-                f"capture rate) writes {27_000 * bytes_per_token(4096, 3)['total'] / 1e9:,.2f} GB/s per GPU in bf16 "
-                f"({bytes_per_token(4096, 3)['total']:,.0f} B/token), "
-                f"{27_000 * bytes_per_token(4096, 3, aux_format='fp8_e4m3', final_format='fp8_e4m3')['total'] / 1e9:,.2f}"
-                " GB/s with extract.aux_format and extract.final_format fp8_e4m3.", ""]
+        out += [
+            "## Write rate",
+            "",
+            f"- {thr['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU x {cfg['total']:,.0f} B/token = "
+            f"{wr['bytes_per_s_per_gpu'] / 1e9:,.3f} GB/s per GPU; on {_count(wr['gpus'], 'GPU')} "
+            f"{wr['bytes_per_s'] / 1e9:,.3f} GB/s into the states' filesystem"
+            + (
+                f" (plan.write_gb_per_s: {lim / 1e9:,.2f} GB/s)"
+                if lim
+                else " (set plan.write_gb_per_s to compare with the filesystem's rate)"
+            )
+            + ".",
+            "- For scale: an 8B target (H = 4,096) at 27,000 prefill tokens/s on one H200 (SpecForge's published "
+            f"capture rate) writes {27_000 * bytes_per_token(4096, 3)['total'] / 1e9:,.2f} GB/s per GPU in bf16 "
+            f"({bytes_per_token(4096, 3)['total']:,.0f} B/token), "
+            f"{27_000 * bytes_per_token(4096, 3, aux_format='fp8_e4m3', final_format='fp8_e4m3')['total'] / 1e9:,.2f}"
+            " GB/s with extract.aux_format and extract.final_format fp8_e4m3.",
+            "",
+        ]
     held = ""
     if tot.get("heldout_samples"):
-        held = (f"; of which {tot['heldout_tokens']:,} tokens in {tot['heldout_samples']:,} samples are the held-out "
-                "set (merge.heldout: extracted and exported for evaluation, never trained on)")
-    out += ["## Totals (as merged)", "",
-            f"- tokens: {tot['tokens']:,} in {tot['samples']:,} samples ({tot['supervised_tokens']:,} supervised)"
-            + held,
-            f"- storage: {tot['tokens']:,} x {cfg['total']:,.0f} B = {format_bytes(tot['bytes'])}",
-            f"- throughput: {throughput_phrase(thr)}",
-            f"- GPU time: {tot['tokens']:,} / {thr['tokens_per_s_per_gpu']:,.1f} / 3600 = {tot['gpu_hours']:,.4g} GPU "
-            f"hours ({format_hours(tot['gpu_hours'])})",
-            wall_line(thr, tot), ""]
-    out += ["## Per extraction job (one per validated dataset shard)", "",
-            "| job | samples | tokens | storage | GPU time |", "|---|---:|---:|---:|---:|"]
+        held = (
+            f"; of which {tot['heldout_tokens']:,} tokens in {tot['heldout_samples']:,} samples are the held-out "
+            "set (merge.heldout: extracted and exported for evaluation, never trained on)"
+        )
+    out += [
+        "## Totals (as merged)",
+        "",
+        f"- tokens: {tot['tokens']:,} in {tot['samples']:,} samples ({tot['supervised_tokens']:,} supervised)" + held,
+        f"- storage: {tot['tokens']:,} x {cfg['total']:,.0f} B = {format_bytes(tot['bytes'])}",
+        f"- throughput: {throughput_phrase(thr)}",
+        f"- GPU time: {tot['tokens']:,} / {thr['tokens_per_s_per_gpu']:,.1f} / 3600 = {tot['gpu_hours']:,.4g} GPU "
+        f"hours ({format_hours(tot['gpu_hours'])})",
+        wall_line(thr, tot),
+        "",
+    ]
+    out += [
+        "## Per extraction job (one per validated dataset shard)",
+        "",
+        "| job | samples | tokens | storage | GPU time |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for s in plan["shards"]:
-        out.append(f"| {s['job']} | {s['samples']:,} | {s['tokens']:,} | {format_bytes(s['bytes'])} | "
-                   f"{format_hours(s['gpu_hours'])} |")
-    out += ["", "## Alternatives", "",
-            "| alternative | samples | tokens | configured layout | aux only bf16 | GPU time | wall time |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+        out.append(
+            f"| {s['job']} | {s['samples']:,} | {s['tokens']:,} | {format_bytes(s['bytes'])} | "
+            f"{format_hours(s['gpu_hours'])} |"
+        )
+    out += [
+        "",
+        "## Alternatives",
+        "",
+        "| alternative | samples | tokens | configured layout | aux only bf16 | GPU time | wall time |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for sc in plan["scenarios"]:
-        out.append(f"| {sc['name']} | {sc['samples']:,} | {sc['tokens']:,} | {format_bytes(sc['bytes']['configured'])} | "
-                   f"{format_bytes(sc['bytes']['aux_only_bf16'])} | {format_hours(sc['gpu_hours'])} | "
-                   f"{format_hours(sc['wall_hours'])} |")
+        out.append(
+            f"| {sc['name']} | {sc['samples']:,} | {sc['tokens']:,} | {format_bytes(sc['bytes']['configured'])} | "
+            f"{format_bytes(sc['bytes']['aux_only_bf16'])} | {format_hours(sc['gpu_hours'])} | "
+            f"{format_hours(sc['wall_hours'])} |"
+        )
     aux_only = bpt["aux_only_bf16"]["total"]
     full = (ex.get("specforge") or bytes_per_token(H, 3, dtype=lay["dtype"], ids_bytes=16))["total"]
-    out += ["", "## Notes", "",
-            "- Units: KB, MB, GB, TB = 10^3, 10^6, 10^9, 10^12 bytes; KiB, MiB, GiB, TiB = 2^10 ... 2^40 bytes (what "
-            "`df -h` / `du -h` print as K, M, G, T). Times: GPU time on one GPU; wall time on the GPUs in use.",
-            f"- Three auxiliary layers at bf16 alone are 3 x {H:,} x 2 = {aux_only:,.0f} B/token; with the final "
-            f"state and int64 ids/mask (SpecForge's .ckpt) {full:,.0f} B/token, {full / aux_only:.2f}x as much. "
-            "An estimate made from the auxiliary states only under-counts storage by that factor.",
-            "- GPU hours are linear in tokens: long samples cost more per token (attention), so a cap saves a "
-            "little more time than its token share; measure on the real shard for a better figure.",
-            "- Which layout an outside estimate assumed can be read off its bytes per token. E.g. 5.5 TB for "
-            "138.4M tokens of a H = 7,168 target is 5.5 x 2^40 / 138.4M = 43.7 KB/token (39.7 KB if decimal): "
-            "3 auxiliary layers at bf16 (3 x 7,168 x 2 = 43,008 B; 5.41 TiB), not 3 auxiliary + final (8H = "
-            "57,344 B; 7.22 TiB) and not 8H in decimal TB (7.94). So that estimate counted the auxiliary states "
-            "only, in binary units, and under-stated the disk a SpecForge-style dump needs by a third.",
-            "- Cap alternatives count exactly what merge with max_len = N keeps (supervised tokens from the loss "
-            "mask; a sample whose supervised tokens a cap would all cut away is dropped, as merge does).", ""]
+    out += [
+        "",
+        "## Notes",
+        "",
+        "- Units: KB, MB, GB, TB = 10^3, 10^6, 10^9, 10^12 bytes; KiB, MiB, GiB, TiB = 2^10 ... 2^40 bytes (what "
+        "`df -h` / `du -h` print as K, M, G, T). Times: GPU time on one GPU; wall time on the GPUs in use.",
+        f"- Three auxiliary layers at bf16 alone are 3 x {H:,} x 2 = {aux_only:,.0f} B/token; with the final "
+        f"state and int64 ids/mask (SpecForge's .ckpt) {full:,.0f} B/token, {full / aux_only:.2f}x as much. "
+        "An estimate made from the auxiliary states only under-counts storage by that factor.",
+        "- GPU hours are linear in tokens: long samples cost more per token (attention), so a cap saves a "
+        "little more time than its token share; measure on the real shard for a better figure.",
+        "- Which layout an outside estimate assumed can be read off its bytes per token. E.g. 5.5 TB for "
+        "138.4M tokens of a H = 7,168 target is 5.5 x 2^40 / 138.4M = 43.7 KB/token (39.7 KB if decimal): "
+        "3 auxiliary layers at bf16 (3 x 7,168 x 2 = 43,008 B; 5.41 TiB), not 3 auxiliary + final (8H = "
+        "57,344 B; 7.22 TiB) and not 8H in decimal TB (7.94). So that estimate counted the auxiliary states "
+        "only, in binary units, and under-stated the disk a SpecForge-style dump needs by a third.",
+        "- Cap alternatives count exactly what merge with max_len = N keeps (supervised tokens from the loss "
+        "mask; a sample whose supervised tokens a cap would all cut away is dropped, as merge does).",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -643,10 +825,17 @@ def plan(
         measured = measure_throughput(merged_paths[0], settings=settings)
         unit = "per GPU" if str(measured["device"]).startswith("cuda") else f"on {measured['device']}"
         how = f"reused from {measured['cached']}" if measured.get("cached") else f"{time.perf_counter() - t0:.1f}s"
-        log.info("measured %.1f tokens/s %s on %s (%d tokens, %s)", measured["tokens_per_s_per_gpu"], unit,
-                 merged_paths[0], measured["tokens"], how)
-    p = build_plan(manifest_path, merged_paths, settings=settings, measured=measured, states_dir=states_dir,
-                   export_dir=export_dir)
+        log.info(
+            "measured %.1f tokens/s %s on %s (%d tokens, %s)",
+            measured["tokens_per_s_per_gpu"],
+            unit,
+            merged_paths[0],
+            measured["tokens"],
+            how,
+        )
+    p = build_plan(
+        manifest_path, merged_paths, settings=settings, measured=measured, states_dir=states_dir, export_dir=export_dir
+    )
     write_json(p, out_json)
     write_text(render_markdown(p), out_md)
     for w in p["warnings"]:

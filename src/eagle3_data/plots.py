@@ -75,17 +75,22 @@ def plot_lengths(rows: list[dict], path) -> Path:
         for ax in axes:
             _no_data(ax, "no validated samples")
         return _save(fig, path)
-    for ax, idx, title in ((axes[0], 0, "Prompt tokens (loss mask 0)"), (axes[1], 1, "Completion tokens (loss mask 1)")):
+    for ax, idx, title in (
+        (axes[0], 0, "Prompt tokens (loss mask 0)"),
+        (axes[1], 1, "Completion tokens (loss mask 1)"),
+    ):
         data = [np.maximum(np.asarray(by[n][idx]), 1) for n in names]
-        ax.boxplot(data, orientation="horizontal", showfliers=True, widths=0.6,
-                   flierprops={"markersize": 2, "alpha": 0.4})
+        ax.boxplot(
+            data, orientation="horizontal", showfliers=True, widths=0.6, flierprops={"markersize": 2, "alpha": 0.4}
+        )
         ax.set_xscale("log")
         ax.set_title(title)
         ax.set_xlabel("tokens per sample (log)")
         ax.grid(axis="x", alpha=0.3)
         for i, d in enumerate(data, start=1):
-            ax.annotate(f"median {int(np.median(d)):,}", (float(np.median(d)), i + 0.33), fontsize=7, ha="center",
-                        color="0.3")
+            ax.annotate(
+                f"median {int(np.median(d)):,}", (float(np.median(d)), i + 0.33), fontsize=7, ha="center", color="0.3"
+            )
     axes[0].set_yticks(range(1, len(names) + 1), [f"{n} (n={len(by[n][0]):,})" for n in names])
     fig.suptitle("Length distributions per dataset (validated samples)")
     return _save(fig, path)
@@ -115,8 +120,9 @@ def plot_completion_vs_time(rows: list[dict], path) -> Path:
         c = np.array([r["completion_tokens"] for r in ok if r["dataset"] == n], dtype=float)
         ax.scatter(t, c, s=max(3.0, min(16.0, 20000 / len(ok))), alpha=0.45, color=colors[n], linewidths=0)
         m = _running_mean(c)
-        ax.plot(t, m, color=colors[n], linewidth=2,
-                label=f"{n}: mean {m[0]:,.0f} -> {m[-1]:,.0f} tokens (n={len(c):,})")
+        ax.plot(
+            t, m, color=colors[n], linewidth=2, label=f"{n}: mean {m[0]:,.0f} -> {m[-1]:,.0f} tokens (n={len(c):,})"
+        )
     ax.set_xlabel("completion time (minutes from the first response)")
     ax.set_ylabel("completion tokens (dots); running mean (lines)")
     ax.set_yscale("symlog", linthresh=10)
@@ -150,8 +156,15 @@ def plot_cost_over_time(rows: list[dict], path) -> Path:
     ax_cost.grid(alpha=0.3)
     ax_cost.legend(fontsize=8, loc="upper left")
     if cost.sum() == 0:
-        ax_cost.text(0.5, 0.75, "no cost reported (local backends)", ha="center", va="center",
-                     transform=ax_cost.transAxes, color="0.4")
+        ax_cost.text(
+            0.5,
+            0.75,
+            "no cost reported (local backends)",
+            ha="center",
+            va="center",
+            transform=ax_cost.transAxes,
+            color="0.4",
+        )
     ok = np.array([r["status"] == "ok" for r in rows])
     tok = np.array([r["completion_tokens"] for r in rows], dtype=float) * ok
     bin_s = next((b for b in BINS_S if t.max() * 60 / b <= MAX_BINS), BINS_S[-1])
@@ -191,8 +204,7 @@ def plot_rejects(rows: list[dict], path) -> Path:
         ax.barh(reasons, w, left=left, color=colors[s], label=s)
         left += w
     for i, r in enumerate(reasons):
-        ax.annotate(f"{totals[r]:,}", (left[i], i), xytext=(3, 0), textcoords="offset points", va="center",
-                    fontsize=8)
+        ax.annotate(f"{totals[r]:,}", (left[i], i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
     ax.set_xlabel("rejected samples")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(title="stage", fontsize=8)

@@ -64,18 +64,24 @@ def check_target(config: dict, cache_dir: str | os.PathLike | None = None, *, lo
     if target.get("build_tiny") or target.get("gguf"):
         return  # the build makes (and remakes) it: rule tiny_target or gguf_target
     if not path or not d.exists():
-        raise ConfigError(f"Config error: target.path: {path or '(empty)'} does not exist; it must be a local "
-                          "directory with the target model's tokenizer and chat template (download a Hub model "
-                          "first, e.g. `hf download <repo> --local-dir <dir>`), checked before any "
-                          "request is paid for.")
+        raise ConfigError(
+            f"Config error: target.path: {path or '(empty)'} does not exist; it must be a local "
+            "directory with the target model's tokenizer and chat template (download a Hub model "
+            "first, e.g. `hf download <repo> --local-dir <dir>`), checked before any "
+            "request is paid for."
+        )
     if not d.is_dir():
         raise ConfigError(f"Config error: target.path: {path} is a file, not the directory of the target's tokenizer.")
     if not any((d / f).is_file() for f in TOKENIZER_FILES) and not any(d.glob("*.tiktoken")):
-        raise ConfigError(f"Config error: target.path: {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                          "point it at the target model's directory.")
+        raise ConfigError(
+            f"Config error: target.path: {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "point it at the target model's directory."
+        )
     if not _has_chat_template(d):
-        raise ConfigError(f"Config error: target.path: {path} has no chat template (chat_template.jinja, or "
-                          "chat_template in tokenizer_config.json): tokenize renders every prompt with it.")
+        raise ConfigError(
+            f"Config error: target.path: {path} has no chat template (chat_template.jinja, or "
+            "chat_template in tokenizer_config.json): tokenize renders every prompt with it."
+        )
     if not load or target.get("build_tiny"):  # a tiny target: made by this build, with its template
         return
     stamp = Path(cache_dir) / "checks" / f"target-{_signature(d, target)}.ok" if cache_dir is not None else None
@@ -84,8 +90,9 @@ def check_target(config: dict, cache_dir: str | os.PathLike | None = None, *, lo
     from .templates import TemplateError, load_target_tokens
 
     try:
-        load_target_tokens(path, target.get("template", "generic"),
-                           trust_remote_code=bool(target.get("trust_remote_code", False)))
+        load_target_tokens(
+            path, target.get("template", "generic"), trust_remote_code=bool(target.get("trust_remote_code", False))
+        )
     except (TemplateError, ValueError) as exc:
         raise ConfigError(f"Config error: target.path: {' '.join(str(exc).split())[:400]}") from None
     if stamp is not None:
@@ -110,9 +117,11 @@ def check_draft_vocab(config: dict) -> None:
     except (KeyError, ValueError, OSError):
         return
     if int(draft) > size:
-        raise ConfigError(f"Config error: vocab.draft_vocab_size is {int(draft):,}, larger than the target's "
-                          f"vocabulary ({size:,} tokens, vocab_size of {path}/config.json); set it to at most "
-                          f"{size:,}.")
+        raise ConfigError(
+            f"Config error: vocab.draft_vocab_size is {int(draft):,}, larger than the target's "
+            f"vocabulary ({size:,} tokens, vocab_size of {path}/config.json); set it to at most "
+            f"{size:,}."
+        )
 
 
 def check_launch_python(config: dict) -> None:
@@ -134,8 +143,11 @@ def check_launch_python(config: dict) -> None:
 
 #: what each final_norm setting lets an export read
 _FORMS = {"both": ("post", "pre"), "post": ("post",), "pre": ("pre",)}
-_DRAFTER_NAMES = {"eagle3": "EAGLE-3's auxiliary layers", "dflash": "DFlash's target layers",
-                  "dspark": "DSpark's target layers"}
+_DRAFTER_NAMES = {
+    "eagle3": "EAGLE-3's auxiliary layers",
+    "dflash": "DFlash's target layers",
+    "dspark": "DSpark's target layers",
+}
 
 
 def check_export_layouts(config: dict) -> None:
@@ -150,20 +162,29 @@ def check_export_layouts(config: dict) -> None:
     ext, layouts = section(config, "extract"), section(config, "export")["layouts"] or []
     norm, drafters = ext["final_norm"], list(ext["drafters"] or ["eagle3"])
     if ext["backend"] == "sglang" and norm != "post":
-        raise ConfigError(f"Config error: extract.backend sglang stores post-norm final states only, but "
-                          f"extract.final_norm is {norm}; set extract.final_norm: post (or use extract.backend: "
-                          "transformers, which stores both forms)")
+        raise ConfigError(
+            f"Config error: extract.backend sglang stores post-norm final states only, but "
+            f"extract.final_norm is {norm}; set extract.final_norm: post (or use extract.backend: "
+            "transformers, which stores both forms)"
+        )
     for layout in layouts:
         c = CONTRACTS[layout]
         if c["final"] is not None and c["final"] not in _FORMS[norm]:
-            fix = ("use extract.backend: transformers with extract.final_norm: both" if ext["backend"] == "sglang"
-                   else f"set extract.final_norm: both (the default: every layout from one extraction) or {c['final']}")
-            raise ConfigError(f"Config error: export.layouts: {layout} reads {c['final']}-norm final states, but "
-                              f"extract.final_norm: {norm} stores {norm}-norm ones only; {fix}")
+            fix = (
+                "use extract.backend: transformers with extract.final_norm: both"
+                if ext["backend"] == "sglang"
+                else f"set extract.final_norm: both (the default: every layout from one extraction) or {c['final']}"
+            )
+            raise ConfigError(
+                f"Config error: export.layouts: {layout} reads {c['final']}-norm final states, but "
+                f"extract.final_norm: {norm} stores {norm}-norm ones only; {fix}"
+            )
         if not set(c["drafters"]) & set(drafters):
             want = c["drafters"][0]
-            raise ConfigError(f"Config error: export.layouts: {layout} reads {_DRAFTER_NAMES[want]}, which "
-                              f"extract.drafters {drafters} does not capture; add {want} to extract.drafters")
+            raise ConfigError(
+                f"Config error: export.layouts: {layout} reads {_DRAFTER_NAMES[want]}, which "
+                f"extract.drafters {drafters} does not capture; add {want} to extract.drafters"
+            )
     path = Path(str((config.get("target") or {}).get("path") or "")) / "config.json"
     if path.is_file():
         from .extract.model import model_dims, resolve_drafter_layers
@@ -191,7 +212,8 @@ def check_resources(resources: dict, where: str = "default-resources", environ=N
                 raise ConfigError(
                     f"Profile error: {where} {name} is {value!r} but {var} is not set (the job would be submitted "
                     f"with the literal text); export {var}=<value> (for slurm_account: your cluster account) or "
-                    f"write the value into the profile, then run again.")
+                    f"write the value into the profile, then run again."
+                )
 
 
 def cluster_resources(workflow) -> dict:

@@ -80,8 +80,16 @@ def done(state) -> int:
 
 def line(state, tag: str, *, ascii: bool = True) -> str:
     """One progress line (see the module docstring)."""
-    meter = tqdm.format_meter(done(state), state.total, time.monotonic() - state.t0, prefix=tag, unit=UNIT,
-                              initial=state.instant, ascii=ascii, bar_format=BAR_FORMAT)
+    meter = tqdm.format_meter(
+        done(state),
+        state.total,
+        time.monotonic() - state.t0,
+        prefix=tag,
+        unit=UNIT,
+        initial=state.instant,
+        ascii=ascii,
+        bar_format=BAR_FORMAT,
+    )
     return f"{meter} | {postfix(state)}"
 
 
@@ -90,8 +98,9 @@ def final_line(state, tag: str) -> str:
     budget kept samples from being sent."""
     text = line(state, tag)
     if state.not_sent:
-        text += (f" | stopped by {state.stopped_by or 'a budget'}: {state.not_sent:,} of {state.total:,} samples "
-                 "not sent")
+        text += (
+            f" | stopped by {state.stopped_by or 'a budget'}: {state.not_sent:,} of {state.total:,} samples not sent"
+        )
     return text
 
 
@@ -105,9 +114,11 @@ def budget_stop_message(state, key: str, value, source: str, num_shards: int = 1
     what = f"{source} = {budget_text(key, float(value))}" if value is not None else source
     if num_shards > 1 and share is not None:
         what += f", this shard's share {budget_text(key, share)} of {num_shards} shards"
-    return (f"stopped by {key} ({what}): {budget_text(key, spent)} spent; {state.not_sent:,} of {state.total:,} "
-            "samples not sent (no row for them; a rerun with a larger budget sends them, journaled responses are "
-            "not paid for again)")
+    return (
+        f"stopped by {key} ({what}): {budget_text(key, spent)} spent; {state.not_sent:,} of {state.total:,} "
+        "samples not sent (no row for them; a rerun with a larger budget sends them, journaled responses are "
+        "not paid for again)"
+    )
 
 
 def _chain(log: logging.Logger) -> list[logging.Logger]:
@@ -169,8 +180,7 @@ class JobProgress:
     #: seconds between redraws of a live bar
     redraw_s = 0.5
 
-    def __init__(self, state, tag: str, interval: float, log: logging.Logger, *, stream=None,
-                 live: bool | None = None):
+    def __init__(self, state, tag: str, interval: float, log: logging.Logger, *, stream=None, live: bool | None = None):
         self.state = state
         self.tag = tag
         self.interval = max(0.05, float(interval))
@@ -209,9 +219,18 @@ class JobProgress:
     def start(self) -> None:
         """On a terminal, open the bar."""
         if self.live:
-            self.bar = _Bar(total=self.state.total, initial=done(self.state), desc=self.tag, unit=UNIT,
-                            file=self.stream, bar_format=BAR_FORMAT + " | {counters}", mininterval=self.redraw_s,
-                            dynamic_ncols=True, leave=True, state=self.state)
+            self.bar = _Bar(
+                total=self.state.total,
+                initial=done(self.state),
+                desc=self.tag,
+                unit=UNIT,
+                file=self.stream,
+                bar_format=BAR_FORMAT + " | {counters}",
+                mininterval=self.redraw_s,
+                dynamic_ncols=True,
+                leave=True,
+                state=self.state,
+            )
 
     def tick(self) -> None:
         """Redraw the bar (on a terminal)."""

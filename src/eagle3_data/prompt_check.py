@@ -35,6 +35,11 @@ def mismatch_detail(target, ours: list[int], theirs: list[int]) -> str | None:
     texts = target.decode_batch([[x] for x in (a, b) if x is not None])
     ta = texts.pop(0) if a is not None else None
     tb = texts.pop(0) if b is not None else None
-    show = (lambda t, x: "<end>" if x is None else f"{t!r} (id {x})")
-    return (f"the server's prompt differs from the target's chat template render at token {i}: ours {show(ta, a)}, "
-            f"the server's {show(tb, b)} ({len(ours)} vs {len(theirs)} prompt tokens)")
+
+    def show(t, x):
+        return "<end>" if x is None else f"{t!r} (id {x})"
+
+    return (
+        f"the server's prompt differs from the target's chat template render at token {i}: ours {show(ta, a)}, "
+        f"the server's {show(tb, b)} ({len(ours)} vs {len(theirs)} prompt tokens)"
+    )

@@ -50,37 +50,51 @@ from .files import write_json, write_parquet
 
 log = logging.getLogger("eagle3_data.provenance")
 
-PROVENANCE = pa.schema([
-    ("set", pa.string()),
-    ("merged_file", pa.string()),
-    ("row", pa.int64()),
-    ("index", pa.int64()),
-    ("sample_id", pa.string()),
-    ("dataset", pa.string()),
-    ("source_path", pa.string()),
-    ("source_format", pa.string()),
-    ("source_row", pa.int64()),
-    ("target_fingerprint", pa.string()),
-    ("chat_template_sha256", pa.string()),
-    ("backend", pa.string()),
-    ("engine", pa.string()),
-    ("engine_version", pa.string()),
-    ("model", pa.string()),
-    ("provider", pa.string()),
-    ("sampling", pa.string()),
-    ("request_key", pa.string()),
-    ("generation_id", pa.string()),
-    ("cost_usd", pa.float64()),
-    ("attempts", pa.int32()),
-    ("completed_at", pa.float64()),
-])
+PROVENANCE = pa.schema(
+    [
+        ("set", pa.string()),
+        ("merged_file", pa.string()),
+        ("row", pa.int64()),
+        ("index", pa.int64()),
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("source_path", pa.string()),
+        ("source_format", pa.string()),
+        ("source_row", pa.int64()),
+        ("target_fingerprint", pa.string()),
+        ("chat_template_sha256", pa.string()),
+        ("backend", pa.string()),
+        ("engine", pa.string()),
+        ("engine_version", pa.string()),
+        ("model", pa.string()),
+        ("provider", pa.string()),
+        ("sampling", pa.string()),
+        ("request_key", pa.string()),
+        ("generation_id", pa.string()),
+        ("cost_usd", pa.float64()),
+        ("attempts", pa.int32()),
+        ("completed_at", pa.float64()),
+    ]
+)
 
 #: the provenance columns a trainer's side table gets (export: speculators' samples_*.parquet)
 SIDE_COLUMNS = [n for n in PROVENANCE.names if n not in ("set", "merged_file", "row", "index", "sample_id", "dataset")]
 
 #: the distributions whose versions shape the data (provenance.json)
-PACKAGES = ("eagle3-data", "snakemake", "transformers", "tokenizers", "torch", "safetensors", "pyarrow", "duckdb",
-            "datasketch", "datasets", "jinja2", "numpy")
+PACKAGES = (
+    "eagle3-data",
+    "snakemake",
+    "transformers",
+    "tokenizers",
+    "torch",
+    "safetensors",
+    "pyarrow",
+    "duckdb",
+    "datasketch",
+    "datasets",
+    "jinja2",
+    "numpy",
+)
 
 
 def chat_template_sha256(model_path) -> str | None:
@@ -125,17 +139,29 @@ def repository_commit(cwd=".") -> dict:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=30)
         if head.returncode != 0:
             return {"commit": None, "dirty": None}
-        diff = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True,
-                              text=True, timeout=60)
+        diff = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return {"commit": head.stdout.strip(), "dirty": bool(diff.stdout.strip()) if diff.returncode == 0 else None}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
 
 
 def _sampling(generation: dict, backend: dict) -> str:
-    return json.dumps({"temperature": generation.get("temperature"), "top_p": generation.get("top_p"),
-                       "max_tokens": generation.get("max_tokens"), "extra_body": generation.get("extra_body") or {},
-                       "backend_extra_body": (backend or {}).get("extra_body") or {}}, sort_keys=True)
+    return json.dumps(
+        {
+            "temperature": generation.get("temperature"),
+            "top_p": generation.get("top_p"),
+            "max_tokens": generation.get("max_tokens"),
+            "extra_body": generation.get("extra_body") or {},
+            "backend_extra_body": (backend or {}).get("extra_body") or {},
+        },
+        sort_keys=True,
+    )
 
 
 def build_provenance(
@@ -171,17 +197,29 @@ def build_provenance(
     sets = [("train", str(p)) for p in merged_paths] + ([("heldout", str(heldout_path))] if heldout_path else [])
     con = duckdb.connect()
     try:
-        sql.set_variables(con, merged_files=[p for _, p in sets], responses_files=[str(p) for p in responses_paths],
-                          prompts_files=[str(p) for p in prompts_paths])
+        sql.set_variables(
+            con,
+            merged_files=[p for _, p in sets],
+            responses_files=[str(p) for p in responses_paths],
+            prompts_files=[str(p) for p in prompts_paths],
+        )
         con.execute("CREATE TEMP TABLE merged_files (set_name VARCHAR, path VARCHAR, pos BIGINT)")
         con.executemany("INSERT INTO merged_files VALUES (?, ?, ?)", [[s, p, i] for i, (s, p) in enumerate(sets)])
         con.execute("CREATE TEMP TABLE ds_info (dataset VARCHAR, source_path VARCHAR, source_format VARCHAR)")
-        con.executemany("INSERT INTO ds_info VALUES (?, ?, ?)",
-                        [[ds, d.get("source_path"), d.get("source_format")] for ds, d in datasets.items()])
+        con.executemany(
+            "INSERT INTO ds_info VALUES (?, ?, ?)",
+            [[ds, d.get("source_path"), d.get("source_format")] for ds, d in datasets.items()],
+        )
         con.execute("CREATE TEMP TABLE sampling (dataset VARCHAR, backend VARCHAR, engine VARCHAR, sampling VARCHAR)")
-        con.executemany("INSERT INTO sampling VALUES (?, ?, ?, ?)",
-                        [[ds, b, (backends.get(b) or {}).get("type"), _sampling(d["generation"], backends.get(b))]
-                         for ds, d in datasets.items() if d.get("generation") for b in backends])
+        con.executemany(
+            "INSERT INTO sampling VALUES (?, ?, ?, ?)",
+            [
+                [ds, b, (backends.get(b) or {}).get("type"), _sampling(d["generation"], backends.get(b))]
+                for ds, d in datasets.items()
+                if d.get("generation")
+                for b in backends
+            ],
+        )
         con.execute("""CREATE TEMP TABLE merged AS
             SELECT f.set_name, m.filename AS merged_file, m.file_row_number AS row, f.pos, m.sample_id, m.dataset
             FROM read_parquet(getvariable('merged_files'), filename = true, file_row_number = true) m
@@ -202,8 +240,9 @@ def build_provenance(
             con.execute("""CREATE TEMP TABLE prm AS SELECT dataset, sample_id, source_row, source_format
                 FROM read_parquet(getvariable('prompts_files'))""")
         else:
-            con.execute("CREATE TEMP TABLE prm (dataset VARCHAR, sample_id VARCHAR, source_row BIGINT, "
-                        "source_format VARCHAR)")
+            con.execute(
+                "CREATE TEMP TABLE prm (dataset VARCHAR, sample_id VARCHAR, source_row BIGINT, source_format VARCHAR)"
+            )
         con.execute("SET VARIABLE fingerprint = ?::VARCHAR", [fingerprint])
         con.execute("SET VARIABLE template_sha = ?::VARCHAR", [template_sha])
         table = con.sql("""
@@ -227,17 +266,23 @@ def build_provenance(
     counts = {s: 0 for s in ("train", "heldout")}
     for s in table.column("set").to_pylist():
         counts[s] += 1
-    untraced = table.filter(pc.and_(pc.is_null(table.column("request_key")),
-                                    pc.is_valid(table.column("source_row")))).num_rows
+    untraced = table.filter(
+        pc.and_(pc.is_null(table.column("request_key")), pc.is_valid(table.column("source_row")))
+    ).num_rows
     doc = {
         "written_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "config_sha256": config_digest(config) if config is not None else None,
         "packages": package_versions(),
         "repository": repository_commit(),
         "target": {"path": str(target_path), "fingerprint": fingerprint, "chat_template_sha256": template_sha},
-        "datasets": {ds: {"source_path": d.get("source_path"), "source_format": d.get("source_format"),
-                          "sampling": json.loads(_sampling(d["generation"], {})) if d.get("generation") else None}
-                     for ds, d in datasets.items()},
+        "datasets": {
+            ds: {
+                "source_path": d.get("source_path"),
+                "source_format": d.get("source_format"),
+                "sampling": json.loads(_sampling(d["generation"], {})) if d.get("generation") else None,
+            }
+            for ds, d in datasets.items()
+        },
         "backends": {b: {"type": c.get("type"), "model": c.get("model")} for b, c in backends.items()},
         "rows": {**counts, "without_reply": untraced},
         "table": str(out_path),

@@ -163,8 +163,9 @@ def on_start(cache_dir: str | os.PathLike) -> None:
     if me is not None:
         with contextlib.suppress(OSError):
             me.dir.mkdir(parents=True, exist_ok=True)
-            (me.dir / OWNER_FILE).write_text(json.dumps({"pid": me.owner.pid, "start": me.owner.start,
-                                                         "workdir": os.getcwd()}))
+            (me.dir / OWNER_FILE).write_text(
+                json.dumps({"pid": me.owner.pid, "start": me.owner.start, "workdir": os.getcwd()})
+            )
             _stop_file[:] = [me.stop_file]
     _chain_signal(signal.SIGTERM, "SIGTERM")
     _chain_signal(signal.SIGINT, "SIGINT")
@@ -200,8 +201,11 @@ def widen_local_workers(workflow, waiting_jobs: int) -> int | None:
     if getattr(workflow, "non_local_exec", False) or executor is None:
         return None
     if not isinstance(pool, concurrent.futures.ThreadPoolExecutor) or not isinstance(workers, int):
-        print(f"Warning: Snakemake's local executor has no worker pool to widen ({type(executor).__name__}); "
-              "at most --cores + 5 generate jobs run at once.", file=sys.stderr)
+        print(
+            f"Warning: Snakemake's local executor has no worker pool to widen ({type(executor).__name__}); "
+            "at most --cores + 5 generate jobs run at once.",
+            file=sys.stderr,
+        )
         return None
     cores = workflow.resource_settings.cores
     want = (cores if isinstance(cores, int) else 0) + 5 + max(0, int(waiting_jobs))
@@ -231,8 +235,10 @@ def interrupt_message(journal_dir: str | os.PathLike, signame: str = "SIGINT", j
     :mod:`eagle3_data.runview`); None: every line of the journals under ``journal_dir``."""
     what = "Interrupted (Ctrl-C)" if signame == "SIGINT" else f"Stopped ({signame})"
     n = journaled_responses(journal_dir) if journaled is None else journaled
-    return (f"{what}. Rerun the same command to resume; {n:,} response{'s' if n != 1 else ''} of this config "
-            f"{'are' if n != 1 else 'is'} journaled in {journal_dir}/ and will not be requested again.")
+    return (
+        f"{what}. Rerun the same command to resume; {n:,} response{'s' if n != 1 else ''} of this config "
+        f"{'are' if n != 1 else 'is'} journaled in {journal_dir}/ and will not be requested again."
+    )
 
 
 def stale_lock_hint(cache_dir: str | os.PathLike, workdir: str | os.PathLike = ".") -> str | None:
@@ -257,19 +263,54 @@ def stale_lock_hint(cache_dir: str | os.PathLike, workdir: str | os.PathLike = "
         dead.append(int(info["pid"]))
     if not dead:
         return None
-    return (f"The snakemake run {dead[-1]} was killed and left its lock on this directory: run `snakemake --unlock` "
-            "(with the same --configfile, if any), then the same command again to resume.")
+    return (
+        f"The snakemake run {dead[-1]} was killed and left its lock on this directory: run `snakemake --unlock` "
+        "(with the same --configfile, if any), then the same command again to resume."
+    )
 
 
 #: command-line options of ``snakemake`` modes that take no lock (snakemake/workflow.py: ``lock_warn_only``, a dry
 #: run, ``--nolock``) or only look at the workflow: a stale lock does not stop them, so its hint is only printed
-NO_LOCK_OPTIONS = frozenset({
-    "--unlock", "--nolock", "-n", "--dry-run", "--dryrun", "--lint", "-S", "--summary", "-D", "--detailed-summary",
-    "--lc", "--li", "--lp", "--list-changes", "--list-code-changes", "--list-input-changes", "--list-params-changes",
-    "--lu", "--list-untracked", "--dag", "--rulegraph", "--filegraph", "--d3dag", "--delete-all-output",
-    "--delete-temp-output", "--archive", "-l", "--list", "--list-rules", "--lt", "--list-target-rules",
-    "--print-compilation", "-h", "--help", "--version", "-v",
-})
+NO_LOCK_OPTIONS = frozenset(
+    {
+        "--unlock",
+        "--nolock",
+        "-n",
+        "--dry-run",
+        "--dryrun",
+        "--lint",
+        "-S",
+        "--summary",
+        "-D",
+        "--detailed-summary",
+        "--lc",
+        "--li",
+        "--lp",
+        "--list-changes",
+        "--list-code-changes",
+        "--list-input-changes",
+        "--list-params-changes",
+        "--lu",
+        "--list-untracked",
+        "--dag",
+        "--rulegraph",
+        "--filegraph",
+        "--d3dag",
+        "--delete-all-output",
+        "--delete-temp-output",
+        "--archive",
+        "-l",
+        "--list",
+        "--list-rules",
+        "--lt",
+        "--list-target-rules",
+        "--print-compilation",
+        "-h",
+        "--help",
+        "--version",
+        "-v",
+    }
+)
 
 
 def stale_lock_stops(argv) -> bool:

@@ -57,18 +57,37 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
     pid."""
     now = time.time()
     return {
-        "dataset": dataset, "shard": shard, "backends": list(backends), "total": state.total,
-        "done": state.done - state.not_sent, "ok": state.ok, "failed": sum(state.failed.values()),
-        "not_sent": state.not_sent, "in_flight": state.in_flight, "new_ok": state.new_ok,
-        "from_journal": state.from_journal, "journaled": state.new_ok + state.from_journal,
-        "instant": state.instant, "completion_tokens": state.completion_tokens,
-        "cost_usd": round(state.cost_usd, 8), "spent_usd": round(state.spent_usd(), 8),
-        "budget_usd": state.budget_usd, "retries": state.retries, "sent": state.sent,
-        "last_error": (state.last_error or "")[:200] or None, "down": dict(down or {}),
-        "elapsed_s": round(time.monotonic() - state.t0, 3), "last_done_at": state.last_done_at,
-        "updated_at": now, "final": bool(final), "pid": os.getpid(), "kind": "generate",
-        "other_model": getattr(state, "other_model", 0), "unpaid": sum(getattr(state, "unpaid", {}).values()),
-        "failed_by": dict(state.failed), "warnings": dict(getattr(state, "warnings", None) or {}),
+        "dataset": dataset,
+        "shard": shard,
+        "backends": list(backends),
+        "total": state.total,
+        "done": state.done - state.not_sent,
+        "ok": state.ok,
+        "failed": sum(state.failed.values()),
+        "not_sent": state.not_sent,
+        "in_flight": state.in_flight,
+        "new_ok": state.new_ok,
+        "from_journal": state.from_journal,
+        "journaled": state.new_ok + state.from_journal,
+        "instant": state.instant,
+        "completion_tokens": state.completion_tokens,
+        "cost_usd": round(state.cost_usd, 8),
+        "spent_usd": round(state.spent_usd(), 8),
+        "budget_usd": state.budget_usd,
+        "retries": state.retries,
+        "sent": state.sent,
+        "last_error": (state.last_error or "")[:200] or None,
+        "down": dict(down or {}),
+        "elapsed_s": round(time.monotonic() - state.t0, 3),
+        "last_done_at": state.last_done_at,
+        "updated_at": now,
+        "final": bool(final),
+        "pid": os.getpid(),
+        "kind": "generate",
+        "other_model": getattr(state, "other_model", 0),
+        "unpaid": sum(getattr(state, "unpaid", {}).values()),
+        "failed_by": dict(state.failed),
+        "warnings": dict(getattr(state, "warnings", None) or {}),
         "budget_tokens": getattr(state, "budget_tokens", None),
         "spent_tokens": state.spent_tokens() if hasattr(state, "spent_tokens") else None,
         "budget_in_flight": getattr(state, "budget_in_flight", None),
@@ -143,8 +162,9 @@ class RunView:
             names = list(cfg.backends_config(self.config, ds))
             label = names[0] if names else "?"
             for shard in cfg.shard_names(self.config, ds):
-                groups.setdefault(label, []).append(snaps.get((ds, shard)) or pilots.get((ds, shard))
-                                                    or {"dataset": ds, "shard": shard})
+                groups.setdefault(label, []).append(
+                    snaps.get((ds, shard)) or pilots.get((ds, shard)) or {"dataset": ds, "shard": shard}
+                )
         return groups
 
     def rows(self, now: float | None = None) -> list[dict]:
@@ -197,15 +217,25 @@ class RunView:
             budget = None
             if all(b is not None for b in budgets):  # each shard's share: the dataset budget over its shards
                 budget = sum(budgets) + (len(snaps) - len(started)) * (sum(budgets) / len(budgets))
-            out.append({
-                "stage": "forecast pilot" if all(s.get("kind") == "pilot" for s in started) else "generate",
-                "backend": label, "shards": len(snaps), "started": len(started),
-                "finished": sum(1 for s in started if s.get("final")), "done": done, "total": total,
-                "in_flight": sum(s["in_flight"] for s in active), "limit": limit, "tok_s": tok_s,
-                "spent_usd": sum(s["spent_usd"] for s in started), "budget_usd": budget,
-                "eta_s": None if downs or rate <= 0 else left / rate, "down": "; ".join(downs) or None,
-                "warnings": self._warnings(started),
-            })
+            out.append(
+                {
+                    "stage": "forecast pilot" if all(s.get("kind") == "pilot" for s in started) else "generate",
+                    "backend": label,
+                    "shards": len(snaps),
+                    "started": len(started),
+                    "finished": sum(1 for s in started if s.get("final")),
+                    "done": done,
+                    "total": total,
+                    "in_flight": sum(s["in_flight"] for s in active),
+                    "limit": limit,
+                    "tok_s": tok_s,
+                    "spent_usd": sum(s["spent_usd"] for s in started),
+                    "budget_usd": budget,
+                    "eta_s": None if downs or rate <= 0 else left / rate,
+                    "down": "; ".join(downs) or None,
+                    "warnings": self._warnings(started),
+                }
+            )
         return out
 
     @staticmethod
@@ -224,8 +254,10 @@ class RunView:
     @staticmethod
     def line(r: dict) -> str:
         """A row of :meth:`rows` as one short line."""
-        parts = [f"{r.get('stage', 'generate')} {r['backend']}: {r['done']:,}/{r['total']:,} samples, "
-                 f"{r['started']}/{r['shards']} shards"]
+        parts = [
+            f"{r.get('stage', 'generate')} {r['backend']}: {r['done']:,}/{r['total']:,} samples, "
+            f"{r['started']}/{r['shards']} shards"
+        ]
         parts.append(f"in flight {r['in_flight']}" + (f"/{r['limit']}" if r["limit"] else ""))
         parts.append(f"{r['tok_s']:,.0f} tok/s")
         parts.append(_usd(r["spent_usd"]) + (f" of {_usd(r['budget_usd'])}" if r["budget_usd"] is not None else ""))
@@ -250,12 +282,25 @@ class RunView:
         for h in ("backend", "samples", "shards", "in flight", "tok/s", "spent", "warnings", "ETA"):
             t.add_column(h, justify="left" if h in ("backend", "warnings", "ETA") else "right")
         for r in self.rows(now):
-            eta = (f"DOWN: {r['down']}"[:120] if r["down"] else "done" if r["finished"] == r["shards"]
-                   else _clock(r["eta_s"]) if r["eta_s"] is not None else "-")
-            t.add_row(r["backend"], f"{r['done']:,}/{r['total']:,}", f"{r['started']}/{r['shards']}",
-                      f"{r['in_flight']}" + (f"/{r['limit']}" if r["limit"] else ""), f"{r['tok_s']:,.0f}",
-                      _usd(r["spent_usd"]) + (f" of {_usd(r['budget_usd'])}" if r["budget_usd"] is not None else ""),
-                      warnings_text(r.get("warnings") or {}) or "-", eta)
+            eta = (
+                f"DOWN: {r['down']}"[:120]
+                if r["down"]
+                else "done"
+                if r["finished"] == r["shards"]
+                else _clock(r["eta_s"])
+                if r["eta_s"] is not None
+                else "-"
+            )
+            t.add_row(
+                r["backend"],
+                f"{r['done']:,}/{r['total']:,}",
+                f"{r['started']}/{r['shards']}",
+                f"{r['in_flight']}" + (f"/{r['limit']}" if r["limit"] else ""),
+                f"{r['tok_s']:,.0f}",
+                _usd(r["spent_usd"]) + (f" of {_usd(r['budget_usd'])}" if r["budget_usd"] is not None else ""),
+                warnings_text(r.get("warnings") or {}) or "-",
+                eta,
+            )
         return t
 
 
@@ -289,8 +334,17 @@ class _Printer(threading.Thread):
         console = Console(file=self.stream)
         # rich puts whatever is written to sys.stdout / sys.stderr above the table; Snakemake's console handler
         # holds its own reference to the stream, so it is pointed at the same place while the table is up
-        with Live(self.view.table(), console=console, refresh_per_second=1, transient=False,
-                  redirect_stdout=True, redirect_stderr=True) as live, _log_handlers_to(sys.stderr, self.stream):
+        with (
+            Live(
+                self.view.table(),
+                console=console,
+                refresh_per_second=1,
+                transient=False,
+                redirect_stdout=True,
+                redirect_stderr=True,
+            ) as live,
+            _log_handlers_to(sys.stderr, self.stream),
+        ):
             while not self.stopping.wait(self.interval_s):
                 live.update(self.view.table())
             live.update(self.view.table())
@@ -308,12 +362,16 @@ def _log_handlers_to(proxy, stream):
     targets = {id(stream), id(sys.__stderr__), id(sys.__stdout__)}
     moved = []
     if isinstance(proxy, FileProxy):
-        loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                           if isinstance(lg, logging.Logger)]
+        loggers = [logging.getLogger()] + [
+            lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+        ]
         for lg in loggers:
             for h in lg.handlers:
-                if (isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-                        and id(h.stream) in targets):
+                if (
+                    isinstance(h, logging.StreamHandler)
+                    and not isinstance(h, logging.FileHandler)
+                    and id(h.stream) in targets
+                ):
                     moved.append((h, h.setStream(proxy)))
     try:
         yield
@@ -337,8 +395,11 @@ def start(config: dict, run_dir, *, interval_s: float = 5.0, stream=None, live: 
         return
     stream = stream or sys.stderr
     if live is None:
-        live = (bool(getattr(stream, "isatty", lambda: False)()) and os.environ.get("EAGLE3_LIVE_VIEW") != "0"
-                and os.environ.get("TERM") != "dumb")
+        live = (
+            bool(getattr(stream, "isatty", lambda: False)())
+            and os.environ.get("EAGLE3_LIVE_VIEW") != "0"
+            and os.environ.get("TERM") != "dumb"
+        )
     p = _Printer(RunView(config, run_dir), interval_s, stream, live)
     _printer.append(p)
     p.start()

@@ -46,8 +46,9 @@ class PromptsModel(pa_pd.DataFrameModel):
 class RejectsModel(pa_pd.DataFrameModel):
     sample_id: Series[str] = pa_pd.Field(nullable=True)
     dataset: Series[str] = pa_pd.Field(nullable=False)
-    stage: Series[str] = pa_pd.Field(isin=["normalize", "decontaminate", "generate", "original_answers", "tokenize",
-                                                         "validate"])
+    stage: Series[str] = pa_pd.Field(
+        isin=["normalize", "decontaminate", "generate", "original_answers", "tokenize", "validate"]
+    )
     reason: Series[str] = pa_pd.Field(nullable=False, str_length={"min_value": 1})
     detail: Series[str] = pa_pd.Field(nullable=True)
     source_row: Series[float] = pa_pd.Field(nullable=True, coerce=True)
@@ -131,5 +132,3 @@ MODELS = {
     "validated": ValidatedModel,
     "merged": MergedModel,
 }
-
-

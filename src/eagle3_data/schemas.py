@@ -28,6 +28,7 @@ def is_token_ids(v) -> bool:
     """``v`` is a list of token ids: ints (not bools) in ``[0, INT32_END)``."""
     return isinstance(v, list) and all(type(i) is int and 0 <= i < INT32_END for i in v)
 
+
 MASK = pa.list_(pa.int8())
 
 PROMPTS = pa.schema(
@@ -220,8 +221,10 @@ def write_checked(table: pa.Table, kind: str, path) -> None:
 
 def _rows_fail(path, kind: str, column: str, check: str, bad: list[int], values: list) -> None:
     if bad:
-        raise SchemaError(f"{path}: {kind} rows fail the schema: column {column!r} check {check}: "
-                          f"{len(bad)} row(s), e.g. rows {bad[:5]} values {[values[i] for i in bad[:5]]}")
+        raise SchemaError(
+            f"{path}: {kind} rows fail the schema: column {column!r} check {check}: "
+            f"{len(bad)} row(s), e.g. rows {bad[:5]} values {[values[i] for i in bad[:5]]}"
+        )
 
 
 def check_responses_arrow(table: pa.Table, path: str = "<memory>", seen_keys: set | None = None) -> pa.Table:
@@ -244,24 +247,40 @@ def check_responses_arrow(table: pa.Table, path: str = "<memory>", seen_keys: se
             vals = table.column(col).to_pylist()
             _rows_fail(path, "responses", col, "not_nullable", [i for i, v in enumerate(vals) if v is None], vals)
     status = table.column("status").to_pylist()
-    _rows_fail(path, "responses", "status", "isin(['ok', 'failed'])",
-               [i for i, v in enumerate(status) if v not in ("ok", "failed")], status)
+    _rows_fail(
+        path,
+        "responses",
+        "status",
+        "isin(['ok', 'failed'])",
+        [i for i, v in enumerate(status) if v not in ("ok", "failed")],
+        status,
+    )
     for col, low in (("turn", 0), ("completion_tokens", 0), ("cost_usd", 0)):
         vals = table.column(col).to_pylist()
-        _rows_fail(path, "responses", col, f"greater_than_or_equal_to({low})",
-                   [i for i, v in enumerate(vals) if v is not None and v < low], vals)
+        _rows_fail(
+            path,
+            "responses",
+            col,
+            f"greater_than_or_equal_to({low})",
+            [i for i, v in enumerate(vals) if v is not None and v < low],
+            vals,
+        )
     keys = table.column("request_key").to_pylist()
     distinct = set(keys)
     if len(distinct) != len(keys):
         seen: set = set()
         dup = [k for k in keys if k in seen or seen.add(k)]
-        raise SchemaError(f"{path}: responses rows fail the schema: column 'request_key' check unique: "
-                          f"duplicates {sorted(set(dup))[:5]}")
+        raise SchemaError(
+            f"{path}: responses rows fail the schema: column 'request_key' check unique: "
+            f"duplicates {sorted(set(dup))[:5]}"
+        )
     if seen_keys is not None:
         dup = distinct & seen_keys
         if dup:
-            raise SchemaError(f"{path}: responses rows fail the schema: column 'request_key' check unique: "
-                              f"duplicates across batches {sorted(dup)[:5]}")
+            raise SchemaError(
+                f"{path}: responses rows fail the schema: column 'request_key' check unique: "
+                f"duplicates across batches {sorted(dup)[:5]}"
+            )
         seen_keys.update(distinct)
     return table
 

@@ -18,11 +18,8 @@ so ``params()`` stays JSON-like and equal to the config's slices.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, ClassVar
 
 from . import config as cfg
@@ -52,8 +49,10 @@ class _Settings:
 
     def as_dict(self) -> dict:
         """Every field as a plain dict (nested settings as dicts too)."""
-        return {f.name: (lambda v: v.as_dict() if isinstance(v, _Settings) else v)(getattr(self, f.name))
-                for f in fields(self)}
+        return {
+            f.name: (lambda v: v.as_dict() if isinstance(v, _Settings) else v)(getattr(self, f.name))
+            for f in fields(self)
+        }
 
     #: the config section a settings class is filled from as it is (``from_config`` / ``defaults`` below), if any
     SECTION: ClassVar[str | None] = None
@@ -111,8 +110,17 @@ class TinyTargetSettings(_Settings):
     mean_reasoning_tokens: float
     mean_completion_tokens: float
 
-    CONTENT: ClassVar = ("seed", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                         "max_position_embeddings", "mean_reasoning_tokens", "mean_completion_tokens")
+    CONTENT: ClassVar = (
+        "seed",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "mean_reasoning_tokens",
+        "mean_completion_tokens",
+    )
 
     @classmethod
     def from_config(cls, config: dict) -> "TinyTargetSettings":
@@ -175,15 +183,23 @@ class NormalizeSettings(_Settings):
         own = entry["source"].get("max_reject_rate")
         ceiling = own if own is not None else filled("normalize", config.get("normalize"))["max_reject_rate"]
         shards = entry.get("shards", _default("datasets.<name>.shards"))
-        return _build(cls, src, dataset=ds, shards=int(shards), max_reject_rate=float(ceiling),
-                      on_error=entry["source"].get("on_error") or "fail")
+        return _build(
+            cls,
+            src,
+            dataset=ds,
+            shards=int(shards),
+            max_reject_rate=float(ceiling),
+            on_error=entry["source"].get("on_error") or "fail",
+        )
 
     @classmethod
     def defaults(cls, dataset: str = "ds", **values) -> "NormalizeSettings":
         """``format`` and ``path`` have no default (``"sharegpt"``, ``""`` unless given)."""
-        source = {k: values.pop(k) for k in ("format", "path", "max_samples", "options", "max_reject_rate",
-                                             "on_error")
-                  if k in values}
+        source = {
+            k: values.pop(k)
+            for k in ("format", "path", "max_samples", "options", "max_reject_rate", "on_error")
+            if k in values
+        }
         source = {"format": "sharegpt", "path": "", **source}
         return cls.from_config({"datasets": {dataset: {"source": source, **values}}}, dataset)
 
@@ -218,8 +234,10 @@ class DecontaminateSettings(_Settings):
         (threshold and the signature keys) when enabled."""
         out: dict = {}
         if self.benchmarks:
-            out["benchmarks"] = [{k: b[k] for k in ("name", "format", "field", "id_field") if b.get(k) is not None}
-                                 for b in self.benchmarks]
+            out["benchmarks"] = [
+                {k: b[k] for k in ("name", "format", "field", "id_field") if b.get(k) is not None}
+                for b in self.benchmarks
+            ]
             out["ngram"] = self.ngram
             out["min_shared_ngrams"] = self.min_shared_ngrams
         if self.near_on:
@@ -248,8 +266,9 @@ class TokenizeSettings(_Settings):
         gen = cfg.generation_config(config, ds)
         # an answers: original dataset sends no request: no max_tokens cut its answers (nothing billed either)
         max_tokens = None if cfg.is_original(config, ds) else gen.get("max_tokens")
-        return cls(TargetSettings.from_config(config), (gen.get("extra_body") or {}).get("chat_template_kwargs"),
-                   max_tokens)
+        return cls(
+            TargetSettings.from_config(config), (gen.get("extra_body") or {}).get("chat_template_kwargs"), max_tokens
+        )
 
     @classmethod
     def defaults(cls, target: TargetSettings | dict | None = None, **values) -> "TokenizeSettings":
@@ -360,15 +379,19 @@ class ExtractSettings(_Settings):
     @classmethod
     def from_config(cls, config: dict) -> "ExtractSettings":
         t = TargetSettings.from_config(config)
-        return _build(cls, filled("extract", config.get("extract")), model_path=t.path,
-                      trust_remote_code=t.trust_remote_code, cache_dir=config.get("cache_dir", _default("cache_dir")))
+        return _build(
+            cls,
+            filled("extract", config.get("extract")),
+            model_path=t.path,
+            trust_remote_code=t.trust_remote_code,
+            cache_dir=config.get("cache_dir", _default("cache_dir")),
+        )
 
     @classmethod
     def defaults(cls, model_path: str = ".", **values) -> "ExtractSettings":
         cache_dir = values.pop("cache_dir", _default("cache_dir"))
         trc = values.pop("trust_remote_code", _default("target.trust_remote_code"))
-        return _build(cls, filled("extract", values), model_path=model_path, trust_remote_code=trc,
-                      cache_dir=cache_dir)
+        return _build(cls, filled("extract", values), model_path=model_path, trust_remote_code=trc, cache_dir=cache_dir)
 
     def reuse_path(self, ds: str, shard: str) -> str:
         """The hard link under ``cache_dir`` that keeps a selection's computed rows across reruns."""
@@ -413,18 +436,28 @@ class PlanSettings(_Settings):
 
     @classmethod
     def from_config(cls, config: dict) -> "PlanSettings":
-        return _build(cls, filled("plan", config.get("plan")), extract=ExtractSettings.from_config(config),
-                      overflow=filled("merge", config.get("merge"))["overflow"],
-                      export_layouts=list(filled("export", config.get("export"))["layouts"]),
-                      cache_dir=config.get("cache_dir", _default("cache_dir")))
+        return _build(
+            cls,
+            filled("plan", config.get("plan")),
+            extract=ExtractSettings.from_config(config),
+            overflow=filled("merge", config.get("merge"))["overflow"],
+            export_layouts=list(filled("export", config.get("export"))["layouts"]),
+            cache_dir=config.get("cache_dir", _default("cache_dir")),
+        )
 
     @classmethod
     def defaults(cls, extract: ExtractSettings | None = None, **values) -> "PlanSettings":
         overflow = values.pop("overflow", filled("merge", {})["overflow"])
         layouts = values.pop("export_layouts", filled("export", {})["layouts"])
         cache_dir = values.pop("cache_dir", _default("cache_dir"))
-        return _build(cls, filled("plan", values), extract=extract or ExtractSettings.defaults(), overflow=overflow,
-                      export_layouts=list(layouts), cache_dir=cache_dir)
+        return _build(
+            cls,
+            filled("plan", values),
+            extract=extract or ExtractSettings.defaults(),
+            overflow=overflow,
+            export_layouts=list(layouts),
+            cache_dir=cache_dir,
+        )
 
 
 @dataclass(frozen=True)
@@ -494,20 +527,38 @@ class GenerateSettings(_Settings):
         bound = self.generation.get("max_prompt_bytes")
         if bound is not None and bound != _default("generation.max_prompt_bytes"):  # likewise: only when changed
             generation["max_prompt_bytes"] = bound
-        return {"target_name": self.target_name, "generation": generation,
-                "backends": {name: {**{k: b.get(k) for k in cfg.BACKEND_DATA_KEYS}, "launched": bool(b.get("launch")),
-                                    # only when set: a backend without it keeps its params (nothing reruns)
-                                    **({"return_token_ids": True} if b.get("return_token_ids") else {})}
-                             for name, b in self.backends.items()},
-                "num_shards": self.num_shards, "target": self.target, "target_format": self.target_format}
+        return {
+            "target_name": self.target_name,
+            "generation": generation,
+            "backends": {
+                name: {
+                    **{k: b.get(k) for k in cfg.BACKEND_DATA_KEYS},
+                    "launched": bool(b.get("launch")),
+                    # only when set: a backend without it keeps its params (nothing reruns)
+                    **({"return_token_ids": True} if b.get("return_token_ids") else {}),
+                }
+                for name, b in self.backends.items()
+            },
+            "num_shards": self.num_shards,
+            "target": self.target,
+            "target_format": self.target_format,
+        }
 
     def generate_kwargs(self) -> dict:
         """Keyword arguments of :func:`eagle3_data.generate.generate` (and of the forecast's ``pilot``) these
         settings give: everything but the paths, the shard, the log and the summary path."""
-        return {"dataset": self.dataset, "target_name": self.target_name, "generation": self.generation,
-                "backends": self.backends, "backend_jobs": self.backend_jobs, "journal_dir": self.journal_dir,
-                "num_shards": self.num_shards, "target": self.target, "target_format": self.target_format,
-                "budget_sources": self.budget_sources}
+        return {
+            "dataset": self.dataset,
+            "target_name": self.target_name,
+            "generation": self.generation,
+            "backends": self.backends,
+            "backend_jobs": self.backend_jobs,
+            "journal_dir": self.journal_dir,
+            "num_shards": self.num_shards,
+            "target": self.target,
+            "target_format": self.target_format,
+            "budget_sources": self.budget_sources,
+        }
 
     @classmethod
     def from_config(cls, config: dict, ds: str) -> "GenerateSettings":
@@ -519,7 +570,10 @@ class GenerateSettings(_Settings):
         # checks the server's prompt ids against it
         native = any((b or {}).get("native_generate") or (b or {}).get("return_token_ids") for b in backends.values())
         return cls(
-            dataset=ds, target_name=t.name, generation=cfg.generation_config(config, ds), backends=backends,
+            dataset=ds,
+            target_name=t.name,
+            generation=cfg.generation_config(config, ds),
+            backends=backends,
             backend_jobs={name: jobs_using(config, name) for name in backends},
             num_shards=cfg.dataset_shards(config, ds),
             # otherwise the target config is not a dependency of generation
@@ -528,7 +582,9 @@ class GenerateSettings(_Settings):
             target_format={"template": t.template, "chat_template_kwargs": t.chat_template_kwargs or {}},
             cache_dir=config.get("cache_dir", _default("cache_dir")),
             # where the config sets each budget: named when a budget stops the shard
-            budget_sources={k: cfg.generation_source(config, ds, k) for k in ("budget_usd", "budget_completion_tokens")},
+            budget_sources={
+                k: cfg.generation_source(config, ds, k) for k in ("budget_usd", "budget_completion_tokens")
+            },
         )
 
 
@@ -555,31 +611,43 @@ class OriginalAnswersSettings(_Settings):
 
         gen = cfg.generation_config(config, ds)
         fmt = FORMATS.get(TargetSettings.from_config(config).template or "")
-        return cls(dataset=ds, answers=cfg.answers_of(config["datasets"][ds]),
-                   mode=gen.get("mode") or _default("generation.mode"), max_samples=gen.get("max_samples"),
-                   num_shards=cfg.dataset_shards(config, ds),
-                   tool_call_ids="kimi" if fmt is not None and fmt.tool_format == "kimi" else "source")
+        return cls(
+            dataset=ds,
+            answers=cfg.answers_of(config["datasets"][ds]),
+            mode=gen.get("mode") or _default("generation.mode"),
+            max_samples=gen.get("max_samples"),
+            num_shards=cfg.dataset_shards(config, ds),
+            tool_call_ids="kimi" if fmt is not None and fmt.tool_format == "kimi" else "source",
+        )
 
     @classmethod
     def defaults(cls, dataset: str = "ds", **values) -> "OriginalAnswersSettings":
         """The schema's defaults (``generation.mode``, ``generation.max_samples``, ``datasets.<name>.shards``; ids
         as in the source), updated by ``values``."""
-        out = {"dataset": dataset, "answers": "original", "mode": _default("generation.mode"),
-               "max_samples": _default("generation.max_samples"), "num_shards": _default("datasets.<name>.shards"),
-               "tool_call_ids": "source"}
+        out = {
+            "dataset": dataset,
+            "answers": "original",
+            "mode": _default("generation.mode"),
+            "max_samples": _default("generation.max_samples"),
+            "num_shards": _default("datasets.<name>.shards"),
+            "tool_call_ids": "source",
+        }
         return cls(**{**out, **values})
 
 
 # The config slices the report rules pass as params, built from the stage settings above (the rules' params are
 # each settings object's params(); these group them per dataset).
 
+
 def datasets_data_settings(config: dict) -> dict:
     """Every dataset's source keys (``eagle3_data.config.SOURCE_DATA_KEYS``) and shard count: what the reports
     depend on; and ``answers: original`` where set (only then, so the other datasets' slices stay as they were)."""
     out = {}
     for ds in cfg.datasets(config):
-        out[ds] = {"source": NormalizeSettings.from_config(config, ds).params(),
-                   "shards": cfg.dataset_shards(config, ds)}
+        out[ds] = {
+            "source": NormalizeSettings.from_config(config, ds).params(),
+            "shards": cfg.dataset_shards(config, ds),
+        }
         if cfg.is_original(config, ds):
             out[ds]["answers"] = "original"
     return out

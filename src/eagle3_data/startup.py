@@ -32,8 +32,13 @@ def cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def acquire(slots: int | None = None, *, directory: str | os.PathLike | None = None, max_wait_s: float = 30.0,
-            poll_s: float = 0.02) -> bool:
+def acquire(
+    slots: int | None = None,
+    *,
+    directory: str | os.PathLike | None = None,
+    max_wait_s: float = 30.0,
+    poll_s: float = 0.02,
+) -> bool:
     """Take one of ``slots`` (default: :func:`cores`) start-up slots of this machine, waiting at most
     ``max_wait_s`` seconds (then go on without one). Returns True if a slot is held. Never raises: a gate that
     cannot be made (unwritable directory) lets the job start at once."""

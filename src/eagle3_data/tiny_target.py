@@ -341,8 +341,13 @@ def build_tiny_target(
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     s = settings
-    seed, hidden_size, num_layers, num_heads, num_kv_heads = (s.seed, s.hidden_size, s.num_layers, s.num_heads,
-                                                              s.num_kv_heads)
+    seed, hidden_size, num_layers, num_heads, num_kv_heads = (
+        s.seed,
+        s.hidden_size,
+        s.num_layers,
+        s.num_heads,
+        s.num_kv_heads,
+    )
     intermediate_size, max_position_embeddings = s.intermediate_size, s.max_position_embeddings
     mean_reasoning_tokens, mean_completion_tokens = s.mean_reasoning_tokens, s.mean_completion_tokens
     if hidden_size % num_heads or num_heads % num_kv_heads:
@@ -352,8 +357,10 @@ def build_tiny_target(
         )
     if hidden_size < 2 * STATE_DIMS:
         raise ValueError(f"tiny target: hidden_size must be at least {2 * STATE_DIMS}, got {hidden_size}")
-    for name, value in (("mean_reasoning_tokens", mean_reasoning_tokens),
-                        ("mean_completion_tokens", mean_completion_tokens)):
+    for name, value in (
+        ("mean_reasoning_tokens", mean_reasoning_tokens),
+        ("mean_completion_tokens", mean_completion_tokens),
+    ):
         if not value > 2:
             raise ValueError(f"tiny target: {name} must be > 2 (a character and the end marker), got {value}")
 
@@ -381,8 +388,9 @@ def build_tiny_target(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32).eval()
-        scale, end_logits = _write_grammar(model, tok, ids, float(mean_reasoning_tokens),
-                                           float(mean_completion_tokens), seed)
+        scale, end_logits = _write_grammar(
+            model, tok, ids, float(mean_reasoning_tokens), float(mean_completion_tokens), seed
+        )
 
     allowed = set(ALLOWED_COMPLETION_BYTES) | {im_end, ids["</think>"]}
     gen = GenerationConfig(
@@ -512,8 +520,10 @@ def _write_grammar(model, tok, ids: dict, mean_reasoning: float, mean_answer: fl
 
         # solve the end-marker offsets on the calibration states (final normed hidden states)
         offsets = {}
-        for marker, st, mean in (("</think>", "reasoning_char", mean_reasoning),
-                                 ("<|im_end|>", "answer_char", mean_answer)):
+        for marker, st, mean in (
+            ("</think>", "reasoning_char", mean_reasoning),
+            ("<|im_end|>", "answer_char", mean_answer),
+        ):
             chars = [b for b in NEXT[st] if not isinstance(b, str)]
             spaces = [b for b in chars if token_state(b).endswith("_space")]
             p = _stop_probability(mean, len(chars), len(spaces))
@@ -553,10 +563,16 @@ def _calibration_sequences(tok, ids: dict, gen) -> list[tuple[int, list[int]]]:
 
     seqs = []
     for msgs, tools in _CALIBRATION_PROMPTS:
-        prompt = tok.encode(tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False),
-                            add_special_tokens=False)
-        seqs.append((len(prompt), prompt + part(REASONING_BYTES, 40) + [ids["</think>"]] + part(CONTENT_BYTES, 40)
-                    + [ids["<|im_end|>"]]))
+        prompt = tok.encode(
+            tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+        seqs.append(
+            (
+                len(prompt),
+                prompt + part(REASONING_BYTES, 40) + [ids["</think>"]] + part(CONTENT_BYTES, 40) + [ids["<|im_end|>"]],
+            )
+        )
     return seqs
 
 

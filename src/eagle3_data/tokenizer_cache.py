@@ -71,8 +71,15 @@ def cache_key(path, template: str, trust_remote_code: bool) -> str:
     from . import __version__
 
     h = hashlib.sha256()
-    for part in (sys.version, transformers.__version__, tokenizers.__version__, __version__, template,
-                 str(bool(trust_remote_code)), ENTRY_FORMAT):
+    for part in (
+        sys.version,
+        transformers.__version__,
+        tokenizers.__version__,
+        __version__,
+        template,
+        str(bool(trust_remote_code)),
+        ENTRY_FORMAT,
+    ):
         h.update(part.encode() + b"\x00")
     root = Path(path)
     for f in sorted(p for p in root.rglob("*") if p.is_file()):
@@ -145,9 +152,13 @@ def backend_json(backend) -> str:
     data = json.loads(text)
     model = data.get("model") or {}
     merges = model.get("merges")
-    if model.get("type") != "BPE" or not merges or not all(
-            isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) and " " not in x for x in m)
-            for m in merges):
+    if (
+        model.get("type") != "BPE"
+        or not merges
+        or not all(
+            isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) and " " not in x for x in m) for m in merges
+        )
+    ):
         return text
     model["merges"] = [f"{a} {b}" for a, b in merges]
     compact = json.dumps(data, ensure_ascii=False, separators=(",", ":"))

@@ -54,10 +54,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("eagle3_data.tokens")
 
-_RESPONSE_COLUMNS = ("sample_id", "dataset", "turn", "messages", "tools", "status", "error", "reasoning", "content",
-                     "tool_calls", "finish_reason", "completion_tokens", "prompt_tokens", "backend", "provider",
-                     "cost_usd",
-                     "output_ids", "prompt_ids")
+_RESPONSE_COLUMNS = (
+    "sample_id",
+    "dataset",
+    "turn",
+    "messages",
+    "tools",
+    "status",
+    "error",
+    "reasoning",
+    "content",
+    "tool_calls",
+    "finish_reason",
+    "completion_tokens",
+    "prompt_tokens",
+    "backend",
+    "provider",
+    "cost_usd",
+    "output_ids",
+    "prompt_ids",
+)
 
 
 def _base(r: dict, sid: str) -> dict:
@@ -74,12 +90,18 @@ def _base(r: dict, sid: str) -> dict:
 
 
 def _reject(base: dict, stage: str, reason: str, detail: str) -> dict:
-    return {**base, "ids_source": None, "reject_stage": stage, "reject_reason": reason,
-            "reject_detail": (detail or "")[:500]}
+    return {
+        **base,
+        "ids_source": None,
+        "reject_stage": stage,
+        "reject_reason": reason,
+        "reject_detail": (detail or "")[:500],
+    }
 
 
-def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | None = None
-                   ) -> tuple[list[dict], list[list[int] | None], list[int]]:
+def tokenize_batch(
+    rows: list[dict], target: TargetTokens, max_tokens: int | None = None
+) -> tuple[list[dict], list[list[int] | None], list[int]]:
     """Tokenize RESPONSES rows; the columnar core of :func:`tokenize_rows`.
 
     ``max_tokens``: the requests' ``generation.max_tokens`` (a billed completion count at it means the reply was
@@ -101,8 +123,9 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
             err = r.get("error") or "generation_failed"
             code = err.split(":", 1)[0].strip() or "generation_failed"
             # the stage that failed it: rule original_answers for a dataset's own answers, else generate
-            meta.append(_reject(base, "original_answers" if r.get("backend") == ORIGINAL_BACKEND else "generate",
-                                code, err))
+            meta.append(
+                _reject(base, "original_answers" if r.get("backend") == ORIGINAL_BACKEND else "generate", code, err)
+            )
             continue
         try:
             try:
@@ -113,12 +136,19 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
                 raise TemplateError(f"bad JSON in the response row: {exc}", "bad_response_json") from exc
             exact = r.get("output_ids")
             exact = exact if exact is not None and len(exact) > 0 else None
-            finish = normalize_finish_reason(r.get("finish_reason"), r.get("completion_tokens"), max_tokens,
-                                             emitted_end_of_turn=exact is not None and exact[-1] in target.end_ids)
+            finish = normalize_finish_reason(
+                r.get("finish_reason"),
+                r.get("completion_tokens"),
+                max_tokens,
+                emitted_end_of_turn=exact is not None and exact[-1] in target.end_ids,
+            )
             base["finish_reason"] = finish
             if finish == "content_filter":
-                raise TemplateError(f"the provider filtered the reply (finish_reason {r.get('finish_reason')!r}): "
-                                    "its text may be cut or replaced", "content_filter")
+                raise TemplateError(
+                    f"the provider filtered the reply (finish_reason {r.get('finish_reason')!r}): "
+                    "its text may be cut or replaced",
+                    "content_filter",
+                )
             truncated = finish == "length"
             prompt = target.render(messages, tools, True)
             reasoning, content = r.get("reasoning"), r.get("content")
@@ -132,14 +162,26 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
                 segs = [(comp, False)]
             else:
                 segs = target.completion_segments(
-                    reasoning, content, tool_calls, prompt,
-                    prior_tool_calls=count_tool_calls(messages), truncated=truncated,
+                    reasoning,
+                    content,
+                    tool_calls,
+                    prompt,
+                    prior_tool_calls=count_tool_calls(messages),
+                    truncated=truncated,
                 )
         except TemplateError as exc:
             meta.append(_reject(base, "tokenize", exc.reason, str(exc)))
             continue
-        meta.append({**base, "ids_source": "reconstructed", "reject_stage": None, "reject_reason": None,
-                     "reject_detail": None, "reasoning_split": split is not None})
+        meta.append(
+            {
+                **base,
+                "ids_source": "reconstructed",
+                "reject_stage": None,
+                "reject_reason": None,
+                "reject_detail": None,
+                "reasoning_split": split is not None,
+            }
+        )
         texts.append(prompt)
         texts.extend(t for t, special in segs if not special)
         work.append((len(meta) - 1, segs, exact, truncated, r.get("prompt_ids") or None))
@@ -165,9 +207,12 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
             detail = mismatch_detail(target, prompt_ids, [int(x) for x in server_ids])
             if detail is not None:
                 mismatched.add(i)
-                meta[i] = _reject({k2: v for k2, v in meta[i].items()
-                                   if not k2.startswith("reject_") and k2 != "ids_source"},
-                                  "tokenize", "server_prompt_mismatch", detail)
+                meta[i] = _reject(
+                    {k2: v for k2, v in meta[i].items() if not k2.startswith("reject_") and k2 != "ids_source"},
+                    "tokenize",
+                    "server_prompt_mismatch",
+                    detail,
+                )
         comp: list[int] = []
         for t, special in segs:
             if special:
@@ -196,9 +241,10 @@ def tokenize_batch(rows: list[dict], target: TargetTokens, max_tokens: int | Non
             j = next((n for n, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
             meta[i] = _reject(
                 {k2: v for k2, v in meta[i].items() if not k2.startswith("reject_") and k2 != "ids_source"},
-                "tokenize", "exact_ids_text_mismatch" if exact else "round_trip",
+                "tokenize",
+                "exact_ids_text_mismatch" if exact else "round_trip",
                 f"{'backend output_ids' if exact else 'completion ids'} decode to text that differs from the "
-                f"response at char {j}: {g[j:j + 30]!r} vs {w[j:j + 30]!r}",
+                f"response at char {j}: {g[j : j + 30]!r} vs {w[j : j + 30]!r}",
             )
             ids_out[i] = None
     return meta, ids_out, plens
@@ -218,8 +264,16 @@ def tokenize_rows(rows: list[dict], target: TargetTokens, max_tokens: int | None
     out = []
     for m, x, p in zip(meta, ids, plens):
         x = x or []
-        out.append({**m, "input_ids": x, "loss_mask": [0] * p + [1] * (len(x) - p), "num_tokens": len(x),
-                    "num_prompt_tokens": p if x else 0, "num_completion_tokens": len(x) - p if x else 0})
+        out.append(
+            {
+                **m,
+                "input_ids": x,
+                "loss_mask": [0] * p + [1] * (len(x) - p),
+                "num_tokens": len(x),
+                "num_prompt_tokens": p if x else 0,
+                "num_completion_tokens": len(x) - p if x else 0,
+            }
+        )
     return out
 
 

@@ -237,8 +237,13 @@ def check_mask_is_completion(b: Batch, ctx: Context):
     drops = b.per_row(drop)
     last = b.mask[b.ends - 1] if b.n else np.zeros(0, np.int8)
     bad = b.generated & ((drops > 0) | (b.supervised != b.num_completion) | (last != 1))
-    return bad, lambda i: (f"{b.supervised[i]} supervised positions, {drops[i]} gaps, last mask {last[i]}; "
-                           f"expected the last {b.num_completion[i]} positions")
+    return (
+        bad,
+        lambda i: (
+            f"{b.supervised[i]} supervised positions, {drops[i]} gaps, last mask {last[i]}; "
+            f"expected the last {b.num_completion[i]} positions"
+        ),
+    )
 
 
 @check("truncated")
@@ -345,11 +350,16 @@ def check_empty_answer(b: Batch, ctx: Context):
     rows = np.flatnonzero(b.generated & ~kept_cut & (n <= _SHORT_ANSWER))
     if len(rows):
         ends = set(int(x) for x in ctx.end_ids)
-        texts = t.decode_batch([[x for x in b.ids[start[i]:b.ends[i]].tolist() if x not in ends] for i in rows])
+        texts = t.decode_batch([[x for x in b.ids[start[i] : b.ends[i]].tolist() if x not in ends] for i in rows])
         for i, text in zip(rows, texts):
             bad[i] = not text.strip()
-    return bad, lambda i: (f"no answer after the reasoning ({n[i]} answer token(s), whitespace at most): the target "
-                           "ended its turn right after thinking")
+    return (
+        bad,
+        lambda i: (
+            f"no answer after the reasoning ({n[i]} answer token(s), whitespace at most): the target "
+            "ended its turn right after thinking"
+        ),
+    )
 
 
 @check("role_marker_leak")
@@ -371,7 +381,7 @@ def check_round_trip(b: Batch, ctx: Context):
     bad = np.zeros(b.n, bool)
     info: dict[int, str] = {}
     if len(sel):
-        seqs = [(b.ids[b.starts[i]:b.ends[i]] if whole[i] else b.completion(i)).tolist() for i in sel]
+        seqs = [(b.ids[b.starts[i] : b.ends[i]] if whole[i] else b.completion(i)).tolist() for i in sel]
         texts = ctx.target.decode_batch(seqs)
         again = ctx.target.encode_texts(texts)
         for i, s, a in zip(sel, seqs, again):
@@ -387,8 +397,12 @@ def check_billed_count(b: Batch, ctx: Context):
     has = ~np.isnan(b.billed) & b.generated
     tol = np.maximum(ctx.per_sample_abs, ctx.per_sample_rel * np.nan_to_num(b.billed))
     diff = np.abs(b.num_completion - np.nan_to_num(b.billed))
-    return has & (diff > tol), lambda i: (f"reconstructed {b.num_completion[i]} vs billed {int(b.billed[i])} "
-                                          f"completion tokens (tolerance {tol[i]:g})")
+    return (
+        has & (diff > tol),
+        lambda i: (
+            f"reconstructed {b.num_completion[i]} vs billed {int(b.billed[i])} completion tokens (tolerance {tol[i]:g})"
+        ),
+    )
 
 
 @check("too_long")
@@ -422,9 +436,11 @@ def check_table(table: pa.Table, ctx: Context) -> list[tuple[str, str, str] | No
         elif not nid[i]:
             verdict[i] = ("validate", "empty_sequence", "no token ids")
         elif nid[i] != nmask[i] or ntok[i] != nid[i] or npr[i] + nco[i] != ntok[i]:
-            verdict[i] = ("validate", "length_mismatch",
-                          f"{nid[i]} ids, {nmask[i]} mask values, num_tokens {ntok[i]} = prompt {npr[i]} + "
-                          f"completion {nco[i]}?")
+            verdict[i] = (
+                "validate",
+                "length_mismatch",
+                f"{nid[i]} ids, {nmask[i]} mask values, num_tokens {ntok[i]} = prompt {npr[i]} + completion {nco[i]}?",
+            )
         else:
             keep.append(i)
     if not keep:
@@ -490,17 +506,23 @@ def validate(
     ctx = Context.from_settings(tt, settings)
     table = pq.read_table(tokens_path)
     if "billed_prompt_tokens" not in table.column_names:  # a tokens file written before the column existed
-        table = table.append_column(pa.field("billed_prompt_tokens", pa.int64()),
-                                    pa.nulls(table.num_rows, pa.int64()))
+        table = table.append_column(pa.field("billed_prompt_tokens", pa.int64()), pa.nulls(table.num_rows, pa.int64()))
     verdict = check_table(table, ctx)
     good = np.array([v is None for v in verdict], dtype=bool)
     validated = table.filter(pa.array(good)).select(schemas.VALIDATED.names).cast(schemas.VALIDATED)
     sids = table.column("sample_id").to_pylist()
     dss = table.column("dataset").to_pylist()
     bad = [
-        {"sample_id": sids[i], "dataset": dss[i], "stage": v[0], "reason": v[1], "detail": (v[2] or "")[:500],
-         "source_row": None}
-        for i, v in enumerate(verdict) if v is not None
+        {
+            "sample_id": sids[i],
+            "dataset": dss[i],
+            "stage": v[0],
+            "reason": v[1],
+            "detail": (v[2] or "")[:500],
+            "source_row": None,
+        }
+        for i, v in enumerate(verdict)
+        if v is not None
     ]
     schemas.write_checked(validated, "validated", validated_path)
     schemas.write_checked(schemas.from_rows(bad, schemas.REJECTS), "rejects", rejected_path)
@@ -516,8 +538,12 @@ def validate(
     billed_p = int(pc.sum(pc.filter(bp, has_bp)).as_py() or 0)
     rendered_p = int(pc.sum(pc.filter(validated.column("num_prompt_tokens"), has_bp)).as_py() or 0)
     n_bp = int(pc.sum(pc.cast(has_bp, pa.int64())).as_py() or 0)
-    p_differ = int(pc.sum(pc.cast(pc.fill_null(pc.not_equal(bp, validated.column("num_prompt_tokens")), False),
-                                  pa.int64())).as_py() or 0)
+    p_differ = int(
+        pc.sum(
+            pc.cast(pc.fill_null(pc.not_equal(bp, validated.column("num_prompt_tokens")), False), pa.int64())
+        ).as_py()
+        or 0
+    )
     n = table.num_rows
     rate = len(bad) / n if n else 0.0
     summary = {
@@ -539,11 +565,17 @@ def validate(
     }
     log.info("validate %s: %s", tokens_path, summary)
     if p_differ:
-        log.warning("validate %s: prompt audit: %d of %d samples' prompts as the target template renders them "
-                    "differ in length from the backend's billed prompt_tokens (%d rendered vs %d billed in all): "
-                    "the server may render another prompt (a default system prompt, another template version, "
-                    "tools rendered differently); see results/reports/audit.md", tokens_path, p_differ, n_bp,
-                    rendered_p, billed_p)
+        log.warning(
+            "validate %s: prompt audit: %d of %d samples' prompts as the target template renders them "
+            "differ in length from the backend's billed prompt_tokens (%d rendered vs %d billed in all): "
+            "the server may render another prompt (a default system prompt, another template version, "
+            "tools rendered differently); see results/reports/audit.md",
+            tokens_path,
+            p_differ,
+            n_bp,
+            rendered_p,
+            billed_p,
+        )
     ceiling = float(settings.max_reject_rate)
     if rate > ceiling:
         examples = "; ".join(f"{b['sample_id']}: {b['reason']} ({b['detail'][:80]})" for b in bad[:5])
@@ -551,8 +583,12 @@ def validate(
         raise RejectRateExceeded(
             f"{tokens_path}: {len(bad)}/{n} samples rejected ({rate:.1%}) > validate.max_reject_rate "
             f"{ceiling:.1%}; reasons {dict(reasons)}; e.g. {examples}"
-            + (f"; {unpaid} failed, not paid: rerun to retry them (`snakemake --forcerun generate` sends only those "
-               "samples: they were recorded as failed with generation.unpaid_failures: keep)" if unpaid else "")
+            + (
+                f"; {unpaid} failed, not paid: rerun to retry them (`snakemake --forcerun generate` sends only those "
+                "samples: they were recorded as failed with generation.unpaid_failures: keep)"
+                if unpaid
+                else ""
+            )
         )
     if ctx.aggregate_rel is not None and count_rel > ctx.aggregate_rel:
         raise CountAuditFailed(

@@ -76,8 +76,10 @@ def file_kind(names: list[str]) -> str:
     """``tokens`` | ``validated`` | ``merged`` from a parquet file's column names (ValueError if it has no
     ``input_ids``/``loss_mask``)."""
     if "input_ids" not in names or "loss_mask" not in names:
-        raise ValueError("no input_ids/loss_mask columns: expected a tokens, validated or merged parquet file "
-                         f"(schemas.py); columns are {names}")
+        raise ValueError(
+            "no input_ids/loss_mask columns: expected a tokens, validated or merged parquet file "
+            f"(schemas.py); columns are {names}"
+        )
     if "num_supervised" in names:
         return "merged"
     return "tokens" if "reject_reason" in names else "validated"
@@ -108,8 +110,9 @@ def load_row(path, *, sample_id: str | None = None, index: int | None = None) ->
         if not hits:
             raise ValueError(f"{path}: no sample {sample_id!r} among its {n:,} rows (e.g. {sids[:3]})")
         if len(hits) > 1:
-            raise ValueError(f"{path}: sample {sample_id!r} is in {len(hits)} rows ({hits[:5]}); choose one with "
-                             "--index")
+            raise ValueError(
+                f"{path}: sample {sample_id!r} is in {len(hits)} rows ({hits[:5]}); choose one with --index"
+            )
         index = hits[0]
     index = 0 if index is None else int(index)
     if not -n <= index < n:
@@ -143,14 +146,18 @@ def resolve_tokenizer(tokenizer: str | None = None, config: str | None = None) -
     if tokenizer:
         return str(tokenizer), trust
     if not target.get("path"):
-        raise ValueError("no target tokenizer: pass --tokenizer DIR (the target model's tokenizer directory) or "
-                         "--config FILE (a workflow config whose target.path names it)")
+        raise ValueError(
+            "no target tokenizer: pass --tokenizer DIR (the target model's tokenizer directory) or "
+            "--config FILE (a workflow config whose target.path names it)"
+        )
     p = Path(target["path"])
     if not p.is_absolute() and not p.exists() and (cfg_path.parent / p).exists():
         p = cfg_path.parent / p
     if not p.exists():
-        raise FileNotFoundError(f"target.path {target['path']} of {cfg_path} does not exist (the demo's tiny target "
-                                "is built by `snakemake tiny_target`); or pass --tokenizer DIR")
+        raise FileNotFoundError(
+            f"target.path {target['path']} of {cfg_path} does not exist (the demo's tiny target "
+            "is built by `snakemake tiny_target`); or pass --tokenizer DIR"
+        )
     return str(p), trust
 
 
@@ -169,8 +176,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
         return AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     except Exception as exc:
-        hint = ("" if trust_remote_code else " (a tokenizer with its own code, e.g. Kimi's: set "
-                "target.trust_remote_code: true in the config or pass --trust-remote-code)")
+        hint = (
+            ""
+            if trust_remote_code
+            else " (a tokenizer with its own code, e.g. Kimi's: set "
+            "target.trust_remote_code: true in the config or pass --trust-remote-code)"
+        )
         raise ValueError(f"{path}: cannot load the target tokenizer: {exc}{hint}") from exc
 
 
@@ -195,13 +206,14 @@ def token_texts(tok, ids: list[int], window: int = DECODE_WINDOW) -> list[str]:
     if not n:
         return []
     starts = [max(0, i - window) for i in range(n)]
-    dec = _decode_batch(tok, [list(ids[s:i]) for i, s in enumerate(starts)]
-                        + [list(ids[s:i + 1]) for i, s in enumerate(starts)])
+    dec = _decode_batch(
+        tok, [list(ids[s:i]) for i, s in enumerate(starts)] + [list(ids[s : i + 1]) for i, s in enumerate(starts)]
+    )
     out = []
     for i in range(n):
         prev, full = dec[i].rstrip("\ufffd"), dec[n + i]  # prev's incomplete trailing bytes are completed here
         if full.startswith(prev):
-            out.append(full[len(prev):].rstrip("\ufffd"))
+            out.append(full[len(prev) :].rstrip("\ufffd"))
         else:  # a decoder that rewrites its context (rare): the token alone
             out.append(_decode_batch(tok, [[ids[i]]])[0])
     return out
@@ -222,13 +234,34 @@ def sample_view(row: dict, tok, *, where: str = "") -> SampleView:
     ids = [int(i) for i in row["input_ids"] or []]
     mask = [int(m) for m in row["loss_mask"] or []]
     if len(mask) != len(ids):
-        raise ValueError(f"{where or 'row'}: sample {row.get('sample_id')!r} has {len(ids)} input_ids but "
-                         f"{len(mask)} loss_mask values")
+        raise ValueError(
+            f"{where or 'row'}: sample {row.get('sample_id')!r} has {len(ids)} input_ids but "
+            f"{len(mask)} loss_mask values"
+        )
     sp = special_ids(tok)
-    meta = {k: row[k] for k in ("ids_source", "finish_reason", "backend", "truncated", "reject_stage",
-                                "reject_reason", "reject_detail") if row.get(k) is not None}
-    return SampleView(str(row.get("sample_id")), str(row.get("dataset") or ""), ids, mask, token_texts(tok, ids),
-                      [i in sp for i in ids], where, meta)
+    meta = {
+        k: row[k]
+        for k in (
+            "ids_source",
+            "finish_reason",
+            "backend",
+            "truncated",
+            "reject_stage",
+            "reject_reason",
+            "reject_detail",
+        )
+        if row.get(k) is not None
+    }
+    return SampleView(
+        str(row.get("sample_id")),
+        str(row.get("dataset") or ""),
+        ids,
+        mask,
+        token_texts(tok, ids),
+        [i in sp for i in ids],
+        where,
+        meta,
+    )
 
 
 # ------------------------------------------------------------------------------------------ rendering
@@ -259,9 +292,11 @@ def summary(view: SampleView) -> list[str]:
     runs = sum(1 for *_, m in view.spans() if m)
     n, sup = len(view.ids), view.supervised
     meta = ", ".join(f"{k} {v}" for k, v in view.meta.items())
-    return [f"sample {view.sample_id} · dataset {view.dataset}" + (f" · {view.where}" if view.where else ""),
-            f"{n:,} tokens: {n - sup:,} context (loss mask 0), {sup:,} supervised (loss mask 1) in {runs} span(s)"
-            + (f" · {meta}" if meta else "")]
+    return [
+        f"sample {view.sample_id} · dataset {view.dataset}" + (f" · {view.where}" if view.where else ""),
+        f"{n:,} tokens: {n - sup:,} context (loss mask 0), {sup:,} supervised (loss mask 1) in {runs} span(s)"
+        + (f" · {meta}" if meta else ""),
+    ]
 
 
 # colour mode: two shades per kind so neighbouring tokens are told apart
@@ -323,15 +358,19 @@ def render_plain(view: SampleView, *, context: int | None = None) -> str:
 
 
 def legend_plain() -> str:
-    return ("legend: ⟦…⟧ supervised (loss mask 1), outside: context (loss mask 0); │ token boundary; "
-            "↵ newline, ⇥ tab, · part of a multi-byte character")
+    return (
+        "legend: ⟦…⟧ supervised (loss mask 1), outside: context (loss mask 0); │ token boundary; "
+        "↵ newline, ⇥ tab, · part of a multi-byte character"
+    )
 
 
 def render_table(view: SampleView) -> str:
     """One line per token: index, id, loss mask, ``S`` for a special token, the token text (Python repr)."""
     lines = [f"{'index':>7} {'id':>8} mask special text"]
-    lines += [f"{i:>7} {t:>8} {m:>4} {'S' if s else '':>7} {x!r}"
-              for i, (t, m, s, x) in enumerate(zip(view.ids, view.mask, view.special, view.texts))]
+    lines += [
+        f"{i:>7} {t:>8} {m:>4} {'S' if s else '':>7} {x!r}"
+        for i, (t, m, s, x) in enumerate(zip(view.ids, view.mask, view.special, view.texts))
+    ]
     return "\n".join(lines)
 
 
@@ -358,13 +397,17 @@ def render_html_body(view: SampleView, *, context: int | None = None) -> str:
     ``<span class="t m{mask}[ o][ sp]" data-i data-id data-mask title>`` (``o``: odd index, the alternating shade;
     ``sp``: special token), with ``<span class="mark c1|c0">`` at each loss-mask switch."""
     head, info = summary(view)
-    parts = [f"<h2>{html.escape(view.sample_id)}</h2>", f'<p class="meta">{html.escape(head)}<br>{html.escape(info)}</p>',
-             '<div class="tokens">']
+    parts = [
+        f"<h2>{html.escape(view.sample_id)}</h2>",
+        f'<p class="meta">{html.escape(head)}<br>{html.escape(info)}</p>',
+        '<div class="tokens">',
+    ]
     prev_mask = None
     for what, s, e in _elided(view, context):
         if what == "gap":
-            parts.append(f'<span class="gap" data-start="{s}" data-end="{e}">… {e - s:,} context tokens not shown …'
-                         "</span>")
+            parts.append(
+                f'<span class="gap" data-start="{s}" data-end="{e}">… {e - s:,} context tokens not shown …</span>'
+            )
             continue
         for i in range(s, e):
             m = view.mask[i]
@@ -373,26 +416,35 @@ def render_html_body(view: SampleView, *, context: int | None = None) -> str:
             prev_mask = m
             text = view.texts[i]
             cls = f"t m{m}" + (" o" if i % 2 else "") + (" sp" if view.special[i] else "") + ("" if text else " pend")
-            title = f"#{i} id {view.ids[i]} loss mask {m}" + (" special" if view.special[i] else "") + \
-                ("" if text else " (part of a multi-byte character)")
-            parts.append(f'<span class="{cls}" data-i="{i}" data-id="{view.ids[i]}" data-mask="{m}" '
-                         f'title="{title}">{html.escape(shown(text))}</span>')
+            title = (
+                f"#{i} id {view.ids[i]} loss mask {m}"
+                + (" special" if view.special[i] else "")
+                + ("" if text else " (part of a multi-byte character)")
+            )
+            parts.append(
+                f'<span class="{cls}" data-i="{i}" data-id="{view.ids[i]}" data-mask="{m}" '
+                f'title="{title}">{html.escape(shown(text))}</span>'
+            )
     parts.append("</div>")
     return "".join(parts)
 
 
 def html_page(views: list[SampleView], *, title: str, context: int | None = None, intro: str = "") -> str:
     """A self-contained HTML page (inline CSS, no script, nothing loaded from elsewhere) of ``views``."""
-    legend = ('<p class="legend meta"><span class="t m1">supervised (loss mask 1)</span>'
-              '<span class="t m0">context (loss mask 0)</span><span class="t m0 sp">&lt;special&gt;</span>'
-              '<span class="mark c1">▶ completion</span><span class="mark c0">◀ end of completion</span>'
-              "shades alternate at token boundaries (hover a token for its index, id and mask); "
-              "↵ newline, ⇥ tab, · part of a multi-byte character</p>")
+    legend = (
+        '<p class="legend meta"><span class="t m1">supervised (loss mask 1)</span>'
+        '<span class="t m0">context (loss mask 0)</span><span class="t m0 sp">&lt;special&gt;</span>'
+        '<span class="mark c1">▶ completion</span><span class="mark c0">◀ end of completion</span>'
+        "shades alternate at token boundaries (hover a token for its index, id and mask); "
+        "↵ newline, ⇥ tab, · part of a multi-byte character</p>"
+    )
     body = "\n".join(render_html_body(v, context=context) for v in views)
     intro_html = f'<p class="meta">{html.escape(intro)}</p>' if intro else ""
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{html.escape(title)}</title>\n'
-            f"<style>{HTML_CSS}</style>\n</head>\n<body>\n<h1>{html.escape(title)}</h1>{intro_html}{legend}\n{body}\n"
-            "</body>\n</html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{html.escape(title)}</title>\n'
+        f"<style>{HTML_CSS}</style>\n</head>\n<body>\n<h1>{html.escape(title)}</h1>{intro_html}{legend}\n{body}\n"
+        "</body>\n</html>\n"
+    )
 
 
 # ------------------------------------------------------------------------------------------ report examples
@@ -404,8 +456,9 @@ def pick_examples(paths, n: int = 3) -> list[tuple[str, str]]:
     rows = []
     for p in paths:
         t = pq.read_table(p, columns=["sample_id", "num_tokens"])
-        rows += [(nt, sid, str(p)) for sid, nt in zip(t.column("sample_id").to_pylist(),
-                                                       t.column("num_tokens").to_pylist())]
+        rows += [
+            (nt, sid, str(p)) for sid, nt in zip(t.column("sample_id").to_pylist(), t.column("num_tokens").to_pylist())
+        ]
     rows.sort(key=lambda r: (r[0] or 0, r[1]))
     if not rows:
         return []
@@ -424,15 +477,22 @@ def write_examples(paths, out_html, *, dataset: str, tokenizer, n: int = 3, cont
     for path, sid in pick_examples(paths, n):
         row, idx, kind = load_row(path, sample_id=sid)
         views.append(sample_view(row, tokenizer, where=f"{path} row {idx} ({kind})"))
-    intro = (f"{len(views)} validated samples of {dataset}, spread over its length distribution (shorter to "
-             "longer), as the draft model is trained on them. Any sample: python -m eagle3_data.view "
-             "<parquet> --sample ID [--html out.html].") if views else f"{dataset} has no validated sample."
+    intro = (
+        (
+            f"{len(views)} validated samples of {dataset}, spread over its length distribution (shorter to "
+            "longer), as the draft model is trained on them. Any sample: python -m eagle3_data.view "
+            "<parquet> --sample ID [--html out.html]."
+        )
+        if views
+        else f"{dataset} has no validated sample."
+    )
     write_text(html_page(views, title=f"Loss mask: {dataset}", context=context, intro=intro), out_html)
     return [v.sample_id for v in views]
 
 
-def write_report_examples(validated: dict[str, list], outputs: list, *, target: dict, n: int = 3,
-                          context: int | None = 256) -> None:
+def write_report_examples(
+    validated: dict[str, list], outputs: list, *, target: dict, n: int = 3, context: int | None = 256
+) -> None:
     """Rule view: for each dataset of ``validated`` (name -> its VALIDATED files, in the order of ``outputs``)
     :func:`write_examples` to the matching path of ``outputs``, decoded by the tokenizer at ``target["path"]``
     (``target["trust_remote_code"]``)."""
@@ -443,8 +503,9 @@ def write_report_examples(validated: dict[str, list], outputs: list, *, target: 
     tok = load_tokenizer(target["path"], bool(target.get("trust_remote_code", False)))
     for (ds, paths), out in zip(validated.items(), outputs):
         shown_ids = write_examples(paths, out, dataset=ds, tokenizer=tok, n=n, context=context)
-        logging.getLogger("eagle3_data.view").info("%s: %d examples (%s) -> %s", ds, len(shown_ids),
-                                                   ", ".join(shown_ids), out)
+        logging.getLogger("eagle3_data.view").info(
+            "%s: %d examples (%s) -> %s", ds, len(shown_ids), ", ".join(shown_ids), out
+        )
 
 
 # ------------------------------------------------------------------------------------------ command line
@@ -453,31 +514,50 @@ def write_report_examples(validated: dict[str, list], outputs: list, *, target: 
 def _use_color(mode: str, stream) -> bool:
     if mode != "auto":
         return mode == "always"
-    return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR") \
+    return (
+        bool(getattr(stream, "isatty", lambda: False)())
+        and not os.environ.get("NO_COLOR")
         and os.environ.get("TERM") != "dumb"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m eagle3_data.view",
         description="Show one sample's tokens with its loss mask (supervised tokens marked), from a tokens, "
-                    "validated or merged parquet file, in the terminal or as HTML.")
+        "validated or merged parquet file, in the terminal or as HTML.",
+    )
     ap.add_argument("parquet", help="a tokens, validated or merged parquet file")
     pick = ap.add_mutually_exclusive_group()
     pick.add_argument("--sample", metavar="ID", help="the sample's sample_id")
     pick.add_argument("--index", metavar="N", type=int, help="0-based row in the file (default 0; -1: the last)")
-    ap.add_argument("--tokenizer", metavar="DIR", help="the target tokenizer directory (default: target.path "
-                    "of --config)")
-    ap.add_argument("--config", metavar="FILE", help="workflow config naming the target (default: config.yaml "
-                    "in the working directory)")
-    ap.add_argument("--trust-remote-code", action="store_true",
-                    help="load a tokenizer that ships its own code (default: the config's target.trust_remote_code)")
+    ap.add_argument(
+        "--tokenizer", metavar="DIR", help="the target tokenizer directory (default: target.path of --config)"
+    )
+    ap.add_argument(
+        "--config",
+        metavar="FILE",
+        help="workflow config naming the target (default: config.yaml in the working directory)",
+    )
+    ap.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="load a tokenizer that ships its own code (default: the config's target.trust_remote_code)",
+    )
     ap.add_argument("--html", metavar="OUT", help="write a self-contained HTML page to OUT instead")
-    ap.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                    help="colour in the terminal (auto: when writing to a terminal and NO_COLOR is unset)")
+    ap.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="colour in the terminal (auto: when writing to a terminal and NO_COLOR is unset)",
+    )
     ap.add_argument("--table", action="store_true", help="one line per token: index, id, mask, special, text")
-    ap.add_argument("--context", metavar="K", type=int, help="shorten context runs longer than 2K tokens to "
-                    "their first and last K tokens (default: show everything)")
+    ap.add_argument(
+        "--context",
+        metavar="K",
+        type=int,
+        help="shorten context runs longer than 2K tokens to their first and last K tokens (default: show everything)",
+    )
     args = ap.parse_args(argv)
     try:
         tok_dir, trust = resolve_tokenizer(args.tokenizer, args.config)
@@ -500,8 +580,15 @@ def main(argv: list[str] | None = None) -> int:
     elif _use_color(args.color, out):
         from rich.console import Console
 
-        con = Console(file=out, force_terminal=True, color_system="truecolor" if args.color == "always" else "auto",
-                      highlight=False, emoji=False, markup=False, no_color=False)
+        con = Console(
+            file=out,
+            force_terminal=True,
+            color_system="truecolor" if args.color == "always" else "auto",
+            highlight=False,
+            emoji=False,
+            markup=False,
+            no_color=False,
+        )
         con.print("\n".join(summary(view)), style="bold", soft_wrap=True)
         con.print(legend_rich(), soft_wrap=True)
         con.print(render_rich(view, context=args.context), soft_wrap=True)

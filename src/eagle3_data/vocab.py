@@ -91,8 +91,13 @@ def draft_vocab_maps(token_ids, counts, draft_vocab_size: int, target_vocab_size
     d2t = torch.from_numpy(used - np.arange(D, dtype=np.int64))
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.from_numpy(used)] = True
-    return {"d2t": d2t, "t2d": t2d, "used": torch.from_numpy(used), "padded": padded,
-            "coverage": covered / total if total else 0.0}
+    return {
+        "d2t": d2t,
+        "t2d": t2d,
+        "used": torch.from_numpy(used),
+        "padded": padded,
+        "coverage": covered / total if total else 0.0,
+    }
 
 
 def target_vocab_size(model_path) -> int:
@@ -104,8 +109,15 @@ def target_vocab_size(model_path) -> int:
     raise KeyError(f"{model_path}/config.json has no vocab_size")
 
 
-def build_vocab(merged_paths, out_path, freq_path=None, summary_path=None, *, settings: "VocabSettings",
-                target_vocab: int | None = None) -> dict:
+def build_vocab(
+    merged_paths,
+    out_path,
+    freq_path=None,
+    summary_path=None,
+    *,
+    settings: "VocabSettings",
+    target_vocab: int | None = None,
+) -> dict:
     """Count supervised tokens in the merged shards and write the draft vocabulary map.
 
     Args:
@@ -148,6 +160,12 @@ def build_vocab(merged_paths, out_path, freq_path=None, summary_path=None, *, se
     }
     if summary_path is not None:
         write_json(summary, summary_path)
-    log.info("draft vocabulary %d of %d ids: %d distinct supervised ids, %d padded, covers %.2f%% of supervised "
-             "tokens", draft_vocab_size, target_vocab, len(ids), maps["padded"], 100 * maps["coverage"])
+    log.info(
+        "draft vocabulary %d of %d ids: %d distinct supervised ids, %d padded, covers %.2f%% of supervised tokens",
+        draft_vocab_size,
+        target_vocab,
+        len(ids),
+        maps["padded"],
+        100 * maps["coverage"],
+    )
     return summary

@@ -11,9 +11,18 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {
-    "Backend": "pool", "BackendPool": "pool", "BackendConfig": "definition", "FatalBackendError": "errors",
-    "RetryableError": "errors", "SampleError": "errors", "build_body": "chat", "parse_response": "chat",
-    "LocalServer": "server", "ServerLaunchError": "server", "free_port": "server", "launch_server": "server",
+    "Backend": "pool",
+    "BackendPool": "pool",
+    "BackendConfig": "definition",
+    "FatalBackendError": "errors",
+    "RetryableError": "errors",
+    "SampleError": "errors",
+    "build_body": "chat",
+    "parse_response": "chat",
+    "LocalServer": "server",
+    "ServerLaunchError": "server",
+    "free_port": "server",
+    "launch_server": "server",
 }
 
 __all__ = list(_WHERE)

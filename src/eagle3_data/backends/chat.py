@@ -25,8 +25,9 @@ def url(backend: BackendConfig) -> str:
 def encode(backend: BackendConfig, request: Request) -> Payload:
     """The request's body as UTF-8 JSON bytes; ``est_tokens`` (charged to ``tokens_per_minute``): body bytes / 4 +
     ``max_tokens``."""
-    body = codec.dumps(build_body(backend, request.messages, request.tools, request.sampling,
-                                  thinking=request.thinking))
+    body = codec.dumps(
+        build_body(backend, request.messages, request.tools, request.sampling, thinking=request.thinking)
+    )
     return Payload(body, len(body) // 4 + int(request.sampling.get("max_tokens") or 0))
 
 
@@ -66,8 +67,9 @@ def history_reasoning(backend_type: str, messages: list, thinking: bool) -> list
     return out if changed else messages
 
 
-def build_body(backend: BackendConfig, messages: list, tools: list | None, sampling: dict, *,
-               thinking: bool = False) -> dict:
+def build_body(
+    backend: BackendConfig, messages: list, tools: list | None, sampling: dict, *, thinking: bool = False
+) -> dict:
     """Chat-completions request body: model, messages, tools, max_tokens, temperature, top_p, + extra fields.
 
     Assistant history reasoning goes in the field the backend reads (:func:`history_reasoning`; ``thinking``: the
@@ -110,8 +112,10 @@ def body_error(backend: BackendConfig, err, where: str) -> None:
     msg = str((err.get("message") if isinstance(err, dict) else str(err)) or err)
     at = f" ({where}error)" if where else ""
     if code in (401, 402) or str(code) in ("401", "402"):
-        raise FatalBackendError(f"backend {backend.name!r} ({backend.base_url}): error {code} inside a 200 body{at}: "
-                                f"{msg[:300]}", hint="check the key and its credits, then rerun the same command")
+        raise FatalBackendError(
+            f"backend {backend.name!r} ({backend.base_url}): error {code} inside a 200 body{at}: {msg[:300]}",
+            hint="check the key and its credits, then rerun the same command",
+        )
     if client_error(code):
         raise SampleError(f"http_{client_error(code)}", f"error {code} inside a 200 body{at}: {msg[:300]}")
     raise RetryableError("error_in_body", msg[:300])
@@ -192,8 +196,8 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
         "prompt_ids": as_token_ids(data.get("prompt_token_ids")),
         "completed_at": time.time(),
         "generation_id": as_text("generation_id", str(data["id"])) if data.get("id") else None,
-        "system_fingerprint": (as_text("system_fingerprint", str(data["system_fingerprint"]))
-                               if data.get("system_fingerprint") else None),
+        "system_fingerprint": (
+            as_text("system_fingerprint", str(data["system_fingerprint"])) if data.get("system_fingerprint") else None
+        ),
         **({"_bad_bytes": bad_bytes} if bad_bytes else {}),
     }
-

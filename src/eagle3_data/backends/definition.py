@@ -68,21 +68,26 @@ class BackendConfig:
             if cfg.get(k) is not None and not isinstance(cfg[k], dict):
                 raise ValueError(f"backend {name!r}: {k} must be a mapping, got {type(cfg[k]).__name__}")
         if cfg.get("provider") and cfg["type"] != "openrouter":
-            raise ValueError(f"backend {name!r}: provider routing is an OpenRouter setting (type openrouter), "
-                             f"not for type {cfg['type']!r}")
+            raise ValueError(
+                f"backend {name!r}: provider routing is an OpenRouter setting (type openrouter), "
+                f"not for type {cfg['type']!r}"
+            )
         if cfg.get("reasoning") and cfg["type"] not in ("openrouter", "sglang"):
             raise ValueError(f"backend {name!r}: reasoning settings need type openrouter or sglang")
         if cfg.get("native_generate") and cfg["type"] != "sglang":
             raise ValueError(f"backend {name!r}: native_generate needs type sglang, got {cfg['type']!r}")
         if cfg.get("return_token_ids") and cfg["type"] != "openai":
-            raise ValueError(f"backend {name!r}: return_token_ids is a vLLM option (type openai), got type "
-                             f"{cfg['type']!r}")
+            raise ValueError(
+                f"backend {name!r}: return_token_ids is a vLLM option (type openai), got type {cfg['type']!r}"
+            )
         if cfg.get("cost_lookup") and cfg["type"] != "openrouter":
             raise ValueError(f"backend {name!r}: cost_lookup needs type openrouter, got {cfg['type']!r}")
         bad_headers = [h for h in (cfg.get("headers") or {}) if str(h).lower() in ("authorization", "x-api-key")]
         if bad_headers:
-            raise ValueError(f"backend {name!r}: headers must not carry credentials ({bad_headers}); "
-                             "name the key's environment variable in api_key_env")
+            raise ValueError(
+                f"backend {name!r}: headers must not carry credentials ({bad_headers}); "
+                "name the key's environment variable in api_key_env"
+            )
         return cls(
             name=name,
             type=cfg["type"],
@@ -118,18 +123,22 @@ class BackendConfig:
         if not key:
             raise FatalBackendError(
                 f"backend {self.name!r}: environment variable {self.api_key_env} (api_key_env) is not set or empty",
-                hint=f"export {self.api_key_env}=<your key> and rerun the same command")
+                hint=f"export {self.api_key_env}=<your key> and rerun the same command",
+            )
         if not all("!" <= ch <= "~" for ch in key):
             raise FatalBackendError(
                 f"backend {self.name!r}: environment variable {self.api_key_env} (api_key_env) holds characters an "
                 "HTTP header can't carry (whitespace inside the key, non-ASCII or control characters)",
-                hint=f"set {self.api_key_env} to the key alone and rerun the same command")
+                hint=f"set {self.api_key_env} to the key alone and rerun the same command",
+            )
         from ..paid import short_key_problem
 
         problem = short_key_problem(self.api_key_env, key)
         if problem:
-            raise FatalBackendError(f"backend {self.name!r}: {problem}",
-                                    hint=f"set {self.api_key_env} to the longer key and rerun the same command")
+            raise FatalBackendError(
+                f"backend {self.name!r}: {problem}",
+                hint=f"set {self.api_key_env} to the longer key and rerun the same command",
+            )
         return key
 
     def scrub(self, text: str) -> str:

@@ -44,8 +44,19 @@ class RetryableError(Exception):
 
 #: reasons of :class:`RetryableError` (besides ``http_408/409/425/429`` and ``http_5xx``): a sample failing with one
 #: of them got no reply that was paid for and kept (:func:`unpaid_reason`)
-UNPAID_REASONS = frozenset({"timeout", "connection_error", "http_error", "error_in_body", "no_choices",
-                            "empty_response", "invalid_unicode", "malformed_json", "aborted"})
+UNPAID_REASONS = frozenset(
+    {
+        "timeout",
+        "connection_error",
+        "http_error",
+        "error_in_body",
+        "no_choices",
+        "empty_response",
+        "invalid_unicode",
+        "malformed_json",
+        "aborted",
+    }
+)
 
 
 def unpaid_reason(reason: str | None) -> bool:
@@ -67,7 +78,6 @@ class SampleError(Exception):
         super().__init__(f"{reason}: {message}" if message else reason)
         self.reason = reason
         self.message = message
-
 
 
 def retry_wait(initial_s: float, max_s: float):

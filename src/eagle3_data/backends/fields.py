@@ -55,4 +55,3 @@ def parts_text(v):
 def as_token_ids(v) -> list[int] | None:
     """Token ids as returned (a non-empty :func:`schemas.is_token_ids` list), else None."""
     return v if v and is_token_ids(v) else None
-

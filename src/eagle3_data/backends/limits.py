@@ -137,17 +137,23 @@ class HostSlots:
             semid = c.semget(self.key, self.NSEMS, _IPC_CREAT | _IPC_EXCL | 0o600)
             if semid < 0:
                 err = ctypes.get_errno()
-                raise OSError(err, f"semget for the request slots of backend {self.name} (key {self.key:#x}): "
-                                   f"{os.strerror(err)}")
+                raise OSError(
+                    err, f"semget for the request slots of backend {self.name} (key {self.key:#x}): {os.strerror(err)}"
+                )
         users, limit = c.semctl(semid, 1, _GETVAL), c.semctl(semid, 3, _GETVAL)
         if users <= 0 or limit < 1:  # new, or left by jobs that are all gone: this job's limit from now on
             for num, value in ((0, self.asked), (2, 0), (3, self.asked)):
                 c.semctl(semid, num, _SETVAL, ctypes.c_int(value))
             limit = self.asked
         elif limit != self.asked:
-            logger.warning("backend %s: max_concurrency is %d in this config, but %d already holds on this machine "
-                           "(jobs of another config of the same backend are running); using %d", self.name,
-                           self.asked, limit, limit)
+            logger.warning(
+                "backend %s: max_concurrency is %d in this config, but %d already holds on this machine "
+                "(jobs of another config of the same backend are running); using %d",
+                self.name,
+                self.asked,
+                limit,
+                limit,
+            )
         self.semid, self.limit = semid, limit
         rec = {"key": self.key, "semid": semid, "limit": limit, **self.about}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
@@ -166,8 +172,9 @@ class HostSlots:
         return _semop(self.semid, op, flags, num)
 
     def _reattach(self) -> None:
-        logger.warning("backend %s: the machine's request slots were removed under this job; attaching again",
-                       self.name)
+        logger.warning(
+            "backend %s: the machine's request slots were removed under this job; attaching again", self.name
+        )
         with self._locked():
             self._attach()
             _semop(self.semid, 1, _SEM_UNDO | _IPC_NOWAIT, num=1)
@@ -286,8 +293,11 @@ def jobs_using(config: dict, backend: str) -> int:
     """Generate jobs that use ``backend``: the shards of every generated dataset whose backends name it."""
     from ..config import generated_datasets, generation_config
 
-    return sum(int(config["datasets"][ds].get("shards", 1)) for ds in generated_datasets(config)
-               if backend in (generation_config(config, ds).get("backends") or []))
+    return sum(
+        int(config["datasets"][ds].get("shards", 1))
+        for ds in generated_datasets(config)
+        if backend in (generation_config(config, ds).get("backends") or [])
+    )
 
 
 def sharing_mode(run, env: dict | None = None) -> str:
@@ -321,12 +331,17 @@ def host_slots(cfg, env: dict | None = None) -> HostSlots:
         from .errors import FatalBackendError
 
         where = f"{LIMITS_DIR_ENV}={d}" if given else str(d)
-        why = "names a file, not a directory" if isinstance(exc, (FileExistsError, NotADirectoryError)) else (
-            exc.strerror or str(exc))
-        raise FatalBackendError(f"the shared request slots can't be kept in {where}: it {why}" if isinstance(
-            exc, (FileExistsError, NotADirectoryError)) else f"the shared request slots can't be kept in {where}: {why}",
+        why = (
+            "names a file, not a directory"
+            if isinstance(exc, (FileExistsError, NotADirectoryError))
+            else (exc.strerror or str(exc))
+        )
+        raise FatalBackendError(
+            f"the shared request slots can't be kept in {where}: it {why}"
+            if isinstance(exc, (FileExistsError, NotADirectoryError))
+            else f"the shared request slots can't be kept in {where}: {why}",
             hint=(f"point {LIMITS_DIR_ENV} at a directory (or unset it)" if given else "make it writable")
-            + ", then rerun the same command") from None
+            + ", then rerun the same command",
+        ) from None
     about = {"backend": cfg.name, "base_url": cfg.base_url, "model": cfg.model, "api_key_env": cfg.api_key_env}
-    return HostSlots(d / f"{backend_identity(cfg)}.sem", cfg.max_concurrency, name=cfg.name,
-                     about=about)
+    return HostSlots(d / f"{backend_identity(cfg)}.sem", cfg.max_concurrency, name=cfg.name, about=about)

@@ -51,11 +51,28 @@ def parse(backend: BackendConfig, content: bytes, latency_s: float, payload: Pay
 
 
 #: ``generation.extra_body`` keys that are SGLang sampling parameters (moved into ``sampling_params`` natively)
-NATIVE_SAMPLING_KEYS = frozenset({
-    "top_k", "min_p", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_new_tokens", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
-    "json_schema", "regex", "ebnf", "seed", "sampling_seed",
-})
+NATIVE_SAMPLING_KEYS = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "n",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "seed",
+        "sampling_seed",
+    }
+)
 
 
 def build_native_body(backend: BackendConfig, input_ids: list[int], sampling: dict) -> dict:
@@ -86,8 +103,9 @@ def build_native_body(backend: BackendConfig, input_ids: list[int], sampling: di
     return body
 
 
-def parse_native_response(backend: BackendConfig, content: bytes, latency_s: float, target,
-                          think_state: str = "none") -> dict:
+def parse_native_response(
+    backend: BackendConfig, content: bytes, latency_s: float, target, think_state: str = "none"
+) -> dict:
     """Parse an SGLang ``/generate`` body (``{"text", "output_ids", "meta_info": {"finish_reason": {"type":
     stop|length|abort, ...}, "prompt_tokens", "completion_tokens"}}``) into RESPONSES fields.
 
@@ -114,8 +132,9 @@ def parse_native_response(backend: BackendConfig, content: bytes, latency_s: flo
         raise RetryableError("aborted", str(msg or "request aborted by the server")[:300])
     ids = as_token_ids(data.get("output_ids"))
     if ids is None:
-        raise RetryableError("empty_response", "no output_ids (non-empty list of ids in [0, 2**31)) in the "
-                                               "/generate reply")
+        raise RetryableError(
+            "empty_response", "no output_ids (non-empty list of ids in [0, 2**31)) in the /generate reply"
+        )
     finish = "length" if ftype == "length" else "stop"
     state = think_state
     reasoning, text = split_output_ids(target, ids, state)
@@ -138,4 +157,3 @@ def parse_native_response(backend: BackendConfig, content: bytes, latency_s: flo
         "output_ids": ids,
         "completed_at": time.time(),
     }
-

@@ -64,8 +64,17 @@ class Backend:
     error).
     """
 
-    def __init__(self, cfg: BackendConfig, *, eject_after: int = 20, eject_s: float = 30.0, cap: int | None = None,
-                 slots=None, rate_share: float = 1.0, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        cfg: BackendConfig,
+        *,
+        eject_after: int = 20,
+        eject_s: float = 30.0,
+        cap: int | None = None,
+        slots=None,
+        rate_share: float = 1.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self.cfg = cfg
         self.name = cfg.name
         self.in_flight = 0
@@ -175,11 +184,15 @@ class Backend:
                 self.consecutive_faults = 0
                 logger.warning(
                     "backend %s: %d consecutive failures, out of rotation for %.0f s",
-                    self.name, self.eject_after, self.eject_s, extra={"reason": "backend_ejected"},
+                    self.name,
+                    self.eject_after,
+                    self.eject_s,
+                    extra={"reason": "backend_ejected"},
                 )
 
-    def rate_limited(self, sent_at: float, retry_after: float | None = None, initial_s: float = 1.0,
-                     max_s: float = 60.0) -> bool:
+    def rate_limited(
+        self, sent_at: float, retry_after: float | None = None, initial_s: float = 1.0, max_s: float = 60.0
+    ) -> bool:
         """A request sent at ``sent_at`` (``time.monotonic()``) was answered HTTP 429. In a storm (at least
         :data:`STORM_MIN_429` of the backend's last :data:`STORM_WINDOW` answers, and half of them, were 429s: a
         sporadic 429 is retried as any other error), the first such answer of a
@@ -206,23 +219,39 @@ class Backend:
         self.cuts += 1
         (logger.warning if self.cuts == 1 else logger.info)(
             "backend %s: rate limited (HTTP 429): paused %.1f s, then at most %d request(s) in flight from this job "
-            "(was %d; one more per reply that arrives)", self.name, pause, int(self.limit), int(before),
-            extra={"reason": "rate_limited"})
+            "(was %d; one more per reply that arrives)",
+            self.name,
+            pause,
+            int(self.limit),
+            int(before),
+            extra={"reason": "rate_limited"},
+        )
         return before > 1.0
 
     def check_down(self, now: float) -> bool:
         """Whether the backend is down: every attempt (at least 3) since ``fault_since`` ended in a backend fault and
         ``down_after_s`` have passed since the first (checked at each fault and by :meth:`BackendPool.watch`)."""
-        if not self.down and self.fault_since is not None and self.fault_count >= 3 \
-                and now - self.fault_since >= self.cfg.down_after_s:
-            self.down = (f"{self._failing()} for {now - self.fault_since:.0f} s ({self.fault_count} attempts, none "
-                         f"succeeded; backends.{self.name}.down_after_s is {self.cfg.down_after_s:g})")
+        if (
+            not self.down
+            and self.fault_since is not None
+            and self.fault_count >= 3
+            and now - self.fault_since >= self.cfg.down_after_s
+        ):
+            self.down = (
+                f"{self._failing()} for {now - self.fault_since:.0f} s ({self.fault_count} attempts, none "
+                f"succeeded; backends.{self.name}.down_after_s is {self.cfg.down_after_s:g})"
+            )
         return bool(self.down)
 
     def _failing(self) -> str:
         err = self.last_error or ""
-        return ("refused connections" if err.startswith("connection_error")
-                else "answered only HTTP 5xx" if err.startswith("http_5") else "failed")
+        return (
+            "refused connections"
+            if err.startswith("connection_error")
+            else "answered only HTTP 5xx"
+            if err.startswith("http_5")
+            else "failed"
+        )
 
     def trouble(self, now: float | None = None) -> str | None:
         """Why the backend is not answering now, for the run-wide view (:mod:`eagle3_data.runview`): its ``down``
@@ -231,11 +260,16 @@ class Backend:
         if self.down:
             return self.down
         now = time.monotonic() if now is None else now
-        if self.fault_since is None or self.fault_count < 3 \
-                or now - self.fault_since < min(LIVE_DOWN_S, self.cfg.down_after_s):
+        if (
+            self.fault_since is None
+            or self.fault_count < 3
+            or now - self.fault_since < min(LIVE_DOWN_S, self.cfg.down_after_s)
+        ):
             return None
-        return (f"{self._failing()} for {now - self.fault_since:.0f} s ({self.fault_count} attempts, none succeeded; "
-                f"out after {self.cfg.down_after_s:g} s); last error: {(self.last_error or '')[:100]}")
+        return (
+            f"{self._failing()} for {now - self.fault_since:.0f} s ({self.fault_count} attempts, none succeeded; "
+            f"out after {self.cfg.down_after_s:g} s); last error: {(self.last_error or '')[:100]}"
+        )
 
     async def _limits(self, est_tokens: int) -> None:
         if self.limiter is not None:
@@ -349,8 +383,11 @@ class BackendPool:
     def check_down(self) -> None:
         """Raise :class:`BackendDown` if every backend is down (naming each, its URL and its last error)."""
         if all(b.down for b in self.backends):
-            raise BackendDown("; ".join(f"backend {b.name!r} ({b.cfg.base_url}) {b.down}; last error: {b.last_error}"
-                                        for b in self.backends))
+            raise BackendDown(
+                "; ".join(
+                    f"backend {b.name!r} ({b.cfg.base_url}) {b.down}; last error: {b.last_error}" for b in self.backends
+                )
+            )
 
     async def watch(self, interval_s: float = 1.0) -> None:
         """Every ``interval_s``: mark backends down whose faults have lasted ``down_after_s`` (even while no request
@@ -368,9 +405,15 @@ class BackendPool:
             for b in self.backends:  # (when all are down, BackendDown above says it all)
                 if b.down and b.name not in logged:
                     logged.add(b.name)
-                    logger.warning("backend %s (%s) is out for this job: it %s; last error: %s; its requests go to "
-                                   "the other backends", b.name, b.cfg.base_url, b.down, b.last_error,
-                                   extra={"reason": "backend_down"})
+                    logger.warning(
+                        "backend %s (%s) is out for this job: it %s; last error: %s; its requests go to "
+                        "the other backends",
+                        b.name,
+                        b.cfg.base_url,
+                        b.down,
+                        b.last_error,
+                        extra={"reason": "backend_down"},
+                    )
 
     async def acquire(self, avoid: Backend | None = None) -> Backend:
         """The first backend in priority order with a free slot. ``avoid`` (the backend whose fault ended a
@@ -384,8 +427,9 @@ class BackendPool:
                     self.check_down()
                     now = time.monotonic()
                     choices = self.backends
-                    if avoid is not None and any(b is not avoid and not b.down and now >= b.ejected_until
-                                                 for b in self.backends):
+                    if avoid is not None and any(
+                        b is not avoid and not b.down and now >= b.ejected_until for b in self.backends
+                    ):
                         choices = [b for b in self.backends if b is not avoid]
                     for b in choices:
                         if b.available(now):
@@ -451,4 +495,3 @@ class _Slot:
 
     async def __aexit__(self, *exc) -> None:
         await self.pool.release(self.backend)
-

@@ -81,14 +81,18 @@ def check_status(backend: BackendConfig, resp: httpx.Response) -> None:
         if code == 403 and _is_moderation(resp):
             raise SampleError("moderation", text)
         what = {401: "credentials rejected", 402: "insufficient credits", 403: "forbidden"}[code]
-        todo = {401: f"check the key in {backend.api_key_env or 'the api_key_env variable'}",
-                402: "add credits or raise the key's limit", 403: "check the key's permissions and the model name"}
-        raise FatalBackendError(f"backend {backend.name!r} ({backend.base_url}) answered HTTP {code} ({what}): {text}",
-                                hint=f"{todo[code]}, then rerun the same command")
+        todo = {
+            401: f"check the key in {backend.api_key_env or 'the api_key_env variable'}",
+            402: "add credits or raise the key's limit",
+            403: "check the key's permissions and the model name",
+        }
+        raise FatalBackendError(
+            f"backend {backend.name!r} ({backend.base_url}) answered HTTP {code} ({what}): {text}",
+            hint=f"{todo[code]}, then rerun the same command",
+        )
     if code in RETRYABLE_STATUS or code >= 500:
         raise RetryableError(f"http_{code}", text, retry_after=_retry_after(resp), backend_fault=code >= 500)
     raise SampleError(f"http_{code}", text)
-
 
 
 def cause_text(exc: BaseException) -> str:
@@ -116,7 +120,6 @@ def _ssl_context():
     return _SSL_CONTEXT
 
 
-
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """An httpx transport over one aiohttp ``ClientSession``: httpx's API (requests, responses, exceptions) with
     aiohttp's HTTP/1.1 connection pool underneath, which costs a fraction of httpcore's CPU per request at
@@ -138,13 +141,20 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     def _open(self):
         import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
-                                         keepalive_timeout=self.keepalive_s,
-                                         ssl=self.ssl_context if self.ssl_context is not None else True)
+        connector = aiohttp.TCPConnector(
+            limit=self.max_connections,
+            limit_per_host=0,
+            keepalive_timeout=self.keepalive_s,
+            ssl=self.ssl_context if self.ssl_context is not None else True,
+        )
         # no cookies, no proxies from the environment, no default headers (httpx sets them): a plain pool
-        self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
-                                              trust_env=False, auto_decompress=False, skip_auto_headers=(
-                                                  "User-Agent", "Accept", "Accept-Encoding"))
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+        )
         return self._session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -154,9 +164,14 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         t = request.extensions.get("timeout") or {}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.get("connect"), sock_read=t.get("read"))
         try:
-            async with session.request(request.method, str(request.url), headers=request.headers.multi_items(),
-                                       data=request.content or None, allow_redirects=False,
-                                       timeout=timeout) as resp:
+            async with session.request(
+                request.method,
+                str(request.url),
+                headers=request.headers.multi_items(),
+                data=request.content or None,
+                allow_redirects=False,
+                timeout=timeout,
+            ) as resp:
                 content = await resp.read()
                 status, headers = resp.status, resp.raw_headers
         except aiohttp.ClientConnectorError as exc:
@@ -166,14 +181,16 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         except (aiohttp.SocketTimeoutError, aiohttp.ServerTimeoutError, TimeoutError) as exc:
             raise httpx.ReadTimeout(str(exc) or "read timeout", request=request) from exc
         except aiohttp.ServerDisconnectedError as exc:
-            raise httpx.RemoteProtocolError(str(exc) or "Server disconnected without sending a response.",
-                                            request=request) from exc
+            raise httpx.RemoteProtocolError(
+                str(exc) or "Server disconnected without sending a response.", request=request
+            ) from exc
         except (aiohttp.ClientPayloadError, aiohttp.ClientResponseError) as exc:
             raise httpx.RemoteProtocolError(str(exc), request=request) from exc
         except (aiohttp.ClientOSError, aiohttp.ClientConnectionError, OSError) as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
-        return httpx.Response(status, headers=headers, content=content, request=request,
-                              extensions={"http_version": b"HTTP/1.1"})
+        return httpx.Response(
+            status, headers=headers, content=content, request=request, extensions={"http_version": b"HTTP/1.1"}
+        )
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -203,8 +220,9 @@ class HttpSession:
             # one SSL context per process: httpx builds a new one (loading the CA bundle, ~1 MB) per client otherwise
             transport = AiohttpTransport(max_connections=cap, keepalive_s=keepalive, ssl_context=_ssl_context())
         self.transport = transport
-        self.client = httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=timeout, trust_env=False,
-                                        transport=transport)
+        self.client = httpx.AsyncClient(
+            base_url=cfg.base_url, headers=headers, timeout=timeout, trust_env=False, transport=transport
+        )
         self._headers = self.client.headers  # httpx's defaults (Host comes from the URL) + the backend's
         self._timeout = timeout.as_dict()
         self._urls: dict[str, httpx.URL] = {}
@@ -223,8 +241,9 @@ class HttpSession:
         """POST ``body`` to ``url`` (relative to ``base_url``, or absolute) within ``timeout_s`` for the whole
         exchange; return the response, read. Raises :class:`.errors.RetryableError` (``timeout``,
         ``connection_error``: a refused connection is a backend fault, ``http_error``)."""
-        request = httpx.Request("POST", self._url(url), headers=self._headers, content=body,
-                                extensions={"timeout": self._timeout})
+        request = httpx.Request(
+            "POST", self._url(url), headers=self._headers, content=body, extensions={"timeout": self._timeout}
+        )
         try:
             # httpx's timeouts are per read: a reply trickling a byte at a time would never end without a
             # deadline for the whole request
@@ -237,10 +256,18 @@ class HttpSession:
                 return resp
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise RetryableError("timeout", f"{type(exc).__name__} (timeout_s {self.cfg.timeout_s:g})") from None
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
-                httpx.NetworkError) as exc:
-            raise RetryableError("connection_error", f"{type(exc).__name__}: {cause_text(exc)[:200]}",
-                                 backend_fault=isinstance(exc, httpx.ConnectError)) from None
+        except (
+            httpx.ConnectError,
+            httpx.RemoteProtocolError,
+            httpx.ReadError,
+            httpx.WriteError,
+            httpx.NetworkError,
+        ) as exc:
+            raise RetryableError(
+                "connection_error",
+                f"{type(exc).__name__}: {cause_text(exc)[:200]}",
+                backend_fault=isinstance(exc, httpx.ConnectError),
+            ) from None
         except httpx.HTTPError as exc:  # a body that fails to decode (Content-Encoding), another protocol error
             raise RetryableError("http_error", f"{type(exc).__name__}: {str(exc)[:200]}") from None
 

@@ -8,8 +8,19 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .lookup import (ORIGINAL_BACKEND, answers_of, backends_config, datasets, generated_datasets, generation_config,
-                     is_original, is_pretokenized, merge_datasets, original_datasets, shard_names)
+from .lookup import (
+    ORIGINAL_BACKEND,
+    answers_of,
+    backends_config,
+    datasets,
+    generated_datasets,
+    generation_config,
+    is_original,
+    is_pretokenized,
+    merge_datasets,
+    original_datasets,
+    shard_names,
+)
 from .validation import ConfigError, yaml_keys
 
 
@@ -29,17 +40,25 @@ def resolve_target_template(config: dict) -> str | None:
     from ..templates.auto import describe, resolve_template
 
     target = config.get("target") or {}
-    if (target.get("template") or "auto") == "auto" and target.get("build_tiny") and \
-            not Path(str(target.get("path", ""))).exists():
+    if (
+        (target.get("template") or "auto") == "auto"
+        and target.get("build_tiny")
+        and not Path(str(target.get("path", ""))).exists()
+    ):
         target["template"] = TINY_TARGET_FAMILY
         return f"target.template: auto -> {TINY_TARGET_FAMILY} (the tiny target, built by rule tiny_target)"
     probe = target
-    if (target.get("template") or "auto") == "auto" and target.get("gguf") and \
-            not Path(str(target.get("path", ""))).exists():  # not converted yet: the GGUF file's own tokenizer
+    if (
+        (target.get("template") or "auto") == "auto"
+        and target.get("gguf")
+        and not Path(str(target.get("path", ""))).exists()
+    ):  # not converted yet: the GGUF file's own tokenizer
         from ..gguf_target import gguf_file, gguf_tokenizer_dir
 
-        probe = {**target, "path": str(gguf_tokenizer_dir(gguf_file(target["gguf"]),
-                                                          config.get("cache_dir") or "cache"))}
+        probe = {
+            **target,
+            "path": str(gguf_tokenizer_dir(gguf_file(target["gguf"]), config.get("cache_dir") or "cache")),
+        }
     try:
         family, info = resolve_template(probe, config.get("cache_dir"))
     except TemplateError as exc:
@@ -65,21 +84,27 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
             raise ConfigError(f"generation.backends: unknown backend {name!r}; defined: {defined}")
     names = datasets(config)
     if original_datasets(config) and ORIGINAL_BACKEND in defined:
-        raise ConfigError(f"backends.{ORIGINAL_BACKEND}: the name is reserved for the answers of the datasets with "
-                          f"answers: original ({', '.join(original_datasets(config))}) in the responses and reports; "
-                          "rename the backend")
+        raise ConfigError(
+            f"backends.{ORIGINAL_BACKEND}: the name is reserved for the answers of the datasets with "
+            f"answers: original ({', '.join(original_datasets(config))}) in the responses and reports; "
+            "rename the backend"
+        )
     for ds in names:
         if is_pretokenized(config, ds) and answers_of(config["datasets"][ds]) == "original":
-            raise ConfigError(f"datasets.{ds}.answers: original needs a conversation source, but source.format is "
-                              "pretokenized (its token ids are trained on as they are); remove answers")
+            raise ConfigError(
+                f"datasets.{ds}.answers: original needs a conversation source, but source.format is "
+                "pretokenized (its token ids are trained on as they are); remove answers"
+            )
         try:
             used = backends_config(config, ds)
         except KeyError as exc:
             raise ConfigError(exc.args[0]) from None
         if not used and not is_pretokenized(config, ds) and not is_original(config, ds):
-            raise ConfigError(f"datasets.{ds}: no backend to generate its responses with; set generation.backends "
-                              f"(for every dataset) or datasets.{ds}.generation.backends (or datasets.{ds}.answers: "
-                              "original to train on the source's own answers)")
+            raise ConfigError(
+                f"datasets.{ds}: no backend to generate its responses with; set generation.backends "
+                f"(for every dataset) or datasets.{ds}.generation.backends (or datasets.{ds}.answers: "
+                "original to train on the source's own answers)"
+            )
         path = config["datasets"][ds]["source"]["path"]
         if check_paths and not Path(path).exists():
             raise ConfigError(f"datasets.{ds}.source.path: {path} does not exist")
@@ -88,8 +113,10 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
         merge_datasets(config)
     except KeyError as exc:
         raise ConfigError(exc.args[0]) from None
-    for key, given in (("merge.max_samples", (config.get("merge") or {}).get("max_samples") or {}),
-                       ("plan.drop", (config.get("plan") or {}).get("drop") or [])):
+    for key, given in (
+        ("merge.max_samples", (config.get("merge") or {}).get("max_samples") or {}),
+        ("plan.drop", (config.get("plan") or {}).get("drop") or []),
+    ):
         unknown = [d for d in given if d not in names]
         if unknown:
             raise ConfigError(f"{key}: unknown dataset(s) {unknown}; defined: {names}")
@@ -97,9 +124,11 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
     target = config.get("target") or {}
     tpath = Path(str(target.get("path", "")))
     if check_paths and target.get("build_tiny") and tpath.exists() and not (tpath / "tiny_target.json").exists():
-        raise ConfigError(f"target.path: {tpath} exists and is not a tiny target this build made, but "
-                          "target.build_tiny is true (the build would replace it); set target.build_tiny: false "
-                          "for a real model")
+        raise ConfigError(
+            f"target.path: {tpath} exists and is not a tiny target this build made, but "
+            "target.build_tiny is true (the build would replace it); set target.build_tiny: false "
+            "for a real model"
+        )
     if target.get("gguf"):
         _check_gguf(target, check_paths)
 
@@ -109,15 +138,17 @@ def _check_benchmarks(config: dict, check_paths: bool) -> None:
     there (:func:`eagle3_data.decontaminate.benchmark_path`: a path, or a path in an installed package)."""
     from ..decontaminate.benchmarks import BenchmarkError, benchmark_path
 
-    entries = ((config.get("decontaminate") or {}).get("benchmarks") or [])
+    entries = (config.get("decontaminate") or {}).get("benchmarks") or []
     names = [e.get("name") for e in entries]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"decontaminate.benchmarks: the name(s) {twice} are used twice; give each benchmark its own")
     for e in entries:
         if e.get("format") == "generic" and not e.get("field"):
-            raise ConfigError(f"decontaminate.benchmarks {e.get('name')!r}: format generic needs `field` (the "
-                              "prompt's field in each record)")
+            raise ConfigError(
+                f"decontaminate.benchmarks {e.get('name')!r}: format generic needs `field` (the "
+                "prompt's field in each record)"
+            )
         if check_paths:
             try:
                 benchmark_path(e)
@@ -132,16 +163,20 @@ def _check_gguf(target: dict, check_paths: bool) -> None:
     from ..gguf_target import MARKER, gguf_file
 
     if target.get("build_tiny"):
-        raise ConfigError("Config error: target.gguf and target.build_tiny are both set: the target is either built "
-                          "from a GGUF file or the demo's tiny one; remove one of them.")
+        raise ConfigError(
+            "Config error: target.gguf and target.build_tiny are both set: the target is either built "
+            "from a GGUF file or the demo's tiny one; remove one of them."
+        )
     if not check_paths:
         return
     gguf_file(target["gguf"])
     tpath = Path(str(target.get("path", "")))
     if tpath.exists() and not (tpath / MARKER).is_file():
-        raise ConfigError(f"Config error: target.path: {tpath} exists and was not built from a GGUF file by this "
-                          "build, but target.gguf is set (rule gguf_target would replace it); point target.path at "
-                          "a new directory, or remove target.gguf to use that one as it is.")
+        raise ConfigError(
+            f"Config error: target.path: {tpath} exists and was not built from a GGUF file by this "
+            "build, but target.gguf is set (rule gguf_target would replace it); point target.path at "
+            "a new directory, or remove target.gguf to use that one as it is."
+        )
 
 
 def _check_template_kwargs(config: dict, ds: str, used: dict) -> None:
@@ -167,8 +202,10 @@ def _check_template_kwargs(config: dict, ds: str, used: dict) -> None:
         if "chat_template_kwargs" in ds_extra:
             sent, where = ds_extra["chat_template_kwargs"] or {}, f"datasets.{ds}.generation.extra_body"
         else:
-            sent, where = ((b or {}).get("extra_body") or {}).get("chat_template_kwargs") or {}, \
-                f"backends.{name}.extra_body"
+            sent, where = (
+                ((b or {}).get("extra_body") or {}).get("chat_template_kwargs") or {},
+                f"backends.{name}.extra_body",
+            )
         for k, v in sent.items():
             if rendered.get(k, None) != v:
                 have = f"{rendered[k]!r} (target.chat_template_kwargs)" if k in rendered else "not set"
@@ -176,10 +213,13 @@ def _check_template_kwargs(config: dict, ds: str, used: dict) -> None:
                     f"{where}.chat_template_kwargs.{k} is {v!r}, but tokenize renders the prompts of {ds} with {k} "
                     f"{have}: the token ids would not be the prompt the target saw. Set target.chat_template_kwargs."
                     f"{k} to {v!r} too (or set it in datasets.{ds}.generation.extra_body.chat_template_kwargs, which "
-                    "both use)")
+                    "both use)"
+                )
 
 
-def config_sources(paths: Sequence[str | os.PathLike], default: str | os.PathLike | None = None) -> list[tuple[str, dict]]:
+def config_sources(
+    paths: Sequence[str | os.PathLike], default: str | os.PathLike | None = None
+) -> list[tuple[str, dict]]:
     """The config files a run merges, as ``(path, parsed YAML)`` in merge order (paths under the working directory
     shown relative to it).
 
@@ -206,7 +246,8 @@ def config_sources(paths: Sequence[str | os.PathLike], default: str | os.PathLik
             raise ConfigError(
                 f"Config error in {shown}: {'.'.join(map(str, path))} is set twice, at lines {first} and {second}; "
                 f"YAML keeps only the one at line {second} and silently drops the other (e.g. a budget): merge them "
-                "into one")
+                "into one"
+            )
         out.append((shown, tree if isinstance(tree, dict) else {}))
     return out
 
@@ -243,8 +284,11 @@ def pending_generation(config: dict, root: str | os.PathLike = ".") -> list[str]
     """Generated datasets with a responses shard not written yet under ``root/results/`` (those that will send
     requests; a dataset whose responses all exist needs no API key for a rerun of later stages)."""
     root = Path(root)
-    return [ds for ds in generated_datasets(config)
-            if not all((root / f"results/{ds}/responses/{s}.parquet").exists() for s in shard_names(config, ds))]
+    return [
+        ds
+        for ds in generated_datasets(config)
+        if not all((root / f"results/{ds}/responses/{s}.parquet").exists() for s in shard_names(config, ds))
+    ]
 
 
 def check_api_keys(config: dict, dataset_names: Iterable[str], environ: Mapping[str, str] | None = None) -> None:

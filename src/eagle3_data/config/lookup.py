@@ -97,7 +97,7 @@ def generation_config(config: dict, ds: str) -> dict:
 def generation_source(config: dict, ds: str, key: str) -> str | None:
     """Where the generation setting ``key`` of ``ds`` is set: ``"datasets.<ds>.generation.<key>"`` (the dataset's
     own), ``"generation.<key>"`` (the global default), or None where neither sets it (or sets it to null)."""
-    own = (config["datasets"][ds].get("generation") or {})
+    own = config["datasets"][ds].get("generation") or {}
     if own.get(key) is not None:
         return f"datasets.{ds}.generation.{key}"
     if (config.get("generation") or {}).get(key) is not None:
@@ -114,7 +114,9 @@ def backends_config(config: dict, ds: str) -> dict:
     out = {}
     for name in names:
         if name not in (config.get("backends") or {}):
-            raise KeyError(f"datasets.{ds}.generation.backends: unknown backend {name!r}; defined: {sorted(config.get('backends') or {})}")
+            raise KeyError(
+                f"datasets.{ds}.generation.backends: unknown backend {name!r}; defined: {sorted(config.get('backends') or {})}"
+            )
         out[name] = config["backends"][name]
     return out
 

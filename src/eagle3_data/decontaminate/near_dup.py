@@ -33,7 +33,7 @@ def shingles(texts: Sequence[str], size: int) -> list[bytes]:
         return []
     if len(ws) < size:
         return [" ".join(ws).encode()]
-    return list({" ".join(ws[i:i + size]).encode() for i in range(len(ws) - size + 1)})
+    return list({" ".join(ws[i : i + size]).encode() for i in range(len(ws) - size + 1)})
 
 
 def signatures(shingle_sets: Sequence[list[bytes]], num_perm: int, seed: int) -> list[np.ndarray | None]:

@@ -36,7 +36,7 @@ def squash(text: str) -> str:
 
 def ngrams(ws: Sequence[str], n: int) -> set[tuple[str, ...]]:
     """The distinct word n-grams of ``ws`` (none when shorter than ``n``)."""
-    return {tuple(ws[i:i + n]) for i in range(len(ws) - n + 1)}
+    return {tuple(ws[i : i + n]) for i in range(len(ws) - n + 1)}
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,22 @@ def write_report(kept_paths, rejected_paths, md_path, csv_path) -> list[dict]:
     with duckdb.connect() as con:
         sql.set_variables(con, kept_files=[str(p) for p in kept_paths], rejected_files=[str(p) for p in rejected_paths])
         con.execute(f"CREATE TEMP TABLE decontamination AS {sql.load('decontamination')}")
-        rows = [dict(zip(COLUMNS, r)) for r in con.execute(
-            f"SELECT {', '.join(COLUMNS)} FROM decontamination").fetchall()]
+        rows = [
+            dict(zip(COLUMNS, r)) for r in con.execute(f"SELECT {', '.join(COLUMNS)} FROM decontamination").fetchall()
+        ]
         Path(csv_path).parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(csv_path) as tmp:
             con.execute(f"COPY decontamination TO '{str(tmp)}' (FORMAT csv, HEADER true)")
-    cols = [("dataset", "Dataset", "text"), ("checked", "Checked", ""), ("kept", "Kept", ""),
-            ("reason", "Reason", "text"), ("against", "Against", "text"), ("rule", "Rule", "text"),
-            ("prompts", "Prompts", ""), ("items", "Items (first)", "text")]
+    cols = [
+        ("dataset", "Dataset", "text"),
+        ("checked", "Checked", ""),
+        ("kept", "Kept", ""),
+        ("reason", "Reason", "text"),
+        ("against", "Against", "text"),
+        ("rule", "Rule", "text"),
+        ("prompts", "Prompts", ""),
+        ("items", "Items (first)", "text"),
+    ]
     shown = [{**r, "prompts": r["prompts"] if r["reason"] else None} for r in rows]
     write_text("# Decontamination\n\n" + markdown_table(shown, cols) + "\n", md_path)
     return rows

@@ -49,8 +49,14 @@ def prompt_texts(messages_json: str | None) -> list[str]:
         messages = json.loads(messages_json or "[]")
     except ValueError:
         return []
-    return [m["content"] for m in messages if isinstance(m, dict) and m.get("role") in ("user", "system")
-            and isinstance(m.get("content"), str) and m["content"].strip()]
+    return [
+        m["content"]
+        for m in messages
+        if isinstance(m, dict)
+        and m.get("role") in ("user", "system")
+        and isinstance(m.get("content"), str)
+        and m["content"].strip()
+    ]
 
 
 def minhash(prompts_path, out_path, *, settings: "DecontaminateSettings", log_: logging.Logger | None = None) -> dict:
@@ -62,12 +68,20 @@ def minhash(prompts_path, out_path, *, settings: "DecontaminateSettings", log_: 
     table = pq.read_table(prompts_path, columns=["sample_id", "source_row", "messages"])
     sets = [shingles(prompt_texts(m), int(nd["shingle"])) for m in table.column("messages").to_pylist()]
     sigs = signatures(sets, int(nd["num_perm"]), int(nd["seed"]))
-    out = pa.table({"sample_id": table.column("sample_id"), "source_row": table.column("source_row"),
-                    "signature": pa.array([None if s is None else s.tolist() for s in sigs], pa.list_(pa.uint32()))},
-                   schema=SIGNATURES)
+    out = pa.table(
+        {
+            "sample_id": table.column("sample_id"),
+            "source_row": table.column("source_row"),
+            "signature": pa.array([None if s is None else s.tolist() for s in sigs], pa.list_(pa.uint32())),
+        },
+        schema=SIGNATURES,
+    )
     write_parquet(out, out_path)
-    summary = {"rows": table.num_rows, "signed": sum(s is not None for s in sigs),
-               "seconds": round(time.perf_counter() - t0, 3)}
+    summary = {
+        "rows": table.num_rows,
+        "signed": sum(s is not None for s in sigs),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
     lg.info("minhash %s: %s", prompts_path, summary)
     return summary
 
@@ -127,39 +141,61 @@ def decontaminate(
             if m is not None:
                 reasons[i] = ("benchmark_overlap", m.detail())
                 by_bench[m.item.benchmark] += 1
-        lg.info("decontaminate %s: %d benchmark items (%s); %d prompt(s) overlap", prompts_path, len(index),
-                ", ".join(e["name"] for e in settings.benchmarks), len(reasons))
+        lg.info(
+            "decontaminate %s: %d benchmark items (%s); %d prompt(s) overlap",
+            prompts_path,
+            len(index),
+            ", ".join(e["name"] for e in settings.benchmarks),
+            len(reasons),
+        )
 
     nd = settings.near_duplicates
     if nd.get("enabled") and earlier:
         own_table = pq.read_table(signatures_path)
         if own_table.column("sample_id").to_pylist() != ids:
-            raise ValueError(f"decontaminate: {signatures_path} is not the signature file of {prompts_path} "
-                             "(other sample ids): rerun rule minhash")
-        own = [None if s is None else np.asarray(s, dtype=np.uint32)
-               for s in own_table.column("signature").to_pylist()]
-        finder = NearDuplicateFinder(own, threshold=float(nd["threshold"]), num_perm=int(nd["num_perm"]),
-                                     seed=int(nd["seed"]))
+            raise ValueError(
+                f"decontaminate: {signatures_path} is not the signature file of {prompts_path} "
+                "(other sample ids): rerun rule minhash"
+            )
+        own = [None if s is None else np.asarray(s, dtype=np.uint32) for s in own_table.column("signature").to_pylist()]
+        finder = NearDuplicateFinder(
+            own, threshold=float(nd["threshold"]), num_perm=int(nd["num_perm"]), seed=int(nd["seed"])
+        )
         for ds, paths in earlier.items():
             finder.check(ds, _signature_rows(paths))
         for i, (ds, sid, j) in sorted(finder.matches.items()):
             if i in reasons:
                 continue
-            reasons[i] = ("near_duplicate",
-                          f"near-duplicate of {ds}/{sid} (estimated Jaccard {j:.2f} >= {float(nd['threshold']):g})")
+            reasons[i] = (
+                "near_duplicate",
+                f"near-duplicate of {ds}/{sid} (estimated Jaccard {j:.2f} >= {float(nd['threshold']):g})",
+            )
             by_dataset[ds] += 1
 
     keep = np.ones(table.num_rows, dtype=bool)
     rejects = []
     for i, (reason, detail) in sorted(reasons.items()):
         keep[i] = False
-        rejects.append({"sample_id": ids[i], "dataset": dataset, "stage": STAGE, "reason": reason,
-                        "detail": detail[:2000], "source_row": rows_src[i]})
+        rejects.append(
+            {
+                "sample_id": ids[i],
+                "dataset": dataset,
+                "stage": STAGE,
+                "reason": reason,
+                "detail": detail[:2000],
+                "source_row": rows_src[i],
+            }
+        )
     kept = table.filter(pa.array(keep)) if rejects else table
     schemas.write_checked(kept.cast(schemas.PROMPTS), "prompts", out_path)
     schemas.write_checked(schemas.from_rows(rejects, schemas.REJECTS), "rejects", rejects_path)
-    summary = {"rows": table.num_rows, "kept": kept.num_rows, "benchmark_overlap": dict(sorted(by_bench.items())),
-               "near_duplicate": dict(sorted(by_dataset.items())), "seconds": round(time.perf_counter() - t0, 3)}
+    summary = {
+        "rows": table.num_rows,
+        "kept": kept.num_rows,
+        "benchmark_overlap": dict(sorted(by_bench.items())),
+        "near_duplicate": dict(sorted(by_dataset.items())),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
     lg.info("decontaminate %s: done: %s", prompts_path, summary)
     return summary
 
@@ -169,4 +205,3 @@ def benchmark_inputs(settings: "DecontaminateSettings") -> list[str]:
     from .benchmarks import benchmark_path
 
     return [str(benchmark_path(e)) for e in settings.benchmarks]
-

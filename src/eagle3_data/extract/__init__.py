@@ -18,17 +18,58 @@ Parts, each depending only on those listed before it:
 Importing this package imports neither torch nor a backend.
 """
 
-from .layout import (AUX_FORMATS, DTYPES, FINAL_FORMATS, FINAL_NORMS, FINAL_STATES, FORMAT, HiddenStateWriter,
-                     StatesFile, TokenShard, dequantize_fp8, load_states, quantize_fp8, read_hidden_states,
-                     supervised_final_mask)
-from .model import (DRAFTERS, LAYER_CONVENTION, default_layers, dflash_layer_ids, model_dims, model_fingerprint,
-                    resolve_drafter_layers, resolve_layers)
+from .layout import (
+    AUX_FORMATS,
+    DTYPES,
+    FINAL_FORMATS,
+    FINAL_NORMS,
+    FINAL_STATES,
+    FORMAT,
+    HiddenStateWriter,
+    StatesFile,
+    TokenShard,
+    dequantize_fp8,
+    load_states,
+    quantize_fp8,
+    read_hidden_states,
+    supervised_final_mask,
+)
+from .model import (
+    DRAFTERS,
+    LAYER_CONVENTION,
+    default_layers,
+    dflash_layer_ids,
+    model_dims,
+    model_fingerprint,
+    resolve_drafter_layers,
+    resolve_layers,
+)
 from .stage import device_context, extract_states, settings_digest
 
 __all__ = [
-    "AUX_FORMATS", "DRAFTERS", "DTYPES", "FINAL_FORMATS", "FINAL_NORMS", "FINAL_STATES", "FORMAT",
-    "HiddenStateWriter", "LAYER_CONVENTION", "StatesFile", "TokenShard", "default_layers", "dequantize_fp8",
-    "device_context", "dflash_layer_ids", "extract_states", "load_states", "model_dims", "model_fingerprint",
-    "quantize_fp8", "read_hidden_states", "resolve_drafter_layers", "resolve_layers", "settings_digest",
+    "AUX_FORMATS",
+    "DRAFTERS",
+    "DTYPES",
+    "FINAL_FORMATS",
+    "FINAL_NORMS",
+    "FINAL_STATES",
+    "FORMAT",
+    "HiddenStateWriter",
+    "LAYER_CONVENTION",
+    "StatesFile",
+    "TokenShard",
+    "default_layers",
+    "dequantize_fp8",
+    "device_context",
+    "dflash_layer_ids",
+    "extract_states",
+    "load_states",
+    "model_dims",
+    "model_fingerprint",
+    "quantize_fp8",
+    "read_hidden_states",
+    "resolve_drafter_layers",
+    "resolve_layers",
+    "settings_digest",
     "supervised_final_mask",
 ]

@@ -48,8 +48,9 @@ def _fn(name: str):
     import torch
 
     if name not in _compiled:
-        _compiled[name] = torch.compile({"rms": _rms, "silu_mul": _silu_mul}[name], dynamic=True,
-                                        options={"emulate_precision_casts": True})
+        _compiled[name] = torch.compile(
+            {"rms": _rms, "silu_mul": _silu_mul}[name], dynamic=True, options={"emulate_precision_casts": True}
+        )
     return _compiled[name]
 
 
@@ -125,8 +126,12 @@ def fuse_elementwise(decoder, mode: str = "auto") -> dict:
                 del m.__dict__["forward"]
         out.update(norms=0, mlps=0)
         out["skipped"].append(f"compile failed: {type(exc).__name__}: {str(exc)[:200]}")
-    log.info("fused elementwise kernels: %d norms, %d MLPs%s", out["norms"], out["mlps"],
-             f" (skipped: {sorted(set(out['skipped']))[:4]})" if out["skipped"] else "")
+    log.info(
+        "fused elementwise kernels: %d norms, %d MLPs%s",
+        out["norms"],
+        out["mlps"],
+        f" (skipped: {sorted(set(out['skipped']))[:4]})" if out["skipped"] else "",
+    )
     return out
 
 

@@ -64,7 +64,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -111,8 +110,8 @@ class TokenShard:
         self.n = len(self.sample_ids)
         self.T = int(self.offsets[-1]) if self.n else 0
         lo, lm = int(offsets[0]), int(moff[0])
-        self.ids = ids_col.values.to_numpy(zero_copy_only=False)[lo:lo + self.T].astype(np.int32)
-        self.mask = mask_col.values.to_numpy(zero_copy_only=False)[lm:lm + self.T].astype(np.int8)
+        self.ids = ids_col.values.to_numpy(zero_copy_only=False)[lo : lo + self.T].astype(np.int32)
+        self.mask = mask_col.values.to_numpy(zero_copy_only=False)[lm : lm + self.T].astype(np.int8)
         self.lengths = np.diff(self.offsets).tolist()
         if self.n and min(self.lengths) < 1:
             bad = self.sample_ids[self.lengths.index(min(self.lengths))]
@@ -120,11 +119,11 @@ class TokenShard:
 
     def sample_ids_of(self, i: int) -> np.ndarray:
         """Token ids of sample ``i`` ([len_i] int32 view)."""
-        return self.ids[self.offsets[i]:self.offsets[i + 1]]
+        return self.ids[self.offsets[i] : self.offsets[i + 1]]
 
     def mask_of(self, i: int) -> np.ndarray:
         """Loss mask of sample ``i`` ([len_i] int8 view)."""
-        return self.mask[self.offsets[i]:self.offsets[i + 1]]
+        return self.mask[self.offsets[i] : self.offsets[i + 1]]
 
 
 def supervised_final_mask(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -198,8 +197,9 @@ def _read_header(path) -> tuple[dict, dict, int]:
         header = json.loads(fh.read(n))
     meta = header.pop("__metadata__", {}) or {}
     base = 8 + n
-    tensors = {k: (v["dtype"], v["shape"], base + v["data_offsets"][0], base + v["data_offsets"][1])
-               for k, v in header.items()}
+    tensors = {
+        k: (v["dtype"], v["shape"], base + v["data_offsets"][0], base + v["data_offsets"][1]) for k, v in header.items()
+    }
     return tensors, meta, size
 
 
@@ -216,9 +216,21 @@ class HiddenStateWriter:
     ``store_post`` adds ``hidden_states_post`` (then :meth:`write` takes the post-norm rows too).
     """
 
-    def __init__(self, out_path, shard: TokenShard, *, hidden_size: int, num_aux: int, dtype: str,
-                 final_states: str, aux_format: str, metadata: dict, final_format: str = "same",
-                 norm_weight=None, store_post: bool = False):
+    def __init__(
+        self,
+        out_path,
+        shard: TokenShard,
+        *,
+        hidden_size: int,
+        num_aux: int,
+        dtype: str,
+        final_states: str,
+        aux_format: str,
+        metadata: dict,
+        final_format: str = "same",
+        norm_weight=None,
+        store_post: bool = False,
+    ):
         import torch
 
         self.out_path, self.shard = out_path, shard
@@ -231,8 +243,13 @@ class HiddenStateWriter:
         self.raw = np.dtype(f"u{self.elt}")  # float bits as unsigned ints (numpy has no bfloat16)
         self.fp8 = aux_format == "fp8_e4m3"
         self.ffp8 = final_format == "fp8_e4m3"
-        self.norm_weight = None if norm_weight is None else np.asarray(
-            norm_weight.float().cpu() if hasattr(norm_weight, "float") else norm_weight, dtype=np.float32)
+        self.norm_weight = (
+            None
+            if norm_weight is None
+            else np.asarray(
+                norm_weight.float().cpu() if hasattr(norm_weight, "float") else norm_weight, dtype=np.float32
+            )
+        )
         T, n, H, A = shard.T, shard.n, self.H, self.A
         if final_states == "supervised":
             self.fmask = supervised_final_mask(shard.mask, shard.offsets)
@@ -241,16 +258,28 @@ class HiddenStateWriter:
             self.fmask = self.frow = None
         self.S = int(self.frow[-1]) if self.fmask is not None else T
         self.metadata = {k: str(v) for k, v in metadata.items()}
-        self.metadata.update(format=FORMAT, final_states=final_states, aux_format=aux_format, dtype=dtype,
-                             final_format=final_format, num_samples=str(n), num_tokens=str(T), hidden_size=str(H))
+        self.metadata.update(
+            format=FORMAT,
+            final_states=final_states,
+            aux_format=aux_format,
+            dtype=dtype,
+            final_format=final_format,
+            num_samples=str(n),
+            num_tokens=str(T),
+            hidden_size=str(H),
+        )
         elt, S = self.elt, self.S
         tensors = [("sample_offsets", "I64", [n + 1], (n + 1) * 8)]
         if self.fp8:
-            tensors += [("aux_hidden_states", "F8_E4M3", [T, A * H], T * A * H), ("aux_scales", "F32", [T, A], T * A * 4)]
+            tensors += [
+                ("aux_hidden_states", "F8_E4M3", [T, A * H], T * A * H),
+                ("aux_scales", "F32", [T, A], T * A * 4),
+            ]
         else:
             tensors += [("aux_hidden_states", DTYPES[dtype], [T, A * H], T * A * H * elt)]
         for name, scales in (("hidden_states", "final_scales"),) + (
-                (("hidden_states_post", "final_post_scales"),) if self.store_post else ()):
+            (("hidden_states_post", "final_post_scales"),) if self.store_post else ()
+        ):
             if self.ffp8:
                 tensors += [(name, "F8_E4M3", [S, H], S * H), (scales, "F32", [S], S * 4)]
             else:
@@ -279,7 +308,7 @@ class HiddenStateWriter:
             def view(name, np_dtype, shape):
                 start = pos[name]
                 count = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
-                return self._mm[start:start + count].view(np_dtype).reshape(shape)
+                return self._mm[start : start + count].view(np_dtype).reshape(shape)
 
             if self._mm is not None:
                 view("sample_offsets", np.int64, (sh.n + 1,))[:] = sh.offsets
@@ -344,8 +373,10 @@ class HiddenStateWriter:
         import torch
 
         if (post is not None) != self.store_post:
-            raise ValueError(f"{self.shard.path}: post-norm rows {'given' if post is not None else 'missing'} for a "
-                             f"file that {'stores' if self.store_post else 'does not store'} them")
+            raise ValueError(
+                f"{self.shard.path}: post-norm rows {'given' if post is not None else 'missing'} for a "
+                f"file that {'stores' if self.store_post else 'does not store'} them"
+            )
         if self.fp8:
             q, sc = quantize_fp8(aux, self.A)
             parts = [q.contiguous().view(torch.uint8), sc.contiguous()]
@@ -363,7 +394,7 @@ class HiddenStateWriter:
         k = 2 if self.fp8 else 1
         aux = parts[0]
         step = 2 if self.ffp8 else 1
-        finals = [parts[k + j * step:k + (j + 1) * step] for j in range(len(self._final_tensors()))]
+        finals = [parts[k + j * step : k + (j + 1) * step] for j in range(len(self._final_tensors()))]
         self.check_shapes(i, aux.shape, finals[0][0].shape)
         if self.fp8:
             self.aux_out[s:e] = aux.view(np.uint8)
@@ -406,9 +437,9 @@ class HiddenStateWriter:
         s, e = self._span(i)
         n = e - s
         ss = int(src.offsets[j])
-        self.aux_out[s:e] = src.rows("aux_hidden_states")[ss:ss + n]
+        self.aux_out[s:e] = src.rows("aux_hidden_states")[ss : ss + n]
         if self.fp8:
-            self.scale_out[s:e] = src.rows("aux_scales", np.float32)[ss:ss + n]
+            self.scale_out[s:e] = src.rows("aux_scales", np.float32)[ss : ss + n]
         if self.fmask is None:
             r0, r1, f0 = s, e, ss
         else:
@@ -417,9 +448,9 @@ class HiddenStateWriter:
         if r1 > r0:
             for name, scales in self._final_tensors():
                 rows_out, scales_out = self.fin_out[name]
-                rows_out[r0:r1] = src.rows(name)[f0:f0 + r1 - r0]
+                rows_out[r0:r1] = src.rows(name)[f0 : f0 + r1 - r0]
                 if scales_out is not None:
-                    scales_out[r0:r1] = src.rows(scales, np.float32)[f0:f0 + r1 - r0]
+                    scales_out[r0:r1] = src.rows(scales, np.float32)[f0 : f0 + r1 - r0]
         self.done[i] = True
 
     def sync(self) -> None:
@@ -441,8 +472,9 @@ class HiddenStateWriter:
         err = None
         if exc_type is None and not self.done.all():
             missing = [self.shard.sample_ids[k] for k in np.flatnonzero(~self.done)[:3]]
-            err = RuntimeError(f"{self.shard.path}: {self.written} of {self.shard.n} samples written "
-                               f"(missing e.g. {missing})")
+            err = RuntimeError(
+                f"{self.shard.path}: {self.written} of {self.shard.n} samples written (missing e.g. {missing})"
+            )
         if self._mm is not None:
             if exc_type is None and err is None:
                 self._mm.flush()
@@ -492,8 +524,9 @@ class StatesFile:
         else:
             self.frow = None
         self.layers = json.loads(self.meta.get("layers", "[]"))
-        self.drafter_layers = json.loads(self.meta["drafter_layers"]) if "drafter_layers" in self.meta else {
-            "eagle3": list(self.layers)}
+        self.drafter_layers = (
+            json.loads(self.meta["drafter_layers"]) if "drafter_layers" in self.meta else {"eagle3": list(self.layers)}
+        )
         norm = self.meta.get("final_norm", "post")
         self.final_forms = {"post", "pre"} if norm == "both" else {norm}
 
@@ -514,8 +547,10 @@ class StatesFile:
         ValueError naming the file and the missing layers."""
         missing = [x for x in layers if x not in self.layers]
         if missing:
-            raise ValueError(f"{self.path}: auxiliary layers {missing} are not stored (it holds {self.layers}); "
-                             "add the drafter that reads them to extract.drafters")
+            raise ValueError(
+                f"{self.path}: auxiliary layers {missing} are not stored (it holds {self.layers}); "
+                "add the drafter that reads them to extract.drafters"
+            )
         return [self.layers.index(x) for x in layers]
 
     def final_rows(self, s: int, e: int, final: str | None = None, dtype=None):
@@ -528,8 +563,10 @@ class StatesFile:
         out_dtype = dtype or fdtype
         norm = self.meta.get("final_norm", "post")
         if final is not None and final not in self.final_forms:
-            raise ValueError(f"{self.path}: holds {norm}-norm final states, not {final}-norm; extract with "
-                             f"extract.final_norm: both (or {final})")
+            raise ValueError(
+                f"{self.path}: holds {norm}-norm final states, not {final}-norm; extract with "
+                f"extract.final_norm: both (or {final})"
+            )
         name, derive = "hidden_states", False
         if norm == "both" and final == "post":
             if "hidden_states_post" in self.tensors:
@@ -583,9 +620,12 @@ class StatesFile:
             aux = dequantize_fp8(q, torch.from_numpy(sc), out_dtype)
         else:
             aux = _as_float(aux_raw.reshape(e - s, -1), fdtype).to(out_dtype)
-        return {"input_ids": torch.from_numpy(np.array(self.ids[s:e])).long(),
-                "loss_mask": torch.from_numpy(np.array(self.mask[s:e])).long(),
-                "aux_hidden_states": aux, "hidden_states": self.final_rows(s, e, final, out_dtype)}
+        return {
+            "input_ids": torch.from_numpy(np.array(self.ids[s:e])).long(),
+            "loss_mask": torch.from_numpy(np.array(self.mask[s:e])).long(),
+            "aux_hidden_states": aux,
+            "hidden_states": self.final_rows(s, e, final, out_dtype),
+        }
 
     def close(self) -> None:
         self._mm = None
@@ -611,7 +651,7 @@ def reusable(src: StatesFile, j: int, ids: np.ndarray, mask: np.ndarray) -> bool
     least as long, and its ids and loss mask start with them (equal, or the new sample is its truncation)."""
     s, e = int(src.offsets[j]), int(src.offsets[j + 1])
     n = len(ids)
-    return e - s >= n and np.array_equal(src.ids[s:s + n], ids) and np.array_equal(src.mask[s:s + n], mask)
+    return e - s >= n and np.array_equal(src.ids[s : s + n], ids) and np.array_equal(src.mask[s : s + n], mask)
 
 
 def read_hidden_states(path) -> tuple[dict, dict]:
@@ -647,8 +687,11 @@ def load_states(path, dtype=None, *, final: str | None = None) -> tuple[dict, di
         else:
             aux = _as_float(np.array(f.rows("aux_hidden_states")), fdtype).to(out_dtype)
         fin = f.final_rows(0, T, final, out_dtype) if T else torch.zeros((0, H), dtype=out_dtype)
-        fmask = (torch.from_numpy(np.array(f.rows("final_mask", np.int8))).bool() if f.frow is not None
-                 else torch.ones(T, dtype=torch.bool))
+        fmask = (
+            torch.from_numpy(np.array(f.rows("final_mask", np.int8))).bool()
+            if f.frow is not None
+            else torch.ones(T, dtype=torch.bool)
+        )
         out = {
             "input_ids": torch.from_numpy(np.array(f.ids)).long(),
             "loss_mask": torch.from_numpy(np.array(f.mask)).long(),

@@ -45,9 +45,12 @@ def model_dims(model_path) -> dict:
     cfg, where = model_config(model_path)
     for sub in (cfg, cfg.get("text_config") or {}, cfg.get("language_config") or {}):
         if "num_hidden_layers" in sub and "hidden_size" in sub:
-            return {"num_layers": int(sub["num_hidden_layers"]), "hidden_size": int(sub["hidden_size"]),
-                    "vocab_size": int(sub.get("vocab_size") or cfg.get("vocab_size") or 0),
-                    "model_type": str(sub.get("model_type", cfg.get("model_type", "")))}
+            return {
+                "num_layers": int(sub["num_hidden_layers"]),
+                "hidden_size": int(sub["hidden_size"]),
+                "vocab_size": int(sub.get("vocab_size") or cfg.get("vocab_size") or 0),
+                "model_type": str(sub.get("model_type", cfg.get("model_type", ""))),
+            }
     raise KeyError(f"{where} has no num_hidden_layers/hidden_size (also looked in text_config, language_config)")
 
 
@@ -115,8 +118,10 @@ def dflash_layer_ids(num_layers: int, num_draft_layers: int = DFLASH_DRAFT_LAYER
         start, end = 1, L - 3
         ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
     if min(ids) < 0 or max(ids) > L - 1:
-        raise ValueError(f"extract.dflash_layers: {n} DFlash layers of a {L}-layer target give ids {ids} outside "
-                         f"[0, {L - 1}]; set extract.dflash_layers to a list of layers")
+        raise ValueError(
+            f"extract.dflash_layers: {n} DFlash layers of a {L}-layer target give ids {ids} outside "
+            f"[0, {L - 1}]; set extract.dflash_layers to a list of layers"
+        )
     return ids
 
 
@@ -141,8 +146,9 @@ def resolve_drafter_layers(drafters, layers, dflash_layers, num_layers: int) -> 
     if "eagle3" in drafters:
         per["eagle3"] = resolve_layers(layers, num_layers)
     if {"dflash", "dspark"} & set(drafters):
-        if dflash_layers is None or (isinstance(dflash_layers, (int, np.integer))
-                                     and not isinstance(dflash_layers, bool)):
+        if dflash_layers is None or (
+            isinstance(dflash_layers, (int, np.integer)) and not isinstance(dflash_layers, bool)
+        ):
             fam = dflash_layer_ids(num_layers, DFLASH_DRAFT_LAYERS if dflash_layers is None else int(dflash_layers))
         else:
             resolve_layers(sorted(set(dflash_layers)), num_layers)  # each an int in range (repeats allowed)

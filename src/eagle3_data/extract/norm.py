@@ -78,7 +78,7 @@ def check_formulas(pre, post, weight, eps: float, dtype, chunk_rows: int = 4096)
     n = pre.shape[0] * pre.shape[1]
     worst, exact = dict.fromkeys(NORM_FORMULAS, 0), dict.fromkeys(NORM_FORMULAS, 0)
     for s in range(0, pre.shape[0], chunk_rows):
-        x, want = pre[s:s + chunk_rows].to(dtype), post[s:s + chunk_rows].to(dtype)
+        x, want = pre[s : s + chunk_rows].to(dtype), post[s : s + chunk_rows].to(dtype)
         for f in NORM_FORMULAS:
             d = ulp_distance(apply_norm(x, weight, eps, f, dtype).to(want.device), want)
             worst[f] = max(worst[f], int(d.max()))

@@ -168,9 +168,17 @@ def column_order(layers: list[int]) -> list[int]:
     return [ascending.index(x) for x in layers]
 
 
-def server_args(model_path, *, layer_ids: list[int], tp_size: int = 1, dtype: str = "bfloat16", max_len: int = 8192,
-                mem_fraction_static: float = 0.8, trust_remote_code: bool = False,
-                max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS) -> dict:
+def server_args(
+    model_path,
+    *,
+    layer_ids: list[int],
+    tp_size: int = 1,
+    dtype: str = "bfloat16",
+    max_len: int = 8192,
+    mem_fraction_static: float = 0.8,
+    trust_remote_code: bool = False,
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+) -> dict:
     """Keyword arguments of SGLang's ``ServerArgs`` for capture.
 
     Auxiliary capture on (:func:`sglang_layer_ids` ids, EAGLE-3 convention), radix/prefix cache off, chunked
@@ -229,8 +237,10 @@ def forward_spans(lens: list[int], max_requests: int, max_tokens: int) -> list[t
     spans, start, used = [], 0, 0
     for k, n in enumerate(lens):
         if n > max_tokens:
-            raise RuntimeError(f"sglang: a sample of {n} tokens does not fit SGLang's KV pool of {max_tokens} tokens; "
-                               "give the job more GPU memory (or fewer layers per GPU: more gpus_per_job)")
+            raise RuntimeError(
+                f"sglang: a sample of {n} tokens does not fit SGLang's KV pool of {max_tokens} tokens; "
+                "give the job more GPU memory (or fewer layers per GPU: more gpus_per_job)"
+            )
         if k > start and (k - start >= max_requests or used + n > max_tokens):
             spans.append((start, k))
             start, used = k, 0
@@ -257,8 +267,9 @@ class RankBase:
         fit SGLang's context or KV pool."""
         lens = [len(x) for x in id_lists]
         if max(lens) >= self.context_len:
-            raise RuntimeError(f"sglang: a sample of {max(lens)} tokens does not fit SGLang's context of "
-                               f"{self.context_len}")
+            raise RuntimeError(
+                f"sglang: a sample of {max(lens)} tokens does not fit SGLang's context of {self.context_len}"
+            )
         outs = [self.forward(id_lists[a:b]) for a, b in forward_spans(lens, self.max_requests, self.max_tokens)]
         if len(outs) == 1:
             return outs[0]
@@ -297,8 +308,11 @@ class _Rank(RankBase):
         from sglang.benchmark.one_batch import _init_process_global_configs, load_model
         from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
 
-        publish(server_args, role="scheduler",
-                ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0), gpu_id=gpu_id))
+        publish(
+            server_args,
+            role="scheduler",
+            ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0), gpu_id=gpu_id),
+        )
         _init_process_global_configs()
         bench, _tokenizer = load_model(server_args, port_args, gpu_id, tp_rank)
         self.runner = bench.torch_runner
@@ -313,8 +327,7 @@ class _Rank(RankBase):
     def close(self) -> None:
         """Leave the tensor-parallel group (one_batch.py latency_test's end; every rank at once)."""
         if self.tp_size > 1:
-            from sglang.srt.distributed.parallel_state import (destroy_distributed_environment,
-                                                               destroy_model_parallel)
+            from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
             destroy_model_parallel()
             destroy_distributed_environment()
@@ -347,25 +360,35 @@ def _prefill(runner, id_lists: list[list[int]]):
         req.extend_end = len(req.origin_input_ids)
         reqs.append(req)
     with torch.no_grad():
-        tree_cache = TreeCacheNamespace(page_size=get_schedule().page_size, device=runner.device,
-                                        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator)
+        tree_cache = TreeCacheNamespace(
+            page_size=get_schedule().page_size,
+            device=runner.device,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        )
         batch = ScheduleBatch.init_new(
-            reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
-            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=tree_cache,
-            model_config=runner.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE,
+            reqs=reqs,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+            tree_cache=tree_cache,
+            model_config=runner.model_config,
+            enable_overlap=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
         )
         batch.prepare_for_extend()
         _maybe_prepare_mlp_sync_batch(batch, runner)
         if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
             batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
             batch.prefill_input_ids_cpu = None
-        forward_batch = ForwardBatch.init_new(batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL,
-                                              return_hidden_states_before_norm=False)
+        forward_batch = ForwardBatch.init_new(
+            batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL, return_hidden_states_before_norm=False
+        )
         logits_output = runner.forward(forward_batch).logits_output
         aux, final = logits_output.hidden_states, logits_output.last_hidden_states
     if aux is None or final is None:
-        raise RuntimeError("sglang returned no auxiliary / final hidden states (is enable_return_aux_hidden_states "
-                           "on and the model's family in ARCHITECTURE_ID_RULES?)")
+        raise RuntimeError(
+            "sglang returned no auxiliary / final hidden states (is enable_return_aux_hidden_states "
+            "on and the model's family in ARCHITECTURE_ID_RULES?)"
+        )
     return aux, final
 
 
@@ -422,10 +445,21 @@ class SglangBackend:
 
     name = "sglang"
 
-    def __init__(self, model_path, *, layers=None, dtype: str = "bfloat16", tp_size: int = 1,
-                 batch_tokens: int = 16384, max_len: int = 8192, trust_remote_code: bool = False,
-                 mem_fraction_static: float = 0.8, max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
-                 capture=None, rank_factory=None):
+    def __init__(
+        self,
+        model_path,
+        *,
+        layers=None,
+        dtype: str = "bfloat16",
+        tp_size: int = 1,
+        batch_tokens: int = 16384,
+        max_len: int = 8192,
+        trust_remote_code: bool = False,
+        mem_fraction_static: float = 0.8,
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+        capture=None,
+        rank_factory=None,
+    ):
         dims = model_dims(model_path)
         self.num_layers, self.hidden_size = dims["num_layers"], dims["hidden_size"]
         self.vocab_size, self.model_type = dims["vocab_size"], dims["model_type"]
@@ -439,9 +473,16 @@ class SglangBackend:
         self.max_running_requests = int(max_running_requests)
         self.batch_tokens = int(batch_tokens)
         self.loads = 0
-        self._args = server_args(model_path, layer_ids=self.layer_ids, tp_size=tp_size, dtype=dtype,
-                                 max_len=max_len, mem_fraction_static=mem_fraction_static,
-                                 trust_remote_code=trust_remote_code, max_running_requests=max_running_requests)
+        self._args = server_args(
+            model_path,
+            layer_ids=self.layer_ids,
+            tp_size=tp_size,
+            dtype=dtype,
+            max_len=max_len,
+            mem_fraction_static=mem_fraction_static,
+            trust_remote_code=trust_remote_code,
+            max_running_requests=max_running_requests,
+        )
         self._rank = None
         self._procs: list = []
         self._job_file = None
@@ -454,8 +495,14 @@ class SglangBackend:
             if not sglang_available():
                 raise ImportError(f"extract backend sglang needs sglang=={SGLANG_VERSION} (envs/sglang-gpu.txt)")
             self._factory = None
-        log.info("sglang %s: layers %s (%s) -> SGLang aux ids %s (%s rule)", self.architecture, self.layers,
-                 LAYER_CONVENTION, self.layer_ids, id_rule(self.architecture))
+        log.info(
+            "sglang %s: layers %s (%s) -> SGLang aux ids %s (%s rule)",
+            self.architecture,
+            self.layers,
+            LAYER_CONVENTION,
+            self.layer_ids,
+            id_rule(self.architecture),
+        )
 
     def batches(self, lengths: list[int], batch_tokens: int) -> list[list[int]]:
         """Packed batches of at most ``batch_tokens`` real tokens and at most ``max_running_requests`` samples."""
@@ -488,14 +535,20 @@ class SglangBackend:
                 pickle.dump((sargs, port_args, [[np.asarray(x, dtype=np.int64) for x in b] for b in id_batches]), fh)
             for tp_rank in range(1, self.tp_size):
                 with maybe_reindex_device_id(tp_rank) as gpu_id:  # one_batch.py main: one process per rank
-                    self._procs.append(subprocess.Popen(
-                        [sys.executable, "-m", __name__, self._job_file, str(tp_rank), str(gpu_id)]))
+                    self._procs.append(
+                        subprocess.Popen([sys.executable, "-m", __name__, self._job_file, str(tp_rank), str(gpu_id)])
+                    )
         self._rank = _Rank(sargs, port_args, 0, 0)
         self.loads += 1
         if self._rank.max_requests < self.max_running_requests or self._rank.max_tokens < self.batch_tokens:
-            log.warning("sglang settled on %d running requests / a KV pool of %d tokens (planned %d / %d): larger "
-                        "batches run as several forwards", self._rank.max_requests, self._rank.max_tokens,
-                        self.max_running_requests, self.batch_tokens)
+            log.warning(
+                "sglang settled on %d running requests / a KV pool of %d tokens (planned %d / %d): larger "
+                "batches run as several forwards",
+                self._rank.max_requests,
+                self._rank.max_tokens,
+                self.max_running_requests,
+                self.batch_tokens,
+            )
 
     def capture(self, id_lists: list[np.ndarray]) -> list[tuple]:
         """One prefill over ``id_lists`` (1-D int arrays); per sample ``(aux [n, A*H] in layers order,

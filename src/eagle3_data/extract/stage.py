@@ -41,8 +41,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..files import write_json
-from .layout import (AUX_FORMATS, DTYPES, FINAL_FORMATS, FINAL_NORMS, FINAL_STATES, ROWS_FORMAT, HiddenStateWriter,
-                     StatesFile, TokenShard, reusable)
+from .layout import (
+    AUX_FORMATS,
+    DTYPES,
+    FINAL_FORMATS,
+    FINAL_NORMS,
+    FINAL_STATES,
+    ROWS_FORMAT,
+    HiddenStateWriter,
+    StatesFile,
+    TokenShard,
+    reusable,
+)
 from .model import LAYER_CONVENTION, model_dims, model_fingerprint, resolve_drafter_layers
 from .writeback import Writeback
 
@@ -54,15 +64,32 @@ log = logging.getLogger("eagle3_data.extract")
 BACKENDS = ("transformers", "sglang")
 
 
-def settings_digest(*, backend: str, fingerprint: str, layers: list[int], dtype: str, final_norm: str,
-                    final_states: str, aux_format: str, final_format: str = "same") -> str:
+def settings_digest(
+    *,
+    backend: str,
+    fingerprint: str,
+    layers: list[int],
+    dtype: str,
+    final_norm: str,
+    final_states: str,
+    aux_format: str,
+    final_format: str = "same",
+) -> str:
     """Digest of everything a file's values depend on besides the token ids: two files with the same digest
     hold interchangeable rows for equal ids. Batch size, devices and attention path are not in it: they
     change the arithmetic's rounding, not what is computed. ``layers``: the stored (union) layers, in column
     order. ``final_format`` counts only when not ``same`` and the format named is the rows' encoding
     (``layout.ROWS_FORMAT``), so files written before either existed keep their digest."""
-    key = {"format": ROWS_FORMAT, "backend": backend, "target": fingerprint, "layers": list(layers), "dtype": dtype,
-           "final_norm": final_norm, "final_states": final_states, "aux_format": aux_format}
+    key = {
+        "format": ROWS_FORMAT,
+        "backend": backend,
+        "target": fingerprint,
+        "layers": list(layers),
+        "dtype": dtype,
+        "final_norm": final_norm,
+        "final_states": final_states,
+        "aux_format": aux_format,
+    }
     if final_format != "same":
         key["final_format"] = final_format
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -112,8 +139,12 @@ def _open_reusable(paths, settings: str) -> StatesFile | None:
             continue
         if src.same_settings(settings):
             return src
-        log.info("not reusing %s: computed with other settings (state_settings %s, now %s)", p,
-                 src.meta.get("state_settings"), settings)
+        log.info(
+            "not reusing %s: computed with other settings (state_settings %s, now %s)",
+            p,
+            src.meta.get("state_settings"),
+            settings,
+        )
         src.close()
     return None
 
@@ -133,9 +164,13 @@ def keep_link(out_path, link_path) -> bool:
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EOPNOTSUPP):
             raise
-        log.warning("cannot keep a hard link of %s at %s (%s): a rerun of this selection will forward every "
-                    "sample again; put cache_dir on the same filesystem as results/", out_path, link_path,
-                    exc.strerror)
+        log.warning(
+            "cannot keep a hard link of %s at %s (%s): a rerun of this selection will forward every "
+            "sample again; put cache_dir on the same filesystem as results/",
+            out_path,
+            link_path,
+            exc.strerror,
+        )
         with contextlib.suppress(FileNotFoundError):
             link_path.unlink()
         return False
@@ -216,8 +251,12 @@ def extract_states(
     s = settings
     model_path, dtype, device, batch_tokens = s.model_path, s.dtype, s.device, s.batch_tokens
     attention, backend, gpus, lock_dir = s.attention, s.backend, s.gpus_per_job, s.gpu_lock_dir
-    final_states, aux_format, final_norm, trust_remote_code = s.final_states, s.aux_format, s.final_norm, \
-        s.trust_remote_code
+    final_states, aux_format, final_norm, trust_remote_code = (
+        s.final_states,
+        s.aux_format,
+        s.final_norm,
+        s.trust_remote_code,
+    )
     final_format = s.final_format
     if final_states not in FINAL_STATES:
         raise ValueError(f"extract final_states must be one of {FINAL_STATES}, got {final_states!r}")
@@ -248,9 +287,16 @@ def extract_states(
     if vocab and shard.T and (shard.ids.min() < 0 or shard.ids.max() >= vocab):
         raise ValueError(f"{selection_path}: token ids outside the target's vocabulary [0, {vocab})")
     fingerprint = model_fingerprint(model_path)
-    settings = settings_digest(backend=backend, fingerprint=fingerprint, layers=chosen, dtype=dtype,
-                               final_norm=final_norm, final_states=final_states, aux_format=aux_format,
-                               final_format=final_format)
+    settings = settings_digest(
+        backend=backend,
+        fingerprint=fingerprint,
+        layers=chosen,
+        dtype=dtype,
+        final_norm=final_norm,
+        final_states=final_states,
+        aux_format=aux_format,
+        final_format=final_format,
+    )
 
     src = _open_reusable([reuse_path, out_path], settings)
     reuse: dict[int, int] = {}
@@ -277,39 +323,84 @@ def extract_states(
         "selection_digest": str(selection_digest or ""),
         "state_settings": settings,
     }
-    run = {"device": "none", "devices": [], "batches": 0, "model_seconds": 0.0, "attention": "none",
-           "fused": {"norms": 0, "mlps": 0, "skipped": []},
-           "timing": {"forward_s": 0.0, "copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0, "drain_s": 0.0}}
+    run = {
+        "device": "none",
+        "devices": [],
+        "batches": 0,
+        "model_seconds": 0.0,
+        "attention": "none",
+        "fused": {"norms": 0, "mlps": 0, "skipped": []},
+        "timing": {"forward_s": 0.0, "copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0, "drain_s": 0.0},
+    }
     norm = None  # final_norm both: {weight, eps, formula, check}
     try:
         with contextlib.ExitStack() as stack:
             fwd = None
             if todo:
-                fwd = _Forward(shard, run, model_path=model_path, layers=chosen, dtype=dtype, device=device,
-                               batch_tokens=batch_tokens, attention=attention, backend=backend, gpus=gpus,
-                               lock_dir=lock_dir, final_norm=final_norm, trust_remote_code=trust_remote_code,
-                               model=model, capture=capture, hidden_size=H, stack=stack, fused=s.fused)
+                fwd = _Forward(
+                    shard,
+                    run,
+                    model_path=model_path,
+                    layers=chosen,
+                    dtype=dtype,
+                    device=device,
+                    batch_tokens=batch_tokens,
+                    attention=attention,
+                    backend=backend,
+                    gpus=gpus,
+                    lock_dir=lock_dir,
+                    final_norm=final_norm,
+                    trust_remote_code=trust_remote_code,
+                    model=model,
+                    capture=capture,
+                    hidden_size=H,
+                    stack=stack,
+                    fused=s.fused,
+                )
                 fwd.plan(todo)
                 if final_norm == "both":
                     norm = fwd.first_batch_norm_check()
                     if src is not None and reuse and not _same_norm(src, norm):
-                        log.warning("not reusing %s: its final norm was found to compute %s, this job's first batch "
-                                    "%s; forwarding every sample", src.path, src.meta.get("norm_formula"),
-                                    norm["formula"])
+                        log.warning(
+                            "not reusing %s: its final norm was found to compute %s, this job's first batch "
+                            "%s; forwarding every sample",
+                            src.path,
+                            src.meta.get("norm_formula"),
+                            norm["formula"],
+                        )
                         reuse, todo = {}, list(range(shard.n))
                         fwd.plan(todo)
             elif final_norm == "both" and src is not None:  # (an empty selection has no rows to derive)
                 norm = _norm_of(src)
             if norm is not None:
-                metadata.update(norm_formula=norm["formula"], norm_eps=repr(norm["eps"]),
-                                norm_check=json.dumps(norm["check"], sort_keys=True))
+                metadata.update(
+                    norm_formula=norm["formula"],
+                    norm_eps=repr(norm["eps"]),
+                    norm_check=json.dumps(norm["check"], sort_keys=True),
+                )
             fwd_tokens = sum(shard.lengths[i] for i in todo)
-            log.info("extract %s: %d samples / %d tokens; reusing %d samples, forwarding %d samples / %d tokens",
-                     selection_path, shard.n, shard.T, len(reuse), len(todo), fwd_tokens)
-            writer = HiddenStateWriter(out_path, shard, hidden_size=H, num_aux=len(chosen), dtype=dtype,
-                                       final_states=final_states, aux_format=aux_format, final_format=final_format,
-                                       metadata=metadata, norm_weight=None if norm is None else norm["weight"],
-                                       store_post=norm is not None and norm["formula"] == "none")
+            log.info(
+                "extract %s: %d samples / %d tokens; reusing %d samples, forwarding %d samples / %d tokens",
+                selection_path,
+                shard.n,
+                shard.T,
+                len(reuse),
+                len(todo),
+                fwd_tokens,
+            )
+            writer = HiddenStateWriter(
+                out_path,
+                shard,
+                hidden_size=H,
+                num_aux=len(chosen),
+                dtype=dtype,
+                final_states=final_states,
+                aux_format=aux_format,
+                final_format=final_format,
+                metadata=metadata,
+                norm_weight=None if norm is None else norm["weight"],
+                store_post=norm is not None and norm["formula"] == "none",
+            )
             with writer:
                 for i, j in reuse.items():
                     writer.copy(i, src, j)
@@ -364,9 +455,12 @@ def _norm_of(src: StatesFile) -> dict:
     """The final-norm record of a ``final_norm: both`` file (for a job that forwards nothing)."""
     import torch
 
-    return {"weight": torch.from_numpy(np.array(src.rows("final_norm_weight", np.float32))),
-            "eps": float(src.meta["norm_eps"]), "formula": src.meta["norm_formula"],
-            "check": json.loads(src.meta.get("norm_check", "{}"))}
+    return {
+        "weight": torch.from_numpy(np.array(src.rows("final_norm_weight", np.float32))),
+        "eps": float(src.meta["norm_eps"]),
+        "formula": src.meta["norm_formula"],
+        "check": json.loads(src.meta.get("norm_check", "{}")),
+    }
 
 
 def _same_norm(src: StatesFile, norm: dict) -> bool:
@@ -379,9 +473,28 @@ class _Forward:
     ``stack``), its batch plan, the first batch's final-norm check, and the run that writes every batch's states,
     each batch's copies and writes overlapping the next batch's forward (``writeback``); fills ``run``."""
 
-    def __init__(self, shard: TokenShard, run: dict, *, model_path, layers, dtype, device, batch_tokens, attention,
-                 backend, gpus, lock_dir, final_norm, trust_remote_code, model, capture, hidden_size, stack,
-                 fused="auto"):
+    def __init__(
+        self,
+        shard: TokenShard,
+        run: dict,
+        *,
+        model_path,
+        layers,
+        dtype,
+        device,
+        batch_tokens,
+        attention,
+        backend,
+        gpus,
+        lock_dir,
+        final_norm,
+        trust_remote_code,
+        model,
+        capture,
+        hidden_size,
+        stack,
+        fused="auto",
+    ):
         self.shard, self.run_info, self.batch_tokens, self.dtype = shard, run, batch_tokens, dtype
         if backend == "sglang":
             from .sglang_backend import SglangBackend
@@ -389,11 +502,17 @@ class _Forward:
             if capture is not None:
                 dev, ids = "cpu", []
             else:
-                dev, ids = stack.enter_context(device_context("cuda" if device == "auto" else device, gpus,
-                                                              lock_dir))
-            be = SglangBackend(model_path, layers=layers, dtype=dtype, tp_size=max(1, len(ids) or gpus),
-                               batch_tokens=batch_tokens, max_len=max(shard.lengths),
-                               trust_remote_code=trust_remote_code, capture=capture)
+                dev, ids = stack.enter_context(device_context("cuda" if device == "auto" else device, gpus, lock_dir))
+            be = SglangBackend(
+                model_path,
+                layers=layers,
+                dtype=dtype,
+                tp_size=max(1, len(ids) or gpus),
+                batch_tokens=batch_tokens,
+                max_len=max(shard.lengths),
+                trust_remote_code=trust_remote_code,
+                capture=capture,
+            )
         else:
             from .transformers_backend import TransformersBackend
 
@@ -401,14 +520,25 @@ class _Forward:
                 dev, ids = "given", []
             else:
                 dev, ids = stack.enter_context(device_context(device, gpus, lock_dir))
-            be = TransformersBackend(model_path, layers=layers, dtype=dtype, device=dev, final_norm=final_norm,
-                                     device_map="auto" if dev == "cuda" and len(ids) > 1 else None, loaded=model,
-                                     trust_remote_code=trust_remote_code, attention=attention, fused=fused)
+            be = TransformersBackend(
+                model_path,
+                layers=layers,
+                dtype=dtype,
+                device=dev,
+                final_norm=final_norm,
+                device_map="auto" if dev == "cuda" and len(ids) > 1 else None,
+                loaded=model,
+                trust_remote_code=trust_remote_code,
+                attention=attention,
+                fused=fused,
+            )
             run["fused"] = be.fused
         stack.callback(be.close)
         if be.layers != list(layers) or be.hidden_size != hidden_size:
-            raise RuntimeError(f"{shard.path}: the loaded target has layers {be.layers} / hidden size "
-                               f"{be.hidden_size}, its config says {layers} / {hidden_size}")
+            raise RuntimeError(
+                f"{shard.path}: the loaded target has layers {be.layers} / hidden size "
+                f"{be.hidden_size}, its config says {layers} / {hidden_size}"
+            )
         self.be, self.ids = be, ids
         self.first = None  # (batch index, captured states) of a batch forwarded before the run
         self.first_s = 0.0  # its wall time (added to the run's model time)
@@ -459,14 +589,26 @@ class _Forward:
         if self.store_post:  # the first batch's post-norm rows too (the later batches': in _capture)
             with torch.inference_mode():
                 self.first = (0, [(aux, fin, norm_module(fin)) for aux, fin in self.first[1]])
-        log.info("final norm %s of %s: formula %s (first batch, %d rows: %s)", type(norm_module).__name__,
-                 self.be.model_name, formula, rows,
-                 ", ".join(f"{f} max {v['max_ulp']} ULP, {v['exact_share']:.4f} exact" for f, v in check.items()))
+        log.info(
+            "final norm %s of %s: formula %s (first batch, %d rows: %s)",
+            type(norm_module).__name__,
+            self.be.model_name,
+            formula,
+            rows,
+            ", ".join(f"{f} max {v['max_ulp']} ULP, {v['exact_share']:.4f} exact" for f, v in check.items()),
+        )
         if formula == "none":
-            log.warning("the final norm of %s matches none of the known RMSNorm formulas: its output is stored beside "
-                        "its input (hidden_states_post), H more values per token", self.be.model_name)
-        return {"weight": weight if weight is not None else torch.zeros(self.be.hidden_size), "eps": eps or 0.0,
-                "formula": formula, "check": {"rows": rows, **check}}
+            log.warning(
+                "the final norm of %s matches none of the known RMSNorm formulas: its output is stored beside "
+                "its input (hidden_states_post), H more values per token",
+                self.be.model_name,
+            )
+        return {
+            "weight": weight if weight is not None else torch.zeros(self.be.hidden_size),
+            "eps": eps or 0.0,
+            "formula": formula,
+            "check": {"rows": rows, **check},
+        }
 
     def _capture(self, idx: list[int]):
         states = self.be.capture([self.shard.sample_ids_of(i) for i in idx])
@@ -481,8 +623,12 @@ class _Forward:
         sh, be, run, batches = self.shard, self.be, self.run_info, self.batches
         if hasattr(be, "start"):
             be.start([[sh.sample_ids_of(i).astype("int64").tolist() for i in b] for b in batches])
-        run.update(device=str(be.device), devices=list(self.ids), batches=len(batches),
-                   attention=getattr(be, "attention", "packed"))
+        run.update(
+            device=str(be.device),
+            devices=list(self.ids),
+            batches=len(batches),
+            attention=getattr(be, "attention", "packed"),
+        )
         timer = self.timer
         sink = Writeback(writer, overlap=overlap)
         t_model = time.perf_counter()
@@ -501,8 +647,15 @@ class _Forward:
                 done += sum(sh.lengths[i] for i in idx)
                 now = time.perf_counter()
                 if now - last_log > 30 or b == len(batches) - 1:
-                    log.info("extract %s: batch %d/%d, %d/%d tokens forwarded, %.0f tokens/s", out_name, b + 1,
-                             len(batches), done, total, done / max(now - t_model, 1e-9))
+                    log.info(
+                        "extract %s: batch %d/%d, %d/%d tokens forwarded, %.0f tokens/s",
+                        out_name,
+                        b + 1,
+                        len(batches),
+                        done,
+                        total,
+                        done / max(now - t_model, 1e-9),
+                    )
                     last_log = now
             sink.close()
         except BaseException:

@@ -77,8 +77,10 @@ def resolve_attention(attention: str, device_type: str, dtype: str, head_dim: in
     if attention.startswith("packed-"):
         kernel = attention.split("-", 1)[1]
         if kernel == "varlen" and (device_type != "cuda" or dtype == "float32"):
-            raise ValueError(f"extract attention packed-varlen needs CUDA and bfloat16/float16 (here {device_type}, "
-                             f"{dtype}); use packed-flex or packed-loop")
+            raise ValueError(
+                f"extract attention packed-varlen needs CUDA and bfloat16/float16 (here {device_type}, "
+                f"{dtype}); use packed-flex or packed-loop"
+            )
         return "packed", kernel
     if device_type != "cuda":
         return "packed", "loop"
@@ -132,8 +134,9 @@ def keep_freed_host_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _host_memory_kept = (mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) == 1
-                         and mallopt(_M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD) == 1)
+    _host_memory_kept = (
+        mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD) == 1
+    )
     return _host_memory_kept
 
 
@@ -172,8 +175,8 @@ class _DocumentIds:
         ids = cls._by_device.get(key)
         if ids is None or ids.buf.numel() < size:
             ids = cls._by_device[key] = cls(device, max(size, 2 * (ids.buf.numel() if ids else 0)))
-        ids.buf[:len(doc)].copy_(torch.from_numpy(doc.astype(np.int32)))
-        ids.buf[len(doc):size].fill_(-1)
+        ids.buf[: len(doc)].copy_(torch.from_numpy(doc.astype(np.int32)))
+        ids.buf[len(doc) : size].fill_(-1)
         return ids
 
 
@@ -209,8 +212,9 @@ def document_block_mask(lengths: list[int], device, block: int = FLEX_BLOCK):
     ids = _DocumentIds.fill(doc, device, nb * block)  # the positions past T (the last block's tail): -1
     kv_num, kv_idx = blocks(partial)
     full_num, full_idx = blocks(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=ids.mask_mod,
-                                    seq_lengths=(T, T))
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=ids.mask_mod, seq_lengths=(T, T)
+    )
 
 
 class _Pack:
@@ -246,9 +250,12 @@ class _Pack:
                 mask = self._block_mask[query.device] = document_block_mask(self.lengths, query.device)
             out = _flex()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa)
             return out.transpose(1, 2)
-        outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
-                                               scale=scaling, enable_gqa=gqa)
-                for s, e in zip(self.bounds[:-1], self.bounds[1:])]
+        outs = [
+            F.scaled_dot_product_attention(
+                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=gqa
+            )
+            for s, e in zip(self.bounds[:-1], self.bounds[1:])
+        ]
         return torch.cat(outs, dim=2).transpose(1, 2)
 
 
@@ -274,10 +281,16 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     pack = _PACK.get()
     if pack is None:
         raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} called outside a packed extraction forward")
-    if (getattr(module, "sliding_window", None) or kwargs.get("sliding_window") or kwargs.get("softcap")
-            or kwargs.get("s_aux") is not None):
-        raise NotImplementedError(f"{type(module).__name__}: sliding-window / soft-capped / sink attention is not "
-                                  "supported by the packed extraction path; use extract.attention: padded")
+    if (
+        getattr(module, "sliding_window", None)
+        or kwargs.get("sliding_window")
+        or kwargs.get("softcap")
+        or kwargs.get("s_aux") is not None
+    ):
+        raise NotImplementedError(
+            f"{type(module).__name__}: sliding-window / soft-capped / sink attention is not "
+            "supported by the packed extraction path; use extract.attention: padded"
+        )
     if query.shape[0] != 1:
         raise RuntimeError(f"packed attention expects one packed row, got batch {query.shape[0]}")
     pack.calls += 1
@@ -299,8 +312,9 @@ def pick_device(device: str = "auto") -> str:
     return device
 
 
-def load_target(model_path, *, dtype: str = "float32", device: str = "auto", device_map=None,
-                trust_remote_code: bool = False):
+def load_target(
+    model_path, *, dtype: str = "float32", device: str = "auto", device_map=None, trust_remote_code: bool = False
+):
     """Load the target from a local directory (``AutoModelForCausalLM``, eval mode) onto ``device``.
 
     ``device_map`` (e.g. ``"auto"``) spreads the layers over every visible GPU instead (accelerate).
@@ -386,14 +400,26 @@ class TransformersBackend:
 
     name = "transformers"
 
-    def __init__(self, model_path, *, layers=None, dtype: str = "float32", device: str = "auto",
-                 final_norm: str = "post", device_map=None, loaded=None, trust_remote_code: bool = False,
-                 attention: str = "padded", fused: str = "off"):
+    def __init__(
+        self,
+        model_path,
+        *,
+        layers=None,
+        dtype: str = "float32",
+        device: str = "auto",
+        final_norm: str = "post",
+        device_map=None,
+        loaded=None,
+        trust_remote_code: bool = False,
+        attention: str = "padded",
+        fused: str = "off",
+    ):
         import torch
 
         if loaded is None:
-            loaded = load_target(model_path, dtype=dtype, device=device, device_map=device_map,
-                                 trust_remote_code=trust_remote_code)
+            loaded = load_target(
+                model_path, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code
+            )
         self.model, self.decoder = loaded
         cfg = self.model.config
         self.num_layers = len(self.decoder.layers)
@@ -423,8 +449,7 @@ class TransformersBackend:
                 self._prev_attn = None
                 why = f"{type(self.model).__name__} cannot switch its attention implementation"
                 if attention != "auto":
-                    raise ValueError(f"{self.model_name}: cannot run extract.attention {attention}: {why}; use "
-                                     "padded")
+                    raise ValueError(f"{self.model_name}: cannot run extract.attention {attention}: {why}; use padded")
                 log.warning("%s: padded batches (%s)", self.model_name, why)
                 self.layout, self.kernel, self.attention = "padded", "", "padded"
         if self.device.type == "cpu":
@@ -496,7 +521,8 @@ class TransformersBackend:
             raise RuntimeError(
                 f"{self.model_name}: the packed attention ran {pack.calls} times for {self.num_layers} decoder "
                 f"layers ({self.model_type} does not route every layer's attention through transformers' "
-                "AttentionInterface); its states would mix samples: use extract.attention: padded")
+                "AttentionInterface); its states would mix samples: use extract.attention: padded"
+            )
         aux, fin = aux[0], fin[0]
         return [(aux[s:e], fin[s:e]) for s, e in zip(starts[:-1].tolist(), starts[1:].tolist())]
 

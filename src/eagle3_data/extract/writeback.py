@@ -111,7 +111,7 @@ class Writeback:
             for p, row in zip(parts, sizes):
                 views = []
                 for t, n in zip(p, row):
-                    dst = buf[pos:pos + n].view(t.dtype).view(t.shape)
+                    dst = buf[pos : pos + n].view(t.dtype).view(t.shape)
                     dst.copy_(t, non_blocking=True)
                     t.record_stream(self._stream)
                     views.append(dst.numpy())
@@ -217,4 +217,3 @@ class Writeback:
                 if buf is not None:
                     self._free.put(buf)
                 del host, item
-

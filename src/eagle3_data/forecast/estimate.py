@@ -49,8 +49,17 @@ def _dataset_requests(prompts_paths: list, generation: dict, num_shards: int, te
 
 def _pilot_rows(paths: list) -> list[dict]:
     """The pilot's RESPONSES rows, each with its ``shard`` (the file's stem)."""
-    cols = ["sample_id", "status", "messages", "tools", "prompt_tokens", "completion_tokens", "cost_usd",
-            "latency_s", "backend"]
+    cols = [
+        "sample_id",
+        "status",
+        "messages",
+        "tools",
+        "prompt_tokens",
+        "completion_tokens",
+        "cost_usd",
+        "latency_s",
+        "backend",
+    ]
     rows: list[dict] = []
     for p in paths:
         rows += [{**r, "shard": Path(p).stem} for r in pq.ParquetFile(p).read(columns=cols).to_pylist()]
@@ -69,10 +78,13 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
     rows = _pilot_rows(spec["pilot"])
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
-        raise ForecastError(f"dataset {ds}: no pilot request was answered ({len(rows)} failed; see "
-                            f"logs/forecast_pilot/{ds}/): nothing to forecast from")
-    pilot_lens, _ = _prompt_lengths(tt, [(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None)
-                                         for r in ok])
+        raise ForecastError(
+            f"dataset {ds}: no pilot request was answered ({len(rows)} failed; see "
+            f"logs/forecast_pilot/{ds}/): nothing to forecast from"
+        )
+    pilot_lens, _ = _prompt_lengths(
+        tt, [(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None) for r in ok]
+    )
     prices = {}
     costs: list[float | None] = []
     sources = set()
@@ -115,32 +127,52 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
     for r in ok:
         ok_by_shard[r["shard"]] = ok_by_shard.get(r["shard"], 0) + 1
     # the jobs of the simulation: each shard's requests (scaled to the budget) and what the pilot left of them
-    shard_jobs = [{"shard": sh, "requests": round(n * frac),
-                   "remaining": max(0, round(n * frac) - ok_by_shard.get(sh, 0))}
-                  for sh, n in sorted(per_shard.items())]
+    shard_jobs = [
+        {"shard": sh, "requests": round(n * frac), "remaining": max(0, round(n * frac) - ok_by_shard.get(sh, 0))}
+        for sh, n in sorted(per_shard.items())
+    ]
     return {
-        "dataset": ds, "samples": n_samples, "unusable": n_bad, "requests": requests,
-        "requests_sent": round(sent), "stopped_by": stopped_by,
-        "prompt_tokens": int(sum(lens)), "prompt_tokens_sent": round(sum(lens) * frac),
+        "dataset": ds,
+        "samples": n_samples,
+        "unusable": n_bad,
+        "requests": requests,
+        "requests_sent": round(sent),
+        "stopped_by": stopped_by,
+        "prompt_tokens": int(sum(lens)),
+        "prompt_tokens_sent": round(sum(lens) * frac),
         "unrenderable_prompts": unrenderable,
         "completion_tokens_per_request": round(mean_comp, 1),
         "expected_completion_tokens": round(completion * frac),
-        "cost_per_request_usd": cost_per_request, "usd": None if usd is None else usd * frac,
+        "cost_per_request_usd": cost_per_request,
+        "usd": None if usd is None else usd * frac,
         "cost_source": ", ".join(sorted(sources)) if usd is not None else None,
         "missing_prices": sorted(n for n, p in prices.items() if p is None),
-        "latency_a_s": round(a, 4), "latency_b_s_per_token": b, "tail_s": tail_s,
-        "longest_tokens": round(longest), "length_model": length_model(comp, gen.get("max_tokens")),
-        "concurrency": conc, "backends": list(backends), "shards": shard_jobs,
-        "retry": {"max_retries": int(gen.get("max_retries", 5)),
-                  "retry_initial_s": float(gen.get("retry_initial_s", 1.0)),
-                  "retry_max_s": float(gen.get("retry_max_s", 60.0))},
+        "latency_a_s": round(a, 4),
+        "latency_b_s_per_token": b,
+        "tail_s": tail_s,
+        "longest_tokens": round(longest),
+        "length_model": length_model(comp, gen.get("max_tokens")),
+        "concurrency": conc,
+        "backends": list(backends),
+        "shards": shard_jobs,
+        "retry": {
+            "max_retries": int(gen.get("max_retries", 5)),
+            "retry_initial_s": float(gen.get("retry_initial_s", 1.0)),
+            "retry_max_s": float(gen.get("retry_max_s", 60.0)),
+        },
         "requests_remaining": round(remaining),
         "usd_remaining": None if usd is None else max(0.0, usd * frac - sum(known)),
-        "pilot": {"requests": len(rows), "ok": n_ok, "failed": len(rows) - n_ok,
-                  "completion_tokens": sum(comp), "prompt_tokens": int(sum(pilot_lens)),
-                  "billed_prompt_tokens": sum(int(r["prompt_tokens"] or 0) for r in ok),
-                  "cost_usd": sum(known) if known else None,
-                  "latency_s_mean": sum(float(r["latency_s"] or 0) for r in ok) / n_ok,
-                  "latency_s_max": max(float(r["latency_s"] or 0) for r in ok)},
-        "_pilot_ok": ok, "_pilot_lengths": comp,  # for the backends' fits and the simulation (not written)
+        "pilot": {
+            "requests": len(rows),
+            "ok": n_ok,
+            "failed": len(rows) - n_ok,
+            "completion_tokens": sum(comp),
+            "prompt_tokens": int(sum(pilot_lens)),
+            "billed_prompt_tokens": sum(int(r["prompt_tokens"] or 0) for r in ok),
+            "cost_usd": sum(known) if known else None,
+            "latency_s_mean": sum(float(r["latency_s"] or 0) for r in ok) / n_ok,
+            "latency_s_max": max(float(r["latency_s"] or 0) for r in ok),
+        },
+        "_pilot_ok": ok,
+        "_pilot_lengths": comp,  # for the backends' fits and the simulation (not written)
     }

@@ -47,8 +47,11 @@ def length_model(lengths: list[int], cap: int | None) -> dict:
     from statistics import fmean, stdev
 
     logs = [math.log(x) for x in lengths if x > 0]
-    return {"mu": fmean(logs) if logs else float("-inf"), "sigma": stdev(logs) if len(logs) >= 2 else 0.0,
-            "cap": int(cap) if cap else None}
+    return {
+        "mu": fmean(logs) if logs else float("-inf"),
+        "sigma": stdev(logs) if len(logs) >= 2 else 0.0,
+        "cap": int(cap) if cap else None,
+    }
 
 
 def _quantile(xs: list[float], q: float) -> float:

@@ -15,17 +15,38 @@ def render_markdown(fc: dict) -> str:
 
     rows = []
     for d in fc["datasets"].values():
-        rows.append({**d, "usd_s": format_usd(d["usd"]) if d["usd"] is not None else "unknown",
-                     "time": format_hours(d["hours"], 2), "stop": d["stopped_by"] or ""})
-    rows.append({"dataset": "Total", "requests": t["requests"], "requests_sent": t["requests_sent"],
-                 "prompt_tokens_sent": t["prompt_tokens_sent"],
-                 "expected_completion_tokens": t["expected_completion_tokens"],
-                 "usd_s": (format_usd(t["usd"]) if t["usd"] is not None else "unknown")
-                 + (" (+ unknown)" if t["usd"] is not None and t["usd_unknown"] else ""),
-                 "time": span(t["hours"], t["hours_p10"], t["hours_p90"]), "stop": "", "total": True})
-    cols = [("dataset", "Dataset", "text"), ("requests", "Requests", ""), ("requests_sent", "Sent", ""),
-            ("prompt_tokens_sent", "Prompt tokens", "tok"), ("expected_completion_tokens", "Completion tokens", "tok"),
-            ("usd_s", "Cost $", "text"), ("time", "Done after", "text"), ("stop", "Budget stop", "text")]
+        rows.append(
+            {
+                **d,
+                "usd_s": format_usd(d["usd"]) if d["usd"] is not None else "unknown",
+                "time": format_hours(d["hours"], 2),
+                "stop": d["stopped_by"] or "",
+            }
+        )
+    rows.append(
+        {
+            "dataset": "Total",
+            "requests": t["requests"],
+            "requests_sent": t["requests_sent"],
+            "prompt_tokens_sent": t["prompt_tokens_sent"],
+            "expected_completion_tokens": t["expected_completion_tokens"],
+            "usd_s": (format_usd(t["usd"]) if t["usd"] is not None else "unknown")
+            + (" (+ unknown)" if t["usd"] is not None and t["usd_unknown"] else ""),
+            "time": span(t["hours"], t["hours_p10"], t["hours_p90"]),
+            "stop": "",
+            "total": True,
+        }
+    )
+    cols = [
+        ("dataset", "Dataset", "text"),
+        ("requests", "Requests", ""),
+        ("requests_sent", "Sent", ""),
+        ("prompt_tokens_sent", "Prompt tokens", "tok"),
+        ("expected_completion_tokens", "Completion tokens", "tok"),
+        ("usd_s", "Cost $", "text"),
+        ("time", "Done after", "text"),
+        ("stop", "Budget stop", "text"),
+    ]
     sim = fc.get("simulation") or {}
     lines = [
         "# Generation forecast",
@@ -34,7 +55,7 @@ def render_markdown(fc: dict) -> str:
         "journal and does not pay for them again). Prompt tokens: every request's prompt rendered with the "
         "target's chat template; completion tokens and dollars: requests x the pilot's mean per answered request; "
         "time: the mean of simulated runs at each backend's `max_concurrency` (in brackets: 10th to 90th "
-        "percentile; \"Done after\": when a dataset's last request ends, all datasets running together).",
+        'percentile; "Done after": when a dataset\'s last request ends, all datasets running together).',
         "",
         markdown_table(rows, cols, bold=lambda r: r.get("total", False)),
         "",
@@ -44,17 +65,32 @@ def render_markdown(fc: dict) -> str:
         "",
         "## Pilot",
         "",
-        markdown_table([{"dataset": d["dataset"], **d["pilot"],
-                         "cost": format_usd(d["pilot"]["cost_usd"]) if d["pilot"]["cost_usd"] is not None else "",
-                         "per": d["completion_tokens_per_request"], "longest": d["longest_tokens"],
-                         "fit": f"{d['latency_a_s']:.2f} s + {1000 * d['latency_b_s_per_token']:.3f} ms/token",
-                         "src": d["cost_source"] or "unknown: set backends."
-                         + "/".join(d["missing_prices"] or ["<name>"]) + ".price_per_m"}
-                        for d in fc["datasets"].values()],
-                       [("dataset", "Dataset", "text"), ("requests", "Requests", ""), ("failed", "Failed", ""),
-                        ("per", "Completion tok / request", ""), ("longest", "Longest expected (tok)", ""),
-                        ("cost", "Cost $", "text"), ("fit", "Latency", "text"),
-                        ("latency_s_max", "Longest (s)", ""), ("src", "Prices", "text")]),
+        markdown_table(
+            [
+                {
+                    "dataset": d["dataset"],
+                    **d["pilot"],
+                    "cost": format_usd(d["pilot"]["cost_usd"]) if d["pilot"]["cost_usd"] is not None else "",
+                    "per": d["completion_tokens_per_request"],
+                    "longest": d["longest_tokens"],
+                    "fit": f"{d['latency_a_s']:.2f} s + {1000 * d['latency_b_s_per_token']:.3f} ms/token",
+                    "src": d["cost_source"]
+                    or "unknown: set backends." + "/".join(d["missing_prices"] or ["<name>"]) + ".price_per_m",
+                }
+                for d in fc["datasets"].values()
+            ],
+            [
+                ("dataset", "Dataset", "text"),
+                ("requests", "Requests", ""),
+                ("failed", "Failed", ""),
+                ("per", "Completion tok / request", ""),
+                ("longest", "Longest expected (tok)", ""),
+                ("cost", "Cost $", "text"),
+                ("fit", "Latency", "text"),
+                ("latency_s_max", "Longest (s)", ""),
+                ("src", "Prices", "text"),
+            ],
+        ),
         "",
         "## Time",
         "",
@@ -73,16 +109,31 @@ def render_markdown(fc: dict) -> str:
         "shards than generate seats (every shard's job is assumed to run at once), and a cluster run, where each "
         "job keeps its fixed share of the limits (its tail is longer).",
         "",
-        markdown_table([{"backend": name, "concurrency": m["concurrency"], "pilot": m["pilot_responses"],
-                         "fit": f"{m['a']:.2f} s + {1000 * m['b']:.3f} ms/token",
-                         "rl": f"{100 * m['p_rate_limit']:.1f} %", "fault": f"{100 * m['p_fault']:.1f} %",
-                         "work": f"{m['busy_s']:,.0f}",
-                         "limit": format_hours(m["busy_s"] / max(1, m["concurrency"]) / 3600, 2)}
-                        for name, m in fc["backends"].items()],
-                       [("backend", "Backend", "text"), ("concurrency", "Concurrency", ""),
-                        ("pilot", "Pilot responses", ""), ("fit", "Latency", "text"),
-                        ("rl", "Rate-limited", "text"), ("fault", "Failed", "text"),
-                        ("work", "Work (request-s)", "text"), ("limit", "Work at the limit", "text")]),
+        markdown_table(
+            [
+                {
+                    "backend": name,
+                    "concurrency": m["concurrency"],
+                    "pilot": m["pilot_responses"],
+                    "fit": f"{m['a']:.2f} s + {1000 * m['b']:.3f} ms/token",
+                    "rl": f"{100 * m['p_rate_limit']:.1f} %",
+                    "fault": f"{100 * m['p_fault']:.1f} %",
+                    "work": f"{m['busy_s']:,.0f}",
+                    "limit": format_hours(m["busy_s"] / max(1, m["concurrency"]) / 3600, 2),
+                }
+                for name, m in fc["backends"].items()
+            ],
+            [
+                ("backend", "Backend", "text"),
+                ("concurrency", "Concurrency", ""),
+                ("pilot", "Pilot responses", ""),
+                ("fit", "Latency", "text"),
+                ("rl", "Rate-limited", "text"),
+                ("fault", "Failed", "text"),
+                ("work", "Work (request-s)", "text"),
+                ("limit", "Work at the limit", "text"),
+            ],
+        ),
         "",
     ]
     return "\n".join(lines)

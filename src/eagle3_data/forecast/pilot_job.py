@@ -22,7 +22,7 @@ def capped_samples(prompts_path, generation: dict, num_shards: int, shard: str) 
     samples.sort(key=lambda s: s.sample_id)
     cap = generation.get("max_samples")
     if cap is not None:
-        samples = samples[:shard_share(int(cap), num_shards, shard)]
+        samples = samples[: shard_share(int(cap), num_shards, shard)]
     return samples, bad
 
 
@@ -36,8 +36,19 @@ def pilot_sample_ids(prompts_path, generation: dict, *, n: int, num_shards: int,
     return sorted(s.sample_id for s in ranked[:k])
 
 
-def pilot(prompts_path, out_path, *, n: int, dataset: str, shard: str, generation: dict, num_shards: int = 1,
-          summary_path=None, attempts_path=None, **generate_kwargs) -> dict:
+def pilot(
+    prompts_path,
+    out_path,
+    *,
+    n: int,
+    dataset: str,
+    shard: str,
+    generation: dict,
+    num_shards: int = 1,
+    summary_path=None,
+    attempts_path=None,
+    **generate_kwargs,
+) -> dict:
     """Send one shard's pilot through :func:`.generate.generate` (same requests, keys and journal as the full
     job) and write its RESPONSES parquet to ``out_path``.
 
@@ -60,11 +71,23 @@ def pilot(prompts_path, out_path, *, n: int, dataset: str, shard: str, generatio
     ids = pilot_sample_ids(prompts_path, generation, n=n, num_shards=num_shards, shard=shard)
     gen = {**generation, "budget_completion_tokens": None, "budget_usd": None}
     logger.info("[%s/%s] pilot: %d sample(s)", dataset, shard, len(ids))
-    summary = generate(prompts_path, out_path, dataset=dataset, shard=shard, generation=gen, num_shards=num_shards,
-                       sample_ids=set(ids), **generate_kwargs)
-    this = {"sent": int(summary.get("sent") or 0), "retry_reasons": dict(summary.get("retry_reasons") or {}),
-            "by_backend": dict(summary.get("by_backend") or {}),
-            "startup_s": summary.get("startup_s"), "wrapup_s": summary.get("wrapup_s")}
+    summary = generate(
+        prompts_path,
+        out_path,
+        dataset=dataset,
+        shard=shard,
+        generation=gen,
+        num_shards=num_shards,
+        sample_ids=set(ids),
+        **generate_kwargs,
+    )
+    this = {
+        "sent": int(summary.get("sent") or 0),
+        "retry_reasons": dict(summary.get("retry_reasons") or {}),
+        "by_backend": dict(summary.get("by_backend") or {}),
+        "startup_s": summary.get("startup_s"),
+        "wrapup_s": summary.get("wrapup_s"),
+    }
     runs = [this] if this["sent"] else []
     if attempts_path is not None:
         path = Path(attempts_path)

@@ -40,20 +40,31 @@ def openrouter_prices(backend: dict, cache_dir, *, timeout_s: float = 30.0) -> d
         try:
             resp = httpx.get(url, timeout=timeout_s)
             resp.raise_for_status()
-            listing = {"url": url, "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "data": [{"id": m.get("id"), "pricing": m.get("pricing")} for m in resp.json().get("data", [])
-                                if isinstance(m, dict)]}
+            listing = {
+                "url": url,
+                "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "data": [
+                    {"id": m.get("id"), "pricing": m.get("pricing")}
+                    for m in resp.json().get("data", [])
+                    if isinstance(m, dict)
+                ],
+            }
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
-            raise ForecastError(f"backend {backend.get('name', '?')}: can't read the model list {url} "
-                                f"({type(exc).__name__}: {str(exc)[:200]}); set backends.<name>.price_per_m "
-                                "instead") from None
+            raise ForecastError(
+                f"backend {backend.get('name', '?')}: can't read the model list {url} "
+                f"({type(exc).__name__}: {str(exc)[:200]}); set backends.<name>.price_per_m "
+                "instead"
+            ) from None
         write_json(listing, path)
     out = None
     for m in listing.get("data", []):
         if m.get("id") == backend["model"] and isinstance(m.get("pricing"), dict):
             try:
-                out = {"prompt": float(m["pricing"]["prompt"]), "completion": float(m["pricing"]["completion"]),
-                       "source": f"OpenRouter model list ({listing.get('url')}, {listing.get('fetched_at')})"}
+                out = {
+                    "prompt": float(m["pricing"]["prompt"]),
+                    "completion": float(m["pricing"]["completion"]),
+                    "source": f"OpenRouter model list ({listing.get('url')}, {listing.get('fetched_at')})",
+                }
             except (KeyError, TypeError, ValueError):
                 out = None
             break
@@ -70,6 +81,9 @@ def backend_prices(name: str, backend: dict, cache_dir) -> dict | None:
             return found
     table = backend.get("price_per_m")
     if table:
-        return {"prompt": float(table["prompt"]) / 1e6, "completion": float(table["completion"]) / 1e6,
-                "source": f"config backends.{name}.price_per_m"}
+        return {
+            "prompt": float(table["prompt"]) / 1e6,
+            "completion": float(table["completion"]) / 1e6,
+            "source": f"config backends.{name}.price_per_m",
+        }
     return None

@@ -38,9 +38,18 @@ def pilot_faults(summaries: list[dict]) -> dict[str, dict]:
     return out
 
 
-def simulate_generation(jobs: list[dict], backends: dict[str, dict], lengths: dict[str, dict], *,
-                        runs: int = SIMULATIONS, seed: int = 0, max_retries: int = 5, retry_initial_s: float = 1.0,
-                        retry_max_s: float = 60.0, vary=None) -> dict:
+def simulate_generation(
+    jobs: list[dict],
+    backends: dict[str, dict],
+    lengths: dict[str, dict],
+    *,
+    runs: int = SIMULATIONS,
+    seed: int = 0,
+    max_retries: int = 5,
+    retry_initial_s: float = 1.0,
+    retry_max_s: float = 60.0,
+    vary=None,
+) -> dict:
     """Simulate the generation ``runs`` times (event by event) and return its times.
 
     The model is how generate behaves (:mod:`.backends.limits`, :class:`.backends.pool.BackendPool`): every job
@@ -74,13 +83,25 @@ def simulate_generation(jobs: list[dict], backends: dict[str, dict], lengths: di
     order = list(backends)
     users = {b: [j for j, job in enumerate(jobs) if b in job["backends"]] for b in order}
     # a job's backends before b in its priority: it takes b's slot only while none of them has one free
-    before = {(j, b): job["backends"][:job["backends"].index(b)] for j, job in enumerate(jobs) for b in job["backends"]}
+    before = {
+        (j, b): job["backends"][: job["backends"].index(b)] for j, job in enumerate(jobs) for b in job["backends"]
+    }
     base = (backends, lengths)
-    retry = [(int(job.get("max_retries", max_retries)), float(job.get("retry_initial_s", retry_initial_s)),
-              float(job.get("retry_max_s", retry_max_s))) for job in jobs]
+    retry = [
+        (
+            int(job.get("max_retries", max_retries)),
+            float(job.get("retry_initial_s", retry_initial_s)),
+            float(job.get("retry_max_s", retry_max_s)),
+        )
+        for job in jobs
+    ]
     datasets = sorted({job["dataset"] for job in jobs})
-    out = {"span_s": [], "dataset_s": {ds: [] for ds in datasets}, "work_s": dict.fromkeys(datasets, 0.0),
-           "busy_s": dict.fromkeys(order, 0.0)}
+    out = {
+        "span_s": [],
+        "dataset_s": {ds: [] for ds in datasets},
+        "work_s": dict.fromkeys(datasets, 0.0),
+        "busy_s": dict.fromkeys(order, 0.0),
+    }
     for run in range(max(1, int(runs))):
         rng = random.Random(f"{seed}:{run}")
         backends, lengths = vary(rng) if vary is not None else base
@@ -112,8 +133,11 @@ def simulate_generation(jobs: list[dict], backends: dict[str, dict], lengths: di
             while free[b] > 0:
                 best = -1
                 for j in use:
-                    if (pending[j] or retries[j]) and (best < 0 or fl[j] < fl[best]) \
-                            and not any(free[p] > 0 for p in before[j, b]):
+                    if (
+                        (pending[j] or retries[j])
+                        and (best < 0 or fl[j] < fl[best])
+                        and not any(free[p] > 0 for p in before[j, b])
+                    ):
                         best = j
                 if best < 0:
                     break
@@ -166,8 +190,9 @@ def simulate_generation(jobs: list[dict], backends: dict[str, dict], lengths: di
             fill(t)
         out["span_s"].append(max(done_at, default=0.0))
         for ds in datasets:
-            out["dataset_s"][ds].append(max((done_at[j] for j, job in enumerate(jobs) if job["dataset"] == ds),
-                                            default=0.0))
+            out["dataset_s"][ds].append(
+                max((done_at[j] for j, job in enumerate(jobs) if job["dataset"] == ds), default=0.0)
+            )
     n_runs = len(out["span_s"])
     out["work_s"] = {k: v / n_runs for k, v in out["work_s"].items()}
     out["busy_s"] = {k: v / n_runs for k, v in out["busy_s"].items()}
@@ -186,26 +211,39 @@ def backend_models(per_ds: list[dict], backends: dict, summaries: list[dict]) ->
     pooled = {k: sum(f[k] for f in faults.values()) for k in ("attempts", "rate_limited", "faults")}
     names = [b for d in per_ds for b in d["backends"]]
     out: dict[str, dict] = {}
-    pooled_all = [(int(r["completion_tokens"] or 0), float(r["latency_s"])) for d in per_ds for r in d["_pilot_ok"]
-                  if r["latency_s"] is not None]
+    pooled_all = [
+        (int(r["completion_tokens"] or 0), float(r["latency_s"]))
+        for d in per_ds
+        for r in d["_pilot_ok"]
+        if r["latency_s"] is not None
+    ]
     for name in dict.fromkeys(names):
         pts, own = [], {}
         for d in per_ds:
-            mine = [(int(r["completion_tokens"] or 0), float(r["latency_s"])) for r in d["_pilot_ok"]
-                    if r["backend"] == name and r["latency_s"] is not None]
+            mine = [
+                (int(r["completion_tokens"] or 0), float(r["latency_s"]))
+                for r in d["_pilot_ok"]
+                if r["backend"] == name and r["latency_s"] is not None
+            ]
             pts += mine
             if len(mine) >= 10:
                 own[d["dataset"]] = latency_fit(mine)
         a, b = latency_fit(pts if pts else pooled_all)
         f = faults.get(name) or pooled  # a backend the pilot never reached: every backend's rates
         att = float(f["attempts"])
-        out[name] = {"concurrency": int((backends.get(name) or {}).get("max_concurrency") or 8),
-                     "a": a, "b": b, "latency": own, "pilot_responses": len(pts),
-                     "source": "its own pilot responses" if pts else "no pilot response: the pooled fit of all",
-                     "pilot_attempts": att, "pilot_rate_limited": float(f["rate_limited"]),
-                     "pilot_faults": float(f["faults"]),
-                     "p_rate_limit": float(f["rate_limited"]) / att if att else 0.0,
-                     "p_fault": float(f["faults"]) / att if att else 0.0}
+        out[name] = {
+            "concurrency": int((backends.get(name) or {}).get("max_concurrency") or 8),
+            "a": a,
+            "b": b,
+            "latency": own,
+            "pilot_responses": len(pts),
+            "source": "its own pilot responses" if pts else "no pilot response: the pooled fit of all",
+            "pilot_attempts": att,
+            "pilot_rate_limited": float(f["rate_limited"]),
+            "pilot_faults": float(f["faults"]),
+            "p_rate_limit": float(f["rate_limited"]) / att if att else 0.0,
+            "p_fault": float(f["faults"]) / att if att else 0.0,
+        }
     return out
 
 
@@ -233,8 +271,12 @@ def simulated_hours(per_ds: list[dict], models: dict, key: str, job_s: float = 0
     start-up and wrap-up, :func:`job_overhead`) is added to every time."""
     from statistics import fmean
 
-    jobs = [{"dataset": d["dataset"], "requests": sh[key], "backends": d["backends"], **d["retry"]}
-            for d in per_ds for sh in d["shards"] if sh[key] > 0]
+    jobs = [
+        {"dataset": d["dataset"], "requests": sh[key], "backends": d["backends"], **d["retry"]}
+        for d in per_ds
+        for sh in d["shards"]
+        if sh[key] > 0
+    ]
     total = sum(j["requests"] for j in jobs)
     runs = max(SIM_MIN_RUNS, min(SIMULATIONS, SIM_REQUESTS // max(1, total)))
     lengths = {d["dataset"]: d["length_model"] for d in per_ds}
@@ -244,20 +286,34 @@ def simulated_hours(per_ds: list[dict], models: dict, key: str, job_s: float = 0
         """One run's parameters, drawn from what the pilot can tell: each dataset's lengths from a resample of its
         pilot's (bootstrap), each backend's rates from their Beta posterior (Jeffreys prior, Beta(x + 1/2,
         n - x + 1/2) for x of n attempts)."""
-        lens = {ds: length_model([rng.choice(v) for _ in v], lengths[ds]["cap"]) if v else lengths[ds]
-                for ds, v in pilot_lengths.items()}
+        lens = {
+            ds: length_model([rng.choice(v) for _ in v], lengths[ds]["cap"]) if v else lengths[ds]
+            for ds, v in pilot_lengths.items()
+        }
         bk = {}
         for name, m in models.items():
             n = m["pilot_attempts"]
-            bk[name] = {**m, "p_rate_limit": rng.betavariate(m["pilot_rate_limited"] + 0.5,
-                                                             max(0.0, n - m["pilot_rate_limited"]) + 0.5),
-                        "p_fault": rng.betavariate(m["pilot_faults"] + 0.5, max(0.0, n - m["pilot_faults"]) + 0.5)} \
-                if n else m
+            bk[name] = (
+                {
+                    **m,
+                    "p_rate_limit": rng.betavariate(
+                        m["pilot_rate_limited"] + 0.5, max(0.0, n - m["pilot_rate_limited"]) + 0.5
+                    ),
+                    "p_fault": rng.betavariate(m["pilot_faults"] + 0.5, max(0.0, n - m["pilot_faults"]) + 0.5),
+                }
+                if n
+                else m
+            )
         return bk, lens
 
     sim = simulate_generation(jobs, models, lengths, runs=runs, vary=vary)
     span = [t + job_s for t in sim["span_s"]]
-    return {"hours": fmean(span) / 3600, "hours_p10": _quantile(span, 0.1) / 3600,
-            "hours_p90": _quantile(span, 0.9) / 3600, "runs": runs,
-            "dataset_hours": {ds: (fmean(v) + job_s) / 3600 for ds, v in sim["dataset_s"].items()},
-            "work_s": sim["work_s"], "busy_s": sim["busy_s"]}
+    return {
+        "hours": fmean(span) / 3600,
+        "hours_p10": _quantile(span, 0.1) / 3600,
+        "hours_p90": _quantile(span, 0.9) / 3600,
+        "runs": runs,
+        "dataset_hours": {ds: (fmean(v) + job_s) / 3600 for ds, v in sim["dataset_s"].items()},
+        "work_s": sim["work_s"],
+        "busy_s": sim["busy_s"],
+    }

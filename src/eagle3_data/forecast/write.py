@@ -17,8 +17,7 @@ from .simulation import backend_models, job_overhead, simulated_hours
 logger = logging.getLogger("eagle3_data.forecast")
 
 
-def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: int, cache_dir,
-             backends: dict) -> dict:
+def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: int, cache_dir, backends: dict) -> dict:
     """Write the forecast (``out_md`` Markdown, ``out_json`` JSON) of the generated ``datasets`` and return it.
 
     Args:
@@ -50,10 +49,15 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
         if paths is None:
             paths = [Path(p).with_suffix(".json") for p in spec["pilot"] if Path(p).with_suffix(".json").exists()]
         summaries += [json.loads(Path(p).read_text()) for p in paths]
-        logger.info("%s: %d requests, %s prompt tokens, %s expected completion tokens, %s (%.1f s)", ds,
-                    per[ds]["requests"], human_tokens(per[ds]["prompt_tokens"]),
-                    human_tokens(round(per[ds]["expected_completion_tokens"])), dollars(per[ds]["usd"]),
-                    time.monotonic() - t0)
+        logger.info(
+            "%s: %d requests, %s prompt tokens, %s expected completion tokens, %s (%.1f s)",
+            ds,
+            per[ds]["requests"],
+            human_tokens(per[ds]["prompt_tokens"]),
+            human_tokens(round(per[ds]["expected_completion_tokens"])),
+            dollars(per[ds]["usd"]),
+            time.monotonic() - t0,
+        )
     t0 = time.monotonic()
     models = backend_models(list(per.values()), backends, summaries)
     overhead = job_overhead(summaries)
@@ -69,22 +73,50 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
     for name, m in models.items():
         m["busy_s"] = full["busy_s"].get(name, 0.0)
         m["busy_remaining_s"] = rest["busy_s"].get(name, 0.0)
-    logger.info("simulated the generation %d + %d times (%.1f s): %s (p10 %s, p90 %s); what the pilot left: %s",
-                full["runs"], rest["runs"], time.monotonic() - t0, format_hours(full["hours"], 2),
-                format_hours(full["hours_p10"], 2), format_hours(full["hours_p90"], 2),
-                format_hours(rest["hours"], 2))
+    logger.info(
+        "simulated the generation %d + %d times (%.1f s): %s (p10 %s, p90 %s); what the pilot left: %s",
+        full["runs"],
+        rest["runs"],
+        time.monotonic() - t0,
+        format_hours(full["hours"], 2),
+        format_hours(full["hours_p10"], 2),
+        format_hours(full["hours_p90"], 2),
+        format_hours(rest["hours"], 2),
+    )
     known = [d["usd"] for d in per.values() if d["usd"] is not None]
-    total = {k: sum(d[k] for d in per.values()) for k in ("requests", "requests_sent", "prompt_tokens",
-                                                           "prompt_tokens_sent", "expected_completion_tokens",
-                                                           "requests_remaining")}
-    total.update({"usd": sum(known) if known else None,
-                  "usd_unknown": sorted(d["dataset"] for d in per.values() if d["usd"] is None),
-                  "hours": full["hours"], "hours_p10": full["hours_p10"], "hours_p90": full["hours_p90"],
-                  "usd_remaining": sum(d["usd_remaining"] for d in per.values() if d["usd_remaining"] is not None)
-                  if known else None, "hours_remaining": rest["hours"], "hours_remaining_p10": rest["hours_p10"],
-                  "hours_remaining_p90": rest["hours_p90"]})
-    fc = {"pilot_samples": int(pilot_samples), "datasets": per, "total": total, "backends": models,
-          "simulation": {"runs": full["runs"], "runs_remaining": rest["runs"], **overhead}}
+    total = {
+        k: sum(d[k] for d in per.values())
+        for k in (
+            "requests",
+            "requests_sent",
+            "prompt_tokens",
+            "prompt_tokens_sent",
+            "expected_completion_tokens",
+            "requests_remaining",
+        )
+    }
+    total.update(
+        {
+            "usd": sum(known) if known else None,
+            "usd_unknown": sorted(d["dataset"] for d in per.values() if d["usd"] is None),
+            "hours": full["hours"],
+            "hours_p10": full["hours_p10"],
+            "hours_p90": full["hours_p90"],
+            "usd_remaining": sum(d["usd_remaining"] for d in per.values() if d["usd_remaining"] is not None)
+            if known
+            else None,
+            "hours_remaining": rest["hours"],
+            "hours_remaining_p10": rest["hours_p10"],
+            "hours_remaining_p90": rest["hours_p90"],
+        }
+    )
+    fc = {
+        "pilot_samples": int(pilot_samples),
+        "datasets": per,
+        "total": total,
+        "backends": models,
+        "simulation": {"runs": full["runs"], "runs_remaining": rest["runs"], **overhead},
+    }
     write_json(fc, out_json)
     write_text(render_markdown(fc), out_md)
     return fc

@@ -70,7 +70,8 @@ class JobState:
         if self.budget_in_flight is not None:
             return
         if (self.budget_tokens is not None and self.spent_tokens() >= self.budget_tokens) or (
-                self.budget_usd is not None and self.spent_usd() >= self.budget_usd):
+            self.budget_usd is not None and self.spent_usd() >= self.budget_usd
+        ):
             self.budget_in_flight = self.in_flight + 1
 
     def budget_reached(self) -> str | None:

@@ -49,9 +49,9 @@ class GenerationInterrupted(GenerationStopped, Interrupted):
     """SIGTERM or Ctrl-C stopped the job; the journal keeps every response, a rerun resumes."""
 
 
-
-def _held_saved(exc: JournalWriteError, held: list[dict], journal_dir, dataset: str, shard: str,
-                journaled: str) -> JournalWriteError:
+def _held_saved(
+    exc: JournalWriteError, held: list[dict], journal_dir, dataset: str, shard: str, journaled: str
+) -> JournalWriteError:
     """``exc`` with where the paid records it kept from the journal went (:func:`..journal.save_held`): the
     journal after all, a fallback file the hint names (move it into the journal folder before rerunning), or
     nowhere (those replies are paid for again)."""
@@ -64,8 +64,10 @@ def _held_saved(exc: JournalWriteError, held: list[dict], journal_dir, dataset: 
     elif in_journal:
         extra = f"{n} that arrived after it were journaled after all ({path})"
     else:
-        extra = (f"{n} that arrived after it were written to {path}: move that file into "
-                 f"{Path(journal_dir) / dataset}/ before rerunning (its replies are then not paid for again)")
+        extra = (
+            f"{n} that arrived after it were written to {path}: move that file into "
+            f"{Path(journal_dir) / dataset}/ before rerunning (its replies are then not paid for again)"
+        )
     return JournalWriteError(exc.message, hint=f"{extra}; {exc.hint}; {journaled}")
 
 
@@ -86,8 +88,10 @@ def _job_overhead(state: JobState) -> dict:
     import psutil  # a dependency of snakemake
 
     started = psutil.Process().create_time()
-    return {"startup_s": round(max(0.0, state.first_sent_at - started), 3),
-            "wrapup_s": round(max(0.0, time.time() - (state.last_done_at or state.first_sent_at)), 3)}
+    return {
+        "startup_s": round(max(0.0, state.first_sent_at - started), 3),
+        "wrapup_s": round(max(0.0, time.time() - (state.last_done_at or state.first_sent_at)), 3),
+    }
 
 
 def _cpu_s() -> float:
@@ -97,7 +101,6 @@ def _cpu_s() -> float:
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return round(ru.ru_utime + ru.ru_stime, 3)
-
 
 
 @contextlib.contextmanager
@@ -115,13 +118,21 @@ def backend_pool(cfgs: list[BackendConfig], run, backend_jobs: dict | None, tag:
         # rate limits have no shared counter: each job of the run takes an even share of them
         share = 1.0 / max(1, n_jobs) if mode in ("host", "split") else 1.0
         backends.append(pool.Backend(c, cap=cap, slots=slots, rate_share=share))
-        logger.info("%s backend %s: at most %d request(s) in flight from this job%s%s", tag, c.name, cap,
-                    f", {c.max_concurrency} over all jobs on this machine" if slots else
-                    f" ({c.max_concurrency} split over {n_jobs} jobs)" if mode == "split" else "",
-                    f"; rate limits: 1/{n_jobs} of the backend's each" if share < 1 and (
-                        c.requests_per_minute or c.tokens_per_minute) else "")
+        logger.info(
+            "%s backend %s: at most %d request(s) in flight from this job%s%s",
+            tag,
+            c.name,
+            cap,
+            f", {c.max_concurrency} over all jobs on this machine"
+            if slots
+            else f" ({c.max_concurrency} split over {n_jobs} jobs)"
+            if mode == "split"
+            else "",
+            f"; rate limits: 1/{n_jobs} of the backend's each"
+            if share < 1 and (c.requests_per_minute or c.tokens_per_minute)
+            else "",
+        )
     yield pool.BackendPool(backends)
-
 
 
 def _load_target(target: dict | None, generation: dict, dataset: str):
@@ -130,10 +141,11 @@ def _load_target(target: dict | None, generation: dict, dataset: str):
     from ..templates import target_tokens
 
     if not target or not target.get("path"):
-        raise ValueError(f"dataset {dataset}: a backend has native_generate or return_token_ids: true, which "
-                         "needs the target tokenizer: pass generate(target=config['target'])")
+        raise ValueError(
+            f"dataset {dataset}: a backend has native_generate or return_token_ids: true, which "
+            "needs the target tokenizer: pass generate(target=config['target'])"
+        )
     return target_tokens(target, (generation.get("extra_body") or {}).get("chat_template_kwargs"))
-
 
 
 def generate(
@@ -231,15 +243,31 @@ def generate(
     old_pool = pa.default_memory_pool()
     pa.set_memory_pool(pa.system_memory_pool())
     try:
-        return _generate(prompts_path, out_path, dataset=dataset, shard=shard, target_name=target_name,
-                         generation=generation, backends=backends, journal_dir=journal_dir, log=log,
-                         num_shards=num_shards, progress_interval_s=progress_interval_s, summary_path=summary_path,
-                         target=target, write_batch_rows=write_batch_rows, target_format=target_format,
-                         backend_jobs=backend_jobs, sample_ids=sample_ids,
-                         budget_sources=budget_sources)
+        return _generate(
+            prompts_path,
+            out_path,
+            dataset=dataset,
+            shard=shard,
+            target_name=target_name,
+            generation=generation,
+            backends=backends,
+            journal_dir=journal_dir,
+            log=log,
+            num_shards=num_shards,
+            progress_interval_s=progress_interval_s,
+            summary_path=summary_path,
+            target=target,
+            write_batch_rows=write_batch_rows,
+            target_format=target_format,
+            backend_jobs=backend_jobs,
+            sample_ids=sample_ids,
+            budget_sources=budget_sources,
+        )
     except (Terminated, KeyboardInterrupt):  # outside the request phase (reading prompts, the final write)
-        raise GenerationInterrupted(f"[{dataset}/{shard}] interrupted", hint="rerun the same command to resume; "
-                                    "every response received so far is journaled") from None
+        raise GenerationInterrupted(
+            f"[{dataset}/{shard}] interrupted",
+            hint="rerun the same command to resume; every response received so far is journaled",
+        ) from None
     finally:
         pa.set_memory_pool(old_pool)
         from .. import startup
@@ -247,9 +275,27 @@ def generate(
         startup.release()  # a job that sent nothing gives its start-up slot back here (eagle3_data.startup)
 
 
-def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation, backends, journal_dir, log,
-              num_shards, progress_interval_s, summary_path, target, write_batch_rows, backend_jobs,
-              target_format=None, sample_ids=None, budget_sources=None) -> dict:
+def _generate(
+    prompts_path,
+    out_path,
+    *,
+    dataset,
+    shard,
+    target_name,
+    generation,
+    backends,
+    journal_dir,
+    log,
+    num_shards,
+    progress_interval_s,
+    summary_path,
+    target,
+    write_batch_rows,
+    backend_jobs,
+    target_format=None,
+    sample_ids=None,
+    budget_sources=None,
+) -> dict:
     t0 = time.monotonic()
     journal_dir = Path(journal_dir)
     out_path = Path(out_path)
@@ -268,8 +314,9 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         cfgs = [BackendConfig.from_dict(n, backends[n]) for n in names]
         sampling = sampling_params(generation)
 
-        samples, bad = read_prompts(prompts_path, mode, max_bytes=generation.get("max_prompt_bytes"),
-                                    keys=paid.configured_keys(backends))
+        samples, bad = read_prompts(
+            prompts_path, mode, max_bytes=generation.get("max_prompt_bytes"), keys=paid.configured_keys(backends)
+        )
         samples.sort(key=lambda s: s.sample_id)
         cap = generation.get("max_samples")
         capped = 0
@@ -292,19 +339,32 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         state.warnings = warned
         # resume index: spend, and (mode all) what the regenerated history needs; texts stay on disk
         keep = ("completion_tokens", "cost_usd", "status", "error") + (
-            ("content", "reasoning", "tool_calls") if mode == "all" else ())
+            ("content", "reasoning", "tool_calls") if mode == "all" else ()
+        )
         key_files: dict = {}  # the file of each journaled record: the end reads back only those files
         records, jstats = read_journal(journal_dir, dataset, fields=keep, key_files=key_files)
         logger.info(
             "%s %d samples (%d unusable, %d over max_samples), mode %s; journal: %d responses in %d file(s), "
-            "%d torn/bad line(s) skipped", tag, len(samples), len(bad), capped, mode, jstats["records"],
-            jstats["files"], jstats["bad_lines"],
+            "%d torn/bad line(s) skipped",
+            tag,
+            len(samples),
+            len(bad),
+            capped,
+            mode,
+            jstats["records"],
+            jstats["files"],
+            jstats["bad_lines"],
         )
         rows: list[dict] = []
         for b in bad:
             if b.get("dup"):
-                logger.warning("%s row %d: duplicate sample_id %s skipped", tag, b["row"], b["sample_id"],
-                               extra={"reason": "duplicate_sample_id"})
+                logger.warning(
+                    "%s row %d: duplicate sample_id %s skipped",
+                    tag,
+                    b["row"],
+                    b["sample_id"],
+                    extra={"reason": "duplicate_sample_id"},
+                )
                 continue
             s = Sample(b["sample_id"], "[]", None, [])
             reason = b.get("reason", "bad_prompt")
@@ -318,11 +378,22 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
             state.instant += 1
 
         # which samples still need a request? (mode all: walk the journal through the regenerated history)
-        probe = Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
-                        journal=None, pool=None, state=state, sampling=sampling, target_format=target_format)
+        probe = Runner(
+            dataset=dataset,
+            target_name=target_name,
+            generation=generation,
+            records=records,
+            journal=None,
+            pool=None,
+            state=state,
+            sampling=sampling,
+            target_format=target_format,
+        )
         target_tokens = None
         n_pending = sum(1 for s in samples if probe.pending(s))
-        logger.info("%s %d sample(s) need requests, %d complete in the journal", tag, n_pending, len(samples) - n_pending)
+        logger.info(
+            "%s %d sample(s) need requests, %d complete in the journal", tag, n_pending, len(samples) - n_pending
+        )
 
         servers_started, servers_attached, server_logs = [], [], {}
         network = bool(n_pending) and not state.budget_reached()
@@ -361,13 +432,24 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                                 from ..backends.server import launch_server, shared_server
 
                                 if run is not None:  # one server per backend for the whole workflow run
-                                    srv = stack.enter_context(shared_server(
-                                        cfg.launch, cfg.model, name=cfg.name, run=run,
-                                        log_path=Path("logs") / "servers" / f"{cfg.name}.log"))
+                                    srv = stack.enter_context(
+                                        shared_server(
+                                            cfg.launch,
+                                            cfg.model,
+                                            name=cfg.name,
+                                            run=run,
+                                            log_path=Path("logs") / "servers" / f"{cfg.name}.log",
+                                        )
+                                    )
                                 else:  # the Python API, a cluster job: this job's own server
-                                    srv = stack.enter_context(launch_server(
-                                        cfg.launch, cfg.model,
-                                        server_log_path(log, journal_dir, dataset, shard, cfg.name), name=cfg.name))
+                                    srv = stack.enter_context(
+                                        launch_server(
+                                            cfg.launch,
+                                            cfg.model,
+                                            server_log_path(log, journal_dir, dataset, shard, cfg.name),
+                                            name=cfg.name,
+                                        )
+                                    )
                                 cfg.base_url = cfg.base_url.replace("{port}", str(srv.port))
                                 (servers_started if srv.started else servers_attached).append(cfg.name)
                                 server_logs[cfg.name] = srv.log_path
@@ -377,9 +459,20 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                     jw.append(journal)
                     if pool is not None:
                         journal.ensure_open()  # an unwritable journal stops the job before it pays for anything
-                    runner = Runner(dataset=dataset, target_name=target_name, generation=generation, records=records,
-                                     journal=journal, pool=pool, state=state, sampling=sampling, target=target_tokens,
-                                     writer=writer, write_batch_rows=write_batch_rows, target_format=target_format)
+                    runner = Runner(
+                        dataset=dataset,
+                        target_name=target_name,
+                        generation=generation,
+                        records=records,
+                        journal=journal,
+                        pool=pool,
+                        state=state,
+                        sampling=sampling,
+                        target=target_tokens,
+                        writer=writer,
+                        write_batch_rows=write_batch_rows,
+                        target_format=target_format,
+                    )
                     runner.keys = paid.configured_keys(backends)
                     runners.append(runner)
                     if pool is not None:
@@ -399,18 +492,28 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                 hint = exc.hint or "rerun the same command"
                 if isinstance(exc, BackendDown):
                     logs = ", ".join(str(p) for p in server_logs.values())
-                    hint = (f"the server the build launched stopped answering: see its log ({logs}), then rerun "
-                            "the same command" if server_logs else
-                            "start the server or fix the backend's base_url, then rerun the same command")
+                    hint = (
+                        f"the server the build launched stopped answering: see its log ({logs}), then rerun "
+                        "the same command"
+                        if server_logs
+                        else "start the server or fix the backend's base_url, then rerun the same command"
+                    )
                 raise GenerationStopped(f"{tag} {exc.message}", hint=f"{hint}; {journaled()}") from None
             except JournalWriteError as exc:
-                raise _held_saved(exc, runners[0].held if runners else [], journal_dir, dataset, shard,
-                                  journaled()) from None
+                raise _held_saved(
+                    exc, runners[0].held if runners else [], journal_dir, dataset, shard, journaled()
+                ) from None
             except (Terminated, KeyboardInterrupt):
-                log_to_file(logging.getLogger("eagle3_data"), logging.INFO, "%s interrupted: %s", tag,
-                            progress.line(state, "").lstrip())
-                raise GenerationInterrupted(f"{tag} interrupted",
-                                            hint=f"rerun the same command to resume; {journaled()}") from None
+                log_to_file(
+                    logging.getLogger("eagle3_data"),
+                    logging.INFO,
+                    "%s interrupted: %s",
+                    tag,
+                    progress.line(state, "").lstrip(),
+                )
+                raise GenerationInterrupted(
+                    f"{tag} interrupted", hint=f"rerun the same command to resume; {journaled()}"
+                ) from None
 
             del records
             failed_n = sum(state.failed.values())
@@ -422,30 +525,48 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
                     f"{tag} every request failed ({failed_requests} of {failed_requests} requests: {dict(state.failed)}); "
                     f"last error: {state.last_error}",
                     hint=f"check the backends {[c.name for c in cfgs]} (model, base_url, server running, API key), "
-                         "then rerun the same command")
+                    "then rerun the same command",
+                )
             unpaid = sum(state.unpaid.values())
             if unpaid and sample_ids is None and generation.get("unpaid_failures", "rerun") == "rerun":
                 # no output: the rerun of the same command reruns this job, which sends only these samples
-                log_to_file(logging.getLogger("eagle3_data"), logging.INFO, "%s ended: %s", tag,
-                            progress.line(state, "").lstrip())
+                log_to_file(
+                    logging.getLogger("eagle3_data"),
+                    logging.INFO,
+                    "%s ended: %s",
+                    tag,
+                    progress.line(state, "").lstrip(),
+                )
                 display.snapshot(final=True)
                 raise UnpaidFailures(
                     f"{tag} {unpaid_text(state)}; last error: {state.last_unpaid}",
                     hint=f"rerun the same command to send them ({journaled()}; no output was written for this "
-                         "shard, so the rerun reruns it); generation.unpaid_failures: keep records them as failed "
-                         "rows instead")
+                    "shard, so the rerun reruns it); generation.unpaid_failures: keep records them as failed "
+                    "rows instead",
+                )
             if failed_requests:
                 logger.warning(
-                    "%s %d request(s) failed (%s)%s", tag, failed_requests, dict(state.failed),
+                    "%s %d request(s) failed (%s)%s",
+                    tag,
+                    failed_requests,
+                    dict(state.failed),
                     f"; {unpaid_text(state)}, recorded as failed (generation.unpaid_failures: keep): "
-                    "`snakemake --forcerun generate` sends them again (journaled responses are not)" if unpaid else
-                    ": final (an answer no retry can fix, or a paid reply refused; journaled ones are not bought "
-                    "again)", extra={"tally": False})  # each failed sample is counted in the view already
+                    "`snakemake --forcerun generate` sends them again (journaled responses are not)"
+                    if unpaid
+                    else ": final (an answer no retry can fix, or a paid reply refused; journaled ones are not bought "
+                    "again)",
+                    extra={"tally": False},
+                )  # each failed sample is counted in the view already
             runner.flush()  # new responses: streamed into the writer during the run
             # responses of earlier runs: read back from the journal
             wanted = set(runner.journal_keys)
-            write_journaled(writer, journal_dir / dataset, wanted, write_batch_rows,
-                             files=sorted({key_files[k] for k in wanted if k in key_files}))
+            write_journaled(
+                writer,
+                journal_dir / dataset,
+                wanted,
+                write_batch_rows,
+                files=sorted({key_files[k] for k in wanted if k in key_files}),
+            )
             writer.write_rows(rows)
             n_rows = writer.rows
 
@@ -456,27 +577,52 @@ def _generate(prompts_path, out_path, *, dataset, shard, target_name, generation
         else:
             stopped_by = "all samples done"
         summary = {
-            "dataset": dataset, "shard": shard, "samples": state.total, "ok": state.ok,
-            "failed": dict(state.failed), "failed_total": failed_n, "from_journal": state.from_journal,
-            "failed_unpaid": sum(state.unpaid.values()), "unpaid": dict(state.unpaid),
-            "sent": state.sent, "retries": state.retries, "retry_reasons": dict(state.retry_reasons),
-            "not_sent": state.not_sent, "over_max_samples": capped,
-            "prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,
-            "cost_usd": round(state.cost_usd, 6), "total_completion_tokens": state.spent_tokens(),
-            "total_cost_usd": round(state.spent_usd(), 6), "by_backend": dict(state.by_backend),
+            "dataset": dataset,
+            "shard": shard,
+            "samples": state.total,
+            "ok": state.ok,
+            "failed": dict(state.failed),
+            "failed_total": failed_n,
+            "from_journal": state.from_journal,
+            "failed_unpaid": sum(state.unpaid.values()),
+            "unpaid": dict(state.unpaid),
+            "sent": state.sent,
+            "retries": state.retries,
+            "retry_reasons": dict(state.retry_reasons),
+            "not_sent": state.not_sent,
+            "over_max_samples": capped,
+            "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": state.completion_tokens,
+            "cost_usd": round(state.cost_usd, 6),
+            "total_completion_tokens": state.spent_tokens(),
+            "total_cost_usd": round(state.spent_usd(), 6),
+            "by_backend": dict(state.by_backend),
             # this shard's share of each budget, and the requests in flight when one was reached (its overshoot)
-            "budget_completion_tokens": state.budget_tokens, "budget_usd": state.budget_usd,
-            "budget_in_flight": state.budget_in_flight, "warnings": dict(state.warnings),
-            "stopped_by": stopped_by, "servers_started": servers_started, "servers_attached": servers_attached,
-            "journal_bad_lines": jstats["bad_lines"], "rows": n_rows, "other_model_replies": state.other_model,
-            "wall_s": round(time.monotonic() - t0, 3), **_job_overhead(state), "cpu_s": _cpu_s(),
+            "budget_completion_tokens": state.budget_tokens,
+            "budget_usd": state.budget_usd,
+            "budget_in_flight": state.budget_in_flight,
+            "warnings": dict(state.warnings),
+            "stopped_by": stopped_by,
+            "servers_started": servers_started,
+            "servers_attached": servers_attached,
+            "journal_bad_lines": jstats["bad_lines"],
+            "rows": n_rows,
+            "other_model_replies": state.other_model,
+            "wall_s": round(time.monotonic() - t0, 3),
+            **_job_overhead(state),
+            "cpu_s": _cpu_s(),
         }
         logger.info("%s finished: %s", tag, progress.final_line(state, "").lstrip())
         if state.not_sent:
             key = state.stopped_by or "budget"
-            logger.warning("%s %s", tag, progress.budget_stop_message(
-                state, key, generation.get(key), (budget_sources or {}).get(key) or f"generation.{key}", div),
-                extra={"reason": key})
+            logger.warning(
+                "%s %s",
+                tag,
+                progress.budget_stop_message(
+                    state, key, generation.get(key), (budget_sources or {}).get(key) or f"generation.{key}", div
+                ),
+                extra={"reason": key},
+            )
         logger.info("%s summary: %s", tag, json.dumps(summary, sort_keys=True))
         if summary_path is not None:
             write_json(summary, summary_path)

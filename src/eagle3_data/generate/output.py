@@ -23,14 +23,23 @@ def journal_batches(path: Path, block_bytes: int):
     import pyarrow.json as pj
 
     with pa.OSFile(str(path), "r") as fh:
-        reader = pj.open_json(fh, read_options=pj.ReadOptions(block_size=block_bytes, use_threads=False),
-                              parse_options=pj.ParseOptions(explicit_schema=schemas.RESPONSES,
-                                                            unexpected_field_behavior="ignore"))
+        reader = pj.open_json(
+            fh,
+            read_options=pj.ReadOptions(block_size=block_bytes, use_threads=False),
+            parse_options=pj.ParseOptions(explicit_schema=schemas.RESPONSES, unexpected_field_behavior="ignore"),
+        )
         yield from reader
 
 
-def write_output(out_path, journal_dir: Path, dataset: str, ok_keys: list[str], failed_rows: list[dict],
-                  batch_rows: int, block_bytes: int = 1 << 18) -> int:
+def write_output(
+    out_path,
+    journal_dir: Path,
+    dataset: str,
+    ok_keys: list[str],
+    failed_rows: list[dict],
+    batch_rows: int,
+    block_bytes: int = 1 << 18,
+) -> int:
     """Write a RESPONSES parquet from the journal: the journaled records of ``ok_keys`` (see
     :func:`write_journaled`) + ``failed_rows``; return the row count. (The stage itself streams its new
     responses into the writer as they arrive and reads only earlier runs' responses back from the journal.)
@@ -68,21 +77,31 @@ def batch_suspect(rb) -> bool:
         if any(v is not None and v < 0 for v in rb.column(name).to_pylist()):
             return True
     for name in ("cost_usd", "latency_s", "completed_at"):
-        if any(v is not None and (not math.isfinite(v) or (name == "cost_usd" and v < 0))
-               for v in rb.column(name).to_pylist()):
+        if any(
+            v is not None and (not math.isfinite(v) or (name == "cost_usd" and v < 0))
+            for v in rb.column(name).to_pylist()
+        ):
             return True
     import numpy as np  # already loaded by pyarrow; np.frombuffer, unlike to_numpy, loads no pyarrow.compute
 
     for name in ("output_ids", "prompt_ids"):  # prompt_ids: null in journals written before it existed
         ids = rb.column(name).values  # the int32 child (a freshly parsed batch: no slicing offsets)
-        if len(ids) and int(np.frombuffer(ids.buffers()[1], dtype=np.int32, count=len(ids),
-                                          offset=4 * ids.offset).min()) < 0:
+        if (
+            len(ids)
+            and int(np.frombuffer(ids.buffers()[1], dtype=np.int32, count=len(ids), offset=4 * ids.offset).min()) < 0
+        ):
             return True
     return False
 
 
-def write_journaled(w: schemas.CheckedParquetWriter, folder: Path, wanted: set, batch_rows: int,
-                     block_bytes: int = 1 << 18, files: list | None = None) -> None:
+def write_journaled(
+    w: schemas.CheckedParquetWriter,
+    folder: Path,
+    wanted: set,
+    batch_rows: int,
+    block_bytes: int = 1 << 18,
+    files: list | None = None,
+) -> None:
     """Write the journaled records whose ``request_key`` is in ``wanted`` (emptied as they are found) to ``w``.
 
     The ``*.jsonl`` files of ``folder`` (or only ``files``: those the resume index found the keys in, so that
@@ -118,5 +137,7 @@ def write_journaled(w: schemas.CheckedParquetWriter, folder: Path, wanted: set, 
         if not wanted:
             break
     if wanted:
-        raise RuntimeError(f"{folder}: {len(wanted)} journaled response(s) vanished while the job "
-                           f"ran (e.g. request_key {sorted(wanted)[0]}); output not written")
+        raise RuntimeError(
+            f"{folder}: {len(wanted)} journaled response(s) vanished while the job "
+            f"ran (e.g. request_key {sorted(wanted)[0]}); output not written"
+        )

@@ -75,7 +75,9 @@ def sampling_params(generation: dict) -> dict:
     return {k: generation.get(k) if k != "extra_body" else (generation.get(k) or {}) for k in SAMPLING_KEYS}
 
 
-def request_key(dataset: str, sample_id: str, turn: int, target_name: str, messages: list, tools, sampling: dict) -> str:
+def request_key(
+    dataset: str, sample_id: str, turn: int, target_name: str, messages: list, tools, sampling: dict
+) -> str:
     """Backend-independent key of one request (see module docstring)."""
     return content_hash(dataset, sample_id, int(turn), target_name, messages, tools, sampling, length=16)
 
@@ -114,8 +116,7 @@ def prompt_bytes(messages: str | None, tools: str | None, max_bytes: int | None)
     return n if n > max_bytes else None
 
 
-def read_prompts(prompts_path, mode: str, *, max_bytes: int | None = None,
-                 keys=()) -> tuple[list[Sample], list[dict]]:
+def read_prompts(prompts_path, mode: str, *, max_bytes: int | None = None, keys=()) -> tuple[list[Sample], list[dict]]:
     """Read a PROMPTS parquet; return (samples, bad rows as dicts with sample_id, row, detail and ``reason``:
     ``bad_prompt`` (unusable messages/tools), ``prompt_too_large`` (more than ``max_bytes`` UTF-8 bytes of messages
     and tools: never sent, ``generation.max_prompt_bytes`` raises the bound), ``api_key_in_prompt`` (its messages
@@ -142,14 +143,30 @@ def read_prompts(prompts_path, mode: str, *, max_bytes: int | None = None,
         seen.add(sid)
         size = prompt_bytes(cols["messages"][i], tools_col[i], max_bytes)
         if size is not None:
-            bad.append({"sample_id": sid, "row": i, "reason": "prompt_too_large", "detail": (
-                f"{prompts_path} row {i}: {size:,} bytes of messages and tools > generation.max_prompt_bytes "
-                f"{max_bytes:,}: not sent (raise generation.max_prompt_bytes to send it)")})
+            bad.append(
+                {
+                    "sample_id": sid,
+                    "row": i,
+                    "reason": "prompt_too_large",
+                    "detail": (
+                        f"{prompts_path} row {i}: {size:,} bytes of messages and tools > generation.max_prompt_bytes "
+                        f"{max_bytes:,}: not sent (raise generation.max_prompt_bytes to send it)"
+                    ),
+                }
+            )
             continue
         if keys and any(key_in_text(t, keys) for t in (cols["messages"][i], tools_col[i]) if t):
-            bad.append({"sample_id": sid, "row": i, "reason": "api_key_in_prompt", "detail": (
-                f"{prompts_path} row {i}: the prompt quotes a configured API key: not sent (its text is not copied "
-                "here; remove the key from the source)")})
+            bad.append(
+                {
+                    "sample_id": sid,
+                    "row": i,
+                    "reason": "api_key_in_prompt",
+                    "detail": (
+                        f"{prompts_path} row {i}: the prompt quotes a configured API key: not sent (its text is not copied "
+                        "here; remove the key from the source)"
+                    ),
+                }
+            )
             continue
         try:
             messages = _parse_json_cell(cols["messages"][i], "messages", i, prompts_path)
@@ -159,20 +176,32 @@ def read_prompts(prompts_path, mode: str, *, max_bytes: int | None = None,
                     try:
                         json.dumps(value, ensure_ascii=False).encode("utf-8")
                     except UnicodeEncodeError:
-                        raise ValueError(f"{prompts_path} row {i}: {what} hold an unpaired surrogate (a \\udXXX "
-                                         "escape, e.g. a broken emoji): not valid Unicode, can't be sent") from None
+                        raise ValueError(
+                            f"{prompts_path} row {i}: {what} hold an unpaired surrogate (a \\udXXX "
+                            "escape, e.g. a broken emoji): not valid Unicode, can't be sent"
+                        ) from None
             if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
                 raise ValueError(f"{prompts_path} row {i}: messages must be a JSON list of objects with 'role'")
             if tools is not None and not isinstance(tools, list):
                 raise ValueError(f"{prompts_path} row {i}: tools must be a JSON list or null")
             turns = assistant_turns(messages, mode)
             if not turns:
-                raise ValueError(f"{prompts_path} row {i}: no assistant turn to regenerate and the last message "
-                                 "is not a user/tool message")
+                raise ValueError(
+                    f"{prompts_path} row {i}: no assistant turn to regenerate and the last message "
+                    "is not a user/tool message"
+                )
         except ValueError as exc:
-            bad.append({"sample_id": sid, "row": i, "detail": str(exc), "raw": cols["messages"][i],
-                        "tools": tools_col[i]})
+            bad.append(
+                {"sample_id": sid, "row": i, "detail": str(exc), "raw": cols["messages"][i], "tools": tools_col[i]}
+            )
             continue
-        samples.append(Sample(sid, cols["messages"][i], tools_col[i] if tools else None, turns,
-                              int(rows_col[i] if rows_col[i] is not None else i)))
+        samples.append(
+            Sample(
+                sid,
+                cols["messages"][i],
+                tools_col[i] if tools else None,
+                turns,
+                int(rows_col[i] if rows_col[i] is not None else i),
+            )
+        )
     return samples, bad

@@ -39,10 +39,14 @@ def failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reason
     """A ``failed`` RESPONSES row: ``prompt`` (messages, or their JSON text) and ``error`` = ``"<reason>: <detail>"``
     (at most 2,000 characters, valid UTF-8)."""
     return {
-        "sample_id": sample.sample_id, "dataset": dataset, "turn": int(turn), "request_key": key,
+        "sample_id": sample.sample_id,
+        "dataset": dataset,
+        "turn": int(turn),
+        "request_key": key,
         "messages": json.dumps(prompt, ensure_ascii=False) if not isinstance(prompt, str) else prompt,
         "tools": json.dumps(sample.tools, ensure_ascii=False) if sample.tools else None,
-        "status": "failed", "error": f"{reason}: {detail}"[:2000].encode("utf-8", "replace").decode("utf-8"),
+        "status": "failed",
+        "error": f"{reason}: {detail}"[:2000].encode("utf-8", "replace").decode("utf-8"),
     }
 
 
@@ -52,8 +56,22 @@ class Runner:
     :class:`.budget.JobState`); new responses are appended to ``journal`` and streamed into ``writer``; failed rows
     are kept in ``rows``, journal-answered keys in ``journal_keys``."""
 
-    def __init__(self, *, dataset, target_name, generation, records, journal, pool, state, sampling, target=None,
-                 writer=None, write_batch_rows: int = 256, target_format: dict | None = None):
+    def __init__(
+        self,
+        *,
+        dataset,
+        target_name,
+        generation,
+        records,
+        journal,
+        pool,
+        state,
+        sampling,
+        target=None,
+        writer=None,
+        write_batch_rows: int = 256,
+        target_format: dict | None = None,
+    ):
         self.dataset = dataset
         self.target_name = target_name
         self.generation = generation
@@ -87,8 +105,13 @@ class Runner:
         self.reject_other_models = bool(generation.get("reject_other_models", False))
         fmt = target_format or {}  # the target's family and chat_template_kwargs (+ the dataset's)
         self.template = fmt.get("template")
-        self.thinking = thinking_enabled(self.template, {**(fmt.get("chat_template_kwargs") or {}), **(
-            (generation.get("extra_body") or {}).get("chat_template_kwargs") or {})})
+        self.thinking = thinking_enabled(
+            self.template,
+            {
+                **(fmt.get("chat_template_kwargs") or {}),
+                **((generation.get("extra_body") or {}).get("chat_template_kwargs") or {}),
+            },
+        )
 
     def steps(self, sample: Sample):
         """Yield (turn, prompt, tools, key, journaled record or None); the caller sends the request if None and
@@ -166,10 +189,14 @@ class Runner:
                     st.last_error = exc.record["error"]
                     n = st.logged_errors[exc.reason] = st.logged_errors.get(exc.reason, 0) + 1
                     if n <= 3:
-                        logger.warning("[%s] sample %s: paid reply refused: %s (journaled: not bought again)%s",
-                                       self.dataset, sample.sample_id, st.last_error[:300],
-                                       " (further ones: in the failed rows only)" if n == 3 else "",
-                                       extra={"tally": False})  # counted in ``failed``
+                        logger.warning(
+                            "[%s] sample %s: paid reply refused: %s (journaled: not bought again)%s",
+                            self.dataset,
+                            sample.sample_id,
+                            st.last_error[:300],
+                            " (further ones: in the failed rows only)" if n == 3 else "",
+                            extra={"tally": False},
+                        )  # counted in ``failed``
                     return
                 except (RetryableError, SampleError) as exc:
                     st.failed[exc.reason] = st.failed.get(exc.reason, 0) + 1
@@ -183,9 +210,14 @@ class Runner:
                         st.last_unpaid = st.last_error
                     n = st.logged_errors[exc.reason] = st.logged_errors.get(exc.reason, 0) + 1
                     if n <= 3:  # the text of the first failures of each kind (all are in the failed rows)
-                        logger.warning("[%s] sample %s failed: %s%s", self.dataset, sample.sample_id, st.last_error,
-                                       " (further failures of this kind: in the failed rows only)" if n == 3 else "",
-                                       extra={"tally": False})  # counted in ``failed``
+                        logger.warning(
+                            "[%s] sample %s failed: %s%s",
+                            self.dataset,
+                            sample.sample_id,
+                            st.last_error,
+                            " (further failures of this kind: in the failed rows only)" if n == 3 else "",
+                            extra={"tally": False},
+                        )  # counted in ``failed``
                     self.rows.append(failed_row(sample, self.dataset, turn, key, prompt, exc.reason, detail))
                     return
                 self.write(self.journal_append(rec))
@@ -195,9 +227,14 @@ class Runner:
                 st.note_spend()
                 if rec.get("cost_usd") is None and st.budget_usd is not None and not st.warned_unknown_cost:
                     st.warned_unknown_cost = True
-                    logger.warning("[%s] budget_usd is set but backend %s returned a response without a usable "
-                                   "cost (no usage.cost, a failed cost lookup): the dollar budget counts known "
-                                   "costs only", self.dataset, rec.get("backend"), extra={"reason": "unknown_cost"})
+                    logger.warning(
+                        "[%s] budget_usd is set but backend %s returned a response without a usable "
+                        "cost (no usage.cost, a failed cost lookup): the dollar budget counts known "
+                        "costs only",
+                        self.dataset,
+                        rec.get("backend"),
+                        extra={"reason": "unknown_cost"},
+                    )
                 st.by_backend[rec["backend"]] = st.by_backend.get(rec["backend"], 0) + 1
                 rec = {k: rec.get(k) for k in ("content", "reasoning", "tool_calls")}  # the history's; rest on disk
                 st.new_ok += 1
@@ -321,7 +358,8 @@ class Runner:
                         except RetryableError as exc:
                             backend.record(False, exc.backend_fault, f"{exc.reason}: {exc.message}")
                             if exc.reason == "http_429" and backend.rate_limited(
-                                    sent_at, exc.retry_after, self.retry_initial_s, self.retry_max_s):
+                                sent_at, exc.retry_after, self.retry_initial_s, self.retry_max_s
+                            ):
                                 free += 1
                             avoid = backend if exc.backend_fault else None  # retry elsewhere if possible
                             st.retry_reasons[exc.reason] = st.retry_reasons.get(exc.reason, 0) + 1
@@ -337,17 +375,30 @@ class Runner:
         except paid.PaidReject as exc:  # the reply itself is unusable (e.g. a cut-off body): its reject record
             if isinstance(exc.fields, dict):
                 exc.fields["attempts"] = attempts
-            exc.record = paid.reject_record(exc, {
-                "sample_id": sample.sample_id, "dataset": self.dataset, "turn": int(turn), "request_key": key,
-                "messages": json.dumps(prompt, ensure_ascii=False),
-                "tools": json.dumps(tools, ensure_ascii=False) if tools else None}, self.keys)
+            exc.record = paid.reject_record(
+                exc,
+                {
+                    "sample_id": sample.sample_id,
+                    "dataset": self.dataset,
+                    "turn": int(turn),
+                    "request_key": key,
+                    "messages": json.dumps(prompt, ensure_ascii=False),
+                    "tools": json.dumps(tools, ensure_ascii=False) if tools else None,
+                },
+                self.keys,
+            )
             raise
         rec = {
             **fields,
-            "sample_id": sample.sample_id, "dataset": self.dataset, "turn": int(turn), "request_key": key,
+            "sample_id": sample.sample_id,
+            "dataset": self.dataset,
+            "turn": int(turn),
+            "request_key": key,
             "messages": json.dumps(prompt, ensure_ascii=False),
             "tools": json.dumps(tools, ensure_ascii=False) if tools else None,
-            "status": "ok", "error": None, "attempts": attempts,
+            "status": "ok",
+            "error": None,
+            "attempts": attempts,
         }
         if fields.get("cost_usd") is None and backend.cfg.cost_lookup and fields.get("generation_id"):
             st.in_flight += 1  # still counted by the budgets while its cost is unknown
@@ -362,23 +413,34 @@ class Runner:
                 st.in_flight -= 1
         bad = rec.pop("_bad_bytes", 0)
         try:
-            warning = paid.check_reply(rec, asked_model=backend.cfg.model, keys=self.keys,
-                                       reject_other_models=self.reject_other_models, bad_bytes=bad)
+            warning = paid.check_reply(
+                rec,
+                asked_model=backend.cfg.model,
+                keys=self.keys,
+                reject_other_models=self.reject_other_models,
+                bad_bytes=bad,
+            )
         except paid.PaidReject as exc:
-            exc.record = paid.reject_record(exc, {k: rec.get(k) for k in (
-                "sample_id", "dataset", "turn", "request_key", "messages", "tools")}, self.keys)
+            exc.record = paid.reject_record(
+                exc,
+                {k: rec.get(k) for k in ("sample_id", "dataset", "turn", "request_key", "messages", "tools")},
+                self.keys,
+            )
             raise
         if rec.get("prompt_ids") and self.target is not None and self.prompt_checks < EARLY_REPLIES:
             self.check_server_prompt(rec, backend, prompt, tools)
         if warning:
             st.other_model += 1
             if st.other_model <= 3:
-                logger.warning("[%s] sample %s: %s; kept (counted in the summary)%s", self.dataset,
-                               sample.sample_id, paid.scrub(warning, self.keys)[:300],
-                               "; further ones: counted only" if st.other_model == 3 else "",
-                               extra={"tally": False})  # counted in ``other_model``
+                logger.warning(
+                    "[%s] sample %s: %s; kept (counted in the summary)%s",
+                    self.dataset,
+                    sample.sample_id,
+                    paid.scrub(warning, self.keys)[:300],
+                    "; further ones: counted only" if st.other_model == 3 else "",
+                    extra={"tally": False},
+                )  # counted in ``other_model``
         return rec
-
 
     def check_server_prompt(self, rec: dict, backend, prompt: list, tools: list | None) -> None:
         """One of the shard's first :data:`..prompt_check.EARLY_REPLIES` replies with server prompt ids: compare
@@ -400,8 +462,9 @@ class Runner:
         raise FatalBackendError(
             f"backend {backend.cfg.name!r} ({backend.cfg.base_url}), sample {rec['sample_id']}: {detail}",
             hint="the server renders prompts with another chat template than the one the build trains on: set "
-                 "target.template / target.chat_template_kwargs to what the server uses, or start the server with "
-                 "the target's own chat template, then rerun the same command")
+            "target.template / target.chat_template_kwargs to what the server uses, or start the server with "
+            "the target's own chat template, then rerun the same command",
+        )
 
 
 def first_leaf(eg: BaseExceptionGroup) -> BaseException:
@@ -464,8 +527,14 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
         if runner.stopping:
             return
         runner.stopping = reason
-        logger.warning("[%s] %s: no new requests; %d in flight get %g s to arrive", runner.dataset, reason,
-                       runner.state.in_flight, grace_s, extra={"reason": "stopping"})
+        logger.warning(
+            "[%s] %s: no new requests; %d in flight get %g s to arrive",
+            runner.dataset,
+            reason,
+            runner.state.in_flight,
+            grace_s,
+            extra={"reason": "stopping"},
+        )
         loop.call_later(grace_s, on_sigterm)
 
     runner.on_stop = on_stop  # a 402 or a journal write error stops the job the same way (Runner.stop_job)

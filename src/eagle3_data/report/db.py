@@ -17,8 +17,15 @@ from ..files import atomic_path
 
 
 SUMMARY_COLUMNS = {
-    "dataset": "VARCHAR", "shard": "VARCHAR", "stopped_by": "VARCHAR", "samples": "BIGINT", "ok": "BIGINT",
-    "failed_total": "BIGINT", "not_sent": "BIGINT", "over_max_samples": "BIGINT", "other_model_replies": "BIGINT",
+    "dataset": "VARCHAR",
+    "shard": "VARCHAR",
+    "stopped_by": "VARCHAR",
+    "samples": "BIGINT",
+    "ok": "BIGINT",
+    "failed_total": "BIGINT",
+    "not_sent": "BIGINT",
+    "over_max_samples": "BIGINT",
+    "other_model_replies": "BIGINT",
     "filename": "VARCHAR",
 }
 
@@ -62,7 +69,7 @@ def _view_statements() -> dict[str, str]:
     for stmt in re.split(r";\s*(?:\n|$)", sql.load("report_views")):
         m = re.search(r"CREATE OR REPLACE TEMP VIEW (\w+) AS", stmt)
         if m:
-            out[m.group(1)] = stmt[m.start():]
+            out[m.group(1)] = stmt[m.start() :]
     return out
 
 
@@ -86,16 +93,25 @@ def _register(con, name: str, files: list[str], schema, *, statements: dict[str,
         con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM _{name}_empty")
 
 
-_DUCKDB_TYPES = {"int64": "BIGINT", "int32": "INTEGER", "int8": "TINYINT", "double": "DOUBLE", "string": "VARCHAR",
-                 "bool": "BOOLEAN"}
+_DUCKDB_TYPES = {
+    "int64": "BIGINT",
+    "int32": "INTEGER",
+    "int8": "TINYINT",
+    "double": "DOUBLE",
+    "string": "VARCHAR",
+    "bool": "BOOLEAN",
+}
 
 
 def _add_missing_columns(con, name: str, schema) -> None:
     """Files written before a column joined the stage's schema (e.g. ``billed_prompt_tokens``) lack it: view
     ``name`` gets it as NULL so every query runs on an older build's files too."""
     have = {r[0] for r in con.execute(f"DESCRIBE {name}").fetchall()}
-    add = [f"NULL::{_DUCKDB_TYPES[str(f.type)]} AS {f.name}" for f in schema
-           if f.name not in have and str(f.type) in _DUCKDB_TYPES]
+    add = [
+        f"NULL::{_DUCKDB_TYPES[str(f.type)]} AS {f.name}"
+        for f in schema
+        if f.name not in have and str(f.type) in _DUCKDB_TYPES
+    ]
     if add:
         con.execute(f"ALTER VIEW {name} RENAME TO _{name}_files")
         con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT *, {', '.join(add)} FROM _{name}_files")
@@ -111,8 +127,15 @@ def _limits_of(datasets_config: dict, generation: dict | None) -> list[tuple]:
         gen = (generation or {}).get(name)
         if gen is None:
             gen = dcfg.get("generation") or {}
-        rows.append((name, int(dcfg.get("shards", 1)), gen.get("max_samples"), gen.get("budget_completion_tokens"),
-                     gen.get("budget_usd")))
+        rows.append(
+            (
+                name,
+                int(dcfg.get("shards", 1)),
+                gen.get("max_samples"),
+                gen.get("budget_completion_tokens"),
+                gen.get("budget_usd"),
+            )
+        )
     return rows
 
 
@@ -154,8 +177,10 @@ def open_report_db(
         con.execute("CREATE OR REPLACE TEMP TABLE backend_kinds (backend VARCHAR, location VARCHAR)")
         if kinds:
             con.executemany("INSERT INTO backend_kinds VALUES (?, ?)", kinds)
-        con.execute("CREATE OR REPLACE TEMP TABLE dataset_limits (dataset VARCHAR, shards BIGINT, max_samples BIGINT,"
-                    " budget_completion_tokens BIGINT, budget_usd DOUBLE)")
+        con.execute(
+            "CREATE OR REPLACE TEMP TABLE dataset_limits (dataset VARCHAR, shards BIGINT, max_samples BIGINT,"
+            " budget_completion_tokens BIGINT, budget_usd DOUBLE)"
+        )
         limits = _limits_of(datasets_config or {}, generation)
         if limits:
             con.executemany("INSERT INTO dataset_limits VALUES (?, ?, ?, ?, ?)", limits)

@@ -36,9 +36,11 @@ def front_page_fragment(out_dir) -> str:
     for stem in FRONT_STEMS:
         text = (Path(out_dir) / f"{stem}.md").read_text()
         parts.append(md.render(re.sub(r"(?m)^# ", "### ", text)))
-    style = ("<style>.eagle3-front table{border-collapse:collapse;margin:0.5em 0 1.5em}"
-             ".eagle3-front th,.eagle3-front td{border:1px solid #ccc;padding:2px 6px;text-align:right}"
-             ".eagle3-front td:first-child,.eagle3-front th:first-child{text-align:left}</style>")
+    style = (
+        "<style>.eagle3-front table{border-collapse:collapse;margin:0.5em 0 1.5em}"
+        ".eagle3-front th,.eagle3-front td{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+        ".eagle3-front td:first-child,.eagle3-front th:first-child{text-align:left}</style>"
+    )
     return f'{style}\n<div class="eagle3-front">\n' + "".join(parts) + "</div>\n"
 
 
@@ -50,8 +52,10 @@ def markdown_page(md: str, title: str) -> str:
         from markdown_it import MarkdownIt
 
         _MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{html.escape(title)}</title>\n'
-            f"<style>{PAGE_CSS}</style>\n</head>\n<body>\n{_MARKDOWN.render(md)}</body>\n</html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{html.escape(title)}</title>\n'
+        f"<style>{PAGE_CSS}</style>\n</head>\n<body>\n{_MARKDOWN.render(md)}</body>\n</html>\n"
+    )
 
 
 def write_markdown(md: str, md_path, html_path=None, *, title: str) -> None:
@@ -66,11 +70,20 @@ def format_tally(rows: list[dict]) -> str:
     """Markdown table of :func:`tally` rows (dataset, samples, tokens, source), with prompt,
     completion, rejects and cost; totals in bold. The source names the backends, except for a dataset trained on
     its own answers (``Original answers``: no backend answered)."""
-    out = [dict(r, source=r["source"] + (f" ({r['backends']})" if r.get("backends") and r["kind"] != "original"
-                                         else "")) for r in rows]
-    cols = [("dataset", "Dataset", "text"), ("samples", "Samples", ""), ("prompt_tokens", "Prompt tokens", "tok"),
-            ("completion_tokens", "Completion tokens", "tok"), ("total_tokens", "Tokens", "tok"),
-            ("source", "Source", "text"), ("rejected", "Rejected", ""), ("cost_usd", "Cost $", "usd")]
+    out = [
+        dict(r, source=r["source"] + (f" ({r['backends']})" if r.get("backends") and r["kind"] != "original" else ""))
+        for r in rows
+    ]
+    cols = [
+        ("dataset", "Dataset", "text"),
+        ("samples", "Samples", ""),
+        ("prompt_tokens", "Prompt tokens", "tok"),
+        ("completion_tokens", "Completion tokens", "tok"),
+        ("total_tokens", "Tokens", "tok"),
+        ("source", "Source", "text"),
+        ("rejected", "Rejected", ""),
+        ("cost_usd", "Cost $", "usd"),
+    ]
     return markdown_table(out, cols, bold=lambda r: r["kind"] == "total")
 
 
@@ -80,8 +93,13 @@ def format_rejects(rejects: list[dict]) -> str:
     if not rejects:
         return "none"
     rows = [dict(r, example=" ".join(str(r.get("example") or "").split())) for r in rejects]
-    cols = [("dataset", "Dataset", "text"), ("stage", "Stage", "text"), ("reason", "Reason", "text"),
-            ("count", "Count", ""), ("example", "Example", "text")]
+    cols = [
+        ("dataset", "Dataset", "text"),
+        ("stage", "Stage", "text"),
+        ("reason", "Reason", "text"),
+        ("count", "Count", ""),
+        ("example", "Example", "text"),
+    ]
     return markdown_table(rows, cols)
 
 
@@ -111,29 +129,51 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]], *, bol
     for r in rows:
         cells = [_fmt(r.get(key), kind).replace("|", "\\|") for key, _, kind in columns]
         body.append([f"**{c}**" if c else "" for c in cells] if bold(r) else cells)
-    return tabulate(body, headers=[h for _, h, _ in columns], tablefmt="pipe", disable_numparse=True,
-                    colalign=["left" if k == "text" else "right" for _, _, k in columns])
+    return tabulate(
+        body,
+        headers=[h for _, h, _ in columns],
+        tablefmt="pipe",
+        disable_numparse=True,
+        colalign=["left" if k == "text" else "right" for _, _, k in columns],
+    )
 
 
 def format_cost(rows: list[dict]) -> str:
     """Markdown table of ``cost.sql`` rows; dataset subtotals and the total in bold."""
-    cols = [("dataset", "Dataset", "text"), ("backend", "Backend", "text"), ("provider", "Provider", "text"),
-            ("responses_ok", "OK", ""), ("responses_failed", "Failed", ""), ("prompt_tokens", "Prompt tokens", "tok"),
-            ("completion_tokens", "Completion tokens", "tok"), ("total_tokens", "Tokens", "tok"),
-            ("cost_usd", "Cost $", "usd"), ("usd_per_m_completion_tokens", "$/M completion", "usd"),
-            ("usd_per_m_tokens", "$/M tokens", "usd")]
+    cols = [
+        ("dataset", "Dataset", "text"),
+        ("backend", "Backend", "text"),
+        ("provider", "Provider", "text"),
+        ("responses_ok", "OK", ""),
+        ("responses_failed", "Failed", ""),
+        ("prompt_tokens", "Prompt tokens", "tok"),
+        ("completion_tokens", "Completion tokens", "tok"),
+        ("total_tokens", "Tokens", "tok"),
+        ("cost_usd", "Cost $", "usd"),
+        ("usd_per_m_completion_tokens", "$/M completion", "usd"),
+        ("usd_per_m_tokens", "$/M tokens", "usd"),
+    ]
     return markdown_table(rows, cols, bold=lambda r: r["level"] != "detail")
 
 
 def format_audit(rows: list[dict]) -> str:
     """Markdown table of ``audit.sql`` rows; dataset subtotals and the total in bold. Relative gaps in percent."""
-    cols = [("dataset", "Dataset", "text"), ("ids_source", "Ids", "text"), ("samples", "Samples", ""),
-            ("completion_tokens", "Completion (ours)", "tok"), ("billed_completion_tokens", "Completion (billed)", "tok"),
-            ("completion_rel", "Completion gap", "pct"), ("completion_equal_samples", "Equal", ""),
-            ("prompt_tokens", "Prompt (ours)", "tok"), ("billed_prompt_tokens", "Prompt (billed)", "tok"),
-            ("prompt_rel", "Prompt gap", "pct"), ("prompt_equal_samples", "Equal", ""),
-            ("prompt_diff_median", "Median prompt diff", ""), ("prompt_diff_min", "Min", ""),
-            ("prompt_diff_max", "Max", "")]
+    cols = [
+        ("dataset", "Dataset", "text"),
+        ("ids_source", "Ids", "text"),
+        ("samples", "Samples", ""),
+        ("completion_tokens", "Completion (ours)", "tok"),
+        ("billed_completion_tokens", "Completion (billed)", "tok"),
+        ("completion_rel", "Completion gap", "pct"),
+        ("completion_equal_samples", "Equal", ""),
+        ("prompt_tokens", "Prompt (ours)", "tok"),
+        ("billed_prompt_tokens", "Prompt (billed)", "tok"),
+        ("prompt_rel", "Prompt gap", "pct"),
+        ("prompt_equal_samples", "Equal", ""),
+        ("prompt_diff_median", "Median prompt diff", ""),
+        ("prompt_diff_min", "Min", ""),
+        ("prompt_diff_max", "Max", ""),
+    ]
     return markdown_table(rows, cols, bold=lambda r: r["level"] != "detail")
 
 
@@ -141,11 +181,16 @@ def format_throughput(rows: list[dict], bucket_s: int = 60) -> str:
     """Markdown table of ``throughput.sql`` rows (``"none"`` without responses)."""
     if not rows:
         return "none (no response has a completion time)"
-    cols = [("bucket_start_utc", "Start (UTC)", "text"), ("minutes_from_start", "Minute", ""),
-            ("responses_ok", "Responses", ""), ("completion_tokens_per_min", "Completion tokens/min", ""),
-            ("cost_usd", "Cost $", "usd"), ("cumulative_completion_tokens", "Cum. completion tokens", "tok"),
-            ("cumulative_cost_usd", "Cum. cost $", "usd"),
-            ("cumulative_mean_completion_tokens", "Mean completion so far", "")]
+    cols = [
+        ("bucket_start_utc", "Start (UTC)", "text"),
+        ("minutes_from_start", "Minute", ""),
+        ("responses_ok", "Responses", ""),
+        ("completion_tokens_per_min", "Completion tokens/min", ""),
+        ("cost_usd", "Cost $", "usd"),
+        ("cumulative_completion_tokens", "Cum. completion tokens", "tok"),
+        ("cumulative_cost_usd", "Cum. cost $", "usd"),
+        ("cumulative_mean_completion_tokens", "Mean completion so far", ""),
+    ]
     out = [dict(r, bucket_start_utc=str(r["bucket_start_utc"])[:19]) for r in rows]
     return markdown_table(out, cols)
 
@@ -154,9 +199,17 @@ def format_limits(rows: list[dict]) -> str:
     """Markdown table of ``limits.sql`` rows (``"none"`` without generated datasets)."""
     if not rows:
         return "none (no generated dataset)"
-    cols = [("dataset", "Dataset", "text"), ("ended_by", "Ended by", "text"), ("evidence", "Evidence", "text"),
-            ("samples_ok", "Samples", ""), ("not_sent", "Not sent", ""), ("max_samples", "Max samples", ""),
-            ("completion_tokens", "Completion tokens", ""), ("budget_completion_tokens", "Token budget", ""),
-            ("cost_usd", "Cost $", "usd"), ("budget_usd", "Budget $", "usd"),
-            ("other_model_replies", "Other model", "")]
+    cols = [
+        ("dataset", "Dataset", "text"),
+        ("ended_by", "Ended by", "text"),
+        ("evidence", "Evidence", "text"),
+        ("samples_ok", "Samples", ""),
+        ("not_sent", "Not sent", ""),
+        ("max_samples", "Max samples", ""),
+        ("completion_tokens", "Completion tokens", ""),
+        ("budget_completion_tokens", "Token budget", ""),
+        ("cost_usd", "Cost $", "usd"),
+        ("budget_usd", "Budget $", "usd"),
+        ("other_model_replies", "Other model", ""),
+    ]
     return markdown_table(rows, cols)

@@ -12,15 +12,26 @@ from .markdown import _fmt
 
 
 RUN_SUMMARY_COLUMNS = [
-    ("dataset", "Dataset", "text"), ("shards", "Shards", "text"), ("samples", "Samples", ""), ("ok", "OK", ""),
-    ("failed", "Failed", ""), ("not_sent", "Not sent", ""), ("rejected", "Rejected", ""), ("kept", "Kept", ""),
-    ("left", "Left", ""), ("cost_usd", "Cost $", "usd"), ("time", "Time", "text"), ("ended_by", "Ended by", "text"),
+    ("dataset", "Dataset", "text"),
+    ("shards", "Shards", "text"),
+    ("samples", "Samples", ""),
+    ("ok", "OK", ""),
+    ("failed", "Failed", ""),
+    ("not_sent", "Not sent", ""),
+    ("rejected", "Rejected", ""),
+    ("kept", "Kept", ""),
+    ("left", "Left", ""),
+    ("cost_usd", "Cost $", "usd"),
+    ("time", "Time", "text"),
+    ("ended_by", "Ended by", "text"),
 ]
 
 #: the budgets a shard's summary (and its job's snapshot) gives its share and spend of: (config key, summary key of
 #: the share, summary key of the spend)
-_BUDGETS = (("budget_completion_tokens", "budget_completion_tokens", "total_completion_tokens"),
-            ("budget_usd", "budget_usd", "total_cost_usd"))
+_BUDGETS = (
+    ("budget_completion_tokens", "budget_completion_tokens", "total_completion_tokens"),
+    ("budget_usd", "budget_usd", "total_cost_usd"),
+)
 
 
 def _rows_in(paths) -> int:
@@ -40,17 +51,19 @@ def _validated_current(results: Path, ds: str, shard: str) -> bool:
     """Whether ``<ds>/validated/<shard>.parquet`` and ``<ds>/rejected/<shard>.parquet`` were made from the shard's
     current responses: both exist and neither is older than the tokens or the responses file before it (a run that
     regenerated a shard and stopped, or failed, before validating it leaves the earlier run's files behind)."""
-    chain = [_mtime(results / ds / "responses" / f"{shard}.parquet")
-             or _mtime(results / ds / "responses" / f"{shard}.json"),
-             _mtime(results / ds / "tokens" / f"{shard}.parquet")]
+    chain = [
+        _mtime(results / ds / "responses" / f"{shard}.parquet") or _mtime(results / ds / "responses" / f"{shard}.json"),
+        _mtime(results / ds / "tokens" / f"{shard}.parquet"),
+    ]
     ends = [_mtime(results / ds / name / f"{shard}.parquet") for name in ("validated", "rejected")]
     if None in ends or chain[0] is None:
         return False
     return all(t is None or e + 1e-3 >= t for e in ends for t in chain)
 
 
-def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None, *,
-                     decontaminated: bool = False) -> list[dict]:
+def run_summary_rows(
+    datasets_config: dict, results_dir="results", run_dir=None, *, decontaminated: bool = False
+) -> list[dict]:
     """One row per dataset of the config, from what the run left under ``results_dir``, and a ``Total`` row.
 
     Only this config's files are read: the shards ``000`` .. ``shards - 1`` of each dataset (files an earlier
@@ -110,14 +123,21 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None,
             if snap is not None and (s is None or float(snap.get("updated_at") or 0) > p.stat().st_mtime + 1):
                 # this run's job did not finish (or finished without writing its summary): what it journaled
                 done = False
-                s = {"samples": snap.get("total"), "ok": snap.get("ok"), "failed_total": snap.get("failed"),
-                     "other_model_replies": snap.get("other_model"), "rerun_unpaid": snap.get("unpaid") or 0,
-                     "not_sent": int(snap.get("total") or 0) - int(snap.get("done") or 0),
-                     "total_cost_usd": snap.get("spent_usd"), "wall_s": snap.get("elapsed_s"),
-                     "total_completion_tokens": snap.get("spent_tokens"),
-                     "budget_completion_tokens": snap.get("budget_tokens"), "budget_usd": snap.get("budget_usd"),
-                     "budget_in_flight": snap.get("budget_in_flight"),
-                     "stopped_by": "stopped" if not snap.get("final") or not p.is_file() else None}
+                s = {
+                    "samples": snap.get("total"),
+                    "ok": snap.get("ok"),
+                    "failed_total": snap.get("failed"),
+                    "other_model_replies": snap.get("other_model"),
+                    "rerun_unpaid": snap.get("unpaid") or 0,
+                    "not_sent": int(snap.get("total") or 0) - int(snap.get("done") or 0),
+                    "total_cost_usd": snap.get("spent_usd"),
+                    "wall_s": snap.get("elapsed_s"),
+                    "total_completion_tokens": snap.get("spent_tokens"),
+                    "budget_completion_tokens": snap.get("budget_tokens"),
+                    "budget_usd": snap.get("budget_usd"),
+                    "budget_in_flight": snap.get("budget_in_flight"),
+                    "stopped_by": "stopped" if not snap.get("final") or not p.is_file() else None,
+                }
                 if snap.get("final") and snap.get("unpaid"):
                     s["stopped_by"] = "failed, not paid"
             if s is None:
@@ -137,21 +157,25 @@ def run_summary_rows(datasets_config: dict, results_dir="results", run_dir=None,
         rejected += source_rejects
         if pre:  # a pre-tokenized dataset: its validate shards, whatever their number
             kept = _rows_in([p for p in (results / ds / "validated" / f"{s}.parquet" for s in names) if p.is_file()])
-            rejected = source_rejects + _rows_in([p for p in (results / ds / "rejected" / f"{s}.parquet" for s in names)
-                                                  if p.is_file()])
+            rejected = source_rejects + _rows_in(
+                [p for p in (results / ds / "rejected" / f"{s}.parquet" for s in names) if p.is_file()]
+            )
             left = 0
         walls = [float(s.get("wall_s") or 0.0) for s in sums]
         ended = sorted({str(s.get("stopped_by")) for s in sums if s.get("stopped_by")})
         if orig and sums:  # the source's own answers: no budget, no stop; only a sample cap
             ended = ["original answers" + (" (max_samples)" if "max_samples" in ended else "")]
         row = {
-            "dataset": ds, "kind": "pretokenized" if pre else "original" if orig else "generated",
+            "dataset": ds,
+            "kind": "pretokenized" if pre else "original" if orig else "generated",
             "shards": "-" if pre else f"{finished}/{n_shards}",
             "samples": kept + rejected if pre else source_rejects + sum(int(s.get("samples") or 0) for s in sums),
             "ok": None if pre else sum(int(s.get("ok") or 0) for s in sums),
             "failed": None if pre else sum(int(s.get("failed_total") or 0) for s in sums),
             "not_sent": None if pre else sum(int(s.get("not_sent") or 0) for s in sums),
-            "rejected": rejected, "kept": kept, "left": None if pre else left,
+            "rejected": rejected,
+            "kept": kept,
+            "left": None if pre else left,
             "cost_usd": None if pre or orig else sum(float(s.get("total_cost_usd") or 0.0) for s in sums),
             "wall_s": max(walls) if walls else None,
             "ended_by": "pre-tokenized" if pre else ", ".join(ended),
@@ -184,8 +208,12 @@ def _overshoot(sums: list[dict], ended: list[str]) -> dict | None:
         budget = sum(float(v) for v in shares)
         spent = sum(float(s.get(spent_key) or 0.0) for s in sums)
         if spent > budget * (1 + 1e-9):
-            return {"key": key, "budget": budget, "spent": spent,
-                    "in_flight": sum(int(s.get("budget_in_flight") or 0) for s in sums)}
+            return {
+                "key": key,
+                "budget": budget,
+                "spent": spent,
+                "in_flight": sum(int(s.get("budget_in_flight") or 0) for s in sums),
+            }
     return None
 
 
@@ -229,7 +257,7 @@ def failure_causes(logs_dir="logs", since: float | None = None, limit: int = 6) 
         except OSError:
             continue
         last = max((i for i, ln in enumerate(lines) if ln.endswith(_ATTEMPT_MARK)), default=-1)
-        errors = [ln.split(_ERROR_MARK, 1)[1] for ln in lines[last + 1:] if _ERROR_MARK in ln]
+        errors = [ln.split(_ERROR_MARK, 1)[1] for ln in lines[last + 1 :] if _ERROR_MARK in ln]
         errors = [e for e in errors if not re.match(r"(\[[^\]]*\] )?interrupted\b", e)]
         if errors:
             found.append((mtime, f"{log}: {errors[-1][:400]}"))
@@ -240,8 +268,17 @@ def failure_causes(logs_dir="logs", since: float | None = None, limit: int = 6) 
     return out
 
 
-def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | None = None,
-                ok: bool = True, tally_path=None, run_dir=None, logs_dir="logs", decontaminated: bool = False) -> str:
+def run_summary(
+    datasets_config: dict,
+    results_dir="results",
+    *,
+    run_s: float | None = None,
+    ok: bool = True,
+    tally_path=None,
+    run_dir=None,
+    logs_dir="logs",
+    decontaminated: bool = False,
+) -> str:
     """The run's last lines (Snakefile ``onsuccess`` / ``onerror``): a table of :func:`run_summary_rows` and where
     the full reports are.
 
@@ -255,43 +292,68 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
     if run_s is not None:
         rows[-1]["time"] = format_clock(run_s)
     body = [[_fmt(r.get(key), kind) for key, _, kind in RUN_SUMMARY_COLUMNS] for r in rows]
-    table = tabulate(body, headers=[h for _, h, _ in RUN_SUMMARY_COLUMNS], tablefmt="simple", disable_numparse=True,
-                     colalign=["left" if k == "text" else "right" for _, _, k in RUN_SUMMARY_COLUMNS])
-    lines = ["Run summary" if ok else "Run summary (the run failed; what it had finished):", table,
-             "Samples: source rows (= Kept + Rejected + Not sent + Left). Shards: generate finished. OK/Failed/Not "
-             "sent: samples at generate (not sent: kept back by a budget or a stop). Rejected: every stage, "
-             "normalize's" + (" and decontaminate's" if decontaminated else "") + " included. Kept: validated. Left: not validated yet (their replies are journaled; the same "
-             "command finishes them). Cost: journaled responses. Time: the longest generate shard"
-             + ("; Total: the run." if run_s is not None else ".")]
+    table = tabulate(
+        body,
+        headers=[h for _, h, _ in RUN_SUMMARY_COLUMNS],
+        tablefmt="simple",
+        disable_numparse=True,
+        colalign=["left" if k == "text" else "right" for _, _, k in RUN_SUMMARY_COLUMNS],
+    )
+    lines = [
+        "Run summary" if ok else "Run summary (the run failed; what it had finished):",
+        table,
+        "Samples: source rows (= Kept + Rejected + Not sent + Left). Shards: generate finished. OK/Failed/Not "
+        "sent: samples at generate (not sent: kept back by a budget or a stop). Rejected: every stage, "
+        "normalize's"
+        + (" and decontaminate's" if decontaminated else "")
+        + " included. Kept: validated. Left: not validated yet (their replies are journaled; the same "
+        "command finishes them). Cost: journaled responses. Time: the longest generate shard"
+        + ("; Total: the run." if run_s is not None else "."),
+    ]
     over = [(r["dataset"], r["overshoot"]) for r in rows[:-1] if r.get("overshoot")]
     if over:
+
         def said(ds: str, o: dict) -> str:
-            spent = (f"${format_usd(o['spent'])} of ${format_usd(o['budget'])}" if o["key"] == "budget_usd"
-                     else f"{o['spent']:,.0f} of {o['budget']:,.0f} completion tokens")
+            spent = (
+                f"${format_usd(o['spent'])} of ${format_usd(o['budget'])}"
+                if o["key"] == "budget_usd"
+                else f"{o['spent']:,.0f} of {o['budget']:,.0f} completion tokens"
+            )
             pct = 100 * (o["spent"] / o["budget"] - 1) if o["budget"] else 0.0
             return f"{ds} {o['key']} {spent} (+{pct:.1f}%, {o['in_flight']:,} in flight)"
 
-        lines.append("Budget overshoot (the replies in flight when it was reached; each at most max_tokens): "
-                     + "; ".join(said(ds, o) for ds, o in over) + ".")
+        lines.append(
+            "Budget overshoot (the replies in flight when it was reached; each at most max_tokens): "
+            + "; ".join(said(ds, o) for ds, o in over)
+            + "."
+        )
     original = [r["dataset"] for r in rows[:-1] if r["kind"] == "original"]
     if original:
         lines.append(f"Original answers (answers: original; no request sent, no cost): {', '.join(original)}.")
     unpaid = [f"{r['dataset']} {r['rerun_unpaid']:,}" for r in rows[:-1] if r.get("rerun_unpaid")]
     if unpaid:
-        lines.append(f"Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled "
-                     f"is paid again): {', '.join(unpaid)}.")
+        lines.append(
+            f"Failed, not paid: rerun the same command to retry them (only they are sent; nothing journaled "
+            f"is paid again): {', '.join(unpaid)}."
+        )
     kept = [f"{r['dataset']} {r['kept_unpaid']:,}" for r in rows[:-1] if r.get("kept_unpaid")]
     if kept:
-        lines.append(f"Failed, not paid, recorded as failed (generation.unpaid_failures: keep): `snakemake "
-                     f"--forcerun generate` retries them: {', '.join(kept)}.")
+        lines.append(
+            f"Failed, not paid, recorded as failed (generation.unpaid_failures: keep): `snakemake "
+            f"--forcerun generate` retries them: {', '.join(kept)}."
+        )
     other = [f"{r['dataset']} {r['other_model']:,}" for r in rows[:-1] if r.get("other_model")]
     if other:
-        lines.append(f"Replies naming another model than asked (kept; generation.reject_other_models: true refuses "
-                     f"them): {', '.join(other)}.")
+        lines.append(
+            f"Replies naming another model than asked (kept; generation.reject_other_models: true refuses "
+            f"them): {', '.join(other)}."
+        )
     pilot = pilot_spend(datasets_config, results_dir)
     if pilot is not None:
-        lines.append(f"Forecast pilot: {pilot['requests']:,} responses paid for, ${format_usd(pilot['cost_usd'])} "
-                     "(journaled: the build does not pay for them again; counted in Cost once generate reads them).")
+        lines.append(
+            f"Forecast pilot: {pilot['requests']:,} responses paid for, ${format_usd(pilot['cost_usd'])} "
+            "(journaled: the build does not pay for them again; counted in Cost once generate reads them)."
+        )
     if not ok:
         import time
 
@@ -300,6 +362,7 @@ def run_summary(datasets_config: dict, results_dir="results", *, run_s: float | 
             lines.append("Why (each failed job's error; its log has the details):")
             lines += [f"  {c}" for c in causes]
     if tally_path is not None and Path(tally_path).exists():
-        lines.append(f"Tokens, rejects by reason, cost by backend: {tally_path} (all reports: "
-                     f"{Path(tally_path).parent}/)")
+        lines.append(
+            f"Tokens, rejects by reason, cost by backend: {tally_path} (all reports: {Path(tally_path).parent}/)"
+        )
     return "\n".join(lines)

@@ -12,10 +12,18 @@ from ..config.lookup import answers_of
 from ..formatting import format_duration, format_usd
 from ..files import write_text
 from .db import _materialize, open_report_db, query, write_csv
-from .markdown import (FRONT_PAGE, format_audit, format_cost, format_limits, format_rejects, format_tally,
-                       format_throughput, front_page_fragment, write_markdown)
-from .outputs import (AUDIT_COLUMNS, COST_COLUMNS, LIMIT_COLUMNS, REJECT_COLUMNS, TALLY_COLUMNS,
-                      THROUGHPUT_COLUMNS)
+from .markdown import (
+    FRONT_PAGE,
+    format_audit,
+    format_cost,
+    format_limits,
+    format_rejects,
+    format_tally,
+    format_throughput,
+    front_page_fragment,
+    write_markdown,
+)
+from .outputs import AUDIT_COLUMNS, COST_COLUMNS, LIMIT_COLUMNS, REJECT_COLUMNS, TALLY_COLUMNS, THROUGHPUT_COLUMNS
 
 
 log = logging.getLogger("eagle3_data.report")
@@ -79,8 +87,9 @@ def tally(
     """
     datasets_config = datasets_config or {}
     out_dir = Path(out_dir)
-    with contextlib.closing(open_report_db(validated_paths, rejected_paths, responses_paths, backends=backends,
-                                           summary_paths=[])) as con:
+    with contextlib.closing(
+        open_report_db(validated_paths, rejected_paths, responses_paths, backends=backends, summary_paths=[])
+    ) as con:
         rows, rejects = _tally_rows(con, datasets_config)
         _write_tally(con, rows, rejects, out_dir)
     return rows
@@ -93,13 +102,26 @@ def _tally_rows(con, datasets_config: dict) -> tuple[list[dict], list[dict]]:
     names = sorted(set(found) | set(datasets_config))
     generated, original, pretok = [], [], []
     for name in names:
-        r = found.get(name) or {"samples": 0, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-                                "pretokenized_samples": 0, "original_samples": 0, "backends": [], "locations": [],
-                                "rejected": 0, "responses_ok": 0, "responses_failed": 0, "cost_usd": 0.0}
+        r = found.get(name) or {
+            "samples": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "total_tokens": 0,
+            "pretokenized_samples": 0,
+            "original_samples": 0,
+            "backends": [],
+            "locations": [],
+            "rejected": 0,
+            "responses_ok": 0,
+            "responses_failed": 0,
+            "cost_usd": 0.0,
+        }
         fmt = ((datasets_config.get(name) or {}).get("source") or {}).get("format")
         is_pre = fmt == "pretokenized" or (r["samples"] > 0 and r["pretokenized_samples"] == r["samples"])
-        is_orig = not is_pre and (answers_of(datasets_config.get(name)) == "original" or (
-            r["samples"] > 0 and r["original_samples"] == r["samples"]))
+        is_orig = not is_pre and (
+            answers_of(datasets_config.get(name)) == "original"
+            or (r["samples"] > 0 and r["original_samples"] == r["samples"])
+        )
         row = {
             "dataset": name,
             "kind": "pretokenized" if is_pre else "original" if is_orig else "generated",
@@ -145,8 +167,14 @@ def _write_tally(con, rows: list[dict], rejects: list[dict], out_dir: Path) -> N
     md = "# Tally\n\n" + format_tally(rows) + "\n\n## Rejects by reason\n\n" + format_rejects(rejects) + "\n"
     write_markdown(md, out_dir / "tally.md", out_dir / "tally.html", title="Tally")
     g = rows[-1]
-    log.info("tally: %d samples, %d tokens (%d supervised), %d rejected, $%s", g["samples"], g["total_tokens"],
-             g["completion_tokens"], g["rejected"], format_usd(g["cost_usd"]))
+    log.info(
+        "tally: %d samples, %d tokens (%d supervised), %d rejected, $%s",
+        g["samples"],
+        g["total_tokens"],
+        g["completion_tokens"],
+        g["rejected"],
+        format_usd(g["cost_usd"]),
+    )
 
 
 def md_bucket_s(con) -> int:
@@ -193,10 +221,17 @@ def write_reports(
     """
     datasets_config = datasets_config or {}
     out_dir = Path(out_dir)
-    with contextlib.closing(open_report_db(
-        validated_paths, rejected_paths, responses_paths, backends=backends, datasets_config=datasets_config,
-        generation=generation, summary_paths=summary_paths,
-    )) as con:
+    with contextlib.closing(
+        open_report_db(
+            validated_paths,
+            rejected_paths,
+            responses_paths,
+            backends=backends,
+            datasets_config=datasets_config,
+            generation=generation,
+            summary_paths=summary_paths,
+        )
+    ) as con:
         rows, rejects = _tally_rows(con, datasets_config)
         cost = _materialize(con, "report_cost", "cost")
         throughput = _materialize(con, "report_throughput", "throughput", bucket_s=60)
@@ -205,15 +240,20 @@ def write_reports(
         limits = _materialize(con, "report_limits", "limits")
         audit = _materialize(con, "report_audit", "audit")
         _write_tally(con, rows, rejects, out_dir)
-        for table, columns, stem in (("report_cost", COST_COLUMNS, "cost"),
-                                     ("report_throughput", THROUGHPUT_COLUMNS, "throughput"),
-                                     ("report_limits", LIMIT_COLUMNS, "limits"), ("report_audit", AUDIT_COLUMNS, "audit")):
+        for table, columns, stem in (
+            ("report_cost", COST_COLUMNS, "cost"),
+            ("report_throughput", THROUGHPUT_COLUMNS, "throughput"),
+            ("report_limits", LIMIT_COLUMNS, "limits"),
+            ("report_audit", AUDIT_COLUMNS, "audit"),
+        ):
             write_csv(con, table, columns, out_dir / f"{stem}.csv")
     pages = {
         "rejects": ("Rejects by dataset, stage and reason", format_rejects(rejects)),
         "cost": ("Cost and tokens by dataset, backend and provider", format_cost(cost)),
-        "throughput": (f"Throughput ({format_duration(bucket)} buckets of completed_at, UTC)",
-                       format_throughput(throughput_md, bucket)),
+        "throughput": (
+            f"Throughput ({format_duration(bucket)} buckets of completed_at, UTC)",
+            format_throughput(throughput_md, bucket),
+        ),
         "limits": ("Which limit ended each dataset", format_limits(limits)),
         "audit": ("Token audit: billed counts vs the target's own", format_audit(audit)),
     }
@@ -221,16 +261,26 @@ def write_reports(
         write_markdown(f"# {title}\n\n{table}\n", out_dir / f"{stem}.md", out_dir / f"{stem}.html", title=title)
     write_text(front_page_fragment(out_dir), out_dir / FRONT_PAGE)
     total_audit = audit[-1] if audit else {}
-    if total_audit.get("prompt_billed_samples") and \
-            total_audit["prompt_equal_samples"] < total_audit["prompt_billed_samples"]:
-        log.warning("audit: %d of %d generated samples' rendered prompts differ in length from the billed prompt "
-                    "(rendered %d vs billed %d tokens); see %s", total_audit["prompt_billed_samples"]
-                    - total_audit["prompt_equal_samples"], total_audit["prompt_billed_samples"],
-                    total_audit["prompt_tokens"], total_audit["billed_prompt_tokens"], out_dir / "audit.md")
+    if (
+        total_audit.get("prompt_billed_samples")
+        and total_audit["prompt_equal_samples"] < total_audit["prompt_billed_samples"]
+    ):
+        log.warning(
+            "audit: %d of %d generated samples' rendered prompts differ in length from the billed prompt "
+            "(rendered %d vs billed %d tokens); see %s",
+            total_audit["prompt_billed_samples"] - total_audit["prompt_equal_samples"],
+            total_audit["prompt_billed_samples"],
+            total_audit["prompt_tokens"],
+            total_audit["billed_prompt_tokens"],
+            out_dir / "audit.md",
+        )
     total = cost[-1] if cost else {}
-    log.info("reports: %d datasets, %d responses, $%s, %d throughput buckets, written to %s",
-             sum(r["kind"] != "total" for r in rows),
-             (total.get("responses_ok") or 0) + (total.get("responses_failed") or 0),
-             format_usd(total.get("cost_usd") or 0.0), len(throughput), out_dir)
-    return {"tally": rows, "rejects": rejects, "cost": cost, "throughput": throughput, "limits": limits,
-            "audit": audit}
+    log.info(
+        "reports: %d datasets, %d responses, $%s, %d throughput buckets, written to %s",
+        sum(r["kind"] != "total" for r in rows),
+        (total.get("responses_ok") or 0) + (total.get("responses_failed") or 0),
+        format_usd(total.get("cost_usd") or 0.0),
+        len(throughput),
+        out_dir,
+    )
+    return {"tally": rows, "rejects": rejects, "cost": cost, "throughput": throughput, "limits": limits, "audit": audit}

@@ -204,11 +204,15 @@ def normalize_tools(tools: Any) -> list[dict] | None:
     if tools is None or (isinstance(tools, (list, tuple)) and len(tools) == 0):
         return None
     if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
-        raise RowReject("malformed_tools", f"tools is a {type(tools).__name__} of non-objects, expected a list of objects")
+        raise RowReject(
+            "malformed_tools", f"tools is a {type(tools).__name__} of non-objects, expected a list of objects"
+        )
     out = []
     for t in tools:
         # bare function specs {name, description, parameters} -> {type: function, function: spec}
-        out.append(t if "function" in t or t.get("type") not in (None, "function") else {"type": "function", "function": t})
+        out.append(
+            t if "function" in t or t.get("type") not in (None, "function") else {"type": "function", "function": t}
+        )
     return out
 
 

@@ -44,7 +44,9 @@ def parse_glaive_system(system: str) -> tuple[str, list[dict]]:
         try:
             spec, pos = decoder.raw_decode(rest, pos)
         except json.JSONDecodeError as exc:
-            raise RowReject("malformed_tools", f"function spec {len(tools)} in `system` is not JSON ({exc.msg})") from None
+            raise RowReject(
+                "malformed_tools", f"function spec {len(tools)} in `system` is not JSON ({exc.msg})"
+            ) from None
         if not isinstance(spec, dict) or "name" not in spec:
             raise RowReject("malformed_tools", f"function spec {len(tools)} in `system` has no name")
         tools.append({"type": "function", "function": spec})
@@ -91,8 +93,10 @@ def json_arguments(args: str) -> str:
             raise ValueError("not an object")
         return json.dumps(value, ensure_ascii=False)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        raise RowReject("malformed_tool_arguments", f"<functioncall> arguments are neither JSON nor a Python literal "
-                        f"of an object: {args[:80]!r}") from None
+        raise RowReject(
+            "malformed_tool_arguments",
+            f"<functioncall> arguments are neither JSON nor a Python literal of an object: {args[:80]!r}",
+        ) from None
 
 
 class Glaive(Adapter):
@@ -126,7 +130,12 @@ class Glaive(Adapter):
                 if last_call is None:
                     raise RowReject("malformed_message", "FUNCTION RESPONSE without a preceding <functioncall>")
                 messages.append(
-                    {"role": "tool", "content": text, "tool_call_id": last_call["id"], "name": last_call["function"]["name"]}
+                    {
+                        "role": "tool",
+                        "content": text,
+                        "tool_call_id": last_call["id"],
+                        "name": last_call["function"]["name"],
+                    }
                 )
                 continue
             messages.append({"role": role, "content": text})

@@ -102,7 +102,11 @@ class UltraChat(OpenAIMessages):
     def raw_messages(self, record: dict) -> Any:
         raw = super().raw_messages(record)
         prompt = record.get("prompt")
-        if (raw is None or (isinstance(raw, (list, tuple)) and len(raw) == 0)) and isinstance(prompt, str) and prompt.strip():
+        if (
+            (raw is None or (isinstance(raw, (list, tuple)) and len(raw) == 0))
+            and isinstance(prompt, str)
+            and prompt.strip()
+        ):
             return [{"role": "user", "content": prompt}]
         return raw
 

@@ -21,8 +21,13 @@ from __future__ import annotations
 
 from .core import CompletionFormat, _args_text, register
 
-DEEPSEEK_TOOL_TOKENS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
-                        "<｜tool▁calls▁end｜>")
+DEEPSEEK_TOOL_TOKENS = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+)
 
 
 def tool_segments(target, tool_calls: list[dict], content: str, prior: int) -> list[tuple[str, bool]]:
@@ -33,14 +38,29 @@ def tool_segments(target, tool_calls: list[dict], content: str, prior: int) -> l
     segs.append(("<｜tool▁calls▁begin｜>", True))
     for call in tool_calls:
         fn = call.get("function") or {}
-        segs += [("<｜tool▁call▁begin｜>", True), (str(fn.get("name", "")), False), ("<｜tool▁sep｜>", True),
-                 (_args_text(fn.get("arguments", "")), False), ("<｜tool▁call▁end｜>", True)]
+        segs += [
+            ("<｜tool▁call▁begin｜>", True),
+            (str(fn.get("name", "")), False),
+            ("<｜tool▁sep｜>", True),
+            (_args_text(fn.get("arguments", "")), False),
+            ("<｜tool▁call▁end｜>", True),
+        ]
     segs.append(("<｜tool▁calls▁end｜>", True))
     return segs
 
 
 FORMAT = register(
-    CompletionFormat("deepseek-v3.1", "<｜end▁of▁sentence｜>", "<think>", "</think>", True, "kimi", "deepseek",
-                     ("<｜User｜>", "<｜Assistant｜>", "<｜tool▁output▁begin｜>"), think_in_prompt=True,
-                     extra={"tool_tokens": DEEPSEEK_TOOL_TOKENS}),
-    tool_writer=tool_segments)
+    CompletionFormat(
+        "deepseek-v3.1",
+        "<｜end▁of▁sentence｜>",
+        "<think>",
+        "</think>",
+        True,
+        "kimi",
+        "deepseek",
+        ("<｜User｜>", "<｜Assistant｜>", "<｜tool▁output▁begin｜>"),
+        think_in_prompt=True,
+        extra={"tool_tokens": DEEPSEEK_TOOL_TOKENS},
+    ),
+    tool_writer=tool_segments,
+)

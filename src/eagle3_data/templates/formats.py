@@ -74,20 +74,39 @@ DEEPSEEK_R1_NO_TOOLS = (
 )
 
 FORMATS: dict[str, CompletionFormat] = {
-    "kimi-k2": CompletionFormat("kimi-k2", "<|im_end|>", "<think>", "</think>", False, "kimi", "kimi",
-                                KIMI_ROLE_MARKERS),
-    "kimi-k2-thinking": CompletionFormat("kimi-k2-thinking", "<|im_end|>", "<think>", "</think>", True, "kimi",
-                                         "kimi", KIMI_ROLE_MARKERS),
-    "kimi-k25": CompletionFormat("kimi-k25", "<|im_end|>", "<think>", "</think>", True, "kimi", "kimi",
-                                 KIMI_ROLE_MARKERS),
-    "qwen3": CompletionFormat("qwen3", "<|im_end|>", "<think>", "</think>", True, "qwen", "qwen",
-                              ("<|im_start|>",)),
-    "glm45": CompletionFormat("glm45", "<|user|>", "<think>", "</think>", True, "glm", "glm",
-                              ("[gMASK]", "<sop>", "<|system|>", "<|assistant|>"),
-                              tool_end_of_turn="<|observation|>", tool_args_mapping=True),
-    "deepseek-r1": CompletionFormat("deepseek-r1", "<｜end▁of▁sentence｜>", "<think>", "</think>", True, "qwen",
-                                    "none", ("<｜User｜>", "<｜Assistant｜>"),
-                                    extra={"tool_calls_unsupported": DEEPSEEK_R1_NO_TOOLS}),
+    "kimi-k2": CompletionFormat(
+        "kimi-k2", "<|im_end|>", "<think>", "</think>", False, "kimi", "kimi", KIMI_ROLE_MARKERS
+    ),
+    "kimi-k2-thinking": CompletionFormat(
+        "kimi-k2-thinking", "<|im_end|>", "<think>", "</think>", True, "kimi", "kimi", KIMI_ROLE_MARKERS
+    ),
+    "kimi-k25": CompletionFormat(
+        "kimi-k25", "<|im_end|>", "<think>", "</think>", True, "kimi", "kimi", KIMI_ROLE_MARKERS
+    ),
+    "qwen3": CompletionFormat("qwen3", "<|im_end|>", "<think>", "</think>", True, "qwen", "qwen", ("<|im_start|>",)),
+    "glm45": CompletionFormat(
+        "glm45",
+        "<|user|>",
+        "<think>",
+        "</think>",
+        True,
+        "glm",
+        "glm",
+        ("[gMASK]", "<sop>", "<|system|>", "<|assistant|>"),
+        tool_end_of_turn="<|observation|>",
+        tool_args_mapping=True,
+    ),
+    "deepseek-r1": CompletionFormat(
+        "deepseek-r1",
+        "<｜end▁of▁sentence｜>",
+        "<think>",
+        "</think>",
+        True,
+        "qwen",
+        "none",
+        ("<｜User｜>", "<｜Assistant｜>"),
+        extra={"tool_calls_unsupported": DEEPSEEK_R1_NO_TOOLS},
+    ),
     "generic": CompletionFormat("generic", None, None, None, None, "plain", "none", (), generic=True),
 }
 

@@ -26,8 +26,9 @@ from .core import CompletionFormat, TemplateError, _args_text, register
 HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
 
-def completion_segments(target, reasoning, content, tool_calls, prompt_text, *, prior_tool_calls=0,
-                        truncated=False) -> list[tuple[str, bool]]:
+def completion_segments(
+    target, reasoning, content, tool_calls, prompt_text, *, prior_tool_calls=0, truncated=False
+) -> list[tuple[str, bool]]:
     """The harmony completion after ``<|start|>assistant`` as ``[(text, is_token_name), ...]``.
 
     Raises :class:`TemplateError`: ``missing_reasoning`` (no reasoning at all: gpt-oss always writes an analysis
@@ -35,18 +36,28 @@ def completion_segments(target, reasoning, content, tool_calls, prompt_text, *, 
     ``<|call|>``), ``truncated_tool_call``, ``template_mismatch`` (the prompt does not end ``<|start|>assistant``).
     """
     if not prompt_text.endswith("<|start|>assistant"):
-        raise TemplateError(f"gpt-oss prompt does not end with the generation prompt <|start|>assistant "
-                            f"(ends {prompt_text[-30:]!r})", "template_mismatch")
+        raise TemplateError(
+            f"gpt-oss prompt does not end with the generation prompt <|start|>assistant (ends {prompt_text[-30:]!r})",
+            "template_mismatch",
+        )
     r, c = reasoning, content or ""
     if r is None or (not r.strip() and not (c.strip() or tool_calls)):
-        raise TemplateError("family 'gpt-oss' always writes an analysis message first but the reply has no "
-                            "reasoning: it was hidden (e.g. OpenRouter reasoning.exclude)", "missing_reasoning")
+        raise TemplateError(
+            "family 'gpt-oss' always writes an analysis message first but the reply has no "
+            "reasoning: it was hidden (e.g. OpenRouter reasoning.exclude)",
+            "missing_reasoning",
+        )
     if tool_calls and truncated:
-        raise TemplateError("a cut reply (finish_reason length) with parsed tool calls: where the target stopped "
-                            "inside its tool call is unknown", "truncated_tool_call")
+        raise TemplateError(
+            "a cut reply (finish_reason length) with parsed tool calls: where the target stopped "
+            "inside its tool call is unknown",
+            "truncated_tool_call",
+        )
     if tool_calls and len(tool_calls) > 1:
-        raise TemplateError(f"{len(tool_calls)} tool calls in one gpt-oss reply: generation ends at the first "
-                            "<|call|>", "tool_calls_unsupported")
+        raise TemplateError(
+            f"{len(tool_calls)} tool calls in one gpt-oss reply: generation ends at the first <|call|>",
+            "tool_calls_unsupported",
+        )
     if not truncated and not tool_calls and not c.strip():
         raise TemplateError("the reply has reasoning and then an empty final message", "empty_answer")
     segs: list[tuple[str, bool]] = [("<|channel|>", True), ("analysis", False), ("<|message|>", True), (r, False)]
@@ -55,22 +66,55 @@ def completion_segments(target, reasoning, content, tool_calls, prompt_text, *, 
     segs.append(("<|end|>", True))
     if tool_calls:
         if c.strip():
-            segs += [("<|start|>", True), ("assistant", False), ("<|channel|>", True), ("commentary", False),
-                     ("<|message|>", True), (c, False), ("<|end|>", True)]
+            segs += [
+                ("<|start|>", True),
+                ("assistant", False),
+                ("<|channel|>", True),
+                ("commentary", False),
+                ("<|message|>", True),
+                (c, False),
+                ("<|end|>", True),
+            ]
         fn = tool_calls[0].get("function") or {}
-        segs += [("<|start|>", True), ("assistant", False), ("<|channel|>", True),
-                 (f"commentary to=functions.{fn.get('name', '')} ", False), ("<|constrain|>", True), ("json", False),
-                 ("<|message|>", True), (_args_text(fn.get("arguments", {})), False), ("<|call|>", True)]
+        segs += [
+            ("<|start|>", True),
+            ("assistant", False),
+            ("<|channel|>", True),
+            (f"commentary to=functions.{fn.get('name', '')} ", False),
+            ("<|constrain|>", True),
+            ("json", False),
+            ("<|message|>", True),
+            (_args_text(fn.get("arguments", {})), False),
+            ("<|call|>", True),
+        ]
         return segs
-    segs += [("<|start|>", True), ("assistant", False), ("<|channel|>", True), ("final", False),
-             ("<|message|>", True), (c, False)]
+    segs += [
+        ("<|start|>", True),
+        ("assistant", False),
+        ("<|channel|>", True),
+        ("final", False),
+        ("<|message|>", True),
+        (c, False),
+    ]
     if not truncated:
         segs.append(("<|return|>", True))
     return segs
 
 
 FORMAT = register(
-    CompletionFormat("gpt-oss", "<|return|>", None, None, True, "harmony", "harmony", (),
-                     tool_end_of_turn="<|call|>", tool_args_mapping=True, reasoning_field="thinking",
-                     extra={"tool_tokens": HARMONY_TOKENS}),
-    layout_writer=completion_segments)
+    CompletionFormat(
+        "gpt-oss",
+        "<|return|>",
+        None,
+        None,
+        True,
+        "harmony",
+        "harmony",
+        (),
+        tool_end_of_turn="<|call|>",
+        tool_args_mapping=True,
+        reasoning_field="thinking",
+        extra={"tool_tokens": HARMONY_TOKENS},
+    ),
+    layout_writer=completion_segments,
+)

@@ -18,15 +18,27 @@ def tool_segments(target, tool_calls: list[dict], content: str, prior: int) -> l
     if not tool_calls:
         return [(content, False)]
     if len(tool_calls) != 1:
-        raise TemplateError(f"family llama3: {len(tool_calls)} tool calls in one turn; Llama 3.1's template "
-                            "renders exactly one per assistant message", "tool_calls_unsupported")
+        raise TemplateError(
+            f"family llama3: {len(tool_calls)} tool calls in one turn; Llama 3.1's template "
+            "renders exactly one per assistant message",
+            "tool_calls_unsupported",
+        )
     fn = tool_calls[0].get("function") or {}
     args = _args_text(fn.get("arguments", {})) or "{}"
     return [(content + '{"name": "' + str(fn.get("name", "")) + '", "parameters": ' + args + "}", False)]
 
 
 FORMAT = register(
-    CompletionFormat("llama3", "<|eot_id|>", None, None, False, "plain", "llama3",
-                     ("<|start_header_id|>", "<|end_header_id|>", "<|begin_of_text|>"),
-                     tool_args_mapping=True),
-    tool_writer=tool_segments)
+    CompletionFormat(
+        "llama3",
+        "<|eot_id|>",
+        None,
+        None,
+        False,
+        "plain",
+        "llama3",
+        ("<|start_header_id|>", "<|end_header_id|>", "<|begin_of_text|>"),
+        tool_args_mapping=True,
+    ),
+    tool_writer=tool_segments,
+)

@@ -9,8 +9,14 @@ from .shipped import as_shipped
 from .target import TargetTokens
 
 
-def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = False,
-                       chat_template_kwargs: dict | None = None, lazy: bool = False) -> TargetTokens:
+def load_target_tokens(
+    path: str,
+    template: str,
+    *,
+    trust_remote_code: bool = False,
+    chat_template_kwargs: dict | None = None,
+    lazy: bool = False,
+) -> TargetTokens:
     """Load the target tokenizer from a local directory and bind it to a completion format (family ``template``;
     ``auto``: the one :func:`eagle3_data.templates.auto.detect_family` finds from its chat template).
 
@@ -61,8 +67,15 @@ def load_target_tokens(path: str, template: str, *, trust_remote_code: bool = Fa
 
 def format_token_names(fmt) -> list[str]:
     """Every special-token name :class:`TargetTokens` and the validate checks look up for format ``fmt``."""
-    names = [fmt.end_of_turn, fmt.tool_end_of_turn, fmt.think_open, fmt.think_close, *fmt.role_markers,
-             *KIMI_TOOL_TOKENS, *fmt.extra.get("tool_tokens", ())]
+    names = [
+        fmt.end_of_turn,
+        fmt.tool_end_of_turn,
+        fmt.think_open,
+        fmt.think_close,
+        *fmt.role_markers,
+        *KIMI_TOOL_TOKENS,
+        *fmt.extra.get("tool_tokens", ()),
+    ]
     return [n for n in names if isinstance(n, str)]
 
 

@@ -37,6 +37,8 @@ def tool_segments(target, tool_calls: list[dict], content: str, prior: int) -> l
 
 
 FORMAT = register(
-    CompletionFormat("qwen3-coder", "<|im_end|>", None, None, False, "qwen", "qwen_xml", ("<|im_start|>",),
-                     tool_args_mapping=True),
-    tool_writer=tool_segments)
+    CompletionFormat(
+        "qwen3-coder", "<|im_end|>", None, None, False, "qwen", "qwen_xml", ("<|im_start|>",), tool_args_mapping=True
+    ),
+    tool_writer=tool_segments,
+)

@@ -30,8 +30,11 @@ def normalize_ids(out: Any) -> list[int]:
     if isinstance(out, int):
         return [out]
     out = list(out)
-    if out and isinstance(out[0], (list, tuple)) or (out and hasattr(out[0], "tolist") and not isinstance(out[0], int)
-                                                     and getattr(out[0], "ndim", 0) > 0):
+    if (
+        out
+        and isinstance(out[0], (list, tuple))
+        or (out and hasattr(out[0], "tolist") and not isinstance(out[0], int) and getattr(out[0], "ndim", 0) > 0)
+    ):
         if len(out) != 1:
             raise TemplateError(f"expected one sequence from the chat template, got a batch of {len(out)}")
         inner = out[0]
@@ -74,19 +77,39 @@ FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
 #: Finish-reason spellings of the APIs this project talks to (OpenAI / OpenRouter ``finish_reason``, OpenRouter
 #: ``native_finish_reason`` of Anthropic and Google providers, SGLang, vLLM, ``transformers serve``), lower-cased.
 FINISH_ALIASES = {
-    "stop": "stop", "eos": "stop", "eos_token": "stop", "end_turn": "stop", "stop_sequence": "stop",
+    "stop": "stop",
+    "eos": "stop",
+    "eos_token": "stop",
+    "end_turn": "stop",
+    "stop_sequence": "stop",
     "finish_reason_stop": "stop",
-    "length": "length", "max_tokens": "length", "max_output_tokens": "length", "max_new_tokens": "length",
-    "model_length": "length", "max_length": "length",
-    "tool_calls": "tool_calls", "function_call": "tool_calls", "tool_use": "tool_calls",
-    "content_filter": "content_filter", "safety": "content_filter", "recitation": "content_filter",
-    "prohibited_content": "content_filter", "blocklist": "content_filter", "spii": "content_filter",
-    "refusal": "content_filter", "image_safety": "content_filter",
+    "length": "length",
+    "max_tokens": "length",
+    "max_output_tokens": "length",
+    "max_new_tokens": "length",
+    "model_length": "length",
+    "max_length": "length",
+    "tool_calls": "tool_calls",
+    "function_call": "tool_calls",
+    "tool_use": "tool_calls",
+    "content_filter": "content_filter",
+    "safety": "content_filter",
+    "recitation": "content_filter",
+    "prohibited_content": "content_filter",
+    "blocklist": "content_filter",
+    "spii": "content_filter",
+    "refusal": "content_filter",
+    "image_safety": "content_filter",
 }
 
 
-def normalize_finish_reason(raw: Any, billed_completion_tokens: int | None = None, max_tokens: int | None = None,
-                            *, emitted_end_of_turn: bool = False) -> str:
+def normalize_finish_reason(
+    raw: Any,
+    billed_completion_tokens: int | None = None,
+    max_tokens: int | None = None,
+    *,
+    emitted_end_of_turn: bool = False,
+) -> str:
     """The finish reason of a response as one of :data:`FINISH_REASONS`.
 
     ``raw`` is the backend's string (any case; spellings in :data:`FINISH_ALIASES`) or None. A billed completion
@@ -101,20 +124,28 @@ def normalize_finish_reason(raw: Any, billed_completion_tokens: int | None = Non
     key = raw.strip().lower() if isinstance(raw, str) and raw.strip() else None
     kind = FINISH_ALIASES.get(key) if key is not None else None
     if key is not None and kind is None:
-        raise TemplateError(f"unknown finish_reason {raw!r} (known: {sorted(set(FINISH_ALIASES))})",
-                            "unknown_finish_reason")
+        raise TemplateError(
+            f"unknown finish_reason {raw!r} (known: {sorted(set(FINISH_ALIASES))})", "unknown_finish_reason"
+        )
     if kind == "content_filter":
         return kind
-    at_max = (billed_completion_tokens is not None and max_tokens is not None and int(max_tokens) > 0
-              and int(billed_completion_tokens) >= int(max_tokens))
+    at_max = (
+        billed_completion_tokens is not None
+        and max_tokens is not None
+        and int(max_tokens) > 0
+        and int(billed_completion_tokens) >= int(max_tokens)
+    )
     if at_max and not emitted_end_of_turn:
         return "length"
     if kind is None:
         if emitted_end_of_turn:
             return "stop"
-        raise TemplateError("finish_reason is null and the billed completion count "
-                            f"({billed_completion_tokens}) is below max_tokens ({max_tokens}): whether the reply is "
-                            "complete is unknown", "unknown_finish_reason")
+        raise TemplateError(
+            "finish_reason is null and the billed completion count "
+            f"({billed_completion_tokens}) is below max_tokens ({max_tokens}): whether the reply is "
+            "complete is unknown",
+            "unknown_finish_reason",
+        )
     return kind
 
 

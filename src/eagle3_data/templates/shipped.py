@@ -39,7 +39,10 @@ def as_shipped(tok, path: str):
 
     logging.getLogger("eagle3_data.templates").warning(
         "%s: transformers loads this tokenizer as %s, which encodes differently from the tokenizer.json it ships "
-        "(e.g. spaces dropped); using tokenizer.json as it is", path, type(tok).__name__)
+        "(e.g. spaces dropped); using tokenizer.json as it is",
+        path,
+        type(tok).__name__,
+    )
     fixed = PreTrainedTokenizerFast.from_pretrained(path)
     if fixed.backend_tokenizer.encode(PROBE_TEXT, add_special_tokens=False).ids != want:
         raise TemplateError(f"{path}: the tokenizer loads with another encoding than its tokenizer.json")

@@ -8,8 +8,14 @@ import json
 from typing import Sequence
 
 from .formats import CompletionFormat, KIMI_TOOL_TOKENS, LAYOUT_WRITERS, TOOL_WRITERS, TemplateError
-from .replies import (_KIMI_CALL_ID, _args_mapping, _args_text, empty_think_block, normalize_ids,
-                      rewrite_kimi_tool_call_ids)
+from .replies import (
+    _KIMI_CALL_ID,
+    _args_mapping,
+    _args_text,
+    empty_think_block,
+    normalize_ids,
+    rewrite_kimi_tool_call_ids,
+)
 
 
 class TargetTokens:
@@ -40,16 +46,18 @@ class TargetTokens:
         need_think = bool(fmt.reasoning)
         self.think_open_id = self.special_id(fmt.think_open, required=need_think)
         self.think_close_id = self.special_id(fmt.think_close, required=need_think)
-        self.role_marker_ids: frozenset[int] = frozenset(
-            i for i in (self.special_id(m, required=False) for m in fmt.role_markers) if i is not None
-        ) - self.end_ids
+        self.role_marker_ids: frozenset[int] = (
+            frozenset(i for i in (self.special_id(m, required=False) for m in fmt.role_markers) if i is not None)
+            - self.end_ids
+        )
         if fmt.tool_format == "kimi":
             for name in KIMI_TOOL_TOKENS:
                 self.special_id(name)
         for name in fmt.extra.get("tool_tokens", ()):
             self.special_id(name)
         self.boundary_names: tuple[str, ...] = tuple(
-            n for n in (*fmt.role_markers, eot_name, self.tool_eot_name)
+            n
+            for n in (*fmt.role_markers, eot_name, self.tool_eot_name)
             if self.special_id(n, required=False) is not None
         )
 
@@ -80,9 +88,12 @@ class TargetTokens:
             messages = rewrite_kimi_tool_call_ids(messages)
         field_name = self.fmt.reasoning_field
         if field_name != "reasoning_content":
-            messages = [{**{k: v for k, v in m.items() if k != "reasoning_content"}, field_name: m["reasoning_content"]}
-                        if m.get("role") == "assistant" and m.get("reasoning_content") is not None else m
-                        for m in messages]
+            messages = [
+                {**{k: v for k, v in m.items() if k != "reasoning_content"}, field_name: m["reasoning_content"]}
+                if m.get("role") == "assistant" and m.get("reasoning_content") is not None
+                else m
+                for m in messages
+            ]
         if not self.fmt.tool_args_mapping:
             return messages
         out = []
@@ -108,8 +119,11 @@ class TargetTokens:
         """
         try:
             out = self.tok.apply_chat_template(
-                self._template_messages(messages), tools=tools or None, add_generation_prompt=add_generation_prompt,
-                tokenize=False, **self.kwargs,
+                self._template_messages(messages),
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **self.kwargs,
             )
         except Exception as exc:  # jinja TemplateError (raise_exception), bad roles, missing keys
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}", "prompt_render_failed") from exc
@@ -125,7 +139,10 @@ class TargetTokens:
         """Prompt token ids via ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``, normalised."""
         try:
             out = self.tok.apply_chat_template(
-                self._template_messages(messages), tools=tools or None, add_generation_prompt=True, tokenize=True,
+                self._template_messages(messages),
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=True,
                 **self.kwargs,
             )
         except Exception as exc:
@@ -151,8 +168,9 @@ class TargetTokens:
             return []
         backend = self._backend()
         if backend is not None:
-            return backend.decode_batch([s if isinstance(s, list) else list(s) for s in seqs],
-                                        skip_special_tokens=False)
+            return backend.decode_batch(
+                [s if isinstance(s, list) else list(s) for s in seqs], skip_special_tokens=False
+            )
         return self.tok.batch_decode(seqs, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _backend(self):
@@ -174,17 +192,17 @@ class TargetTokens:
         if not f.think_open or self.think_open_id is None:
             return "none", ""
         start = max((prompt_text.rfind(n) for n in self.boundary_names), default=-1)
-        tail = prompt_text[max(start, 0):]
+        tail = prompt_text[max(start, 0) :]
         o = tail.rfind(f.think_open)
         if o < 0:
             c = tail.rfind(f.think_close) if f.think_close else -1
             if c >= 0:  # only the end marker: the prompt closed a think block it never opened (DeepSeek-V3.1 off)
-                return "closed", tail[c + len(f.think_close):]
+                return "closed", tail[c + len(f.think_close) :]
             return "none", ""
         c = tail.find(f.think_close, o)
         if c < 0:
-            return "open", tail[o + len(f.think_open):]
-        return "closed", tail[c + len(f.think_close):]
+            return "open", tail[o + len(f.think_open) :]
+        return "closed", tail[c + len(f.think_close) :]
 
     def completion_segments(
         self,
@@ -209,8 +227,17 @@ class TargetTokens:
         """
         f = self.fmt
         if f.layout in LAYOUT_WRITERS:
-            return _merge(LAYOUT_WRITERS[f.layout](self, reasoning, content, tool_calls, prompt_text,
-                                                   prior_tool_calls=prior_tool_calls, truncated=truncated))
+            return _merge(
+                LAYOUT_WRITERS[f.layout](
+                    self,
+                    reasoning,
+                    content,
+                    tool_calls,
+                    prompt_text,
+                    prior_tool_calls=prior_tool_calls,
+                    truncated=truncated,
+                )
+            )
         r = reasoning or ""
         c = content or ""
         state, trailing = self.think_state(prompt_text) if f.reasoning else ("none", "")
@@ -218,45 +245,65 @@ class TargetTokens:
         if tool_calls and f.extra.get("tool_calls_unsupported"):
             raise TemplateError(f.extra["tool_calls_unsupported"], "tool_calls_unsupported")
         if tool_calls and truncated:
-            raise TemplateError("a cut reply (finish_reason length) with parsed tool calls: where the target stopped "
-                                "inside its tool-call section is unknown", "truncated_tool_call")
+            raise TemplateError(
+                "a cut reply (finish_reason length) with parsed tool calls: where the target stopped "
+                "inside its tool-call section is unknown",
+                "truncated_tool_call",
+            )
         segs: list[tuple[str, bool]] = []
         if f.reasoning and not thinking and state == "none" and f.think_in_prompt:
             if r.strip():
-                raise TemplateError(f"response has reasoning but family {f.name!r} does not think after this prompt "
-                                    "(it opens no think block)", "unexpected_reasoning")
+                raise TemplateError(
+                    f"response has reasoning but family {f.name!r} does not think after this prompt "
+                    "(it opens no think block)",
+                    "unexpected_reasoning",
+                )
             segs.append((c, False))
         elif f.reasoning:
             if state == "closed" and r.strip():
-                raise TemplateError("response has reasoning but the prompt closed the think block (thinking off)",
-                                    "unexpected_reasoning")
+                raise TemplateError(
+                    "response has reasoning but the prompt closed the think block (thinking off)",
+                    "unexpected_reasoning",
+                )
             if thinking and not r.strip() and not empty_think_block(reasoning, content, tool_calls):
                 raise TemplateError(
                     f"target family {f.name!r} thinks after this prompt but the reply has no reasoning: it was hidden "
                     "(e.g. OpenRouter reasoning.exclude) or returned inside the content without its markers, where "
-                    "it can't be told from the answer", "missing_reasoning")
+                    "it can't be told from the answer",
+                    "missing_reasoning",
+                )
             cut_in_reasoning = truncated and thinking and not c
             if f.layout == "qwen":  # Qwen3 template / DeepSeek-R1 output: <think>\n r \n</think>\n\n c
                 if cut_in_reasoning:
                     segs += [(f.think_open, True), ("\n" + r.lstrip("\n"), False)]
                 else:
-                    segs += [(f.think_open, True), ("\n" + r.strip("\n") + "\n", False), (f.think_close, True),
-                             ("\n\n" + c.lstrip("\n"), False)]
+                    segs += [
+                        (f.think_open, True),
+                        ("\n" + r.strip("\n") + "\n", False),
+                        (f.think_close, True),
+                        ("\n\n" + c.lstrip("\n"), False),
+                    ]
             elif f.layout == "glm":
                 if cut_in_reasoning:
                     segs += [("\n", False), (f.think_open, True), (r.lstrip(), False)]
                 else:
                     body = c.lstrip() if truncated else c.strip()
-                    segs += [("\n", False), (f.think_open, True), (r.strip(), False), (f.think_close, True),
-                             (("\n" + body) if body else "", False)]
+                    segs += [
+                        ("\n", False),
+                        (f.think_open, True),
+                        (r.strip(), False),
+                        (f.think_close, True),
+                        (("\n" + body) if body else "", False),
+                    ]
             else:
                 segs += [(f.think_open, True), (r, False)]
                 if not cut_in_reasoning:
                     segs += [(f.think_close, True), (c, False)]
         else:
             if r.strip():
-                raise TemplateError(f"response has reasoning but target family {f.name!r} does not reason",
-                                    "unexpected_reasoning")
+                raise TemplateError(
+                    f"response has reasoning but target family {f.name!r} does not reason", "unexpected_reasoning"
+                )
             segs.append((c, False))
         if f.tool_format in TOOL_WRITERS:
             if segs and not segs[-1][1]:
@@ -273,21 +320,24 @@ class TargetTokens:
     def _cut_prompt_part(self, segs, marker: str, trailing: str):
         """Drop the segments up to and including ``marker`` and the prompt's ``trailing`` text after it."""
         k = next(i for i, (t, s) in enumerate(segs) if s and t == marker)
-        rest = segs[k + 1:]
+        rest = segs[k + 1 :]
         if trailing:
             first = next((i for i, (t, s) in enumerate(rest) if s or t), None)
             if first is None or rest[first][1]:
-                raise TemplateError(f"prompt ends with {trailing!r} after {marker}; the completion can't follow it",
-                                    "template_mismatch")
+                raise TemplateError(
+                    f"prompt ends with {trailing!r} after {marker}; the completion can't follow it", "template_mismatch"
+                )
             text = rest[first][0]
             if text.startswith(trailing):
-                text = text[len(trailing):]
+                text = text[len(trailing) :]
             elif trailing.strip():
-                raise TemplateError(f"prompt ends with {trailing!r} after {marker}; the completion starts "
-                                    f"{text[:20]!r}", "template_mismatch")
+                raise TemplateError(
+                    f"prompt ends with {trailing!r} after {marker}; the completion starts {text[:20]!r}",
+                    "template_mismatch",
+                )
             else:  # whitespace the prompt already holds (e.g. DeepSeek-R1 "<think>\n"): not repeated
                 text = text.lstrip(trailing)
-            rest = rest[:first] + [(text, False)] + rest[first + 1:]
+            rest = rest[:first] + [(text, False)] + rest[first + 1 :]
         return rest
 
     def _tool_segments(self, tool_calls: list[dict], content: str, prior: int) -> list[tuple[str, bool]]:
@@ -299,8 +349,13 @@ class TargetTokens:
                 call_id = call.get("id") or ""
                 if not _KIMI_CALL_ID.match(call_id):  # provider ids ("call_abc") are not what Kimi emitted
                     call_id = f"functions.{fn.get('name', '')}:{prior + i}"
-                segs += [("<|tool_call_begin|>", True), (call_id, False), ("<|tool_call_argument_begin|>", True),
-                         (_args_text(fn.get("arguments", "")), False), ("<|tool_call_end|>", True)]
+                segs += [
+                    ("<|tool_call_begin|>", True),
+                    (call_id, False),
+                    ("<|tool_call_argument_begin|>", True),
+                    (_args_text(fn.get("arguments", "")), False),
+                    ("<|tool_call_end|>", True),
+                ]
             segs.append(("<|tool_calls_section_end|>", True))
             return segs
         if f.tool_format == "qwen":
@@ -309,8 +364,13 @@ class TargetTokens:
                 fn = call.get("function") or {}
                 if i > 0 or content:
                     text += "\n"
-                text += ('<tool_call>\n{"name": "' + str(fn.get("name", "")) + '", "arguments": '
-                         + _args_text(fn.get("arguments", {})) + "}\n</tool_call>")
+                text += (
+                    '<tool_call>\n{"name": "'
+                    + str(fn.get("name", ""))
+                    + '", "arguments": '
+                    + _args_text(fn.get("arguments", {}))
+                    + "}\n</tool_call>"
+                )
             return [(text, False)]
         if f.tool_format == "glm":
             text = ""
@@ -324,9 +384,16 @@ class TargetTokens:
             return [(text, False)]
         raise TemplateError(f"target family {f.name!r} has no tool-call format", "bad_tool_call")
 
-    def generic_completion(self, messages: list[dict], tools: list[dict] | None, prompt_text: str,
-                           reasoning: str | None, content: str | None, tool_calls: list[dict] | None,
-                           truncated: bool = False) -> str:
+    def generic_completion(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        prompt_text: str,
+        reasoning: str | None,
+        content: str | None,
+        tool_calls: list[dict] | None,
+        truncated: bool = False,
+    ) -> str:
         """Completion text for the ``generic`` family: full render minus prompt render, cut after end-of-turn.
 
         Raises :class:`TemplateError` with reason ``template_not_prefix`` (the prompt render is not a prefix of
@@ -343,18 +410,22 @@ class TargetTokens:
             i = next((k for k, (a, b) in enumerate(zip(full, prompt_text)) if a != b), min(len(full), len(prompt_text)))
             raise TemplateError(
                 f"prompt render is not a prefix of the full render (differs at char {i}: "
-                f"{prompt_text[i:i + 30]!r} vs {full[i:i + 30]!r})", "template_not_prefix")
-        comp = full[len(prompt_text):]
+                f"{prompt_text[i : i + 30]!r} vs {full[i : i + 30]!r})",
+                "template_not_prefix",
+            )
+        comp = full[len(prompt_text) :]
         end = comp.rfind(self.eot_name)
         if end < 0:
             raise TemplateError(f"full render has no {self.eot_name!r} after the prompt", "template_no_end_of_turn")
         comp = comp[:end] if truncated else comp[: end + len(self.eot_name)]
         if reasoning and reasoning.strip() and reasoning.strip() not in comp:
-            raise TemplateError("the chat template does not render the final turn's reasoning",
-                                "reasoning_dropped_by_template")
+            raise TemplateError(
+                "the chat template does not render the final turn's reasoning", "reasoning_dropped_by_template"
+            )
         if content and content.strip() and content.strip() not in comp:
-            raise TemplateError("the chat template does not render the final turn's content",
-                                "content_dropped_by_template")
+            raise TemplateError(
+                "the chat template does not render the final turn's content", "content_dropped_by_template"
+            )
         return comp
 
 

@@ -43,10 +43,10 @@ def split_output_ids(target, output_ids: list[int], state: str = "none") -> tupl
     if target.fmt.reasoning and close is not None:
         if close in ids:
             j = ids.index(close)
-            pre, ids = ids[:j], ids[j + 1:]
-            r_ids = pre[pre.index(open_) + 1:] if open_ in pre else pre
+            pre, ids = ids[:j], ids[j + 1 :]
+            r_ids = pre[pre.index(open_) + 1 :] if open_ in pre else pre
         elif open_ in ids[:2] or state == "open":
-            r_ids = ids[ids.index(open_) + 1:] if open_ in ids[:2] else ids
+            r_ids = ids[ids.index(open_) + 1 :] if open_ in ids[:2] else ids
             ids = []
     if r_ids is None:
         return None, target.decode_batch([ids])[0] if ids else ""

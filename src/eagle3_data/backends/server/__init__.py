@@ -48,11 +48,22 @@ The package's modules: :mod:`.process` (the command, its environment, the ready 
 
 from __future__ import annotations
 
-from .process import (LocalServer, ServerLaunchError, free_port, is_vllm, launch_python, launch_server,
-                      server_env)
-from .shared import (DEFAULT_IDLE_TIMEOUT_S, SharedServer, main, registry_key, shared_server, stop_run_servers,
-                     supervise)
+from .process import LocalServer, ServerLaunchError, free_port, is_vllm, launch_python, launch_server, server_env
+from .shared import DEFAULT_IDLE_TIMEOUT_S, SharedServer, main, registry_key, shared_server, stop_run_servers, supervise
 
-__all__ = ["DEFAULT_IDLE_TIMEOUT_S", "LocalServer", "ServerLaunchError", "SharedServer", "free_port", "is_vllm",
-           "launch_python", "launch_server", "main", "registry_key", "server_env", "shared_server",
-           "stop_run_servers", "supervise"]
+__all__ = [
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "LocalServer",
+    "ServerLaunchError",
+    "SharedServer",
+    "free_port",
+    "is_vllm",
+    "launch_python",
+    "launch_server",
+    "main",
+    "registry_key",
+    "server_env",
+    "shared_server",
+    "stop_run_servers",
+    "supervise",
+]

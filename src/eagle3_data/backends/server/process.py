@@ -30,8 +30,9 @@ class ServerLaunchError(ExpectedFailure):
     """The server exited or did not become ready; the message has the command and its log's last lines."""
 
     def __init__(self, message: str, hint: str | None = None):
-        super().__init__(message, hint or "fix the backend's launch: settings (command, python, gpus) and rerun "
-                                          "the same command")
+        super().__init__(
+            message, hint or "fix the backend's launch: settings (command, python, gpus) and rerun the same command"
+        )
 
 
 def free_port() -> int:
@@ -78,14 +79,18 @@ def launch_python(launch: dict) -> tuple[str, Path | None]:
         for name in ("python", "python3"):
             if (p / "bin" / name).exists():
                 return str((p / "bin" / name).absolute()), (p / "bin").absolute()
-        raise ServerLaunchError(f"launch.python: {spec} is a directory without bin/python",
-                                hint="point it at the environment's interpreter or its prefix (the directory "
-                                     "holding bin/python), e.g. the venv created from envs/sglang-gpu.txt")
+        raise ServerLaunchError(
+            f"launch.python: {spec} is a directory without bin/python",
+            hint="point it at the environment's interpreter or its prefix (the directory "
+            "holding bin/python), e.g. the venv created from envs/sglang-gpu.txt",
+        )
     if p.is_file() and os.access(p, os.X_OK):
         return str(p.absolute()), p.absolute().parent
-    raise ServerLaunchError(f"launch.python: {spec} does not exist",
-                            hint="create the server's environment first (docs/environments.md), or leave "
-                                 "launch.python out to use the workflow's own interpreter")
+    raise ServerLaunchError(
+        f"launch.python: {spec} does not exist",
+        hint="create the server's environment first (docs/environments.md), or leave "
+        "launch.python out to use the workflow's own interpreter",
+    )
 
 
 def _format_command(launch: dict, model: str, port: int) -> list[str]:
@@ -112,8 +117,10 @@ def _format_command(launch: dict, model: str, port: int) -> list[str]:
         if host is not None and host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"launch command binds {host!r}: a local server must listen on 127.0.0.1 only")
     if is_vllm(argv) and not any(a in ("--host", "--bind") or a.startswith("--host=") for a in argv):
-        raise ValueError("launch command starts vLLM without --host: vLLM listens on every interface unless told; "
-                         "add --host 127.0.0.1")
+        raise ValueError(
+            "launch command starts vLLM without --host: vLLM listens on every interface unless told; "
+            "add --host 127.0.0.1"
+        )
     return argv
 
 
@@ -149,12 +156,28 @@ def _ready_url(launch: dict, port: int) -> str:
 
 
 def _popen(argv: list[str], env: dict, logf) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True, preexec_fn=_set_pdeathsig)
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_set_pdeathsig,
+    )
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, timeout: float, *, name: str, argv: list[str], log_path: Path,
-                offset: int = 0, stop=None) -> float:
+def _wait_ready(
+    proc: subprocess.Popen,
+    url: str,
+    timeout: float,
+    *,
+    name: str,
+    argv: list[str],
+    log_path: Path,
+    offset: int = 0,
+    stop=None,
+) -> float:
     """Poll ``url`` until HTTP 200; return the seconds it took. Raises :class:`ServerLaunchError` (with the log's
     last lines from ``offset``) when the process exits first or ``timeout`` passes; ``stop()`` true aborts."""
     t0 = time.monotonic()
@@ -163,7 +186,8 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float, *, name: str, 
             if proc.poll() is not None:
                 raise ServerLaunchError(
                     f"local server {name} exited with code {proc.returncode} before it was ready "
-                    f"(command: {shlex.join(argv)}); last lines of {log_path}:\n{_tail(log_path, offset=offset)}")
+                    f"(command: {shlex.join(argv)}); last lines of {log_path}:\n{_tail(log_path, offset=offset)}"
+                )
             try:
                 if client.get(url).status_code == 200:
                     return time.monotonic() - t0
@@ -173,7 +197,8 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float, *, name: str, 
                 raise ServerLaunchError(
                     f"local server {name} not ready at {url} after {timeout:.0f} s (command: {shlex.join(argv)}); "
                     f"last lines of {log_path}:\n{_tail(log_path, offset=offset)}",
-                    hint="raise launch.ready_timeout_s if the model needs longer to load, else fix launch.command")
+                    hint="raise launch.ready_timeout_s if the model needs longer to load, else fix launch.command",
+                )
             if stop is not None and stop():
                 raise ServerLaunchError(f"local server {name}: stopped while starting")
             time.sleep(0.2)
@@ -199,8 +224,15 @@ def _stop_group(proc: subprocess.Popen, grace: float) -> int | None:
 class LocalServer:
     """A started server process. Use :func:`launch_server` (a context manager) rather than this directly."""
 
-    def __init__(self, command: list[str], port: int, log_path: Path, proc: subprocess.Popen, grace_s: float,
-                 devices: list[str] | None = None):
+    def __init__(
+        self,
+        command: list[str],
+        port: int,
+        log_path: Path,
+        proc: subprocess.Popen,
+        grace_s: float,
+        devices: list[str] | None = None,
+    ):
         self.command = command
         self.port = port
         self.log_path = log_path
@@ -239,7 +271,9 @@ def _prepared(launch: dict, model: str, name: str) -> tuple[int, list[str]]:
 
 
 @contextlib.contextmanager
-def launch_server(launch: dict, model: str, log_path: str | os.PathLike, *, name: str = "server") -> Iterator[LocalServer]:
+def launch_server(
+    launch: dict, model: str, log_path: str | os.PathLike, *, name: str = "server"
+) -> Iterator[LocalServer]:
     """Start the ``launch`` command for this ``with`` block: wait until ``ready_path`` answers 200, yield, always
     stop it.
 
@@ -256,15 +290,24 @@ def launch_server(launch: dict, model: str, log_path: str | os.PathLike, *, name
     url = _ready_url(launch, port)
     grace = float(launch.get("stop_grace_s") or 20)
     env = server_env(launch)
-    with gpu_devices(int(launch.get("gpus") or 0), env=env, timeout_s=float(launch.get("ready_timeout_s") or 300)) as devs:
-        logger.info("starting local server %s on 127.0.0.1:%d (log: %s%s): %s", name, port, log_path,
-                    f"; GPUs {','.join(devs)}" if devs else "", shlex.join(argv))
+    with gpu_devices(
+        int(launch.get("gpus") or 0), env=env, timeout_s=float(launch.get("ready_timeout_s") or 300)
+    ) as devs:
+        logger.info(
+            "starting local server %s on 127.0.0.1:%d (log: %s%s): %s",
+            name,
+            port,
+            log_path,
+            f"; GPUs {','.join(devs)}" if devs else "",
+            shlex.join(argv),
+        )
         with open(log_path, "wb") as logf:  # one log per launch: an error excerpt never shows an older run
             proc = _popen(argv, env, logf)
         server = LocalServer(argv, port, log_path, proc, grace, devs)
         try:
-            took = _wait_ready(proc, url, float(launch.get("ready_timeout_s") or 300), name=name, argv=argv,
-                               log_path=log_path)
+            took = _wait_ready(
+                proc, url, float(launch.get("ready_timeout_s") or 300), name=name, argv=argv, log_path=log_path
+            )
             logger.info("local server %s ready in %.1f s (pid %d)", name, took, proc.pid)
             yield server
         finally:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .process import ServerLaunchError, _popen, _prepared, _ready_url, _stop_group, _tail, _wait_ready, \
-    server_env
+from .process import ServerLaunchError, _popen, _prepared, _ready_url, _stop_group, _tail, _wait_ready, server_env
 
 logger = logging.getLogger("eagle3_data.server")
 
@@ -87,8 +86,9 @@ def _flock(path: Path, kind: int, *, blocking: bool = True) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def shared_server(launch: dict, model: str, *, name: str, run, log_path: str | os.PathLike,
-                  wait_log_s: float = 10.0) -> Iterator[SharedServer]:
+def shared_server(
+    launch: dict, model: str, *, name: str, run, log_path: str | os.PathLike, wait_log_s: float = 10.0
+) -> Iterator[SharedServer]:
     """Attach to the run's server for this backend, starting it if it is not running; yield it while holding a lease.
 
     Concurrent callers (generate jobs) serialise on the registry lock: the first starts the server (through a
@@ -112,50 +112,82 @@ def shared_server(launch: dict, model: str, *, name: str, run, log_path: str | o
                 logged = True
                 logger.info("backend %s: waited %.0f s for the server registry", name, time.monotonic() - t_wait)
             entry = _read_json(entry_path)
-            if entry and entry.get("state") == "stopping" and _pid_alive(entry.get("supervisor_pid"),
-                                                                         entry.get("supervisor_start")):
+            if (
+                entry
+                and entry.get("state") == "stopping"
+                and _pid_alive(entry.get("supervisor_pid"), entry.get("supervisor_start"))
+            ):
                 stopping = True  # being stopped (idle): wait, without the lock, for it to be gone, then start anew
-            elif not (entry and entry.get("state") in ("starting", "ready")
-                      and _pid_alive(entry.get("supervisor_pid"), entry.get("supervisor_start"))):
+            elif not (
+                entry
+                and entry.get("state") in ("starting", "ready")
+                and _pid_alive(entry.get("supervisor_pid"), entry.get("supervisor_start"))
+            ):
                 port, argv = _prepared(launch, model, name)
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 # the environment goes to the supervisor's process, not into the spec file (it may hold API keys)
-                spec = {"name": name, "argv": argv, "port": port, "url": _ready_url(launch, port),
-                        "ready_timeout_s": float(launch.get("ready_timeout_s") or 300),
-                        "stop_grace_s": float(launch.get("stop_grace_s") or 20),
-                        "gpus": int(launch.get("gpus") or 0),
-                        "idle_timeout_s": float(launch.get("idle_timeout_s") or DEFAULT_IDLE_TIMEOUT_S),
-                        "owner": str(run.owner), "entry": str(entry_path), "lock": str(lock_path),
-                        "lease": str(lease_path), "log": str(log_path.absolute())}
+                spec = {
+                    "name": name,
+                    "argv": argv,
+                    "port": port,
+                    "url": _ready_url(launch, port),
+                    "ready_timeout_s": float(launch.get("ready_timeout_s") or 300),
+                    "stop_grace_s": float(launch.get("stop_grace_s") or 20),
+                    "gpus": int(launch.get("gpus") or 0),
+                    "idle_timeout_s": float(launch.get("idle_timeout_s") or DEFAULT_IDLE_TIMEOUT_S),
+                    "owner": str(run.owner),
+                    "entry": str(entry_path),
+                    "lock": str(lock_path),
+                    "lease": str(lease_path),
+                    "log": str(log_path.absolute()),
+                }
                 spec_path = reg / f"{key}.spec.json"
                 _write_json(spec_path, spec)
                 entry_path.unlink(missing_ok=True)
-                logger.info("starting local server %s on 127.0.0.1:%d for this run (log: %s): %s", name, port,
-                            log_path, shlex.join(argv))
+                logger.info(
+                    "starting local server %s on 127.0.0.1:%d for this run (log: %s): %s",
+                    name,
+                    port,
+                    log_path,
+                    shlex.join(argv),
+                )
                 with open(log_path, "ab") as logf:
-                    sup = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, "supervise", str(spec_path)],
-                                           stdin=subprocess.DEVNULL, stdout=logf,
-                                           stderr=subprocess.STDOUT, start_new_session=True, env=server_env(launch))
+                    sup = subprocess.Popen(
+                        [sys.executable, "-c", _SUPERVISOR, "supervise", str(spec_path)],
+                        stdin=subprocess.DEVNULL,
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env=server_env(launch),
+                    )
                 started = True
                 entry = None
                 while True:  # wait for the supervisor's verdict, holding the lock: other jobs attach afterwards
                     entry = _read_json(entry_path)
-                    if entry and entry.get("supervisor_pid") == sup.pid and entry.get("state") in ("ready",
-                                                                                                     "failed"):
+                    if entry and entry.get("supervisor_pid") == sup.pid and entry.get("state") in ("ready", "failed"):
                         break
                     if sup.poll() is not None:
                         entry = _read_json(entry_path) or {}
                         if entry.get("state") != "ready":
-                            entry = {"state": "failed", "error": entry.get("error") or (
-                                f"local server {name}: its supervisor exited with code {sup.returncode}; last "
-                                f"lines of {log_path}:\n{_tail(log_path)}")}
+                            entry = {
+                                "state": "failed",
+                                "error": entry.get("error")
+                                or (
+                                    f"local server {name}: its supervisor exited with code {sup.returncode}; last "
+                                    f"lines of {log_path}:\n{_tail(log_path)}"
+                                ),
+                            }
                         break
                     time.sleep(0.2)
                 if entry.get("state") != "ready":
                     raise ServerLaunchError(entry.get("error") or f"local server {name} did not start")
-                logger.info("local server %s ready in %.1f s (pid %s%s)", name, entry.get("ready_s", 0.0),
-                            entry.get("server_pid"),
-                            f", GPUs {','.join(entry['devices'])}" if entry.get("devices") else "")
+                logger.info(
+                    "local server %s ready in %.1f s (pid %s%s)",
+                    name,
+                    entry.get("ready_s", 0.0),
+                    entry.get("server_pid"),
+                    f", GPUs {','.join(entry['devices'])}" if entry.get("devices") else "",
+                )
             else:
                 while entry.get("state") == "starting":  # its starter died while waiting: wait here instead
                     time.sleep(0.2)
@@ -164,16 +196,26 @@ def shared_server(launch: dict, model: str, *, name: str, run, log_path: str | o
                         entry = {"state": "failed", "error": f"local server {name}: its supervisor is gone"}
                 if entry.get("state") != "ready":
                     raise ServerLaunchError(entry.get("error") or f"local server {name} did not start")
-                logger.info("backend %s: attached to the run's local server on port %d (pid %s)", name,
-                            entry["port"], entry.get("server_pid"))
+                logger.info(
+                    "backend %s: attached to the run's local server on port %d (pid %s)",
+                    name,
+                    entry["port"],
+                    entry.get("server_pid"),
+                )
             if not stopping:
                 lease = os.open(lease_path, os.O_RDWR | os.O_CREAT, 0o644)
                 fcntl.flock(lease, fcntl.LOCK_SH)
                 break
         time.sleep(0.2)
     try:
-        yield SharedServer(name, int(entry["port"]), list(entry.get("devices") or []), started,
-                           int(entry["supervisor_pid"]), Path(entry.get("log") or log_path))
+        yield SharedServer(
+            name,
+            int(entry["port"]),
+            list(entry.get("devices") or []),
+            started,
+            int(entry["supervisor_pid"]),
+            Path(entry.get("log") or log_path),
+        )
     finally:
         os.close(lease)
 
@@ -198,7 +240,9 @@ def stop_run_servers(run_dir: str | os.PathLike, timeout_s: float = 60.0) -> lis
     t0 = time.monotonic()
     for e, p in waiting:
         grace = float(e.get("stop_grace_s") or 20)
-        while _pid_alive(e.get("supervisor_pid"), e.get("supervisor_start")) and time.monotonic() - t0 < max(timeout_s, grace + 15):
+        while _pid_alive(e.get("supervisor_pid"), e.get("supervisor_start")) and time.monotonic() - t0 < max(
+            timeout_s, grace + 15
+        ):
             time.sleep(0.1)
         if _pid_alive(e.get("supervisor_pid"), e.get("supervisor_start")):  # a wedged supervisor: kill both groups
             for pid in (e.get("server_pid"), e.get("supervisor_pid")):
@@ -229,8 +273,14 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    me = {"name": name, "supervisor_pid": os.getpid(), "supervisor_start": process_start(os.getpid()),
-          "port": spec["port"], "log": spec["log"], "stop_grace_s": spec["stop_grace_s"]}
+    me = {
+        "name": name,
+        "supervisor_pid": os.getpid(),
+        "supervisor_start": process_start(os.getpid()),
+        "port": spec["port"],
+        "log": spec["log"],
+        "stop_grace_s": spec["stop_grace_s"],
+    }
 
     def entry(**kw) -> None:
         me.update(kw)
@@ -252,8 +302,16 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
                 proc = _popen(spec["argv"], env, sys.stdout)
                 entry(server_pid=proc.pid, devices=devs)
                 try:
-                    took = _wait_ready(proc, spec["url"], spec["ready_timeout_s"], name=name, argv=spec["argv"],
-                                       log_path=Path(spec["log"]), offset=log_offset, stop=lambda: stop["why"])
+                    took = _wait_ready(
+                        proc,
+                        spec["url"],
+                        spec["ready_timeout_s"],
+                        name=name,
+                        argv=spec["argv"],
+                        log_path=Path(spec["log"]),
+                        offset=log_offset,
+                        stop=lambda: stop["why"],
+                    )
                 except ServerLaunchError as exc:
                     entry(state="failed", error=exc.message)
                     say(f"failed: {exc.message.splitlines()[0]}")
