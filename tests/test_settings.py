@@ -157,12 +157,12 @@ def test_settings_are_frozen():
 
 #: the stage entry points the scripts call, and the settings class whose values they must not restate
 def _entry_points():
-    from eagle3_data import export, merge, normalize, plan, tiny_target, tokenize, validate, vocab
+    from eagle3_data import export, merge, normalize, plan, tiny_target, tokens, validate, vocab
     from eagle3_data.extract import stage
 
     return [
         (normalize.normalize, st.NormalizeSettings),
-        (tokenize.tokenize, st.TokenizeSettings),
+        (tokens.tokenize, st.TokenizeSettings),
         (validate.validate, st.ValidateSettings),
         (merge.merge, st.MergeSettings),
         (stage.extract_states, st.ExtractSettings),
