@@ -30,7 +30,7 @@ import json
 import random
 from pathlib import Path
 
-from eagle3_data.io import write_text
+from eagle3_data.files import write_text
 from eagle3_data.tiny_target import build_tokenizer
 
 N_CLEAN = 23

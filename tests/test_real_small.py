@@ -165,13 +165,15 @@ def test_hidden_states_are_the_real_models(run):
             f.get_tensor("sample_offsets"),
         )
         assert json.loads(f.metadata()["layers"]) == layers
+        assert f.metadata()["final_norm"] == "both" and f.metadata()["norm_formula"] == "llama"  # LlamaRMSNorm
     assert aux.dtype == torch.float32 and tuple(aux.shape) == (int(offsets[-1]), 3 * 576)
     r = sel[0]
     with torch.inference_mode():
         hs = model(input_ids=torch.tensor([r["input_ids"]]), output_hidden_states=True).hidden_states
     a, fin = aux[offsets[0] : offsets[1]], final[offsets[0] : offsets[1]]
     torch.testing.assert_close(a, torch.cat([hs[i + 1][0] for i in layers], -1), atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(fin, hs[-1][0], atol=2e-3, rtol=2e-3)
+    with torch.inference_mode():  # stored before the final norm (final_norm: both): the model's own norm of it
+        torch.testing.assert_close(model.get_decoder().norm(fin), hs[-1][0], atol=2e-3, rtol=2e-3)
     files = sorted((run / "results/export/specforge").rglob("data_*.ckpt"))
     assert len(files) == manifest["totals"]["samples"]
 
