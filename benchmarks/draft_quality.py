@@ -1,7 +1,7 @@
 """Does the data train a drafter, and what does regenerating buy? Two EAGLE-3 drafters trained on this build's
 files, scored on the same on-policy held-out split.
 
-    python benchmarks/draft_quality.py            # default size: every bundled prompt, 400 steps (~25 min on 2 cores)
+    python benchmarks/draft_quality.py            # default size: every bundled prompt, 400 steps (~21 min on 2 free cores)
     python benchmarks/draft_quality.py --toy      # CI size (a few prompts per domain, a few steps)
     python benchmarks/draft_quality.py --keep DIR # keep the build's work directory (results/, cache/) in DIR
 
