@@ -64,7 +64,7 @@ onstart:
     run_state.begin(CACHE_DIR)  # the run's state: here, not at parse time, so a dry run or --lint changes nothing
     run_state.on_start(CACHE_DIR)
     start_run_view()
-    # a worker per generate-job seat: generate jobs wait on their longest requests without a core (eagle3_data.run)
+    # a worker per generate-job seat: generate jobs wait on their longest requests without a core (eagle3_data.runtime.run)
     if SEATS:
         run_state.widen_local_workers(workflow, GENERATE_JOBS)
 

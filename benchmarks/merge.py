@@ -139,7 +139,7 @@ def parts(inputs: list[str], max_len: int = 8192) -> dict:
     DuckDB (its own thread count): the scan of both token lists (the floor every pass pays), md5 of each list
     as VARCHAR (the digests' per-row keys, the pre-numpy way), the supervised head ``list_sum(loss_mask[1:max_len])``
     on every row (the pre-numpy way), the whole ``merge_row_keys.sql`` query (the fallback); numpy: the same row
-    keys (:func:`eagle3_data.merge_row_keys.row_keys`, what the merge runs); the selections' rows as
+    keys (:func:`eagle3_data.merge.keys.row_keys`, what the merge runs); the selections' rows as
     ``merge_selection_rows.sql`` streams them (join + sort) vs read straight from the files (no writes in either).
     """
     import threading

@@ -43,7 +43,7 @@ def _check_config():
         if main and chosen:
             print(chosen, file=sys.stderr)
         if main:  # what would otherwise fail after paying: the target's tokenizer, draft vocab, launch.python, SLURM
-            from eagle3_data import prerun
+            from eagle3_data.runtime import prerun
 
             prerun.check_before_run(config, cache_dir=config.get("cache_dir", "cache"), workflow=workflow)
         if main and getattr(workflow, "check_envvars", True) and "--unlock" not in sys.argv:  # not --lint/--unlock
@@ -59,8 +59,8 @@ def _check_config():
 
 
 # A kill -9 left Snakemake's lock: say how to go on, in one line, before anything else (the config checks included);
-# a command the lock would stop ends there (eagle3_data.run.stale_lock_stops)
-from eagle3_data import run as run_state
+# a command the lock would stop ends there (eagle3_data.runtime.run.stale_lock_stops)
+from eagle3_data.runtime import run as run_state
 
 if (
     workflow.is_main_process
@@ -124,7 +124,7 @@ GENERATION_PROMPTS = (
 
 # The run's state (launched servers) lives under CACHE_DIR/runs/ and reaches the jobs through the environment: the
 # Snakefile's onstart begins it (so `snakemake -n` and --lint change nothing), its onsuccess/onerror hooks end it
-# (eagle3_data.run; imported above as run_state).
+# (eagle3_data.runtime.run; imported above as run_state).
 if workflow.remote_exec:  # a cluster job: the backends' max_concurrency is split over the jobs that use them
     os.environ.setdefault("EAGLE3_CONCURRENCY", "split")
 
@@ -295,17 +295,17 @@ def responses_files(datasets):
 
 
 def start_run_view():
-    """Snakefile ``onstart``: the run-wide generation view on the console (eagle3_data.runview)."""
+    """Snakefile ``onstart``: the run-wide generation view on the console (eagle3_data.runtime.runview)."""
     run = run_state.current()
     if run is not None and not workflow.non_local_exec:
-        from eagle3_data import runview
+        from eagle3_data.runtime import runview
 
         runview.start(config, run.dir)
 
 
 def print_run_summary(ok):
     """The run's last lines: per dataset done, failed, not sent, rejected, kept, cost and time."""
-    from eagle3_data import runview
+    from eagle3_data.runtime import runview
     from eagle3_data.report import run_summary
 
     runview.stop()  # the live table's last state first, then the summary below it, not under a redrawn table

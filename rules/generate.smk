@@ -3,7 +3,7 @@
 # failed, killed or deleted target never pays for the same response twice.
 # A backend's max_concurrency holds over all generate jobs on one machine, of every run (shared request slots), so
 # every shard can be in flight at once; a launched server is started once per run and shared by every job that
-# needs it (eagle3_data.run, eagle3_data.backends.server). Rule forecast_pilot (rules/forecast.smk) is this rule with
+# needs it (eagle3_data.runtime.run, eagle3_data.backends.server). Rule forecast_pilot (rules/forecast.smk) is this rule with
 # its own outputs and pilot size.
 import functools
 
@@ -36,7 +36,7 @@ rule generate:
         "../envs/cpu.yaml"
     # an HTTP client waiting on its backends: it takes no core from --cores, so CPU stages keep running beside
     # it; how many run at once is the `generate_jobs` resource (profiles/default: 32; the run gives each a worker,
-    # eagle3_data.run.widen_local_workers), shared out over the backends in use (seat_resources, rules/common.smk)
+    # eagle3_data.runtime.run.widen_local_workers), shared out over the backends in use (seat_resources, rules/common.smk)
     threads: 0
     resources:
         **seat_resources(),

@@ -2,7 +2,7 @@
 # plus one selection per validated shard (its kept rows) for extraction. A checkpoint: after it runs, the
 # extract jobs are re-evaluated and only those whose selection digest changed run again. With merge.heldout > 0
 # the held-out set (never in the training shards) is one more output, results/merged/heldout.parquet; its rows
-# stay in the selections, so the held-out share changes no extraction (src/eagle3_data/merge.py).
+# stay in the selections, so the held-out share changes no extraction (src/eagle3_data/merge/__init__.py).
 
 
 checkpoint merge:

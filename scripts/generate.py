@@ -1,19 +1,19 @@
 """Rules generate (prompts shard -> responses shard through the dataset's backends, journaled in cache/) and
 forecast_pilot (rule generate with its own outputs: the shard's share of the forecast's pilot samples)."""
 
-from eagle3_data import startup
+from eagle3_data.generate import startup
 
-startup.acquire()  # one job per CPU core starts at a time, so the first requests leave early (eagle3_data.startup)
+startup.acquire()  # one job per CPU core starts at a time, so the first requests leave early (eagle3_data.generate.startup)
 
 import logging  # noqa: E402
 
-from eagle3_data import run as run_mod  # noqa: E402
+from eagle3_data.runtime import run as run_mod  # noqa: E402
 from eagle3_data.errors import in_workflow_run, run_stage  # noqa: E402
 from eagle3_data.generate import generate  # noqa: E402
 from eagle3_data.logs import setup_logging  # noqa: E402
 from eagle3_data.settings import GenerateSettings  # noqa: E402
 
-# inside a workflow run the console shows the run-wide view (eagle3_data.runview): this shard's progress lines,
+# inside a workflow run the console shows the run-wide view (eagle3_data.runtime.runview): this shard's progress lines,
 # warnings and summary go to its log file, only its one-line error to the console; the view counts its warnings by
 # reason. A job on another host than the run's (a cluster job: no view there) prints its warnings too.
 console = logging.ERROR if run_mod.current() is not None else logging.WARNING if in_workflow_run() else None

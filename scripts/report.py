@@ -4,7 +4,7 @@ from pathlib import Path
 
 from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging
-from eagle3_data.plots import write_plots
+from eagle3_data.report.plots import write_plots
 from eagle3_data.report import write_reports
 
 log = setup_logging(snakemake.log[0])

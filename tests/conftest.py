@@ -163,7 +163,7 @@ def demo_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def tokenizer_cache_dir(tmp_path_factory, monkeypatch) -> Path:
-    """Each test's own tokenizer cache (``EAGLE3_TOKENIZER_CACHE``, eagle3_data.tokenizer_cache), inherited by the
+    """Each test's own tokenizer cache (``EAGLE3_TOKENIZER_CACHE``, eagle3_data.templates.tokenizer_cache), inherited by the
     jobs it starts: a test sees the loader's warnings and the jobs' cold loads, whatever ran before it."""
     d = tmp_path_factory.mktemp("tokenizer-cache")
     os.chmod(d, 0o700)

@@ -13,7 +13,7 @@ from conftest import ROOT
 from eagle3_data import config as cfg
 from eagle3_data import settings as stage_settings
 from eagle3_data.settings import ExtractSettings, MergeSettings
-from eagle3_data import docgen
+from eagle3_data.config import docgen
 from eagle3_data.backends.limits import jobs_using
 
 SCHEMA = cfg.SCHEMA_PATH
@@ -203,7 +203,7 @@ def test_bad_value_error_names_the_key():
 def test_docs_config_reference_matches_the_schema():
     doc = (ROOT / "docs" / "config.md").read_text()
     schema = yaml.safe_load(SCHEMA.read_text())
-    assert docgen.with_generated_tables(doc, schema) == doc, "run: python -m eagle3_data.docgen"
+    assert docgen.with_generated_tables(doc, schema) == doc, "run: python -m eagle3_data.config.docgen"
     for key in ("merge.max_len", "backends.<name>.api_key_env", "datasets.<name>.source.format"):
         assert f"| `{key}` |" in doc
 
@@ -335,7 +335,7 @@ def test_every_config_key_says_what_its_change_reruns():
     assert cfg.reruns_of("datasets.<name>.generation.temperature") == "as generation.<key>, for that dataset only"
     assert "extract" in cfg.reruns_of("merge.max_len")
     doc = (ROOT / "docs" / "config.md").read_text()
-    assert docgen.reruns_table() in doc, "run: python -m eagle3_data.docgen"
+    assert docgen.reruns_table() in doc, "run: python -m eagle3_data.config.docgen"
 
 
 def test_rule_params_leave_out_transport_settings():

@@ -19,7 +19,7 @@ from test_generate import backends_cfg, gen_cfg, simple_convs, write_prompts  # 
 
 from eagle3_data import forecast as fc  # noqa: E402
 from eagle3_data.generate import generate, request_key  # noqa: E402
-from eagle3_data.journal import read_journal  # noqa: E402
+from eagle3_data.generate.journal import read_journal  # noqa: E402
 from eagle3_data.settings import TokenizeSettings  # noqa: E402
 from eagle3_data.tokens import tokenize  # noqa: E402
 
@@ -190,7 +190,7 @@ def test_prices_from_the_model_list_cached_then_config_then_unknown(tmp_path, fs
     assert rows and all(r["cost_usd"] is None for r in rows)
     per_request = sum(r["prompt_tokens"] * 3e-7 + r["completion_tokens"] * 5e-6 for r in rows) / len(rows)
     n = len(SHARDS) * N_PER_SHARD
-    fc._PRICE_CACHE.clear()
+    fc.prices._PRICE_CACHE.clear()
     d = _forecast(tmp_path, prompts, pilots, gen, bk, target)["datasets"]["ds"]
     assert d["usd"] == pytest.approx(n * per_request, rel=1e-9)
     assert d["cost_source"].startswith("OpenRouter model list")
@@ -198,7 +198,7 @@ def test_prices_from_the_model_list_cached_then_config_then_unknown(tmp_path, fs
     assert len(cached) == 1
     # fetched once: new prices on the server change nothing while the cached list is there
     fs.configure(price_in=1.0, price_out=1.0)
-    fc._PRICE_CACHE.clear()
+    fc.prices._PRICE_CACHE.clear()
     assert _forecast(tmp_path, prompts, pilots, gen, bk, target)["datasets"]["ds"]["usd"] == pytest.approx(d["usd"])
 
     # not OpenRouter: the config's price table (USD per million tokens), else unknown, naming the key to set

@@ -15,7 +15,7 @@ from fault_server import body_hash  # noqa: E402
 from eagle3_data import schemas  # noqa: E402
 from eagle3_data.generate import GenerationStopped, assistant_turns, generate, request_key  # noqa: E402
 from eagle3_data.files import write_parquet  # noqa: E402
-from eagle3_data.journal import read_journal  # noqa: E402
+from eagle3_data.generate.journal import read_journal  # noqa: E402
 
 ACCEPTANCE_FAULTS = {
     "p429": 0.10,

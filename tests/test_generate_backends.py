@@ -697,7 +697,7 @@ def test_journal_read_back_agrees_with_the_resume_index_on_rejected_records(tmp_
     """A record the resume index skips (a negative cost, written by hand or a foreign tool) must not reach the
     output through the arrow path either: its valid duplicate later in the journal is the one used."""
     from eagle3_data.generate import write_output
-    from eagle3_data.journal import read_journal
+    from eagle3_data.generate.journal import read_journal
 
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(12))
     run(tmp_path, fs, prompts, out="ref.parquet")

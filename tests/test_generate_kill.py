@@ -24,7 +24,7 @@ from fault_server import FaultServer, body_hash  # noqa: E402
 
 from eagle3_data import schemas  # noqa: E402
 from eagle3_data.files import write_parquet  # noqa: E402
-from eagle3_data.journal import journal_path, read_journal  # noqa: E402
+from eagle3_data.generate.journal import journal_path, read_journal  # noqa: E402
 
 N = 200
 CONC = 8

@@ -23,8 +23,8 @@ from eagle3_data.backends import BackendConfig  # noqa: E402
 from eagle3_data.backends.limits import HostSlots, host_slots, job_limit, jobs_using, sharing_mode  # noqa: E402
 from eagle3_data.errors import ExpectedFailure, Interrupted, format_failure  # noqa: E402
 from eagle3_data.generate import GenerationStopped  # noqa: E402
-from eagle3_data.journal import read_journal  # noqa: E402
-from eagle3_data.run import Owner, Run  # noqa: E402
+from eagle3_data.generate.journal import read_journal  # noqa: E402
+from eagle3_data.runtime.run import Owner, Run  # noqa: E402
 
 CHILD = r"""
 import json, sys
@@ -380,7 +380,7 @@ run_stage(work, log=log)
 def test_run_end_prints_one_interrupt_line_with_the_journal_count(tmp_path, monkeypatch, capsys):
     """The interrupt line is the run's last words: printed when the snakemake process exits (run.say_last), after
     Snakemake's closing lines; here printed at once (run._print_last_words)."""
-    from eagle3_data import run as run_mod
+    from eagle3_data.runtime import run as run_mod
 
     monkeypatch.setattr(run_mod, "_said", [True])  # no exit hook in the test process
 
@@ -468,7 +468,7 @@ def test_rejects_report_shows_the_error_text(tmp_path):
 
 
 WAITING_SNAKEFILE = """
-from eagle3_data import run as run_state
+from eagle3_data.runtime import run as run_state
 
 rule all:
     input: expand("out/{i}.txt", i=range(12))
@@ -635,8 +635,8 @@ def test_rate_limits_are_split_over_the_jobs_that_use_the_backend(monkeypatch):
 
 def test_a_stale_lock_stops_only_the_commands_that_take_the_lock():
     """After a kill -9 a build (or --report, --touch) stops at the hint, the only line it prints; a dry run, a lint,
-    --unlock, --nolock and the other modes without a lock print it and go on (eagle3_data.run.stale_lock_stops)."""
-    from eagle3_data.run import stale_lock_stops
+    --unlock, --nolock and the other modes without a lock print it and go on (eagle3_data.runtime.run.stale_lock_stops)."""
+    from eagle3_data.runtime.run import stale_lock_stops
 
     assert stale_lock_stops(["snakemake", "--cores", "2", "--configfile", "my.yaml"])
     assert stale_lock_stops(["snakemake", "--report", "report.html"])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3_data.journal import JournalError, JournalWriter, journal_path, read_journal
+from eagle3_data.generate.journal import JournalError, JournalWriter, journal_path, read_journal
 
 
 def rec(key: str, **kw) -> dict:
@@ -131,7 +131,7 @@ def test_records_with_values_no_responses_row_can_hold_are_bad_lines(tmp_path, c
         rec("ok2", prompt_tokens=2**31 - 1, completed_at=1.7e9),
     ]
     p.write_text("".join(json.dumps(r) + "\n" for r in bad[:5] + good + bad[5:]))
-    with caplog.at_level("WARNING", logger="eagle3_data.journal"):
+    with caplog.at_level("WARNING", logger="eagle3_data.generate.journal"):
         recs, stats = read_journal(tmp_path, "ds")
     assert sorted(recs) == ["ok1", "ok2"] and stats["bad_lines"] == len(bad) == 11
     assert "line 1: field 'completion_tokens' is '12', not a count" in caplog.text

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3_data import merge_row_keys as M
+from eagle3_data.merge import keys as M
 from eagle3_data import sql
 
 

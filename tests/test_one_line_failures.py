@@ -126,7 +126,7 @@ def test_a_json_array_that_is_not_utf8_names_the_file_and_line(tmp_path):
 
 
 def test_limits_dir_naming_a_file_is_one_line(tmp_path, fs, monkeypatch):
-    from eagle3_data.processes import Owner
+    from eagle3_data.runtime.processes import Owner
 
     f = tmp_path / "not-a-dir"
     f.write_text("x")

@@ -100,6 +100,57 @@ def test_no_module_is_named_like_a_standard_library_module_and_one_is_named_sett
     assert names.count("settings") == 1
 
 
+def private_imports(src: Path, package: str) -> list[str]:
+    """``module: name`` for each underscore name (not a dunder) that a module of the package imports from another of
+    its modules, or reads as an attribute of a package module it imported (``mod._name``)."""
+    found = []
+    for p in sorted((src / package).rglob("*.py")):
+        rel = p.relative_to(src).with_suffix("")
+        m = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        base_parts = m.split(".") if p.name == "__init__.py" else m.split(".")[:-1]
+        tree = ast.parse(p.read_text())
+        aliases = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom):
+                if n.level:
+                    b = ".".join(base_parts[: len(base_parts) - (n.level - 1)] + ([n.module] if n.module else []))
+                else:
+                    b = n.module or ""
+                if b != package and not b.startswith(package + "."):
+                    continue
+                for a in n.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{m}: {b}.{a.name}")
+                    aliases.add(a.asname or a.name)
+            elif isinstance(n, ast.Import):
+                aliases.update(a.asname for a in n.names if a.asname and a.name.startswith(package))
+        for n in ast.walk(tree):
+            if (
+                isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name)
+                and n.value.id in aliases
+                and n.attr.startswith("_")
+                and not n.attr.startswith("__")
+            ):
+                found.append(f"{m}: {n.value.id}.{n.attr}")
+    return found
+
+
+def test_the_private_name_finder_finds_one(tmp_path):
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def _f(): pass\ndef g(): pass\n__all__ = []\n")
+    (pkg / "b.py").write_text("from .a import _f, g, __all__\nfrom os import _exit\n")
+    (pkg / "c.py").write_text("from . import a\n\ndef h():\n    return a._f()\n")
+    assert private_imports(tmp_path, "p") == ["p.b: p.a._f", "p.c: a._f"]
+
+
+def test_no_module_uses_another_modules_private_name():
+    found = private_imports(SRC, "eagle3_data")
+    assert found == [], "\n".join(found)
+
+
 @pytest.mark.slow
 def test_a_plain_install_validates_a_config_from_another_directory(tmp_path):
     """``pip install .`` (not editable) into a folder of its own; from a directory outside the repository, the

@@ -15,9 +15,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_generate import backends_cfg, gen_cfg, run, simple_convs, write_prompts  # noqa: E402
 
-from eagle3_data import journal as journal_mod  # noqa: E402
+from eagle3_data.generate import journal as journal_mod  # noqa: E402
 from eagle3_data.generate import GenerationStopped  # noqa: E402
-from eagle3_data.journal import JournalWriteError, read_journal  # noqa: E402
+from eagle3_data.generate.journal import JournalWriteError, read_journal  # noqa: E402
 
 
 def _read_only(monkeypatch, root: Path) -> None:
@@ -172,7 +172,7 @@ def test_an_api_key_echoed_in_a_reply_is_never_stored(tmp_path, fs, monkeypatch,
 
 def test_short_keys_are_scrubbed_from_messages():
     from eagle3_data.backends.definition import BackendConfig
-    from eagle3_data.paid import scrub
+    from eagle3_data.backends.paid import scrub
 
     os.environ["E3D_SHORT_KEY"] = "abc12"
     try:
@@ -373,7 +373,7 @@ def test_a_key_in_a_source_prompt_is_a_named_reject_never_sent(tmp_path, fs, mon
     ],
 )
 def test_a_reply_names_the_model_asked_for_only_as_the_same_id_or_a_versioned_one(asked, replied, same):
-    from eagle3_data.paid import same_model
+    from eagle3_data.backends.paid import same_model
 
     assert same_model(asked, replied) is same
 

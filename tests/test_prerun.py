@@ -1,4 +1,4 @@
-"""Checks before any job runs (eagle3_data.prerun): a target without a loadable tokenizer or chat template, a draft
+"""Checks before any job runs (eagle3_data.runtime.prerun): a target without a loadable tokenizer or chat template, a draft
 vocabulary larger than the target's, a launch.python that does not exist, a SLURM account variable left unset.
 Each is one line naming the key, at parse time (a dry run too), before anything is paid for."""
 
@@ -13,7 +13,7 @@ import yaml
 
 from conftest import copy_workflow, snakemake_env
 
-from eagle3_data import prerun
+from eagle3_data.runtime import prerun
 from eagle3_data.config import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""Progress of a generate job (eagle3_data.progress): the line's text by value, a live bar on a terminal, plain
+"""Progress of a generate job (eagle3_data.generate.progress): the line's text by value, a live bar on a terminal, plain
 lines elsewhere."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from eagle3_data import progress
+from eagle3_data.generate import progress
 from eagle3_data.generate import JobState
 
 

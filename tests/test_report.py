@@ -619,7 +619,7 @@ def test_run_summary_says_how_many_failed_without_a_paid_reply_and_that_a_rerun_
     in Failed and says what sends them again."""
     import json
 
-    from eagle3_data import runview
+    from eagle3_data.runtime import runview
     from eagle3_data.generate import JobState
     from eagle3_data.report import run_summary, run_summary_rows
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import md_rows, run_snakemake
-from eagle3_data.plots import PLOT_FILES
+from eagle3_data.report.plots import PLOT_FILES
 from eagle3_data.report import REPORT_FILES, RULE_OUTPUTS
 from headless import Browser, find_chromium
 

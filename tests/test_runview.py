@@ -1,4 +1,4 @@
-"""The run-wide view (eagle3_data.runview) and the last screen from what a stopped or failed run journaled."""
+"""The run-wide view (eagle3_data.runtime.runview) and the last screen from what a stopped or failed run journaled."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3_data import runview
+from eagle3_data.runtime import runview
 from eagle3_data.report import run_summary, run_summary_rows
 
 
@@ -308,7 +308,7 @@ def test_a_failing_backend_shows_down_with_why_while_it_lasts(tmp_path):
 
     from rich.console import Console
 
-    from eagle3_data import progress
+    from eagle3_data.generate import progress
     from eagle3_data.backends.pool import Backend, BackendPool
     from eagle3_data.backends.definition import BackendConfig
 

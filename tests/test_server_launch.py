@@ -245,7 +245,7 @@ def test_launched_servers_and_extraction_get_distinct_gpus(tmp_path, monkeypatch
     on a 4-GPU machine get disjoint devices, an extraction job finds none free while they run, all after they stop."""
     from eagle3_data.backends.server import shared_server, stop_run_servers
     from eagle3_data.devices import gpu_devices
-    from eagle3_data.run import Owner, Run
+    from eagle3_data.runtime.run import Owner, Run
 
     fake_gpus(monkeypatch, tmp_path, 4)
     script = tmp_path / "srv.py"
@@ -273,7 +273,7 @@ def test_launched_servers_and_extraction_get_distinct_gpus(tmp_path, monkeypatch
 ATTACH = textwrap.dedent("""
     import json, sys
     from eagle3_data.backends.server import shared_server
-    from eagle3_data.run import Owner, Run
+    from eagle3_data.runtime.run import Owner, Run
     a = json.loads(sys.argv[1])
     run = Run(__import__("pathlib").Path(a["run"]), Owner.parse(a["owner"]))
     with shared_server(a["launch"], "m", name="local", run=run, log_path=a["log"]) as srv:
@@ -298,7 +298,7 @@ def _attach(tmp_path, launch, owner):
 
 def test_concurrent_jobs_attach_to_one_server_which_the_run_end_stops(tmp_path):
     from eagle3_data.backends.server import stop_run_servers
-    from eagle3_data.run import Owner
+    from eagle3_data.runtime.run import Owner
 
     launch = {"command": FAULT + " --startup-delay 1.5", "ready_path": "/health", "ready_timeout_s": 60}
     jobs = [_attach(tmp_path, launch, Owner.me()) for _ in range(4)]
@@ -325,7 +325,7 @@ def test_concurrent_jobs_attach_to_one_server_which_the_run_end_stops(tmp_path):
 
 def test_server_stops_when_the_run_owner_dies_or_idles(tmp_path):
     from eagle3_data.backends.server import shared_server
-    from eagle3_data.run import Owner, Run, process_start
+    from eagle3_data.runtime.run import Owner, Run, process_start
 
     owner_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
@@ -355,7 +355,7 @@ def test_server_stops_when_the_run_owner_dies_or_idles(tmp_path):
 
 def test_shared_server_that_fails_to_start_says_why(tmp_path):
     from eagle3_data.backends.server import shared_server
-    from eagle3_data.run import Owner, Run
+    from eagle3_data.runtime.run import Owner, Run
 
     run = Run(tmp_path / "run", Owner.me())
     with pytest.raises(ServerLaunchError, match="exited with code 3 before it was ready") as ei:
@@ -388,7 +388,7 @@ def test_an_idle_server_keeps_its_gpus_until_it_is_gone_and_no_job_attaches_whil
     that comes while it stops waits for it to be gone and starts a new one instead of attaching to it."""
     from eagle3_data.backends.server import shared_server, stop_run_servers
     from eagle3_data.devices import gpu_devices
-    from eagle3_data.run import Owner, Run
+    from eagle3_data.runtime.run import Owner, Run
 
     fake_gpus(monkeypatch, tmp_path, 2)
     script = tmp_path / "slow.py"

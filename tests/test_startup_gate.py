@@ -1,4 +1,4 @@
-"""The machine's start-up gate for generate jobs (eagle3_data.startup): at most ``slots`` processes hold it at once,
+"""The machine's start-up gate for generate jobs (eagle3_data.generate.startup): at most ``slots`` processes hold it at once,
 a dead holder's slot comes back, and a job waits at most ``max_wait_s``."""
 
 import subprocess
@@ -6,11 +6,11 @@ import sys
 import textwrap
 import time
 
-from eagle3_data import startup
+from eagle3_data.generate import startup
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from eagle3_data import startup
+    from eagle3_data.generate import startup
     ok = startup.acquire(2, directory=sys.argv[1], max_wait_s=float(sys.argv[2]))
     print("held" if ok else "ungated", flush=True)
     time.sleep(float(sys.argv[3]))

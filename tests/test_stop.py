@@ -40,7 +40,7 @@ def target_dir(tmp_path_factory):
     every test's cache so no run parses with a transformers import."""
     from tokenizer_fixtures import save_fixture
 
-    from eagle3_data import prerun
+    from eagle3_data.runtime import prerun
 
     d = tmp_path_factory.mktemp("target") / "qwen"
     save_fixture("qwen3", d)

@@ -1,4 +1,4 @@
-"""The on-disk cache of loaded target tokenizers (eagle3_data.tokenizer_cache): a second load of the same directory
+"""The on-disk cache of loaded target tokenizers (eagle3_data.templates.tokenizer_cache): a second load of the same directory
 comes from the cache and encodes and renders exactly like the first; an edited tokenizer file is a miss; the cache
 can be turned off, and a directory open to others is never read."""
 
@@ -8,7 +8,7 @@ import json
 import os
 
 import tokenizer_fixtures as F
-from eagle3_data import tokenizer_cache as tc
+from eagle3_data.templates import tokenizer_cache as tc
 from eagle3_data.templates import load_target_tokens
 
 TEXT = "Hello world, 2 + 2 = 4.\n\n  indented line\t東京 café <think>x</think>"

@@ -13,7 +13,7 @@ def setup_logging(
     attempt, so a rerun keeps the earlier attempts' lines) and stderr; return it.
 
     ``console_level``: the least level that reaches stderr (default: ``level``), e.g. WARNING for a generate job of
-    a workflow run, whose progress the run-wide view shows (:mod:`eagle3_data.runview`).
+    a workflow run, whose progress the run-wide view shows (:mod:`eagle3_data.runtime.runview`).
 
     Also installs a ``sys.excepthook`` so an uncaught error (with its traceback) lands in the job's log file.
     """
@@ -50,7 +50,7 @@ class WarningTally(logging.Handler):
     """Counts the warnings (and errors) that reach it by reason, into ``counts``: a record's ``reason`` (``extra=
     {"reason": ...}``), else ``"other"``; a record with ``tally=False`` is left out (counted elsewhere: a failed
     sample is in the job's ``failed`` counts). A generate job's counts go to the run-wide view
-    (:mod:`eagle3_data.runview`), which shows them per reason instead of a console line per warning; the text of
+    (:mod:`eagle3_data.runtime.runview`), which shows them per reason instead of a console line per warning; the text of
     each warning stays in the job's log file."""
 
     def __init__(self, counts: dict | None = None):

@@ -157,7 +157,7 @@ def original_answers(
     Raises ValueError naming the file and row when ``prompts_path`` is not a PROMPTS parquet or a row has a
     null ``sample_id``.
     """
-    from .generate.job import _cpu_s
+    from .generate.job import cpu_s
     from .generate.prompts import Sample, read_prompts, shard_share
     from .generate.runner import failed_row
 
@@ -234,7 +234,7 @@ def original_answers(
         "wall_s": round(time.monotonic() - t0, 3),
         "startup_s": None,
         "wrapup_s": None,
-        "cpu_s": _cpu_s(),
+        "cpu_s": cpu_s(),
     }
     log.info(
         "%s %d sample(s): %d answered from the source (%d row(s), mode %s), %d failed %s, %d over "

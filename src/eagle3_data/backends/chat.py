@@ -105,8 +105,8 @@ def build_body(
 def body_error(backend: BackendConfig, err, where: str) -> None:
     """Raise for an ``error`` inside a 200 body (``where``: ``""`` for the top level, ``"choices[0]."`` ...):
     :class:`FatalBackendError` for a 401/402 code, :class:`SampleError` ``http_<code>`` for a client error no
-    retry can fix (:func:`eagle3_data.paid.client_error`), else :class:`RetryableError` ``error_in_body``."""
-    from ..paid import client_error
+    retry can fix (:func:`eagle3_data.backends.paid.client_error`), else :class:`RetryableError` ``error_in_body``."""
+    from .paid import client_error
 
     code = err.get("code") if isinstance(err, dict) else None
     msg = str((err.get("message") if isinstance(err, dict) else str(err)) or err)
@@ -132,12 +132,12 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     system_fingerprint (the body's ``system_fingerprint``: the server's engine build, when it reports one).
     Raises :class:`RetryableError` for an unusable reply shape and errors inside the body, :class:`SampleError`
     ``http_<code>`` for a client error in the body (top level or any ``choices[i].error``) that no retry can fix
-    (:func:`eagle3_data.paid.client_error`), :class:`eagle3_data.paid.PaidReject` ``undecodable_reply`` for a body
+    (:func:`eagle3_data.backends.paid.client_error`), :class:`eagle3_data.backends.paid.PaidReject` ``undecodable_reply`` for a body
     that is not JSON (cut off: billed, so journaled raw once and never bought again).
     A valid JSON body holding bytes that are not UTF-8 is decoded with replacements (it was paid for): the count
     of replaced bytes is returned under ``_bad_bytes`` (the caller makes the sample a paid reject).
     """
-    from ..paid import undecodable_reply, decode_json
+    from .paid import undecodable_reply, decode_json
 
     try:
         data, bad_bytes = decode_json(content)

@@ -131,7 +131,7 @@ class BackendConfig:
                 "HTTP header can't carry (whitespace inside the key, non-ASCII or control characters)",
                 hint=f"set {self.api_key_env} to the key alone and rerun the same command",
             )
-        from ..paid import short_key_problem
+        from .paid import short_key_problem
 
         problem = short_key_problem(self.api_key_env, key)
         if problem:

@@ -11,7 +11,7 @@ Failure policy (OpenRouter's and SGLang's documented error codes):
 
 A sample whose retries ran out on a :class:`RetryableError` failed *without a paid reply* (:func:`unpaid_reason`):
 nothing was journaled for it, so a rerun sends it again; a :class:`SampleError` (a 4xx answer) and a paid reject
-(:mod:`eagle3_data.paid`) are final.
+(:mod:`eagle3_data.backends.paid`) are final.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every shard of every dataset on a backend can be in flight at once; what bounds them together is the backend's
 limit, not one job's share of it. How the limit is shared depends on where the jobs run (:func:`job_limit`):
 
-- ``host`` (the jobs of a workflow run on one machine, :mod:`eagle3_data.run`): one counting semaphore per backend
+- ``host`` (the jobs of a workflow run on one machine, :mod:`eagle3_data.runtime.run`): one counting semaphore per backend
   and machine, a System V semaphore set made with the backend's ``max_concurrency`` (:class:`HostSlots`) and
   named by the backend's identity (:func:`backend_identity`: its base URL, model and API key variable), not by
   the run: every run of the user on the machine, in one workdir or several, shares it, so runs together never

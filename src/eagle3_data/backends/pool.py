@@ -254,7 +254,7 @@ class Backend:
         )
 
     def trouble(self, now: float | None = None) -> str | None:
-        """Why the backend is not answering now, for the run-wide view (:mod:`eagle3_data.runview`): its ``down``
+        """Why the backend is not answering now, for the run-wide view (:mod:`eagle3_data.runtime.runview`): its ``down``
         reason once it is out, else, while every attempt (at least 3) of the last :data:`LIVE_DOWN_S` seconds or
         more ended in a backend fault, what it does, since when and the last error; None while it answers."""
         if self.down:
@@ -286,7 +286,7 @@ class Backend:
     async def send(self, payload: Payload, gate=None) -> dict:
         """POST one encoded request (:meth:`encode`) after the rate limits; return the parsed reply (RESPONSES fields,
         the same keys for every dialect) or raise Retryable/Sample/FatalBackendError (messages scrubbed), or
-        :class:`eagle3_data.paid.PaidReject` for a 200 reply that can't be read.
+        :class:`eagle3_data.backends.paid.PaidReject` for a 200 reply that can't be read.
 
         ``payload.est_tokens``: the request's estimated prompt + max_tokens, charged to ``tokens_per_minute``;
         ``gate``: called after the rate limits, just before the request goes out (it raises to stop it)."""

@@ -34,15 +34,8 @@ from __future__ import annotations
 from .validation import (  # noqa: F401
     ConfigError,
     MAX_LISTED_PROBLEMS,
-    _contains,
-    _dotted,
     key_paths,
-    _problems,
     resolve_ref,
-    _secret_path,
-    _short,
-    _source_of,
-    _validator,
     load_schema,
     validate_config,
 )
@@ -75,16 +68,12 @@ from .params import (  # noqa: F401
     SOURCE_DATA_KEYS,
     TARGET_DATA_KEYS,
     VALIDATE_DATA_KEYS,
-    _MANIFESTS,
     section,
     selection_digest,
 )
 from .reruns import (  # noqa: F401
     NOTHING,
     RERUNS,
-    _BELOW_MERGE,
-    _DS_CHAIN,
-    _GEN_CHAIN,
     reruns_of,
 )
 from .resources import (  # noqa: F401
@@ -94,8 +83,6 @@ from .resources import (  # noqa: F401
 )
 from .checks import (  # noqa: F401
     TINY_TARGET_FAMILY,
-    _check_template_kwargs,
-    _close_names,
     check_api_keys,
     check_config,
     check_layering,

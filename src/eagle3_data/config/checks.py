@@ -293,7 +293,7 @@ def pending_generation(config: dict, root: str | os.PathLike = ".") -> list[str]
 
 def check_api_keys(config: dict, dataset_names: Iterable[str], environ: Mapping[str, str] | None = None) -> None:
     """Every ``api_key_env`` of the backends that ``dataset_names`` generate with must be set (non-empty), to a
-    key of at least :data:`eagle3_data.paid.MIN_KEY_CHARS` characters.
+    key of at least :data:`eagle3_data.backends.paid.MIN_KEY_CHARS` characters.
 
     Raises :class:`ConfigError` naming each missing variable, the backend and datasets using it, and any set
     variable with a close name (a typo or another spelling); or a key too short. Never reads out a value.
@@ -303,7 +303,7 @@ def check_api_keys(config: dict, dataset_names: Iterable[str], environ: Mapping[
     for ds in dataset_names:
         for name in backends_config(config, ds):
             users.setdefault(name, []).append(ds)
-    from ..paid import short_key_problem
+    from ..backends.paid import short_key_problem
 
     lines = []
     for name, dss in users.items():

@@ -67,21 +67,15 @@ from .pilot_job import (  # noqa: F401
     pilot_sample_ids,
 )
 from .prices import (  # noqa: F401
-    _PRICE_CACHE,
-    _price_cache_path,
     backend_prices,
     openrouter_prices,
 )
 from .fits import (  # noqa: F401
-    _quantile,
     expected_longest,
     latency_fit,
     length_model,
 )
 from .estimate import (  # noqa: F401
-    _dataset_requests,
-    _pilot_rows,
-    _prompt_lengths,
     forecast_dataset,
 )
 from .simulation import (  # noqa: F401

@@ -54,7 +54,7 @@ def length_model(lengths: list[int], cap: int | None) -> dict:
     }
 
 
-def _quantile(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
     """The ``q`` quantile of ``xs`` (linear between order statistics, as numpy's default)."""
     s = sorted(xs)
     if not s:

@@ -3,7 +3,7 @@ pilot's lengths, latencies and failure rates."""
 
 from __future__ import annotations
 
-from .fits import _quantile, latency_fit, length_model
+from .fits import quantile, latency_fit, length_model
 
 
 #: simulated runs of the generation (their mean is the forecast's time; p10..p90 its range), for a run of up to
@@ -310,8 +310,8 @@ def simulated_hours(per_ds: list[dict], models: dict, key: str, job_s: float = 0
     span = [t + job_s for t in sim["span_s"]]
     return {
         "hours": fmean(span) / 3600,
-        "hours_p10": _quantile(span, 0.1) / 3600,
-        "hours_p90": _quantile(span, 0.9) / 3600,
+        "hours_p10": quantile(span, 0.1) / 3600,
+        "hours_p90": quantile(span, 0.9) / 3600,
         "runs": runs,
         "dataset_hours": {ds: (fmean(v) + job_s) / 3600 for ds, v in sim["dataset_s"].items()},
         "work_s": sim["work_s"],

@@ -34,8 +34,8 @@ a 4xx answer and a paid reject are final failed rows. A 429 slows the backend do
 
 Modules: :mod:`.prompts` (samples, turns, request keys), :mod:`.budget` (the job's state and budgets),
 :mod:`.runner` (the requests), :mod:`.output` (journal read-back into the RESPONSES parquet), :mod:`.context`
-(log files, SIGTERM), :mod:`.job` (the entry, :func:`generate`); the journal is :mod:`eagle3_data.journal`, the
-progress display :mod:`eagle3_data.progress`.
+(log files, SIGTERM), :mod:`.job` (the entry, :func:`generate`); the journal is :mod:`eagle3_data.generate.journal`, the
+progress display :mod:`eagle3_data.generate.progress`.
 """
 
 from .budget import BudgetStop, JobState

@@ -10,15 +10,16 @@ import logging
 import time
 from pathlib import Path
 
-from .. import paid, progress
-from .. import run as run_mod
+from ..backends import paid
+from . import progress
+from ..runtime import run as run_mod
 from .. import schemas
 from ..backends import limits
 from ..backends.errors import BackendDown, FatalBackendError
 from ..backends.definition import BackendConfig
 from ..errors import ExpectedFailure, Interrupted, log_to_file
 from ..files import content_hash, remove_stale_partials, write_json
-from ..journal import JournalWriteError, JournalWriter, read_journal, save_held
+from .journal import JournalWriteError, JournalWriter, read_journal, save_held
 from ..logs import tally_warnings
 from .budget import JobState
 from .context import job_logging, server_log_path, sigterm_as_exception
@@ -94,7 +95,7 @@ def _job_overhead(state: JobState) -> dict:
     }
 
 
-def _cpu_s() -> float:
+def cpu_s() -> float:
     """CPU seconds (user + system, every thread) this process has used since it started: the job's whole client
     cost, its interpreter start and imports included (``benchmarks/generation_run.py`` divides it by requests)."""
     import resource
@@ -270,9 +271,9 @@ def generate(
         ) from None
     finally:
         pa.set_memory_pool(old_pool)
-        from .. import startup
+        from . import startup
 
-        startup.release()  # a job that sent nothing gives its start-up slot back here (eagle3_data.startup)
+        startup.release()  # a job that sent nothing gives its start-up slot back here (eagle3_data.generate.startup)
 
 
 def _generate(
@@ -610,7 +611,7 @@ def _generate(
             "other_model_replies": state.other_model,
             "wall_s": round(time.monotonic() - t0, 3),
             **_job_overhead(state),
-            "cpu_s": _cpu_s(),
+            "cpu_s": cpu_s(),
         }
         logger.info("%s finished: %s", tag, progress.final_line(state, "").lstrip())
         if state.not_sent:

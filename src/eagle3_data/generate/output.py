@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from .. import schemas
-from ..journal import iter_journal_file
+from .journal import iter_journal_file
 
 logger = logging.getLogger("eagle3_data.generate")
 

@@ -121,7 +121,7 @@ def read_prompts(prompts_path, mode: str, *, max_bytes: int | None = None, keys=
     ``bad_prompt`` (unusable messages/tools), ``prompt_too_large`` (more than ``max_bytes`` UTF-8 bytes of messages
     and tools: never sent, ``generation.max_prompt_bytes`` raises the bound), ``api_key_in_prompt`` (its messages
     or tools hold one of ``keys``, the configured API keys: never sent, its text not copied))."""
-    from ..paid import key_in_text
+    from ..backends.paid import key_in_text
 
     # ParquetFile, not pq.read_table: the latter loads pyarrow.dataset (~50 MB RSS) for a file read once
     table = pq.ParquetFile(prompts_path).read(use_threads=False)

@@ -11,8 +11,10 @@ import signal
 import threading
 import time
 
-from .. import paid, progress, startup
-from .. import run as run_mod
+from ..backends import paid
+from . import progress
+from . import startup
+from ..runtime import run as run_mod
 from ..backends.errors import FatalBackendError, RetryableError, SampleError, retry_wait
 from ..backends.request import Request
 from ..prompt_check import EARLY_REPLIES
@@ -32,7 +34,7 @@ class Terminated(BaseException):
 
 
 class StopRequested(BudgetStop):
-    """The run is stopping (:func:`eagle3_data.run.stop_reason`): no new request starts; the sample is not sent."""
+    """The run is stopping (:func:`eagle3_data.runtime.run.stop_reason`): no new request starts; the sample is not sent."""
 
 
 def failed_row(sample: Sample, dataset: str, turn: int, key: str, prompt, reason: str, detail: str) -> dict:
@@ -260,7 +262,7 @@ class Runner:
         """Journal a paid record and return its line; when the journal can't be written, hold ``rec`` in memory
         (``held``: written to a fallback file when the job ends), stop the job (:meth:`stop_job`) and return
         None."""
-        from ..journal import JournalWriteError
+        from .journal import JournalWriteError
 
         try:
             return self.journal.append(rec)
@@ -334,7 +336,7 @@ class Runner:
                         st.retries += 1
                     if st.first_sent_at is None:  # before the wait for a slot: that wait is the requests' time
                         st.first_sent_at = time.time()
-                        startup.release()  # the next job on this machine may start (eagle3_data.startup)
+                        startup.release()  # the next job on this machine may start (eagle3_data.generate.startup)
                     async with self.pool.slot(avoid=avoid) as backend:
                         # budgets gate every attempt (a retry after a 429 costs as much as a new request),
                         # checked when a slot is free so that the spend of everything in flight is counted: the

@@ -51,13 +51,6 @@ from .outputs import (  # noqa: F401
 )
 from .db import (  # noqa: F401
     SUMMARY_COLUMNS,
-    _DUCKDB_TYPES,
-    _add_missing_columns,
-    _limits_of,
-    _materialize,
-    _paths,
-    _register,
-    _view_statements,
     backend_location,
     open_report_db,
     query,
@@ -68,7 +61,6 @@ from .markdown import (  # noqa: F401
     FRONT_PAGE,
     FRONT_STEMS,
     PAGE_CSS,
-    _fmt,
     format_audit,
     format_cost,
     format_limits,
@@ -83,9 +75,6 @@ from .markdown import (  # noqa: F401
 from .write import (  # noqa: F401
     MAX_MD_BUCKETS,
     MD_BUCKETS_S,
-    _source_label,
-    _tally_rows,
-    _write_tally,
     log,
     md_bucket_s,
     tally,
@@ -93,7 +82,6 @@ from .write import (  # noqa: F401
 )
 from .summary import (  # noqa: F401
     RUN_SUMMARY_COLUMNS,
-    _rows_in,
     pilot_spend,
     run_summary,
     run_summary_rows,

@@ -200,7 +200,7 @@ def query(con, name: str, **variables) -> list[dict]:
     return [dict(zip(cols, r)) for r in res.fetchall()]
 
 
-def _materialize(con, table: str, name: str, **variables) -> list[dict]:
+def materialize(con, table: str, name: str, **variables) -> list[dict]:
     """Run the named query ``sql/<name>.sql`` once into temp table ``table`` (for :func:`write_csv`); its rows
     as dicts, in the query's order."""
     if variables:

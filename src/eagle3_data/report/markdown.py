@@ -103,7 +103,7 @@ def format_rejects(rejects: list[dict]) -> str:
     return markdown_table(rows, cols)
 
 
-def _fmt(v, kind: str = "") -> str:
+def fmt(v, kind: str = "") -> str:
     if v is None:
         return ""
     if kind == "usd":
@@ -127,7 +127,7 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]], *, bol
 
     body = []
     for r in rows:
-        cells = [_fmt(r.get(key), kind).replace("|", "\\|") for key, _, kind in columns]
+        cells = [fmt(r.get(key), kind).replace("|", "\\|") for key, _, kind in columns]
         body.append([f"**{c}**" if c else "" for c in cells] if bold(r) else cells)
     return tabulate(
         body,

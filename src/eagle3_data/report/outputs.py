@@ -106,5 +106,5 @@ RULE_OUTPUTS: list[tuple[str, str, str | None, str | None, dict | None]] = [
     ],
     ("front", "front.html", None, None, None),  # tally, cost, rejects on the report page's front (report/workflow.rst)
 ]
-#: every file :func:`write_reports` writes into its ``out_dir`` (the plots are :func:`eagle3_data.plots.write_plots`'s)
+#: every file :func:`write_reports` writes into its ``out_dir`` (the plots are :func:`eagle3_data.report.plots.write_plots`'s)
 REPORT_FILES = [file for _, file, *_ in RULE_OUTPUTS if not file.endswith(".png")]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config.lookup import answers_of
 from ..formatting import format_clock, format_usd
-from .markdown import _fmt
+from .markdown import fmt
 
 
 RUN_SUMMARY_COLUMNS = [
@@ -69,7 +69,7 @@ def run_summary_rows(
     Only this config's files are read: the shards ``000`` .. ``shards - 1`` of each dataset (files an earlier
     config with more shards left behind are not counted). Per generated shard: generate's summary
     ``<ds>/responses/<shard>.json`` when the shard finished, else (a failed or stopped job) the last snapshot its
-    job wrote to the run directory ``run_dir`` (:mod:`eagle3_data.runview`: what it had journaled and paid for).
+    job wrote to the run directory ``run_dir`` (:mod:`eagle3_data.runtime.runview`: what it had journaled and paid for).
     A shard's ``<ds>/rejected/<shard>.parquet`` and ``<ds>/validated/<shard>.parquet`` are counted (from parquet
     metadata) only when they are current: its generate finished and they are not older than its responses and
     tokens (:func:`_validated_current`; a stopped or failed run leaves an earlier run's files behind). The
@@ -98,7 +98,7 @@ def run_summary_rows(
     "spent", "in_flight"}``, in_flight the requests that were in flight when it was reached)."""
     import json
 
-    from ..runview import read_snapshots
+    from ..runtime.runview import read_snapshots
 
     results = Path(results_dir)
     snaps = read_snapshots(run_dir) if run_dir is not None else {}
@@ -291,7 +291,7 @@ def run_summary(
     rows = run_summary_rows(datasets_config, results_dir, run_dir, decontaminated=decontaminated)
     if run_s is not None:
         rows[-1]["time"] = format_clock(run_s)
-    body = [[_fmt(r.get(key), kind) for key, _, kind in RUN_SUMMARY_COLUMNS] for r in rows]
+    body = [[fmt(r.get(key), kind) for key, _, kind in RUN_SUMMARY_COLUMNS] for r in rows]
     table = tabulate(
         body,
         headers=[h for _, h, _ in RUN_SUMMARY_COLUMNS],

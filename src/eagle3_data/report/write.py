@@ -11,7 +11,7 @@ import pyarrow as pa
 from ..config.lookup import answers_of
 from ..formatting import format_duration, format_usd
 from ..files import write_text
-from .db import _materialize, open_report_db, query, write_csv
+from .db import materialize, open_report_db, query, write_csv
 from .markdown import (
     FRONT_PAGE,
     format_audit,
@@ -97,7 +97,7 @@ def tally(
 
 def _tally_rows(con, datasets_config: dict) -> tuple[list[dict], list[dict]]:
     found = {r["dataset"]: r for r in query(con, "tally")}
-    rejects = _materialize(con, "report_rejects", "rejects_by_reason")
+    rejects = materialize(con, "report_rejects", "rejects_by_reason")
 
     names = sorted(set(found) | set(datasets_config))
     generated, original, pretok = [], [], []
@@ -159,7 +159,7 @@ def _tally_rows(con, datasets_config: dict) -> tuple[list[dict], list[dict]]:
 
 
 def _write_tally(con, rows: list[dict], rejects: list[dict], out_dir: Path) -> None:
-    """tally.csv/.md/.html and rejects.csv (``rejects``: the ``report_rejects`` table of :func:`_materialize`)."""
+    """tally.csv/.md/.html and rejects.csv (``rejects``: the ``report_rejects`` table of :func:`materialize`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     con.register("report_tally", pa.Table.from_pylist(rows))
     write_csv(con, "report_tally", TALLY_COLUMNS, out_dir / "tally.csv")
@@ -233,12 +233,12 @@ def write_reports(
         )
     ) as con:
         rows, rejects = _tally_rows(con, datasets_config)
-        cost = _materialize(con, "report_cost", "cost")
-        throughput = _materialize(con, "report_throughput", "throughput", bucket_s=60)
+        cost = materialize(con, "report_cost", "cost")
+        throughput = materialize(con, "report_throughput", "throughput", bucket_s=60)
         bucket = md_bucket_s(con)
         throughput_md = throughput if bucket == 60 else query(con, "throughput", bucket_s=bucket)
-        limits = _materialize(con, "report_limits", "limits")
-        audit = _materialize(con, "report_audit", "audit")
+        limits = materialize(con, "report_limits", "limits")
+        audit = materialize(con, "report_audit", "audit")
         _write_tally(con, rows, rejects, out_dir)
         for table, columns, stem in (
             ("report_cost", COST_COLUMNS, "cost"),

@@ -35,7 +35,6 @@ from .core import (  # noqa: F401  (names the rest of the package and the tests 
     TargetTokens,
     TemplateError,
     as_shipped,
-    _merge,
     completion_format,
     count_tool_calls,
     empty_think_block,

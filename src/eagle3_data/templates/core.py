@@ -94,9 +94,9 @@ from .formats import (  # noqa: F401
 from .replies import (  # noqa: F401
     FINISH_ALIASES,
     FINISH_REASONS,
-    _KIMI_CALL_ID,
-    _args_mapping,
-    _args_text,
+    KIMI_CALL_ID,
+    args_mapping,
+    args_text,
     count_tool_calls,
     empty_think_block,
     normalize_finish_reason,
@@ -108,7 +108,7 @@ from .replies import (  # noqa: F401
 )
 from .target import (  # noqa: F401
     TargetTokens,
-    _merge,
+    merge_segments,
 )
 from .shipped import (  # noqa: F401
     AS_FILE_CLASSES,

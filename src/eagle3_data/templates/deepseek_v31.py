@@ -19,7 +19,7 @@ From the DeepSeek-V3.1 chat template (deepseek-ai/DeepSeek-V3.1 ``tokenizer_conf
 
 from __future__ import annotations
 
-from .core import CompletionFormat, _args_text, register
+from .core import CompletionFormat, args_text, register
 
 DEEPSEEK_TOOL_TOKENS = (
     "<｜tool▁calls▁begin｜>",
@@ -42,7 +42,7 @@ def tool_segments(target, tool_calls: list[dict], content: str, prior: int) -> l
             ("<｜tool▁call▁begin｜>", True),
             (str(fn.get("name", "")), False),
             ("<｜tool▁sep｜>", True),
-            (_args_text(fn.get("arguments", "")), False),
+            (args_text(fn.get("arguments", "")), False),
             ("<｜tool▁call▁end｜>", True),
         ]
     segs.append(("<｜tool▁calls▁end｜>", True))

@@ -21,7 +21,7 @@ or pass ``model_identity`` / a fixed system message through ``target.chat_templa
 
 from __future__ import annotations
 
-from .core import CompletionFormat, TemplateError, _args_text, register
+from .core import CompletionFormat, TemplateError, args_text, register
 
 HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
@@ -84,7 +84,7 @@ def completion_segments(
             ("<|constrain|>", True),
             ("json", False),
             ("<|message|>", True),
-            (_args_text(fn.get("arguments", {})), False),
+            (args_text(fn.get("arguments", {})), False),
             ("<|call|>", True),
         ]
         return segs

@@ -9,7 +9,7 @@ turn (the template raises on more). Built-in tools (``<|python_tag|>``, ``<|eom_
 
 from __future__ import annotations
 
-from .core import CompletionFormat, TemplateError, _args_text, register
+from .core import CompletionFormat, TemplateError, args_text, register
 
 
 def tool_segments(target, tool_calls: list[dict], content: str, prior: int) -> list[tuple[str, bool]]:
@@ -24,7 +24,7 @@ def tool_segments(target, tool_calls: list[dict], content: str, prior: int) -> l
             "tool_calls_unsupported",
         )
     fn = tool_calls[0].get("function") or {}
-    args = _args_text(fn.get("arguments", {})) or "{}"
+    args = args_text(fn.get("arguments", {})) or "{}"
     return [(content + '{"name": "' + str(fn.get("name", "")) + '", "parameters": ' + args + "}", False)]
 
 

@@ -22,17 +22,17 @@ def load_target_tokens(
 
     ``trust_remote_code`` lets tokenizers that ship their own code load (Kimi's tiktoken-based
     ``tokenization_kimi.py``); never set implicitly. The loaded tokenizer comes from the local cache of
-    :mod:`eagle3_data.tokenizer_cache` when the directory's files were loaded before (same hashes, same library
+    :mod:`eagle3_data.templates.tokenizer_cache` when the directory's files were loaded before (same hashes, same library
     versions). ``lazy``: when a job already cached the tokenizer's facts (its length, its ids of the format's
-    special tokens, :func:`eagle3_data.tokenizer_cache.tokenizer_facts`), the :class:`TargetTokens` wraps a
-    :class:`~eagle3_data.tokenizer_cache.LazyTokenizer` that loads the tokenizer only when it must encode,
+    special tokens, :func:`eagle3_data.templates.tokenizer_cache.tokenizer_facts`), the :class:`TargetTokens` wraps a
+    :class:`~eagle3_data.templates.tokenizer_cache.LazyTokenizer` that loads the tokenizer only when it must encode,
     decode or render (a validate job that only checks ids does not); the ids and answers are the same. Raises
     :class:`TemplateError` if the directory has no loadable
     tokenizer (the message says when ``target.trust_remote_code: true`` is needed) or no chat template.
     """
     from transformers import AutoTokenizer
 
-    from ..tokenizer_cache import LazyTokenizer, cached_facts, load_tokenizer, tokenizer_facts
+    from .tokenizer_cache import LazyTokenizer, cached_facts, load_tokenizer, tokenizer_facts
 
     fmt = completion_format(template) if template != "auto" else None
 

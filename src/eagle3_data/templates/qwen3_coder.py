@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from .core import CompletionFormat, _args_mapping, register
+from .core import CompletionFormat, args_mapping, register
 
 
 def _value(v) -> str:
@@ -30,7 +30,7 @@ def tool_segments(target, tool_calls: list[dict], content: str, prior: int) -> l
     for i, call in enumerate(tool_calls):
         fn = call.get("function") or {}
         text += ("\n" if i else "") + "<tool_call>\n<function=" + str(fn.get("name", "")) + ">\n"
-        for k, v in _args_mapping(fn.get("arguments", {})).items():
+        for k, v in args_mapping(fn.get("arguments", {})).items():
             text += f"<parameter={k}>\n{_value(v)}\n</parameter>\n"
         text += "</function>\n</tool_call>"
     return [(text, False)]

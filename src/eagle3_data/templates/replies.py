@@ -42,17 +42,17 @@ def normalize_ids(out: Any) -> list[int]:
     return [int(x) for x in out]
 
 
-_KIMI_CALL_ID = re.compile(r"^functions\.[^:\s]+:\d+$")
+KIMI_CALL_ID = re.compile(r"^functions\.[^:\s]+:\d+$")
 
 
-def _args_text(args: Any) -> str:
+def args_text(args: Any) -> str:
     """Tool-call arguments as the target wrote them: a string as-is, anything else as JSON (``tojson``)."""
     if isinstance(args, str):
         return args
     return json.dumps(args, ensure_ascii=False)
 
 
-def _args_mapping(args: Any) -> dict:
+def args_mapping(args: Any) -> dict:
     if isinstance(args, dict):
         return args
     if isinstance(args, str):
@@ -170,7 +170,7 @@ def rewrite_kimi_tool_call_ids(messages: Sequence[dict]) -> list[dict]:
             for call in m["tool_calls"]:
                 old = call.get("id")
                 name = str((call.get("function") or {}).get("name", ""))
-                new = old if isinstance(old, str) and _KIMI_CALL_ID.match(old) else f"functions.{name}:{index}"
+                new = old if isinstance(old, str) and KIMI_CALL_ID.match(old) else f"functions.{name}:{index}"
                 index += 1
                 if new != old:
                     call = {**call, "id": new}

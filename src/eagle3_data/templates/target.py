@@ -9,9 +9,9 @@ from typing import Sequence
 
 from .formats import CompletionFormat, KIMI_TOOL_TOKENS, LAYOUT_WRITERS, TOOL_WRITERS, TemplateError
 from .replies import (
-    _KIMI_CALL_ID,
-    _args_mapping,
-    _args_text,
+    KIMI_CALL_ID,
+    args_mapping,
+    args_text,
     empty_think_block,
     normalize_ids,
     rewrite_kimi_tool_call_ids,
@@ -104,7 +104,7 @@ class TargetTokens:
                 for c in m["tool_calls"]:
                     c = dict(c)
                     fn = dict(c.get("function") or {})
-                    fn["arguments"] = _args_mapping(fn.get("arguments", {}))
+                    fn["arguments"] = args_mapping(fn.get("arguments", {}))
                     c["function"] = fn
                     calls.append(c)
                 m["tool_calls"] = calls
@@ -227,7 +227,7 @@ class TargetTokens:
         """
         f = self.fmt
         if f.layout in LAYOUT_WRITERS:
-            return _merge(
+            return merge_segments(
                 LAYOUT_WRITERS[f.layout](
                     self,
                     reasoning,
@@ -315,7 +315,7 @@ class TargetTokens:
             segs.append((self.tool_eot_name if tool_calls else self.eot_name, True))
         if state != "none" and f.reasoning:
             segs = self._cut_prompt_part(segs, f.think_open if state == "open" else f.think_close, trailing)
-        return _merge(segs)
+        return merge_segments(segs)
 
     def _cut_prompt_part(self, segs, marker: str, trailing: str):
         """Drop the segments up to and including ``marker`` and the prompt's ``trailing`` text after it."""
@@ -347,13 +347,13 @@ class TargetTokens:
             for i, call in enumerate(tool_calls):
                 fn = call.get("function") or {}
                 call_id = call.get("id") or ""
-                if not _KIMI_CALL_ID.match(call_id):  # provider ids ("call_abc") are not what Kimi emitted
+                if not KIMI_CALL_ID.match(call_id):  # provider ids ("call_abc") are not what Kimi emitted
                     call_id = f"functions.{fn.get('name', '')}:{prior + i}"
                 segs += [
                     ("<|tool_call_begin|>", True),
                     (call_id, False),
                     ("<|tool_call_argument_begin|>", True),
-                    (_args_text(fn.get("arguments", "")), False),
+                    (args_text(fn.get("arguments", "")), False),
                     ("<|tool_call_end|>", True),
                 ]
             segs.append(("<|tool_calls_section_end|>", True))
@@ -368,7 +368,7 @@ class TargetTokens:
                     '<tool_call>\n{"name": "'
                     + str(fn.get("name", ""))
                     + '", "arguments": '
-                    + _args_text(fn.get("arguments", {}))
+                    + args_text(fn.get("arguments", {}))
                     + "}\n</tool_call>"
                 )
             return [(text, False)]
@@ -377,7 +377,7 @@ class TargetTokens:
             for call in tool_calls:
                 fn = call.get("function") or {}
                 text += "\n<tool_call>" + str(fn.get("name", "")) + "\n"
-                for k, v in _args_mapping(fn.get("arguments", {})).items():
+                for k, v in args_mapping(fn.get("arguments", {})).items():
                     val = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
                     text += f"<arg_key>{k}</arg_key>\n<arg_value>{val}</arg_value>\n"
                 text += "</tool_call>"
@@ -429,7 +429,7 @@ class TargetTokens:
         return comp
 
 
-def _merge(segs: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+def merge_segments(segs: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
     out: list[tuple[str, bool]] = []
     for t, s in segs:
         if not s and not t:

@@ -18,7 +18,7 @@ HTTP 200, e.g. ``/health``), ``ready_timeout_s``, ``env`` (extra environment var
 
 Two lifetimes:
 
-- :func:`shared_server` (inside a workflow run, :mod:`eagle3_data.run`): ONE server per launched backend for the
+- :func:`shared_server` (inside a workflow run, :mod:`eagle3_data.runtime.run`): ONE server per launched backend for the
   whole run. A registry under the run directory (``servers/<backend>-<hash>.json`` + a lock file) lets concurrent
   generate jobs attach to the server instead of starting another; a job holds a shared lease (``flock``) while it
   uses it. The server is run by a small supervisor process that stops it when the run ends (the Snakefile's

@@ -50,7 +50,7 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         pass
 
 
-def _tail(path: Path, n: int = 12, offset: int = 0) -> str:
+def log_tail(path: Path, n: int = 12, offset: int = 0) -> str:
     try:
         with open(path, "rb") as fh:
             fh.seek(offset)
@@ -150,12 +150,12 @@ def server_env(launch: dict, base: dict | None = None) -> dict:
     return env
 
 
-def _ready_url(launch: dict, port: int) -> str:
+def ready_url(launch: dict, port: int) -> str:
     ready_path = launch.get("ready_path") or "/health"
     return f"http://127.0.0.1:{port}{ready_path if ready_path.startswith('/') else '/' + ready_path}"
 
 
-def _popen(argv: list[str], env: dict, logf) -> subprocess.Popen:
+def popen(argv: list[str], env: dict, logf) -> subprocess.Popen:
     return subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
@@ -167,7 +167,7 @@ def _popen(argv: list[str], env: dict, logf) -> subprocess.Popen:
     )
 
 
-def _wait_ready(
+def wait_ready(
     proc: subprocess.Popen,
     url: str,
     timeout: float,
@@ -186,7 +186,7 @@ def _wait_ready(
             if proc.poll() is not None:
                 raise ServerLaunchError(
                     f"local server {name} exited with code {proc.returncode} before it was ready "
-                    f"(command: {shlex.join(argv)}); last lines of {log_path}:\n{_tail(log_path, offset=offset)}"
+                    f"(command: {shlex.join(argv)}); last lines of {log_path}:\n{log_tail(log_path, offset=offset)}"
                 )
             try:
                 if client.get(url).status_code == 200:
@@ -196,7 +196,7 @@ def _wait_ready(
             if time.monotonic() - t0 > timeout:
                 raise ServerLaunchError(
                     f"local server {name} not ready at {url} after {timeout:.0f} s (command: {shlex.join(argv)}); "
-                    f"last lines of {log_path}:\n{_tail(log_path, offset=offset)}",
+                    f"last lines of {log_path}:\n{log_tail(log_path, offset=offset)}",
                     hint="raise launch.ready_timeout_s if the model needs longer to load, else fix launch.command",
                 )
             if stop is not None and stop():
@@ -204,7 +204,7 @@ def _wait_ready(
             time.sleep(0.2)
 
 
-def _stop_group(proc: subprocess.Popen, grace: float) -> int | None:
+def stop_group(proc: subprocess.Popen, grace: float) -> int | None:
     """SIGTERM the process group of ``proc``, wait ``grace`` s, SIGKILL what is left; return the exit code."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -252,7 +252,7 @@ class LocalServer:
         """SIGTERM the process group, wait ``grace_s``, then SIGKILL it; return the exit code."""
         if self.proc.poll() is None:
             logger.info("stopping local server pid %d (port %d)", self.proc.pid, self.port)
-        return _stop_group(self.proc, self.grace_s)
+        return stop_group(self.proc, self.grace_s)
 
 
 def _port(launch: dict) -> int:
@@ -260,7 +260,7 @@ def _port(launch: dict) -> int:
     return free_port() if port_cfg in (None, "auto") else int(port_cfg)
 
 
-def _prepared(launch: dict, model: str, name: str) -> tuple[int, list[str]]:
+def prepared(launch: dict, model: str, name: str) -> tuple[int, list[str]]:
     port = _port(launch)
     try:
         return port, _format_command(launch, model, port)
@@ -284,10 +284,10 @@ def launch_server(
     """
     from ...devices import gpu_devices
 
-    port, argv = _prepared(launch, model, name)
+    port, argv = prepared(launch, model, name)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    url = _ready_url(launch, port)
+    url = ready_url(launch, port)
     grace = float(launch.get("stop_grace_s") or 20)
     env = server_env(launch)
     with gpu_devices(
@@ -302,10 +302,10 @@ def launch_server(
             shlex.join(argv),
         )
         with open(log_path, "wb") as logf:  # one log per launch: an error excerpt never shows an older run
-            proc = _popen(argv, env, logf)
+            proc = popen(argv, env, logf)
         server = LocalServer(argv, port, log_path, proc, grace, devs)
         try:
-            took = _wait_ready(
+            took = wait_ready(
                 proc, url, float(launch.get("ready_timeout_s") or 300), name=name, argv=argv, log_path=log_path
             )
             logger.info("local server %s ready in %.1f s (pid %d)", name, took, proc.pid)

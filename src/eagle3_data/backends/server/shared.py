@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .process import ServerLaunchError, _popen, _prepared, _ready_url, _stop_group, _tail, _wait_ready, server_env
+from .process import ServerLaunchError, popen, prepared, ready_url, stop_group, log_tail, wait_ready, server_env
 
 logger = logging.getLogger("eagle3_data.server")
 
@@ -63,7 +63,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _pid_alive(pid: int | None, start: str | None = None) -> bool:
-    from ...processes import process_start
+    from ...runtime.processes import process_start
 
     if not pid:
         return False
@@ -123,14 +123,14 @@ def shared_server(
                 and entry.get("state") in ("starting", "ready")
                 and _pid_alive(entry.get("supervisor_pid"), entry.get("supervisor_start"))
             ):
-                port, argv = _prepared(launch, model, name)
+                port, argv = prepared(launch, model, name)
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 # the environment goes to the supervisor's process, not into the spec file (it may hold API keys)
                 spec = {
                     "name": name,
                     "argv": argv,
                     "port": port,
-                    "url": _ready_url(launch, port),
+                    "url": ready_url(launch, port),
                     "ready_timeout_s": float(launch.get("ready_timeout_s") or 300),
                     "stop_grace_s": float(launch.get("stop_grace_s") or 20),
                     "gpus": int(launch.get("gpus") or 0),
@@ -174,7 +174,7 @@ def shared_server(
                                 "error": entry.get("error")
                                 or (
                                     f"local server {name}: its supervisor exited with code {sup.returncode}; last "
-                                    f"lines of {log_path}:\n{_tail(log_path)}"
+                                    f"lines of {log_path}:\n{log_tail(log_path)}"
                                 ),
                             }
                         break
@@ -261,7 +261,7 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
     ``snakemake`` process is gone, no job has held a lease for ``idle_timeout_s``, or the server exits by itself.
     Returns the exit code (0 after a normal stop)."""
     from ...devices import gpu_devices
-    from ...processes import Owner, process_start
+    from ...runtime.processes import Owner, process_start
 
     spec = json.loads(Path(spec_path).read_text())
     name, entry_path = spec["name"], Path(spec["entry"])
@@ -299,10 +299,10 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
             try:  # the server is stopped before its GPUs' locks go: an extraction job waiting on them never
                 # starts while the server still holds device memory (its shutdown, the stop grace)
                 say(f"starting{' on GPUs ' + ','.join(devs) if devs else ''}: {shlex.join(spec['argv'])}")
-                proc = _popen(spec["argv"], env, sys.stdout)
+                proc = popen(spec["argv"], env, sys.stdout)
                 entry(server_pid=proc.pid, devices=devs)
                 try:
-                    took = _wait_ready(
+                    took = wait_ready(
                         proc,
                         spec["url"],
                         spec["ready_timeout_s"],
@@ -338,7 +338,7 @@ def supervise(spec_path: str | os.PathLike, poll_s: float = 0.5) -> int:
                 say(f"stopping: {stop['why']}")
             finally:
                 if proc is not None:
-                    _stop_group(proc, spec["stop_grace_s"])
+                    stop_group(proc, spec["stop_grace_s"])
     except Exception as exc:  # noqa: BLE001 - the GPUs did not become free, the command can't run: tell the job
         entry(state="failed", error=f"local server {name}: {type(exc).__name__}: {exc}")
         say(f"failed: {type(exc).__name__}: {exc}")

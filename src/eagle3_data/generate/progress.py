@@ -18,7 +18,7 @@ Where it goes (:class:`JobProgress`):
   per interval to the job's log files;
 - otherwise (a log file, a pipe): one plain log line per interval, never carriage-return fragments;
 - inside a workflow run: the plain lines go to the job's log file only, and the job's counters to a snapshot in
-  the run directory every interval and when the request phase ends (:mod:`eagle3_data.runview`), from which the
+  the run directory every interval and when the request phase ends (:mod:`eagle3_data.runtime.runview`), from which the
   main ``snakemake`` process prints one run-wide line per backend.
 """
 
@@ -31,7 +31,7 @@ import time
 
 from tqdm import tqdm
 
-from .errors import in_workflow_run
+from ..errors import in_workflow_run
 
 BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} done {percentage:3.0f}%|{bar:10}| [{elapsed}<{remaining}, {rate_noinv_fmt}]"
 UNIT = " samples"
@@ -196,7 +196,7 @@ class JobProgress:
         self.backends: list[str] = []  # set by the job: its backends in priority order
         self.pool = None  # set by the job while its requests run: the backends' down state in the snapshot
         self.kind = "generate"  # "pilot" for the forecast's pilot (its snapshot is not a generate shard's)
-        from . import run as run_mod
+        from ..runtime import run as run_mod
 
         run = run_mod.current()
         self.run_dir = run.dir if run is not None else None
@@ -205,7 +205,7 @@ class JobProgress:
         """Write the job's counters to the run directory (inside a workflow run; see :mod:`.runview`)."""
         if self.run_dir is None or not self.dataset:
             return
-        from . import runview
+        from ..runtime import runview
 
         down = {}  # the backends out for good or failing every attempt now (Backend.trouble)
         for b in getattr(self.pool, "backends", None) or []:

@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-log = logging.getLogger("eagle3_data.tokenizer_cache")
+log = logging.getLogger("eagle3_data.templates.tokenizer_cache")
 
 CACHE_ENV = "EAGLE3_TOKENIZER_CACHE"
 #: file suffixes never read for the key (model weights next to the tokenizer)
@@ -68,7 +68,7 @@ def cache_key(path, template: str, trust_remote_code: bool) -> str:
     import tokenizers
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     h = hashlib.sha256()
     for part in (

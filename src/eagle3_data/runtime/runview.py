@@ -153,7 +153,7 @@ class RunView:
         self.history: dict[str, list[tuple[float, int, int]]] = {}  # backend -> (t, done, completion tokens)
 
     def _groups(self) -> dict[str, list[dict]]:
-        from . import config as cfg
+        from .. import config as cfg
 
         snaps = read_snapshots(self.run_dir)
         pilots = read_snapshots(self.run_dir, "pilot")  # `snakemake forecast`: its pilot jobs
@@ -389,7 +389,7 @@ def start(config: dict, run_dir, *, interval_s: float = 5.0, stream=None, live: 
 
     ``live``: redraw a table in place (default: when ``stream`` is a terminal, unless ``EAGLE3_LIVE_VIEW=0`` or
     ``TERM=dumb``); plain lines otherwise, printed when they change. Nothing is printed for a run without generated datasets."""
-    from . import config as cfg
+    from .. import config as cfg
 
     if _printer or not cfg.generated_datasets(config):
         return

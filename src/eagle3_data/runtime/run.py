@@ -175,7 +175,7 @@ def on_start(cache_dir: str | os.PathLike) -> None:
         if not pid.isdigit() or (me is not None and d.resolve() == me.dir.resolve()):
             continue
         if not Owner(socket.gethostname(), int(pid), start).alive():
-            from .backends.server import stop_run_servers
+            from ..backends.server import stop_run_servers
 
             stop_run_servers(d)
             shutil.rmtree(d, ignore_errors=True)
@@ -232,7 +232,7 @@ def interrupt_message(journal_dir: str | os.PathLike, signame: str = "SIGINT", j
     """The one line printed when a run is interrupted: what happened and how to resume.
 
     ``journaled``: this config's requests with a journaled response (the run's jobs count them by request key,
-    :mod:`eagle3_data.runview`); None: every line of the journals under ``journal_dir``."""
+    :mod:`eagle3_data.runtime.runview`); None: every line of the journals under ``journal_dir``."""
     what = "Interrupted (Ctrl-C)" if signame == "SIGINT" else f"Stopped ({signame})"
     n = journaled_responses(journal_dir) if journaled is None else journaled
     return (
@@ -322,7 +322,7 @@ def stale_lock_stops(argv) -> bool:
 
 
 def stop_summary(datasets=None) -> dict:
-    """Main process: what this run's jobs journaled, from their snapshots (:mod:`eagle3_data.runview`):
+    """Main process: what this run's jobs journaled, from their snapshots (:mod:`eagle3_data.runtime.runview`):
     ``{"journaled": requests answered, "shards": snapshots read}``; ``datasets``: only those."""
     run = current()
     if run is None:
@@ -365,7 +365,7 @@ def say_last(text: str) -> None:
 def failure_line(logs_dir="logs", since: float | None = None) -> str | None:
     """The last line of a failed run: the first failed job's one-line error (its log), and how many more the last
     screen lists; None when no job log has one (:func:`eagle3_data.report.summary.failure_causes`)."""
-    from .report.summary import failure_causes
+    from ..report.summary import failure_causes
 
     causes = failure_causes(logs_dir, since, limit=1)
     if not causes:
@@ -388,7 +388,7 @@ def end(cache_dir: str | os.PathLike, *, ok: bool, out=None, datasets=None, logs
     stop_view()
     counted = stop_summary(datasets) if not ok else {"journaled": None}
     if run is not None and run.dir.exists():
-        from .backends.server import stop_run_servers
+        from ..backends.server import stop_run_servers
 
         t0 = time.monotonic()
         stopped = stop_run_servers(run.dir)

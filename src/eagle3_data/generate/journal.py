@@ -13,7 +13,7 @@ appending records never waits for the disk. A crash can leave a
 torn last line; the reader skips lines that are not complete JSON objects (counted and reported), and the
 writer starts a fresh line if the file does not end in a newline, so a torn fragment never glues onto the
 next record. Failed requests are never journaled: a rerun retries them; a *paid reject* (a 200 reply that can't be kept:
-:mod:`eagle3_data.paid`) is, as a record with ``status == "failed"`` and its reason in ``error`` (no text), so a
+:mod:`eagle3_data.backends.paid`) is, as a record with ``status == "failed"`` and its reason in ``error`` (no text), so a
 rerun neither pays for it again nor loses its cost (an ``undecodable_reply`` reject also keeps the start of the
 raw body, keys scrubbed, under ``raw_reply``: a key no RESPONSES column reads). The file is opened at the first record (or
 :meth:`JournalWriter.ensure_open`, before a job sends anything): a job with nothing to send never needs to write;
@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .errors import ExpectedFailure
-from .schemas import INT32_END, is_token_ids
+from ..errors import ExpectedFailure
+from ..schemas import INT32_END, is_token_ids
 
-logger = logging.getLogger("eagle3_data.journal")
+logger = logging.getLogger("eagle3_data.generate.journal")
 
 
 class JournalError(RuntimeError):

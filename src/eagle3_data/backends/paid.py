@@ -56,7 +56,7 @@ def decode_json(content: bytes) -> tuple[object, int]:
     """``(parsed JSON, number of undecodable bytes replaced)`` of a reply body.
 
     Raises ValueError when the body is not JSON even with replacements (a cut-off body: :func:`undecodable_reply`)."""
-    from .backends import codec
+    from . import codec
 
     try:
         return codec.loads(content), 0  # orjson: the fast path; it refuses bytes that are not UTF-8 too

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import sql
+from .. import sql
 
 
 #: row keys are computed with numpy for ids below this (6 digits + ", " = 8 bytes, one uint64 per id)
@@ -45,7 +45,7 @@ def _list_parts(lists: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return off - off[0], vals
 
 
-def _row_sums(vals: np.ndarray, rel: np.ndarray) -> np.ndarray:
+def row_sums(vals: np.ndarray, rel: np.ndarray) -> np.ndarray:
     """Per-row sums (int64) of int8-sized ``vals`` (|v| <= 128) for rows ``rel[i]:rel[i+1]`` (``rel``: int64
     offsets from 0), empty rows 0."""
     out = np.zeros(len(rel) - 1, np.int64)
@@ -106,7 +106,7 @@ def _text_md5(vals: np.ndarray, rel: np.ndarray) -> list[str]:
         table, lens = _id_text_table(int(vals.max()) + 1 if len(vals) else 1)
         text = np.take(table, vals).view(np.uint8)
         buf = text[text != 0]  # every text byte is non-zero, the padding is zero
-        pos = np.concatenate([[0], np.cumsum(_row_sums(np.take(lens, vals), rel))])
+        pos = np.concatenate([[0], np.cumsum(row_sums(np.take(lens, vals), rel))])
     starts = pos[:-1]
     return _md5_rows(buf, starts, np.maximum(starts, pos[1:] - 2))  # without the last ", "
 
@@ -129,7 +129,7 @@ def _file_row_keys(path: str, max_len: int, datasets: list[str] | None, batch_ro
             return None
         ids_rel, _ = _list_parts(ids)
         mask_rel, mvals = _list_parts(mask)
-        sup = _row_sums(mvals, mask_rel)
+        sup = row_sums(mvals, mask_rel)
         cut = sup.copy()
         for r in np.flatnonzero(np.diff(mask_rel) > max_len).tolist():  # rows past max_len: sum of the head
             cut[r] = int(mvals[mask_rel[r] : mask_rel[r] + max_len].sum(dtype=np.int64))

@@ -48,7 +48,7 @@ def acquire(
     n = int(slots or cores())
     try:
         if directory is None:
-            from .backends.limits import limits_dir
+            from ..backends.limits import limits_dir
 
             directory = limits_dir()
         d = Path(directory) / "startup"

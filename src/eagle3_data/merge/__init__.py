@@ -2,7 +2,7 @@
 per validated shard, and a manifest.
 
 Out of core: numpy computes each validated row's keys (md5 of ``input_ids`` and ``loss_mask`` as DuckDB writes
-them as VARCHAR, lengths, supervised counts: :func:`.merge_row_keys.row_keys`, the values of ``sql/merge_row_keys.sql``), DuckDB
+them as VARCHAR, lengths, supervised counts: :func:`.keys.row_keys`, the values of ``sql/merge_row_keys.sql``), DuckDB
 plans the merge over those keys, ids and hashes (``sql/merge_plan.sql``), then streams the kept rows in shard
 order (``sql/merge_rows.sql``, an external sort that spills to disk past ``memory_limit``) into one parquet
 writer per merged shard while a second thread writes each selection straight from its validated file (the kept
@@ -53,12 +53,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import schemas, sql
-from .files import atomic_path, write_json
-from .merge_row_keys import _row_sums, row_keys
+from .. import schemas, sql
+from ..files import atomic_path, write_json
+from .keys import row_sums, row_keys
 
 if TYPE_CHECKING:
-    from .settings import MergeSettings
+    from ..settings import MergeSettings
 
 log = logging.getLogger("eagle3_data.merge")
 
@@ -548,7 +548,7 @@ def check_merged_batch(table: pa.Table, path="<memory>", first_row: int = 0) -> 
             hit[row_of] = True
             flag(hit, f"{name} has values outside [{low}, {'inf' if high is None else high}]")
         if name == "loss_mask":
-            sums[name] = _row_sums(vals, rel.astype(np.int64, copy=False))
+            sums[name] = row_sums(vals, rel.astype(np.int64, copy=False))
     flag(sums["loss_mask"] != nsup, "num_supervised differs from sum(loss_mask)")
     if bad:
         bad.sort()

@@ -26,7 +26,7 @@ import os
 import re
 from pathlib import Path
 
-from .config import ConfigError, backends_config, generated_datasets
+from ..config import ConfigError, backends_config, generated_datasets
 
 #: files of which one must be in a tokenizer directory (fast tokenizer, sentencepiece, tiktoken, BPE vocab)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "tokenizer_config.json")
@@ -87,7 +87,7 @@ def check_target(config: dict, cache_dir: str | os.PathLike | None = None, *, lo
     stamp = Path(cache_dir) / "checks" / f"target-{_signature(d, target)}.ok" if cache_dir is not None else None
     if stamp is not None and stamp.exists():
         return
-    from .templates import TemplateError, load_target_tokens
+    from ..templates import TemplateError, load_target_tokens
 
     try:
         load_target_tokens(
@@ -110,7 +110,7 @@ def check_draft_vocab(config: dict) -> None:
     path = Path(str((config.get("target") or {}).get("path") or ""))
     if draft is None or not (path / "config.json").is_file():
         return
-    from .vocab import target_vocab_size
+    from ..vocab import target_vocab_size
 
     try:
         size = target_vocab_size(path)
@@ -133,7 +133,7 @@ def check_launch_python(config: dict) -> None:
             if name in seen or not launch.get("python"):
                 continue
             seen.add(name)
-            from .backends.server import ServerLaunchError, launch_python
+            from ..backends.server import ServerLaunchError, launch_python
 
             try:
                 launch_python(launch)
@@ -156,8 +156,8 @@ def check_export_layouts(config: dict) -> None:
     ``extract.drafters`` includes a drafter whose layers it reads; ``extract.backend: sglang`` stores post-norm
     final states only. With the target's ``config.json`` present the drafters' layers are resolved against it.
     Raises ConfigError naming the setting to change."""
-    from .config import section
-    from .export import CONTRACTS
+    from ..config import section
+    from ..export import CONTRACTS
 
     ext, layouts = section(config, "extract"), section(config, "export")["layouts"] or []
     norm, drafters = ext["final_norm"], list(ext["drafters"] or ["eagle3"])
@@ -187,7 +187,7 @@ def check_export_layouts(config: dict) -> None:
             )
     path = Path(str((config.get("target") or {}).get("path") or "")) / "config.json"
     if path.is_file():
-        from .extract.model import model_dims, resolve_drafter_layers
+        from ..extract.model import model_dims, resolve_drafter_layers
 
         try:
             L = model_dims(path)["num_layers"]

@@ -1,7 +1,7 @@
 """The generated parts of ``docs/config.md``: the config reference (from the schema the package ships, ``eagle3_data/config/config.schema.yaml``) and
 what a change of each key reruns (from :data:`eagle3_data.config.RERUNS`).
 
-``python -m eagle3_data.docgen [docs/config.md [SCHEMA]]`` rewrites the text between the
+``python -m eagle3_data.config.docgen [docs/config.md [SCHEMA]]`` rewrites the text between the
 markers of that file; ``tests/test_config.py`` checks that the file equals this module's output.
 """
 
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import RERUNS, key_paths
+from . import RERUNS, key_paths
 
 REFERENCE_START = "<!-- config-reference:start -->"
 REFERENCE_END = "<!-- config-reference:end -->"
@@ -82,13 +82,13 @@ def with_generated_tables(doc: str, schema: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m eagle3_data.docgen [doc] [schema]``: rewrite the generated tables of ``doc`` (default
+    """``python -m eagle3_data.config.docgen [doc] [schema]``: rewrite the generated tables of ``doc`` (default
     ``docs/config.md``) from ``schema`` (default: the package's, :data:`eagle3_data.config.schema.SCHEMA_PATH`)."""
     import yaml
 
     args = sys.argv[1:] if argv is None else argv
     doc = Path(args[0] if args else "docs/config.md")
-    from .config.schema import SCHEMA_PATH
+    from .schema import SCHEMA_PATH
 
     schema = Path(args[1]) if len(args) > 1 else SCHEMA_PATH
     doc.write_text(with_generated_tables(doc.read_text(), yaml.safe_load(schema.read_text())))

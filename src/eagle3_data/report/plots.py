@@ -26,10 +26,10 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from .files import atomic_path
-from .report import PLOT_STEMS, open_report_db, query
+from ..files import atomic_path
+from . import PLOT_STEMS, open_report_db, query
 
-log = logging.getLogger("eagle3_data.plots")
+log = logging.getLogger("eagle3_data.report.plots")
 
 PLOT_FILES = [f"{stem}.png" for stem in PLOT_STEMS]
 DPI = 100
