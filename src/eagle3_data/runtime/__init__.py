@@ -1,2 +1,10 @@
-"""The run's machinery: the `eagle3-data run` launcher, the live view, process ownership and the pre-run
-check. Stages never import it at module level; it holds no stage logic."""
+"""The workflow run's machinery, apart from the stages: what one ``snakemake`` invocation shares and how it ends.
+
+- :mod:`.run`: the run's state (its directory, owner, stop file, servers) and its end (the last line);
+- :mod:`.runview`: the run-wide view of generation on the console;
+- :mod:`.processes`: processes named by pid and start time, so a reused pid never passes for them;
+- :mod:`.prerun`: the checks before any job runs (also on a dry run).
+
+The Snakefile and ``rules/common.smk`` call it, and the generate stage joins the run through it (its servers, its
+stop file); it holds no stage logic.
+"""

@@ -1,6 +1,6 @@
 """Processes named so that a reused pid never passes for them: a pid with its start time (:func:`process_start`),
 on a host (:class:`Owner`). Used by the workflow run (:mod:`.run`) and the launched servers
-(:mod:`.backends.server`)."""
+(:mod:`eagle3_data.backends.server`)."""
 
 from __future__ import annotations
 
