@@ -236,3 +236,63 @@ def test_the_schema_is_the_only_place_with_stage_defaults():
     assert not hasattr(cfg, "DEFAULTS")
     assert cfg.section({}, "merge") == st.filled("merge", {})
     assert cfg.section({}, "merge")["memory_mb"] == schema_section("merge")["memory_mb"]["default"]
+
+
+def _schema_enum(path: str) -> list:
+    """The ``enum`` of dotted key ``path`` (``<name>`` for a free-form name; ``[]`` for a list's items), read
+    here from the YAML."""
+    node = SCHEMA
+    for part in path.split("."):
+        if part == "<name>":
+            node = node["additionalProperties"]
+        elif part == "[]":
+            node = node["items"]
+        else:
+            node = (SCHEMA["$defs"]["generation"] if node is SCHEMA["properties"]["generation"] else node)[
+                "properties"
+            ][part]
+    return node["enum"]
+
+
+def _python_enums():
+    """Every Python tuple / mapping of a config key's allowed values, and the key whose schema ``enum`` it must be."""
+    from eagle3_data import export, merge, sources
+    from eagle3_data.backends.definition import BACKEND_TYPES
+    from eagle3_data.decontaminate import benchmarks
+    from eagle3_data.extract import fused, layout, model, transformers_backend
+    from eagle3_data.templates.formats import FORMATS
+
+    return [
+        (layout.DTYPES, "extract.dtype"),
+        (layout.FINAL_STATES, "extract.final_states"),
+        (layout.FINAL_NORMS, "extract.final_norm"),
+        (layout.AUX_FORMATS, "extract.aux_format"),
+        (layout.FINAL_FORMATS, "extract.final_format"),
+        (transformers_backend.ATTENTION_MODES, "extract.attention"),
+        (fused.FUSED_MODES, "extract.fused"),
+        (model.DRAFTERS, "extract.drafters.[]"),
+        (BACKEND_TYPES, "backends.<name>.type"),
+        (merge.OVERFLOW_MODES, "merge.overflow"),
+        (export.LAYOUTS, "export.layouts.[]"),
+        (sources.ADAPTERS, "datasets.<name>.source.format"),
+        (benchmarks.FORMATS, "decontaminate.benchmarks.[].format"),
+        ({**FORMATS, "auto": None}, "target.template"),
+    ]
+
+
+@pytest.mark.parametrize("values,path", _python_enums(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_python_enum_is_the_schemas(values, path):
+    """A value the schema allows but Python doesn't know (or the reverse) fails here, not in a paid run: each
+    Python list of allowed values holds exactly the schema's ``enum`` of its key."""
+    assert sorted(values) == sorted(_schema_enum(path)), path
+
+
+def test_extract_checks_its_enums_against_the_schema():
+    """extract_states refuses a value outside the schema's enum (the Python API; the config is validated first),
+    naming the schema's values."""
+    from eagle3_data.extract import stage
+
+    for key in ("dtype", "final_norm", "final_states", "aux_format", "final_format", "backend", "attention"):
+        with pytest.raises(ValueError, match=f"extract {key} must be one of"):
+            stage.check_settings(st.ExtractSettings.defaults(**{key: "nonsense"}))
+    stage.check_settings(st.ExtractSettings.defaults())
