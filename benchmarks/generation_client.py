@@ -76,19 +76,16 @@ def usage() -> tuple[float, float]:
 
 def run_ours(a) -> dict:
     from eagle3_data.generate import generate
+    from eagle3_data.settings import GenerateSettings
 
     work = Path(a.workdir)
     base_rss = rss_now_mb()
     cpu0, _ = usage()
     t0 = time.monotonic()
-    s = generate(
-        work / "prompts.parquet",
-        work / "responses.parquet",
+    settings = GenerateSettings.defaults(
         dataset="bench",
-        shard="000",
         target_name="bench",
         journal_dir=work / "journal",
-        progress_interval_s=10.0,
         generation={"backends": ["fault"], "mode": "last", "extra_body": {}, "max_retries": 3, **SAMPLING},
         backends={
             "fault": {
@@ -101,6 +98,7 @@ def run_ours(a) -> dict:
             }
         },
     )
+    s = generate(work / "prompts.parquet", work / "responses.parquet", settings, shard="000", progress_interval_s=10.0)
     wall = time.monotonic() - t0
     cpu1, peak = usage()
     return {

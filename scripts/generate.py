@@ -31,24 +31,19 @@ if snakemake.rule == "forecast_pilot":
         lambda: pilot(
             snakemake.input.prompts,
             out.responses,
+            settings,
             n=snakemake.params.pilot_samples,
             shard=shard,
+            log=log,
             summary_path=out.summary,
             attempts_path=f"{settings.cache_dir}/forecast/pilot/{ds}/{shard}.jsonl",
-            log=log,
-            **settings.generate_kwargs(),
         ),
         log=log,
     )
 else:
     run_stage(
         lambda: generate(
-            snakemake.input.prompts,
-            out.responses,
-            shard=shard,
-            summary_path=out.summary,
-            log=log,
-            **settings.generate_kwargs(),
+            snakemake.input.prompts, out.responses, settings, shard=shard, log=log, summary_path=out.summary
         ),
         log=log,
     )

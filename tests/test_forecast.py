@@ -20,7 +20,7 @@ from test_generate import backends_cfg, gen_cfg, simple_convs, write_prompts  # 
 from eagle3_data import forecast as fc  # noqa: E402
 from eagle3_data.generate import generate, request_key  # noqa: E402
 from eagle3_data.generate.journal import read_journal  # noqa: E402
-from eagle3_data.settings import TokenizeSettings  # noqa: E402
+from eagle3_data.settings import GenerateSettings, GenerationSettings, TokenizeSettings  # noqa: E402
 from eagle3_data.tokens import tokenize  # noqa: E402
 
 SHARDS = ("000", "001")
@@ -54,26 +54,38 @@ def _prompts(tmp_path) -> list[Path]:
     return out
 
 
+def _settings(tmp_path, gen, bk, target) -> GenerateSettings:
+    """Dataset ds's generate settings: ``gen`` and ``bk`` (the schema's defaults where unset), the target's name and
+    format, the journal under ``tmp_path``."""
+    return GenerateSettings.defaults(
+        generation=gen,
+        backends=bk,
+        target_name=target["name"],
+        journal_dir=tmp_path / "journal",
+        num_shards=len(SHARDS),
+        target_format={"template": target["template"]},
+    )
+
+
 def _pilot(tmp_path, fs, prompts, gen, bk, target):
     for path, shard in zip(prompts, SHARDS):
         fc.pilot(
-            path,
-            tmp_path / "pilot" / f"{shard}.parquet",
-            n=PILOT,
-            dataset="ds",
-            shard=shard,
-            generation=gen,
-            num_shards=len(SHARDS),
-            target_name=target["name"],
-            backends=bk,
-            journal_dir=tmp_path / "journal",
-            target_format={"template": target["template"]},
+            path, tmp_path / "pilot" / f"{shard}.parquet", _settings(tmp_path, gen, bk, target), n=PILOT, shard=shard
         )
     return [tmp_path / "pilot" / f"{s}.parquet" for s in SHARDS]
 
 
 def _forecast(tmp_path, prompts, pilots, gen, bk, target) -> dict:
-    spec = {"ds": {"prompts": prompts, "pilot": pilots, "generation": gen, "backends": bk, "num_shards": len(SHARDS)}}
+    s = _settings(tmp_path, gen, bk, target)
+    spec = {
+        "ds": {
+            "prompts": prompts,
+            "pilot": pilots,
+            "generation": s.generation,
+            "backends": s.backends,
+            "num_shards": len(SHARDS),
+        }
+    }
     return fc.forecast(
         spec,
         tmp_path / "forecast.md",
@@ -149,18 +161,7 @@ def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_imp
     # the build: every shard's generate job answers the pilot from the journal and sends only the rest
     before = fs.stats()["completed"]
     summaries = [
-        generate(
-            p,
-            tmp_path / "responses" / f"{s}.parquet",
-            dataset="ds",
-            shard=s,
-            target_name="tiny-target",
-            generation=gen,
-            backends=bk,
-            journal_dir=tmp_path / "journal",
-            num_shards=len(SHARDS),
-            target_format={"template": target["template"]},
-        )
+        generate(p, tmp_path / "responses" / f"{s}.parquet", _settings(tmp_path, gen, bk, target), shard=s)
         for p, s in zip(prompts, SHARDS)
     ]
     assert sum(s["from_journal"] for s in summaries) == PILOT
@@ -230,14 +231,16 @@ def test_pilot_samples_are_among_those_the_build_sends(tmp_path):
     """The pilot's share of each shard comes from the samples generate will send (max_samples: the first by id),
     picked by a hash of the id (not the first ones), the same on every call."""
     prompts = _prompts(tmp_path)
-    gen = gen_cfg(max_samples=10)  # 5 per shard of 12: ids s?000..s?004 are sent
+    gen = GenerationSettings.defaults(**gen_cfg(max_samples=10))  # 5 per shard of 12: ids s?000..s?004 are sent
     for k, (path, shard) in enumerate(zip(prompts, SHARDS)):
         ids = fc.pilot_sample_ids(path, gen, n=6, num_shards=2, shard=shard)
         assert len(ids) == 3 and set(ids) <= {f"s{k}{i:03d}" for i in range(5)}
         assert ids == fc.pilot_sample_ids(path, gen, n=6, num_shards=2, shard=shard)
-    everything = fc.pilot_sample_ids(prompts[0], gen_cfg(), n=24, num_shards=2, shard="000")
+    everything = fc.pilot_sample_ids(
+        prompts[0], GenerationSettings.defaults(**gen_cfg()), n=24, num_shards=2, shard="000"
+    )
     assert len(everything) == 12
-    first = fc.pilot_sample_ids(prompts[0], gen_cfg(), n=8, num_shards=2, shard="000")
+    first = fc.pilot_sample_ids(prompts[0], GenerationSettings.defaults(**gen_cfg()), n=8, num_shards=2, shard="000")
     assert first != everything[:4], "the pilot is not the first samples by id"
 
 
@@ -398,24 +401,18 @@ def test_a_rerun_pilot_answered_from_the_journal_keeps_the_failures_it_saw(tmp_p
     prompts = _prompts(tmp_path)
     kw = dict(
         n=PILOT,
-        dataset="ds",
         shard="000",
-        generation=gen,
-        num_shards=len(SHARDS),
-        target_name=target["name"],
-        backends=bk,
-        journal_dir=tmp_path / "journal",
-        target_format={"template": target["template"]},
         attempts_path=tmp_path / "cache/forecast/pilot/ds/000.jsonl",
         summary_path=tmp_path / "s.json",
     )
-    first = fc.pilot(prompts[0], tmp_path / "p.parquet", **kw)
+    settings = _settings(tmp_path, gen, bk, target)
+    first = fc.pilot(prompts[0], tmp_path / "p.parquet", settings, **kw)
     st = fs.stats()
     assert first["attempts"]["sent"] == st["requests"] > PILOT // 2  # the faults made retries
     retried = sum(first["attempts"]["retry_reasons"].values())
     assert retried == st["requests"] - PILOT // 2
     assert json.loads((tmp_path / "s.json").read_text())["attempts"] == first["attempts"]
-    again = fc.pilot(prompts[0], tmp_path / "p.parquet", **kw)
+    again = fc.pilot(prompts[0], tmp_path / "p.parquet", settings, **kw)
     assert fs.stats()["requests"] == st["requests"], "the rerun sent requests"
     assert again["sent"] == 0 and again["attempts"] == first["attempts"]
     # the job's own time besides its requests, kept for the forecast through the rerun

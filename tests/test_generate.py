@@ -16,6 +16,7 @@ from eagle3_data import schemas  # noqa: E402
 from eagle3_data.generate import GenerationStopped, assistant_turns, generate, request_key  # noqa: E402
 from eagle3_data.files import write_parquet  # noqa: E402
 from eagle3_data.generate.journal import read_journal  # noqa: E402
+from eagle3_data.settings import GenerateSettings  # noqa: E402
 
 ACCEPTANCE_FAULTS = {
     "p429": 0.10,
@@ -85,19 +86,20 @@ def backends_cfg(fs, name="fault", **kw) -> dict:
     return {name: b}
 
 
+#: generate()'s own keywords; the rest of a run's keywords are its settings (GenerateSettings fields)
+JOB_KEYWORDS = ("log", "summary_path", "sample_ids", "progress_interval_s", "write_batch_rows")
+
+
+def gen_settings(tmp_path, gen, bk, **kw) -> GenerateSettings:
+    """The job's settings: ``gen`` and ``bk`` with the schema's defaults, the journal under ``tmp_path``."""
+    kw = {"dataset": "ds", "target_name": "tiny-target", "journal_dir": tmp_path / "journal", **kw}
+    return GenerateSettings.defaults(generation=gen, backends=bk, **kw)
+
+
 def run(tmp_path, fs, prompts, gen=None, bk=None, shard="000", out="out.parquet", **kw):
-    return generate(
-        prompts,
-        tmp_path / out,
-        dataset="ds",
-        shard=shard,
-        target_name="tiny-target",
-        generation=gen or gen_cfg(),
-        backends=bk or backends_cfg(fs),
-        journal_dir=tmp_path / "journal",
-        progress_interval_s=0.5,
-        **kw,
-    )
+    job = {k: kw.pop(k) for k in JOB_KEYWORDS if k in kw}
+    settings = gen_settings(tmp_path, gen or gen_cfg(), bk or backends_cfg(fs), **kw)
+    return generate(prompts, tmp_path / out, settings, shard=shard, **{"progress_interval_s": 0.5, **job})
 
 
 def rows_by_key(path) -> dict:

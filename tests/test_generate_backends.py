@@ -471,9 +471,10 @@ def test_generate_job_imports_neither_pandas_nor_pyarrow_compute_or_dataset(tmp_
     code = """
 import json, sys
 from eagle3_data.generate import generate
+from eagle3_data.settings import GenerateSettings
 gen, bk, prompts, work = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
-runs = [generate(prompts, f"{work}/{out}", dataset="ds", shard="000", target_name="t", generation=gen, backends=bk,
-                 journal_dir=f"{work}/journal") for out in ("a.parquet", "b.parquet")]
+settings = GenerateSettings.defaults(target_name="t", generation=gen, backends=bk, journal_dir=f"{work}/journal")
+runs = [generate(prompts, f"{work}/{out}", settings, shard="000") for out in ("a.parquet", "b.parquet")]
 mods = sorted(m for m in sys.modules if m.split(".")[0] == "pandas" or m in ("pyarrow.compute", "pyarrow.dataset"))
 print(json.dumps({"mods": mods, "runs": runs}))
 """
@@ -506,8 +507,10 @@ print(json.dumps({"mods": mods, "runs": runs}))
 def test_a_task_backing_off_gives_its_live_permit_back_while_it_sleeps():
     from eagle3_data.generate import Runner
 
+    from eagle3_data.settings import GenerateSettings
+
     runner = Runner(
-        dataset="d", target_name="t", generation={}, records={}, journal=None, pool=None, state=None, sampling={}
+        GenerateSettings.defaults(dataset="d", target_name="t"), records={}, journal=None, pool=None, state=None
     )
 
     async def scenario():

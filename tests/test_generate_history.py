@@ -160,15 +160,14 @@ def test_mode_all_keeps_the_original_turn_when_the_regenerated_one_calls_tools()
         {"role": "user", "content": "q3"},
         {"role": "assistant", "content": "a3"},
     ]
+    from eagle3_data.settings import GenerateSettings
+
     runner = Runner(
-        dataset="ds",
-        target_name="t",
-        generation=gen_cfg(mode="all"),
+        GenerateSettings.defaults(target_name="t", generation=gen_cfg(mode="all")),
         records={},
         journal=None,
         pool=None,
         state=JobState(total=1, budget_tokens=None, budget_usd=None),
-        sampling={},
     )
     sample = Sample("s", json.dumps(conv), None, [1, 3, 5])
     steps = runner.steps(sample)

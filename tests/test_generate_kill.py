@@ -47,9 +47,10 @@ from eagle3_data.generate import generate
 from eagle3_data.logs import setup_logging
 a = json.loads(sys.argv[1])
 log = setup_logging(None)
-run_stage(lambda: generate(a["prompts"], a["out"], dataset="ds", shard="000", target_name="tiny-target",
-                           generation=a["generation"], backends=a["backends"], journal_dir=a["journal"],
-                           progress_interval_s=0.5), log=log)
+from eagle3_data.settings import GenerateSettings
+settings = GenerateSettings.defaults(target_name="tiny-target", generation=a["generation"], backends=a["backends"],
+                                     journal_dir=a["journal"])
+run_stage(lambda: generate(a["prompts"], a["out"], settings, shard="000", progress_interval_s=0.5), log=log)
 """
 
 

@@ -33,10 +33,11 @@ from eagle3_data.generate import generate
 from eagle3_data.logs import setup_logging
 a = json.loads(sys.argv[1])
 log = setup_logging(a.get("log"))
-run_stage(lambda: generate(a["prompts"], a["out"], dataset=a.get("dataset", "ds"), shard=a["shard"],
-                           target_name="tiny-target", generation=a["generation"], backends=a["backends"],
-                           journal_dir=a["journal"], progress_interval_s=0.5,
-                           backend_jobs=a.get("backend_jobs")), log=log)
+from eagle3_data.settings import GenerateSettings
+settings = GenerateSettings.defaults(dataset=a.get("dataset", "ds"), target_name="tiny-target",
+                                     generation=a["generation"], backends=a["backends"], journal_dir=a["journal"],
+                                     backend_jobs=a.get("backend_jobs"))
+run_stage(lambda: generate(a["prompts"], a["out"], settings, shard=a["shard"], progress_interval_s=0.5), log=log)
 """
 
 

@@ -100,8 +100,10 @@ JOB = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from eagle3_data.errors import run_stage
     from eagle3_data.generate import generate
-    run_stage(lambda: generate({prompts!r}, {out!r}, dataset="ds", shard="000", target_name="t", generation={gen!r},
-                               backends={backends!r}, journal_dir={journal!r}, log={log!r}))
+    from eagle3_data.settings import GenerateSettings
+    settings = GenerateSettings.defaults(target_name="t", generation={gen!r}, backends={backends!r},
+                                         journal_dir={journal!r})
+    run_stage(lambda: generate({prompts!r}, {out!r}, settings, shard="000", log={log!r}))
 """)
 
 
@@ -171,21 +173,17 @@ def test_server_stopped_when_job_is_killed(tmp_path, sig):
 
 def test_generate_starts_server_only_when_needed(tmp_path):
     from eagle3_data.generate import generate
+    from eagle3_data.settings import GenerateSettings
 
     code, backends, gen, prompts = _job(tmp_path, n=6, latency=0.0)
-    kw = dict(
-        dataset="ds",
-        shard="000",
-        target_name="t",
-        generation=gen,
-        backends=backends,
-        journal_dir=tmp_path / "journal",
-        log=tmp_path / "logs" / "job.log",
+    settings = GenerateSettings.defaults(
+        target_name="t", generation=gen, backends=backends, journal_dir=tmp_path / "journal"
     )
-    s1 = generate(prompts, tmp_path / "a.parquet", **kw)
+    kw = dict(shard="000", log=tmp_path / "logs" / "job.log")
+    s1 = generate(prompts, tmp_path / "a.parquet", settings, **kw)
     assert s1["servers_started"] == ["local"] and s1["ok"] == 6 and s1["sent"] == 6
     size = (tmp_path / "logs" / "job.server-local.log").stat().st_size
-    s2 = generate(prompts, tmp_path / "b.parquet", **kw)
+    s2 = generate(prompts, tmp_path / "b.parquet", settings, **kw)
     assert s2["servers_started"] == [] and s2["sent"] == 0 and s2["ok"] == 6
     assert (tmp_path / "logs" / "job.server-local.log").stat().st_size == size
 

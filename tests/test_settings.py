@@ -134,18 +134,42 @@ def test_generate_settings_params_are_what_the_responses_depend_on():
     g = st.GenerateSettings.from_config(c, "sweagent_demo")
     p = g.params()
     assert p["generation"] == {k: cfg.generation_config(c, "sweagent_demo").get(k) for k in cfg.GENERATION_DATA_KEYS}
+    assert p["generation"] == st.generation_data_settings(c, "sweagent_demo") == g.generation.params()
     assert p["generation"]["max_tokens"] == 192 and p["num_shards"] == 1 and p["target_name"] == "tiny-kimi"
     assert p["backends"]["tiny_local"]["launched"] is True and "max_concurrency" not in p["backends"]["tiny_local"]
     assert p["target"] is None  # no native /generate backend: the target is no dependency of generation
     assert p["target_format"] == {"template": "kimi-k25", "chat_template_kwargs": {"thinking": True}}
-    kw = g.generate_kwargs()
-    assert kw["journal_dir"] == "cache/journal" and kw["backends"]["tiny_local"]["max_concurrency"] == 4
-    assert kw["backend_jobs"] == {"tiny_local": 4}  # 2 + 1 + 1 shards of the generated datasets use it
+    assert g.journal_dir == "cache/journal" and g.backends["tiny_local"]["max_concurrency"] == 4
+    assert g.backend_jobs == {"tiny_local": 4}  # 2 + 1 + 1 shards of the generated datasets use it
+    # typed: the generation settings and the backends, the schema's defaults where the config sets nothing
+    assert (g.generation.max_tokens, g.generation.max_retries, g.generation.stop_grace_s) == (192, 5, 10.0)
+    (b,) = g.backend_configs()
+    assert (b.name, b.max_concurrency, b.timeout_s, b.down_after_s) == ("tiny_local", 4, 300.0, 30.0)
     other = copy.deepcopy(c)
     other["backends"]["tiny_local"].update(max_concurrency=99, timeout_s=1)  # transport: no rerun
     assert st.GenerateSettings.from_config(other, "sweagent_demo").params() == p
     other["backends"]["tiny_local"]["native_generate"] = True
     assert st.GenerateSettings.from_config(other, "sweagent_demo").params()["target"]["path"] == c["target"]["path"]
+
+
+def test_generation_and_backend_settings_take_the_schema_defaults_from_a_raw_config():
+    """A config never validated (a test's, the Python API's): what it leaves out is the schema's default, for the
+    generation settings, each backend's entry and the typed backend the job uses."""
+    c = copy.deepcopy(MINIMAL)
+    c["backends"] = {"b": {"type": "openai", "base_url": "http://x/v1", "model": "m"}}
+    c["generation"] = {"backends": ["b"]}
+    g = st.GenerateSettings.from_config(c, "d")
+    gen_schema = {**SCHEMA["$defs"]["generation"]["properties"], **schema_section("generation")}
+    for key in gen_schema:
+        want = SCHEMA["properties"]["generation"]["properties"].get(key, {}).get("default")
+        assert getattr(g.generation, key) == (["b"] if key == "backends" else want), key
+    backend = SCHEMA["properties"]["backends"]["additionalProperties"]["properties"]
+    (b,) = g.backend_configs()
+    for key, node in backend.items():
+        if "default" in node and key not in ("launch", "price_per_m", "max_jobs"):
+            assert g.backends["b"][key] == node["default"] and getattr(b, key) == node["default"], key
+    assert g.journal_dir == f"{SCHEMA['properties']['cache_dir']['default']}/journal"
+    assert g.num_shards == SCHEMA["properties"]["datasets"]["additionalProperties"]["properties"]["shards"]["default"]
 
 
 def test_settings_are_frozen():
@@ -157,10 +181,12 @@ def test_settings_are_frozen():
 
 #: the stage entry points the scripts call, and the settings class whose values they must not restate
 def _entry_points():
-    from eagle3_data import export, merge, normalize, plan, tiny_target, tokens, validate, vocab
+    from eagle3_data import export, forecast, generate, merge, normalize, plan, tiny_target, tokens, validate, vocab
     from eagle3_data.extract import stage
 
     return [
+        (generate.generate, st.GenerateSettings),
+        (forecast.pilot, st.GenerateSettings),
         (normalize.normalize, st.NormalizeSettings),
         (tokens.tokenize, st.TokenizeSettings),
         (validate.validate, st.ValidateSettings),
@@ -183,6 +209,8 @@ def _config_keys(cls) -> set[str]:
         keys.add(f.name)
         if f.name == "extract":
             keys |= _config_keys(st.ExtractSettings)
+        if f.name == "generation" and cls is st.GenerateSettings:
+            keys |= _config_keys(st.GenerationSettings)
     return keys | {"gpus", "lock_dir", "max_tokens", "measure", "source_format", "num_shards"}
 
 
@@ -208,3 +236,63 @@ def test_the_schema_is_the_only_place_with_stage_defaults():
     assert not hasattr(cfg, "DEFAULTS")
     assert cfg.section({}, "merge") == st.filled("merge", {})
     assert cfg.section({}, "merge")["memory_mb"] == schema_section("merge")["memory_mb"]["default"]
+
+
+def _schema_enum(path: str) -> list:
+    """The ``enum`` of dotted key ``path`` (``<name>`` for a free-form name; ``[]`` for a list's items), read
+    here from the YAML."""
+    node = SCHEMA
+    for part in path.split("."):
+        if part == "<name>":
+            node = node["additionalProperties"]
+        elif part == "[]":
+            node = node["items"]
+        else:
+            node = (SCHEMA["$defs"]["generation"] if node is SCHEMA["properties"]["generation"] else node)[
+                "properties"
+            ][part]
+    return node["enum"]
+
+
+def _python_enums():
+    """Every Python tuple / mapping of a config key's allowed values, and the key whose schema ``enum`` it must be."""
+    from eagle3_data import export, merge, sources
+    from eagle3_data.backends.definition import BACKEND_TYPES
+    from eagle3_data.decontaminate import benchmarks
+    from eagle3_data.extract import fused, layout, model, transformers_backend
+    from eagle3_data.templates.formats import FORMATS
+
+    return [
+        (layout.DTYPES, "extract.dtype"),
+        (layout.FINAL_STATES, "extract.final_states"),
+        (layout.FINAL_NORMS, "extract.final_norm"),
+        (layout.AUX_FORMATS, "extract.aux_format"),
+        (layout.FINAL_FORMATS, "extract.final_format"),
+        (transformers_backend.ATTENTION_MODES, "extract.attention"),
+        (fused.FUSED_MODES, "extract.fused"),
+        (model.DRAFTERS, "extract.drafters.[]"),
+        (BACKEND_TYPES, "backends.<name>.type"),
+        (merge.OVERFLOW_MODES, "merge.overflow"),
+        (export.LAYOUTS, "export.layouts.[]"),
+        (sources.ADAPTERS, "datasets.<name>.source.format"),
+        (benchmarks.FORMATS, "decontaminate.benchmarks.[].format"),
+        ({**FORMATS, "auto": None}, "target.template"),
+    ]
+
+
+@pytest.mark.parametrize("values,path", _python_enums(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_python_enum_is_the_schemas(values, path):
+    """A value the schema allows but Python doesn't know (or the reverse) fails here, not in a paid run: each
+    Python list of allowed values holds exactly the schema's ``enum`` of its key."""
+    assert sorted(values) == sorted(_schema_enum(path)), path
+
+
+def test_extract_checks_its_enums_against_the_schema():
+    """extract_states refuses a value outside the schema's enum (the Python API; the config is validated first),
+    naming the schema's values."""
+    from eagle3_data.extract import stage
+
+    for key in ("dtype", "final_norm", "final_states", "aux_format", "final_format", "backend", "attention"):
+        with pytest.raises(ValueError, match=f"extract {key} must be one of"):
+            stage.check_settings(st.ExtractSettings.defaults(**{key: "nonsense"}))
+    stage.check_settings(st.ExtractSettings.defaults())

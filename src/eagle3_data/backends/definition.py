@@ -23,10 +23,11 @@ Messages never contain the API key: it is only ever placed in the ``Authorizatio
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import FatalBackendError
 
+#: the API dialects (the schema's ``backends.<name>.type`` enum: tests/test_settings.py ties them)
 BACKEND_TYPES = ("openai", "openrouter", "sglang")
 
 
@@ -38,30 +39,35 @@ class BackendConfig:
     type: str
     base_url: str
     model: str
-    api_key_env: str | None = None
-    max_concurrency: int = 8
-    timeout_s: float = 300.0
-    requests_per_minute: float | None = None
-    launch: dict | None = None
-    headers: dict = field(default_factory=dict)  # extra non-secret headers (e.g. X-Title)
-    tokens_per_minute: float | None = None
-    extra_body: dict = field(default_factory=dict)  # merged into every request body (backend setting)
-    provider: dict | None = None  # OpenRouter provider routing
-    reasoning: dict | None = None  # OpenRouter / SGLang reasoning settings
-    native_generate: bool = False  # SGLang: POST {root}/generate with input_ids (exact output_ids)
-    return_token_ids: bool = False  # vLLM: ask for prompt_token_ids and choices[].token_ids in the chat reply
-    cost_lookup: bool = False  # OpenRouter: GET /generation?id= when usage.cost is missing
-    cost_lookup_delay_s: float = 1.0  # first wait before a cost lookup retry (doubles, 5 tries)
-    down_after_s: float = 30.0  # refused connections / only 5xx for this long: the backend is out for the job
+    api_key_env: str | None
+    max_concurrency: int
+    timeout_s: float
+    requests_per_minute: float | None
+    launch: dict | None
+    headers: dict  # extra non-secret headers (e.g. X-Title)
+    tokens_per_minute: float | None
+    extra_body: dict  # merged into every request body (backend setting)
+    provider: dict | None  # OpenRouter provider routing
+    reasoning: dict | None  # OpenRouter / SGLang reasoning settings
+    native_generate: bool  # SGLang: POST {root}/generate with input_ids (exact output_ids)
+    return_token_ids: bool  # vLLM: ask for prompt_token_ids and choices[].token_ids in the chat reply
+    cost_lookup: bool  # OpenRouter: GET /generation?id= when usage.cost is missing
+    cost_lookup_delay_s: float  # first wait before a cost lookup retry (doubles, 5 tries)
+    down_after_s: float  # refused connections / only 5xx for this long: the backend is out for the job
 
     @classmethod
     def from_dict(cls, name: str, cfg: dict) -> "BackendConfig":
+        """The backend ``name`` of config ``backends:`` (``cfg``: its entry), the schema's defaults where unset
+        (:func:`eagle3_data.config.schema.filled`). Raises ValueError naming the backend and the bad key."""
+        from ..config.schema import filled
+
+        cfg = filled("backends.<name>", cfg)
         missing = [k for k in ("type", "base_url", "model") if not cfg.get(k)]
         if missing:
             raise ValueError(f"backend {name!r}: missing config keys {missing}")
         if cfg["type"] not in BACKEND_TYPES:
             raise ValueError(f"backend {name!r}: type {cfg['type']!r} is not one of {BACKEND_TYPES}")
-        conc = int(cfg.get("max_concurrency") or 8)
+        conc = int(cfg["max_concurrency"])
         if conc < 1:
             raise ValueError(f"backend {name!r}: max_concurrency must be >= 1, got {conc}")
         for k in ("extra_body", "headers", "provider", "reasoning"):
@@ -95,7 +101,7 @@ class BackendConfig:
             model=str(cfg["model"]),
             api_key_env=cfg.get("api_key_env") or None,
             max_concurrency=conc,
-            timeout_s=float(cfg.get("timeout_s") or 300.0),
+            timeout_s=float(cfg["timeout_s"]),
             requests_per_minute=cfg.get("requests_per_minute"),
             launch=cfg.get("launch"),
             headers={str(k): str(v) for k, v in (cfg.get("headers") or {}).items()},
@@ -103,11 +109,11 @@ class BackendConfig:
             extra_body=dict(cfg.get("extra_body") or {}),
             provider=dict(cfg["provider"]) if cfg.get("provider") else None,
             reasoning=dict(cfg["reasoning"]) if cfg.get("reasoning") else None,
-            native_generate=bool(cfg.get("native_generate", False)),
-            return_token_ids=bool(cfg.get("return_token_ids", False)),
-            cost_lookup=bool(cfg.get("cost_lookup", False)),
-            cost_lookup_delay_s=float(cfg.get("cost_lookup_delay_s", 1.0)),
-            down_after_s=float(cfg.get("down_after_s") or 30.0),
+            native_generate=bool(cfg["native_generate"]),
+            return_token_ids=bool(cfg["return_token_ids"]),
+            cost_lookup=bool(cfg["cost_lookup"]),
+            cost_lookup_delay_s=float(cfg["cost_lookup_delay_s"]),
+            down_after_s=float(cfg["down_after_s"]),
         )
 
     @property

@@ -291,10 +291,10 @@ def backend_identity(cfg) -> str:
 
 def jobs_using(config: dict, backend: str) -> int:
     """Generate jobs that use ``backend``: the shards of every generated dataset whose backends name it."""
-    from ..config import generated_datasets, generation_config
+    from ..config import dataset_shards, generated_datasets, generation_config
 
     return sum(
-        int(config["datasets"][ds].get("shards", 1))
+        dataset_shards(config, ds)
         for ds in generated_datasets(config)
         if backend in (generation_config(config, ds).get("backends") or [])
     )

@@ -28,7 +28,7 @@ def prompt_ids(request: Request) -> tuple[list[int], str]:
     prompt (the :class:`..templates.TemplateError`'s reason)."""
     if "native" not in request.rendered:
         if request.target is None:
-            raise SampleError("no_target", "native_generate needs the target tokenizer (generate(target=...))")
+            raise SampleError("no_target", "native_generate needs the target tokenizer (GenerateSettings.target)")
         try:
             ids = request.target.prompt_ids(request.messages, request.tools)
         except TemplateError as exc:

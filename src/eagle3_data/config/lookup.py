@@ -74,12 +74,17 @@ def pretokenized_datasets(config: dict) -> list[str]:
     return [d for d in datasets(config) if is_pretokenized(config, d)]
 
 
-def dataset_shards(config: dict, ds: str) -> int:
-    """``datasets.<ds>.shards`` (the schema's default where unset)."""
+def shards_of(entry: dict | None) -> int:
+    """``shards`` of one ``datasets.<name>`` entry (the schema's default where unset)."""
     from .schema import default
 
-    value = ((config.get("datasets") or {}).get(ds) or {}).get("shards")
+    value = (entry or {}).get("shards")
     return int(default("datasets.<name>.shards") if value is None else value)
+
+
+def dataset_shards(config: dict, ds: str) -> int:
+    """``datasets.<ds>.shards`` (the schema's default where unset)."""
+    return shards_of((config.get("datasets") or {}).get(ds))
 
 
 def shard_names(config: dict, ds: str) -> list[str]:

@@ -24,7 +24,8 @@ def schema() -> dict:
 
 
 def schema_node(path: str) -> dict:
-    """The schema node of dotted key ``path`` (``"validate.count_tolerance"``, ``"target.tiny"``), ``$ref`` resolved.
+    """The schema node of dotted key ``path`` (``"validate.count_tolerance"``, ``"target.tiny"``, ``"backends.<name>"``
+    for the entry of a free-form name), ``$ref`` resolved.
 
     Raises KeyError naming the path when the schema has no such key.
     """
@@ -32,7 +33,12 @@ def schema_node(path: str) -> dict:
     defs = s.get("$defs", {})
     node = s
     for part in path.split(".") if path else []:
-        props = resolve_ref(node, defs).get("properties") or {}
+        node = resolve_ref(node, defs)
+        extra = node.get("additionalProperties")
+        if part == "<name>" and isinstance(extra, dict):
+            node = extra
+            continue
+        props = node.get("properties") or {}
         if part not in props:
             raise KeyError(f"config schema: no key {path!r}")
         node = props[part]

@@ -41,12 +41,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..files import write_json
+from ..config.schema import schema_node
 from .layout import (
-    AUX_FORMATS,
-    DTYPES,
-    FINAL_FORMATS,
-    FINAL_NORMS,
-    FINAL_STATES,
     ROWS_FORMAT,
     HiddenStateWriter,
     StatesFile,
@@ -60,8 +56,6 @@ if TYPE_CHECKING:
     from ..settings import ExtractSettings
 
 log = logging.getLogger("eagle3_data.extract")
-
-BACKENDS = ("transformers", "sglang")
 
 
 def settings_digest(
@@ -249,81 +243,69 @@ def extract_states(
         length differs from the input length: no file is written), TimeoutError (no free GPUs).
     """
     s = settings
-    model_path, dtype, device, batch_tokens = s.model_path, s.dtype, s.device, s.batch_tokens
-    attention, backend, gpus, lock_dir = s.attention, s.backend, s.gpus_per_job, s.gpu_lock_dir
-    final_states, aux_format, final_norm, trust_remote_code = (
-        s.final_states,
-        s.aux_format,
-        s.final_norm,
-        s.trust_remote_code,
-    )
-    final_format = s.final_format
-    if final_states not in FINAL_STATES:
-        raise ValueError(f"extract final_states must be one of {FINAL_STATES}, got {final_states!r}")
-    if final_norm not in FINAL_NORMS:
-        raise ValueError(f"extract final_norm must be one of {FINAL_NORMS}, got {final_norm!r}")
-    if aux_format not in AUX_FORMATS:
-        raise ValueError(f"extract aux_format must be one of {AUX_FORMATS}, got {aux_format!r}")
-    if final_format not in FINAL_FORMATS:
-        raise ValueError(f"extract final_format must be one of {FINAL_FORMATS}, got {final_format!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"extract dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if batch_tokens < 1:
-        raise ValueError(f"extract batch_tokens must be >= 1, got {batch_tokens}")
-    if backend not in BACKENDS:
-        raise ValueError(f"extract backend must be one of {BACKENDS}, got {backend!r}")
-    from .transformers_backend import ATTENTION_MODES
-
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"extract attention must be one of {ATTENTION_MODES}, got {attention!r}")
-    if backend == "sglang" and final_norm != "post":
-        raise ValueError("extract backend sglang stores post-norm final states only: set extract.final_norm: post")
-
+    check_settings(s)
     t0 = time.perf_counter()
     shard = TokenShard(selection_path)
-    dims = model_dims(model_path)
-    L, H, vocab = dims["num_layers"], dims["hidden_size"], dims["vocab_size"]
-    chosen, per_drafter = resolve_drafter_layers(s.drafters, s.layers, s.dflash_layers, L)
+    dims = model_dims(s.model_path)
+    chosen, per_drafter = resolve_drafter_layers(s.drafters, s.layers, s.dflash_layers, dims["num_layers"])
+    vocab = dims["vocab_size"]
     if vocab and shard.T and (shard.ids.min() < 0 or shard.ids.max() >= vocab):
         raise ValueError(f"{selection_path}: token ids outside the target's vocabulary [0, {vocab})")
-    fingerprint = model_fingerprint(model_path)
-    settings = settings_digest(
-        backend=backend,
-        fingerprint=fingerprint,
-        layers=chosen,
-        dtype=dtype,
-        final_norm=final_norm,
-        final_states=final_states,
-        aux_format=aux_format,
-        final_format=final_format,
-    )
+    layout = _Layout(shard, dims, chosen, per_drafter, model_fingerprint(s.model_path))
+    digest = layout.digest(s)
+    src = _open_reusable([reuse_path, out_path], digest)
+    try:
+        reuse = _reusable_rows(shard, src)
+        metadata = layout.metadata(s, digest, selection_path, selection_digest)
+        job = _Job(shard, layout, s, reuse, src, _new_run())
+        with contextlib.ExitStack() as stack:
+            fwd = job.forward(model, capture, stack)
+            writer = job.write(out_path, metadata, fwd, overlap)
+    finally:
+        if src is not None:
+            src.close()
+    if reuse_path is not None:
+        keep_link(out_path, reuse_path)
+    summary = job.summary(out_path, selection_path, selection_digest, writer, time.perf_counter() - t0)
+    if summary_path is not None:
+        write_json(summary, summary_path)
+    return summary
 
-    src = _open_reusable([reuse_path, out_path], settings)
+
+def _enum(key: str) -> tuple:
+    """The allowed values of ``extract.<key>`` (the schema's ``enum``: defined there only)."""
+    return tuple(schema_node(f"extract.{key}")["enum"])
+
+
+def check_settings(s: "ExtractSettings") -> None:
+    """Refuse settings the schema would (a config is validated before any job runs; this guards the Python API):
+    each enum-valued key one of the schema's values (``fused``: checked by :func:`.fused.fuse_elementwise`), ``batch_tokens`` at least 1, and the SGLang backend only with
+    ``final_norm: post``. Raises ValueError naming the key, its allowed values and the value given."""
+    for key in ("final_states", "final_norm", "aux_format", "final_format", "dtype", "backend", "attention"):
+        allowed, value = _enum(key), getattr(s, key)
+        if value not in allowed:
+            raise ValueError(f"extract {key} must be one of {allowed}, got {value!r}")
+    if s.batch_tokens < 1:
+        raise ValueError(f"extract batch_tokens must be >= 1, got {s.batch_tokens}")
+    if s.backend == "sglang" and s.final_norm != "post":
+        raise ValueError("extract backend sglang stores post-norm final states only: set extract.final_norm: post")
+
+
+def _reusable_rows(shard: TokenShard, src: StatesFile | None) -> dict[int, int]:
+    """Row of ``src`` (a stored file with this job's settings) for each sample of ``shard`` it holds as computed
+    now (the same ids and loss mask)."""
     reuse: dict[int, int] = {}
     if src is not None:
         for i, sid in enumerate(shard.sample_ids):
             j = src.index.get(sid)
             if j is not None and reusable(src, j, shard.sample_ids_of(i), shard.mask_of(i)):
                 reuse[i] = j
-    todo = [i for i in range(shard.n) if i not in reuse]
-    metadata = {
-        "backend": backend,
-        "model_path": str(model_path),
-        "model_name": Path(str(model_path)).name,
-        "model_type": dims["model_type"],
-        "model_fingerprint": fingerprint,
-        "num_layers": str(L),
-        "layers": json.dumps(chosen),
-        "drafter_layers": json.dumps(per_drafter),
-        "layer_convention": LAYER_CONVENTION,
-        "final_norm": final_norm,
-        "sample_ids": json.dumps(shard.sample_ids),
-        "datasets": json.dumps(shard.datasets),
-        "source": str(selection_path),
-        "selection_digest": str(selection_digest or ""),
-        "state_settings": settings,
-    }
-    run = {
+    return reuse
+
+
+def _new_run() -> dict:
+    """What the forward side fills in (devices, batches, model time, attention path, fused kernels, timing)."""
+    return {
         "device": "none",
         "devices": [],
         "batches": 0,
@@ -332,123 +314,182 @@ def extract_states(
         "fused": {"norms": 0, "mlps": 0, "skipped": []},
         "timing": {"forward_s": 0.0, "copy_s": 0.0, "write_s": 0.0, "wait_s": 0.0, "drain_s": 0.0},
     }
-    norm = None  # final_norm both: {weight, eps, formula, check}
-    try:
-        with contextlib.ExitStack() as stack:
-            fwd = None
-            if todo:
-                fwd = _Forward(
-                    shard,
-                    run,
-                    model_path=model_path,
-                    layers=chosen,
-                    dtype=dtype,
-                    device=device,
-                    batch_tokens=batch_tokens,
-                    attention=attention,
-                    backend=backend,
-                    gpus=gpus,
-                    lock_dir=lock_dir,
-                    final_norm=final_norm,
-                    trust_remote_code=trust_remote_code,
-                    model=model,
-                    capture=capture,
-                    hidden_size=H,
-                    stack=stack,
-                    fused=s.fused,
+
+
+class _Layout:
+    """What one job stores: the selection, the target's dimensions and fingerprint, the layers captured."""
+
+    def __init__(self, shard: TokenShard, dims: dict, chosen: list, per_drafter: dict, fingerprint: str):
+        self.shard, self.dims, self.chosen, self.per_drafter, self.fingerprint = (
+            shard,
+            dims,
+            chosen,
+            per_drafter,
+            fingerprint,
+        )
+
+    @property
+    def hidden_size(self) -> int:
+        return self.dims["hidden_size"]
+
+    def digest(self, s: "ExtractSettings") -> str:
+        """The settings digest a reused row must match (:func:`settings_digest`)."""
+        return settings_digest(
+            backend=s.backend,
+            fingerprint=self.fingerprint,
+            layers=self.chosen,
+            dtype=s.dtype,
+            final_norm=s.final_norm,
+            final_states=s.final_states,
+            aux_format=s.aux_format,
+            final_format=s.final_format,
+        )
+
+    def metadata(self, s: "ExtractSettings", digest: str, selection_path, selection_digest) -> dict:
+        """The file's metadata (the final norm's record is added once known)."""
+        shard = self.shard
+        return {
+            "backend": s.backend,
+            "model_path": str(s.model_path),
+            "model_name": Path(str(s.model_path)).name,
+            "model_type": self.dims["model_type"],
+            "model_fingerprint": self.fingerprint,
+            "num_layers": str(self.dims["num_layers"]),
+            "layers": json.dumps(self.chosen),
+            "drafter_layers": json.dumps(self.per_drafter),
+            "layer_convention": LAYER_CONVENTION,
+            "final_norm": s.final_norm,
+            "sample_ids": json.dumps(shard.sample_ids),
+            "datasets": json.dumps(shard.datasets),
+            "source": str(selection_path),
+            "selection_digest": str(selection_digest or ""),
+            "state_settings": digest,
+        }
+
+
+class _Job:
+    """One extract job's steps once the layout is known: the forward side (and the final norm's check), the
+    written file, the summary."""
+
+    def __init__(self, shard, layout: _Layout, s: "ExtractSettings", reuse: dict, src, run: dict):
+        self.shard, self.layout, self.s, self.reuse, self.src, self.run = shard, layout, s, reuse, src, run
+        self.todo = [i for i in range(shard.n) if i not in reuse]
+        self.norm = None  # final_norm both: {weight, eps, formula, check}
+
+    def forward(self, model, capture, stack) -> "_Forward | None":
+        """The forward side for the samples not reused (None: every sample is reused), its batches planned; with
+        ``final_norm: both`` the first batch's norm check (a stored file whose norm computes another formula is
+        not reused)."""
+        s, shard, src = self.s, self.shard, self.src
+        if not self.todo:
+            if s.final_norm == "both" and src is not None:  # (an empty selection has no rows to derive)
+                self.norm = _norm_of(src)
+            return None
+        fwd = _Forward(
+            shard,
+            self.run,
+            s,
+            layers=self.layout.chosen,
+            hidden_size=self.layout.hidden_size,
+            model=model,
+            capture=capture,
+            stack=stack,
+        )
+        fwd.plan(self.todo)
+        if s.final_norm == "both":
+            self.norm = fwd.first_batch_norm_check()
+            if src is not None and self.reuse and not _same_norm(src, self.norm):
+                log.warning(
+                    "not reusing %s: its final norm was found to compute %s, this job's first batch %s; "
+                    "forwarding every sample",
+                    src.path,
+                    src.meta.get("norm_formula"),
+                    self.norm["formula"],
                 )
-                fwd.plan(todo)
-                if final_norm == "both":
-                    norm = fwd.first_batch_norm_check()
-                    if src is not None and reuse and not _same_norm(src, norm):
-                        log.warning(
-                            "not reusing %s: its final norm was found to compute %s, this job's first batch "
-                            "%s; forwarding every sample",
-                            src.path,
-                            src.meta.get("norm_formula"),
-                            norm["formula"],
-                        )
-                        reuse, todo = {}, list(range(shard.n))
-                        fwd.plan(todo)
-            elif final_norm == "both" and src is not None:  # (an empty selection has no rows to derive)
-                norm = _norm_of(src)
-            if norm is not None:
-                metadata.update(
-                    norm_formula=norm["formula"],
-                    norm_eps=repr(norm["eps"]),
-                    norm_check=json.dumps(norm["check"], sort_keys=True),
-                )
-            fwd_tokens = sum(shard.lengths[i] for i in todo)
-            log.info(
-                "extract %s: %d samples / %d tokens; reusing %d samples, forwarding %d samples / %d tokens",
-                selection_path,
-                shard.n,
-                shard.T,
-                len(reuse),
-                len(todo),
-                fwd_tokens,
+                self.reuse, self.todo = {}, list(range(shard.n))
+                fwd.plan(self.todo)
+        return fwd
+
+    @property
+    def forwarded_tokens(self) -> int:
+        return sum(self.shard.lengths[i] for i in self.todo)
+
+    def write(self, out_path, metadata: dict, fwd, overlap: bool) -> HiddenStateWriter:
+        """Write the file: the reused rows copied, the others forwarded."""
+        s, shard, norm = self.s, self.shard, self.norm
+        if norm is not None:
+            metadata.update(
+                norm_formula=norm["formula"],
+                norm_eps=repr(norm["eps"]),
+                norm_check=json.dumps(norm["check"], sort_keys=True),
             )
-            writer = HiddenStateWriter(
-                out_path,
-                shard,
-                hidden_size=H,
-                num_aux=len(chosen),
-                dtype=dtype,
-                final_states=final_states,
-                aux_format=aux_format,
-                final_format=final_format,
-                metadata=metadata,
-                norm_weight=None if norm is None else norm["weight"],
-                store_post=norm is not None and norm["formula"] == "none",
-            )
-            with writer:
-                for i, j in reuse.items():
-                    writer.copy(i, src, j)
-                if fwd is not None:
-                    fwd.run(writer, overlap=overlap, out_name=Path(out_path).name)
-                t_flush = time.perf_counter()
-            run["timing"]["flush_s"] = time.perf_counter() - t_flush
-    finally:
-        if src is not None:
-            src.close()
-    if reuse_path is not None:
-        keep_link(out_path, reuse_path)
-    model_s = run["model_seconds"]
-    summary = {
-        "path": str(out_path),
-        "source": str(selection_path),
-        "num_samples": shard.n,
-        "num_tokens": shard.T,
-        "forwarded_samples": len(todo),
-        "forwarded_tokens": fwd_tokens,
-        "reused_samples": len(reuse),
-        "reused_tokens": shard.T - fwd_tokens,
-        "layers": chosen,
-        "drafter_layers": per_drafter,
-        "hidden_size": H,
-        "dtype": dtype,
-        "device": run["device"],
-        "devices": list(run["devices"]),
-        "batches": run["batches"],
-        "seconds": round(time.perf_counter() - t0, 3),
-        "model_seconds": round(model_s, 3),
-        "tokens_per_s": round(fwd_tokens / model_s, 1) if model_s > 0 else None,
-        "bytes": os.path.getsize(out_path),
-        "final_rows": writer.S,
-        "final_states": final_states,
-        "aux_format": aux_format,
-        "final_format": final_format,
-        "final_norm": final_norm,
-        "norm_formula": None if norm is None else norm["formula"],
-        "backend": backend,
-        "attention": run["attention"],
-        "fused": run["fused"],
-        "timing": {k: round(v, 4) for k, v in run["timing"].items()},
-        "selection_digest": str(selection_digest or ""),
-    }
-    if summary_path is not None:
-        write_json(summary, summary_path)
-    return summary
+        log.info(
+            "extract %s: %d samples / %d tokens; reusing %d samples, forwarding %d samples / %d tokens",
+            metadata["source"],
+            shard.n,
+            shard.T,
+            len(self.reuse),
+            len(self.todo),
+            self.forwarded_tokens,
+        )
+        writer = HiddenStateWriter(
+            out_path,
+            shard,
+            hidden_size=self.layout.hidden_size,
+            num_aux=len(self.layout.chosen),
+            dtype=s.dtype,
+            final_states=s.final_states,
+            aux_format=s.aux_format,
+            final_format=s.final_format,
+            metadata=metadata,
+            norm_weight=None if norm is None else norm["weight"],
+            store_post=norm is not None and norm["formula"] == "none",
+        )
+        with writer:
+            for i, j in self.reuse.items():
+                writer.copy(i, self.src, j)
+            if fwd is not None:
+                fwd.run(writer, overlap=overlap, out_name=Path(out_path).name)
+            t_flush = time.perf_counter()
+        self.run["timing"]["flush_s"] = time.perf_counter() - t_flush
+        return writer
+
+    def summary(self, out_path, selection_path, selection_digest, writer, seconds: float) -> dict:
+        """The job's summary (see :func:`extract_states`)."""
+        s, shard, run, fwd_tokens = self.s, self.shard, self.run, self.forwarded_tokens
+        model_s = run["model_seconds"]
+        return {
+            "path": str(out_path),
+            "source": str(selection_path),
+            "num_samples": shard.n,
+            "num_tokens": shard.T,
+            "forwarded_samples": len(self.todo),
+            "forwarded_tokens": fwd_tokens,
+            "reused_samples": len(self.reuse),
+            "reused_tokens": shard.T - fwd_tokens,
+            "layers": self.layout.chosen,
+            "drafter_layers": self.layout.per_drafter,
+            "hidden_size": self.layout.hidden_size,
+            "dtype": s.dtype,
+            "device": run["device"],
+            "devices": list(run["devices"]),
+            "batches": run["batches"],
+            "seconds": round(seconds, 3),
+            "model_seconds": round(model_s, 3),
+            "tokens_per_s": round(fwd_tokens / model_s, 1) if model_s > 0 else None,
+            "bytes": os.path.getsize(out_path),
+            "final_rows": writer.S,
+            "final_states": s.final_states,
+            "aux_format": s.aux_format,
+            "final_format": s.final_format,
+            "final_norm": s.final_norm,
+            "norm_formula": None if self.norm is None else self.norm["formula"],
+            "backend": s.backend,
+            "attention": run["attention"],
+            "fused": run["fused"],
+            "timing": {k: round(v, 4) for k, v in run["timing"].items()},
+            "selection_digest": str(selection_digest or ""),
+        }
 
 
 def _norm_of(src: StatesFile) -> dict:
@@ -474,43 +515,28 @@ class _Forward:
     each batch's copies and writes overlapping the next batch's forward (``writeback``); fills ``run``."""
 
     def __init__(
-        self,
-        shard: TokenShard,
-        run: dict,
-        *,
-        model_path,
-        layers,
-        dtype,
-        device,
-        batch_tokens,
-        attention,
-        backend,
-        gpus,
-        lock_dir,
-        final_norm,
-        trust_remote_code,
-        model,
-        capture,
-        hidden_size,
-        stack,
-        fused="auto",
+        self, shard: TokenShard, run: dict, s: "ExtractSettings", *, layers, hidden_size, model, capture, stack
     ):
-        self.shard, self.run_info, self.batch_tokens, self.dtype = shard, run, batch_tokens, dtype
-        if backend == "sglang":
+        """``s``: the job's settings (backend, dtype, devices, batch size, attention path, fused kernels, final
+        norm); ``layers``, ``hidden_size``: the decoder layers captured, the target's width; ``model`` / ``capture``: a loaded target / SGLang stand-in
+        (tests); ``stack``: closes the backend and releases the devices."""
+        self.shard, self.run_info, self.batch_tokens, self.dtype = shard, run, s.batch_tokens, s.dtype
+        if s.backend == "sglang":
             from .sglang_backend import SglangBackend
 
             if capture is not None:
                 dev, ids = "cpu", []
             else:
-                dev, ids = stack.enter_context(device_context("cuda" if device == "auto" else device, gpus, lock_dir))
+                device = "cuda" if s.device == "auto" else s.device
+                dev, ids = stack.enter_context(device_context(device, s.gpus_per_job, s.gpu_lock_dir))
             be = SglangBackend(
-                model_path,
+                s.model_path,
                 layers=layers,
-                dtype=dtype,
-                tp_size=max(1, len(ids) or gpus),
-                batch_tokens=batch_tokens,
+                dtype=s.dtype,
+                tp_size=max(1, len(ids) or s.gpus_per_job),
+                batch_tokens=s.batch_tokens,
                 max_len=max(shard.lengths),
-                trust_remote_code=trust_remote_code,
+                trust_remote_code=s.trust_remote_code,
                 capture=capture,
             )
         else:
@@ -519,18 +545,18 @@ class _Forward:
             if model is not None:
                 dev, ids = "given", []
             else:
-                dev, ids = stack.enter_context(device_context(device, gpus, lock_dir))
+                dev, ids = stack.enter_context(device_context(s.device, s.gpus_per_job, s.gpu_lock_dir))
             be = TransformersBackend(
-                model_path,
+                s.model_path,
                 layers=layers,
-                dtype=dtype,
+                dtype=s.dtype,
                 device=dev,
-                final_norm=final_norm,
+                final_norm=s.final_norm,
                 device_map="auto" if dev == "cuda" and len(ids) > 1 else None,
                 loaded=model,
-                trust_remote_code=trust_remote_code,
-                attention=attention,
-                fused=fused,
+                trust_remote_code=s.trust_remote_code,
+                attention=s.attention,
+                fused=s.fused,
             )
             run["fused"] = be.fused
         stack.callback(be.close)

@@ -60,7 +60,6 @@ from .errors import (  # noqa: F401
     ForecastError,
 )
 from .pilot_job import (  # noqa: F401
-    DEFAULT_PILOT_SAMPLES,
     capped_samples,
     logger,
     pilot,

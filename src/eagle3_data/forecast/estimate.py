@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from ..settings import backend_settings
 from ..templates import TemplateError, request_messages, target_tokens
 from .errors import ForecastError
 from .fits import expected_longest, latency_fit, length_model
@@ -29,7 +30,7 @@ def _prompt_lengths(tt, prompts: list[tuple[list, list | None]]) -> tuple[list[i
     return lens, failed
 
 
-def _dataset_requests(prompts_paths: list, generation: dict, num_shards: int, template: str | None):
+def _dataset_requests(prompts_paths: list, generation, num_shards: int, template: str | None):
     """(prompts of every request generate will send: [(messages, tools)], samples, unusable rows, requests per
     shard ``{shard: n}``)."""
     prompts, n_samples, n_bad, per_shard = [], 0, 0, {}
@@ -68,11 +69,12 @@ def _pilot_rows(paths: list) -> list[dict]:
 
 def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None, cache_dir) -> dict:
     """The forecast of one dataset (see the module docstring); ``spec`` = ``{prompts: [paths], pilot: [paths],
-    generation, backends: {name: cfg} (priority order), num_shards}``. Raises :class:`ForecastError` when no pilot
+    generation (:class:`eagle3_data.settings.GenerationSettings`), backends: {name: cfg} (priority order, the
+    schema's defaults filled: :func:`eagle3_data.settings.backend_settings`), num_shards}``. Raises :class:`ForecastError` when no pilot
     request was answered."""
     gen = spec["generation"]
     backends = spec["backends"]
-    tt = target_tokens(target, (gen.get("extra_body") or {}).get("chat_template_kwargs"))
+    tt = target_tokens(target, (gen.extra_body or {}).get("chat_template_kwargs"))
     prompts, n_samples, n_bad, per_shard = _dataset_requests(spec["prompts"], gen, spec["num_shards"], template)
     lens, unrenderable = _prompt_lengths(tt, prompts)
     rows = _pilot_rows(spec["pilot"])
@@ -112,7 +114,7 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
     usd = None if cost_per_request is None else requests * cost_per_request
     # budgets: generate stops new requests once the (per-shard share of the) budget is spent
     frac, stopped_by = 1.0, None
-    bt, bu = gen.get("budget_completion_tokens"), gen.get("budget_usd")
+    bt, bu = gen.budget_completion_tokens, gen.budget_usd
     if bt is not None and completion > float(bt):
         frac, stopped_by = float(bt) / completion, "budget_completion_tokens"
     if bu is not None and usd is not None and usd * frac > float(bu):
@@ -120,9 +122,9 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
     a, b = latency_fit([(c, float(r["latency_s"])) for c, r in zip(comp, ok) if r["latency_s"] is not None])
     sent = requests * frac
     remaining = max(0.0, sent - n_ok)  # the pilot's answered requests are journaled: the build doesn't send them
-    longest = expected_longest(comp, sent, gen.get("max_tokens"))
+    longest = expected_longest(comp, sent, gen.max_tokens)
     tail_s = a + b * longest
-    conc = sum(int(c.get("max_concurrency") or 8) for c in backends.values())
+    conc = sum(int(backend_settings(c)["max_concurrency"]) for c in backends.values())
     ok_by_shard: dict[str, int] = {}
     for r in ok:
         ok_by_shard[r["shard"]] = ok_by_shard.get(r["shard"], 0) + 1
@@ -151,14 +153,14 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
         "latency_b_s_per_token": b,
         "tail_s": tail_s,
         "longest_tokens": round(longest),
-        "length_model": length_model(comp, gen.get("max_tokens")),
+        "length_model": length_model(comp, gen.max_tokens),
         "concurrency": conc,
         "backends": list(backends),
         "shards": shard_jobs,
         "retry": {
-            "max_retries": int(gen.get("max_retries", 5)),
-            "retry_initial_s": float(gen.get("retry_initial_s", 1.0)),
-            "retry_max_s": float(gen.get("retry_max_s", 60.0)),
+            "max_retries": int(gen.max_retries),
+            "retry_initial_s": float(gen.retry_initial_s),
+            "retry_max_s": float(gen.retry_max_s),
         },
         "requests_remaining": round(remaining),
         "usd_remaining": None if usd is None else max(0.0, usd * frac - sum(known)),

@@ -10,23 +10,21 @@ from pathlib import Path
 from ..generate import generate, read_prompts, shard_share
 from ..files import content_hash, write_json
 
-
 logger = logging.getLogger("eagle3_data.forecast")
-DEFAULT_PILOT_SAMPLES = 50
 
 
-def capped_samples(prompts_path, generation: dict, num_shards: int, shard: str) -> tuple[list, list]:
+def capped_samples(prompts_path, generation, num_shards: int, shard: str) -> tuple[list, list]:
     """The samples of one shard generate will consider, as generate picks them: (samples sorted by ``sample_id``
-    and cut to the shard's ``max_samples`` share, unusable rows). Each sample is a :class:`.generate.Sample`."""
-    samples, bad = read_prompts(prompts_path, generation.get("mode", "last"))
+    and cut to the shard's ``max_samples`` share, unusable rows). ``generation``: the dataset's
+    :class:`eagle3_data.settings.GenerationSettings`. Each sample is a :class:`.generate.Sample`."""
+    samples, bad = read_prompts(prompts_path, generation.mode)
     samples.sort(key=lambda s: s.sample_id)
-    cap = generation.get("max_samples")
-    if cap is not None:
-        samples = samples[: shard_share(int(cap), num_shards, shard)]
+    if generation.max_samples is not None:
+        samples = samples[: shard_share(int(generation.max_samples), num_shards, shard)]
     return samples, bad
 
 
-def pilot_sample_ids(prompts_path, generation: dict, *, n: int, num_shards: int, shard: str) -> list[str]:
+def pilot_sample_ids(prompts_path, generation, *, n: int, num_shards: int, shard: str) -> list[str]:
     """The ids of the pilot samples of one shard: this shard's part of ``n`` (:func:`.generate.shard_share`), the
     samples generate will send with the smallest ``content_hash("pilot", sample_id)`` (a sample unrelated to the
     source order, the same on every run)."""
@@ -39,48 +37,48 @@ def pilot_sample_ids(prompts_path, generation: dict, *, n: int, num_shards: int,
 def pilot(
     prompts_path,
     out_path,
+    settings,
     *,
     n: int,
-    dataset: str,
     shard: str,
-    generation: dict,
-    num_shards: int = 1,
+    log=None,
     summary_path=None,
     attempts_path=None,
-    **generate_kwargs,
 ) -> dict:
     """Send one shard's pilot through :func:`.generate.generate` (same requests, keys and journal as the full
     job) and write its RESPONSES parquet to ``out_path``.
 
     Args:
+        settings: the dataset's :class:`eagle3_data.settings.GenerateSettings` (as rule generate's); its budgets
+            are not applied to the pilot.
         n: pilot samples for the whole dataset (``forecast.pilot_samples``); this shard sends its share.
-        generation: the dataset's generation config; its budgets are not applied to the pilot.
+        shard, log: as :func:`.generate.generate`'s.
         summary_path: where to write the returned summary as JSON (optional).
         attempts_path: a JSON-lines file (under ``cache_dir``, beside the journal) where each pilot run that sent
             requests appends its attempts and the retries they needed (generate's ``sent``, ``retry_reasons``,
             ``by_backend``): a rerun answered from the journal sends nothing, and what the paid pilot saw of the
             backends' failures is kept for the forecast (``attempts`` in the summary, the sum of its lines).
-        generate_kwargs: the rest of :func:`.generate.generate`'s arguments (target_name, backends, journal_dir,
-            log, target, target_format, backend_jobs).
 
     Returns: generate's summary, plus ``pilot_samples`` (the ids sent or answered from the journal) and
     ``attempts`` (``{"sent", "retry_reasons", "by_backend"}`` of every pilot run of this shard that sent requests,
     and the latest such run's ``startup_s`` and ``wrapup_s``: see :func:`.generate.generate`).
     Raises: what :func:`.generate.generate` raises.
     """
-    ids = pilot_sample_ids(prompts_path, generation, n=n, num_shards=num_shards, shard=shard)
-    gen = {**generation, "budget_completion_tokens": None, "budget_usd": None}
-    logger.info("[%s/%s] pilot: %d sample(s)", dataset, shard, len(ids))
-    summary = generate(
-        prompts_path,
-        out_path,
-        dataset=dataset,
-        shard=shard,
-        generation=gen,
-        num_shards=num_shards,
-        sample_ids=set(ids),
-        **generate_kwargs,
+    ids = pilot_sample_ids(prompts_path, settings.generation, n=n, num_shards=settings.num_shards, shard=shard)
+    unbudgeted = settings.replace(
+        generation=settings.generation.replace(budget_completion_tokens=None, budget_usd=None)
     )
+    logger.info("[%s/%s] pilot: %d sample(s)", settings.dataset, shard, len(ids))
+    summary = generate(prompts_path, out_path, unbudgeted, shard=shard, log=log, sample_ids=set(ids))
+    out = {**summary, "pilot_samples": ids, "attempts": _attempts(summary, attempts_path)}
+    if summary_path is not None:
+        write_json(out, summary_path)
+    return out
+
+
+def _attempts(summary: dict, attempts_path) -> dict:
+    """This run's attempts (when it sent requests) appended to ``attempts_path``; the sum over every pilot run of
+    the shard recorded there (see :func:`pilot`)."""
     this = {
         "sent": int(summary.get("sent") or 0),
         "retry_reasons": dict(summary.get("retry_reasons") or {}),
@@ -112,7 +110,4 @@ def pilot(
         for key in ("startup_s", "wrapup_s"):  # the latest run's that measured it
             if r.get(key) is not None:
                 total[key] = r[key]
-    out = {**summary, "pilot_samples": ids, "attempts": total}
-    if summary_path is not None:
-        write_json(out, summary_path)
-    return out
+    return total

@@ -3,6 +3,7 @@ pilot's lengths, latencies and failure rates."""
 
 from __future__ import annotations
 
+from ..settings import backend_settings
 from .fits import quantile, latency_fit, length_model
 
 
@@ -201,7 +202,7 @@ def simulate_generation(
 
 def backend_models(per_ds: list[dict], backends: dict, summaries: list[dict]) -> dict[str, dict]:
     """The simulation's backends (see :func:`simulate_generation`) from the pilot: per backend its
-    ``max_concurrency`` (8 when unset), the latency fit ``a + b x completion tokens`` over every pilot response it
+    ``max_concurrency`` (the schema's default when unset), the latency fit ``a + b x completion tokens`` over every pilot response it
     answered (:func:`latency_fit`; a dataset with at least 10 answers of its own on it keeps its own fit,
     under ``latency``), and the shares of attempts rate-limited and failed (:func:`pilot_faults`; the counts
     too, as ``pilot_attempts``, ``pilot_rate_limited``, ``pilot_faults``). A backend that answered no pilot
@@ -232,7 +233,7 @@ def backend_models(per_ds: list[dict], backends: dict, summaries: list[dict]) ->
         f = faults.get(name) or pooled  # a backend the pilot never reached: every backend's rates
         att = float(f["attempts"])
         out[name] = {
-            "concurrency": int((backends.get(name) or {}).get("max_concurrency") or 8),
+            "concurrency": int(backend_settings(backends.get(name))["max_concurrency"]),
             "a": a,
             "b": b,
             "latency": own,

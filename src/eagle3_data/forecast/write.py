@@ -23,7 +23,7 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
     Args:
         datasets: name -> ``{prompts: [PROMPTS parquet per shard], pilot: [pilot RESPONSES parquet per shard],
             pilot_summaries: [the pilot jobs' summary JSON files] (optional: default the ``.json`` beside each
-            pilot parquet, where it exists), generation: the dataset's generation config, backends: {name: backend
+            pilot parquet, where it exists), generation: the dataset's ``GenerationSettings``, backends: {name: backend
             config} in priority order, num_shards}``.
         target: the config ``target`` slice (``path``, ``template``, ``trust_remote_code``,
             ``chat_template_kwargs``); prompts are rendered with its chat template.

@@ -13,7 +13,7 @@ One job = one dataset shard. Flow:
    from OpenRouter satisfies the same request later routed to SGLang;
 4. read the journal (:mod:`.journal`; only the fields resume needs are kept in memory), send only missing keys;
    local servers (a backend's ``launch:``) start only when something must be sent. A backend with
-   ``native_generate`` gets prompt ids rendered with the target's chat template (``generate(target=...)``) and
+   ``native_generate`` gets prompt ids rendered with the target's chat template (``GenerateSettings.target``) and
    returns exact ``output_ids``; reasoning/content are split at the ``</think>`` id;
 5. write every RESPONSES row with ``schemas.CheckedParquetWriter`` (arrow-level contract checks, atomic rename
    when the job succeeds): each new response is journaled, and its journal line goes into the output batch by

@@ -8,7 +8,9 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..backends import paid
 from . import progress
@@ -24,7 +26,7 @@ from ..logs import tally_warnings
 from .budget import JobState
 from .context import job_logging, server_log_path, sigterm_as_exception
 from .output import write_journaled
-from .prompts import Sample, read_prompts, sampling_params, shard_share
+from .prompts import Sample, read_prompts, shard_share
 from .runner import Runner, Terminated, failed_row, run_requests
 
 logger = logging.getLogger("eagle3_data.generate")
@@ -124,51 +126,47 @@ def backend_pool(cfgs: list[BackendConfig], run, backend_jobs: dict | None, tag:
             tag,
             c.name,
             cap,
-            f", {c.max_concurrency} over all jobs on this machine"
-            if slots
-            else f" ({c.max_concurrency} split over {n_jobs} jobs)"
-            if mode == "split"
-            else "",
-            f"; rate limits: 1/{n_jobs} of the backend's each"
-            if share < 1 and (c.requests_per_minute or c.tokens_per_minute)
-            else "",
+            (
+                f", {c.max_concurrency} over all jobs on this machine"
+                if slots
+                else f" ({c.max_concurrency} split over {n_jobs} jobs)"
+                if mode == "split"
+                else ""
+            ),
+            (
+                f"; rate limits: 1/{n_jobs} of the backend's each"
+                if share < 1 and (c.requests_per_minute or c.tokens_per_minute)
+                else ""
+            ),
         )
     yield pool.BackendPool(backends)
 
 
-def _load_target(target: dict | None, generation: dict, dataset: str):
+def _load_target(settings):
     """TargetTokens for native ``/generate`` prompts and the check of a ``return_token_ids`` server's prompt ids
     (chat_template_kwargs: target's, then the dataset's)."""
     from ..templates import target_tokens
 
+    target = settings.target
     if not target or not target.get("path"):
         raise ValueError(
-            f"dataset {dataset}: a backend has native_generate or return_token_ids: true, which "
-            "needs the target tokenizer: pass generate(target=config['target'])"
+            f"dataset {settings.dataset}: a backend has native_generate or return_token_ids: true, which "
+            "needs the target tokenizer: GenerateSettings.target (GenerateSettings.from_config sets it)"
         )
-    return target_tokens(target, (generation.get("extra_body") or {}).get("chat_template_kwargs"))
+    return target_tokens(target, (settings.generation.extra_body or {}).get("chat_template_kwargs"))
 
 
 def generate(
     prompts_path,
     out_path,
+    settings,
     *,
-    dataset: str,
     shard: str,
-    target_name: str,
-    generation: dict,
-    backends: dict,
-    journal_dir,
     log=None,
-    num_shards: int = 1,
-    progress_interval_s: float = 5.0,
     summary_path=None,
-    target: dict | None = None,
-    write_batch_rows: int = 256,
-    target_format: dict | None = None,
-    backend_jobs: dict | None = None,
     sample_ids=None,
-    budget_sources: dict | None = None,
+    progress_interval_s: float = 5.0,
+    write_batch_rows: int = 256,
 ) -> dict:
     """Generate responses for one dataset shard; write ``out_path`` (RESPONSES parquet); return a summary.
 
@@ -176,42 +174,33 @@ def generate(
         prompts_path: PROMPTS parquet (``schemas.PROMPTS``).
         out_path: RESPONSES parquet to write (atomically; one row per (sample, regenerated turn), ``ok`` or
             ``failed`` with ``error`` = ``"<reason>: <detail>"``; never-sent samples get no row).
-        dataset, shard: names; the journal is ``<journal_dir>/<dataset>/<shard>.jsonl``.
-        target_name: identity of the target model in request keys.
-        generation: the dataset's ``generation:`` config (backends, mode, max_tokens, temperature, top_p,
-            extra_body, max_retries, max_samples, budget_completion_tokens, budget_usd; optional
-            retry_initial_s / retry_max_s (backoff, default 1 / 60 s)).
-        backends: config ``backends:`` (name -> dict); only those named in ``generation["backends"]`` are used.
-        journal_dir: directory for journals (outside ``results/``).
+        settings: the dataset's :class:`eagle3_data.settings.GenerateSettings` (``GenerateSettings.from_config``;
+            ``GenerateSettings.defaults`` for library use): the dataset name, target name (in request keys) and
+            format, its generation settings (backends in priority order, mode, sampling, retries and backoff,
+            budgets, ``max_samples``, ``unpaid_failures``; the schema's defaults where unset), the backends'
+            definitions, the shard count (per-dataset caps and budgets are split evenly across the shards), the
+            journal directory (``<journal_dir>/<dataset>/<shard>.jsonl``, outside ``results/``), the generate jobs
+            using each backend (cluster jobs split a backend's ``max_concurrency`` over them,
+            :mod:`.backends.limits`), where the config sets each budget (named by a budget stop's warning) and,
+            when a backend has ``native_generate`` or ``return_token_ids``, the target (its tokenizer renders or
+            checks the prompt ids; ``chat_template_kwargs`` updated by ``generation.extra_body.chat_template_kwargs``).
+            Kimi families get their history tool-call ids rewritten to ``functions.<name>:<index>`` in the prompt
+            sent (and stored, and keyed); a thinking target gets an empty reasoning on history tool-call turns
+            that have none (:func:`backends.chat.history_reasoning`).
+        shard: the shard's name.
         log: the job log: a path (progress lines are appended to it), a ``logging.Logger`` already writing to a
             file (e.g. from ``logs.setup_logging``), or None. Local servers log to ``<stem>.server-<backend>.log``
             beside that file (without a file: in the journal folder).
-        num_shards: shards of the dataset; per-dataset caps and budgets are split evenly across them.
-        progress_interval_s: seconds between progress lines (:mod:`.progress`: on a terminal of its own the job
-            draws a tqdm bar and writes these lines to its log file only).
         summary_path: if given, the returned summary is also written there as JSON (atomically); the report
             reads ``stopped_by`` from it.
-        target: the config ``target`` slice (``path``, ``template``, ``trust_remote_code``,
-            ``chat_template_kwargs``); needed only when a backend has ``native_generate: true`` (SGLang
-            ``/generate``: prompt ids are rendered with the target's chat template, ``chat_template_kwargs``
-            updated by ``generation.extra_body.chat_template_kwargs``, and the exact ``output_ids`` are stored).
-        write_batch_rows: rows per output batch (a parquet row group; memory: one batch of JSON lines).
-        target_format: ``{"template": family, "chat_template_kwargs": {...}}`` of the target (config ``target``):
-            Kimi families get their history tool-call ids rewritten to ``functions.<name>:<index>`` in the prompt
-            sent (and stored, and keyed); a thinking target (family and kwargs, the dataset's
-            ``extra_body.chat_template_kwargs`` included) gets an empty reasoning on history tool-call turns that
-            have none (:func:`backends.chat.history_reasoning`). Regenerated reasoning (mode ``all``) always goes
-            back in the field the backend reads.
-        backend_jobs: backend name -> generate jobs using it in the whole workflow (:func:`.limits.jobs_using`):
-            cluster jobs split a backend's ``max_concurrency`` over them (:mod:`.backends.limits`).
         sample_ids: if given (a set of ids), only these samples of the shard are considered, after the
             ``max_samples`` cap; unusable rows outside it get no row. The forecast's pilot (:mod:`.forecast`): the
             same requests, keys and journal as the full job, which then answers them from the journal.
-        budget_sources: budget key -> where the config sets it (:func:`.config.generation_source`, e.g.
-            ``"datasets.x.generation.budget_usd"`` or the global ``"generation.budget_usd"``): named by the
-            warning a budget stop logs (default ``"generation.<key>"``).
+        progress_interval_s: seconds between progress lines (:mod:`.progress`: on a terminal of its own the job
+            draws a tqdm bar and writes these lines to its log file only).
+        write_batch_rows: rows per output batch (a parquet row group; memory: one batch of JSON lines).
 
-    Runtime (not arguments, so that none of it reruns anything): inside a workflow run (:mod:`.run`) a backend's
+    Runtime (not settings, so that none of it reruns anything): inside a workflow run (:mod:`.run`) a backend's
     ``max_concurrency`` is shared with the run's other generate jobs on this machine and a launched server is the
     run's (:func:`.backends.server.shared_server`); otherwise this job has the whole limit and its own server.
 
@@ -227,8 +216,8 @@ def generate(
         GenerationStopped: 401/402/403 from a backend, a missing API key variable, every backend down (refused
             connections or only 5xx for ``down_after_s``), every request failed; :class:`GenerationInterrupted`
             (a subclass) for SIGTERM / Ctrl-C; :class:`UnpaidFailures` (a subclass) when samples failed without a
-            paid reply and ``generation["unpaid_failures"]`` is ``"rerun"`` (the default; not for the forecast's
-            pilot). The journal keeps every completed response; no output is written.
+            paid reply and ``generation.unpaid_failures`` is ``"rerun"`` (not for the forecast's pilot). The
+            journal keeps every completed response; no output is written.
         ServerLaunchError: a local server did not start.
         ValueError: bad config or an unreadable prompts file (message names file/row/key).
         templates.TemplateError: the target tokenizer can't be loaded (native_generate only).
@@ -241,32 +230,23 @@ def generate(
     # mimalloc/jemalloc pool keeps its own tens of MB on top of the run's peak (generation_client benchmark)
     import pyarrow as pa
 
+    job = _Job(
+        settings=settings,
+        shard=shard,
+        prompts_path=prompts_path,
+        out_path=Path(out_path),
+        log=log,
+        sample_ids=sample_ids,
+        progress_interval_s=progress_interval_s,
+        write_batch_rows=write_batch_rows,
+    )
     old_pool = pa.default_memory_pool()
     pa.set_memory_pool(pa.system_memory_pool())
     try:
-        return _generate(
-            prompts_path,
-            out_path,
-            dataset=dataset,
-            shard=shard,
-            target_name=target_name,
-            generation=generation,
-            backends=backends,
-            journal_dir=journal_dir,
-            log=log,
-            num_shards=num_shards,
-            progress_interval_s=progress_interval_s,
-            summary_path=summary_path,
-            target=target,
-            write_batch_rows=write_batch_rows,
-            target_format=target_format,
-            backend_jobs=backend_jobs,
-            sample_ids=sample_ids,
-            budget_sources=budget_sources,
-        )
+        return _generate(job, summary_path)
     except (Terminated, KeyboardInterrupt):  # outside the request phase (reading prompts, the final write)
         raise GenerationInterrupted(
-            f"[{dataset}/{shard}] interrupted",
+            f"{job.tag} interrupted",
             hint="rerun the same command to resume; every response received so far is journaled",
         ) from None
     finally:
@@ -276,356 +256,389 @@ def generate(
         startup.release()  # a job that sent nothing gives its start-up slot back here (eagle3_data.generate.startup)
 
 
-def _generate(
-    prompts_path,
-    out_path,
-    *,
-    dataset,
-    shard,
-    target_name,
-    generation,
-    backends,
-    journal_dir,
-    log,
-    num_shards,
-    progress_interval_s,
-    summary_path,
-    target,
-    write_batch_rows,
-    backend_jobs,
-    target_format=None,
-    sample_ids=None,
-    budget_sources=None,
-) -> dict:
-    t0 = time.monotonic()
-    journal_dir = Path(journal_dir)
-    out_path = Path(out_path)
+@dataclass
+class _Job:
+    """One generate job: its settings, shard, files and options, and what its steps find out on the way (the
+    backends, the servers started, the journal read and written, the request runner)."""
+
+    settings: Any  # GenerateSettings
+    shard: str
+    prompts_path: Any
+    out_path: Path
+    log: Any
+    sample_ids: Any
+    progress_interval_s: float
+    write_batch_rows: int
+    t0: float = field(default_factory=time.monotonic)
+    cfgs: list = field(default_factory=list)  # the typed backends (BackendConfig), priority order
+    target_tokens: Any = None  # TargetTokens for native ids / prompt-id checks
+    servers_started: list = field(default_factory=list)
+    servers_attached: list = field(default_factory=list)
+    server_logs: dict = field(default_factory=dict)
+    jstats: dict = field(default_factory=lambda: {"records": 0, "files": 0, "bad_lines": 0})
+    journal: JournalWriter | None = None
+    runner: Runner | None = None
+
+    @property
+    def dataset(self) -> str:
+        return self.settings.dataset
+
+    @property
+    def tag(self) -> str:
+        return f"[{self.dataset}/{self.shard}]"
+
+    @property
+    def journal_dir(self) -> Path:
+        return Path(self.settings.journal_dir)
+
+    @property
+    def shares(self) -> int:
+        """Shards the dataset's budgets are split over."""
+        return max(1, self.settings.num_shards)
+
+    def journaled(self) -> str:
+        """``"<n> responses of <dataset> are journaled and will not be requested again"``."""
+        n = self.jstats["records"] + (self.journal.written if self.journal else 0)
+        return f"{n:,} response{'s' if n != 1 else ''} of {self.dataset} are journaled and will not be requested again"
+
+
+def _generate(job: _Job, summary_path) -> dict:
+    """The job's steps: read the samples and the journal, answer each sample (journal or request), check the
+    failures, write the output, summarise."""
     if logging.getLogger("httpx").level == logging.NOTSET:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    tag = f"[{dataset}/{shard}]"
     # the job's warnings counted by reason (the run-wide view shows the counts; their text stays in the log)
-    with job_logging(log), sigterm_as_exception(), tally_warnings() as warned:
-        mode = generation.get("mode", "last")
-        names = list(generation.get("backends") or [])
-        if not names:
-            raise ValueError(f"dataset {dataset}: generation.backends is empty")
-        unknown = [n for n in names if n not in backends]
-        if unknown:
-            raise ValueError(f"dataset {dataset}: generation.backends names unknown backends {unknown}")
-        cfgs = [BackendConfig.from_dict(n, backends[n]) for n in names]
-        sampling = sampling_params(generation)
-
-        samples, bad = read_prompts(
-            prompts_path, mode, max_bytes=generation.get("max_prompt_bytes"), keys=paid.configured_keys(backends)
-        )
-        samples.sort(key=lambda s: s.sample_id)
-        cap = generation.get("max_samples")
-        capped = 0
-        if cap is not None:
-            per_shard = shard_share(int(cap), num_shards, shard)
-            capped = max(0, len(samples) - per_shard)
-            samples = samples[:per_shard]
-        if sample_ids is not None:  # the forecast's pilot: a subset of what the full job sends
-            wanted = set(sample_ids)
-            samples = [s for s in samples if s.sample_id in wanted]
-            bad = [b for b in bad if b["sample_id"] in wanted]
-        div = max(1, num_shards)
-        bt = generation.get("budget_completion_tokens")
-        bu = generation.get("budget_usd")
-        state = JobState(
-            total=len(samples) + len([b for b in bad if not b.get("dup")]),
-            budget_tokens=None if bt is None else float(bt) / div,
-            budget_usd=None if bu is None else float(bu) / div,
-        )
+    with job_logging(job.log), sigterm_as_exception(), tally_warnings() as warned:
+        job.cfgs = job.settings.backend_configs()
+        samples, bad, capped = _select_samples(job)
+        state = _job_state(job, samples, bad)
         state.warnings = warned
-        # resume index: spend, and (mode all) what the regenerated history needs; texts stay on disk
-        keep = ("completion_tokens", "cost_usd", "status", "error") + (
-            ("content", "reasoning", "tool_calls") if mode == "all" else ()
-        )
-        key_files: dict = {}  # the file of each journaled record: the end reads back only those files
-        records, jstats = read_journal(journal_dir, dataset, fields=keep, key_files=key_files)
-        logger.info(
-            "%s %d samples (%d unusable, %d over max_samples), mode %s; journal: %d responses in %d file(s), "
-            "%d torn/bad line(s) skipped",
-            tag,
-            len(samples),
-            len(bad),
-            capped,
-            mode,
-            jstats["records"],
-            jstats["files"],
-            jstats["bad_lines"],
-        )
-        rows: list[dict] = []
-        for b in bad:
-            if b.get("dup"):
-                logger.warning(
-                    "%s row %d: duplicate sample_id %s skipped",
-                    tag,
-                    b["row"],
-                    b["sample_id"],
-                    extra={"reason": "duplicate_sample_id"},
-                )
-                continue
-            s = Sample(b["sample_id"], "[]", None, [])
-            reason = b.get("reason", "bad_prompt")
-            key = content_hash(dataset, b["sample_id"], "bad_prompt")
-            # an oversized prompt, or one quoting a key, is not copied into the output
-            r = failed_row(s, dataset, 0, key, b.get("raw") or "[]", reason, b["detail"])
-            r["tools"] = b.get("tools")
-            rows.append(r)
-            state.failed[reason] = state.failed.get(reason, 0) + 1
-            state.done += 1
-            state.instant += 1
-
-        # which samples still need a request? (mode all: walk the journal through the regenerated history)
-        probe = Runner(
-            dataset=dataset,
-            target_name=target_name,
-            generation=generation,
-            records=records,
-            journal=None,
-            pool=None,
-            state=state,
-            sampling=sampling,
-            target_format=target_format,
-        )
-        target_tokens = None
-        n_pending = sum(1 for s in samples if probe.pending(s))
-        logger.info(
-            "%s %d sample(s) need requests, %d complete in the journal", tag, n_pending, len(samples) - n_pending
-        )
-
-        servers_started, servers_attached, server_logs = [], [], {}
-        network = bool(n_pending) and not state.budget_reached()
-        if n_pending and not network:
-            logger.info("%s %s already reached by journaled responses: nothing sent", tag, state.stopped_by)
-
-        jw: list[JournalWriter] = []
-        runners: list[Runner] = []  # the request runner, once made (its held records, after a journal write error)
-        display = progress.JobProgress(state, tag, progress_interval_s, logger)
-        display.backends = names
-        if sample_ids is not None:
-            display.kind = "pilot"
-
-        def journaled() -> str:
-            n = jstats["records"] + (jw[0].written if jw else 0)
-            return f"{n:,} response{'s' if n != 1 else ''} of {dataset} are journaled and will not be requested again"
-
+        records, key_files = _read_journal(job, samples, bad, capped)
+        rows = _prompt_reject_rows(job, bad, state)
+        display, network = _plan_requests(job, samples, records, state)
         # the output is written while the job runs (new responses as they arrive); it appears at out_path only
         # when the job succeeds (atomic rename); a partial file left by a killed job is removed here
-        for stale in remove_stale_partials(out_path):
-            logger.info("%s removed %s (partial output of an interrupted job)", tag, stale)
-        with schemas.CheckedParquetWriter("responses", out_path) as writer:
-            try:
-                with contextlib.ExitStack() as stack:
-                    pool = None
-                    if network:
-                        for cfg in cfgs:
-                            cfg.api_key()  # a missing key variable stops the job before any server starts
-                            if "{port}" in cfg.base_url and not cfg.launch:
-                                raise ValueError(f"backend {cfg.name!r}: base_url has {{port}} but no launch: config")
-                        if any(c.native_generate or c.return_token_ids for c in cfgs):
-                            target_tokens = _load_target(target, generation, dataset)
-                        run = run_mod.current()
-                        for cfg in cfgs:
-                            if cfg.launch:
-                                from ..backends.server import launch_server, shared_server
-
-                                if run is not None:  # one server per backend for the whole workflow run
-                                    srv = stack.enter_context(
-                                        shared_server(
-                                            cfg.launch,
-                                            cfg.model,
-                                            name=cfg.name,
-                                            run=run,
-                                            log_path=Path("logs") / "servers" / f"{cfg.name}.log",
-                                        )
-                                    )
-                                else:  # the Python API, a cluster job: this job's own server
-                                    srv = stack.enter_context(
-                                        launch_server(
-                                            cfg.launch,
-                                            cfg.model,
-                                            server_log_path(log, journal_dir, dataset, shard, cfg.name),
-                                            name=cfg.name,
-                                        )
-                                    )
-                                cfg.base_url = cfg.base_url.replace("{port}", str(srv.port))
-                                (servers_started if srv.started else servers_attached).append(cfg.name)
-                                server_logs[cfg.name] = srv.log_path
-                        pool = stack.enter_context(backend_pool(cfgs, run, backend_jobs, tag))
-                        display.pool = pool
-                    journal = stack.enter_context(JournalWriter(journal_dir, dataset, shard))
-                    jw.append(journal)
-                    if pool is not None:
-                        journal.ensure_open()  # an unwritable journal stops the job before it pays for anything
-                    runner = Runner(
-                        dataset=dataset,
-                        target_name=target_name,
-                        generation=generation,
-                        records=records,
-                        journal=journal,
-                        pool=pool,
-                        state=state,
-                        sampling=sampling,
-                        target=target_tokens,
-                        writer=writer,
-                        write_batch_rows=write_batch_rows,
-                        target_format=target_format,
-                    )
-                    runner.keys = paid.configured_keys(backends)
-                    runners.append(runner)
-                    if pool is not None:
-                        state.t0 = time.monotonic()  # the rate, ETA and tok/s: of the request phase
-                        with display.session():
-                            asyncio.run(run_requests(runner, samples, display))
-                    else:
-                        for s in samples:  # everything is journaled: no network, no event loop
-                            coro = runner.run_sample(s)
-                            try:
-                                coro.send(None)
-                            except StopIteration:
-                                pass
-                    rows.extend(runner.rows)
-                    journal.sync()
-            except FatalBackendError as exc:
-                hint = exc.hint or "rerun the same command"
-                if isinstance(exc, BackendDown):
-                    logs = ", ".join(str(p) for p in server_logs.values())
-                    hint = (
-                        f"the server the build launched stopped answering: see its log ({logs}), then rerun "
-                        "the same command"
-                        if server_logs
-                        else "start the server or fix the backend's base_url, then rerun the same command"
-                    )
-                raise GenerationStopped(f"{tag} {exc.message}", hint=f"{hint}; {journaled()}") from None
-            except JournalWriteError as exc:
-                raise _held_saved(
-                    exc, runners[0].held if runners else [], journal_dir, dataset, shard, journaled()
-                ) from None
-            except (Terminated, KeyboardInterrupt):
-                log_to_file(
-                    logging.getLogger("eagle3_data"),
-                    logging.INFO,
-                    "%s interrupted: %s",
-                    tag,
-                    progress.line(state, "").lstrip(),
-                )
-                raise GenerationInterrupted(
-                    f"{tag} interrupted", hint=f"rerun the same command to resume; {journaled()}"
-                ) from None
-
+        for stale in remove_stale_partials(job.out_path):
+            logger.info("%s removed %s (partial output of an interrupted job)", job.tag, stale)
+        with schemas.CheckedParquetWriter("responses", job.out_path) as writer:
+            runner = _answer(job, samples, records, state, writer, network, display)
+            rows.extend(runner.rows)
             del records
-            failed_n = sum(state.failed.values())
-            failed_requests = sum(n for reason, n in state.failed.items() if reason not in PROMPT_REJECTS)
-            answered = state.new_ok + state.from_journal  # requests with a response (mode all: turns, not samples)
-            if failed_requests and answered == 0:
-                # not one request answered: a misconfigured or unreachable backend, not data to keep
-                raise GenerationStopped(
-                    f"{tag} every request failed ({failed_requests} of {failed_requests} requests: {dict(state.failed)}); "
-                    f"last error: {state.last_error}",
-                    hint=f"check the backends {[c.name for c in cfgs]} (model, base_url, server running, API key), "
-                    "then rerun the same command",
-                )
-            unpaid = sum(state.unpaid.values())
-            if unpaid and sample_ids is None and generation.get("unpaid_failures", "rerun") == "rerun":
-                # no output: the rerun of the same command reruns this job, which sends only these samples
-                log_to_file(
-                    logging.getLogger("eagle3_data"),
-                    logging.INFO,
-                    "%s ended: %s",
-                    tag,
-                    progress.line(state, "").lstrip(),
-                )
-                display.snapshot(final=True)
-                raise UnpaidFailures(
-                    f"{tag} {unpaid_text(state)}; last error: {state.last_unpaid}",
-                    hint=f"rerun the same command to send them ({journaled()}; no output was written for this "
-                    "shard, so the rerun reruns it); generation.unpaid_failures: keep records them as failed "
-                    "rows instead",
-                )
-            if failed_requests:
-                logger.warning(
-                    "%s %d request(s) failed (%s)%s",
-                    tag,
-                    failed_requests,
-                    dict(state.failed),
-                    f"; {unpaid_text(state)}, recorded as failed (generation.unpaid_failures: keep): "
-                    "`snakemake --forcerun generate` sends them again (journaled responses are not)"
-                    if unpaid
-                    else ": final (an answer no retry can fix, or a paid reply refused; journaled ones are not bought "
-                    "again)",
-                    extra={"tally": False},
-                )  # each failed sample is counted in the view already
+            _check_failures(job, state, display)
             runner.flush()  # new responses: streamed into the writer during the run
             # responses of earlier runs: read back from the journal
             wanted = set(runner.journal_keys)
-            write_journaled(
-                writer,
-                journal_dir / dataset,
-                wanted,
-                write_batch_rows,
-                files=sorted({key_files[k] for k in wanted if k in key_files}),
-            )
+            files = sorted({key_files[k] for k in wanted if k in key_files})
+            write_journaled(writer, job.journal_dir / job.dataset, wanted, job.write_batch_rows, files=files)
             writer.write_rows(rows)
             n_rows = writer.rows
-
-        if state.stopped_by:
-            stopped_by = state.stopped_by
-        elif capped:
-            stopped_by = "max_samples"
-        else:
-            stopped_by = "all samples done"
-        summary = {
-            "dataset": dataset,
-            "shard": shard,
-            "samples": state.total,
-            "ok": state.ok,
-            "failed": dict(state.failed),
-            "failed_total": failed_n,
-            "from_journal": state.from_journal,
-            "failed_unpaid": sum(state.unpaid.values()),
-            "unpaid": dict(state.unpaid),
-            "sent": state.sent,
-            "retries": state.retries,
-            "retry_reasons": dict(state.retry_reasons),
-            "not_sent": state.not_sent,
-            "over_max_samples": capped,
-            "prompt_tokens": state.prompt_tokens,
-            "completion_tokens": state.completion_tokens,
-            "cost_usd": round(state.cost_usd, 6),
-            "total_completion_tokens": state.spent_tokens(),
-            "total_cost_usd": round(state.spent_usd(), 6),
-            "by_backend": dict(state.by_backend),
-            # this shard's share of each budget, and the requests in flight when one was reached (its overshoot)
-            "budget_completion_tokens": state.budget_tokens,
-            "budget_usd": state.budget_usd,
-            "budget_in_flight": state.budget_in_flight,
-            "warnings": dict(state.warnings),
-            "stopped_by": stopped_by,
-            "servers_started": servers_started,
-            "servers_attached": servers_attached,
-            "journal_bad_lines": jstats["bad_lines"],
-            "rows": n_rows,
-            "other_model_replies": state.other_model,
-            "wall_s": round(time.monotonic() - t0, 3),
-            **_job_overhead(state),
-            "cpu_s": cpu_s(),
-        }
-        logger.info("%s finished: %s", tag, progress.final_line(state, "").lstrip())
-        if state.not_sent:
-            key = state.stopped_by or "budget"
-            logger.warning(
-                "%s %s",
-                tag,
-                progress.budget_stop_message(
-                    state, key, generation.get(key), (budget_sources or {}).get(key) or f"generation.{key}", div
-                ),
-                extra={"reason": key},
-            )
-        logger.info("%s summary: %s", tag, json.dumps(summary, sort_keys=True))
-        if summary_path is not None:
-            write_json(summary, summary_path)
-        display.snapshot(final=True)
+        summary = _summary(job, state, capped, n_rows)
+        _finish(job, state, summary, summary_path, display)
         return summary
+
+
+def _select_samples(job: _Job) -> tuple[list[Sample], list[dict], int]:
+    """The shard's samples (sorted by ``sample_id``, cut to its ``max_samples`` share, the pilot's subset), its
+    unusable rows and how many samples the cap left out."""
+    gen = job.settings.generation
+    samples, bad = read_prompts(
+        job.prompts_path,
+        gen.mode,
+        max_bytes=gen.max_prompt_bytes,
+        keys=paid.configured_keys(job.settings.backends),
+    )
+    samples.sort(key=lambda s: s.sample_id)
+    capped = 0
+    if gen.max_samples is not None:
+        per_shard = shard_share(int(gen.max_samples), job.settings.num_shards, job.shard)
+        capped = max(0, len(samples) - per_shard)
+        samples = samples[:per_shard]
+    if job.sample_ids is not None:  # the forecast's pilot: a subset of what the full job sends
+        wanted = set(job.sample_ids)
+        samples = [s for s in samples if s.sample_id in wanted]
+        bad = [b for b in bad if b["sample_id"] in wanted]
+    return samples, bad, capped
+
+
+def _job_state(job: _Job, samples: list, bad: list) -> JobState:
+    """The job's state: its samples and this shard's share of each budget."""
+    gen = job.settings.generation
+    bt, bu = gen.budget_completion_tokens, gen.budget_usd
+    return JobState(
+        total=len(samples) + len([b for b in bad if not b.get("dup")]),
+        budget_tokens=None if bt is None else float(bt) / job.shares,
+        budget_usd=None if bu is None else float(bu) / job.shares,
+    )
+
+
+def _read_journal(job: _Job, samples: list, bad: list, capped: int) -> tuple[dict, dict]:
+    """The resume index (request key -> what resume needs: spend and, mode all, what the regenerated history
+    needs; texts stay on disk) and the journal file of each key (the end reads back only those files)."""
+    mode = job.settings.generation.mode
+    keep = ("completion_tokens", "cost_usd", "status", "error") + (
+        ("content", "reasoning", "tool_calls") if mode == "all" else ()
+    )
+    key_files: dict = {}
+    records, job.jstats = read_journal(job.journal_dir, job.dataset, fields=keep, key_files=key_files)
+    logger.info(
+        "%s %d samples (%d unusable, %d over max_samples), mode %s; journal: %d responses in %d file(s), "
+        "%d torn/bad line(s) skipped",
+        job.tag,
+        len(samples),
+        len(bad),
+        capped,
+        mode,
+        job.jstats["records"],
+        job.jstats["files"],
+        job.jstats["bad_lines"],
+    )
+    return records, key_files
+
+
+def _prompt_reject_rows(job: _Job, bad: list, state: JobState) -> list[dict]:
+    """The failed rows of the prompts refused before any request (duplicates are skipped, with a warning)."""
+    rows: list[dict] = []
+    for b in bad:
+        if b.get("dup"):
+            logger.warning(
+                "%s row %d: duplicate sample_id %s skipped",
+                job.tag,
+                b["row"],
+                b["sample_id"],
+                extra={"reason": "duplicate_sample_id"},
+            )
+            continue
+        s = Sample(b["sample_id"], "[]", None, [])
+        reason = b.get("reason", "bad_prompt")
+        key = content_hash(job.dataset, b["sample_id"], "bad_prompt")
+        # an oversized prompt, or one quoting a key, is not copied into the output
+        r = failed_row(s, job.dataset, 0, key, b.get("raw") or "[]", reason, b["detail"])
+        r["tools"] = b.get("tools")
+        rows.append(r)
+        state.failed[reason] = state.failed.get(reason, 0) + 1
+        state.done += 1
+        state.instant += 1
+    return rows
+
+
+def _plan_requests(job: _Job, samples: list, records: dict, state: JobState):
+    """Which samples still need a request (mode all: walk the journal through the regenerated history); the
+    progress display and whether the job goes to the network."""
+    probe = Runner(job.settings, records=records, journal=None, pool=None, state=state)
+    n_pending = sum(1 for s in samples if probe.pending(s))
+    logger.info(
+        "%s %d sample(s) need requests, %d complete in the journal", job.tag, n_pending, len(samples) - n_pending
+    )
+    network = bool(n_pending) and not state.budget_reached()
+    if n_pending and not network:
+        logger.info("%s %s already reached by journaled responses: nothing sent", job.tag, state.stopped_by)
+    display = progress.JobProgress(state, job.tag, job.progress_interval_s, logger)
+    display.backends = [c.name for c in job.cfgs]
+    if job.sample_ids is not None:
+        display.kind = "pilot"
+    return display, network
+
+
+def _answer(job: _Job, samples, records, state, writer, network: bool, display) -> Runner:
+    """The request phase: the backends (servers started, the pool) when something must be sent, the journal,
+    every sample answered from the journal or by a request. Backend and journal failures and signals become the
+    job's errors (the journal keeps every response)."""
+    try:
+        with contextlib.ExitStack() as stack:
+            pool = _start_backends(job, stack, display) if network else None
+            journal = job.journal = stack.enter_context(JournalWriter(job.journal_dir, job.dataset, job.shard))
+            if pool is not None:
+                journal.ensure_open()  # an unwritable journal stops the job before it pays for anything
+            runner = job.runner = Runner(
+                job.settings,
+                records=records,
+                journal=journal,
+                pool=pool,
+                state=state,
+                target=job.target_tokens,
+                writer=writer,
+                write_batch_rows=job.write_batch_rows,
+            )
+            runner.keys = paid.configured_keys(job.settings.backends)
+            if pool is not None:
+                state.t0 = time.monotonic()  # the rate, ETA and tok/s: of the request phase
+                with display.session():
+                    asyncio.run(run_requests(runner, samples, display))
+            else:
+                for s in samples:  # everything is journaled: no network, no event loop
+                    coro = runner.run_sample(s)
+                    try:
+                        coro.send(None)
+                    except StopIteration:
+                        pass
+            journal.sync()
+            return runner
+    except FatalBackendError as exc:
+        raise _stopped(job, exc) from None
+    except JournalWriteError as exc:
+        held = job.runner.held if job.runner else []
+        raise _held_saved(exc, held, job.journal_dir, job.dataset, job.shard, job.journaled()) from None
+    except (Terminated, KeyboardInterrupt):
+        log_to_file(
+            logging.getLogger("eagle3_data"),
+            logging.INFO,
+            "%s interrupted: %s",
+            job.tag,
+            progress.line(state, "").lstrip(),
+        )
+        raise GenerationInterrupted(
+            f"{job.tag} interrupted", hint=f"rerun the same command to resume; {job.journaled()}"
+        ) from None
+
+
+def _start_backends(job: _Job, stack: contextlib.ExitStack, display):
+    """Check the key variables, load the target tokenizer where a backend needs it, start (or attach to) the
+    launched servers, and enter the job's :class:`BackendPool`."""
+    for c in job.cfgs:
+        c.api_key()  # a missing key variable stops the job before any server starts
+        if "{port}" in c.base_url and not c.launch:
+            raise ValueError(f"backend {c.name!r}: base_url has {{port}} but no launch: config")
+    if any(c.native_generate or c.return_token_ids for c in job.cfgs):
+        job.target_tokens = _load_target(job.settings)
+    run = run_mod.current()
+    for c in job.cfgs:
+        if c.launch:
+            srv = stack.enter_context(_server(job, c, run))
+            c.base_url = c.base_url.replace("{port}", str(srv.port))
+            (job.servers_started if srv.started else job.servers_attached).append(c.name)
+            job.server_logs[c.name] = srv.log_path
+    pool = stack.enter_context(backend_pool(job.cfgs, run, job.settings.backend_jobs, job.tag))
+    display.pool = pool
+    return pool
+
+
+def _server(job: _Job, c: BackendConfig, run):
+    """The launched server of backend ``c``: the workflow run's (one per backend for the whole run) or, outside a
+    run (the Python API, a cluster job), this job's own."""
+    from ..backends.server import launch_server, shared_server
+
+    if run is not None:
+        return shared_server(
+            c.launch, c.model, name=c.name, run=run, log_path=Path("logs") / "servers" / f"{c.name}.log"
+        )
+    log_path = server_log_path(job.log, job.journal_dir, job.dataset, job.shard, c.name)
+    return launch_server(c.launch, c.model, log_path, name=c.name)
+
+
+def _stopped(job: _Job, exc: FatalBackendError) -> GenerationStopped:
+    """The :class:`GenerationStopped` of a fatal backend error, its hint naming the launched servers' logs when
+    the backend was one of them."""
+    hint = exc.hint or "rerun the same command"
+    if isinstance(exc, BackendDown):
+        logs = ", ".join(str(p) for p in job.server_logs.values())
+        hint = (
+            f"the server the build launched stopped answering: see its log ({logs}), then rerun the same command"
+            if job.server_logs
+            else "start the server or fix the backend's base_url, then rerun the same command"
+        )
+    return GenerationStopped(f"{job.tag} {exc.message}", hint=f"{hint}; {job.journaled()}")
+
+
+def _check_failures(job: _Job, state: JobState, display) -> None:
+    """Stop the job when every request failed (:class:`GenerationStopped`) or samples failed without a paid reply
+    and ``generation.unpaid_failures`` is ``rerun`` (:class:`UnpaidFailures`: no output, so the rerun sends
+    them); otherwise warn about the failed requests."""
+    tag = job.tag
+    failed_requests = sum(n for reason, n in state.failed.items() if reason not in PROMPT_REJECTS)
+    answered = state.new_ok + state.from_journal  # requests with a response (mode all: turns, not samples)
+    if failed_requests and answered == 0:
+        # not one request answered: a misconfigured or unreachable backend, not data to keep
+        raise GenerationStopped(
+            f"{tag} every request failed ({failed_requests} of {failed_requests} requests: {dict(state.failed)}); "
+            f"last error: {state.last_error}",
+            hint=f"check the backends {[c.name for c in job.cfgs]} (model, base_url, server running, API key), "
+            "then rerun the same command",
+        )
+    unpaid = sum(state.unpaid.values())
+    if unpaid and job.sample_ids is None and job.settings.generation.unpaid_failures == "rerun":
+        # no output: the rerun of the same command reruns this job, which sends only these samples
+        log_to_file(
+            logging.getLogger("eagle3_data"), logging.INFO, "%s ended: %s", tag, progress.line(state, "").lstrip()
+        )
+        display.snapshot(final=True)
+        raise UnpaidFailures(
+            f"{tag} {unpaid_text(state)}; last error: {state.last_unpaid}",
+            hint=f"rerun the same command to send them ({job.journaled()}; no output was written for this "
+            "shard, so the rerun reruns it); generation.unpaid_failures: keep records them as failed "
+            "rows instead",
+        )
+    if failed_requests:
+        logger.warning(
+            "%s %d request(s) failed (%s)%s",
+            tag,
+            failed_requests,
+            dict(state.failed),
+            (
+                f"; {unpaid_text(state)}, recorded as failed (generation.unpaid_failures: keep): "
+                "`snakemake --forcerun generate` sends them again (journaled responses are not)"
+                if unpaid
+                else ": final (an answer no retry can fix, or a paid reply refused; journaled ones are not bought "
+                "again)"
+            ),
+            extra={"tally": False},
+        )  # each failed sample is counted in the view already
+
+
+def _summary(job: _Job, state: JobState, capped: int, n_rows: int) -> dict:
+    """The job's summary (see :func:`generate`)."""
+    if state.stopped_by:
+        stopped_by = state.stopped_by
+    elif capped:
+        stopped_by = "max_samples"
+    else:
+        stopped_by = "all samples done"
+    return {
+        "dataset": job.dataset,
+        "shard": job.shard,
+        "samples": state.total,
+        "ok": state.ok,
+        "failed": dict(state.failed),
+        "failed_total": sum(state.failed.values()),
+        "from_journal": state.from_journal,
+        "failed_unpaid": sum(state.unpaid.values()),
+        "unpaid": dict(state.unpaid),
+        "sent": state.sent,
+        "retries": state.retries,
+        "retry_reasons": dict(state.retry_reasons),
+        "not_sent": state.not_sent,
+        "over_max_samples": capped,
+        "prompt_tokens": state.prompt_tokens,
+        "completion_tokens": state.completion_tokens,
+        "cost_usd": round(state.cost_usd, 6),
+        "total_completion_tokens": state.spent_tokens(),
+        "total_cost_usd": round(state.spent_usd(), 6),
+        "by_backend": dict(state.by_backend),
+        # this shard's share of each budget, and the requests in flight when one was reached (its overshoot)
+        "budget_completion_tokens": state.budget_tokens,
+        "budget_usd": state.budget_usd,
+        "budget_in_flight": state.budget_in_flight,
+        "warnings": dict(state.warnings),
+        "stopped_by": stopped_by,
+        "servers_started": job.servers_started,
+        "servers_attached": job.servers_attached,
+        "journal_bad_lines": job.jstats["bad_lines"],
+        "rows": n_rows,
+        "other_model_replies": state.other_model,
+        "wall_s": round(time.monotonic() - job.t0, 3),
+        **_job_overhead(state),
+        "cpu_s": cpu_s(),
+    }
+
+
+def _finish(job: _Job, state: JobState, summary: dict, summary_path, display) -> None:
+    """Log the end (and a budget stop's warning), write the summary."""
+    logger.info("%s finished: %s", job.tag, progress.final_line(state, "").lstrip())
+    if state.not_sent:
+        key = state.stopped_by or "budget"
+        value = getattr(job.settings.generation, key, None)
+        message = progress.budget_stop_message(state, key, value, job.settings.budget_source(key), job.shares)
+        logger.warning("%s %s", job.tag, message, extra={"reason": key})
+    logger.info("%s summary: %s", job.tag, json.dumps(summary, sort_keys=True))
+    if summary_path is not None:
+        write_json(summary, summary_path)
+    display.snapshot(final=True)

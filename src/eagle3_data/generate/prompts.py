@@ -71,8 +71,10 @@ def assistant_message(rec: dict) -> dict:
     return msg
 
 
-def sampling_params(generation: dict) -> dict:
-    return {k: generation.get(k) if k != "extra_body" else (generation.get(k) or {}) for k in SAMPLING_KEYS}
+def sampling_params(generation) -> dict:
+    """The sampling part of a request key: ``generation``'s (a :class:`eagle3_data.settings.GenerationSettings`)
+    :data:`SAMPLING_KEYS`, ``extra_body`` ``{}`` when unset."""
+    return {k: getattr(generation, k) if k != "extra_body" else (getattr(generation, k) or {}) for k in SAMPLING_KEYS}
 
 
 def request_key(

@@ -60,31 +60,30 @@ class Runner:
 
     def __init__(
         self,
+        settings,
         *,
-        dataset,
-        target_name,
-        generation,
         records,
         journal,
         pool,
         state,
-        sampling,
         target=None,
         writer=None,
         write_batch_rows: int = 256,
-        target_format: dict | None = None,
     ):
-        self.dataset = dataset
-        self.target_name = target_name
-        self.generation = generation
+        """``settings``: the job's :class:`eagle3_data.settings.GenerateSettings` (dataset, target name and format,
+        generation settings: sampling, retries, backoff, ``reject_other_models``, the stop grace)."""
+        gen = settings.generation
+        self.dataset = settings.dataset
+        self.target_name = settings.target_name
+        self.generation = gen
         self.records = records
         self.journal = journal
         self.pool = pool
         self.state = state
-        self.sampling = sampling
-        self.max_attempts = int(generation.get("max_retries", 5)) + 1
-        self.retry_initial_s = float(generation.get("retry_initial_s", 1.0))
-        self.retry_max_s = float(generation.get("retry_max_s", 60.0))
+        self.sampling = gen.sampling()
+        self.max_attempts = int(gen.max_retries) + 1
+        self.retry_initial_s = float(gen.retry_initial_s)
+        self.retry_max_s = float(gen.retry_max_s)
         self.wait = retry_wait(self.retry_initial_s, self.retry_max_s)
         self.rows: list[dict] = []  # failed rows, written at the end
         self.journal_keys: list[str] = []  # ok turns answered by the journal: written from it at the end
@@ -104,15 +103,11 @@ class Runner:
         self.fatal: BaseException | None = None
         self.held: list[dict] = []
         self.on_stop = None  # run_requests: stop starting requests, give those in flight the grace
-        self.reject_other_models = bool(generation.get("reject_other_models", False))
-        fmt = target_format or {}  # the target's family and chat_template_kwargs (+ the dataset's)
+        self.reject_other_models = bool(gen.reject_other_models)
+        fmt = settings.target_format or {}  # the target's family and chat_template_kwargs (+ the dataset's)
         self.template = fmt.get("template")
         self.thinking = thinking_enabled(
-            self.template,
-            {
-                **(fmt.get("chat_template_kwargs") or {}),
-                **((generation.get("extra_body") or {}).get("chat_template_kwargs") or {}),
-            },
+            self.template, {**(fmt.get("chat_template_kwargs") or {}), **gen.chat_template_kwargs}
         )
 
     def steps(self, sample: Sample):
@@ -520,7 +515,7 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
             previous[sig] = signal.getsignal(sig)
             loop.add_signal_handler(sig, on_signal, sig.name)
     prog = asyncio.create_task(display.run())
-    grace_s = float(runner.generation.get("stop_grace_s", 10.0))
+    grace_s = float(runner.generation.stop_grace_s)
 
     def on_stop(reason: str) -> None:
         """The run is stopping: start no request; replies in flight get ``stop_grace_s`` to arrive (journaled),

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 import duckdb
 
 from .. import schemas, sql
+from ..config.lookup import shards_of
 from ..files import atomic_path
 
 
@@ -130,7 +131,7 @@ def _limits_of(datasets_config: dict, generation: dict | None) -> list[tuple]:
         rows.append(
             (
                 name,
-                int(dcfg.get("shards", 1)),
+                shards_of(dcfg),
                 gen.get("max_samples"),
                 gen.get("budget_completion_tokens"),
                 gen.get("budget_usd"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from ..config.lookup import answers_of
+from ..config.lookup import answers_of, shards_of
 from ..formatting import format_clock, format_usd
 from .markdown import fmt
 
@@ -107,7 +107,7 @@ def run_summary_rows(
         dcfg = dcfg or {}
         pre = ((dcfg.get("source") or {}).get("format")) == "pretokenized"
         orig = not pre and answers_of(dcfg) == "original"
-        n_shards = int(dcfg.get("shards", 1))
+        n_shards = shards_of(dcfg)
         names = [f"{i:03d}" for i in range(n_shards)]
         sums = []
         finished = 0
@@ -225,7 +225,7 @@ def pilot_spend(datasets_config: dict, results_dir="results") -> dict | None:
 
     requests, cost, found = 0, 0.0, False
     for ds, dcfg in (datasets_config or {}).items():
-        for i in range(int((dcfg or {}).get("shards", 1))):
+        for i in range(shards_of(dcfg)):
             p = Path(results_dir) / "forecast" / "pilot" / ds / f"{i:03d}.json"
             with contextlib.suppress(OSError, ValueError):
                 s = json.loads(p.read_text())
