@@ -486,7 +486,7 @@ onstart:
 """
 
 
-def _run_waiting_jobs(wd: Path, generate_jobs: int) -> tuple:
+def _run_waiting_jobs(wd: Path, generate_jobs: int, env: dict | None = None) -> tuple:
     """Run the Snakefile in ``wd`` (jobs logging their start and end to ``log``) on 1 core with
     ``generate_jobs`` seats; return (the finished process, the most jobs that ran at once)."""
     from conftest import snakemake_env
@@ -494,7 +494,7 @@ def _run_waiting_jobs(wd: Path, generate_jobs: int) -> tuple:
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "1", "--resources", f"generate_jobs={generate_jobs}"],
         cwd=wd,
-        env=snakemake_env(),
+        env=snakemake_env(env),
         capture_output=True,
         text=True,
         timeout=300,
@@ -514,11 +514,52 @@ def _run_waiting_jobs(wd: Path, generate_jobs: int) -> tuple:
 @pytest.mark.parametrize("widen", [False, True])
 def test_jobs_without_threads_get_a_worker_per_generate_seat(tmp_path, widen):
     """Snakemake's local executor runs at most --cores + 5 jobs at once; widen_local_workers (the Snakefile's
-    onstart) gives every generate_jobs seat a worker, so 12 waiting jobs run together on 1 core."""
+    onstart) gives every generate_jobs seat a worker, so 12 waiting jobs run together on 1 core.
+
+    The pin of a patch of Snakemake's internals (no supported setting exists): it fails the day a release moves the
+    pool or stops using the widened one (widen=True: fewer jobs at once, ``workers: None``) and the day Snakemake
+    gives zero-thread jobs more workers itself (widen=False: more than --cores + 5; the patch can then go)."""
     (tmp_path / "Snakefile").write_text(f"WIDEN = {widen}\n" + WAITING_SNAKEFILE)
     proc, peak = _run_waiting_jobs(tmp_path, 12)
     assert peak == (12 if widen else 1 + 5)
     assert ("workers: 18" in proc.stdout + proc.stderr) == widen  # 1 core + 5 + 12
+
+
+#: loaded first by every Python of the run (PYTHONPATH): Snakemake with one of its modules' source edited, as a
+#: release that renames a private attribute would ship it
+RENAMED_SNAKEMAKE = """
+import importlib.util, os, sys
+mod, old, new = os.environ["EAGLE3_TEST_RENAME"].split("|")
+spec = importlib.util.find_spec(mod)
+src = open(spec.origin).read()
+assert old in src, (mod, old)
+m = importlib.util.module_from_spec(spec)
+sys.modules[mod] = m
+exec(compile(src.replace(old, new), spec.origin, "exec"), m.__dict__)
+"""
+
+
+@pytest.mark.parametrize(
+    "rename",
+    [
+        "snakemake.executors.local|self.pool|self._thread_pool",  # the executor's pool
+        "snakemake.scheduling.job_scheduler|self._executor|self._the_executor",  # the scheduler's executor
+    ],
+)
+def test_widening_the_workers_fails_loudly_on_a_snakemake_that_moved_them(tmp_path, rename):
+    """The worker-pool patch has no supported replacement in Snakemake 9 (widen_local_workers says why). Where a
+    release moves what it replaces, the run says so on the console and the pin above fails (fewer jobs at once):
+    here a Snakemake whose source has the attribute renamed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(RENAMED_SNAKEMAKE)
+    wd = tmp_path / "w"
+    wd.mkdir()
+    (wd / "Snakefile").write_text("WIDEN = True\n" + WAITING_SNAKEFILE)
+    proc, peak = _run_waiting_jobs(wd, 12, {"PYTHONPATH": str(site), "EAGLE3_TEST_RENAME": rename})
+    out = proc.stdout + proc.stderr
+    assert "workers: None" in out and "Warning: Snakemake's local executor has no worker pool to widen" in out, out
+    assert peak == 1 + 5
 
 
 def test_a_job_that_started_with_few_slots_takes_the_slots_others_give_back(tmp_path):

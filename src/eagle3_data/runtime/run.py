@@ -191,15 +191,22 @@ def widen_local_workers(workflow, waiting_jobs: int) -> int | None:
     the workers while their backend's limit idles. Called from ``onstart`` (after the scheduler is made, before its
     first job), this replaces the executor's empty pool with one of ``--cores`` + 5 + ``waiting_jobs`` workers (the
     ``generate_jobs`` resource), so every shard can be in flight at once. Returns the new worker count, or None
-    where nothing was changed (a cluster executor; a Snakemake whose executor has no such pool, which this names
-    in a warning).
+    where nothing was changed (a cluster executor; a Snakemake whose scheduler, executor or pool is not where this
+    looks, which this names in a warning).
+
+    Snakemake 9 has no supported setting for this: the worker count is ``--cores`` + 5 (``--max-threads``, the
+    local executor's settings and resources do not change it; a group job only widens the pool for its own size)
+    and the executor plugin interface would mean re-implementing the local executor. So the patch stays, pinned by
+    ``tests/test_generate_runtime.py::test_jobs_without_threads_get_a_worker_per_generate_seat``: it fails the day a
+    Snakemake release moves the pool (this returns None, with the warning) or stops honouring the widened one (fewer
+    jobs run at once), and the day Snakemake itself gives zero-thread jobs more workers (the patch can go).
     """
     import concurrent.futures
 
+    if getattr(workflow, "non_local_exec", False):
+        return None
     executor = getattr(getattr(workflow, "scheduler", None), "_executor", None)
     pool, workers = getattr(executor, "pool", None), getattr(executor, "workers", None)
-    if getattr(workflow, "non_local_exec", False) or executor is None:
-        return None
     if not isinstance(pool, concurrent.futures.ThreadPoolExecutor) or not isinstance(workers, int):
         print(
             f"Warning: Snakemake's local executor has no worker pool to widen ({type(executor).__name__}); "

@@ -9,7 +9,10 @@ priority order counts under the first)::
     generate openrouter: 1,234/5,000 samples, 12/16 shards | in flight 96/100 | 1,520 tok/s | $3.21 of $50.00 | warnings: http_503 12, timeout 3 | ETA 41:02
 
 On a terminal, a ``rich`` live table redrawn in place at the bottom, with Snakemake's own messages (and
-anything else the main process prints) scrolling above it; in logs, CI and other non-terminals, plain lines,
+anything else the main process prints) scrolling above it: Snakemake's console is then this distribution's logger
+plugin (``snakemake_logger_plugin_eagle3``, turned on by the workflow profile's ``logger: [eagle3]``), which writes
+to the ``sys.stderr`` of the moment, rich's redirect while the table is up; with another console (``--logger``
+naming another plugin, no workflow profile) the view prints plain lines. In logs, CI and other non-terminals, plain lines,
 printed when they change. ``EAGLE3_LIVE_VIEW=0`` asks for the plain lines on a terminal too. ``ETA`` is the
 remaining samples at this run's own samples/s over the last minute: samples answered by the journal (a resume)
 or refused before any request are left out of the rate. ``warnings`` counts the jobs' warnings by reason (failed
@@ -332,53 +335,44 @@ class _Printer(threading.Thread):
         from rich.live import Live
 
         console = Console(file=self.stream)
-        # rich puts whatever is written to sys.stdout / sys.stderr above the table; Snakemake's console handler
-        # holds its own reference to the stream, so it is pointed at the same place while the table is up
-        with (
-            Live(
-                self.view.table(),
-                console=console,
-                refresh_per_second=1,
-                transient=False,
-                redirect_stdout=True,
-                redirect_stderr=True,
-            ) as live,
-            _log_handlers_to(sys.stderr, self.stream),
-        ):
+        # rich puts whatever is written to sys.stdout / sys.stderr above the table; Snakemake's messages among it:
+        # its console is the eagle3 logger plugin, which writes to sys.stderr as it is at each message
+        # (snakemake_logger_plugin_eagle3; without it start() draws no table)
+        with Live(
+            self.view.table(),
+            console=console,
+            refresh_per_second=1,
+            transient=False,
+            redirect_stdout=True,
+            redirect_stderr=True,
+        ) as live:
             while not self.stopping.wait(self.interval_s):
                 live.update(self.view.table())
             live.update(self.view.table())
 
 
-@contextlib.contextmanager
-def _log_handlers_to(proxy, stream):
-    """Point every ``logging.StreamHandler`` writing to ``stream`` (or to the process's stdout / stderr) at
-    ``proxy`` (rich's stand-in for ``sys.stderr`` while a live table is up) for the duration, then back.
-    Nothing is changed when rich did not redirect (``proxy`` is not its ``FileProxy``)."""
-    import logging
+#: Snakemake's console when it is this distribution's logger plugin (``snakemake_logger_plugin_eagle3.LogHandler``,
+#: turned on by the workflow profile): it writes Snakemake's messages to ``sys.stderr`` as it is at each message, so
+#: a live table's redirect takes them too. Without it a live table would be overwritten by Snakemake's console
+#: handler, which holds the terminal's stream: start() prints plain lines then.
+_console: list = []
 
-    from rich.file_proxy import FileProxy
 
-    targets = {id(stream), id(sys.__stderr__), id(sys.__stdout__)}
-    moved = []
-    if isinstance(proxy, FileProxy):
-        loggers = [logging.getLogger()] + [
-            lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
-        ]
-        for lg in loggers:
-            for h in lg.handlers:
-                if (
-                    isinstance(h, logging.StreamHandler)
-                    and not isinstance(h, logging.FileHandler)
-                    and id(h.stream) in targets
-                ):
-                    moved.append((h, h.setStream(proxy)))
-    try:
-        yield
-    finally:
-        for h, old in moved:
-            with contextlib.suppress(Exception):
-                h.setStream(old)
+def attach_console(handler) -> None:
+    """The eagle3 logger plugin's handler: Snakemake made it the run's console (it calls this when it is made)."""
+    if handler not in _console:
+        _console.append(handler)
+
+
+def detach_console(handler) -> None:
+    """The handler is closed (Snakemake's logging shut down)."""
+    if handler in _console:
+        _console.remove(handler)
+
+
+def console_is_ours() -> bool:
+    """Whether Snakemake's console is the eagle3 logger plugin (:func:`attach_console`)."""
+    return bool(_console)
 
 
 _printer: list[_Printer] = []
@@ -387,8 +381,9 @@ _printer: list[_Printer] = []
 def start(config: dict, run_dir, *, interval_s: float = 5.0, stream=None, live: bool | None = None) -> None:
     """Print the run-wide view from a background thread of the main ``snakemake`` process until :func:`stop`.
 
-    ``live``: redraw a table in place (default: when ``stream`` is a terminal, unless ``EAGLE3_LIVE_VIEW=0`` or
-    ``TERM=dumb``); plain lines otherwise, printed when they change. Nothing is printed for a run without generated datasets."""
+    ``live``: redraw a table in place (default: when ``stream`` is a terminal and Snakemake's console is the eagle3
+    logger plugin, :func:`console_is_ours`, unless ``EAGLE3_LIVE_VIEW=0`` or ``TERM=dumb``); plain lines otherwise,
+    printed when they change. Nothing is printed for a run without generated datasets."""
     from .. import config as cfg
 
     if _printer or not cfg.generated_datasets(config):
@@ -399,6 +394,7 @@ def start(config: dict, run_dir, *, interval_s: float = 5.0, stream=None, live: 
             bool(getattr(stream, "isatty", lambda: False)())
             and os.environ.get("EAGLE3_LIVE_VIEW") != "0"
             and os.environ.get("TERM") != "dumb"
+            and console_is_ours()
         )
     p = _Printer(RunView(config, run_dir), interval_s, stream, live)
     _printer.append(p)
@@ -406,7 +402,12 @@ def start(config: dict, run_dir, *, interval_s: float = 5.0, stream=None, live: 
 
 
 def stop() -> None:
-    """Stop the thread of :func:`start` (Snakefile ``onsuccess`` / ``onerror``)."""
+    """Stop the thread of :func:`start` (Snakefile ``onsuccess`` / ``onerror``), once the console wrote what
+    Snakemake logged before (its logger plugin writes from a queue: the view's last state and the run's last screen
+    come after Snakemake's last messages)."""
+    for handler in list(_console):
+        with contextlib.suppress(Exception):
+            handler.drain()
     while _printer:
         p = _printer.pop()
         p.stopping.set()
