@@ -61,6 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle3_data.testing.flops import decoder_params, useful_flops  # noqa: F401  (counted here, tested as g.*)
+
 LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B config.json (public)
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -145,23 +147,6 @@ SEED_HOURS, SEED_GPUS = 91.0, 8
 #: with 64 heads, query/key head size 128 + 64 (rope) = 192, value head size 128; ~32B activated parameters
 #: per token of ~1T (MoE: 8 routed experts of 384 + 1 shared)
 KIMI_K25 = {"layers": 61, "heads": 64, "qk_head_dim": 192, "v_head_dim": 128, "active_params": 32e9}
-
-
-def decoder_params(cfg: dict) -> int:
-    """Parameters of the decoder layers + final norm (no embedding, no lm_head)."""
-    d, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    hd = cfg.get("head_dim") or d // cfg["num_attention_heads"]
-    q = d * cfg["num_attention_heads"] * hd
-    kv = 2 * d * cfg["num_key_value_heads"] * hd
-    o = cfg["num_attention_heads"] * hd * d
-    mlp = 3 * d * f
-    return L * (q + kv + o + mlp + 2 * d) + d
-
-
-def useful_flops(cfg: dict, lengths) -> float:
-    P, L, d = decoder_params(cfg), cfg["num_hidden_layers"], cfg["hidden_size"]
-    n = np.asarray(lengths, dtype=np.float64)
-    return float(2 * P * n.sum() + 2 * L * d * (n**2).sum())
 
 
 def projection(
