@@ -39,7 +39,7 @@ H, L, V, MAX_LEN = 128, 6, 300, 1024  # head size 32 (FlashAttention: a multiple
 LAYERS = [1, 2, 4]
 LENGTHS = [1, MAX_LEN, 7, 130, 64, 3, 300, 33, 1, 520, 129]
 BF16_TOL = 2.0**-5
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """gpt-oss (harmony), DeepSeek-V3.1, Qwen3-Coder and Llama 3 on real vocabularies, and empty think blocks.
 
-Oracles: the target's own public chat template (``tests/chat_templates/``) rendering the finished conversation,
+Oracles: the target's own public chat template (``src/eagle3_data/testing/chat_templates/``) rendering the finished conversation,
 wherever it keeps the final turn (gpt-oss keeps the last turn's ``thinking``; DeepSeek-V3.1 non-thinking, Qwen3-Coder
 and Llama 3.1 render it whole), and for gpt-oss also OpenAI's reference renderer / parser ``openai-harmony``
 (offline, on the o200k_base ranks of the ``bpe-openai`` wheel). Vocabularies: o200k_base + the harmony specials
@@ -343,7 +343,7 @@ def test_empty_think_blocks_are_kept_exact_on_every_reasoning_family():
 # ------------------------------------------------------------------------------------------------ many rows
 @pytest.mark.parametrize("index", range(6))
 def test_sixty_synthetic_conversations_per_family_are_all_exact(index):
-    """tests/family_rows.py: single, multi-turn, tool-call, tool-result and empty-think conversations (seeded)."""
+    """eagle3_data.testing.family_rows: single, multi-turn, tool-call, tool-result and empty-think conversations (seeded)."""
     from eagle3_data.testing import family_rows
 
     name, tt, kinds, thinking, oracle, _ = family_rows.families()[index]

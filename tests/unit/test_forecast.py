@@ -1,5 +1,5 @@
 """The generation forecast: a journaled pilot (through generate itself) and the figures it implies, against the
-fault-injecting server (tests/fault_server.py)."""
+fault-injecting server (eagle3_data.testing.fault_server)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""generate stage against the fault-injecting test server (tests/fault_server.py) on loopback."""
+"""generate stage against the fault-injecting test server (eagle3_data.testing.fault_server) on loopback."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Backend-level request settings, SGLang native /generate, OpenRouter cost lookup, token limits, streamed output.
 
-All against the fault server (tests/fault_server.py) on loopback; the native path uses the tiny target's real
+All against the fault server (eagle3_data.testing.fault_server) on loopback; the native path uses the tiny target's real
 tokenizer so that the stored output_ids are real target ids that the tokenize stage accepts as ``exact``.
 """
 

@@ -294,7 +294,7 @@ def test_pretokenized_multi_turn_masks_count_every_supervised_span(tmp_path):
     """A multi-turn pre-tokenized sample (two supervised spans, the newline after an end-of-turn masked):
     completion = the supervised tokens, prompt = the rest, so prompt + completion = num_tokens as validate checks
     (the prompt was once the tokens before the first supervised one: every such sample was a length_mismatch;
-    tests/test_validate.py runs one through validate)."""
+    tests/unit/test_validate.py runs one through validate)."""
     mask = [0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0]
     recs = [{"sample_id": "mt", "input_ids": list(range(10, 21)), "loss_mask": mask}]
     _counts, tables, _rejects = run(tmp_path, write_jsonl(tmp_path / "p.jsonl", recs), "pretokenized")

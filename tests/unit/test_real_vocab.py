@@ -1,4 +1,4 @@
-"""Real vocabularies and the real public chat templates (``tests/chat_templates/``, sources in its README.md).
+"""Real vocabularies and the real public chat templates (``src/eagle3_data/testing/chat_templates/``, sources in its README.md).
 
 Per family, on single-turn, multi-turn, tool-calling, unicode and thinking-off conversations: the product's ids
 equal the template's own render of the finished conversation wherever the template keeps the final turn's

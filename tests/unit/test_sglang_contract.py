@@ -1,7 +1,7 @@
 """Contract of the SGLang extraction backend with the pinned SGLang (``sglang_backend.SGLANG_VERSION``).
 
 No GPU and no sglang install: the pinned wheel is downloaded from PyPI and its source parsed with ast (never
-imported; ``tests/sglang_source.py``). Checked, each against the wheel's own code:
+imported; ``eagle3_data.testing.sglang_source``). Checked, each against the wheel's own code:
 
 - every ``from sglang... import X`` of the backend names a definition that exists (file:line);
 - every call of an SGLang function, class or method binds to its signature (positional count, keywords,
@@ -15,7 +15,7 @@ imported; ``tests/sglang_source.py``). Checked, each against the wheel's own cod
   one the backend was adapted to (``UPSTREAM_DRIVER_SHA256``): bumping ``SGLANG_VERSION`` fails here until the
   backend is read against the new release.
 
-``python tests/test_sglang_contract.py`` prints every SGLang symbol the backend uses with where it was found.
+``python tests/unit/test_sglang_contract.py`` prints every SGLang symbol the backend uses with where it was found.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 exact ids, the server's ``prompt_token_ids`` kept and checked against the target's render (early stop in generate,
 a ``server_prompt_mismatch`` reject at tokenize).
 
-A fake vLLM: the fault server (tests/fault_server.py) whose chat replies carry ``prompt_token_ids`` (the tiny
+A fake vLLM: the fault server (eagle3_data.testing.fault_server) whose chat replies carry ``prompt_token_ids`` (the tiny
 target's real render, or a wrong one) and ``choices[0].token_ids`` (the content's real ids, + ``<|im_end|>`` unless cut at max_tokens)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The minimal configs of ``resources/configs/`` run end to end on their own, with stand-ins for what a test can't
 have: the tiny thinking target for Kimi K2.5, and the fault server's exact-length variant
-(``benchmarks/rehearsal_server.py``) for OpenRouter / the SGLang server the build launches.
+(``eagle3_data.testing.rehearsal_server``) for OpenRouter / the SGLang server the build launches.
 
 Each run layers one small stand-in file on the shipped config (``--configfile <shipped> standin.yaml``): the target
 (tiny, built by the workflow), the endpoint (URL, or the launch command), and a draft vocabulary that fits the

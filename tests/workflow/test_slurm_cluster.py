@@ -1,6 +1,6 @@
 """The embedded default run for real on a one-node SLURM cluster through ``profiles/slurm``.
 
-A real slurmctld + slurmd + slurmdbd (``tests/slurm_cluster.py``) with two fake GPUs runs every job the executor
+A real slurmctld + slurmd + slurmdbd (``eagle3_data.testing.slurm_cluster``) with two fake GPUs runs every job the executor
 plugin submits; ``sbatch`` is wrapped to record each submission's arguments before it runs the real one. The
 run starts from the response journal of the local demo run (``demo_run``), so generation replays the same
 responses (sampling is random) and every output must equal the local run's: validated and merged parquet,

@@ -282,7 +282,7 @@ def test_changed_sample_file_reruns_only_that_dataset(scratch):
     assert jobs.get("generate") == shards and jobs.get("tokenize") == shards and jobs.get("validate") == shards
     assert jobs.get("merge") == 1 and jobs.get("report") == 1
     # a dry run lists every extract job as waiting on the merge checkpoint; which of them really run (only the
-    # selections whose digest changed) is decided after it: tests/test_incremental.py runs it for real
+    # selections whose digest changed) is decided after it: tests/workflow/test_incremental.py runs it for real
     assert jobs.get("extract") == sum(d.get("shards", 1) for d in config(scratch)["datasets"].values())
 
 

@@ -66,7 +66,7 @@ def scratch(demo_run, tmp_path) -> Path:
 
 
 #: what a switch of one dataset's answers reruns, in a dry run (every extract job is listed: the merge checkpoint
-#: decides after it which selections changed; tests/test_incremental.py style)
+#: decides after it which selections changed; tests/workflow/test_incremental.py style)
 BELOW = {"tokenize", "validate", "merge", "provenance", "extract", "export", "plan", "vocab", "report", "view", "all"}
 
 
