@@ -290,7 +290,15 @@ def free_port() -> int:
 def start_server(port: int, log_path: Path, config: dict) -> subprocess.Popen:
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3_data.testing.rehearsal_server", "--port", str(port), "--config", json.dumps(config)],
+        [
+            sys.executable,
+            "-m",
+            "eagle3_data.testing.rehearsal_server",
+            "--port",
+            str(port),
+            "--config",
+            json.dumps(config),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from eagle3_data.testing.workflow import ROOT, copy_workflow, snakemake_env
+from eagle3_data.testing.slurm_cluster import sbatch_option as _opt
 
 pytest.importorskip("snakemake_executor_plugin_slurm")
 
@@ -59,16 +60,6 @@ def _calls(record: Path, name: str) -> list[list[str]]:
     for f in sorted(record.glob(f"{name}.*")):
         out.append(f.read_bytes().decode().split("\0")[:-1])
     return out
-
-
-def _opt(argv: list[str], flag: str) -> str | None:
-    """Value of ``flag`` in an sbatch argv: ``-p gpu`` or ``--gpus=1`` forms."""
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 @pytest.fixture(scope="module")

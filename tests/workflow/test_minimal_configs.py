@@ -125,10 +125,7 @@ def test_sglang_local_config_runs_on_its_own(tmp_path):
     wd = copy_workflow(tmp_path / "w")
     shipped = yaml.safe_load((wd / "resources/configs/sglang-local.yaml").read_text())
     conf = {**REPLY, "reasoning_field": "reasoning_content"}
-    command = (
-        f"{shlex.quote(sys.executable)} -m {SERVER} --port {{port}} --config "
-        f"{shlex.quote(json.dumps(conf))}"
-    )
+    command = f"{shlex.quote(sys.executable)} -m {SERVER} --port {{port}} --config {shlex.quote(json.dumps(conf))}"
     standin = {
         "target": TINY,
         "backends": {

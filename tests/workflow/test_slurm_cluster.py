@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from eagle3_data.testing.workflow import copy_workflow, snakemake_env
 from eagle3_data.testing.slurm_cluster import ACCOUNT, SYSTEM_CONF, OneNodeCluster, has_own_config, missing
-from test_profiles import _opt
+from eagle3_data.testing.slurm_cluster import sbatch_option as _opt
 
 pytestmark = pytest.mark.slow
 

@@ -385,3 +385,13 @@ class OneNodeCluster:
             return False
 
         self._wait(done, timeout, f"check job {job} COMPLETED in sacct", "slurmctld")
+
+
+def sbatch_option(argv: list[str], flag: str) -> str | None:
+    """Value of ``flag`` in an sbatch argv: ``-p gpu`` or ``--gpus=1`` forms."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
