@@ -1,15 +1,13 @@
-"""The package's shape: no import cycle among its modules (function-level imports included), and a library that
-works without the repository (the config schema ships as package data)."""
+"""The package's shape: no import cycle among its modules (function-level imports included), the test support
+package (eagle3_data.testing) used by tests and benchmarks only, and a library that works without the repository
+(the config schema ships as package data: tests/workflow/test_plain_install.py)."""
 
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -94,6 +92,24 @@ def test_the_package_has_no_import_cycle():
     assert found == [], "\n".join(", ".join(c) for c in found)
 
 
+def test_the_test_support_package_is_used_by_no_module_of_the_library_nor_the_workflow():
+    """``eagle3_data.testing`` (the fault server, tokenizer fixtures, ... of tests/ and benchmarks/) imports the
+    library; nothing of the library, the scripts or the rules imports it (it is test support, shipped like
+    numpy.testing)."""
+    edges = import_graph(SRC, "eagle3_data")
+    support = "eagle3_data.testing"
+    users = sorted(
+        f"{m} -> {t}"
+        for m, ts in edges.items()
+        if not (m == support or m.startswith(support + "."))
+        for t in ts
+        if t == support or t.startswith(support + ".")
+    )
+    assert users == []
+    workflow = [ROOT / "Snakefile", *(ROOT / "rules").glob("*.smk"), *(ROOT / "scripts").glob("*.py")]
+    assert [p.name for p in workflow if support in p.read_text()] == []
+
+
 def test_no_module_is_named_like_a_standard_library_module_and_one_is_named_settings():
     names = [p.stem if p.name != "__init__.py" else p.parent.name for p in (SRC / "eagle3_data").rglob("*.py")]
     assert sorted(set(names) & set(sys.stdlib_module_names) - {"__main__"}) == []
@@ -149,50 +165,3 @@ def test_the_private_name_finder_finds_one(tmp_path):
 def test_no_module_uses_another_modules_private_name():
     found = private_imports(SRC, "eagle3_data")
     assert found == [], "\n".join(found)
-
-
-@pytest.mark.slow
-def test_a_plain_install_validates_a_config_from_another_directory(tmp_path):
-    """``pip install .`` (not editable) into a folder of its own; from a directory outside the repository, the
-    installed package (not the checkout) finds its schema, fills defaults and refuses a bad key."""
-    target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    assert (target / "eagle3_data" / "config" / "config.schema.yaml").is_file()
-    code = (
-        "import eagle3_data, yaml\n"
-        "from eagle3_data.config import ConfigError, schema, validate_config\n"
-        "from eagle3_data.settings import MergeSettings\n"
-        "print(eagle3_data.__file__)\n"
-        "ds = {'d': {'source': {'format': 'sharegpt', 'path': 'd.json'}}}\n"
-        "cfg = validate_config({'target': {'name': 't', 'path': 'm'}, 'datasets': ds}, schema())\n"
-        "print(cfg['merge']['seed'], MergeSettings.from_config(cfg).shards)\n"
-        "try:\n"
-        "    validate_config({'target': {'name': 't', 'path': 'm'}, 'datasets': ds, 'merg': {}}, schema())\n"
-        "except ConfigError as e:\n"
-        "    print('refused:', str(e).splitlines()[0])\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(target)}
-    run = tmp_path / "elsewhere"
-    run.mkdir()
-    out = subprocess.run([sys.executable, "-c", code], cwd=run, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    assert lines[0] == str(target / "eagle3_data" / "__init__.py")
-    assert lines[1].split() == ["0", "1"]
-    assert lines[2].startswith("refused:") and "merg" in lines[2]

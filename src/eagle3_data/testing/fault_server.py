@@ -306,35 +306,35 @@ class FaultApp:
         ]
 
     async def health(self, request):
-        return _response(200, {"status": "ok"})
+        return json_response(200, {"status": "ok"})
 
     async def stats_endpoint(self, request):
-        return _response(200, self.stats())
+        return json_response(200, self.stats())
 
     async def admin_config(self, request):
         self.config.update(json.loads(await request.body() or b"{}"))
-        return _response(200, self.config)
+        return json_response(200, self.config)
 
     async def admin_reset(self, request):
         self.reset()
-        return _response(200, {"ok": True})
+        return json_response(200, {"ok": True})
 
     async def admin_bodies(self, request):
-        return _response(200, {"bodies": self.bodies, "headers": self.headers})
+        return json_response(200, {"bodies": self.bodies, "headers": self.headers})
 
     async def generation(self, request):
         """OpenRouter's cost lookup by generation id."""
         gid = request.query_params.get("id", "")
         n = self.cost_lookups[gid] = self.cost_lookups.get(gid, 0) + 1
         if gid not in self.costs or n <= int(self.config["cost_404s"]):
-            return _response(404, {"error": {"code": 404, "message": f"Generation {gid} not found"}})
-        return _response(
+            return json_response(404, {"error": {"code": 404, "message": f"Generation {gid} not found"}})
+        return json_response(
             200, {"data": {"id": gid, "total_cost": self.costs[gid], "provider_name": self.config["provider"]}}
         )
 
     async def models(self, request):
         # OpenRouter's model list carries per-token prices (USD, decimal strings): the forecast reads them
-        return _response(
+        return json_response(
             200,
             {
                 "object": "list",
@@ -351,7 +351,7 @@ class FaultApp:
         )
 
     async def no_route(self, request):
-        return _response(404, {"error": {"code": 404, "message": f"no route {request.method} {request.url.path}"}})
+        return json_response(404, {"error": {"code": 404, "message": f"no route {request.method} {request.url.path}"}})
 
     async def chat(self, request):
         """``POST /v1/chat/completions``, ``/chat/completions`` (OpenAI) and ``/generate`` (SGLang native), with
@@ -362,7 +362,7 @@ class FaultApp:
             transport = _transport(request)
             if transport is not None:
                 transport.abort()
-            return _response(499, {"error": "server stopped"})
+            return json_response(499, {"error": "server stopped"})
 
     async def _chat(self, request):
         raw = await request.body()
@@ -373,12 +373,12 @@ class FaultApp:
         self.request_times.append(time.time())
         if c["require_key"] and headers.get("authorization") != f"Bearer {c['require_key']}":
             self._count("401")
-            return _response(401, {"error": {"code": 401, "message": "No auth credentials found"}})
+            return json_response(401, {"error": {"code": 401, "message": "No auth credentials found"}})
         try:
             body = json.loads(raw)
         except ValueError:
             self._count("400")
-            return _response(400, {"error": {"code": 400, "message": "invalid JSON body"}})
+            return json_response(400, {"error": {"code": 400, "message": "invalid JSON body"}})
         self.record(body, headers)
         if c["require_tool_reasoning"] and not native:
             bad = [
@@ -391,7 +391,7 @@ class FaultApp:
             ]
             if bad:
                 self._count("400")
-                return _response(
+                return json_response(
                     400,
                     {
                         "error": {
@@ -418,14 +418,14 @@ class FaultApp:
                 await asyncio.sleep(lat)
             if fault == "storm":  # a rate-limit storm refuses at once, before generating
                 self._count("429")
-                return _response(
+                return json_response(
                     429,
                     {"error": {"code": 429, "message": "Rate limit exceeded"}},
                     {"Retry-After": str(c["retry_after_s"])},
                 )
             if fault == "p429":
                 self._count("429")
-                return _response(
+                return json_response(
                     429,
                     {"error": {"code": 429, "message": "Rate limit exceeded"}},
                     {"Retry-After": str(c["retry_after_s"])},
@@ -433,13 +433,13 @@ class FaultApp:
             if fault == "p5xx":
                 code = self.rng.choice([500, 502, 503])
                 self._count(str(code))
-                return _response(code, {"error": {"code": code, "message": "provider error"}})
+                return json_response(code, {"error": {"code": code, "message": "provider error"}})
             if fault == "preset":
                 self._count("reset")
                 return await _drop(request, reset=True)
             if fault == "perror200":
                 self._count("error200")
-                return _response(
+                return json_response(
                     200,
                     {
                         "id": "gen-err",
@@ -460,15 +460,15 @@ class FaultApp:
             if fault == "pmalformed":  # billed like any generated reply, whatever reached the client
                 self._count("malformed")
                 self.billed_by_body[bh] = self.billed_by_body.get(bh, 0) + 1
-                return _response(200, b'{"id": "gen-x", "choices": [{"message": {"content": "trunc')
+                return json_response(200, b'{"id": "gen-x", "choices": [{"message": {"content": "trunc')
             if fault == "psurrogate":  # a reply whose text can't be stored (the client must retry it)
                 self._count("surrogate")
                 resp = self.completion(body, bh)
                 resp["choices"][0]["message"]["content"] += " \ud800"
-                return _response(200, resp)
+                return json_response(200, resp)
             if fault == "perror422body":  # a client error in a 200 body: no retry can fix it
                 self._count("error422body")
-                return _response(
+                return json_response(
                     200,
                     {"error": {"code": 422, "message": "Unprocessable: max_tokens exceeds the model's context length"}},
                 )
@@ -476,7 +476,7 @@ class FaultApp:
                 code = int(c["fail_status"]) if fault == "fail_status" else 402
                 self._count(str(code))
                 self.fail_times.append(time.time())
-                return _response(
+                return json_response(
                     code,
                     (fault == "fail_status" and c["fail_body"])
                     or {"error": {"code": code, "message": "Insufficient credits"}},
@@ -484,7 +484,7 @@ class FaultApp:
             if native:
                 if self.rng.random() < float(c["gen_abort_rate"]):
                     self._count("abort")
-                    return _response(
+                    return json_response(
                         200,
                         {
                             "text": "",
@@ -525,8 +525,8 @@ class FaultApp:
             if fault == "pbadbytes" and not native:  # valid JSON holding bytes that are not UTF-8 (paid for)
                 self._count("badbytes")
                 resp["choices"][0]["message"]["content"] += " BADBYTES"
-                return _response(200, json.dumps(resp).encode().replace(b"BADBYTES", b"\xff\xfe"))
-            return _response(200, resp)
+                return json_response(200, json.dumps(resp).encode().replace(b"BADBYTES", b"\xff\xfe"))
+            return json_response(200, resp)
         finally:
             self.in_flight -= 1
 
@@ -567,7 +567,7 @@ def chat_completion(
     }
 
 
-def _response(status: int, payload, headers: dict | None = None):
+def json_response(status: int, payload, headers: dict | None = None):
     """A JSON reply (``payload``: an object, or bytes sent as they are, e.g. a truncated body)."""
     from starlette.responses import Response
 
@@ -597,7 +597,7 @@ async def _drop(request, reset: bool):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     transport.abort() if reset else transport.close()
     await asyncio.sleep(0)  # uvicorn sees the connection lost and sends nothing more on it
-    return _response(499, {"error": "connection dropped"})
+    return json_response(499, {"error": "connection dropped"})
 
 
 _ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]

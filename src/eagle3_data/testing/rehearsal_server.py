@@ -144,7 +144,7 @@ class RehearsalApp(fs.FaultApp):
         return [Route("/admin/intervals", self.admin_intervals, methods=["GET"])] + super().routes()
 
     async def admin_intervals(self, request):
-        return fs._response(200, {"intervals": self.intervals})
+        return fs.json_response(200, {"intervals": self.intervals})
 
     async def chat(self, request):
         """Note each chat request's profile before the fault server draws its latency, then delegate; record each
