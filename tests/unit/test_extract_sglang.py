@@ -1,7 +1,7 @@
 """SGLang extraction backend on CPU: the layer-id mapping per model family (configs only, no weights), the column
 order, the capture checks, batching within SGLang's limits, one load per job, and the same file as the
 transformers backend through a stand-in that returns what SGLang's logits processor returns. The real SGLang run
-is GPU-marked (and ``tests/unit/test_sglang_contract.py`` checks the backend against the pinned wheel's source)."""
+is GPU-marked (and ``tests/workflow/test_sglang_contract.py`` checks the backend against the pinned wheel's source)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import pytest
 
 from eagle3_data.testing import tokenizer_fixtures as F
 from eagle3_data.testing.rows import row  # noqa: F401  (test_tokenize, test_validate, ... import it from here)
+from eagle3_data.testing.tokenizer_fixtures import target_tokens as target
 from eagle3_data.templates import TargetTokens, TemplateError, completion_format, normalize_ids
 from eagle3_data.tokens import tokenize_rows
 
@@ -28,10 +29,6 @@ MULTI = [
     {"role": "assistant", "content": "Hello", "reasoning_content": "old thoughts"},
     {"role": "user", "content": "Weather?"},
 ]
-
-
-def target(family, **kwargs):
-    return TargetTokens(F.FIXTURES[family](), completion_format(family), kwargs)
 
 
 def run(tt, r):

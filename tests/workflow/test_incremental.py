@@ -1,6 +1,6 @@
 """A change costs what it changes, down to the GPU: real reruns of the demo build (copies of ``demo_run``),
 counting the tokens that pass through the target (each extract job's summary: forwarded vs reused tokens,
-checked against the model's input in tests/unit/test_extract.py) and which hidden-states files were rewritten.
+checked against the model's input in tests/workflow/test_extract.py) and which hidden-states files were rewritten.
 """
 
 from __future__ import annotations

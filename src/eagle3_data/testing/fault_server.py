@@ -579,7 +579,7 @@ def json_response(status: int, payload, headers: dict | None = None):
 # closes it without a reply, which ``preset`` and ``ptimeout`` need (a Starlette endpoint can only return a
 # response, and uvicorn answers an exception with a 500: ``run_asgi`` in its h11/httptools protocols). These reach
 # the connection's asyncio transport through uvicorn's per-request cycle (``request.receive`` is its bound method,
-# holding ``.transport``, in both protocols); ``tests/unit/test_generate.py`` injects both faults and checks the client
+# holding ``.transport``, in both protocols); ``tests/workflow/test_generate.py`` injects both faults and checks the client
 # retries them.
 def _transport(request):
     """The asyncio transport of ``request``'s connection (None when not served by uvicorn)."""

@@ -1,6 +1,6 @@
 """The pinned SGLang's source, read without importing it: the wheel from PyPI (``pip download``), parsed with ast.
 
-Used by ``tests/unit/test_sglang_contract.py``. No GPU, no sglang install: the wheel is only unpacked (``.py`` files
+Used by ``tests/workflow/test_sglang_contract.py``. No GPU, no sglang install: the wheel is only unpacked (``.py`` files
 and its METADATA) into a cache directory (``$EAGLE3_WHEEL_CACHE``, default ``~/.cache/eagle3-data/wheels``).
 """
 

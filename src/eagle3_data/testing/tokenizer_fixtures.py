@@ -490,6 +490,14 @@ FIXTURES = {
 }
 
 
+def target_tokens(family: str, **kwargs):
+    """Fixture ``family`` (a key of :data:`FIXTURES`) as the tokenize stage sees a target: its ``TargetTokens``
+    with the family's completion format; ``kwargs`` are the chat template's variables."""
+    from eagle3_data.templates import TargetTokens, completion_format
+
+    return TargetTokens(FIXTURES[family](), completion_format(family), kwargs)
+
+
 def save_fixture(name: str, path) -> str:
     """Save fixture ``name`` (a key of :data:`FIXTURES`) to directory ``path`` for ``load_target_tokens``."""
     FIXTURES[name]().save_pretrained(str(path))

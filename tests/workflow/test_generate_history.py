@@ -13,7 +13,7 @@ from eagle3_data.backends.chat import history_reasoning
 from eagle3_data.generate import GenerationStopped
 from eagle3_data.tokens import tokenize_rows
 from test_generate import backends_cfg, gen_cfg, run, write_prompts
-from test_templates import target
+from eagle3_data.testing.tokenizer_fixtures import target_tokens as target
 
 CALL0 = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 TOOL_CONV = [

@@ -15,7 +15,7 @@ imported; ``eagle3_data.testing.sglang_source``). Checked, each against the whee
   one the backend was adapted to (``UPSTREAM_DRIVER_SHA256``): bumping ``SGLANG_VERSION`` fails here until the
   backend is read against the new release.
 
-``python tests/unit/test_sglang_contract.py`` prints every SGLang symbol the backend uses with where it was found.
+``python tests/workflow/test_sglang_contract.py`` prints every SGLang symbol the backend uses with where it was found.
 """
 
 from __future__ import annotations
