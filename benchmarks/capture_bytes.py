@@ -24,13 +24,11 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "src"))  # standalone from a checkout too
 
 #: Llama-3.1-8B's shape (config.json): the layers and hidden size are all the writer and the exports use
 TARGET = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "vocab_size": 128256}

@@ -230,7 +230,7 @@ def main() -> None:
 
     # the speed-up no layout can beat on this CPU: ours computes the decoder's FLOPs (no lm_head), counted as
     # benchmarks/extract_gpu.py counts them, at the best matmul rate measured here; the baseline's time as measured
-    from extract_gpu import useful_flops
+    from eagle3_data.testing.flops import useful_flops
 
     cfg = loaded[0].config.to_dict()
     flops = useful_flops(cfg, [r["num_tokens"] for r in rows])

@@ -7,7 +7,7 @@ forward.
     python benchmarks/extract_gpu.py --runs packed-flex:65536 --only-runs --tokens 100000   # one layout/kernel
     python benchmarks/extract_gpu.py --tiny          # the same code path on CPU with a tiny config (tests)
     python benchmarks/extract_gpu.py --check-imports # the import path, with the packages a GPU machine lacks blocked
-    python benchmarks/extract_gpu.py --gpu-tests     # pytest -m gpu tests/test_extract_gpu.py under the same guard
+    python benchmarks/extract_gpu.py --gpu-tests     # pytest -m gpu tests/gpu/test_extract_gpu.py under the same guard
 
 The model is Meta's public Llama-3.1-8B ``config.json`` (values written below, no download), randomly
 initialised directly on the device in bf16 (weights never touch the disk). The data is a synthetic merged
@@ -29,7 +29,7 @@ Output: JSON lines (each also appended to ``--jsonl``), ``kind``:
 - ``imports`` (with ``--block-imports``): the third-party packages the GPU path loaded with the guard on;
 - ``check``: the packed states of a sample of mixed lengths (one forward) against the same samples forwarded one
   at a time, through the same kernel and through the model's own attention: per tensor the max abs error, the
-  reference's max abs and their ratio, within ``2^-5`` (tests/test_extract_gpu.py's bf16 bound); and the fp8
+  reference's max abs and their ratio, within ``2^-5`` (tests/gpu/test_extract_gpu.py's bf16 bound); and the fp8
   auxiliary states against the bf16 ones, relative to each token and layer's max abs (bound 16/448: half of
   e4m3's spacing in its top binade, at the scale's 448);
 - ``run``, one per run: tokens/s, MFU (whole run and forward only), peak GPU memory, bytes written/s, and the
@@ -60,6 +60,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from eagle3_data.testing.flops import decoder_params, useful_flops  # noqa: F401  (counted here, tested as g.*)
 
 LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B config.json (public)
     "architectures": ["LlamaForCausalLM"],
@@ -119,7 +121,7 @@ TINY_RUNS = "packed:1024:eager,packed:1024,packed:1024:fp8:eager"
 TINY_OPTIONAL_RUNS = "packed:2048"
 #: the issue's targets for the 8B config on one H200 with writes on
 TARGET_TOKENS_PER_S, TARGET_MFU, TARGET_IO_EXPOSED = 30_000, 0.45, 0.10
-#: bf16 bound of the packed == one-by-one check (tests/test_extract_gpu.py): max |a - b| <= 2^-5 x max |b|
+#: bf16 bound of the packed == one-by-one check (tests/gpu/test_extract_gpu.py): max |a - b| <= 2^-5 x max |b|
 CHECK_TOL = 2.0**-5
 #: fp8 e4m3 bound relative to a token-layer's max abs: half the spacing (32) of the top binade, over 448
 FP8_BOUND = 16 / 448
@@ -145,23 +147,6 @@ SEED_HOURS, SEED_GPUS = 91.0, 8
 #: with 64 heads, query/key head size 128 + 64 (rope) = 192, value head size 128; ~32B activated parameters
 #: per token of ~1T (MoE: 8 routed experts of 384 + 1 shared)
 KIMI_K25 = {"layers": 61, "heads": 64, "qk_head_dim": 192, "v_head_dim": 128, "active_params": 32e9}
-
-
-def decoder_params(cfg: dict) -> int:
-    """Parameters of the decoder layers + final norm (no embedding, no lm_head)."""
-    d, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    hd = cfg.get("head_dim") or d // cfg["num_attention_heads"]
-    q = d * cfg["num_attention_heads"] * hd
-    kv = 2 * d * cfg["num_key_value_heads"] * hd
-    o = cfg["num_attention_heads"] * hd * d
-    mlp = 3 * d * f
-    return L * (q + kv + o + mlp + 2 * d) + d
-
-
-def useful_flops(cfg: dict, lengths) -> float:
-    P, L, d = decoder_params(cfg), cfg["num_hidden_layers"], cfg["hidden_size"]
-    n = np.asarray(lengths, dtype=np.float64)
-    return float(2 * P * n.sum() + 2 * L * d * (n**2).sum())
 
 
 def projection(
@@ -689,7 +674,7 @@ def main() -> None:
     ap.add_argument(
         "--gpu-tests",
         action="store_true",
-        help="run pytest -m gpu tests/test_extract_gpu.py with the guard, then exit with its status",
+        help="run pytest -m gpu tests/gpu/test_extract_gpu.py with the guard, then exit with its status",
     )
     ap.add_argument("-k", dest="tests_k", default=None, help="with --gpu-tests: pytest's -k expression")
     ap.add_argument("--report", default=None, help="print a short table of this --jsonl file and exit")
@@ -712,7 +697,7 @@ def main() -> None:
         root = Path(__file__).resolve().parents[1]
         args = ["-q", "-p", "no:cacheprovider", "-m", "gpu", "--rootdir", str(root)]
         args += ["-k", a.tests_k] if a.tests_k else []
-        raise SystemExit(pytest.main(args + [str(root / "tests" / "test_extract_gpu.py")]))
+        raise SystemExit(pytest.main(args + [str(root / "tests" / "gpu" / "test_extract_gpu.py")]))
     if a.block_imports:
         emit({"kind": "imports", **{k: v for k, v in check_imports().items() if k != "benchmark"}})
 

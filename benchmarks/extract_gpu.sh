@@ -9,10 +9,10 @@
 #                  Llama-3.1-8B in bf16 over 400k tokens of mixed lengths (16..8,192), states written to local disk
 #                  in the shipped layout, with bf16 then fp8 auxiliary states; one batch's forward profiled
 #                  (matmul / attention / elementwise); 131,072 tokens per batch if time is left; the summary
-#   2. gpu_tests   pytest -m gpu tests/test_extract_gpu.py -k "not flex" under the same guard (aux == HF
+#   2. gpu_tests   pytest -m gpu tests/gpu/test_extract_gpu.py -k "not flex" under the same guard (aux == HF
 #                  output_hidden_states, batched == single in bf16, overlapped writeback bytes, device locks)
 #   3. flex        the packed path with the FlexAttention kernel (compiled) at 65,536 tokens per batch
-#   4. flex_tests  pytest -m gpu -k flex: the FlexAttention cases of tests/test_extract_gpu.py
+#   4. flex_tests  pytest -m gpu -k flex: the FlexAttention cases of tests/gpu/test_extract_gpu.py
 #
 #   bash benchmarks/extract_gpu.sh          # from the repository root, on the GPU machine (needs no install:
 #                                           # PYTHONPATH=src, torch + transformers + safetensors + numpy + pyarrow)

@@ -1,6 +1,6 @@
 """Generation client benchmark: our generate stage vs ``openai.AsyncOpenAI`` against the fault server.
 
-The fault server (``tests/fault_server.py``) runs in its own process on loopback with realistic replies
+The fault server (``eagle3_data.testing.fault_server``) runs in its own process on loopback with realistic replies
 (``--words`` words of text, ~6 KB per body at 1,500) and latencies that are a function of the request body
 (uniform or lognormal over ``--lat-min``..``--lat-max`` s), so both clients see exactly the same latencies and the
 ideal schedule can be computed. Each client runs in its own subprocess, which measures itself with
@@ -51,7 +51,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 MAX_TOKENS = 4096
 SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "top_p": 1.0}
@@ -302,7 +301,7 @@ def http_json(url: str, method: str = "GET", body: dict | None = None) -> dict:
 
 def ideal_times(cfg: dict, n: int, conc: int) -> tuple[float, float, float]:
     """(mean latency, formula ideal, list-schedule ideal) for requests 0..n-1 sent in order."""
-    from fault_server import body_hash, latency_of
+    from eagle3_data.testing.fault_server import body_hash, latency_of
 
     lats = [latency_of(cfg, body_hash({"messages": prompt_messages(i), **SAMPLING})) for i in range(n)]
     mean = sum(lats) / n
@@ -352,7 +351,7 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "fault_server.py"), "--port", str(port), "--config", json.dumps(cfg)],
+        [sys.executable, "-m", "eagle3_data.testing.fault_server", "--port", str(port), "--config", json.dumps(cfg)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )

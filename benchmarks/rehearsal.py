@@ -4,12 +4,12 @@ datasets, 40,114 samples, on this machine.
 What it does, in a scratch directory (``--workdir``, default a temp dir):
 
 1. writes synthetic source files in each seed dataset's real public format with the seed's sample counts
-   (``rehearsal_data.py``; B1 glaive JSON array ... B8 nebius SWE-agent parquet, A1/A2 pre-tokenized JSONL with
+   (``eagle3_data.testing.rehearsal_data``; B1 glaive JSON array ... B8 nebius SWE-agent parquet, A1/A2 pre-tokenized JSONL with
    ~44.9M / ~2.6M tokens), plus a few unusable rows per B source that normalize must reject;
 2. writes a config that mirrors ``resources/configs/seed-kimi-k25.yaml`` (same datasets, shards, backends
    ``sglang_local`` / ``openrouter`` and their priority per dataset, generation / validate / merge settings), with
    ``target`` = the tiny Kimi-style target built by rule ``tiny_target`` and both backends pointing at one local
-   fault-injecting server (``rehearsal_server.py``): ``openrouter`` at the seed's 2,000 concurrency, ``sglang_local``
+   fault-injecting server (``eagle3_data.testing.rehearsal_server``): ``openrouter`` at the seed's 2,000 concurrency, ``sglang_local``
    at the seed's 256 (``--local-concurrency``), so B3 overflows from local to OpenRouter ("Mixed") as in the seed;
 3. starts that server (own process, loopback): per-dataset lognormal reply lengths whose means reproduce the
    seed's completion tokens (~90.9M in all, B1 17.0M), latency 0.5-1.5 s + the reply streamed at the backend's
@@ -70,11 +70,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import yaml
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-
-import yaml  # noqa: E402
 
 TARGET_TOTAL_S = 30 * 60  # the full-scale rehearsal (--full)
 TARGET_DEFAULT_S = 10 * 60  # every benchmark's default size on 2 cores (issue 25)
@@ -139,7 +138,7 @@ RETRIED_REQUESTS = 10
 
 def write_sources(data_dir: Path, scale: float, special_ids: dict) -> dict:
     """Write every source file; return {dataset: {path, rows, good, ...}}."""
-    import rehearsal_data as rd
+    from eagle3_data.testing import rehearsal_data as rd
 
     out = {}
     for i, (ds, (fmt, n, _tok, mx, _sh, _be)) in enumerate(SEED_B.items()):
@@ -291,7 +290,15 @@ def free_port() -> int:
 def start_server(port: int, log_path: Path, config: dict) -> subprocess.Popen:
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "rehearsal_server.py"), "--port", str(port), "--config", json.dumps(config)],
+        [
+            sys.executable,
+            "-m",
+            "eagle3_data.testing.rehearsal_server",
+            "--port",
+            str(port),
+            "--config",
+            json.dumps(config),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -739,7 +746,7 @@ def incremental(
     A failed request is simulated by removing a validated sample's journal line; the states the build would hold
     then are its selection without that sample, so the retried samples count as forwarded even when the server
     answers them as before."""
-    import rehearsal_data as rd
+    from eagle3_data.testing import rehearsal_data as rd
 
     sel_dir = work / "results/merged/selection"
     merged_before = {p.name: p.stat().st_mtime_ns for p in (work / "results/merged").glob("*.parquet")}

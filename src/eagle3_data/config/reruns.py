@@ -13,8 +13,8 @@ _DS_CHAIN = "the dataset's own chain (normalize, generate or original_answers on
 _NOT_ORIGINAL = "; nothing for a dataset with answers: original"
 NOTHING = "nothing"
 #: For every config key, what changing it reruns (leaves: the key; ``*`` covers every key under a prefix). The
-#: table in docs/config.md is rendered from this (eagle3_data.config.docgen); tests/test_config.py checks every schema
-#: key has an entry and tests/test_workflow.py checks the claims with dry runs of the demo build. With
+#: table in docs/config.md is rendered from this (eagle3_data.config.docgen); tests/unit/test_config.py checks every schema
+#: key has an entry and tests/workflow/test_workflow.py checks the claims with dry runs of the demo build. With
 #: ``merge.heldout`` > 0, rule ``export_heldout`` reruns wherever ``export`` does.
 RERUNS: list[tuple[str, str]] = [
     (

@@ -2,7 +2,7 @@
 
 Written against ``sglang==`` :data:`SGLANG_VERSION`, the one place the version is pinned (the contract test reads
 the wheel of this version and checks that ``envs/sglang-gpu.txt`` installs the same). Importable without SGLang: every ``sglang`` import is inside the
-functions that need it. No machine in CI can run SGLang, so ``tests/test_sglang_contract.py`` reads the pinned
+functions that need it. No machine in CI can run SGLang, so ``tests/workflow/test_sglang_contract.py`` reads the pinned
 wheel's source and checks every SGLang module, function, keyword, server argument and attribute used here.
 
 How a batch is captured (SGLang's own machinery, nothing patched):
@@ -282,7 +282,7 @@ class RankBase:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# One tensor-parallel rank: everything below touches SGLang (names checked by tests/test_sglang_contract.py).
+# One tensor-parallel rank: everything below touches SGLang (names checked by tests/workflow/test_sglang_contract.py).
 # ---------------------------------------------------------------------------------------------------------------
 
 

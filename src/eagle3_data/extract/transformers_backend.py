@@ -37,8 +37,8 @@ On CPU the backend also makes glibc keep freed tensor memory for reuse (:func:`k
 default every tensor of a batch's activations over glibc's moving mmap threshold is a fresh mapping whose pages
 fault in on first touch (costly in a VM), and the heap top is returned to the kernel at each free.
 
-Both layouts give the same states (up to floating-point rounding; tests/test_extract_packed.py checks packed ==
-padded == one sample at a time in fp32 on CPU, tests/test_extract_gpu.py every kernel in bf16 on a GPU).
+Both layouts give the same states (up to floating-point rounding; tests/workflow/test_extract_packed.py checks packed ==
+padded == one sample at a time in fp32 on CPU, tests/gpu/test_extract_gpu.py every kernel in bf16 on a GPU).
 """
 
 from __future__ import annotations

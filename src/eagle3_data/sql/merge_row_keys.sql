@@ -2,7 +2,7 @@
 -- loss_mask as DuckDB writes them as VARCHAR ('[1, 2, 3]'; the selections' digests are built from these),
 -- the length, the supervised tokens and the supervised tokens within the first max_len positions.
 -- merge_row_keys.py computes the same values with numpy (row_keys, checked against this query by
--- tests/test_merge_row_keys.py) and falls back to this query for a file it cannot (nulls, ids >= 10^6 or < 0, mask values
+-- tests/unit/test_merge_row_keys.py) and falls back to this query for a file it cannot (nulls, ids >= 10^6 or < 0, mask values
 -- outside 0..9). By hand (duckdb CLI), before merge_plan.sql (same variables):
 --   .read src/eagle3_data/sql/merge_row_keys.sql
 CREATE OR REPLACE TEMP TABLE merge_row_keys AS

@@ -11,10 +11,10 @@ The training sequence of a sample is ``prompt_ids + completion_ids`` where
 
 Rendering the *finished* conversation instead is wrong for reasoning targets: Kimi K2-Thinking/K2.5 render the
 final answer with an empty ``<think></think>``, Qwen3 and GLM drop reasoning before the last user turn, DeepSeek-R1
-drops it everywhere (their templates under ``tests/chat_templates/``; SpecForge issues #296 and PR #419 on the
+drops it everywhere (their templates under ``src/eagle3_data/testing/chat_templates/``; SpecForge issues #296 and PR #419 on the
 "vanishing thought"). Where a template keeps the final turn's reasoning (Qwen3, GLM-4.5, a Kimi tool-calling turn,
 K2.6 ``preserve_thinking``) the product's ids equal its render of the finished conversation; elsewhere they follow
-SGLang's reasoning-parser convention (``tests/test_real_vocab.py``).
+SGLang's reasoning-parser convention (``tests/unit/test_real_vocab.py``).
 
 What is supervised for each kind of reply (R reasoning, C content; the loss mask covers exactly the text shown,
 after the generation prompt). Every reply's finish reason is first normalised once into the closed set

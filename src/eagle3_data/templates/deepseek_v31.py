@@ -1,7 +1,7 @@
 """Family ``deepseek-v3.1``: DeepSeek-V3.1 (and V3.1-Terminus), thinking and non-thinking, with tool calls.
 
 From the DeepSeek-V3.1 chat template (deepseek-ai/DeepSeek-V3.1 ``tokenizer_config.json``; the copy in
-``tests/chat_templates/deepseek-v3.1.jinja``):
+``src/eagle3_data/testing/chat_templates/deepseek-v3.1.jinja``):
 
 - the generation prompt ends ``<｜Assistant｜><think>`` with ``thinking`` true and ``<｜Assistant｜></think>``
   otherwise (the default), so the completion is ``{reasoning}</think>{answer}<｜end▁of▁sentence｜>`` or

@@ -2,7 +2,7 @@
 ``commentary``, the answer on ``final``).
 
 Layout (openai/openai-cookbook ``articles/openai-harmony.md``; the reference renderer ``openai-harmony``; the
-gpt-oss chat template, ``tests/chat_templates/gpt-oss.jinja``): the generation prompt ends ``<|start|>assistant``;
+gpt-oss chat template, ``src/eagle3_data/testing/chat_templates/gpt-oss.jinja``): the generation prompt ends ``<|start|>assistant``;
 the target then writes
 
 - ``<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant<|channel|>final<|message|>{answer}<|return|>``

@@ -1,7 +1,7 @@
 """Family ``llama3``: Llama 3.1 / 3.2 / 3.3 instruct (no reasoning; JSON tool calls; ``<|eot_id|>``).
 
 From the Llama 3.1 chat template (meta-llama/Llama-3.1-8B-Instruct ``tokenizer_config.json``, the same text for
-Llama 3.3; the copy in ``tests/chat_templates/llama-3.1.jinja``): the generation prompt ends
+Llama 3.3; the copy in ``src/eagle3_data/testing/chat_templates/llama-3.1.jinja``): the generation prompt ends
 ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``; an answer is ``{content}<|eot_id|>`` (the template trims
 history contents); a custom tool call is ``{"name": "{name}", "parameters": {arguments}}<|eot_id|>``, one call per
 turn (the template raises on more). Built-in tools (``<|python_tag|>``, ``<|eom_id|>``) are not written.

@@ -1,7 +1,7 @@
 """Family ``qwen3-coder``: Qwen3-Coder (no thinking mode; XML tool calls), on Qwen3's vocabulary and layout.
 
 From the Qwen3-Coder chat template (Qwen/Qwen3-Coder-30B-A3B-Instruct ``tokenizer_config.json``; the copy in
-``tests/chat_templates/qwen3-coder.jinja``): the generation prompt is ``<|im_start|>assistant\\n``; an answer is
+``src/eagle3_data/testing/chat_templates/qwen3-coder.jinja``): the generation prompt is ``<|im_start|>assistant\\n``; an answer is
 ``{content}<|im_end|>``; a tool-call turn is ``[{content.strip()}\\n\\n]<tool_call>\\n<function={name}>\\n`` then per
 argument ``<parameter={key}>\\n{value}\\n</parameter>\\n``, then ``</function>\\n</tool_call>``, calls separated by
 ``\\n``, and ``<|im_end|>``. A string value is written as it is; other values as JSON (``5``, ``true``,
