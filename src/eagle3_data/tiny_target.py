@@ -343,7 +343,8 @@ def build_tiny_target(
     _check_sizes(settings)
     tok = build_tokenizer()
     ids = {name: tok.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
-    config = _llama_config(settings, len(tok), ids)  # vocab 272, already a multiple of 8
+    vocab_size = len(tok)  # 272, already a multiple of 8
+    config = _llama_config(settings, vocab_size, ids)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         model = LlamaForCausalLM(config).to(torch.float32).eval()
@@ -355,10 +356,10 @@ def build_tiny_target(
             float(settings.mean_completion_tokens),
             settings.seed,
         )
-    model.generation_config = _generation_config(len(tok), ids)
+    model.generation_config = _generation_config(vocab_size, ids)
     tok.response_template = RESPONSE_TEMPLATE
     facts = {
-        "vocab_size": len(tok),
+        "vocab_size": vocab_size,
         "special_token_ids": ids,
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["[PAD]"],
