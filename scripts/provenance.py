@@ -5,17 +5,19 @@ from pathlib import Path
 
 from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging
-from eagle3_data.provenance import build_provenance
+from eagle3_data.provenance import MergedFiles, build_provenance
 
 log = setup_logging(snakemake.log[0])
 benchmarks = {str(p): hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in snakemake.input.benchmarks}
 run_stage(
     lambda: build_provenance(
-        list(snakemake.input.merged),
+        MergedFiles(
+            merged=list(snakemake.input.merged),
+            heldout=(list(snakemake.input.heldout) or [None])[0],
+            responses=list(snakemake.input.responses),
+            prompts=list(snakemake.input.prompts),
+        ),
         snakemake.output.table,
-        heldout_path=(list(snakemake.input.heldout) or [None])[0],
-        responses_paths=list(snakemake.input.responses),
-        prompts_paths=list(snakemake.input.prompts),
         datasets=snakemake.params.datasets,
         backends=snakemake.params.backends,
         target_path=snakemake.config["target"]["path"],

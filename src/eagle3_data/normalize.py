@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -168,34 +169,84 @@ def normalize(
     record without the format's required field among the first 10), RejectCeilingError (too many rows
     rejected), ValueError (unknown format/option, ``len(out_paths) != settings.shards``), FileNotFoundError.
     """
-    source_path, source_format, dataset = settings.path, settings.format, settings.dataset
-    num_shards, max_samples, options = settings.shards, settings.max_samples, settings.options
-    max_reject_rate, on_error = settings.max_reject_rate, settings.on_error
     log = log or logging.getLogger("eagle3_data.normalize")
-    if len(out_paths) != num_shards:
-        raise ValueError(f"normalize: {len(out_paths)} output paths for {num_shards} shards")
-    if max_samples is not None and max_samples < 0:
-        raise ValueError(f"normalize: max_samples must be >= 0 or null, got {max_samples}")
-    adapter = get_adapter(source_format, options)
+    if len(out_paths) != settings.shards:
+        raise ValueError(f"normalize: {len(out_paths)} output paths for {settings.shards} shards")
+    if settings.max_samples is not None and settings.max_samples < 0:
+        raise ValueError(f"normalize: max_samples must be >= 0 or null, got {settings.max_samples}")
+    adapter = get_adapter(settings.format, settings.options)
     kind = "tokens" if adapter.output == "tokens" else "prompts"
-    source_path = Path(source_path)
-
-    rejects: list[dict] = []
-    rejected: Counter = Counter()
-    examples: dict[str, str] = {}
-    repaired: Counter = Counter()
-    seen: set[str] = set()
-    skipped_lines: list[int] = []
-    rows_read = kept = 0
+    source_path = Path(settings.path)
+    tally = _Tally(settings.dataset)
     t0 = last = time.monotonic()
+    log.info(
+        "normalize %s: reading %s as %s -> %d shard(s) of %s",
+        settings.dataset,
+        source_path,
+        settings.format,
+        settings.shards,
+        kind,
+    )
+    with contextlib.ExitStack() as stack:
+        shards = [_ShardWriter(p, kind, stack, batch_rows) for p in out_paths]
+        records = stack.enter_context(contextlib.closing(iter_records(source_path, on_error=settings.on_error)))
+        for index, record, where in records:
+            if settings.max_samples is not None and tally.kept >= settings.max_samples:
+                break
+            tally.rows_read += 1
+            row = _row_of(record, index, where, adapter, kind, settings, tally)
+            if row is None:
+                continue
+            shards[shard_of(row["sample_id"], settings.shards)].add(row)
+            tally.kept += 1
+            last = _log_progress(log, tally, t0, last)
+        if tally.rows_read and sum(tally.rejected.values()) > settings.max_reject_rate * tally.rows_read:
+            raise RejectCeilingError(
+                reject_ceiling_message(
+                    settings.dataset,
+                    settings.format,
+                    source_path,
+                    tally.rows_read,
+                    tally.rejected,
+                    tally.examples,
+                    settings.max_reject_rate,
+                )
+            )
+        for s in shards:
+            s.flush()
+        schemas.write_checked(schemas.from_rows(tally.rejects, schemas.REJECTS), "rejects", rejects_path)
+    if tally.rows_read == 0:
+        raise SourceFormatError(
+            f"{source_path}: the source holds no records (dataset {settings.dataset}, format {settings.format}); "
+            "point datasets.<name>.source.path at a non-empty file"
+        )
+    counts = tally.counts([s.count for s in shards], kind)
+    _log_done(log, settings.dataset, source_path, counts, t0)
+    return counts
 
-    def reject(reason: str, detail: str, sid: str | None, index: int) -> None:
-        rejected[reason] += 1
-        examples.setdefault(reason, detail)
-        rejects.append(
+
+@dataclass
+class _Tally:
+    """What :func:`normalize` counts while it reads a source: rows read and kept, the rejects (rows, per reason,
+    one example each), the repairs of kept rows, the ids seen and the skipped (not JSON) lines."""
+
+    dataset: str
+    rows_read: int = 0
+    kept: int = 0
+    rejects: list[dict] = field(default_factory=list)
+    rejected: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    repaired: Counter = field(default_factory=Counter)
+    seen: set[str] = field(default_factory=set)
+    skipped_lines: list[int] = field(default_factory=list)
+
+    def reject(self, reason: str, detail: str, sid: str | None, index: int) -> None:
+        self.rejected[reason] += 1
+        self.examples.setdefault(reason, detail)
+        self.rejects.append(
             {
                 "sample_id": sid,
-                "dataset": dataset,
+                "dataset": self.dataset,
                 "stage": "normalize",
                 "reason": reason,
                 "detail": detail[:2000],
@@ -203,97 +254,86 @@ def normalize(
             }
         )
 
-    log.info(
-        "normalize %s: reading %s as %s -> %d shard(s) of %s", dataset, source_path, source_format, num_shards, kind
-    )
-    with contextlib.ExitStack() as stack:
-        shards = [_ShardWriter(p, kind, stack, batch_rows) for p in out_paths]
-        records = stack.enter_context(contextlib.closing(iter_records(source_path, on_error=on_error)))
-        for index, record, where in records:
-            if max_samples is not None and kept >= max_samples:
-                break
-            rows_read += 1
-            if isinstance(record, InvalidLine):  # on_error: skip
-                reject("invalid_json", f"{source_path}:{where.removeprefix('line ')}: {record.message}", None, index)
-                skipped_lines.append(int(where.removeprefix("line ")))
-                continue
-            problem = adapter.shape_problem(record)
-            if problem is not None:
-                if index < FORMAT_PROBE_RECORDS:
-                    raise SourceFormatError(f"{source_path} {where}: expected {adapter.expected}, {problem}")
-                reject("malformed_record", f"{where}: {problem}", None, index)
-                continue
-            try:
-                sample = adapter.convert(record)
-                if kind == "tokens":
-                    sid = sample.sample_id or content_hash(sample.input_ids, sample.loss_mask)
-                else:
-                    messages_json, tools_json = _prompt_json(sample)
-                    sid = sample.sample_id or content_hash(sample.messages, sample.tools)
-            except RowReject as rej:
-                reject(rej.reason, f"{where}: {rej.detail}", rej.sample_id, index)
-                continue
-            except RecursionError:  # a record that decodes, nested too deep to be walked or written as JSON
-                reject("nested_too_deep", f"{source_path} {where}: {TOO_DEEP}", None, index)
-                continue
-            if _SURROGATE.search(sid):  # an id must be stable and exact: not repaired
-                reject(
-                    "invalid_id", f"{where}: sample id {sid!r} is not valid Unicode (unpaired surrogate)", None, index
-                )
-                continue
-            if sid in seen:
-                reject("duplicate_id", f"{where}: sample_id {sid!r} already used by an earlier row", sid, index)
-                continue
-            seen.add(sid)
-            if kind == "tokens":
-                row = _tokens_row(sid, dataset, sample.input_ids, sample.loss_mask)
-            else:
-                row = {
-                    "sample_id": sid,
-                    "dataset": dataset,
-                    "messages": messages_json,
-                    "tools": tools_json,
-                    "source_format": source_format,
-                    "source_row": index,
-                }
-            shards[shard_of(sid, num_shards)].add(row)
-            kept += 1
-            repaired.update(sample.notes)
-            now = time.monotonic()
-            if now - last >= PROGRESS_EVERY_S:
-                last = now
-                log.info(
-                    "normalize %s: %d read, %d kept, %d rejected (%.0f rows/s)",
-                    dataset,
-                    rows_read,
-                    kept,
-                    sum(rejected.values()),
-                    rows_read / max(now - t0, 1e-9),
-                )
-        if rows_read and sum(rejected.values()) > max_reject_rate * rows_read:
-            raise RejectCeilingError(
-                reject_ceiling_message(
-                    dataset, source_format, source_path, rows_read, rejected, examples, max_reject_rate
-                )
-            )
-        for s in shards:
-            s.flush()
-        schemas.write_checked(schemas.from_rows(rejects, schemas.REJECTS), "rejects", rejects_path)
+    def counts(self, per_shard: list[int], kind: str) -> dict:
+        """:func:`normalize`'s result."""
+        return {
+            "rows_read": self.rows_read,
+            "kept": self.kept,
+            "rejected": dict(sorted(self.rejected.items())),
+            "per_shard": per_shard,
+            "repaired": dict(sorted(self.repaired.items())),
+            "output": kind,
+            "skipped_lines": self.skipped_lines,
+        }
 
-    if rows_read == 0:
-        raise SourceFormatError(
-            f"{source_path}: the source holds no records (dataset {dataset}, format {source_format}); "
-            "point datasets.<name>.source.path at a non-empty file"
-        )
-    counts = {
-        "rows_read": rows_read,
-        "kept": kept,
-        "rejected": dict(sorted(rejected.items())),
-        "per_shard": [s.count for s in shards],
-        "repaired": dict(sorted(repaired.items())),
-        "output": kind,
-        "skipped_lines": skipped_lines,
+
+def _row_of(record, index: int, where: str, adapter, kind: str, settings: NormalizeSettings, tally: _Tally):
+    """The PROMPTS (or TOKENS) row of source record number ``index`` (at ``where``), or None when it is rejected
+    (noted in ``tally``); the repairs of a kept row are counted in ``tally.repaired``. Raises SourceFormatError
+    for a record of another shape among the first :data:`FORMAT_PROBE_RECORDS`."""
+    source_path = Path(settings.path)
+    if isinstance(record, InvalidLine):  # on_error: skip
+        tally.reject("invalid_json", f"{source_path}:{where.removeprefix('line ')}: {record.message}", None, index)
+        tally.skipped_lines.append(int(where.removeprefix("line ")))
+        return None
+    problem = adapter.shape_problem(record)
+    if problem is not None:
+        if index < FORMAT_PROBE_RECORDS:
+            raise SourceFormatError(f"{source_path} {where}: expected {adapter.expected}, {problem}")
+        tally.reject("malformed_record", f"{where}: {problem}", None, index)
+        return None
+    try:
+        sample = adapter.convert(record)
+        if kind == "tokens":
+            sid = sample.sample_id or content_hash(sample.input_ids, sample.loss_mask)
+        else:
+            messages_json, tools_json = _prompt_json(sample)
+            sid = sample.sample_id or content_hash(sample.messages, sample.tools)
+    except RowReject as rej:
+        tally.reject(rej.reason, f"{where}: {rej.detail}", rej.sample_id, index)
+        return None
+    except RecursionError:  # a record that decodes, nested too deep to be walked or written as JSON
+        tally.reject("nested_too_deep", f"{source_path} {where}: {TOO_DEEP}", None, index)
+        return None
+    if _SURROGATE.search(sid):  # an id must be stable and exact: not repaired
+        tally.reject("invalid_id", f"{where}: sample id {sid!r} is not valid Unicode (unpaired surrogate)", None, index)
+        return None
+    if sid in tally.seen:
+        tally.reject("duplicate_id", f"{where}: sample_id {sid!r} already used by an earlier row", sid, index)
+        return None
+    tally.seen.add(sid)
+    tally.repaired.update(sample.notes)
+    if kind == "tokens":
+        return _tokens_row(sid, settings.dataset, sample.input_ids, sample.loss_mask)
+    return {
+        "sample_id": sid,
+        "dataset": settings.dataset,
+        "messages": messages_json,
+        "tools": tools_json,
+        "source_format": settings.format,
+        "source_row": index,
     }
+
+
+def _log_progress(log: logging.Logger, tally: _Tally, t0: float, last: float) -> float:
+    """Log the progress every :data:`PROGRESS_EVERY_S` seconds; returns the time of the last progress line."""
+    now = time.monotonic()
+    if now - last < PROGRESS_EVERY_S:
+        return last
+    log.info(
+        "normalize %s: %d read, %d kept, %d rejected (%.0f rows/s)",
+        tally.dataset,
+        tally.rows_read,
+        tally.kept,
+        sum(tally.rejected.values()),
+        tally.rows_read / max(now - t0, 1e-9),
+    )
+    return now
+
+
+def _log_done(log: logging.Logger, dataset: str, source_path: Path, counts: dict, t0: float) -> None:
+    """Log the skipped lines (a warning) and the final counts."""
+    skipped_lines = counts["skipped_lines"]
     if skipped_lines:
         shown = ", ".join(map(str, skipped_lines[:20])) + (", ..." if len(skipped_lines) > 20 else "")
         log.warning(
@@ -308,9 +348,8 @@ def normalize(
         "normalize %s: done in %.1fs: %d read, %d kept, rejected %s, per shard %s",
         dataset,
         time.monotonic() - t0,
-        rows_read,
-        kept,
+        counts["rows_read"],
+        counts["kept"],
         counts["rejected"] or "{}",
         counts["per_shard"],
     )
-    return counts

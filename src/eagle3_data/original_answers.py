@@ -157,9 +157,7 @@ def original_answers(
     Raises ValueError naming the file and row when ``prompts_path`` is not a PROMPTS parquet or a row has a
     null ``sample_id``.
     """
-    from .generate.job import cpu_s
-    from .generate.prompts import Sample, read_prompts, shard_share
-    from .generate.runner import failed_row
+    from .generate.prompts import read_prompts, shard_share
 
     t0 = time.monotonic()
     ds = settings.dataset
@@ -172,8 +170,37 @@ def original_answers(
         capped = max(0, len(samples) - keep)
         samples = samples[:keep]
     failed: dict[str, int] = {}
-    ok_rows: list[dict] = []
-    failed_rows: list[dict] = []
+    failed_rows = _bad_prompt_rows(bad, ds, tag, failed)
+    ok_rows, ok = _answered(samples, settings, failed_rows, failed)
+    with schemas.CheckedParquetWriter("responses", out_path) as writer:
+        writer.write_rows(ok_rows)
+        writer.write_rows(failed_rows)
+        n_rows = writer.rows
+    summary = _summary(ds, shard, len(samples), ok, failed, capped, len(ok_rows), n_rows, t0)
+    log.info(
+        "%s %d sample(s): %d answered from the source (%d row(s), mode %s), %d failed %s, %d over "
+        "max_samples; no request sent",
+        tag,
+        summary["samples"],
+        ok,
+        len(ok_rows),
+        settings.mode,
+        summary["failed_total"],
+        failed,
+        capped,
+    )
+    if summary_path is not None:
+        write_json(summary, summary_path)
+    return summary
+
+
+def _bad_prompt_rows(bad: list[dict], ds: str, tag: str, failed: dict[str, int]) -> list[dict]:
+    """The ``failed`` rows (reason ``bad_prompt``) of the unusable prompts ``bad`` (of ``read_prompts``), counted
+    in ``failed``; a duplicate ``sample_id`` is logged and skipped."""
+    from .generate.prompts import Sample
+    from .generate.runner import failed_row
+
+    rows = []
     for b in bad:
         if b.get("dup"):
             log.warning("%s row %d: duplicate sample_id %s skipped", tag, b["row"], b["sample_id"])
@@ -189,30 +216,43 @@ def original_answers(
         )
         r["tools"] = b.get("tools")
         r["backend"] = ORIGINAL_BACKEND
-        failed_rows.append(r)
+        rows.append(r)
         failed["bad_prompt"] = failed.get("bad_prompt", 0) + 1
+    return rows
+
+
+def _answered(
+    samples: list, settings: "OriginalAnswersSettings", failed_rows: list[dict], failed: dict[str, int]
+) -> tuple[list[dict], int]:
+    """The ``ok`` rows of ``samples`` and how many samples they answer; a sample without an answer adds its
+    rows to ``failed_rows`` and counts in ``failed`` (:data:`NO_ANSWER`)."""
+    ok_rows: list[dict] = []
     ok = 0
     for s in samples:
-        rows = answer_rows(s, ds, settings.mode, settings.tool_call_ids)
+        rows = answer_rows(s, settings.dataset, settings.mode, settings.tool_call_ids)
         if rows[0]["status"] == "ok":
             ok_rows.extend(rows)
             ok += 1
         else:
             failed_rows.extend(rows)
             failed[NO_ANSWER] = failed.get(NO_ANSWER, 0) + 1
-    with schemas.CheckedParquetWriter("responses", out_path) as writer:
-        writer.write_rows(ok_rows)
-        writer.write_rows(failed_rows)
-        n_rows = writer.rows
-    failed_total = sum(failed.values())
-    summary = {
+    return ok_rows, ok
+
+
+def _summary(
+    ds: str, shard: str, n_samples: int, ok: int, failed: dict, capped: int, ok_rows: int, n_rows: int, t0: float
+) -> dict:
+    """The summary of :func:`original_answers` (generate's keys; no request sent, nothing billed)."""
+    from .generate.job import cpu_s
+
+    return {
         "dataset": ds,
         "shard": shard,
         "answers": "original",
-        "samples": len(samples) + failed.get("bad_prompt", 0),
+        "samples": n_samples + failed.get("bad_prompt", 0),
         "ok": ok,
         "failed": failed,
-        "failed_total": failed_total,
+        "failed_total": sum(failed.values()),
         "from_journal": 0,
         "sent": 0,
         "retries": 0,
@@ -224,7 +264,7 @@ def original_answers(
         "cost_usd": 0.0,
         "total_completion_tokens": 0,
         "total_cost_usd": 0.0,
-        "by_backend": {ORIGINAL_BACKEND: len(ok_rows)} if ok_rows else {},
+        "by_backend": {ORIGINAL_BACKEND: ok_rows} if ok_rows else {},
         "stopped_by": "max_samples" if capped else "all samples done",
         "servers_started": [],
         "servers_attached": [],
@@ -236,18 +276,3 @@ def original_answers(
         "wrapup_s": None,
         "cpu_s": cpu_s(),
     }
-    log.info(
-        "%s %d sample(s): %d answered from the source (%d row(s), mode %s), %d failed %s, %d over "
-        "max_samples; no request sent",
-        tag,
-        summary["samples"],
-        ok,
-        len(ok_rows),
-        settings.mode,
-        failed_total,
-        failed,
-        capped,
-    )
-    if summary_path is not None:
-        write_json(summary, summary_path)
-    return summary

@@ -36,8 +36,10 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Sequence
@@ -164,13 +166,24 @@ def _sampling(generation: dict, backend: dict) -> str:
     )
 
 
+@dataclass(frozen=True)
+class MergedFiles:
+    """The files :func:`build_provenance` traces: the merged set and the shards its rows were tokenized from.
+
+    ``merged``: the training shards in order; ``heldout``: the held-out file or None. ``responses`` / ``prompts``:
+    the RESPONSES and PROMPTS shards of the merged datasets (those with prompts).
+    """
+
+    merged: Sequence
+    heldout: str | os.PathLike | None = None
+    responses: Sequence = ()
+    prompts: Sequence = ()
+
+
 def build_provenance(
-    merged_paths: Sequence,
+    files: MergedFiles,
     out_path,
     *,
-    heldout_path=None,
-    responses_paths: Sequence = (),
-    prompts_paths: Sequence = (),
     datasets: dict,
     backends: dict,
     target_path,
@@ -181,87 +194,17 @@ def build_provenance(
     """Write the provenance table of the merged set (module docstring) to ``out_path`` and, with ``json_path``,
     ``provenance.json``.
 
-    ``merged_paths``: the training shards in order; ``heldout_path``: the held-out file or None. ``responses_paths``
-    / ``prompts_paths``: the RESPONSES and PROMPTS shards of the merged datasets (those with prompts).
+    ``files``: the merged set and its RESPONSES / PROMPTS shards (:class:`MergedFiles`).
     ``datasets``: per dataset ``{"source_path", "source_format", "generation": {...}}`` (the dataset's generation
     settings; None for ``answers: original`` and pre-tokenized ones); ``backends``: per backend its config
     (``type``, ``model``, ``extra_body``). ``config``: the whole config (its digest); ``extra``: more keys for the
     JSON (e.g. the decontaminate settings). Returns the JSON dict.
     """
-    import duckdb
-
     from .extract.model import model_fingerprint
 
     fingerprint = model_fingerprint(target_path) if Path(target_path).exists() else None
     template_sha = chat_template_sha256(target_path)
-    sets = [("train", str(p)) for p in merged_paths] + ([("heldout", str(heldout_path))] if heldout_path else [])
-    con = duckdb.connect()
-    try:
-        sql.set_variables(
-            con,
-            merged_files=[p for _, p in sets],
-            responses_files=[str(p) for p in responses_paths],
-            prompts_files=[str(p) for p in prompts_paths],
-        )
-        con.execute("CREATE TEMP TABLE merged_files (set_name VARCHAR, path VARCHAR, pos BIGINT)")
-        con.executemany("INSERT INTO merged_files VALUES (?, ?, ?)", [[s, p, i] for i, (s, p) in enumerate(sets)])
-        con.execute("CREATE TEMP TABLE ds_info (dataset VARCHAR, source_path VARCHAR, source_format VARCHAR)")
-        con.executemany(
-            "INSERT INTO ds_info VALUES (?, ?, ?)",
-            [[ds, d.get("source_path"), d.get("source_format")] for ds, d in datasets.items()],
-        )
-        con.execute("CREATE TEMP TABLE sampling (dataset VARCHAR, backend VARCHAR, engine VARCHAR, sampling VARCHAR)")
-        con.executemany(
-            "INSERT INTO sampling VALUES (?, ?, ?, ?)",
-            [
-                [ds, b, (backends.get(b) or {}).get("type"), _sampling(d["generation"], backends.get(b))]
-                for ds, d in datasets.items()
-                if d.get("generation")
-                for b in backends
-            ],
-        )
-        con.execute("""CREATE TEMP TABLE merged AS
-            SELECT f.set_name, m.filename AS merged_file, m.file_row_number AS row, f.pos, m.sample_id, m.dataset
-            FROM read_parquet(getvariable('merged_files'), filename = true, file_row_number = true) m
-            JOIN merged_files f ON f.path = m.filename""")
-        if responses_paths:
-            con.execute("""CREATE TEMP TABLE resp AS
-                SELECT *, CASE WHEN count(*) OVER (PARTITION BY filename, sample_id) = 1 THEN sample_id
-                               ELSE sample_id || '@' || turn END AS merged_id
-                FROM read_parquet(getvariable('responses_files'), filename = true, union_by_name = true)""")
-            for col, typ in (("attempts", "INTEGER"), ("system_fingerprint", "VARCHAR"), ("generation_id", "VARCHAR")):
-                if col not in [r[0] for r in con.execute("DESCRIBE resp").fetchall()]:  # responses of before
-                    con.execute(f"ALTER TABLE resp ADD COLUMN {col} {typ}")
-        else:
-            con.execute("""CREATE TEMP TABLE resp (dataset VARCHAR, sample_id VARCHAR, merged_id VARCHAR,
-                backend VARCHAR, model VARCHAR, provider VARCHAR, request_key VARCHAR, generation_id VARCHAR,
-                cost_usd DOUBLE, attempts INTEGER, completed_at DOUBLE, system_fingerprint VARCHAR, status VARCHAR)""")
-        if prompts_paths:
-            con.execute("""CREATE TEMP TABLE prm AS SELECT dataset, sample_id, source_row, source_format
-                FROM read_parquet(getvariable('prompts_files'))""")
-        else:
-            con.execute(
-                "CREATE TEMP TABLE prm (dataset VARCHAR, sample_id VARCHAR, source_row BIGINT, source_format VARCHAR)"
-            )
-        con.execute("SET VARIABLE fingerprint = ?::VARCHAR", [fingerprint])
-        con.execute("SET VARIABLE template_sha = ?::VARCHAR", [template_sha])
-        table = con.sql("""
-            SELECT m.set_name AS "set", m.merged_file, m.row,
-                (row_number() OVER (PARTITION BY m.set_name ORDER BY m.pos, m.row) - 1)::BIGINT AS "index",
-                m.sample_id, m.dataset, d.source_path, coalesce(p.source_format, d.source_format) AS source_format,
-                p.source_row, getvariable('fingerprint') AS target_fingerprint,
-                getvariable('template_sha') AS chat_template_sha256,
-                r.backend, s.engine, r.system_fingerprint AS engine_version, r.model, r.provider, s.sampling,
-                r.request_key, r.generation_id, r.cost_usd, r.attempts::INTEGER AS attempts, r.completed_at
-            FROM merged m
-            LEFT JOIN resp r ON r.dataset = m.dataset AND r.merged_id = m.sample_id AND r.status = 'ok'
-            LEFT JOIN prm p ON p.dataset = m.dataset AND p.sample_id = r.sample_id
-            LEFT JOIN ds_info d ON d.dataset = m.dataset
-            LEFT JOIN sampling s ON s.dataset = m.dataset AND s.backend = r.backend
-            ORDER BY m.pos, m.row""").to_arrow_table()
-    finally:
-        con.close()
-    table = table.cast(PROVENANCE)
+    table = _provenance_table(files, datasets, backends, fingerprint, template_sha).cast(PROVENANCE)
     write_parquet(table, out_path)
     counts = {s: 0 for s in ("train", "heldout")}
     for s in table.column("set").to_pylist():
@@ -292,3 +235,91 @@ def build_provenance(
         write_json(doc, json_path)
     log.info("provenance of %d merged rows (%s) -> %s", table.num_rows, counts, out_path)
     return doc
+
+
+def _provenance_table(
+    files: MergedFiles, datasets: dict, backends: dict, fingerprint: str | None, template_sha: str | None
+) -> pa.Table:
+    """The provenance rows (uncast) of ``files``: the merged rows joined in DuckDB to their replies, prompts,
+    dataset sources and sampling settings."""
+    import duckdb
+
+    sets = [("train", str(p)) for p in files.merged] + ([("heldout", str(files.heldout))] if files.heldout else [])
+    con = duckdb.connect()
+    try:
+        sql.set_variables(
+            con,
+            merged_files=[p for _, p in sets],
+            responses_files=[str(p) for p in files.responses],
+            prompts_files=[str(p) for p in files.prompts],
+        )
+        con.execute("CREATE TEMP TABLE merged_files (set_name VARCHAR, path VARCHAR, pos BIGINT)")
+        con.executemany("INSERT INTO merged_files VALUES (?, ?, ?)", [[s, p, i] for i, (s, p) in enumerate(sets)])
+        _config_tables(con, datasets, backends)
+        con.execute("""CREATE TEMP TABLE merged AS
+            SELECT f.set_name, m.filename AS merged_file, m.file_row_number AS row, f.pos, m.sample_id, m.dataset
+            FROM read_parquet(getvariable('merged_files'), filename = true, file_row_number = true) m
+            JOIN merged_files f ON f.path = m.filename""")
+        _source_tables(con, files)
+        con.execute("SET VARIABLE fingerprint = ?::VARCHAR", [fingerprint])
+        con.execute("SET VARIABLE template_sha = ?::VARCHAR", [template_sha])
+        return con.sql("""
+            SELECT m.set_name AS "set", m.merged_file, m.row,
+                (row_number() OVER (PARTITION BY m.set_name ORDER BY m.pos, m.row) - 1)::BIGINT AS "index",
+                m.sample_id, m.dataset, d.source_path, coalesce(p.source_format, d.source_format) AS source_format,
+                p.source_row, getvariable('fingerprint') AS target_fingerprint,
+                getvariable('template_sha') AS chat_template_sha256,
+                r.backend, s.engine, r.system_fingerprint AS engine_version, r.model, r.provider, s.sampling,
+                r.request_key, r.generation_id, r.cost_usd, r.attempts::INTEGER AS attempts, r.completed_at
+            FROM merged m
+            LEFT JOIN resp r ON r.dataset = m.dataset AND r.merged_id = m.sample_id AND r.status = 'ok'
+            LEFT JOIN prm p ON p.dataset = m.dataset AND p.sample_id = r.sample_id
+            LEFT JOIN ds_info d ON d.dataset = m.dataset
+            LEFT JOIN sampling s ON s.dataset = m.dataset AND s.backend = r.backend
+            ORDER BY m.pos, m.row""").to_arrow_table()
+    finally:
+        con.close()
+
+
+def _config_tables(con, datasets: dict, backends: dict) -> None:
+    """Temp tables ``ds_info`` (each dataset's source) and ``sampling`` (each dataset and backend's engine and
+    sampling JSON) on ``con``."""
+    con.execute("CREATE TEMP TABLE ds_info (dataset VARCHAR, source_path VARCHAR, source_format VARCHAR)")
+    con.executemany(
+        "INSERT INTO ds_info VALUES (?, ?, ?)",
+        [[ds, d.get("source_path"), d.get("source_format")] for ds, d in datasets.items()],
+    )
+    con.execute("CREATE TEMP TABLE sampling (dataset VARCHAR, backend VARCHAR, engine VARCHAR, sampling VARCHAR)")
+    con.executemany(
+        "INSERT INTO sampling VALUES (?, ?, ?, ?)",
+        [
+            [ds, b, (backends.get(b) or {}).get("type"), _sampling(d["generation"], backends.get(b))]
+            for ds, d in datasets.items()
+            if d.get("generation")
+            for b in backends
+        ],
+    )
+
+
+def _source_tables(con, files: MergedFiles) -> None:
+    """Temp tables ``resp`` (the RESPONSES rows, each with its merged id) and ``prm`` (the PROMPTS rows' source
+    rows) on ``con``; empty ones when there are no such shards."""
+    if files.responses:
+        con.execute("""CREATE TEMP TABLE resp AS
+            SELECT *, CASE WHEN count(*) OVER (PARTITION BY filename, sample_id) = 1 THEN sample_id
+                           ELSE sample_id || '@' || turn END AS merged_id
+            FROM read_parquet(getvariable('responses_files'), filename = true, union_by_name = true)""")
+        for col, typ in (("attempts", "INTEGER"), ("system_fingerprint", "VARCHAR"), ("generation_id", "VARCHAR")):
+            if col not in [r[0] for r in con.execute("DESCRIBE resp").fetchall()]:  # responses of before
+                con.execute(f"ALTER TABLE resp ADD COLUMN {col} {typ}")
+    else:
+        con.execute("""CREATE TEMP TABLE resp (dataset VARCHAR, sample_id VARCHAR, merged_id VARCHAR,
+            backend VARCHAR, model VARCHAR, provider VARCHAR, request_key VARCHAR, generation_id VARCHAR,
+            cost_usd DOUBLE, attempts INTEGER, completed_at DOUBLE, system_fingerprint VARCHAR, status VARCHAR)""")
+    if files.prompts:
+        con.execute("""CREATE TEMP TABLE prm AS SELECT dataset, sample_id, source_row, source_format
+            FROM read_parquet(getvariable('prompts_files'))""")
+    else:
+        con.execute(
+            "CREATE TEMP TABLE prm (dataset VARCHAR, sample_id VARCHAR, source_row BIGINT, source_format VARCHAR)"
+        )

@@ -338,18 +338,47 @@ def build_tiny_target(
             ``num_kv_heads``, or too small for the state dimensions) or a mean length ``<= 2``.
     """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    s = settings
-    seed, hidden_size, num_layers, num_heads, num_kv_heads = (
-        s.seed,
-        s.hidden_size,
-        s.num_layers,
-        s.num_heads,
-        s.num_kv_heads,
-    )
-    intermediate_size, max_position_embeddings = s.intermediate_size, s.max_position_embeddings
-    mean_reasoning_tokens, mean_completion_tokens = s.mean_reasoning_tokens, s.mean_completion_tokens
+    _check_sizes(settings)
+    tok = build_tokenizer()
+    ids = {name: tok.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
+    vocab_size = len(tok)  # 272, already a multiple of 8
+    config = _llama_config(settings, vocab_size, ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        scale, end_logits = _write_grammar(
+            model,
+            tok,
+            ids,
+            float(settings.mean_reasoning_tokens),
+            float(settings.mean_completion_tokens),
+            settings.seed,
+        )
+    model.generation_config = _generation_config(vocab_size, ids)
+    tok.response_template = RESPONSE_TEMPLATE
+    facts = {
+        "vocab_size": vocab_size,
+        "special_token_ids": ids,
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["[PAD]"],
+        "num_layers": settings.num_layers,
+        "hidden_size": settings.hidden_size,
+        "model_type": config.model_type,
+        "state_scale": scale,
+        "end_logits": end_logits,
+        "seed": settings.seed,
+        "mean_reasoning_tokens": settings.mean_reasoning_tokens,
+        "mean_completion_tokens": settings.mean_completion_tokens,
+    }
+    _save_replacing(Path(out_dir), model, tok, facts)
+    return facts
+
+
+def _check_sizes(s: "TinyTargetSettings") -> None:
+    """Raise ValueError on inconsistent sizes or a mean length ``<= 2`` (:func:`build_tiny_target`)."""
+    hidden_size, num_heads, num_kv_heads = s.hidden_size, s.num_heads, s.num_kv_heads
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(
             f"tiny target: hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) and "
@@ -358,42 +387,42 @@ def build_tiny_target(
     if hidden_size < 2 * STATE_DIMS:
         raise ValueError(f"tiny target: hidden_size must be at least {2 * STATE_DIMS}, got {hidden_size}")
     for name, value in (
-        ("mean_reasoning_tokens", mean_reasoning_tokens),
-        ("mean_completion_tokens", mean_completion_tokens),
+        ("mean_reasoning_tokens", s.mean_reasoning_tokens),
+        ("mean_completion_tokens", s.mean_completion_tokens),
     ):
         if not value > 2:
             raise ValueError(f"tiny target: {name} must be > 2 (a character and the end marker), got {value}")
 
-    out_dir = Path(out_dir)
-    tok = build_tokenizer()
-    vocab_size = len(tok)  # 272, already a multiple of 8
-    ids = {name: tok.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
-    im_end = ids["<|im_end|>"]
 
-    config = LlamaConfig(
+def _llama_config(s: "TinyTargetSettings", vocab_size: int, ids: dict):
+    """The ``LlamaConfig`` of the tiny target (float32, untied embeddings, ``<|im_end|>`` as eos)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.hidden_size // s.num_heads,
+        max_position_embeddings=s.max_position_embeddings,
         tie_word_embeddings=False,
         bos_token_id=ids["[BOS]"],
-        eos_token_id=im_end,
+        eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["[PAD]"],
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
-        scale, end_logits = _write_grammar(
-            model, tok, ids, float(mean_reasoning_tokens), float(mean_completion_tokens), seed
-        )
 
+
+def _generation_config(vocab_size: int, ids: dict):
+    """The sampling ``GenerationConfig``: plain sampling, every token but the completion bytes and the two end
+    markers suppressed."""
+    from transformers import GenerationConfig
+
+    im_end = ids["<|im_end|>"]
     allowed = set(ALLOWED_COMPLETION_BYTES) | {im_end, ids["</think>"]}
-    gen = GenerationConfig(
+    return GenerationConfig(
         do_sample=True,
         temperature=1.0,
         top_k=0,
@@ -404,28 +433,16 @@ def build_tiny_target(
         suppress_tokens=[i for i in range(vocab_size) if i not in allowed],
         min_new_tokens=2,
     )
-    model.generation_config = gen
-    tok.response_template = RESPONSE_TEMPLATE
 
+
+def _save_replacing(out_dir: Path, model, tok, facts: dict) -> None:
+    """Save ``model``, ``tok`` and ``facts`` (``tiny_target.json``) in a temporary directory next to ``out_dir``
+    and rename it into place, replacing an existing ``out_dir``."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        facts = {
-            "vocab_size": vocab_size,
-            "special_token_ids": ids,
-            "eos_token_id": im_end,
-            "pad_token_id": ids["[PAD]"],
-            "num_layers": num_layers,
-            "hidden_size": hidden_size,
-            "model_type": config.model_type,
-            "state_scale": scale,
-            "end_logits": end_logits,
-            "seed": seed,
-            "mean_reasoning_tokens": mean_reasoning_tokens,
-            "mean_completion_tokens": mean_completion_tokens,
-        }
         (tmp / "tiny_target.json").write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
         # mkdtemp makes a 0700 directory; give the result ordinary permissions
         tmp.chmod(0o755)
@@ -441,7 +458,6 @@ def build_tiny_target(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return facts
 
 
 #: Logit penalty (in units of the normed state value) of a token not allowed after the current state.

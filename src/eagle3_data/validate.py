@@ -510,9 +510,33 @@ def validate(
     verdict = check_table(table, ctx)
     good = np.array([v is None for v in verdict], dtype=bool)
     validated = table.filter(pa.array(good)).select(schemas.VALIDATED.names).cast(schemas.VALIDATED)
+    bad = _reject_rows(table, verdict)
+    schemas.write_checked(validated, "validated", validated_path)
+    schemas.write_checked(schemas.from_rows(bad, schemas.REJECTS), "rejects", rejected_path)
+    n = table.num_rows
+    rate = len(bad) / n if n else 0.0
+    summary = {
+        "shard": shard,
+        "rows": n,
+        "validated": n - len(bad),
+        "rejected": dict(Counter(b["reason"] for b in bad)),
+        "reject_rate": round(rate, 4),
+        **_count_audits(validated),
+        # generate failures that got no paid reply (nothing journaled): a rerun of generate sends them again
+        "failed_unpaid": sum(1 for b in bad if b["stage"] == "generate" and unpaid_reason(b["reason"])),
+        "seconds": round(time.time() - t0, 3),
+    }
+    log.info("validate %s: %s", tokens_path, summary)
+    _warn_prompt_audit(tokens_path, summary)
+    _raise_over_ceilings(tokens_path, summary, bad, float(settings.max_reject_rate), ctx.aggregate_rel)
+    return summary
+
+
+def _reject_rows(table: pa.Table, verdict: list) -> list[dict]:
+    """The REJECTS rows of the rows of ``table`` with a verdict (``(stage, reason, detail)``)."""
     sids = table.column("sample_id").to_pylist()
     dss = table.column("dataset").to_pylist()
-    bad = [
+    return [
         {
             "sample_id": sids[i],
             "dataset": dss[i],
@@ -524,65 +548,59 @@ def validate(
         for i, v in enumerate(verdict)
         if v is not None
     ]
-    schemas.write_checked(validated, "validated", validated_path)
-    schemas.write_checked(schemas.from_rows(bad, schemas.REJECTS), "rejects", rejected_path)
-    reasons = Counter(b["reason"] for b in bad)
+
+
+def _count_audits(validated: pa.Table) -> dict:
+    """The count audits' keys of :func:`validate`'s summary: completion tokens billed vs reconstructed (over the
+    rows with a billed count) and the prompt audit (reported, never a reject): the prompt as the target template
+    renders it vs what the backend billed; a gap means the server saw another prompt than the one the hidden
+    states will be computed on."""
     has_billed = pc.is_valid(validated.column("billed_completion_tokens"))
     billed = int(pc.sum(pc.filter(validated.column("billed_completion_tokens"), has_billed)).as_py() or 0)
     recon = int(pc.sum(pc.filter(validated.column("num_completion_tokens"), has_billed)).as_py() or 0)
-    count_rel = abs(recon - billed) / billed if billed else 0.0
-    # prompt audit (reported, never a reject): the prompt as the target template renders it vs what the backend
-    # billed; a gap means the server saw another prompt than the one the hidden states will be computed on
     bp = validated.column("billed_prompt_tokens")
     has_bp = pc.is_valid(bp)
-    billed_p = int(pc.sum(pc.filter(bp, has_bp)).as_py() or 0)
-    rendered_p = int(pc.sum(pc.filter(validated.column("num_prompt_tokens"), has_bp)).as_py() or 0)
-    n_bp = int(pc.sum(pc.cast(has_bp, pa.int64())).as_py() or 0)
-    p_differ = int(
-        pc.sum(
-            pc.cast(pc.fill_null(pc.not_equal(bp, validated.column("num_prompt_tokens")), False), pa.int64())
-        ).as_py()
-        or 0
-    )
-    n = table.num_rows
-    rate = len(bad) / n if n else 0.0
-    summary = {
-        "shard": shard,
-        "rows": n,
-        "validated": n - len(bad),
-        "rejected": dict(reasons),
-        "reject_rate": round(rate, 4),
+    differ = pc.fill_null(pc.not_equal(bp, validated.column("num_prompt_tokens")), False)
+    return {
         "billed_completion_tokens": billed,
         "reconstructed_completion_tokens": recon,
-        "count_rel": count_rel,
-        "billed_prompt_tokens": billed_p,
-        "rendered_prompt_tokens": rendered_p,
-        "prompt_samples_billed": n_bp,
-        "prompt_samples_differ": p_differ,
-        # generate failures that got no paid reply (nothing journaled): a rerun of generate sends them again
-        "failed_unpaid": sum(1 for b in bad if b["stage"] == "generate" and unpaid_reason(b["reason"])),
-        "seconds": round(time.time() - t0, 3),
+        "count_rel": abs(recon - billed) / billed if billed else 0.0,
+        "billed_prompt_tokens": int(pc.sum(pc.filter(bp, has_bp)).as_py() or 0),
+        "rendered_prompt_tokens": int(pc.sum(pc.filter(validated.column("num_prompt_tokens"), has_bp)).as_py() or 0),
+        "prompt_samples_billed": int(pc.sum(pc.cast(has_bp, pa.int64())).as_py() or 0),
+        "prompt_samples_differ": int(pc.sum(pc.cast(differ, pa.int64())).as_py() or 0),
     }
-    log.info("validate %s: %s", tokens_path, summary)
-    if p_differ:
+
+
+def _warn_prompt_audit(tokens_path: str, summary: dict) -> None:
+    """Log a warning when some validated samples' rendered prompt lengths differ from the billed ones."""
+    if summary["prompt_samples_differ"]:
         log.warning(
             "validate %s: prompt audit: %d of %d samples' prompts as the target template renders them "
             "differ in length from the backend's billed prompt_tokens (%d rendered vs %d billed in all): "
             "the server may render another prompt (a default system prompt, another template version, "
             "tools rendered differently); see results/reports/audit.md",
             tokens_path,
-            p_differ,
-            n_bp,
-            rendered_p,
-            billed_p,
+            summary["prompt_samples_differ"],
+            summary["prompt_samples_billed"],
+            summary["rendered_prompt_tokens"],
+            summary["billed_prompt_tokens"],
         )
-    ceiling = float(settings.max_reject_rate)
+
+
+def _raise_over_ceilings(
+    tokens_path: str, summary: dict, bad: list[dict], ceiling: float, aggregate_rel: float | None
+) -> None:
+    """Raise :class:`RejectRateExceeded` when the reject rate is above ``ceiling`` (``validate.max_reject_rate``)
+    and :class:`CountAuditFailed` when ``count_rel`` is above ``aggregate_rel`` (when set)."""
+    n = summary["rows"]
+    rate = len(bad) / n if n else 0.0
     if rate > ceiling:
         examples = "; ".join(f"{b['sample_id']}: {b['reason']} ({b['detail'][:80]})" for b in bad[:5])
         unpaid = summary["failed_unpaid"]
         raise RejectRateExceeded(
             f"{tokens_path}: {len(bad)}/{n} samples rejected ({rate:.1%}) > validate.max_reject_rate "
-            f"{ceiling:.1%}; reasons {dict(reasons)}; e.g. {examples}"
+            f"{ceiling:.1%}; reasons {summary['rejected']}; e.g. {examples}"
             + (
                 f"; {unpaid} failed, not paid: rerun to retry them (`snakemake --forcerun generate` sends only those "
                 "samples: they were recorded as failed with generation.unpaid_failures: keep)"
@@ -590,10 +608,11 @@ def validate(
                 else ""
             )
         )
-    if ctx.aggregate_rel is not None and count_rel > ctx.aggregate_rel:
+    count_rel = summary["count_rel"]
+    if aggregate_rel is not None and count_rel > aggregate_rel:
         raise CountAuditFailed(
-            f"{tokens_path}: reconstructed completion tokens {recon} vs billed {billed} differ by "
-            f"{count_rel:.4%} > validate.count_tolerance.aggregate_rel {ctx.aggregate_rel:.4%} (the provider may "
+            f"{tokens_path}: reconstructed completion tokens {summary['reconstructed_completion_tokens']} vs billed "
+            f"{summary['billed_completion_tokens']} differ by {count_rel:.4%} > "
+            f"validate.count_tolerance.aggregate_rel {aggregate_rel:.4%} (the provider may "
             f"trim or alter the text it returns, or the template family is wrong)"
         )
-    return summary

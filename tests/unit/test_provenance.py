@@ -10,7 +10,14 @@ import pyarrow.parquet as pq
 
 from eagle3_data.testing.workflow import ROOT
 from eagle3_data import schemas
-from eagle3_data.provenance import PROVENANCE, build_provenance, chat_template_sha256, config_digest, repository_commit
+from eagle3_data.provenance import (
+    PROVENANCE,
+    MergedFiles,
+    build_provenance,
+    chat_template_sha256,
+    config_digest,
+    repository_commit,
+)
 
 
 def _merged(sid: str, ds: str) -> dict:
@@ -87,11 +94,8 @@ def test_each_merged_row_gets_its_reply_and_source_row(tmp_path):
     (target / "config.json").write_text("{}")
     (target / "chat_template.jinja").write_text("{{ messages }}")
     doc = build_provenance(
-        merged,
+        MergedFiles(merged, heldout=held, responses=responses, prompts=prompts),
         tmp_path / "prov.parquet",
-        heldout_path=held,
-        responses_paths=responses,
-        prompts_paths=prompts,
         datasets={
             "gen": {
                 "source_path": "g.json",
