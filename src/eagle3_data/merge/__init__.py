@@ -183,19 +183,7 @@ def merge(
         con = _connect(job, stack)
         phases, (stats, drops, sel_stats) = _plan(con, job, t0)
         _write_outputs(con, job, stack, check, timing, stats, sel_stats)
-    manifest = _manifest(
-        job.outs,
-        job.files,
-        stats,
-        drops,
-        job.datasets,
-        job.max_samples,
-        job.max_len,
-        job.overflow,
-        job.seed,
-        heldout=job.heldout,
-        heldout_path=job.heldout_path,
-    )
+    manifest = _manifest(job, stats, drops)
     manifest["selections"] = _selections_manifest(job, sel_stats)
     manifest["timing_s"] = {
         **phases,
@@ -715,11 +703,11 @@ def _selection_batches(
             )
 
 
-def _manifest(
-    outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed, *, heldout=0.0, heldout_path=None
-) -> dict:
-    """The manifest dict from the SQL results: ``stats`` (merge_stats.sql; shard ``len(outs)`` is the held-out
-    set) and ``drops`` (merge_drops.sql)."""
+def _manifest(job: _Job, stats, drops) -> dict:
+    """The manifest dict of ``job`` from the SQL results: ``stats`` (merge_stats.sql; shard ``len(job.outs)`` is
+    the held-out set) and ``drops`` (merge_drops.sql)."""
+    outs, files, datasets, max_samples = job.outs, job.files, job.datasets, job.max_samples
+    max_len, overflow, seed, heldout, heldout_path = job.max_len, job.overflow, job.seed, job.heldout, job.heldout_path
     shards = [
         {"path": p, "samples": 0, "tokens": 0, "supervised_tokens": 0, "truncated": 0, "datasets": {}} for p in outs
     ]
