@@ -167,7 +167,6 @@ def fp8_export(work: Path, cfg: dict) -> Path:
         out,
         layout="speculators",
         states_dir=states,
-        start_index=0,
         merge_manifest={"shards": [{"samples": rows.num_rows}], "selections": regen},
         settings=ExportSettings.from_config(cfg),
     )

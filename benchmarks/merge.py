@@ -107,7 +107,7 @@ def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
             pq.write_table(table.take(pa.array(idx)), Path(out_dir) / f"{k:03d}.parquet", compression="zstd")
             rows += len(idx)
     else:
-        from eagle3_data.merge import merge
+        from eagle3_data.merge import MergeResources, merge
 
         outs = [Path(out_dir) / f"{k:03d}.parquet" for k in range(shards)]
         sels = [Path(out_dir) / "selection" / Path(p).name for p in inputs]
@@ -120,8 +120,7 @@ def worker(kind: str, inputs: list[str], out_dir: str, shards: int) -> dict:
             Path(out_dir) / "manifest.json",
             selections=sels,
             settings=MergeSettings.defaults(max_len=8192, overflow="truncate", seed=0),
-            memory_limit="2GB",
-            threads=0,
+            resources=MergeResources(memory_limit="2GB", threads=0),
         )
         rows = man["totals"]["samples"]
         timing = man["timing_s"]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging
-from eagle3_data.merge import memory_limit_of, merge, remove_leftover_heldout, source_key
+from eagle3_data.merge import MergeResources, memory_limit_of, merge, remove_leftover_heldout, source_key
 from eagle3_data.settings import MergeSettings
 
 log = setup_logging(snakemake.log[0])
@@ -26,8 +26,7 @@ def main():
         sources=[source_key(p) for p in validated],
         heldout_path=heldout,
         # DuckDB's budget: the job's resources (merge.memory_mb and merge.threads, or a profile's set-resources)
-        memory_limit=memory_limit_of(snakemake.resources.mem_mb),
-        threads=snakemake.threads,
+        resources=MergeResources(memory_limit=memory_limit_of(snakemake.resources.mem_mb), threads=snakemake.threads),
     )
 
 

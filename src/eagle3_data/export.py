@@ -61,8 +61,8 @@ Held-out set (``merge.heldout`` > 0): the merge's held-out file (``results/merge
 indexing the same hidden-states files through ``source``) is exported the same way, indices from 0, by rule
 ``export_heldout`` into ``results/export/heldout/<layout>/``: beside the training directories, never under
 them, since SpecForge collects ``*.ckpt`` recursively under its training path (its evaluation path is
-``--eval-hidden-states-path``). Call with ``heldout=True``: the set's size for pruning is the manifest's
-``heldout.samples``.
+``--eval-hidden-states-path``). Export it as ``MergedShard(path, heldout=True)``: the set's size for pruning is the
+manifest's ``heldout.samples``.
 
 Storage savers are undone on export (fp8 states dequantised to the extract dtype; final-state rows not stored
 are written as zeros: they are never read by the loss, see ``extract.layout``); ``speculators_fp8`` quantises
@@ -85,6 +85,7 @@ import os
 import re
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -212,38 +213,53 @@ class StatesIndex:
         self.files.clear()
 
 
+@dataclass(frozen=True)
+class MergedShard:
+    """One merged file to export and its place in its set.
+
+    ``path``: a MERGED parquet file (``sample_id``, ``dataset``, ``input_ids``, ``loss_mask``, ``source``).
+    ``start_index``: global index of its first sample (the samples of the merged shards before it;
+    :func:`start_indices` computes it from the merge manifest). ``heldout``: the file is the held-out set (one
+    file, ``start_index`` 0; the set's size for :func:`prune_stale` is the merge manifest's ``heldout.samples``,
+    not the training shards' total)."""
+
+    path: str | os.PathLike
+    start_index: int = 0
+    heldout: bool = False
+
+    @property
+    def set_name(self) -> str:
+        """``heldout`` or ``train``: the manifest's ``set`` and the provenance table's."""
+        return "heldout" if self.heldout else "train"
+
+
 def export(
-    merged_path,
+    shard,
     out_dir,
     *,
     settings: "ExportSettings",
     layout: str,
     states_dir,
     merge_manifest=None,
-    start_index: int = 0,
     manifest_path=None,
-    heldout: bool = False,
     final_form: str | None = None,
     provenance=None,
 ) -> dict:
     """Write the samples of one merged shard, in its order, in a trainer's per-sample layout (module docstring).
 
     Args:
-        merged_path: a MERGED parquet shard (``sample_id``, ``dataset``, ``input_ids``, ``loss_mask``, ``source``).
+        shard: the :class:`MergedShard` to export (its path, start index and set), or a MERGED parquet path
+            (``MergedShard(path)``: a training shard starting at index 0).
         out_dir: the layout's root directory (shared by all shards).
         settings: :class:`~eagle3_data.settings.ExportSettings` (the ``export`` section): ``group_size``
             (SpecForge's ``--file-group-size``: files per ``rows_*`` directory).
         layout: one of :data:`LAYOUTS`.
         states_dir: directory of the hidden-states files (``<states_dir>/<source>.safetensors``).
         merge_manifest: the merge manifest (path or dict), to refuse stale hidden-states files.
-        start_index: global index of this shard's first sample (samples of the merged shards before it;
-            :func:`start_indices` computes it from the merge manifest).
         manifest_path: optional JSON written last (atomically): layout, set (``train`` | ``heldout``), source,
             start/end index, files, tokens, bytes (of the files written), skipped (``{reason: [sample ids]}``),
             removed_stale (files of an earlier export removed, :func:`prune_stale`; only with
             ``merge_manifest``), seconds. Snakemake uses it as the rule's output.
-        heldout: ``merged_path`` is the held-out set (one file, ``start_index`` 0; the set's size for
-            :func:`prune_stale` is the manifest's ``heldout.samples``, not the training shards' total).
         final_form: write this final-state form instead of the layout's (tests that build a broken export).
         provenance: the merged set's provenance table (``results/merged/provenance.parquet``,
             :mod:`eagle3_data.provenance`): the speculators side table ``samples_*.parquet`` gets its columns
@@ -257,130 +273,236 @@ def export(
         sample whose stored ids differ from the merged row's), FileNotFoundError / KeyError (a selection's file or
         a sample missing).
     """
-    import torch
-
-    group_size = settings.group_size
-    if layout not in LAYOUTS:
-        raise ValueError(f"export layout must be one of {LAYOUTS}, got {layout!r}")
-    if start_index < 0 or group_size < 1:
-        raise ValueError(f"export: start_index must be >= 0 and group_size >= 1, got {start_index}, {group_size}")
-    contract = CONTRACTS[layout]
-    final = final_form or contract["final"]
+    shard = shard if isinstance(shard, MergedShard) else MergedShard(shard)
+    writer = _SampleWriter(layout, out_dir, settings.group_size, shard, final_form)
     t0 = time.perf_counter()
-    table = pq.read_table(merged_path, columns=["sample_id", "dataset", "input_ids", "loss_mask", "source"])
-    sample_ids = table.column("sample_id").to_pylist()
-    datasets = table.column("dataset").to_pylist()
-    sources = table.column("source").to_pylist()
-    ids_col = table.column("input_ids").combine_chunks()
-    offs = ids_col.offsets.to_numpy()
-    flat_ids = ids_col.values.to_numpy(zero_copy_only=False)
-    selections = None
-    if merge_manifest is not None:
-        m = json.loads(Path(merge_manifest).read_text()) if not isinstance(merge_manifest, dict) else merge_manifest
-        selections = m.get("selections") or {}
-    index = StatesIndex(states_dir, selections)
-    out_dir = Path(out_dir)
-    n = len(sample_ids)
-    files, tokens, nbytes, norms = [], 0, 0, set()
-    spec_rows = {"ids": [], "mask": []}
-    skipped: dict[str, list[str]] = {}
-    layers_of: dict[str, list] = {}  # per states file: the layers this layout reads
+    rows = _ShardRows.read(shard.path)
+    merged = _read_manifest(merge_manifest)
+    index = StatesIndex(states_dir, None if merged is None else (merged.get("selections") or {}))
     try:
-        for j in range(n):
-            if sources[j] is None:
-                raise ValueError(f"{merged_path}: row {j} ({sample_ids[j]!r}) has no source selection")
-            sf = index.file(sources[j])
-            if sf.path not in layers_of:
-                drafter = drafter_of(layout, sf.drafter_layers)
-                if drafter is None:
-                    raise ValueError(
-                        f"{sf.path}: holds the layers of {sorted(sf.drafter_layers)}, not those of "
-                        f"{contract['drafters'][0]}, which export layout {layout} reads; add "
-                        f"{contract['drafters'][0]} to extract.drafters (the extraction then captures its layers "
-                        "too)"
-                    )
-                layers_of[sf.path] = sf.drafter_layers[drafter]
-                norms.add(sf.meta.get("final_norm", "post"))
-            jj = sf.index.get(sample_ids[j])
-            if jj is None:
-                raise KeyError(f"export: sample {sample_ids[j]!r} is not in {sf.path}")
-            t = sf.sample(jj, final=final, layers=layers_of[sf.path])
-            want = flat_ids[offs[j] : offs[j + 1]]
-            if not np.array_equal(t["input_ids"].numpy(), want):
-                raise ValueError(
-                    f"{sf.path}: sample {sample_ids[j]!r} holds other token ids than {merged_path} row {j}"
-                )
-            idx = start_index + j
-            L = len(want)
-            if layout in ("specforge_dflash", "specforge_dspark") and not has_consecutive_supervised(t["loss_mask"]):
-                skipped.setdefault("no_consecutive_supervised_tokens", []).append(sample_ids[j])
-                continue
-            tokens += L
-            path = sample_path(layout, out_dir, idx, group_size)
-            aux, fin = t["aux_hidden_states"], t["hidden_states"]
-            if contract["files"] == "grouped":
-                if layout == "specforge":
-                    record = {
-                        "input_ids": t["input_ids"],
-                        "loss_mask": t["loss_mask"],
-                        "aux_hidden_state": aux.unsqueeze(0),
-                        "hidden_state": fin.unsqueeze(0),
-                    }
-                elif layout == "modelopt":
-                    record = {
-                        "input_ids": t["input_ids"],
-                        "hidden_states": fin,
-                        "aux_hidden_states": aux,
-                        "loss_mask": t["loss_mask"],
-                        "conversation_id": sample_ids[j],
-                    }
-                else:
-                    record = {
-                        "input_ids": t["input_ids"],
-                        "loss_mask": t["loss_mask"],
-                        "hidden_states": aux.unsqueeze(0),
-                    }
-                    if layout == "specforge_dspark":
-                        record["target_last_hidden_states"] = fin.unsqueeze(0)
-                # through a file object: torch.save names the archive inside after a path's file name, which
-                # is a random temporary name here; "archive" keeps two exports of the same states byte-identical
-                with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-                    torch.save(record, fh)
-            else:
-                from safetensors.torch import save_file
-
-                H = fin.shape[-1]
-                stacked = torch.cat([aux.reshape(L, -1, H), fin.unsqueeze(1)], dim=1).contiguous()
-                tensors = {"token_ids": t["input_ids"], "hidden_states": stacked}
-                if layout == "speculators_fp8":
-                    q, scales = quantize_per_token_fp8(stacked)
-                    tensors = {"token_ids": t["input_ids"], "hidden_states": q, "hidden_states_scales": scales}
-                with atomic_path(path) as tmp:
-                    save_file(tensors, str(tmp), metadata={"sample_id": sample_ids[j], "source": str(sf.path)})
-                spec_rows["ids"].append((idx, sample_ids[j], datasets[j], t["input_ids"].tolist()))
-                spec_rows["mask"].append(t["loss_mask"].tolist())
-            nbytes += os.path.getsize(path)
-            files.append(str(path))
+        for j in range(rows.n):
+            writer.write(rows, j, index)
     finally:
         index.close()
-    if contract["files"] == "speculators" and spec_rows["ids"]:
+    if writer.contract["files"] == "speculators" and writer.spec_rows["ids"]:
         # (an empty shard shares its start with the next one: it writes none)
-        idxs, sids, dss, ids = zip(*spec_rows["ids"])
-        table = pa.table(
-            {
-                "index": pa.array(idxs, pa.int64()),
-                "sample_id": pa.array(sids, pa.string()),
-                "dataset": pa.array(dss, pa.string()),
-                "input_ids": pa.array(ids, pa.list_(pa.int64())),
-                "loss_mask": pa.array(spec_rows["mask"], pa.list_(pa.int64())),
-                "seq_len": pa.array([len(x) for x in ids], pa.int64()),
-            }
+        _write_side_table(writer.spec_rows, writer.out_dir, shard, provenance)
+    _log_skipped(layout, shard.path, writer.skipped)
+    removed = [] if merged is None else _prune_earlier(writer, rows, merged)
+    manifest = writer.manifest(rows.n, removed, time.perf_counter() - t0)
+    if manifest_path is not None:
+        write_json(manifest, manifest_path)
+    log.info(
+        "exported %d samples (%d tokens, %d bytes) of %s as %s into %s",
+        len(writer.files),
+        writer.tokens,
+        writer.nbytes,
+        shard.path,
+        layout,
+        writer.out_dir,
+    )
+    return manifest
+
+
+def _read_manifest(merge_manifest) -> dict | None:
+    """The merge manifest as a dict (``merge_manifest``: a path, a dict or None)."""
+    if merge_manifest is None:
+        return None
+    return json.loads(Path(merge_manifest).read_text()) if not isinstance(merge_manifest, dict) else merge_manifest
+
+
+@dataclass(frozen=True)
+class _ShardRows:
+    """The columns of a merged shard that export reads: ids, datasets and source selections per row, and the
+    token ids as one flat array with its offsets."""
+
+    path: object
+    sample_ids: list
+    datasets: list
+    sources: list
+    offsets: np.ndarray
+    flat_ids: np.ndarray
+
+    @classmethod
+    def read(cls, path) -> "_ShardRows":
+        table = pq.read_table(path, columns=["sample_id", "dataset", "input_ids", "loss_mask", "source"])
+        ids_col = table.column("input_ids").combine_chunks()
+        return cls(
+            path=path,
+            sample_ids=table.column("sample_id").to_pylist(),
+            datasets=table.column("dataset").to_pylist(),
+            sources=table.column("source").to_pylist(),
+            offsets=ids_col.offsets.to_numpy(),
+            flat_ids=ids_col.values.to_numpy(zero_copy_only=False),
         )
-        if provenance is not None:
-            table = _with_provenance(table, provenance, "heldout" if heldout else "train", merged_path)
-        write_parquet(table, out_dir / f"samples_{start_index:09d}.parquet")
-    skipped_ids = {s for v in skipped.values() for s in v}
-    skip_idx = {start_index + j for j in range(n) if sample_ids[j] in skipped_ids}
+
+    @property
+    def n(self) -> int:
+        return len(self.sample_ids)
+
+    def ids(self, j: int) -> np.ndarray:
+        """Row ``j``'s token ids."""
+        return self.flat_ids[self.offsets[j] : self.offsets[j + 1]]
+
+
+class _SampleWriter:
+    """Writes the samples of one shard in ``layout``, one at a time (:meth:`write`), and keeps what the manifest
+    reports: files, tokens, bytes, the final norms read, the samples skipped and (speculators layouts) the side
+    table's rows."""
+
+    def __init__(self, layout: str, out_dir, group_size: int, shard: MergedShard, final_form: str | None):
+        import torch
+
+        self.torch = torch
+        if layout not in LAYOUTS:
+            raise ValueError(f"export layout must be one of {LAYOUTS}, got {layout!r}")
+        if shard.start_index < 0 or group_size < 1:
+            raise ValueError(
+                f"export: start_index must be >= 0 and group_size >= 1, got {shard.start_index}, {group_size}"
+            )
+        self.layout, self.contract, self.group_size, self.shard = layout, CONTRACTS[layout], group_size, shard
+        self.final = final_form or self.contract["final"]
+        self.out_dir = Path(out_dir)
+        self.files: list[str] = []
+        self.tokens = self.nbytes = 0
+        self.norms: set = set()
+        self.spec_rows: dict = {"ids": [], "mask": []}
+        self.skipped: dict[str, list[str]] = {}
+        self.layers_of: dict[str, list] = {}  # per states file: the layers this layout reads
+
+    def layers(self, sf: StatesFile) -> list:
+        """The layers of ``sf`` this layout reads (those of its drafter; ValueError when ``sf`` has none)."""
+        if sf.path not in self.layers_of:
+            drafter = drafter_of(self.layout, sf.drafter_layers)
+            if drafter is None:
+                raise ValueError(
+                    f"{sf.path}: holds the layers of {sorted(sf.drafter_layers)}, not those of "
+                    f"{self.contract['drafters'][0]}, which export layout {self.layout} reads; add "
+                    f"{self.contract['drafters'][0]} to extract.drafters (the extraction then captures its layers "
+                    "too)"
+                )
+            self.layers_of[sf.path] = sf.drafter_layers[drafter]
+            self.norms.add(sf.meta.get("final_norm", "post"))
+        return self.layers_of[sf.path]
+
+    def write(self, rows: _ShardRows, j: int, index: StatesIndex) -> None:
+        """Write row ``j`` of the shard (or skip it: the DFlash family without two consecutive supervised tokens),
+        its states read from ``index`` and checked against the row's token ids."""
+        sid = rows.sample_ids[j]
+        if rows.sources[j] is None:
+            raise ValueError(f"{rows.path}: row {j} ({sid!r}) has no source selection")
+        sf = index.file(rows.sources[j])
+        layers = self.layers(sf)
+        jj = sf.index.get(sid)
+        if jj is None:
+            raise KeyError(f"export: sample {sid!r} is not in {sf.path}")
+        t = sf.sample(jj, final=self.final, layers=layers)
+        want = rows.ids(j)
+        if not np.array_equal(t["input_ids"].numpy(), want):
+            raise ValueError(f"{sf.path}: sample {sid!r} holds other token ids than {rows.path} row {j}")
+        idx = self.shard.start_index + j
+        if self.layout in ("specforge_dflash", "specforge_dspark") and not has_consecutive_supervised(t["loss_mask"]):
+            self.skipped.setdefault("no_consecutive_supervised_tokens", []).append(sid)
+            return
+        self.tokens += len(want)
+        path = sample_path(self.layout, self.out_dir, idx, self.group_size)
+        if self.contract["files"] == "grouped":
+            # through a file object: torch.save names the archive inside after a path's file name, which
+            # is a random temporary name here; "archive" keeps two exports of the same states byte-identical
+            with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+                self.torch.save(_grouped_record(self.layout, t, sid), fh)
+        else:
+            self._write_speculators(path, t, sid, sf, idx, rows.datasets[j])
+        self.nbytes += os.path.getsize(path)
+        self.files.append(str(path))
+
+    def _write_speculators(self, path: Path, t: dict, sid: str, sf: StatesFile, idx: int, dataset: str) -> None:
+        """One speculators file (``hidden_states`` [T, A+1, H], fp8 + scales for ``speculators_fp8``) and the
+        sample's side-table row."""
+        from safetensors.torch import save_file
+
+        torch = self.torch
+        aux, fin = t["aux_hidden_states"], t["hidden_states"]
+        L, H = len(t["input_ids"]), fin.shape[-1]
+        stacked = torch.cat([aux.reshape(L, -1, H), fin.unsqueeze(1)], dim=1).contiguous()
+        tensors = {"token_ids": t["input_ids"], "hidden_states": stacked}
+        if self.layout == "speculators_fp8":
+            q, scales = quantize_per_token_fp8(stacked)
+            tensors = {"token_ids": t["input_ids"], "hidden_states": q, "hidden_states_scales": scales}
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"sample_id": sid, "source": str(sf.path)})
+        self.spec_rows["ids"].append((idx, sid, dataset, t["input_ids"].tolist()))
+        self.spec_rows["mask"].append(t["loss_mask"].tolist())
+
+    def manifest(self, n: int, removed: list, seconds: float) -> dict:
+        """The export manifest of a shard of ``n`` rows (``removed``: the stale files :func:`prune_stale`
+        removed)."""
+        start, norms = self.shard.start_index, self.norms
+        return {
+            "layout": self.layout,
+            "set": self.shard.set_name,
+            "source": str(self.shard.path),
+            "out_dir": str(self.out_dir),
+            "start_index": start,
+            "end_index": start + n,
+            "num_samples": n,
+            "num_written": len(self.files),
+            "num_tokens": self.tokens,
+            "bytes": self.nbytes,
+            "final_norm": sorted(norms)[0] if len(norms) == 1 else sorted(norms),
+            "final_state": self.final,
+            "skipped": self.skipped,
+            "files": self.files,
+            "removed_stale": len(removed),
+            "seconds": round(seconds, 3),
+        }
+
+
+def _grouped_record(layout: str, t: dict, sample_id: str) -> dict:
+    """What a grouped layout's ``torch.save`` file holds for sample ``t`` (module docstring)."""
+    aux, fin = t["aux_hidden_states"], t["hidden_states"]
+    if layout == "specforge":
+        return {
+            "input_ids": t["input_ids"],
+            "loss_mask": t["loss_mask"],
+            "aux_hidden_state": aux.unsqueeze(0),
+            "hidden_state": fin.unsqueeze(0),
+        }
+    if layout == "modelopt":
+        return {
+            "input_ids": t["input_ids"],
+            "hidden_states": fin,
+            "aux_hidden_states": aux,
+            "loss_mask": t["loss_mask"],
+            "conversation_id": sample_id,
+        }
+    record = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "hidden_states": aux.unsqueeze(0)}
+    if layout == "specforge_dspark":
+        record["target_last_hidden_states"] = fin.unsqueeze(0)
+    return record
+
+
+def _write_side_table(spec_rows: dict, out_dir: Path, shard: MergedShard, provenance) -> None:
+    """The speculators side table ``samples_{start}.parquet`` of the rows written (with the provenance columns
+    when ``provenance`` is given)."""
+    idxs, sids, dss, ids = zip(*spec_rows["ids"])
+    table = pa.table(
+        {
+            "index": pa.array(idxs, pa.int64()),
+            "sample_id": pa.array(sids, pa.string()),
+            "dataset": pa.array(dss, pa.string()),
+            "input_ids": pa.array(ids, pa.list_(pa.int64())),
+            "loss_mask": pa.array(spec_rows["mask"], pa.list_(pa.int64())),
+            "seq_len": pa.array([len(x) for x in ids], pa.int64()),
+        }
+    )
+    if provenance is not None:
+        table = _with_provenance(table, provenance, shard.set_name, shard.path)
+    write_parquet(table, out_dir / f"samples_{shard.start_index:09d}.parquet")
+
+
+def _log_skipped(layout: str, merged_path, skipped: dict) -> None:
+    """Warn about the samples not written, per reason."""
     for reason, sids in skipped.items():
         log.warning(
             "export %s: %d sample(s) of %s not written (%s: SpecForge's DFlash family refuses a sample "
@@ -391,51 +513,34 @@ def export(
             reason,
             sids[:3],
         )
-    removed = []
-    if merge_manifest is not None:
-        if heldout:
-            total = int((m.get("heldout") or {}).get("samples", n))
-        else:
-            total = sum(int(sh["samples"]) for sh in m.get("shards") or [])
-        removed = prune_stale(
-            out_dir, layout, start=start_index, end=start_index + n, total=total, group_size=group_size, skip=skip_idx
-        )
-        if removed:
-            log.info(
-                "removed %d file(s) of an earlier export that this one does not write (e.g. %s)",
-                len(removed),
-                removed[0],
-            )
-    manifest = {
-        "layout": layout,
-        "set": "heldout" if heldout else "train",
-        "source": str(merged_path),
-        "out_dir": str(out_dir),
-        "start_index": start_index,
-        "end_index": start_index + n,
-        "num_samples": n,
-        "num_written": len(files),
-        "num_tokens": tokens,
-        "bytes": nbytes,
-        "final_norm": sorted(norms)[0] if len(norms) == 1 else sorted(norms),
-        "final_state": final,
-        "skipped": skipped,
-        "files": files,
-        "removed_stale": len(removed),
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-    if manifest_path is not None:
-        write_json(manifest, manifest_path)
-    log.info(
-        "exported %d samples (%d tokens, %d bytes) of %s as %s into %s",
-        len(files),
-        tokens,
-        nbytes,
-        merged_path,
-        layout,
-        out_dir,
+
+
+def _prune_earlier(writer: _SampleWriter, rows: _ShardRows, merged: dict) -> list[str]:
+    """Remove the files of an earlier export this one does not write (:func:`prune_stale`), within the set's size
+    the merge manifest ``merged`` gives (the held-out set's or the training shards'). Returns the removed paths."""
+    start, n = writer.shard.start_index, rows.n
+    skipped_ids = {s for v in writer.skipped.values() for s in v}
+    skip_idx = {start + j for j in range(n) if rows.sample_ids[j] in skipped_ids}
+    if writer.shard.heldout:
+        total = int((merged.get("heldout") or {}).get("samples", n))
+    else:
+        total = sum(int(sh["samples"]) for sh in merged.get("shards") or [])
+    removed = prune_stale(
+        writer.out_dir,
+        writer.layout,
+        start=start,
+        end=start + n,
+        total=total,
+        group_size=writer.group_size,
+        skip=skip_idx,
     )
-    return manifest
+    if removed:
+        log.info(
+            "removed %d file(s) of an earlier export that this one does not write (e.g. %s)",
+            len(removed),
+            removed[0],
+        )
+    return removed
 
 
 def _with_provenance(table: pa.Table, provenance, set_name: str, merged_path) -> pa.Table:

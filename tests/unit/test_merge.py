@@ -316,7 +316,13 @@ def test_crash_mid_write_leaves_no_partial_shard(tmp_path, monkeypatch):
 
     monkeypatch.setattr(merge_mod, "check_merged_batch", flaky)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        merge(inputs, outs, tmp_path / "m.json", settings=MergeSettings.defaults(max_len=100, seed=0), batch_rows=64)
+        merge(
+            inputs,
+            outs,
+            tmp_path / "m.json",
+            settings=MergeSettings.defaults(max_len=100, seed=0),
+            resources=merge_mod.MergeResources(batch_rows=64),
+        )
     assert not outs[1].exists() and not (tmp_path / "m.json").exists()
     assert not [p for p in (tmp_path / "m").iterdir() if p.name.startswith(".")]
 

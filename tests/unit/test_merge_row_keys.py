@@ -123,7 +123,7 @@ def _sql_selections(files, keys, settings, k):
 
 
 def test_selections_are_the_rows_of_the_selection_query(tmp_path):
-    from eagle3_data.merge import merge
+    from eagle3_data.merge import MergeResources, merge
     from eagle3_data.settings import MergeSettings
 
     from test_merge import make_rows, row, write_inputs
@@ -146,7 +146,7 @@ def test_selections_are_the_rows_of_the_selection_query(tmp_path):
             settings=settings,
             selections=sels,
             sources=keys,
-            batch_rows=16,
+            resources=MergeResources(batch_rows=16),
         )
         want = _sql_selections(files, keys, settings, 2)
         got = [pq.read_table(p).to_pylist() for p in sels]
@@ -183,7 +183,7 @@ def test_a_failing_merged_shard_leaves_no_file_of_the_run(tmp_path, monkeypatch)
             tmp_path / "m.json",
             settings=MergeSettings.defaults(max_len=100, seed=0),
             selections=sels,
-            batch_rows=32,
+            resources=merge_mod.MergeResources(batch_rows=32),
         )
     assert not any(p.exists() for p in outs + sels) and not (tmp_path / "m.json").exists()
     assert not [p for d in ("m", "sel") if (tmp_path / d).exists() for p in (tmp_path / d).iterdir()]

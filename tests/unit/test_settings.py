@@ -226,8 +226,6 @@ def test_no_stage_signature_restates_a_config_default(fn, cls):
     restated = {
         n: p.default for n, p in sig.parameters.items() if n in keys and p.default is not inspect.Parameter.empty
     }
-    # merge's memory_limit/threads default to None: "the settings' memory_mb and threads"
-    restated = {n: d for n, d in restated.items() if not (fn.__name__ == "merge" and d is None)}
     assert not restated, f"{fn.__qualname__} restates {restated}"
 
 

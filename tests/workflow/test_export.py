@@ -130,12 +130,11 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     )
     out = tmp_path / "specforge"
     got = exp.export(
-        path,
+        exp.MergedShard(path, start_index=1998),
         out,
         layout="specforge",
         states_dir=states,
         merge_manifest=man,
-        start_index=1998,
         settings=ExportSettings.defaults(group_size=2000),
         manifest_path=tmp_path / "m.json",
     )
@@ -163,7 +162,13 @@ def test_specforge_layout_reads_back(tmp_path, tiny_model, loaded, merged):
         torch.testing.assert_close(d["target"][0], ref[-1][0], atol=1e-5, rtol=1e-5)  # post-norm
     # rerun overwrites in place, byte for byte, and leaves no temporary files
     before = {f: open(f, "rb").read() for f in files}
-    exp.export(path, out, layout="specforge", states_dir=states, start_index=1998, settings=ExportSettings.defaults())
+    exp.export(
+        exp.MergedShard(path, start_index=1998),
+        out,
+        layout="specforge",
+        states_dir=states,
+        settings=ExportSettings.defaults(),
+    )
     assert {f: open(f, "rb").read() for f in specforge_list_local_files(out)} == before
     assert not [p for p in out.rglob(".*")]
     # the same states (final_norm both, the default) serve speculators too: its pre-norm final state
@@ -221,12 +226,11 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     prov_rows.append({**prov_rows[0], "set": "heldout", "index": 0, "sample_id": "other"})  # another set: ignored
     pq.write_table(pa.Table.from_pylist(prov_rows, schema=PROVENANCE), prov)
     got = exp.export(
-        path,
+        exp.MergedShard(path, start_index=5),
         out,
         layout="speculators",
         states_dir=states,
         merge_manifest=man,
-        start_index=5,
         settings=ExportSettings.defaults(),
         provenance=prov,
     )
@@ -240,12 +244,11 @@ def test_speculators_layout_reads_back(tmp_path, tiny_model, loaded, merged):
     ]
     with pytest.raises(ValueError, match="does not describe the rows"):  # a provenance table of another merge
         exp.export(
-            path,
+            exp.MergedShard(path, start_index=4),
             tmp_path / "spec2",
             layout="speculators",
             states_dir=states,
             merge_manifest=man,
-            start_index=4,
             settings=ExportSettings.defaults(),
             provenance=prov,
         )
@@ -366,24 +369,22 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     out = tmp_path / "sf"
     two = dict(man, shards=[{"samples": 2}, {"samples": n}])  # this shard second, after 2 samples
     exp.export(
-        path,
+        exp.MergedShard(path, start_index=2),
         out,
         layout="specforge",
         states_dir=states,
         merge_manifest=two,
-        start_index=2,
         settings=ExportSettings.defaults(group_size=4),
     )
     assert len(specforge_list_local_files(out)) == n
     # the set shrinks by the 2 samples before it: this shard starts at 0 now, with 4 per folder -> rows_*/ of 3
     # and the old indices n, n+1 past the new end
     got = exp.export(
-        path,
+        exp.MergedShard(path, start_index=0),
         out,
         layout="specforge",
         states_dir=states,
         merge_manifest=man,
-        start_index=0,
         settings=ExportSettings.defaults(group_size=3),
     )
     files = specforge_list_local_files(out)
@@ -399,12 +400,11 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     first = dict(man, shards=[{"samples": n}, {"samples": 10}])
     assert (
         exp.export(
-            path,
+            exp.MergedShard(path, start_index=0),
             out,
             layout="specforge",
             states_dir=states,
             merge_manifest=first,
-            start_index=0,
             settings=ExportSettings.defaults(group_size=3),
         )["removed_stale"]
         == 0
@@ -421,22 +421,20 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     )
     out = tmp_path / "spec"
     exp.export(
-        path,
+        exp.MergedShard(path, start_index=2),
         out,
         layout="speculators",
         states_dir=states,
         merge_manifest=two,
-        start_index=2,
         settings=ExportSettings.defaults(),
     )
     assert (out / "samples_000000002.parquet").exists()
     got = exp.export(
-        path,
+        exp.MergedShard(path, start_index=0),
         out,
         layout="speculators",
         states_dir=states,
         merge_manifest=man,
-        start_index=0,
         settings=ExportSettings.defaults(),
     )
     assert sorted(p.name for p in out.glob("samples_*.parquet")) == ["samples_000000000.parquet"]
@@ -447,12 +445,11 @@ def test_a_later_export_removes_what_the_earlier_one_left(tmp_path, tiny_model, 
     empty = tmp_path / "empty.parquet"
     schemas.write_checked(schemas.from_rows([], schemas.MERGED), "merged", empty)
     exp.export(
-        empty,
+        exp.MergedShard(empty, start_index=0),
         out,
         layout="speculators",
         states_dir=states,
         merge_manifest=dict(man, shards=[{"samples": 0}, {"samples": n}]),
-        start_index=0,
         settings=ExportSettings.defaults(),
     )
     assert pq.read_table(out / "samples_000000000.parquet").num_rows == n
@@ -487,12 +484,11 @@ def test_heldout_set_exports_beside_the_training_set(tmp_path, tiny_model, loade
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(b"old")
         got = exp.export(
-            held_p,
+            exp.MergedShard(held_p, heldout=True),
             held_dir,
             layout=layout,
             states_dir=states,
             merge_manifest=man,
-            heldout=True,
             settings=ExportSettings.defaults(),
             manifest_path=root / "heldout" / f"{layout}.json",
         )

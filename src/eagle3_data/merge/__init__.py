@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,6 +109,22 @@ def memory_limit_of(memory_mb: int) -> str:
     return f"{max(256, int(memory_mb * 0.75))}MB"
 
 
+@dataclass(frozen=True)
+class MergeResources:
+    """A merge job's resources (the job's, not the data's: nothing here changes a merged row).
+
+    ``memory_limit``: DuckDB's memory limit (e.g. ``"3000MB"``; ``None``: :func:`memory_limit_of`
+    ``settings.memory_mb``). ``threads``: DuckDB's threads and the threads computing the row keys (``None``:
+    ``settings.threads``; 0: one per CPU); the selections are written in one more thread, alongside the merged
+    shards. ``temp_dir``: DuckDB's spill directory (``None``: a temporary directory next to the first output).
+    ``batch_rows``: rows per streamed record batch (and per batch read from a validated file)."""
+
+    memory_limit: str | None = None
+    threads: int | None = None
+    temp_dir: str | os.PathLike | None = None
+    batch_rows: int = 1024
+
+
 def merge(
     validated_paths,
     out_paths,
@@ -117,10 +134,7 @@ def merge(
     selections=None,
     sources=None,
     heldout_path=None,
-    memory_limit: str | None = None,
-    threads: int | None = None,
-    temp_dir: str | os.PathLike | None = None,
-    batch_rows: int = 1024,
+    resources: MergeResources | None = None,
     check: bool = True,
 ) -> dict:
     """Merge VALIDATED parquet files into ``len(out_paths)`` MERGED shards balanced by token count, and write
@@ -139,6 +153,8 @@ def merge(
             ``totals`` (the training shards'), ``datasets`` (per dataset: input samples/tokens, ``kept``
             (training), ``heldout`` / ``heldout_tokens``, dropped counts by reason), ``inputs`` (files),
             ``settings``.
+        settings: :class:`~eagle3_data.settings.MergeSettings` (the ``merge`` section; what each key does:
+            :func:`_job`).
         selections: one output path per validated file (same order), or ``None`` for none: the file's kept
             rows (``schemas.MERGED``), truncated like the merged shards, in the validated file's row order.
             Extraction forwards one selection per job; its ``digest`` in the manifest changes only when the
@@ -147,23 +163,8 @@ def merge(
             and the manifest's ``selections`` keys.
         heldout_path: the held-out set's MERGED file (its rows in shuffle-key order; written empty when
             ``settings.heldout`` is 0), or ``None`` (then ``settings.heldout`` must be 0).
-        settings: :class:`~eagle3_data.settings.MergeSettings` (the ``merge`` section):
-            ``datasets``: names to keep (``None`` = all); a name with no rows in the inputs is logged and listed
-            in the manifest under ``missing_datasets``.
-            ``max_samples``: ``{dataset: n}`` caps; the first n of the dataset's training rows in the seeded
-            shuffle order are kept (after dedup, the max_len rule and the held-out draw, so a cap yields n usable
-            training samples when there are n; held-out rows are not capped).
-            ``max_len``: token cap per sample (>= 1).
-            ``overflow``: ``"truncate"`` (cut ``input_ids`` and ``loss_mask`` to max_len; drop the sample if no
-            supervised token remains) or ``"drop"`` (drop samples longer than max_len).
-            ``seed``: shuffle seed (int or str; part of the shuffle key and of the held-out draw).
-            ``heldout``: the held-out share f in [0, 1) (module docstring; 0: off).
-            ``memory_mb``, ``threads``: DuckDB's budget when ``memory_limit`` / ``threads`` are not given.
-        memory_limit, threads, temp_dir: DuckDB settings (the job's resources; default three quarters of
-            ``settings.memory_mb`` and ``settings.threads``; spill directory defaults to a temporary directory
-            next to the first output). ``threads`` also bounds the threads computing the row keys (0 or None:
-            one per CPU); the selections are written in one more thread, alongside the merged shards.
-        batch_rows: rows per streamed record batch (and per batch read from a validated file).
+        resources: the job's :class:`MergeResources` (DuckDB's memory, threads and spill directory, the batch size);
+            ``None``: ``MergeResources()``, i.e. the settings' ``memory_mb`` and ``threads``.
         check: run :func:`check_merged_batch` (the MERGED contract, with arrow compute) on every batch of
             the merged shards (the selections hold the same rows in another order and are not checked again).
 
@@ -175,11 +176,74 @@ def merge(
             message names the id and the files).
         schemas.SchemaError: a merged batch breaks the MERGED contract.
     """
+    job = _job(validated_paths, out_paths, settings, selections, sources, heldout_path, resources or MergeResources())
+    t0 = time.perf_counter()
+    timing: dict = {}
+    with contextlib.ExitStack() as stack:
+        con = _connect(job, stack)
+        phases, (stats, drops, sel_stats) = _plan(con, job, t0)
+        _write_outputs(con, job, stack, check, timing, stats, sel_stats)
+    manifest = _manifest(job, stats, drops)
+    manifest["selections"] = _selections_manifest(job, sel_stats)
+    manifest["timing_s"] = {
+        **phases,
+        **{k_: round(v, 3) for k_, v in timing.items()},
+        "total": round(time.perf_counter() - t0, 3),
+    }
+    _refuse_empty(manifest, job)
+    write_json(manifest, manifest_path)
+    _log_merged(manifest, job)
+    return manifest
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A merge's arguments, checked and resolved by :func:`_job`."""
+
+    files: list[str]
+    outs: list[str]
+    sel_outs: list[str] | None
+    keys: list[str]
+    heldout_path: str | None
+    datasets: list[str] | None
+    max_samples: dict
+    max_len: int
+    overflow: str
+    seed: object
+    heldout: float
+    memory_limit: str
+    threads: int | None
+    temp_dir: str | os.PathLike | None
+    batch_rows: int
+
+    @property
+    def groups(self) -> list[str]:
+        """The writer's groups: the K training shards, then (group K) the held-out file."""
+        return self.outs + ([self.heldout_path] if self.heldout_path is not None else [])
+
+
+def _job(validated_paths, out_paths, settings, selections, sources, heldout_path, resources: MergeResources) -> _Job:
+    """Check and resolve :func:`merge`'s arguments; raise ``ValueError`` / ``FileNotFoundError`` on bad ones.
+
+    The settings (:class:`~eagle3_data.settings.MergeSettings`, the ``merge`` section):
+    ``datasets``: names to keep (``None`` = all); a name with no rows in the inputs is logged and listed in the
+    manifest under ``missing_datasets``.
+    ``max_samples``: ``{dataset: n}`` caps; the first n of the dataset's training rows in the seeded shuffle order
+    are kept (after dedup, the max_len rule and the held-out draw, so a cap yields n usable training samples when
+    there are n; held-out rows are not capped).
+    ``max_len``: token cap per sample (>= 1).
+    ``overflow``: ``"truncate"`` (cut ``input_ids`` and ``loss_mask`` to max_len; drop the sample if no supervised
+    token remains) or ``"drop"`` (drop samples longer than max_len).
+    ``seed``: shuffle seed (int or str; part of the shuffle key and of the held-out draw).
+    ``heldout``: the held-out share f in [0, 1) (module docstring; 0: off).
+    ``memory_mb``, ``threads``: DuckDB's budget when ``resources`` leaves ``memory_limit`` / ``threads`` unset.
+    """
     datasets, max_samples, max_len = settings.datasets, settings.max_samples, settings.max_len
     overflow, seed, heldout = settings.overflow, settings.seed, settings.heldout
+    memory_limit = resources.memory_limit
     if memory_limit is None:
         memory_limit = memory_limit_of(settings.memory_mb)
-    threads = settings.threads if threads is None else threads
+    threads = settings.threads if resources.threads is None else resources.threads
     files = _paths(validated_paths)
     outs = _paths(out_paths)
     if not files:
@@ -219,156 +283,177 @@ def merge(
     missing_files = [f for f in files if not Path(f).is_file()]
     if missing_files:
         raise FileNotFoundError(f"merge: validated input files not found: {missing_files[:5]}")
-
-    t0 = time.perf_counter()
-    k = len(outs)
-    # the writer's groups: the K training shards, then (group K) the held-out file
-    groups = outs + ([heldout_path] if heldout_path is not None else [])
-    with contextlib.ExitStack() as stack:
-        for o in groups + (sel_outs or []):
-            Path(o).parent.mkdir(parents=True, exist_ok=True)
-        spill = temp_dir or stack.enter_context(
-            tempfile.TemporaryDirectory(prefix=".merge-spill-", dir=Path(outs[0]).parent)
-        )
-        con = stack.enter_context(contextlib.closing(duckdb.connect()))
-        con.execute(f"SET memory_limit = '{memory_limit}'")
-        con.execute("SET temp_directory = ?", [str(spill)])
-        if threads:
-            con.execute(f"SET threads = {int(threads)}")
-        sql.set_variables(con, validated_files=files, datasets=datasets)
-        sql.set_variables(con, max_samples={k_: int(v) for k_, v in max_samples.items()})
-        con.execute("SET VARIABLE max_len = ?::BIGINT", [max_len])
-        con.execute("SET VARIABLE num_shards = ?::BIGINT", [k])
-        con.execute("SET VARIABLE overflow = ?::VARCHAR", [overflow])
-        con.execute("SET VARIABLE seed = ?::VARCHAR", [str(seed)])
-        con.execute("SET VARIABLE heldout = ?::DOUBLE", [heldout])
-        con.execute("CREATE TEMP TABLE merge_sources (filename VARCHAR, source VARCHAR, idx BIGINT)")
-        con.executemany(
-            "INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, key, i] for i, (f, key) in enumerate(zip(files, keys))]
-        )
-
-        row_keys(con, files, max_len=max_len, datasets=datasets, threads=threads or None, batch_rows=batch_rows)
-        t_keys = time.perf_counter() - t0
-        con.execute(sql.load("merge_plan"))
-        conflicts = con.sql(sql.load("merge_conflicts")).fetchall()
-        if conflicts:
-            lines = [f"  {ds}/{sid}: {n} versions in {fl}" for ds, sid, n, fl in conflicts]
-            raise ValueError(
-                "merge: the same (dataset, sample_id) occurs with different input_ids:\n" + "\n".join(lines)
-            )
-        t_plan = time.perf_counter() - t0
-
-        stats = con.sql(sql.load("merge_stats")).fetchall()
-        drops = con.sql(sql.load("merge_drops")).fetchall()
-        sel_stats = con.sql(sql.load("merge_selections")).fetchall()
-        t_stats = time.perf_counter() - t0 - t_plan
-
-        # Stream rows in (shard, shuffle_key) order into one writer per merged shard and, at the same time in a
-        # second thread, each selection straight from its validated file (kept rows in file order); files are
-        # renamed into place only when both are complete (on an error none of this run's files is left).
-        timing: dict = {}
-        commit = stack.enter_context(contextlib.ExitStack())
-        stop = threading.Event()
-        sel_job = None
-        pool = stack.enter_context(ThreadPoolExecutor(1)) if sel_outs is not None else None
-        if sel_outs is not None:
-            plan = con.sql(sql.load("merge_selection_plan")).to_arrow_table()
-            plan = {name: plan.column(name).to_numpy() for name in plan.column_names}
-
-            def write_selections() -> dict[int, int]:
-                t1 = time.perf_counter()
-                batches = _selection_batches(files, keys, plan, max_len, batch_rows, stop)
-                # not re-checked: a selection's rows are the merged rows checked in the other thread (same
-                # plan, same values, only another order); its row count is compared with the plan below
-                out = _write_groups(batches, sel_outs, False, timing, "selections", commit=commit)
-                timing["selections"] = time.perf_counter() - t1
-                return out
-
-            sel_job = pool.submit(write_selections)
-        try:
-            t1 = time.perf_counter()
-            written = _write_groups(
-                con.sql(sql.load("merge_rows")).to_arrow_reader(batch_rows),
-                groups,
-                check,
-                timing,
-                "shards",
-                commit=commit,
-            )
-            timing["shards"] = time.perf_counter() - t1
-        except BaseException:
-            stop.set()
-            if sel_job is not None:
-                with contextlib.suppress(BaseException):
-                    sel_job.result()
-            raise
-        if sel_job is not None:
-            sel_written = sel_job.result()
-            for idx, key, n, _tok, _dig in sel_stats:
-                if sel_written[idx] != n:
-                    raise RuntimeError(f"merge: selection {sel_outs[idx]} has {sel_written[idx]} rows, plan says {n}")
-        _check_written(groups, stats, written)  # before the files are renamed into place
-
-    manifest = _manifest(
-        outs,
-        files,
-        stats,
-        drops,
-        datasets,
-        max_samples,
-        max_len,
-        overflow,
-        seed,
-        heldout=heldout,
+    return _Job(
+        files=files,
+        outs=outs,
+        sel_outs=sel_outs,
+        keys=keys,
         heldout_path=heldout_path,
+        datasets=datasets,
+        max_samples=max_samples,
+        max_len=max_len,
+        overflow=overflow,
+        seed=seed,
+        heldout=heldout,
+        memory_limit=memory_limit,
+        threads=threads,
+        temp_dir=resources.temp_dir,
+        batch_rows=resources.batch_rows,
     )
-    manifest["selections"] = {
+
+
+def _connect(job: _Job, stack: contextlib.ExitStack) -> duckdb.DuckDBPyConnection:
+    """The output directories made, a DuckDB connection (closed with ``stack``) with the job's memory, threads,
+    spill directory (a temporary one, removed with ``stack``, unless ``job.temp_dir``), the SQL variables of the
+    merge queries and the table ``merge_sources`` (filename, source key, index of each validated file)."""
+    for o in job.groups + (job.sel_outs or []):
+        Path(o).parent.mkdir(parents=True, exist_ok=True)
+    spill = job.temp_dir or stack.enter_context(
+        tempfile.TemporaryDirectory(prefix=".merge-spill-", dir=Path(job.outs[0]).parent)
+    )
+    con = stack.enter_context(contextlib.closing(duckdb.connect()))
+    con.execute(f"SET memory_limit = '{job.memory_limit}'")
+    con.execute("SET temp_directory = ?", [str(spill)])
+    if job.threads:
+        con.execute(f"SET threads = {int(job.threads)}")
+    sql.set_variables(con, validated_files=job.files, datasets=job.datasets)
+    sql.set_variables(con, max_samples={k_: int(v) for k_, v in job.max_samples.items()})
+    con.execute("SET VARIABLE max_len = ?::BIGINT", [job.max_len])
+    con.execute("SET VARIABLE num_shards = ?::BIGINT", [len(job.outs)])
+    con.execute("SET VARIABLE overflow = ?::VARCHAR", [job.overflow])
+    con.execute("SET VARIABLE seed = ?::VARCHAR", [str(job.seed)])
+    con.execute("SET VARIABLE heldout = ?::DOUBLE", [job.heldout])
+    con.execute("CREATE TEMP TABLE merge_sources (filename VARCHAR, source VARCHAR, idx BIGINT)")
+    con.executemany(
+        "INSERT INTO merge_sources VALUES (?, ?, ?)",
+        [[f, key, i] for i, (f, key) in enumerate(zip(job.files, job.keys))],
+    )
+    return con
+
+
+def _plan(con, job: _Job, t0: float) -> tuple[dict, tuple[list, list, list]]:
+    """Compute the row keys (:func:`.keys.row_keys`), plan the merge (``sql/merge_plan.sql``; ``ValueError`` on a
+    ``(dataset, sample_id)`` with two different ``input_ids``) and read its statistics. Returns the phases'
+    timing (``plan``, ``plan_row_keys``, ``stats``: seconds, ``plan`` and ``plan_row_keys`` since ``t0``) and the
+    results of ``merge_stats``, ``merge_drops`` and ``merge_selections``."""
+    row_keys(
+        con,
+        job.files,
+        max_len=job.max_len,
+        datasets=job.datasets,
+        threads=job.threads or None,
+        batch_rows=job.batch_rows,
+    )
+    t_keys = time.perf_counter() - t0
+    con.execute(sql.load("merge_plan"))
+    conflicts = con.sql(sql.load("merge_conflicts")).fetchall()
+    if conflicts:
+        lines = [f"  {ds}/{sid}: {n} versions in {fl}" for ds, sid, n, fl in conflicts]
+        raise ValueError("merge: the same (dataset, sample_id) occurs with different input_ids:\n" + "\n".join(lines))
+    t_plan = time.perf_counter() - t0
+    stats = con.sql(sql.load("merge_stats")).fetchall()
+    drops = con.sql(sql.load("merge_drops")).fetchall()
+    sel_stats = con.sql(sql.load("merge_selections")).fetchall()
+    t_stats = time.perf_counter() - t0 - t_plan
+    phases = {"plan": round(t_plan, 3), "plan_row_keys": round(t_keys, 3), "stats": round(t_stats, 3)}
+    return phases, (stats, drops, sel_stats)
+
+
+def _write_outputs(con, job: _Job, stack: contextlib.ExitStack, check: bool, timing: dict, stats, sel_stats) -> None:
+    """Stream rows in (shard, shuffle_key) order into one writer per merged shard and, at the same time in a
+    second thread, each selection straight from its validated file (kept rows in file order); the files are
+    renamed into place only when both are complete and their row counts are the plan's, when ``stack`` closes
+    (on an error none of this run's files is left). ``timing`` gets :func:`_write_groups`' parts, ``shards`` and
+    ``selections``."""
+    commit = stack.enter_context(contextlib.ExitStack())
+    stop = threading.Event()
+    sel_job = None
+    sel_outs = job.sel_outs
+    pool = stack.enter_context(ThreadPoolExecutor(1)) if sel_outs is not None else None
+    if sel_outs is not None:
+        plan = con.sql(sql.load("merge_selection_plan")).to_arrow_table()
+        plan = {name: plan.column(name).to_numpy() for name in plan.column_names}
+
+        def write_selections() -> dict[int, int]:
+            t1 = time.perf_counter()
+            batches = _selection_batches(job.files, job.keys, plan, job.max_len, job.batch_rows, stop)
+            # not re-checked: a selection's rows are the merged rows checked in the other thread (same
+            # plan, same values, only another order); its row count is compared with the plan below
+            out = _write_groups(batches, sel_outs, False, timing, "selections", commit=commit)
+            timing["selections"] = time.perf_counter() - t1
+            return out
+
+        sel_job = pool.submit(write_selections)
+    try:
+        t1 = time.perf_counter()
+        reader = con.sql(sql.load("merge_rows")).to_arrow_reader(job.batch_rows)
+        written = _write_groups(reader, job.groups, check, timing, "shards", commit=commit)
+        timing["shards"] = time.perf_counter() - t1
+    except BaseException:
+        stop.set()
+        if sel_job is not None:
+            with contextlib.suppress(BaseException):
+                sel_job.result()
+        raise
+    if sel_job is not None:
+        sel_written = sel_job.result()
+        for idx, key, n, _tok, _dig in sel_stats:
+            if sel_written[idx] != n:
+                raise RuntimeError(f"merge: selection {sel_outs[idx]} has {sel_written[idx]} rows, plan says {n}")
+    _check_written(job.groups, stats, written)  # before the files are renamed into place
+
+
+def _selections_manifest(job: _Job, sel_stats) -> dict:
+    """The manifest's ``selections``: {source key: path (None without selection files), input, samples, tokens,
+    digest}, from ``merge_selections.sql``."""
+    return {
         key: {
-            "path": sel_outs[idx] if sel_outs is not None else None,
-            "input": files[idx],
+            "path": job.sel_outs[idx] if job.sel_outs is not None else None,
+            "input": job.files[idx],
             "samples": n,
             "tokens": tok,
             "digest": dig,
         }
         for idx, key, n, tok, dig in sel_stats
     }
-    manifest["timing_s"] = {
-        "plan": round(t_plan, 3),
-        "plan_row_keys": round(t_keys, 3),
-        "stats": round(t_stats, 3),
-        **{k_: round(v, 3) for k_, v in timing.items()},
-        "total": round(time.perf_counter() - t0, 3),
-    }
+
+
+def _refuse_empty(manifest: dict, job: _Job) -> None:
+    """An empty merged set is a configuration error, not a result: remove the files written and raise
+    ``ValueError`` naming the settings that dropped every sample."""
     tot = manifest["totals"]
     if tot["samples"] == 0 and tot.get("input_samples", 0) > 0:
-        for p in groups + (sel_outs or []):  # an empty merged set is a configuration error, not a result
+        for p in job.groups + (job.sel_outs or []):
             Path(p).unlink(missing_ok=True)
         raise ValueError(
             f"merge: no sample left of {tot['input_samples']} (dropped {tot['dropped']}, held out "
-            f"{manifest['heldout']['samples']}) with merge.max_len={max_len}, merge.overflow={overflow!r}, "
-            f"merge.datasets={datasets}, merge.max_samples={max_samples}, merge.heldout={heldout}"
+            f"{manifest['heldout']['samples']}) with merge.max_len={job.max_len}, merge.overflow={job.overflow!r}, "
+            f"merge.datasets={job.datasets}, merge.max_samples={job.max_samples}, merge.heldout={job.heldout}"
         )
-    write_json(manifest, manifest_path)
+
+
+def _log_merged(manifest: dict, job: _Job) -> None:
+    """Log what the merge wrote (and, when on, the held-out set)."""
+    tot = manifest["totals"]
     log.info(
         "merged %d samples (%d tokens, %d supervised) from %d files into %d shards in %.1fs; dropped %s",
         tot["samples"],
         tot["tokens"],
         tot["supervised_tokens"],
-        len(files),
-        k,
+        len(job.files),
+        len(job.outs),
         manifest["timing_s"]["total"],
         tot["dropped"],
     )
-    if heldout:
+    if job.heldout:
         h = manifest["heldout"]
         log.info(
             "held out %d samples (%d tokens; merge.heldout = %s) in %s",
             h["samples"],
             h["tokens"],
-            heldout,
-            heldout_path,
+            job.heldout,
+            job.heldout_path,
         )
-    return manifest
 
 
 def remove_leftover_heldout(path, export_dir=None) -> bool:
@@ -618,11 +703,11 @@ def _selection_batches(
             )
 
 
-def _manifest(
-    outs, files, stats, drops, datasets, max_samples, max_len, overflow, seed, *, heldout=0.0, heldout_path=None
-) -> dict:
-    """The manifest dict from the SQL results: ``stats`` (merge_stats.sql; shard ``len(outs)`` is the held-out
-    set) and ``drops`` (merge_drops.sql)."""
+def _manifest(job: _Job, stats, drops) -> dict:
+    """The manifest dict of ``job`` from the SQL results: ``stats`` (merge_stats.sql; shard ``len(job.outs)`` is
+    the held-out set) and ``drops`` (merge_drops.sql)."""
+    outs, files, datasets, max_samples = job.outs, job.files, job.datasets, job.max_samples
+    max_len, overflow, seed, heldout, heldout_path = job.max_len, job.overflow, job.seed, job.heldout, job.heldout_path
     shards = [
         {"path": p, "samples": 0, "tokens": 0, "supervised_tokens": 0, "truncated": 0, "datasets": {}} for p in outs
     ]
