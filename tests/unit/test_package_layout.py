@@ -165,3 +165,37 @@ def test_the_private_name_finder_finds_one(tmp_path):
 def test_no_module_uses_another_modules_private_name():
     found = private_imports(SRC, "eagle3_data")
     assert found == [], "\n".join(found)
+
+
+def stage_entry_points() -> dict[str, tuple[int, int]]:
+    """``module.function`` -> (source lines with the docstring, parameters) of each library function a rule's script
+    (scripts/*.py) calls."""
+    import importlib
+    import inspect
+
+    found = {}
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        tree = ast.parse(script.read_text())
+        imported = {
+            a.asname or a.name: (n.module, a.name)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("eagle3_data")
+            for a in n.names
+        }
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in imported:
+                mod, name = imported[n.func.id]
+                obj = getattr(importlib.import_module(mod), name)
+                if inspect.isfunction(obj):
+                    found[f"{obj.__module__}.{obj.__qualname__}"] = (
+                        len(inspect.getsource(obj).splitlines()),
+                        len(inspect.signature(obj).parameters),
+                    )
+    return found
+
+
+def test_no_stage_entry_point_is_over_100_lines_or_10_parameters():
+    """Issue 36's bound: a stage's entry point reads as a short list of named steps."""
+    found = stage_entry_points()
+    assert {"eagle3_data.merge.merge", "eagle3_data.generate.job.generate", "eagle3_data.export.export"} <= set(found)
+    assert {k: v for k, v in found.items() if v[0] > 100 or v[1] > 10} == {}

@@ -39,6 +39,38 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
 
     Raises: :class:`ForecastError` (no pilot answer, an unreadable model list); TemplateError (target tokenizer).
     """
+    per, summaries = _datasets_figures(datasets, target=target, cache_dir=cache_dir)
+    t0 = time.monotonic()
+    models = backend_models(list(per.values()), backends, summaries)
+    overhead = job_overhead(summaries)
+    full = simulated_hours(list(per.values()), models, "requests", overhead["job_s"])
+    rest = simulated_hours(list(per.values()), models, "remaining", overhead["job_s"])
+    _add_simulated(per, models, full, rest)
+    logger.info(
+        "simulated the generation %d + %d times (%.1f s): %s (p10 %s, p90 %s); what the pilot left: %s",
+        full["runs"],
+        rest["runs"],
+        time.monotonic() - t0,
+        format_hours(full["hours"], 2),
+        format_hours(full["hours_p10"], 2),
+        format_hours(full["hours_p90"], 2),
+        format_hours(rest["hours"], 2),
+    )
+    total = _totals(per, full, rest)
+    fc = {
+        "pilot_samples": int(pilot_samples),
+        "datasets": per,
+        "total": total,
+        "backends": models,
+        "simulation": {"runs": full["runs"], "runs_remaining": rest["runs"], **overhead},
+    }
+    write_json(fc, out_json)
+    write_text(render_markdown(fc), out_md)
+    return fc
+
+
+def _datasets_figures(datasets: dict, *, target: dict, cache_dir) -> tuple[dict, list[dict]]:
+    """Each dataset's figures (:func:`forecast_dataset`, logged) and the pilot jobs' summaries."""
     template = target.get("template")
     per = {}
     summaries = []
@@ -58,11 +90,12 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
             dollars(per[ds]["usd"]),
             time.monotonic() - t0,
         )
-    t0 = time.monotonic()
-    models = backend_models(list(per.values()), backends, summaries)
-    overhead = job_overhead(summaries)
-    full = simulated_hours(list(per.values()), models, "requests", overhead["job_s"])
-    rest = simulated_hours(list(per.values()), models, "remaining", overhead["job_s"])
+    return per, summaries
+
+
+def _add_simulated(per: dict, models: dict, full: dict, rest: dict) -> None:
+    """The simulated hours and work (whole generation, what the pilot left) into each dataset's and backend's
+    figures; the datasets' pilot internals dropped."""
     for ds, d in per.items():
         d.pop("_pilot_ok")
         d.pop("_pilot_lengths")
@@ -73,16 +106,11 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
     for name, m in models.items():
         m["busy_s"] = full["busy_s"].get(name, 0.0)
         m["busy_remaining_s"] = rest["busy_s"].get(name, 0.0)
-    logger.info(
-        "simulated the generation %d + %d times (%.1f s): %s (p10 %s, p90 %s); what the pilot left: %s",
-        full["runs"],
-        rest["runs"],
-        time.monotonic() - t0,
-        format_hours(full["hours"], 2),
-        format_hours(full["hours_p10"], 2),
-        format_hours(full["hours_p90"], 2),
-        format_hours(rest["hours"], 2),
-    )
+
+
+def _totals(per: dict, full: dict, rest: dict) -> dict:
+    """The forecast's ``total``: counts summed over the datasets, dollars (None when no price is known) and the
+    simulated hours with their p10/p90."""
     known = [d["usd"] for d in per.values() if d["usd"] is not None]
     total = {
         k: sum(d[k] for d in per.values())
@@ -110,13 +138,4 @@ def forecast(datasets: dict, out_md, out_json, *, target: dict, pilot_samples: i
             "hours_remaining_p90": rest["hours_p90"],
         }
     )
-    fc = {
-        "pilot_samples": int(pilot_samples),
-        "datasets": per,
-        "total": total,
-        "backends": models,
-        "simulation": {"runs": full["runs"], "runs_remaining": rest["runs"], **overhead},
-    }
-    write_json(fc, out_json)
-    write_text(render_markdown(fc), out_md)
-    return fc
+    return total
