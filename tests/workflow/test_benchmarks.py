@@ -58,6 +58,8 @@ KEYS = {
         "targets",
         "sizes",
         "seeds",
+        "precision",
+        "target_argmax_agreement_heldout",
     ],
 }
 
@@ -132,6 +134,11 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
     if name == "draft_quality":  # three drafters, the same steps and tokens, scored on the same held-out rows
         d, sizes = out["drafters"], out["sizes"]
         assert set(d) == {"regenerated", "original", "regenerated_fp8"}
+        assert out["precision"] == "bfloat16"  # speculators' Trainer's: bfloat16 states under a bfloat16 autocast
+        # the target's greedy replies are its argmax at (nearly) every supervised position of the held-out rows; a
+        # loss mask or final-state row shifted by one token would put these near 0
+        regen = {k: v for k, v in out["target_argmax_agreement_heldout"].items() if k.endswith("_regen")}
+        assert regen and all(v["share"] >= 0.9 and v["positions"] > 0 for v in regen.values()), regen
         assert sizes["train_samples"]["regen"] > 0 and sizes["train_samples"]["orig"] > 0
         assert d["regenerated_fp8"]["train_samples"] == d["regenerated"]["train_samples"]
         for k in d:
