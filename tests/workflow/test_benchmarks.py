@@ -21,7 +21,7 @@ TOY = {
     "tokenize_validate": ["--toy"],
     "rehearsal": ["--toy"],
     "capture_bytes": ["--toy"],
-    "draft_quality": ["--toy"],
+    "draft_quality": ["--toy", "--seeds", "2"],
 }
 #: keys each JSON line must have, beyond "benchmark"
 KEYS = {
@@ -60,6 +60,7 @@ KEYS = {
         "seeds",
         "precision",
         "target_argmax_agreement_heldout",
+        "tau_onpolicy_by_seed",
     ],
 }
 
@@ -141,12 +142,16 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         assert regen and all(v["share"] >= 0.9 and v["positions"] > 0 for v in regen.values()), regen
         assert sizes["train_samples"]["regen"] > 0 and sizes["train_samples"]["orig"] > 0
         assert d["regenerated_fp8"]["train_samples"] == d["regenerated"]["train_samples"]
+        assert out["seeds"]["training"] == [0, 1]
         for k in d:
             fit, on = d[k]["training"], d[k]["onpolicy"]["overall"]
             assert fit["steps"] == sizes["steps"] and fit["tokens"] == sizes["steps"] * sizes["tokens_per_step"]
             assert on["samples"] == sum(sizes["heldout_onpolicy"].values()) and on["positions"] > 0
             assert on["tau"] == pytest.approx(1 + sum(on["acc"]), abs=2e-4) and len(on["acc"]) == sizes["ttt_steps"]
-            assert out["tau_onpolicy"][k] == on["tau"]
+            # two seeds: the first seed's drafter in full, each seed's tau, the targets read on their mean
+            by_seed = out["tau_onpolicy_by_seed"][k]
+            assert len(by_seed) == 2 and by_seed[0] == on["tau"]
+            assert out["tau_onpolicy"][k] == pytest.approx(sum(by_seed) / 2, abs=1e-6)
         # the same data in the same order, only the storage of the auxiliary states differs
         assert (
             d["regenerated_fp8"]["training"]["supervised_tokens"] == d["regenerated"]["training"]["supervised_tokens"]
