@@ -287,20 +287,16 @@ def _forward(model, b, ttt_steps: int, loss_config, precision: str):
     import torch
 
     with torch.autocast("cpu", dtype=_dtype(precision), enabled=precision != "float32"):
-        return _model_call(model, b, ttt_steps, loss_config)
-
-
-def _model_call(model, b, ttt_steps: int, loss_config):
-    return model(
-        hidden_states=b["hidden_states"],
-        input_ids=b["input_ids"],
-        document_ids=b["document_ids"],
-        loss_mask=b["loss_mask"],
-        position_ids=b["position_ids"],
-        verifier_last_hidden_states=b["verifier_last_hidden_states"],
-        ttt_steps=ttt_steps,
-        loss_config=loss_config,
-    )
+        return model(
+            hidden_states=b["hidden_states"],
+            input_ids=b["input_ids"],
+            document_ids=b["document_ids"],
+            loss_mask=b["loss_mask"],
+            position_ids=b["position_ids"],
+            verifier_last_hidden_states=b["verifier_last_hidden_states"],
+            ttt_steps=ttt_steps,
+            loss_config=loss_config,
+        )
 
 
 def train(
