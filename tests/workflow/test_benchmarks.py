@@ -136,6 +136,7 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         d, sizes = out["drafters"], out["sizes"]
         assert set(d) == {"regenerated", "original", "regenerated_fp8"}
         assert out["precision"] == "bfloat16"  # speculators' Trainer's: bfloat16 states under a bfloat16 autocast
+        assert out["optimizer"] == "muon" and out["served_dtype"] == "bfloat16"  # the defaults
         # the target's greedy replies are its argmax at (nearly) every supervised position of the held-out rows; a
         # loss mask or final-state row shifted by one token would put these near 0
         regen = {k: v for k, v in out["target_argmax_agreement_heldout"].items() if k.endswith("_regen")}
@@ -146,6 +147,10 @@ def test_benchmark_runs_at_toy_size(name, tmp_path):
         for k in d:
             fit, on = d[k]["training"], d[k]["onpolicy"]["overall"]
             assert fit["steps"] == sizes["steps"] and fit["tokens"] == sizes["steps"] * sizes["tokens_per_step"]
+            # speculators' linear schedule: 1% warm-up (none at toy size), then down to 0 at the last step's end
+            warm = sizes["steps"] // 100
+            assert fit["lr_peak"] == pytest.approx(out["lr"])
+            assert fit["lr_last_step"] == pytest.approx(out["lr"] / (sizes["steps"] - warm))
             assert on["samples"] == sum(sizes["heldout_onpolicy"].values()) and on["positions"] > 0
             assert on["tau"] == pytest.approx(1 + sum(on["acc"]), abs=2e-4) and len(on["acc"]) == sizes["ttt_steps"]
             # two seeds: the first seed's drafter in full, each seed's tau, the targets read on their mean

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eagle3_data.backends.server import ServerLaunchError, launch_server
+from eagle3_data.backends.server import ServerLaunchError, launch_server, server_env
 
 FAULT = f"{sys.executable} -m eagle3_data.testing.fault_server --port {{port}}"
 
@@ -92,6 +92,17 @@ def test_placeholders_and_env(tmp_path):
         assert srv.command[-2:] == ["my/model", str(srv.port)]
     text = (tmp_path / "s.log").read_text()
     assert "MODEL=my/model" in text and "FLAG=on" in text
+
+
+def test_thread_count_zero_from_a_threadless_job_is_not_passed_to_the_server():
+    # the generate rule has threads: 0, so Snakemake runs its script with OMP_NUM_THREADS=0 (and the like), which
+    # libgomp rejects; the server gets its library default, while a real count and launch.env are kept
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "0", "MKL_NUM_THREADS": "0", "OPENBLAS_NUM_THREADS": "3"}
+    env = server_env({}, base)
+    assert "OMP_NUM_THREADS" not in env and "MKL_NUM_THREADS" not in env
+    assert env["OPENBLAS_NUM_THREADS"] == "3" and env["PATH"] == "/bin"
+    assert server_env({"env": {"OMP_NUM_THREADS": 4}}, base)["OMP_NUM_THREADS"] == "4"
+    assert base["OMP_NUM_THREADS"] == "0"  # the job's own environment is not changed
 
 
 JOB = textwrap.dedent("""

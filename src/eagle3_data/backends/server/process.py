@@ -130,10 +130,27 @@ def is_vllm(argv: list[str]) -> bool:
     return (prog == "vllm" and argv[1:2] == ["serve"]) or "vllm.entrypoints.openai.api_server" in argv
 
 
+#: the math libraries' thread counts, which Snakemake sets to a job's ``threads`` (``snakemake/shell.py``)
+THREAD_COUNT_VARS = (
+    "OMP_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+
 def server_env(launch: dict, base: dict | None = None) -> dict:
     """The server's environment: ``base`` (default this process's), with ``launch.python``'s ``bin/`` first on
-    ``PATH`` (and ``VIRTUAL_ENV``/``CONDA_PREFIX`` for it, when it is another environment), then ``launch.env``."""
+    ``PATH`` (and ``VIRTUAL_ENV``/``CONDA_PREFIX`` for it, when it is another environment), then ``launch.env``.
+    A thread count of ``0`` is dropped: Snakemake sets it from the generate rule's ``threads: 0`` (an HTTP client
+    takes no core), and the server it starts must use its library's default (every core), not an invalid value
+    (libgomp: "Invalid value for environment variable OMP_NUM_THREADS")."""
     env = dict(os.environ if base is None else base)
+    for var in THREAD_COUNT_VARS:
+        if env.get(var, "").strip() == "0":
+            del env[var]
     if launch.get("python"):
         _, bindir = launch_python(launch)
         prefix = bindir.parent
