@@ -341,7 +341,7 @@ def train(
     lengths = {i: int(ds.approx_lengths[i]) for i in indices}
     hidden = model.config.transformer_layer_config.hidden_size
     params = [p for p in model.parameters() if p.requires_grad]
-    config = TrainerConfig(lr=lr, muon_lr=lr, num_epochs=1, save_path="", optimizer=optimizer, max_steps=steps)
+    config = TrainerConfig(lr=lr, muon_lr=lr, num_epochs=1, save_path="", optimizer=optimizer)
     opts = build_optimizers(model, config)
     scheds = [get_linear_schedule_with_warmup(o, num_warmup_steps=steps // 100, num_training_steps=steps) for o in opts]
     loss_config = resolve_loss_config("kl_div", implementation="eager")
