@@ -8,6 +8,11 @@ reply's end-of-turn token; what the render adds after them is the *tail*: for a 
 the ``"\\n"`` it writes after ``<|im_end|>``; for a reply cut at ``max_tokens`` (kept with
 ``validate.keep_truncated``) the end of turn as well, ``"<|im_end|>\\n"``.
 
+Where the reply's ids are a server's own (``ids_source: exact``, vLLM's ``return_token_ids``), the engine may have
+split a piece of the reply's text into other tokens than the tokenizer would (its sampled path, not the canonical
+encoding). Such a sample counts as the render when its prompt ids are the render's and its ids decode to the start
+of the render's text: it is reported as *resplit*, with the same tail.
+
 This holds for templates that render a finished assistant turn as it was generated (``generic``, ``llama3``,
 Qwen3 without thinking ...), not for those that drop the final turn's reasoning from a finished conversation
 (Kimi K2-Thinking / K2.5, DeepSeek-R1): there the sample's ids are right and the render differs.
@@ -26,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["IdsMismatch", "DatasetCheck", "finished_render_ids", "render_tail", "check_dataset", "main"]
+__all__ = ["IdsMismatch", "DatasetCheck", "finished_render_ids", "render_tail", "resplit_tail", "check_dataset", "main"]
 
 
 class IdsMismatch(ValueError):
@@ -68,13 +73,15 @@ def render_tail(input_ids: list[int], finished: list[int]) -> list[int]:
 
 @dataclass
 class DatasetCheck:
-    """One dataset's result: ``samples`` checked, ``tails`` (finish reason, decoded tail) -> count, and
-    ``mismatches`` as ``(sample_id, detail)``."""
+    """One dataset's result: ``samples`` checked, ``tails`` (finish reason, decoded tail) -> count,
+    ``mismatches`` as ``(sample_id, detail)``, and ``resplit``: the exact-id samples that are the render's text
+    in the engine's own tokens (counted as matching)."""
 
     dataset: str
     samples: int = 0
     tails: Counter = field(default_factory=Counter)
     mismatches: list = field(default_factory=list)
+    resplit: int = 0
 
     def line(self) -> str:
         """One line: how many samples matched and the tails seen."""
@@ -84,6 +91,8 @@ class DatasetCheck:
             f"{self.dataset}: {ok}/{self.samples} validated samples are the target's render of the finished "
             f"conversation up to the reply's end of turn; the render's tail after them: {tails or 'none'}"
         )
+        if self.resplit:
+            text += f"; {self.resplit} of them the same text in the engine's own tokens (exact ids)"
         if self.mismatches:
             sid, detail = self.mismatches[0]
             text += f"; {len(self.mismatches)} differ, e.g. {sid}: {detail}"
@@ -120,19 +129,34 @@ def check_dataset(config: dict, ds: str, tok, root: str | Path = ".") -> Dataset
         for r in pq.read_table(paths["responses"]).to_pylist():
             if r["status"] == "ok" and (r["sample_id"] not in replies or r["turn"] > replies[r["sample_id"]]["turn"]):
                 replies[r["sample_id"]] = r
-        for row in pq.read_table(paths["validated"], columns=["sample_id", "input_ids", "finish_reason"]).to_pylist():
+        columns = ["sample_id", "input_ids", "finish_reason", "ids_source", "num_prompt_tokens"]
+        for row in pq.read_table(paths["validated"], columns=columns).to_pylist():
             r = replies[row["sample_id"]]
             finished = finished_render_ids(
                 tok, json.loads(r["messages"]), _reply(r), json.loads(r["tools"]) if r["tools"] else None, kwargs
             )
             res.samples += 1
             try:
-                tail = render_tail(row["input_ids"], finished)
+                tail = tok.decode(render_tail(row["input_ids"], finished), skip_special_tokens=False)
             except IdsMismatch as exc:
-                res.mismatches.append((row["sample_id"], str(exc)))
-                continue
-            res.tails[(row["finish_reason"], tok.decode(tail, skip_special_tokens=False))] += 1
+                tail = resplit_tail(tok, row, finished)
+                if tail is None:
+                    res.mismatches.append((row["sample_id"], str(exc)))
+                    continue
+                res.resplit += 1
+            res.tails[(row["finish_reason"], tail)] += 1
     return res
+
+
+def resplit_tail(tok, row: dict, finished: list[int]) -> str | None:
+    """For an exact-id sample whose prompt ids are the render's: the render's text after the sample's decoded text,
+    when the sample's text is the start of the render's (the engine split the reply into other tokens); else None."""
+    n = row["num_prompt_tokens"]
+    if row["ids_source"] != "exact" or row["input_ids"][:n] != finished[:n]:
+        return None
+    ours = tok.decode(row["input_ids"], skip_special_tokens=False)
+    render = tok.decode(finished, skip_special_tokens=False)
+    return render[len(ours) :] if render.startswith(ours) else None
 
 
 def main(argv: list[str] | None = None) -> int:

