@@ -201,9 +201,11 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
             torch.testing.assert_close(got, hs[layer + 1][0], atol=1e-5, rtol=1e-5)
             # the other convention (input of layer i) is measurably different: the test can tell them apart
             assert (got - hs[layer][0]).abs().max() > 1e-2
-        # stored: the norm's input (pre-norm); the model's own norm of it is HF's last hidden state, bit for bit
+        # stored: the norm's input (pre-norm); the model's own norm of it is HF's last hidden state. Not bit for
+        # bit: the packed, batched forward and HF's per-sample one run other float32 kernels on some CPUs
+        # (AVX-512 differs by up to 6e-6); within one forward the norm is exact (norm_check above)
         with torch.inference_mode():
-            assert torch.equal(decoder.norm(t["hidden_states"][s:e]), hs[-1][0])
+            torch.testing.assert_close(decoder.norm(t["hidden_states"][s:e]), hs[-1][0], atol=1e-5, rtol=1e-5)
         assert (t["hidden_states"][s:e] - hs[-1][0]).abs().max() > 1e-2
 
     # the reader gives the same per sample, memory-mapped, in either final form (post derived bit-exactly)
@@ -216,7 +218,10 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
         assert torch.equal(one["hidden_states"], t["hidden_states"][s:e])
         assert torch.equal(sf.sample(3, final="pre")["hidden_states"], t["hidden_states"][s:e])
         hs = reference_states(model, rows[3]["input_ids"])
-        assert torch.equal(sf.sample(3, final="post")["hidden_states"], hs[-1][0])
+        post = sf.sample(3, final="post")["hidden_states"]
+        with torch.inference_mode():
+            assert torch.equal(post, decoder.norm(t["hidden_states"][s:e]))  # the model's own norm, bit for bit
+        torch.testing.assert_close(post, hs[-1][0], atol=1e-5, rtol=1e-5)
         two = sf.sample(3, layers=[4, 0])  # a drafter's layers, picked from the stored columns in its order
         assert torch.equal(
             two["aux_hidden_states"],
@@ -225,7 +230,7 @@ def test_states_match_hf_and_layout(tmp_path, tiny_model, loaded, merged):
         with pytest.raises(ValueError, match="layers \\[3\\] are not stored.*extract.drafters"):
             sf.sample(3, layers=[3])
     whole, _ = ex.load_states(out, final="post")
-    torch.testing.assert_close(whole["hidden_states"][s:e], hs[-1][0], atol=0, rtol=0)
+    assert torch.equal(whole["hidden_states"][s:e], post)
 
 
 def test_batched_equals_one_at_a_time_and_default_layers(tmp_path, tiny_model, loaded, merged):
@@ -582,7 +587,8 @@ def test_final_norm_no_formula_stores_post_rows(tmp_path, tiny_model, merged):
     assert meta["norm_formula"] == "none" and t["hidden_states_post"].shape == t["hidden_states"].shape
     with ex.StatesFile(out) as sf:
         ref = reference_states(model, rows[2]["input_ids"])
-        assert torch.equal(sf.sample(2, final="post")["hidden_states"], ref[-1][0])
+        # stored post-norm states from the batched forward: HF's per-sample forward within float32 rounding
+        torch.testing.assert_close(sf.sample(2, final="post")["hidden_states"], ref[-1][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(layer_norm_like(sf.sample(2, final="pre")["hidden_states"]), ref[-1][0])
 
 

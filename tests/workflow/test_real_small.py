@@ -111,6 +111,20 @@ def test_replies_are_real_text(run):
     assert len(sky) == 1 and re.search(r"\b(light|sun|scatter\w*|atmosphere|wavelengths?)\b", sky[0]["content"], re.I)
 
 
+def test_one_vllm_server_for_the_run_with_a_bounded_kv_cache_stopped_with_the_run(run):
+    """The launched vLLM started once for the 3 generate jobs (its log: one start, one ready), held the KV cache
+    the config bounds it to (VLLM_CPU_KVCACHE_SPACE=1 GiB), and was stopped when the run ended."""
+    log = (run / "logs/servers/smollm2_local.log").read_text()
+    assert log.count("Application startup complete") == 1 and len(re.findall(r"supervisor of \S+\] ready in", log)) == 1
+    assert re.search(r"Explicitly set \(1\.0/[\d.]+\) GiB for KV cache", log), log[-3000:]
+    tokens = int(re.search(r"CPU KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+    # 1 GiB of float32 KV: 30 layers x 2 (K, V) x 3 KV heads x 64 dims x 4 bytes = 46,080 bytes a token
+    assert tokens * 30 * 2 * 3 * 64 * 4 <= 1 << 30 and tokens > 10_000
+    assert re.search(r"Stopped the launched server\(s\) smollm2_local", (run / "run.out").read_text())
+    left = subprocess.run(["pgrep", "-f", f"{run}.*vllm.entrypoints"], capture_output=True, text=True).stdout
+    assert left.strip() == "", left
+
+
 def test_only_the_sample_files_bad_rows_are_rejected(run):
     rejected = _rows(sorted(run.glob("results/*/rejected/*.parquet")))
     assert {(r["dataset"], r["reason"]) for r in rejected if r["stage"] == "normalize"} == NORMALIZE_REJECTS
