@@ -7,7 +7,9 @@ from pathlib import Path
 
 from eagle3_data import config as cfg
 from eagle3_data import settings as stage_settings
+from eagle3_data.config.commands import runs_no_job
 from eagle3_data.gguf_target import gguf_file
+from eagle3_data.runtime import owner
 from eagle3_data.settings import (
     DecontaminateSettings,
     ExportSettings,
@@ -29,7 +31,10 @@ def _check_config():
 
     A problem ends the run with a few lines naming the file and key (no traceback, no schema dump). The API
     key variables are checked for the datasets that still have responses to generate; a dry run (-n) only
-    warns about them, so `snakemake -n` works before the key is exported.
+    warns about them, so `snakemake -n` works before the key is exported; a mode that runs no job (`--report`,
+    `--summary`, ...: eagle3_data.config.commands) does not check them. A dataset whose results/<name>/ another
+    config file built is refused (eagle3_data.runtime.owner). Returns the config files, (path, parsed YAML) in
+    merge order.
     """
     main = workflow.is_main_process
     embedded = os.path.relpath(Path(workflow.basedir) / "config.yaml")
@@ -39,6 +44,8 @@ def _check_config():
             cfg.check_layering(files)
         cfg.validate_config(config, cfg.schema(), files=files)
         cfg.check_config(config)
+        if main and not runs_no_job(sys.argv):  # a dataset another config built: refused, alone (nothing else said)
+            owner.check(cfg.datasets(config), files)
         chosen = cfg.resolve_target_template(config)  # target.template: auto -> the family (cached)
         if main and chosen:
             print(chosen, file=sys.stderr)
@@ -46,7 +53,8 @@ def _check_config():
             from eagle3_data.runtime import prerun
 
             prerun.check_before_run(config, cache_dir=config.get("cache_dir", "cache"), workflow=workflow)
-        if main and getattr(workflow, "check_envvars", True) and "--unlock" not in sys.argv:  # not --lint/--unlock
+        # the API keys: not for --lint, --unlock, --report and the other modes that run no job (send no request)
+        if main and getattr(workflow, "check_envvars", True) and not runs_no_job(sys.argv):
             try:
                 cfg.check_api_keys(config, cfg.pending_generation(config))
             except cfg.ConfigError as exc:
@@ -56,6 +64,7 @@ def _check_config():
     except cfg.ConfigError as exc:
         print(exc, file=sys.stderr)
         sys.exit(1)
+    return files
 
 
 # A kill -9 left Snakemake's lock: say how to go on, in one line, before anything else (the config checks included);
@@ -74,7 +83,7 @@ if (
             sys.exit(1)
 
 
-_check_config()
+CONFIG_FILES = _check_config()  # (path, parsed YAML) of each config file, in merge order
 
 DATASETS = cfg.datasets(config)
 GENERATED = cfg.generated_datasets(config)  # they send requests (rule generate)

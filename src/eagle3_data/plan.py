@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 import duckdb
 
+from .logs import NOTICE
 from .extract.model import (
     DFLASH_DRAFT_LAYERS,
     default_layers,
@@ -840,5 +841,5 @@ def plan(
     write_text(render_markdown(p), out_md)
     for w in p["warnings"]:
         log.warning("plan: %s", w)
-    log.info("%s", summary_line(p, out_md))
+    log.log(NOTICE, "%s", summary_line(p, out_md))  # shown on the console, also under the live view
     return p

@@ -130,6 +130,11 @@ def test_config_errors_are_short_and_say_did_you_mean():
     assert _error(lambda c: c.pop("target")) == (
         "Config error in config.yaml: missing top-level key target (it has no default)"
     )
+    # a file of extra keys given alone (the shipped decontamination overlay): said once, with how to layer it
+    assert _error(lambda c: (c.pop("target"), c.pop("datasets"))) == (
+        "Config error in config.yaml: missing top-level keys target, datasets (they have no default); a file "
+        "that only adds keys is layered over a whole config, named first: --configfile config.yaml <this file>"
+    )
     several = _error(lambda c: (typo(c), c["merge"].__setitem__("max_len", "x")))
     assert several.splitlines() == [
         "Config error in config.yaml:",

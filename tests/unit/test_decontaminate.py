@@ -235,6 +235,7 @@ def test_benchmark_config_errors_stop_the_run_before_any_job():
         check([HUMANEVAL, dict(BENCHMARKS[1], name="humaneval")], paths=False)
     with pytest.raises(cfg.ConfigError, match="format generic needs `field`"):
         check([{"name": "g", "format": "generic", "path": "x.jsonl"}], paths=False)
-    with pytest.raises(cfg.ConfigError, match="Python package 'no_such_pkg_xyz' is not installed"):
+    with pytest.raises(cfg.ConfigError, match="Python package 'no_such_pkg_xyz' is not installed") as e:
         check([{"name": "h", "format": "humaneval", "package": "no_such_pkg_xyz", "path": "a.jsonl"}])
+    assert "its file a.jsonl cannot be read" in str(e.value) and "{" not in str(e.value)
     check([{"name": "h", "format": "humaneval", "package": "no_such_pkg_xyz", "path": "a.jsonl"}], paths=False)

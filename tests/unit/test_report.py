@@ -676,7 +676,7 @@ def test_a_failed_runs_last_screen_says_why_each_job_failed(tmp_path):
 
     logs = tmp_path / "logs"
     (logs / "generate" / "chat").mkdir(parents=True)
-    mark = "===== 2026-01-01T00:00:00+00:00 pid 1: a new attempt (earlier ones above) ====="
+    mark = "===== 2026-01-01T00:00:00+00:00 pid 1: attempt 2 of this job (earlier ones above) ====="
     (logs / "generate" / "chat" / "000.log").write_text(
         f"{mark}\n10:00:00 ERROR eagle3_data: an earlier attempt's error\n{mark}\n"
         "10:01:00 INFO eagle3_data.generate: [chat/000] 100 samples\n"

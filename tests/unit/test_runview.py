@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -350,3 +351,265 @@ def test_a_failing_backend_shows_down_with_why_while_it_lasts(tmp_path):
     pool.backends[0].record(True)  # it answers again: the next snapshot clears it
     display.snapshot()
     assert {r["backend"]: r for r in view.rows()}["openrouter"]["down"] is None
+
+
+def test_generation_is_done_once_every_generate_job_of_the_run_ended_and_its_eta_never_climbs(tmp_path):
+    """Shard 001's responses were there before the run (no generate job, no snapshot): once the run's only generate
+    job ended, the backend's row is done, with 1 shard, not an ETA growing while the later stages run. Without
+    Snakemake's account of the jobs (another console), the row shows no ETA once no job of it runs."""
+    from eagle3_data.runtime.stageview import JobTally
+
+    now = time.time()
+    tally = JobTally()
+    tally.run_info({"generate": 1, "tokenize": 1, "total": 2})
+    tally.job_started(7, "generate", at=now - 60)
+    _write(tmp_path, "a", "000", total=50, done=20, ok=20, new_ok=20, last_done_at=now, t0=time.monotonic() - 30)
+    view = runview.RunView(CONFIG, tmp_path, tally=tally)
+    o = {r["backend"]: r for r in view.rows(now)}["openrouter"]
+    assert (o["started"], o["shards"]) == (1, 2) and o["eta_s"] is not None  # 001 may still start
+    _write(tmp_path, "a", "000", total=50, done=50, ok=50, new_ok=50, last_done_at=now + 10, final=True)
+    tally.job_finished(7, at=now + 10)
+    for t in (now + 10, now + 300, now + 1200):  # the later stages run on: the row stays done
+        o = {r["backend"]: r for r in view.rows(t)}["openrouter"]
+        assert (o["started"], o["finished"], o["shards"], o["eta_s"]) == (1, 1, 1, None), o
+        assert view.line(o).endswith("| done"), view.line(o)
+    plain = runview.RunView(CONFIG, tmp_path, tally=lambda: None)
+    o = {r["backend"]: r for r in plain.rows(now + 1200)}["openrouter"]
+    assert (o["shards"], o["eta_s"]) == (2, None) and view.line(o).endswith("| ETA -"), view.line(o)
+
+
+def test_each_stage_after_generation_has_its_own_rate_and_eta_or_none(tmp_path):
+    """Snakemake's account of the run's jobs: tokenize (2 of 4 ended in 60 s since its first start, one runs) has
+    an ETA of 60 s for the 2 left; validate (waiting on tokenize, none running) has none; merge is done."""
+    from eagle3_data.runtime.stageview import JobTally, StageView
+
+    t0 = 1_000_000.0
+    tally = JobTally()
+    tally.run_info(
+        {"normalize_a": 1, "tokenize": 4, "validate": 3, "validate_pretokenized": 1, "merge": 1, "total": 10}
+    )
+    for j in range(3):
+        tally.job_started(j, "tokenize", at=t0 + j)
+    tally.job_finished(0, at=t0 + 30)
+    tally.job_finished(1, at=t0 + 50)
+    tally.job_started(10, "validate_pretokenized", at=t0)
+    tally.job_failed(10, "validate_pretokenized", at=t0 + 5)
+    tally.job_started(20, "merge", at=t0)
+    tally.job_finished(20, at=t0 + 1)
+    tally.run_info(
+        {"normalize_a": 1, "tokenize": 4, "validate": 3, "validate_pretokenized": 1, "merge": 1, "total": 10}
+    )
+    view = StageView(tmp_path, tally)
+    rows = {r["stage"]: r for r in view.rows(t0 + 60)}
+    assert list(rows) == ["tokenize", "validate", "merge"]  # normalize: not a stage the view shows
+    tok = rows["tokenize"]
+    assert (tok["jobs"], tok["finished"], tok["running"], tok["state"]) == (4, 2, 1, "running")
+    assert round(tok["rate"] * 60, 6) == 2.0 and round(tok["eta_s"]) == 60
+    assert view.line(tok) == "tokenize: 2/4 jobs | 2.0 jobs/min | ETA 1:00"
+    val = rows["validate"]
+    assert (val["jobs"], val["failed"], val["running"], val["state"], val["eta_s"]) == (4, 1, 0, "waiting", None)
+    assert view.line(val) == "validate: 0/4 jobs, 1 failed | ETA -"
+    assert view.line(rows["merge"]) == "merge: 1/1 jobs | done"
+
+
+def test_extraction_shows_tokens_of_its_jobs_rate_device_and_eta(tmp_path):
+    """Two of the run's three extract jobs started (one reused half its tokens at once, one forwards on a GPU):
+    tokens done of the run's (the third counted as the mean started one), the forwarded tokens/s over the last
+    minute (the reused ones are no rate), the running job's device, and the ETA of the tokens left at that rate."""
+    from eagle3_data.runtime.stageview import JobTally
+    from eagle3_data.runtime.tokenprogress import TokenProgress
+
+    now = time.time()
+    tally = JobTally()
+    tally.run_info({"extract": 3, "total": 3})
+    tally.job_started(1, "extract", at=now - 100)
+    tally.job_started(2, "extract", at=now - 100)
+    a = TokenProgress(tmp_path, "chat", "000", tokens=1000, reused=500)
+    a.start("cpu")
+    a.update(500, final=True)
+    b = TokenProgress(tmp_path, "chat", "001", tokens=2000, reused=0)
+    b.start("cuda:0 (NVIDIA H100 80GB HBM3)")
+    tally.job_finished(1, at=now - 50)
+    view = runview.RunView(CONFIG, tmp_path, tally=tally)
+    view.stages.rows(now)
+    b.update(600, final=False)
+    b.write()
+    (ext,) = view.stages.rows(now + 60)
+    assert (ext["stage"], ext["jobs"], ext["finished"], ext["running"]) == ("extract", 3, 1, 1)
+    assert (ext["done"], ext["total"]) == (1600, 4500)  # 1000 + 600 of 1000 + 2000 + 1500
+    assert round(ext["rate"]) == 10 and round(ext["eta_s"]) == 290  # 600 forwarded in 60 s; 2900 tokens left
+    assert ext["devices"] == "cuda:0 (NVIDIA H100 80GB HBM3)"
+    line = view.lines(now + 60)[-1]
+    assert line == "extract: 1/3 jobs | 1,600/4,500 tokens | 10 tok/s | on cuda:0 (NVIDIA H100 80GB HBM3) | ETA 4:50"
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=200).print(view.table(now + 60))
+    assert re.search(
+        r"extract\s+1/3\s+1,600/4,500\s+10 tok/s\s+cuda:0 \(NVIDIA H100 80GB HBM3\)\s+4:50", out.getvalue()
+    )
+    # the job forwarded its last token; Snakemake still runs it (its file is written): an ETA all the same
+    b.update(2000, final=True)
+    (ext,) = view.stages.rows(now + 65)
+    assert (ext["done"], ext["running"], ext["state"]) == (3000, 1, "running") and ext["eta_s"] is not None
+    # the job ended: no ETA once nothing runs; done once every extract job of the run ended
+    tally.job_finished(2, at=now + 70)
+    (ext,) = view.stages.rows(now + 80)
+    assert (ext["state"], ext["eta_s"]) == ("waiting", None) and view.stages.line(ext).endswith("| ETA -")
+    tally.job_started(3, "extract", at=now + 80)
+    tally.job_finished(3, at=now + 81)
+    (ext,) = view.stages.rows(now + 90)
+    assert ext["state"] == "done" and view.stages.line(ext).endswith("| done")
+
+
+def test_an_extract_job_of_a_run_writes_its_progress_and_names_its_device(tmp_path, monkeypatch):
+    from eagle3_data.runtime import tokenprogress
+    from eagle3_data.runtime.processes import Owner
+
+    out = "results/hidden_states/chat/003.safetensors"
+    assert tokenprogress.TokenProgress.for_output(out, tokens=1, reused=0) is None  # no workflow run
+    monkeypatch.setenv("EAGLE3_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("EAGLE3_RUN_OWNER", str(Owner.me()))
+    # the plan's throughput measurement extracts into a temporary file: no extract job of the run
+    assert (
+        tokenprogress.TokenProgress.for_output(tmp_path / ".plan-measure-x" / "part.safetensors", tokens=1, reused=0)
+        is None
+    )
+    p = tokenprogress.TokenProgress.for_output(out, tokens=90, reused=30)
+    p.interval_s = 3600
+    p.start("cpu")
+    p.update(20)  # within the interval: not written
+    snap = runview.read_snapshots(tmp_path / "run", "extract")[("chat", "003")]
+    assert (snap["tokens"], snap["reused"], snap["forwarded"], snap["device"], snap["final"]) == (
+        90,
+        30,
+        0,
+        "cpu",
+        False,
+    )
+    p.update(60, final=True)
+    snap = runview.read_snapshots(tmp_path / "run", "extract")[("chat", "003")]
+    assert (snap["forwarded"], snap["final"]) == (60, True)
+    assert tokenprogress.device_label("cpu") == "cpu"
+    monkeypatch.setattr(tokenprogress, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
+    assert tokenprogress.device_label("cuda:1") == "cuda:1 (NVIDIA H100 80GB HBM3)"
+    assert tokenprogress.device_label("cuda", ["3"]) == "cuda:0 (NVIDIA H100 80GB HBM3) = GPU 3"
+    assert tokenprogress.device_label("cuda", ["0", "1"]) == "cuda:0-1 (2× NVIDIA H100 80GB HBM3)"
+
+
+def test_the_jobs_terminal_lines_the_console_keeps():
+    """A job's INFO and DEBUG records stay in its log file; its warnings and errors (a bug's traceback with its
+    error) and any other line come through, a progress bar's carriage-return redraws reduced to the last."""
+    from eagle3_data.runtime.joboutput import LineFilter
+
+    f = LineFilter()
+    got = f.feed(
+        b"00:39:46 INFO eagle3_data.tokens: tokenize x: {'samples': 3,\n 'kept': 3}\n"
+        b"00:39:47 WARNING eagle3_data.merge: merge: datasets absent: ['x']\n"
+        b'00:39:48 ERROR eagle3_data: bad.json: not JSON\nTraceback (most recent call last):\n  File "x"\n'
+    )
+    assert got == [
+        "00:39:47 WARNING eagle3_data.merge: merge: datasets absent: ['x']",
+        "00:39:48 ERROR eagle3_data: bad.json: not JSON",
+        "Traceback (most recent call last):",
+        '  File "x"',
+    ]
+    assert f.feed(b"Loading:  50%|#####\rLoading: 100%|##########\n00:40:00 DEBUG eagle3_data: x\n00:40") == [
+        "Loading: 100%|##########"
+    ]
+    assert f.feed(b":01 ERROR eagle3_data.extract: extract: out of memory\n  continued\n\n") == [
+        "00:40:01 ERROR eagle3_data.extract: extract: out of memory",
+        "  continued",
+    ]
+    assert f.feed(b"no newline at the end") == [] and f.flush() == ["no newline at the end"]
+    # a stage's result line (logs.NOTICE: the plan's summary, as setup_logging writes it) is shown
+    import logging
+
+    from eagle3_data.logs import NOTICE
+
+    record = logging.LogRecord("eagle3_data.plan", NOTICE, "plan.py", 1, "plan: 1,234 tokens", None, None)
+    line = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S").format(record)
+    assert " NOTICE eagle3_data.plan: " in line and f.feed(line.encode() + b"\n") == [line]
+
+
+def test_jobs_started_while_the_table_is_up_write_to_the_pipe_not_the_terminal(tmp_path):
+    """Under a real terminal: a child process started after JobOutput.start writes its INFO record, its error and a
+    plain line; the terminal gets only the error and the plain line, through ``show``; once stopped, the process's
+    own descriptors are the terminal again."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+
+    code = r"""
+import subprocess, sys, time
+from eagle3_data.runtime.joboutput import JobOutput
+shown = []
+jobs = JobOutput(lambda line: (jobs.terminal.write("SHOWN " + line + "\n"), jobs.terminal.flush()))
+assert jobs.start() and jobs.terminal.isatty()
+subprocess.run([sys.executable, "-c", "import sys; print('12:00:00 INFO eagle3_data.tokens: tokenize x: {}', file=sys.stderr);"
+                "print('12:00:01 ERROR eagle3_data: bad.json: not JSON', file=sys.stderr); print('a plain line')"])
+time.sleep(0.5)
+jobs.stop()
+print("AFTER STOP", flush=True)
+"""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        r, _, _ = select.select([master], [], [], 30)
+        try:
+            data = os.read(master, 65536) if r else b""
+        except OSError:
+            data = b""
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(timeout=30) == 0
+    lines = b"".join(chunks).decode().splitlines()
+    assert lines == ["SHOWN 12:00:01 ERROR eagle3_data: bad.json: not JSON", "SHOWN a plain line", "AFTER STOP"], lines
+
+
+def test_extract_states_in_a_run_writes_its_progress_and_logs_its_device(tmp_path, monkeypatch, caplog):
+    """A tiny random Llama on the CPU: the job's last snapshot counts every token of its selection forwarded, on
+    ``cpu``, and its log names the device."""
+    import logging
+
+    from eagle3_data import schemas
+    from eagle3_data.extract import extract_states
+    from eagle3_data.runtime.processes import Owner
+    from eagle3_data.settings import ExtractSettings
+    from eagle3_data.testing.workflow import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "tiny", hidden_size=32, num_layers=4, vocab_size=100, seed=0)
+    rows = [
+        {
+            "sample_id": f"s{i}",
+            "dataset": "chat",
+            "input_ids": list(range(1, 6 + i)),
+            "loss_mask": [0, 0] + [1] * (3 + i),
+            "num_tokens": 5 + i,
+            "num_supervised": 3 + i,
+            "truncated": False,
+        }
+        for i in range(4)
+    ]
+    selection = tmp_path / "selection.parquet"
+    schemas.write_checked(schemas.from_rows(rows, schemas.MERGED), "merged", selection)
+    monkeypatch.setenv("EAGLE3_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("EAGLE3_RUN_OWNER", str(Owner.me()))
+    out = tmp_path / "results" / "hidden_states" / "chat" / "002.safetensors"
+    out.parent.mkdir(parents=True)
+    settings = ExtractSettings.defaults(
+        model_path=model, layers=[0, 1, 2], batch_tokens=8, dtype="float32", device="cpu"
+    )
+    with caplog.at_level(logging.INFO, logger="eagle3_data.extract"):
+        info = extract_states(selection, out, settings=settings)
+    snap = runview.read_snapshots(tmp_path / "run", "extract")[("chat", "002")]
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    assert (snap["tokens"], snap["reused"], snap["forwarded"], snap["final"]) == (tokens, 0, tokens, True)
+    assert snap["device"] == "cpu" and info["device"] == "cpu"
+    assert f"extract 002.safetensors: forwarding {tokens} tokens in {info['batches']} batches on cpu" in caplog.text

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from eagle3_data.testing import tokenizer_fixtures as F
-from eagle3_data.testing.workflow import copy_workflow, run_snakemake
+from eagle3_data.testing.workflow import copy_workflow, md_rows, run_snakemake
 from eagle3_data.testing.fault_server import FaultServer
 from test_generate import backends_cfg, gen_cfg, simple_convs, write_prompts
 
@@ -65,15 +65,13 @@ def _settings(tmp_path, gen, bk, target) -> GenerateSettings:
     )
 
 
-def _pilot(tmp_path, fs, prompts, gen, bk, target):
+def _pilot(tmp_path, fs, prompts, gen, bk, target, n=PILOT):
     for path, shard in zip(prompts, SHARDS):
-        fc.pilot(
-            path, tmp_path / "pilot" / f"{shard}.parquet", _settings(tmp_path, gen, bk, target), n=PILOT, shard=shard
-        )
+        fc.pilot(path, tmp_path / "pilot" / f"{shard}.parquet", _settings(tmp_path, gen, bk, target), n=n, shard=shard)
     return [tmp_path / "pilot" / f"{s}.parquet" for s in SHARDS]
 
 
-def _forecast(tmp_path, prompts, pilots, gen, bk, target) -> dict:
+def _forecast(tmp_path, prompts, pilots, gen, bk, target, pilot_samples=PILOT) -> dict:
     s = _settings(tmp_path, gen, bk, target)
     spec = {
         "ds": {
@@ -89,7 +87,7 @@ def _forecast(tmp_path, prompts, pilots, gen, bk, target) -> dict:
         tmp_path / "forecast.md",
         tmp_path / "forecast.json",
         target=target,
-        pilot_samples=PILOT,
+        pilot_samples=pilot_samples,
         cache_dir=tmp_path / "cache",
         backends=bk,
     )
@@ -155,6 +153,11 @@ def test_pilot_is_journaled_and_never_sent_again_and_the_forecast_is_what_it_imp
     assert d["remaining_work_s"] < d["work_s"]
     md = (tmp_path / "forecast.md").read_text()
     assert "| **Total**" in md and f"**{n}**" in md
+    assert f"\nFrom a pilot of {PILOT} samples. The pilot is journaled" in md  # sent as planned: the size alone
+    assert d["pilot"]["samples"] == PILOT
+    usd_left = f["total"]["usd_remaining"]  # in cents, or under a cent
+    usd_shown = f"${usd_left:,.2f}" if usd_left >= 0.005 else "under $0.01"
+    assert f"\nAlready paid by the pilot: the build sends {n - PILOT} more request(s), for {usd_shown} in " in md
 
     # the build: every shard's generate job answers the pilot from the journal and sends only the rest
     before = fs.stats()["completed"]
@@ -211,6 +214,34 @@ def test_prices_from_the_model_list_cached_then_config_then_unknown(tmp_path, fs
     assert f["datasets"]["ds"]["usd"] is None and f["datasets"]["ds"]["missing_prices"] == ["fault"]
     assert f["total"]["usd"] is None and f["total"]["usd_unknown"] == ["ds"]
     assert "backends.fault.price_per_m" in (tmp_path / "forecast.md").read_text()
+
+
+def test_a_pilot_larger_than_the_dataset_says_what_it_sent_and_leaves_exactly_nothing_to_pay(tmp_path, fs, target):
+    """forecast.pilot_samples above the dataset's size: the pilot sends every sample, the forecast says so (the
+    size planned, then what was sent) and what the build still pays is exactly $0.00 (no float noise)."""
+    fs.configure(min_tokens=5, max_tokens=40)
+    fs.app.reset()
+    gen, bk = gen_cfg(), backends_cfg(fs)
+    prompts = _prompts(tmp_path)
+    n = len(SHARDS) * N_PER_SHARD
+    planned = 2 * n
+    pilots = _pilot(tmp_path, fs, prompts, gen, bk, target, n=planned)
+    assert fs.stats()["completed"] == n  # every sample, once
+    f = _forecast(tmp_path, prompts, pilots, gen, bk, target, pilot_samples=planned)
+    d = f["datasets"]["ds"]
+    assert d["pilot"]["samples"] == d["samples"] == n and d["pilot"]["cost_usd"] > 0
+    assert f["total"]["requests_remaining"] == 0 and f["total"]["usd_remaining"] == 0.0
+    md = (tmp_path / "forecast.md").read_text()
+    assert f"\nFrom a pilot of {planned} samples planned; sent: ds {n} (all it sends). The pilot is journaled" in md
+    assert "\nThe pilot sent every request: the build sends none, and pays nothing more for generation.\n" in md
+    # the dollars in cents: the forecast table's Cost $ (the total the same), the pilot's Cost $ (what it paid)
+    cents = lambda v: f"{v:,.2f}" if v >= 0.005 else "< 0.01"  # noqa: E731
+    pilot_cost = sum(r["cost_usd"] for p in pilots for r in pq.read_table(p).to_pylist())
+    (row, total) = md_rows(md.split("## Pilot")[0])
+    assert row[:3] == ["ds", str(n), str(n)] and row[5] == cents(d["usd"]) and total[5] == f"**{cents(d['usd'])}**"
+    (pilot_row,) = md_rows(md.split("## Pilot")[1].split("## Time")[0])
+    assert pilot_row[:4] == ["ds", str(n), str(n), "0"] and pilot_row[6] == cents(pilot_cost)
+    assert d["pilot"]["cost_usd"] == pytest.approx(pilot_cost)
 
 
 def test_a_budget_scales_what_is_sent(tmp_path, fs, target):

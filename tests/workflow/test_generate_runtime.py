@@ -327,7 +327,7 @@ run_stage(fail, log=log)
     assert err.strip().endswith("ERROR eagle3_data: datasets.x.source.path: nope.jsonl does not exist. Fix the path")
     header, line = log.splitlines()
     assert line + "\n" == err and header.startswith("===== ")
-    assert header.endswith(": a new attempt (earlier ones above) =====")
+    assert header.endswith(": attempt 1 of this job =====")
     rc, err, log = res["interrupt"]
     assert rc == 130 and err.strip().endswith("ERROR eagle3_data: interrupted. Rerun the same command to resume")
     rc, err, log = res["bug"]
@@ -335,20 +335,36 @@ run_stage(fail, log=log)
 
 
 def test_a_job_log_keeps_every_attempt(tmp_path):
-    """A rerun appends to the job's log below a line opening the attempt: an outage's history is kept."""
+    """Snakemake deletes a job's log before each attempt; the log still opens with the earlier attempts, each
+    below a line naming it: an outage's history is kept."""
     import logging
 
-    from eagle3_data.logs import setup_logging
+    from eagle3_data.logs import ATTEMPT_RE, attempts_path, last_attempt, setup_logging
 
     path = tmp_path / "000.log"
-    for attempt in ("first", "second"):
+    for attempt in ("first", "second", "third"):
+        path.unlink(missing_ok=True)  # what snakemake does before it runs the job (Job.remove_existing_output)
         log = setup_logging(str(path))
         log.info("the %s attempt", attempt)
         for h in log.handlers:
             h.flush()
     lines = path.read_text().splitlines()
-    assert [ln.endswith("a new attempt (earlier ones above) =====") for ln in lines] == [True, False, True, False]
-    assert lines[1].endswith("the first attempt") and lines[3].endswith("the second attempt")
+    assert [m.group(1) if (m := ATTEMPT_RE.match(ln)) else None for ln in lines] == ["1", None, "2", None, "3", None]
+    assert lines[0].endswith(": attempt 1 of this job =====")
+    assert lines[4].endswith(": attempt 3 of this job (earlier ones above) =====")
+    assert [ln.split(": ", 1)[1] for ln in lines[1::2]] == [
+        "the first attempt",
+        "the second attempt",
+        "the third attempt",
+    ]
+    assert attempts_path(path).read_text() == path.read_text() and attempts_path(path).name == ".000.log.attempts"
+    assert [ln.split(": ", 1)[1] for ln in last_attempt(lines)] == ["the third attempt"]
+    # called twice without a deletion in between (one process, or a script run by hand): nothing repeated
+    log = setup_logging(str(path))
+    log.info("a fourth")
+    for h in log.handlers:
+        h.flush()
+    assert path.read_text().count("the first attempt") == 1 and path.read_text().splitlines()[-2].startswith("=====")
     logging.getLogger("eagle3_data").handlers.clear()
 
 

@@ -28,14 +28,24 @@ pytestmark = pytest.mark.slow
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def _run_in_pty(wd: Path, env: dict, timeout: float = 300) -> tuple[int, str]:
-    """Run the build with a terminal as its stdout and stderr; return (exit code, everything it printed)."""
+#: the terminal's size (columns, rows)
+SIZE = (160, 50)
+
+
+def _run_in_pty(wd: Path, env: dict, timeout: float = 300, args=(*TARGETS, "--cores", "2")) -> tuple[int, str]:
+    """Run the build (``args``) with a terminal of :data:`SIZE` as its stdin, stdout and stderr; return (exit code,
+    everything it printed)."""
+    import fcntl
+    import struct
+    import termios
+
     master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", SIZE[1], SIZE[0], 0, 0))
     os.set_blocking(master, False)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile", "mine.yaml"],
+        [sys.executable, "-m", "snakemake", *args, "--configfile", "mine.yaml"],
         cwd=wd,
-        env=snakemake_env({"COLUMNS": "160", "TERM": "xterm", **env}),
+        env=snakemake_env({"COLUMNS": str(SIZE[0]), "TERM": "xterm", **env}),
         stdin=slave,
         stdout=slave,
         stderr=slave,

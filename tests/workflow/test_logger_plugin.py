@@ -1,7 +1,8 @@
 """The run's console is this distribution's Snakemake logger plugin (``snakemake_logger_plugin_eagle3``), turned on
 by the workflow profile: Snakemake finds it, it writes exactly what Snakemake's own console handler writes (colours
 included), to the ``sys.stderr`` of the moment (so a live table's redirect takes Snakemake's messages: nothing of
-Snakemake's is re-pointed), and it can be drained so the run's last screen comes after Snakemake's last messages.
+Snakemake's is re-pointed), it can be drained so the run's last screen comes after Snakemake's last messages, and it
+keeps Snakemake's account of the run's jobs for the view's stages.
 
 These go through Snakemake's public Python API (``SnakemakeApi`` with ``OutputSettings``, as the ``snakemake``
 command does), so a Snakemake release that changes how logger plugins are found, fed or formatted fails here."""
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from eagle3_data.testing.workflow import copy_workflow, run_snakemake
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -209,3 +212,43 @@ def test_the_view_draws_a_live_table_only_on_its_own_console(monkeypatch, tmp_pa
         finally:
             runview.detach_console("the plugin's handler")
     assert seen == [False, True]
+
+
+def test_it_keeps_snakemakes_account_of_the_runs_jobs_whatever_it_shows(monkeypatch):
+    """The run-wide view's stages come from the plugin's tally of Snakemake's records (job stats, each job's start,
+    end, failure), kept also for the records Snakemake's filter holds back (--quiet all)."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.logging import logger
+    from snakemake.settings.enums import Quietness
+    from snakemake.settings.types import OutputSettings
+
+    from eagle3_data.runtime import runview
+
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)
+    with SnakemakeApi(OutputSettings(log_handler_settings={"eagle3": _plugin_settings()}, quiet={Quietness.ALL})):
+        [handler] = list(runview._console)  # noqa: SLF001
+        assert runview.job_tally() is handler.jobs
+        for level, msg, extra in _records():
+            logger.log(level, msg, extra=extra)
+        assert handler.drain()
+        rules = handler.jobs.rules()
+    assert out.getvalue() == ""
+    g = rules["generate"]
+    assert (g["planned"], g["started"], g["finished"], g["failed"], g["running"]) == (2, 2, 1, 1, 0), rules
+    assert list(rules) == ["generate"]
+
+
+def test_a_dry_runs_job_table_is_written_once(monkeypatch, tmp_path):
+    """Snakemake logs a dry run's job stats before the jobs and again after them (snakemake/workflow.py): its own
+    console writes the table twice, this one once; the real dry run of the demo too."""
+    stats = _records()[1]
+    monkeypatch.setattr(sys.modules[__name__], "_records", lambda: [stats, (logging.INFO, "Reasons: ...", {}), stats])
+    theirs = _console_output(monkeypatch, io.StringIO(), [])
+    ours = _console_output(monkeypatch, io.StringIO(), ["eagle3"])
+    assert theirs.count("Job stats:") == 2 and ours.count("Job stats:") == 1 and "Reasons: ..." in ours
+    wd = copy_workflow(tmp_path)
+    proc = run_snakemake(wd, "-n")
+    out = proc.stdout + proc.stderr
+    assert out.count("Job stats:") == 1 and "This was a dry-run" in out, out[-2000:]
+    assert out.index("Job stats:") < out.index("rule normalize_sharegpt_demo:")  # before the jobs, as Snakemake

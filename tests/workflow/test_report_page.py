@@ -246,3 +246,61 @@ def test_report_page_shows_the_loss_mask_view_in_the_page(demo, browser, tmp_pat
     shot = browser.screenshot(tmp_path_factory.mktemp("screenshots") / "report_loss_mask_view.png")
     assert shot.stat().st_size > 20_000
     print(f"screenshot of the report page showing the loss-mask view: {shot}")
+
+
+# the home view's layout: where the description's paragraphs, titles and tables and the rule graph (vega's canvas
+# and its menu button) are drawn, and which element the page shows at the middle of each cell of the first and the
+# last column (the Cost $ columns) of each front table, scrolled into view
+_LAYOUT = """(() => {
+  const box = e => { const r = e.getBoundingClientRect(); return {l: r.left, t: r.top, r: r.right, b: r.bottom}; };
+  const front = document.querySelector('.eagle3-front');
+  const pane = front.closest('.overflow-auto');
+  pane.scrollTop = 0; pane.scrollLeft = 0;
+  const items = [...front.closest('.prose').querySelectorAll('p, h2, h3, table')].map(
+    e => ({what: e.tagName + ' ' + e.innerText.trim().slice(0, 40), ...box(e)}));
+  const edges = [...front.querySelectorAll('table')].flatMap(
+    t => [...t.rows].flatMap(r => [r.cells[0], r.cells[r.cells.length - 1]]));
+  const hits = edges.map(c => {
+    c.scrollIntoView({block: 'center', inline: 'center'});
+    const r = c.getBoundingClientRect();
+    const at = document.elementFromPoint((r.left + r.right) / 2, (r.top + r.bottom) / 2);
+    return {cell: c.innerText.trim(), same: !!at && (at === c || c.contains(at)), at: at ? at.tagName : null};
+  });
+  pane.scrollTop = 0; pane.scrollLeft = 0;
+  return {pane: box(pane), graph: box(document.querySelector('#rulegraph')), items, hits};
+})()"""
+
+
+def _intersect(a: dict, b: dict) -> bool:
+    return a["l"] < b["r"] and b["l"] < a["r"] and a["t"] < b["b"] and b["t"] < a["b"]
+
+
+@pytest.mark.parametrize(("width", "height"), [(1400, 900), (1920, 1080), (1024, 768)])
+def test_report_home_draws_the_rule_graph_clear_of_the_tally_cost_and_rejects(demo, width, height, tmp_path_factory):
+    """The page's home view (the description with the tally, cost and rejects tables, and the rule graph), laid
+    out by headless Chromium at three window sizes: the rule graph intersects no paragraph, title or table of the
+    description; the description starts inside the pane, not above or left of what it scrolls to; from 1400 px
+    wide every table fits the pane's width; the middle of every cell of each table's first and last column (Cost
+    $ in the tally), scrolled into view, shows that cell, nothing drawn over it."""
+    exe = find_chromium()
+    if not exe:
+        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium; .ci/run installs it)")
+    with Browser(exe, width=width, height=height) as b:
+        b.goto((demo / "report.html").as_uri())
+        b.wait_for("document.querySelector('.eagle3-front table') !== null")
+        # vega draws the graph on a canvas, asynchronously: wait until it is sized to the graph
+        b.wait_for("(c => !!c && c.height > 300)(document.querySelector('#rulegraph canvas.marks'))")
+        lay = b.eval(_LAYOUT)
+        shot = b.screenshot(tmp_path_factory.mktemp("screenshots") / f"report_home_{width}x{height}.png")
+    print(f"screenshot of the report page's home view at {width}x{height}: {shot}")
+    graph, pane, items = lay["graph"], lay["pane"], lay["items"]
+    assert graph["r"] - graph["l"] > 100 and graph["b"] - graph["t"] > 300, graph  # the graph is drawn
+    tables = [i for i in items if i["what"].startswith("TABLE")]
+    titles = [i["what"] for i in items if i["what"][:2] in ("H2", "H3")]
+    assert len(tables) >= 3 and any("Tally" in t for t in titles) and any("Cost" in t for t in titles), titles
+    assert not [i["what"] for i in items if _intersect(i, graph)], (graph, items)
+    assert all(i["t"] >= pane["t"] and i["l"] >= pane["l"] for i in items), (pane, items)  # none cut off
+    if width >= 1400:
+        assert all(t["r"] <= pane["r"] + 0.5 for t in tables), (pane, tables)  # no table runs past the pane
+    assert lay["hits"][1]["cell"] == "Cost $" and len(lay["hits"]) >= 40, lay["hits"][:3]  # the tally's header
+    assert [h for h in lay["hits"] if not h["same"]] == [], "cells drawn over"

@@ -77,6 +77,15 @@ def test_a_rerun_sends_exactly_the_samples_that_failed_without_a_paid_reply(tmp_
         assert fs.app.requests == fs.app.completed == N - paid
         assert max(fs.app.completed_by_body.values()) == 1 and _journaled(wd) == N
         assert "Failed, not paid" not in p.stdout + p.stderr
+        # the shard's log holds both attempts (snakemake deleted it before the rerun): the outage, then the heal
+        log = (wd / "logs/generate/chat/000.log").read_text()
+        heads = [ln for ln in log.splitlines() if ln.startswith("===== ")]
+        assert [h.split(": ", 1)[1] for h in heads] == [
+            "attempt 1 of this job =====",
+            "attempt 2 of this job (earlier ones above) =====",
+        ], heads
+        first = log[: log.index(heads[1])]
+        assert "failed without a paid reply (http_50" in first and "without a paid reply" not in log[len(first) :]
 
         fs.app.reset()
         p = _snakemake(wd)

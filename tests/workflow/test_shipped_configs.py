@@ -34,7 +34,8 @@ EXPECTED_RULES = {
     | {f"normalize_{d}_demo" for d in ("sharegpt", "ultrachat", "sweagent", "pretokenized")},
     "resources/configs/decontaminate.yaml": STAGES
     | {"all", "tiny_target", "export", "validate_pretokenized", "minhash", "decontaminate", "decontamination_report"}
-    | {f"normalize_{d}_demo" for d in ("sharegpt", "ultrachat", "sweagent", "pretokenized")},
+    | {"original_answers"}
+    | {f"normalize_{d}_demo" for d in ("sharegpt", "ultrachat", "sweagent", "pretokenized", "code")},
     "resources/configs/openrouter.yaml": STAGES | {"all", "normalize_sharegpt"},
     "resources/configs/real-small.yaml": STAGES
     | {"all", "gguf_target", "export", "normalize_sharegpt", "normalize_ultrachat"},
@@ -123,6 +124,10 @@ def test_shipped_config_dry_run_plans_its_rules(path, tmp_path):
     # one generate job per shard of each dataset that is generated (a pre-tokenized one is not)
     c = _merged(path)
     cfg.validate_config(c, cfg.load_schema(cfg.SCHEMA_PATH))
-    shards = sum(d["shards"] for d in c["datasets"].values() if d["source"]["format"] != "pretokenized")
+    shards = sum(
+        d["shards"]
+        for d in c["datasets"].values()
+        if d["source"]["format"] != "pretokenized" and d.get("answers") != "original"
+    )
     assert rules["generate"] == shards and rules["all"] == 1, rules
     assert not (wd / "results").exists(), "a dry run writes nothing"

@@ -88,9 +88,10 @@ def decon(demo_run, tmp_path_factory) -> Path:
     # turning it on: minhash and decontaminate of every prompts shard, generate again (from the journal), no
     # normalize but the new dataset's
     jobs = _dry(wd, *files)
-    prompt_shards = 2 + 1 + 1 + 1  # sharegpt_demo, ultrachat_demo, sweagent_demo, planted_demo
+    prompt_shards = 2 + 1 + 1 + 1 + 1  # sharegpt_demo, ultrachat_demo, sweagent_demo, code_demo (the shipped
+    # overlay's own), planted_demo
     assert jobs["minhash"] == jobs["decontaminate"] == prompt_shards and jobs["generate"] == 4, jobs
-    assert [j for j in jobs if j.startswith("normalize_")] == ["normalize_planted_demo"], jobs
+    assert sorted(j for j in jobs if j.startswith("normalize_")) == ["normalize_code_demo", "normalize_planted_demo"]
     proc = run_snakemake(wd, "--cores", "2", "--configfile", "config.yaml", *files, timeout=2400)
     (wd / "decon.out").write_text(proc.stdout + proc.stderr)
     return wd
@@ -114,6 +115,14 @@ def test_one_planted_case_per_rule_is_rejected_named_and_counted(decon):
     # the demo's own prompts: nothing overlaps HumanEval, no near-duplicate across its datasets
     for ds in ("sharegpt_demo", "ultrachat_demo", "sweagent_demo"):
         assert not _rows(sorted((decon / f"results/{ds}/rejected/decontaminate").glob("*.parquet"))), ds
+    # the shipped overlay's own dataset: the question that pastes HumanEval/2's prompt is its one catch
+    (caught,) = _rows([decon / "results/code_demo/rejected/decontaminate/000.parquet"])
+    assert (caught["source_row"], caught["reason"], caught["detail"]) == (
+        1,
+        "benchmark_overlap",
+        "humaneval HumanEval/2 (13-gram: 33 shared)",  # as docs/stages.md shows it
+    )
+    assert len(_rows([decon / "results/code_demo/validated/000.parquet"])) == 3
     # the reports: rejects by reason (stage decontaminate), the decontamination table per rule and pair of datasets
     with open(decon / "results/reports/rejects.csv") as fh:
         counts = {(r["dataset"], r["stage"], r["reason"]): int(r["count"]) for r in csv.DictReader(fh)}
@@ -150,12 +159,12 @@ def test_changing_the_benchmark_list_reruns_decontaminate_and_below_only(decon):
         )
     )
     jobs = _dry(decon, *base, "bench2.yaml")
-    assert jobs["decontaminate"] == 5 and "minhash" not in jobs, jobs
+    assert jobs["decontaminate"] == 6 and "minhash" not in jobs, jobs
     assert not [j for j in jobs if j.startswith("normalize_")], jobs
-    assert jobs["generate"] == 4 and jobs["original_answers"] == 1 and jobs["merge"] == 1, jobs
+    assert jobs["generate"] == 4 and jobs["original_answers"] == 2 and jobs["merge"] == 1, jobs
     # the threshold of near-duplicates: decontaminate again, the signatures are kept
     (decon / "thr.yaml").write_text("decontaminate:\n  near_duplicates: {threshold: 0.9}\n")
-    assert "minhash" not in _dry(decon, *base, "thr.yaml") and _dry(decon, *base, "thr.yaml")["decontaminate"] == 5
+    assert "minhash" not in _dry(decon, *base, "thr.yaml") and _dry(decon, *base, "thr.yaml")["decontaminate"] == 6
     # the n-gram size of a rule that is off (no benchmark listed) reruns nothing
     (decon / "off.yaml").write_text("decontaminate:\n  benchmarks: []\n  ngram: 8\n")
     (decon / "off_base.yaml").write_text("decontaminate:\n  benchmarks: []\n")

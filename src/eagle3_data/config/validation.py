@@ -184,8 +184,15 @@ def _problems(err, all_keys: list[str]) -> list[tuple[list, str, str | None]]:
         return out
     if kind == "required":
         absent = [k for k in err.validator_value if not (isinstance(inst, dict) and k in inst)]
-        where = f"{where}: missing key" if path else "missing top-level key"
-        return [(path, f"{where} {', '.join(absent)} (it has no default)", None)]
+        many = len(absent) > 1
+        where = f"{where}: missing key{'s' * many}" if path else f"missing top-level key{'s' * many}"
+        text = f"{where} {', '.join(absent)} ({'they have' if many else 'it has'} no default)"
+        if not path and {"target", "datasets"} <= set(absent):
+            text += (
+                "; a file that only adds keys is layered over a whole config, named first: "
+                "--configfile config.yaml <this file>"
+            )
+        return [(path, text, None)]
     if _secret_path(path):
         return [
             (
@@ -266,7 +273,8 @@ def validate_config(config: dict, schema: dict, *, files: Sequence[tuple[str, di
     if not errors:
         check_bounds(config, files)
         return config
-    problems = [p for e in errors for p in _problems(e, all_keys)]
+    # jsonschema reports each missing required key as an error of its own; each lists them all: one problem
+    problems = list({(tuple(p[0]), p[1]): p for e in errors for p in _problems(e, all_keys)}.values())
     # "missing key x" next to a misspelt key the message already corrects to x is one problem, not two
     fixed = {(tuple(map(str, path[:-1])), sug) for path, _, sug in problems if sug}
     problems = [

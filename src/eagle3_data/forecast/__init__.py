@@ -49,7 +49,8 @@ module used to define, so ``from eagle3_data.forecast import X`` still works:
 - :mod:`.estimate` - :func:`forecast_dataset`: one dataset's requests, tokens and dollars;
 - :mod:`.simulation` - :func:`simulate_generation`, :func:`simulated_hours`, :func:`backend_models`,
   :func:`pilot_faults`, :func:`job_overhead`;
-- :mod:`.markdown` - :func:`render_markdown`;
+- :mod:`.markdown` - :func:`render_markdown`, with :func:`~.markdown.forecast_usd` (dollars in cents) and
+  :func:`~.markdown.pilot_sentence` (the pilot's size as planned and as sent);
 - :mod:`.write` - rule forecast's job: :func:`forecast`;
 - :mod:`.errors` - :class:`ForecastError`.
 """

@@ -163,9 +163,12 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
             "retry_max_s": float(gen.retry_max_s),
         },
         "requests_remaining": round(remaining),
-        "usd_remaining": None if usd is None else max(0.0, usd * frac - sum(known)),
+        # what the pilot left, at the mean cost per request: exactly 0.0 when nothing is left (usd x frac - the
+        # pilot's dollars is the same sum, but leaves float noise such as 6.9e-18 where the two are equal)
+        "usd_remaining": None if usd is None else remaining * cost_per_request,
         "pilot": {
             "requests": len(rows),
+            "samples": len({r["sample_id"] for r in rows}),  # sent (or answered from the journal)
             "ok": n_ok,
             "failed": len(rows) - n_ok,
             "completion_tokens": sum(comp),

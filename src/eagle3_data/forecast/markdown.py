@@ -2,8 +2,59 @@
 
 from __future__ import annotations
 
-from ..formatting import format_hours, format_usd
+from ..formatting import format_hours
 from ..report import markdown_table
+
+
+def forecast_usd(v: float | None, *, sign: bool = True) -> str:
+    """A forecast's dollars ``v`` (USD) in cents: ``"$1,234.50"``, ``"$0.00"`` for zero or less (a forecast
+    has no negative cost), ``"under $0.01"`` for a positive amount below half a cent (it would round to
+    ``$0.00``); ``"unknown"`` for None. ``sign=False`` leaves out the ``$`` (table cells under "Cost $")."""
+    if v is None:
+        return "unknown"
+    cur = "$" if sign else ""
+    if v <= 0:
+        return f"{cur}0.00"
+    if v < 0.005:
+        return f"under {cur}0.01" if sign else "< 0.01"
+    return f"{cur}{v:,.2f}"
+
+
+def pilot_sentence(fc: dict) -> str:
+    """What the pilot sent, for the head of the forecast: ``"From a pilot of 50 samples per dataset"`` when every
+    dataset's pilot sent ``fc["pilot_samples"]`` samples, else the size planned and what each dataset sent:
+    ``"From a pilot of 50 samples per dataset planned; sent: sharegpt 35 (all it sends), ultrachat 28 (all it
+    sends), swe 50"`` ("all it sends": the dataset has no more samples for the build to send). ``fc``:
+    :func:`eagle3_data.forecast.forecast`'s result (each dataset's ``samples`` and ``pilot.samples``)."""
+    planned = int(fc["pilot_samples"])
+    head = f"From a pilot of {planned:,} {'sample' if planned == 1 else 'samples'}"
+    if len(fc["datasets"]) > 1:
+        head += " per dataset"
+    sent = {ds: int(d["pilot"]["samples"]) for ds, d in fc["datasets"].items()}
+    if all(n == planned for n in sent.values()):
+        return head
+    parts = [
+        f"{ds} {n:,}" + (" (all it sends)" if n < planned and n == fc["datasets"][ds]["samples"] else "")
+        for ds, n in sent.items()
+    ]
+    return f"{head} planned; sent: {', '.join(parts)}"
+
+
+def _latency(a: float, b: float) -> str:
+    """A latency fit ``a + b x tokens`` (seconds, seconds per token): ``"0.12 s + 1.950 ms/token"``; an
+    intercept that rounds to zero reads ``0.00``, never ``-0.00``."""
+    return f"{round(a, 2) + 0.0:.2f} s + {round(1000 * b, 3) + 0.0:.3f} ms/token"
+
+
+def _remaining(t: dict, span) -> str:
+    """The line on what the build sends after the pilot: requests, dollars and time, or that it sends none."""
+    if not t["requests_remaining"]:
+        return "The pilot sent every request: the build sends none, and pays nothing more for generation."
+    usd = forecast_usd(t["usd_remaining"]) if t["usd_remaining"] is not None else "unknown dollars"
+    return (
+        f"Already paid by the pilot: the build sends {t['requests_remaining']:,} more request(s), for {usd} in "
+        f"{span(t['hours_remaining'], t['hours_remaining_p10'], t['hours_remaining_p90'])}."
+    )
 
 
 def render_markdown(fc: dict) -> str:
@@ -18,7 +69,7 @@ def render_markdown(fc: dict) -> str:
         rows.append(
             {
                 **d,
-                "usd_s": format_usd(d["usd"]) if d["usd"] is not None else "unknown",
+                "usd_s": forecast_usd(d["usd"], sign=False),
                 "time": format_hours(d["hours"], 2),
                 "stop": d["stopped_by"] or "",
             }
@@ -30,7 +81,7 @@ def render_markdown(fc: dict) -> str:
             "requests_sent": t["requests_sent"],
             "prompt_tokens_sent": t["prompt_tokens_sent"],
             "expected_completion_tokens": t["expected_completion_tokens"],
-            "usd_s": (format_usd(t["usd"]) if t["usd"] is not None else "unknown")
+            "usd_s": forecast_usd(t["usd"], sign=False)
             + (" (+ unknown)" if t["usd"] is not None and t["usd_unknown"] else ""),
             "time": span(t["hours"], t["hours_p10"], t["hours_p90"]),
             "stop": "",
@@ -51,17 +102,15 @@ def render_markdown(fc: dict) -> str:
     lines = [
         "# Generation forecast",
         "",
-        f"From a pilot of {fc['pilot_samples']} sample(s) per dataset (journaled: the build answers them from the "
-        "journal and does not pay for them again). Prompt tokens: every request's prompt rendered with the "
+        f"{pilot_sentence(fc)}. The pilot is journaled: the build answers its samples from the journal and does "
+        "not pay for them again. Prompt tokens: every request's prompt rendered with the "
         "target's chat template; completion tokens and dollars: requests x the pilot's mean per answered request; "
         "time: the mean of simulated runs at each backend's `max_concurrency` (in brackets: 10th to 90th "
         'percentile; "Done after": when a dataset\'s last request ends, all datasets running together).',
         "",
         markdown_table(rows, cols, bold=lambda r: r.get("total", False)),
         "",
-        f"Already paid by the pilot: the build sends {t['requests_remaining']:,} more request(s), for "
-        + (f"${format_usd(t['usd_remaining'])}" if t["usd_remaining"] is not None else "unknown dollars")
-        + f" in {span(t['hours_remaining'], t['hours_remaining_p10'], t['hours_remaining_p90'])}.",
+        _remaining(t, span),
         "",
         "## Pilot",
         "",
@@ -70,10 +119,10 @@ def render_markdown(fc: dict) -> str:
                 {
                     "dataset": d["dataset"],
                     **d["pilot"],
-                    "cost": format_usd(d["pilot"]["cost_usd"]) if d["pilot"]["cost_usd"] is not None else "",
+                    "cost": "" if d["pilot"]["cost_usd"] is None else forecast_usd(d["pilot"]["cost_usd"], sign=False),
                     "per": d["completion_tokens_per_request"],
                     "longest": d["longest_tokens"],
-                    "fit": f"{d['latency_a_s']:.2f} s + {1000 * d['latency_b_s_per_token']:.3f} ms/token",
+                    "fit": _latency(d["latency_a_s"], d["latency_b_s_per_token"]),
                     "src": d["cost_source"]
                     or "unknown: set backends." + "/".join(d["missing_prices"] or ["<name>"]) + ".price_per_m",
                 }
@@ -81,6 +130,7 @@ def render_markdown(fc: dict) -> str:
             ],
             [
                 ("dataset", "Dataset", "text"),
+                ("samples", "Samples", ""),
                 ("requests", "Requests", ""),
                 ("failed", "Failed", ""),
                 ("per", "Completion tok / request", ""),
@@ -115,7 +165,7 @@ def render_markdown(fc: dict) -> str:
                     "backend": name,
                     "concurrency": m["concurrency"],
                     "pilot": m["pilot_responses"],
-                    "fit": f"{m['a']:.2f} s + {1000 * m['b']:.3f} ms/token",
+                    "fit": _latency(m["a"], m["b"]),
                     "rl": f"{100 * m['p_rate_limit']:.1f} %",
                     "fault": f"{100 * m['p_fault']:.1f} %",
                     "work": f"{m['busy_s']:,.0f}",

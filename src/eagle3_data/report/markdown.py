@@ -23,6 +23,23 @@ code { font-size: 90%; background: #f6f8fa; padding: 0 .2rem; border-radius: 3px
 #: the report page's front (report/workflow.rst shows it): tally, cost and rejects as one HTML fragment
 FRONT_PAGE = "front.html"
 FRONT_STEMS = ("tally", "cost", "rejects")
+#: the front's style. The tables' own look, then the page's layout around them: Snakemake's report shows the
+#: description in a box 32rem wide (``prose max-w-lg``) beside the rule graph, in a pane that centres its content
+#: vertically (``items-center``). The tables are wider than that box, so the graph was drawn over their right
+#: columns, and a description taller (or wider) than the window lost its top (or left) edge outside the pane's
+#: scroll range. The rules below (``:has()``: they apply only to the page that holds this fragment) let the box be
+#: as wide as its tables (its paragraphs keep a readable width), wrap the graph below the description when both
+#: don't fit side by side, and start the pane at its top left. tests/workflow/test_report_page.py measures the
+#: result in headless Chromium.
+FRONT_CSS = (
+    ".eagle3-front table{border-collapse:collapse;margin:0.5em 0 1.5em;width:auto}"
+    ".eagle3-front th,.eagle3-front td{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+    ".eagle3-front td:first-child,.eagle3-front th:first-child{text-align:left}"
+    ".prose:has(.eagle3-front){max-width:none}"
+    ".prose:has(.eagle3-front) p{max-width:48rem}"
+    "div.flex:has(>div>.prose .eagle3-front){flex-wrap:wrap}"
+    "div.overflow-auto:has(.eagle3-front){align-items:flex-start;justify-content:flex-start}"
+)
 
 
 def front_page_fragment(out_dir) -> str:
@@ -36,12 +53,7 @@ def front_page_fragment(out_dir) -> str:
     for stem in FRONT_STEMS:
         text = (Path(out_dir) / f"{stem}.md").read_text()
         parts.append(md.render(re.sub(r"(?m)^# ", "### ", text)))
-    style = (
-        "<style>.eagle3-front table{border-collapse:collapse;margin:0.5em 0 1.5em}"
-        ".eagle3-front th,.eagle3-front td{border:1px solid #ccc;padding:2px 6px;text-align:right}"
-        ".eagle3-front td:first-child,.eagle3-front th:first-child{text-align:left}</style>"
-    )
-    return f'{style}\n<div class="eagle3-front">\n' + "".join(parts) + "</div>\n"
+    return f'<style>{FRONT_CSS}</style>\n<div class="eagle3-front">\n' + "".join(parts) + "</div>\n"
 
 
 def markdown_page(md: str, title: str) -> str:

@@ -58,7 +58,14 @@ def _colors(names: list[str]) -> dict[str, tuple]:
 
 
 def plot_lengths(rows: list[dict], path) -> Path:
-    """Box plots (log scale) of prompt and completion tokens per dataset; write PNG ``path``.
+    """Box plots (log scale) of prompt and completion tokens per dataset (:func:`lengths_figure`); write PNG
+    ``path``."""
+    return _save(lengths_figure(rows), path)
+
+
+def lengths_figure(rows: list[dict]) -> Figure:
+    """The figure of ``lengths.png``: box plots (log scale) of prompt and completion tokens per dataset, side by
+    side under one title; constrained layout, so the title, the panels' titles and the labels never overlap.
 
     ``rows``: dicts with ``dataset``, ``prompt_tokens``, ``completion_tokens`` (one per sample, as
     ``lengths.sql`` returns). Each dataset's label gives its sample count and median lengths.
@@ -69,12 +76,13 @@ def plot_lengths(rows: list[dict], path) -> Path:
         p.append(int(r["prompt_tokens"]))
         c.append(int(r["completion_tokens"]))
     names = sorted(by)
-    fig = Figure(figsize=(11, max(3.0, 0.45 * len(names) + 1.8)))
+    fig = Figure(figsize=(11, max(3.0, 0.45 * len(names) + 1.8)), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
+    fig.suptitle("Length distributions per dataset (validated samples)")
     if not names:
         for ax in axes:
             _no_data(ax, "no validated samples")
-        return _save(fig, path)
+        return fig
     for ax, idx, title in (
         (axes[0], 0, "Prompt tokens (loss mask 0)"),
         (axes[1], 1, "Completion tokens (loss mask 1)"),
@@ -92,8 +100,7 @@ def plot_lengths(rows: list[dict], path) -> Path:
                 f"median {int(np.median(d)):,}", (float(np.median(d)), i + 0.33), fontsize=7, ha="center", color="0.3"
             )
     axes[0].set_yticks(range(1, len(names) + 1), [f"{n} (n={len(by[n][0]):,})" for n in names])
-    fig.suptitle("Length distributions per dataset (validated samples)")
-    return _save(fig, path)
+    return fig
 
 
 def _running_mean(values: np.ndarray) -> np.ndarray:
@@ -138,7 +145,7 @@ def plot_cost_over_time(rows: list[dict], path) -> Path:
 
     ``rows``: as for :func:`plot_completion_vs_time` plus ``cost_usd`` (failed responses count in dollars).
     """
-    fig = Figure(figsize=(11, 7))
+    fig = Figure(figsize=(11, 7), layout="constrained")  # the suptitle above the panels, not on them
     ax_cost, ax_tpm = fig.subplots(2, 1, sharex=True)
     if not rows:
         _no_data(ax_cost, "no responses with a completion time")

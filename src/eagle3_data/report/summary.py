@@ -7,6 +7,7 @@ import contextlib
 from pathlib import Path
 
 from ..config.lookup import answers_of, shards_of
+from ..logs import clip_line, last_attempt
 from ..formatting import format_clock, format_usd
 from .markdown import fmt
 
@@ -237,7 +238,6 @@ def pilot_spend(datasets_config: dict, results_dir="results") -> dict | None:
 
 #: how a job's one-line failure looks in its log (errors.report_failure through logs.setup_logging's format)
 _ERROR_MARK = " ERROR eagle3_data: "
-_ATTEMPT_MARK = ": a new attempt (earlier ones above) ====="
 
 
 def failure_causes(logs_dir="logs", since: float | None = None, limit: int = 6) -> list[str]:
@@ -256,11 +256,10 @@ def failure_causes(logs_dir="logs", since: float | None = None, limit: int = 6) 
             lines = log.read_text(errors="replace").splitlines()
         except OSError:
             continue
-        last = max((i for i, ln in enumerate(lines) if ln.endswith(_ATTEMPT_MARK)), default=-1)
-        errors = [ln.split(_ERROR_MARK, 1)[1] for ln in lines[last + 1 :] if _ERROR_MARK in ln]
+        errors = [ln.split(_ERROR_MARK, 1)[1] for ln in last_attempt(lines) if _ERROR_MARK in ln]
         errors = [e for e in errors if not re.match(r"(\[[^\]]*\] )?interrupted\b", e)]
         if errors:
-            found.append((mtime, f"{log}: {errors[-1][:400]}"))
+            found.append((mtime, f"{log}: {clip_line(errors[-1])}"))
     found.sort()
     out = [text for _, text in found[:limit]]
     if len(found) > limit:

@@ -1,26 +1,37 @@
-"""The run-wide view of generation: one line per backend for all the shards of a workflow run, every few seconds.
+"""The run-wide view: one line per backend for all the shards of a workflow run's generation, and one per stage
+after it (:mod:`eagle3_data.runtime.stageview`), every few seconds.
 
 Each generate job of a run writes a small snapshot of its counters (:func:`snapshot`) to
-``<run dir>/progress/<dataset>.<shard>.json`` (atomic rename) every progress interval and when it ends, also when
-it fails or is stopped. The main ``snakemake`` process (Snakefile ``onstart``, :func:`start`) reads them every
-``interval_s`` and prints, per backend (the shards that generate through it; a dataset with several backends in
-priority order counts under the first)::
+``<run dir>/progress/generate.<dataset>.<shard>.json`` (atomic rename) every progress interval and when it ends,
+also when it fails or is stopped; an extract job writes its own (:mod:`eagle3_data.runtime.tokenprogress`). The
+main ``snakemake`` process (Snakefile ``onstart``, :func:`start`) reads them every ``interval_s`` and prints, per
+backend (the shards that generate through it; a dataset with several backends in priority order counts under the
+first), then per stage with jobs in the run::
 
     generate openrouter: 1,234/5,000 samples, 12/16 shards | in flight 96/100 | 1,520 tok/s | $3.21 of $50.00 | warnings: http_503 12, timeout 3 | ETA 41:02
+    tokenize: 10/16 jobs | 4.0 jobs/min | ETA 1:30
+    extract: 2/16 jobs | 1,843,200/14,745,600 tokens | 3,120 tok/s | on cuda:0 (NVIDIA H100 80GB HBM3) | ETA 1:08:55
 
-On a terminal, a ``rich`` live table redrawn in place at the bottom, with Snakemake's own messages (and
-anything else the main process prints) scrolling above it: Snakemake's console is then this distribution's logger
-plugin (``snakemake_logger_plugin_eagle3``, turned on by the workflow profile's ``logger: [eagle3]``), which writes
-to the ``sys.stderr`` of the moment, rich's redirect while the table is up; with another console (``--logger``
-naming another plugin, no workflow profile) the view prints plain lines. In logs, CI and other non-terminals, plain lines,
-printed when they change. ``EAGLE3_LIVE_VIEW=0`` asks for the plain lines on a terminal too. ``ETA`` is the
-remaining samples at this run's own samples/s over the last minute: samples answered by the journal (a resume)
-or refused before any request are left out of the rate. ``warnings`` counts the jobs' warnings by reason (failed
-samples by their failure reason, budget stops, a backend taken out, ...): a generate job of a run prints none to
-the console, its log has their text. A backend that its jobs see down (every attempt for a few seconds refused
-or answered 5xx: :meth:`eagle3_data.backends.pool.Backend.trouble`), or that answered nothing for ``stall_s``
-while work is left, shows ``DOWN: <why>`` instead of an ETA that would only grow, for as long as it lasts. The
-per-shard lines and summaries go to the shard logs (``logs/generate/<ds>/<shard>.log``) and files.
+On a terminal, ``rich`` live tables (``generation``, ``stages``) redrawn in place at the bottom, with Snakemake's
+own messages (and anything else the main process prints) scrolling above them: Snakemake's console is then this
+distribution's logger plugin (``snakemake_logger_plugin_eagle3``, turned on by the workflow profile's
+``logger: [eagle3]``), which writes to the ``sys.stderr`` of the moment, rich's redirect while the tables are up,
+and keeps Snakemake's account of the run's jobs (:class:`eagle3_data.runtime.stageview.JobTally`). The jobs,
+which inherit the terminal, write to a pipe instead while the tables are up (:mod:`eagle3_data.runtime.joboutput`):
+a job's warnings and one-line error go above the tables, its INFO lines only to its log file; nothing is drawn
+inside the tables. With another console (``--logger`` naming another plugin, no workflow profile) the view prints
+plain lines, without the stages' job counts. In logs, CI and other non-terminals, plain lines, printed when they
+change. ``EAGLE3_LIVE_VIEW=0`` asks for the plain lines on a terminal too.
+
+Generation's ``ETA`` is the remaining samples at this run's own samples/s over the last minute: samples answered by
+the journal (a resume) or refused before any request are left out of the rate; none (``-``) while no generate job
+runs, and ``done`` once every generate job of the run ended (a shard whose responses were already there is not
+the run's). ``warnings`` counts the jobs' warnings by reason (failed samples by their failure reason, budget stops,
+a backend taken out, ...): a generate job of a run prints none to the console, its log has their text. A backend
+that its jobs see down (every attempt for a few seconds refused or answered 5xx:
+:meth:`eagle3_data.backends.pool.Backend.trouble`), or that answered nothing for ``stall_s`` while work is left,
+shows ``DOWN: <why>`` instead of an ETA that would only grow, for as long as it lasts. The per-shard lines and
+summaries go to the shard logs (``logs/generate/<ds>/<shard>.log``) and files.
 
 The snapshots are also what the run's last screen counts for a shard that did not finish (failed or stopped):
 what its job had journaled (:func:`read_snapshots`).
@@ -29,19 +40,14 @@ what its job had journaled (:func:`read_snapshots`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import threading
 import time
 from pathlib import Path
 
-PROGRESS_DIR = "progress"
-
-
-def snapshot_path(run_dir: str | os.PathLike, dataset: str, shard: str, kind: str = "generate") -> Path:
-    """``<run_dir>/progress/<kind>.<dataset>.<shard>.json`` (kind ``generate``, or ``pilot`` for the forecast's)."""
-    return Path(run_dir) / PROGRESS_DIR / f"{kind}.{dataset}.{shard}.json"
+from .snapshots import PROGRESS_DIR, read_snapshots, snapshot_path, write_snapshot  # noqa: F401 (its API)
+from .stageview import StageView, clock
 
 
 def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None = None, final: bool = False) -> dict:
@@ -97,33 +103,6 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
     }
 
 
-def write_snapshot(run_dir, snap: dict) -> None:
-    """Write ``snap`` to its :func:`snapshot_path` (temp file + rename; errors ignored: the view is best effort)."""
-    path = snapshot_path(run_dir, snap["dataset"], snap["shard"], snap.get("kind") or "generate")
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(snap))
-        os.replace(tmp, path)
-
-
-def read_snapshots(run_dir, kind: str = "generate") -> dict[tuple[str, str], dict]:
-    """``(dataset, shard)`` -> the latest snapshot of each job of the run of that ``kind`` (unreadable files left
-    out)."""
-    out = {}
-    folder = Path(run_dir) / PROGRESS_DIR
-    for p in sorted(folder.glob(f"{kind}.*.json")) if folder.is_dir() else []:
-        with contextlib.suppress(OSError, ValueError):
-            s = json.loads(p.read_text())
-            out[(s["dataset"], s["shard"])] = s
-    return out
-
-
-def _clock(seconds: float) -> str:
-    s = int(round(max(0.0, seconds)))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
 def _usd(v: float) -> str:
     return f"${v:,.4f}" if v < 100 else f"${v:,.2f}"
 
@@ -146,14 +125,21 @@ class RunView:
         run_dir: the run directory whose ``progress/`` the jobs write.
         stall_s: a backend with work left and no finished request for this long shows as down.
         window_s: the samples/s of the ETA is measured over this window.
+        tally: Snakemake's account of the run's jobs (:class:`eagle3_data.runtime.stageview.JobTally`), or a
+            callable returning it or None; default :func:`job_tally` (the eagle3 console's, if it is the console).
     """
 
-    def __init__(self, config: dict, run_dir, *, stall_s: float = 120.0, window_s: float = 60.0):
+    def __init__(self, config: dict, run_dir, *, stall_s: float = 120.0, window_s: float = 60.0, tally=None):
         self.config = config
         self.run_dir = Path(run_dir)
         self.stall_s = float(stall_s)
         self.window_s = float(window_s)
         self.history: dict[str, list[tuple[float, int, int]]] = {}  # backend -> (t, done, completion tokens)
+        self._tally = job_tally if tally is None else tally
+        self.stages = StageView(self.run_dir, self._tally, window_s=window_s)
+
+    def tally(self):
+        return self._tally() if callable(self._tally) else self._tally
 
     def _groups(self) -> dict[str, list[dict]]:
         from .. import config as cfg
@@ -176,13 +162,18 @@ class RunView:
         failed samples by reason, replies naming another model, the jobs' other warnings).
 
         The ETA's rate is this run's: samples done without a request (answered by the journal on a resume, an
-        unusable prompt: ``instant``) are counted in ``done`` but not in the samples/s."""
+        unusable prompt: ``instant``) are counted in ``done`` but not in the samples/s; no ETA while none of the
+        backend's jobs runs. ``shards``: the backend's shards in the run: once every generate job of the run ended
+        (:meth:`tally`), a shard without a snapshot is none of the run's (its responses were there)."""
         now = time.time() if now is None else now
+        tally = self.tally()
+        open_jobs = tally.open_jobs(("generate", "forecast_pilot")) if tally is not None else None
         out = []
         for label, snaps in self._groups().items():
             started = [s for s in snaps if "total" in s]
             if not started:
                 continue
+            unstarted = 0 if open_jobs == 0 else len(snaps) - len(started)
             done = sum(s["done"] for s in started)
             total = sum(s["total"] for s in started)
             tokens = sum(s["completion_tokens"] for s in started)
@@ -201,7 +192,7 @@ class RunView:
                 rate = requested / el if el > 0 else 0.0
                 tok_s = tokens / el if el > 0 else 0.0
             # shards not started yet: their samples are unknown until they start; counted as the mean started shard
-            left = total - done + (len(snaps) - len(started)) * (total / len(started))
+            left = total - done + unstarted * (total / len(started))
             # one reason per backend: that of the shard that wrote last (the shards see the same backend)
             why_by: dict[str, tuple[float, str]] = {}
             for s in started:
@@ -219,12 +210,12 @@ class RunView:
             budgets = [s.get("budget_usd") for s in started]
             budget = None
             if all(b is not None for b in budgets):  # each shard's share: the dataset budget over its shards
-                budget = sum(budgets) + (len(snaps) - len(started)) * (sum(budgets) / len(budgets))
+                budget = sum(budgets) + unstarted * (sum(budgets) / len(budgets))
             out.append(
                 {
                     "stage": "forecast pilot" if all(s.get("kind") == "pilot" for s in started) else "generate",
                     "backend": label,
-                    "shards": len(snaps),
+                    "shards": len(started) + unstarted,
                     "started": len(started),
                     "finished": sum(1 for s in started if s.get("final")),
                     "done": done,
@@ -234,7 +225,7 @@ class RunView:
                     "tok_s": tok_s,
                     "spent_usd": sum(s["spent_usd"] for s in started),
                     "budget_usd": budget,
-                    "eta_s": None if downs or rate <= 0 else left / rate,
+                    "eta_s": None if downs or rate <= 0 or not active else left / rate,
                     "down": "; ".join(downs) or None,
                     "warnings": self._warnings(started),
                 }
@@ -271,26 +262,36 @@ class RunView:
         elif r["started"] == r["finished"] == r["shards"]:
             parts.append("done")
         else:
-            parts.append(f"ETA {_clock(r['eta_s'])}" if r["eta_s"] is not None else "ETA -")
+            parts.append(f"ETA {clock(r['eta_s'])}" if r["eta_s"] is not None else "ETA -")
         return " | ".join(parts)
 
     def lines(self, now: float | None = None) -> list[str]:
-        return [self.line(r) for r in self.rows(now)]
+        """The run's lines: one per backend (:meth:`line`), then one per stage (:meth:`StageView.line`)."""
+        return [self.line(r) for r in self.rows(now)] + [self.stages.line(r) for r in self.stages.rows(now)]
 
     def table(self, now: float | None = None):
-        """The rows as a ``rich`` table (the live view on a terminal)."""
+        """The rows as ``rich`` tables, ``generation`` and ``stages``, each where it has rows (the live view on a
+        terminal)."""
+        from rich.console import Group
+
+        rows, stages = self.rows(now), self.stages.rows(now)
+        return Group(
+            *([self._generation_table(rows)] if rows else []), *([self.stages.table(stages)] if stages else [])
+        )
+
+    def _generation_table(self, rows: list[dict]):
         from rich.table import Table
 
         t = Table(title="generation", box=None, pad_edge=False)
         for h in ("backend", "samples", "shards", "in flight", "tok/s", "spent", "warnings", "ETA"):
             t.add_column(h, justify="left" if h in ("backend", "warnings", "ETA") else "right")
-        for r in self.rows(now):
+        for r in rows:
             eta = (
                 f"DOWN: {r['down']}"[:120]
                 if r["down"]
                 else "done"
                 if r["finished"] == r["shards"]
-                else _clock(r["eta_s"])
+                else clock(r["eta_s"])
                 if r["eta_s"] is not None
                 else "-"
             )
@@ -308,16 +309,36 @@ class RunView:
 
 
 class _Printer(threading.Thread):
+    """Prints the view every ``interval_s``: plain lines when they change, or (``live``) ``rich`` live tables
+    redrawn in place, with the jobs' terminal output through :class:`~eagle3_data.runtime.joboutput.JobOutput`."""
+
     def __init__(self, view: RunView, interval_s: float, stream, live: bool):
         super().__init__(name="eagle3-run-view", daemon=True)
         self.view, self.interval_s, self.stream, self.live = view, interval_s, stream, live
         self.stopping = threading.Event()
+        self.display = None  # the rich Live, while the tables are up
+        self.jobs = None  # the jobs' terminal output (JobOutput)
+
+    def start(self) -> None:
+        """Put the tables up (live) before the thread starts: in the calling thread, so that every job started
+        after :func:`start` writes to the pipe, not through the tables."""
+        if self.live:
+            try:
+                self._begin_live()
+            except Exception:  # no table, then: plain lines, the terminal as it was
+                self._end_live()
+                self.live = False
+        super().start()
 
     def run(self) -> None:
         if self.live:
-            with contextlib.suppress(Exception):
-                self._run_live()
-                return
+            try:
+                while not self.stopping.wait(self.interval_s):
+                    with contextlib.suppress(Exception):
+                        self.display.update(self.view.table())
+            finally:
+                self._end_live()
+            return
         last: list[str] = []
         while True:
             stopping = self.stopping.wait(self.interval_s)
@@ -330,25 +351,57 @@ class _Printer(threading.Thread):
             if stopping:  # the run ended: its last state was printed once more (if it changed)
                 return
 
-    def _run_live(self) -> None:
+    def _begin_live(self) -> None:
         from rich.console import Console
         from rich.live import Live
 
-        console = Console(file=self.stream)
-        # rich puts whatever is written to sys.stdout / sys.stderr above the table; Snakemake's messages among it:
+        from .joboutput import JobOutput
+
+        self.jobs = JobOutput(self._show)
+        self.jobs.start()  # the jobs' stdout / stderr: a pipe, shown above the tables (its module docstring)
+        console = Console(file=self.jobs.terminal or self.stream)
+        if self.jobs.terminal is not None and not os.isatty(0) and "COLUMNS" not in os.environ:
+            # rich asks the standard descriptors for the terminal's size; stdout and stderr are the pipe now
+            with contextlib.suppress(OSError):
+                console.size = os.get_terminal_size(self.jobs.terminal.fileno())
+        # rich puts whatever is written to sys.stdout / sys.stderr above the tables; Snakemake's messages among it:
         # its console is the eagle3 logger plugin, which writes to sys.stderr as it is at each message
         # (snakemake_logger_plugin_eagle3; without it start() draws no table)
-        with Live(
+        self.display = Live(
             self.view.table(),
             console=console,
             refresh_per_second=1,
             transient=False,
             redirect_stdout=True,
             redirect_stderr=True,
-        ) as live:
-            while not self.stopping.wait(self.interval_s):
-                live.update(self.view.table())
-            live.update(self.view.table())
+        )
+        self.display.start()
+
+    def _end_live(self) -> None:
+        """The jobs' lines written so far, the tables' last state, then the terminal as it was."""
+        if self.jobs is not None:
+            with contextlib.suppress(Exception):
+                self.jobs.drain()
+        if self.display is not None:
+            with contextlib.suppress(Exception):
+                self.display.update(self.view.table(), refresh=True)
+            with contextlib.suppress(Exception):
+                self.display.stop()
+        if self.jobs is not None:
+            with contextlib.suppress(Exception):
+                self.jobs.stop()
+
+    def _show(self, line: str) -> None:
+        """One line of the jobs' output: above the tables while they are up, else on the terminal."""
+        display = self.display
+        if display is not None and display.is_started:
+            from rich.text import Text
+
+            display.console.print(Text.from_ansi(line))
+        else:
+            out = (self.jobs.terminal if self.jobs is not None else None) or sys.stderr
+            out.write(line + "\n")
+            out.flush()
 
 
 #: Snakemake's console when it is this distribution's logger plugin (``snakemake_logger_plugin_eagle3.LogHandler``,
@@ -381,7 +434,7 @@ _printer: list[_Printer] = []
 def start(config: dict, run_dir, *, interval_s: float = 5.0, stream=None, live: bool | None = None) -> None:
     """Print the run-wide view from a background thread of the main ``snakemake`` process until :func:`stop`.
 
-    ``live``: redraw a table in place (default: when ``stream`` is a terminal and Snakemake's console is the eagle3
+    ``live``: redraw the tables in place (default: when ``stream`` is a terminal and Snakemake's console is the eagle3
     logger plugin, :func:`console_is_ours`, unless ``EAGLE3_LIVE_VIEW=0`` or ``TERM=dumb``); plain lines otherwise,
     printed when they change. Nothing is printed for a run without generated datasets."""
     from .. import config as cfg
@@ -411,4 +464,14 @@ def stop() -> None:
     while _printer:
         p = _printer.pop()
         p.stopping.set()
-        p.join(timeout=5)
+        p.join(timeout=10)  # a live one writes the jobs' last lines and the tables' last state, then returns
+
+
+def job_tally():
+    """Snakemake's account of the run's jobs (:class:`eagle3_data.runtime.stageview.JobTally`), kept by the eagle3
+    logger plugin when it is the console; None otherwise."""
+    for handler in _console:
+        tally = getattr(handler, "jobs", None)
+        if tally is not None:
+            return tally
+    return None
