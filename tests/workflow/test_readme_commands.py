@@ -12,6 +12,7 @@ output.
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -54,6 +55,20 @@ HF_TOKENIZER = (
 NETWORK = "network (a paid endpoint)"
 #: the stand-in target's vocabulary is 272 tokens: a draft vocabulary that fits it (the real one holds the default)
 STANDIN_VOCAB = "printf 'vocab:\\n  draft_vocab_size: 256\\n' >> my.yaml"
+
+#: README step 9's training commands (GPUs for hours): each trainer resolves and validates them without training
+SPECULATORS_FLAGS = (
+    "--speculator-type eagle3 --verifier-name-or-path models/Kimi-K2.5 --trust-remote-code --data-path "
+    "results/export/speculators --draft-vocab-size 32000 --total-seq-len 32768 --save-path "
+    "results/drafters/speculators-eagle3"
+)
+SPECFORGE_TRAIN = "specforge train --config resources/train/specforge-eagle3.yaml"
+TRAINED_ON_CPU = "tests/workflow/test_train_drafter.py trains with them for two steps on CPU"
+#: the launch plan SpecForge prints (JSON): one torch.distributed launch of 8 processes
+PLAN_CHECK = (
+    "import json, sys; argv = json.load(sys.stdin)['commands'][0]['argv']; "
+    "assert argv[argv.index('--nproc_per_node') + 1] == '8', argv"
+)
 
 #: how a command is run, keyed by the command as written (continuation lines joined); unlisted: as written
 HOW: dict[str, How] = {
@@ -112,6 +127,16 @@ HOW: dict[str, How] = {
     ),
     "uv pip install -e . -r envs/vllm-gpu.txt --override envs/vllm-gpu-overrides.txt": How(
         "the vLLM GPU environment, as above", skip=True
+    ),
+    f"torchrun --standalone --nproc_per_node 8 -m speculators.train {SPECULATORS_FLAGS}": How(
+        "8 GPUs for hours: one process of the same module with --dump-config, which resolves and validates every "
+        f"flag, prints the run config and exits; {TRAINED_ON_CPU}",
+        run=f"python -m speculators.train {SPECULATORS_FLAGS} --dump-config | grep -q 'data_path: results/export/speculators'",
+    ),
+    SPECFORGE_TRAIN: How(
+        "8 GPUs for hours: with --plan, SpecForge validates the config against its schema and prints the launch "
+        f"plan (8 processes) without starting them; {TRAINED_ON_CPU}",
+        run=f"{SPECFORGE_TRAIN} --plan | python -c {shlex.quote(PLAN_CHECK)}",
     ),
 }
 

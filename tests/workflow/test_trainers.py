@@ -19,8 +19,11 @@ README's test command installs them (``pip install --no-deps -r envs/no-deps.txt
   ``Eagle3DraftModel`` forward and backward with the eager KL loss (speculators/models/eagle3/core.py); on
   ``speculators_fp8`` the same dataset reading through hs_connectors 0.9.0's ``FP8Transfer``
   (hs_connectors/transfer.py), what ``--hidden-states-backend fp8`` uses.
-- NVIDIA Model-Optimizer on ``modelopt`` (it does not install here: numpy/torch pins): its offline reader mirrored
-  line by line below (``modelopt_offline_dataset``).
+- NVIDIA Model-Optimizer 0.47.0 on ``modelopt``: its own ``OfflineSupervisedDataset`` and
+  ``EagleOfflineDataCollator`` (modelopt/torch/speculative/eagle/utils.py), with the stored loss mask
+  (``answer_only_loss``); the file listing of its training example mirrored (``modelopt_offline_files``). Installed
+  without its requirements (envs/no-deps.txt: its ``hf`` extra pins transformers<5.15, for its model's forward
+  pass, which this reader does not run); these tests skip where it is not importable.
 
 Each check runs on a deliberately broken copy of the export too (a dropped key, a shifted loss mask, the other
 final-norm convention, missing FP8 scales) and must fail there.
@@ -425,14 +428,22 @@ def check_speculators_fp8(out_dir: Path, full_dir: Path, rows, loaded, max_len: 
     return len(ds)
 
 
-# Model-Optimizer's offline EAGLE-3 reader (it does not install here), mirrored from its source:
-# examples/speculative_decoding/eagle_utils.py (make_eagle_supervised_data_module, offline branch) lists the files,
-# modelopt/torch/speculative/eagle/utils.py (OfflineSupervisedDataset.__getitem__, EagleOfflineDataCollator) loads and
-# batches them.
-MODELOPT_IGNORE_TOKEN_ID = -100  # transformers' LabelSmoother.ignore_index
+# NVIDIA Model-Optimizer's offline EAGLE-3 reader: its own OfflineSupervisedDataset and EagleOfflineDataCollator
+# (modelopt/torch/speculative/eagle/utils.py). The files are listed by its training example, which the wheel does not
+# ship: examples/speculative_decoding/eagle_utils.py (make_eagle_supervised_data_module, offline branch), mirrored in
+# modelopt_offline_files. Model-Optimizer installs as the README's test command installs it (envs/no-deps.txt);
+# where it is missing, its tests skip.
+MODELOPT = "NVIDIA Model-Optimizer is not importable (pip install --no-deps -r envs/no-deps.txt installs it)"
 
 
-def modelopt_offline_dataset(offline_data_path) -> list[str]:
+def modelopt_reader():
+    """Model-Optimizer 0.47's ``OfflineSupervisedDataset`` and ``EagleOfflineDataCollator``; skips the test where
+    it is not importable."""
+    utils = pytest.importorskip("modelopt.torch.speculative.eagle.utils", reason=MODELOPT, exc_type=ImportError)
+    return utils.OfflineSupervisedDataset, utils.EagleOfflineDataCollator
+
+
+def modelopt_offline_files(offline_data_path) -> list[str]:
     """``dumped_files = [str(p) for p in offline_data_path.rglob("*.pt")]``, refusing an empty directory."""
     files = [str(p) for p in Path(offline_data_path).rglob("*.pt")]
     if not files:
@@ -440,60 +451,23 @@ def modelopt_offline_dataset(offline_data_path) -> list[str]:
     return files
 
 
-def modelopt_getitem(path, answer_only_loss: bool = True) -> dict:
-    """``OfflineSupervisedDataset.__getitem__`` with ``answer_only_loss`` (the loss mask stored in the file)."""
-    offline_data = torch.load(path, weights_only=True)
-    labels = torch.full_like(offline_data["input_ids"], MODELOPT_IGNORE_TOKEN_ID)
-    labels[..., :-1] = offline_data["input_ids"][..., 1:]
-    if answer_only_loss:
-        if "loss_mask" not in offline_data:
-            raise ValueError(
-                f"answer_only_loss=True requires a 'loss_mask' entry in the offline .pt file, but {path} "
-                "does not have one"
-            )
-        loss_mask = offline_data["loss_mask"].to(offline_data["input_ids"].dtype)
-    else:
-        loss_mask = torch.ones_like(offline_data["input_ids"])
-    return {
-        "input_ids": offline_data["input_ids"],
-        "base_model_hidden_states": offline_data["hidden_states"],
-        "aux_hidden_states": offline_data["aux_hidden_states"],
-        "attention_mask": torch.ones_like(offline_data["input_ids"]),
-        "loss_mask": loss_mask,
-        "labels": labels,
-        "base_hidden_prenorm": bool(offline_data.get("hidden_states_prenorm", False)),
-    }
-
-
-def modelopt_collate(features, train_len: int) -> dict:
-    """``EagleOfflineDataCollator(train_len)``: every tensor padded with zeros or cut to ``train_len``."""
-
-    def pad(x):
-        out = x.new_zeros([train_len, *x.shape[1:]])
-        out[: min(train_len, x.shape[0])] = x[:train_len]
-        return out
-
-    batch = {
-        k: torch.stack([pad(f[k]) for f in features]) for k in ("input_ids", "attention_mask", "loss_mask", "labels")
-    }
-    batch["base_model_outputs"] = {
-        k: torch.stack([pad(f[k]) for f in features]) for k in ("base_model_hidden_states", "aux_hidden_states")
-    }
-    return batch
-
-
 def check_modelopt(out_dir: Path, rows, loaded) -> int:
-    """What Model-Optimizer's offline EAGLE-3 training reads from ``out_dir`` (mirrored reader above), checked
-    against ``rows`` and the target. Returns the number of samples read."""
+    """What Model-Optimizer's offline EAGLE-3 training reads from ``out_dir`` (its own dataset and collator, with
+    ``training.answer_only_loss``: the stored loss mask), checked against ``rows`` and the target. Returns the
+    number of samples read."""
+    dataset_cls, collator_cls = modelopt_reader()
     model, _ = loaded
     H, L = model.config.hidden_size, model.config.num_hidden_layers
     # modelopt/torch/speculative/plugins/hf_eagle.py: default_eagle_aux_layer_ids = sorted({1, L//2-1, L-4})
-    layers = sorted({1, max(0, L // 2 - 1), max(0, L - 4)})
-    files = modelopt_offline_dataset(out_dir)
+    from modelopt.torch.speculative.plugins.hf_eagle import default_eagle_aux_layer_ids
+
+    layers = default_eagle_aux_layer_ids(L)
+    files = modelopt_offline_files(out_dir)
     assert len(files) == len(rows)
+    dataset = dataset_cls(files, answer_only_loss=True)
     items = []
-    for f in files:
-        item = modelopt_getitem(f)
+    for i, f in enumerate(files):
+        item = dataset[i]
         r = rows[int(Path(f).stem)]
         T, P = r["num_tokens"], r["prompt_len"]
         assert item["input_ids"].dtype == torch.int64 and item["input_ids"].tolist() == r["input_ids"]
@@ -509,8 +483,9 @@ def check_modelopt(out_dir: Path, rows, loaded) -> int:
         assert logits[P - 1 : T - 1].argmax(-1).tolist() == r["input_ids"][P:T]
         items.append(item)
     n = max(r["num_tokens"] for r in rows) + 8
-    batch = modelopt_collate(items, train_len=n)
+    batch = collator_cls(train_len=n)(items)
     assert batch["base_model_outputs"]["aux_hidden_states"].shape == (len(rows), n, 3 * H)
+    assert batch["base_model_outputs"]["base_hidden_prenorm"] is False  # post-norm: no norm applied again
     assert int(batch["loss_mask"].sum()) == sum(r["num_tokens"] - r["prompt_len"] for r in rows)
     return len(files)
 
@@ -716,10 +691,12 @@ def test_speculators_fp8_check_fails_on_broken_exports(exports, rows, loaded, tm
 
 
 def test_modelopt_reads_the_export(exports, rows, loaded):
+    modelopt_reader()  # skips where Model-Optimizer is not importable
     assert check_modelopt(exports["modelopt"], rows, loaded) == len(rows)
 
 
 def test_modelopt_check_fails_on_broken_exports(exports, rows, loaded, tmp_path):
+    modelopt_reader()
     files = sorted(Path(exports["modelopt"]).rglob("*.pt"))
     broken = tmp_path / "dropped"
     shutil.copytree(exports["modelopt"], broken)
