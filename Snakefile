@@ -63,7 +63,7 @@ rule all:
 onstart:
     run_state.begin(CACHE_DIR)  # the run's state: here, not at parse time, so a dry run or --lint changes nothing
     run_state.on_start(CACHE_DIR)
-    owner.record(DATASETS, CONFIG_FILES)  # results/<dataset>/.built-by.json: the config file that defines it
+    owner.record(DATASETS, CONFIG_FILES, TARGET["path"])  # results/<dataset>/.built-by.json: its config, target
     start_run_view()
     # a worker per generate-job seat: generate jobs wait on their longest requests without a core (eagle3_data.runtime.run)
     if SEATS:

@@ -32,8 +32,8 @@ def _check_config():
     A problem ends the run with a few lines naming the file and key (no traceback, no schema dump). The API
     key variables are checked for the datasets that still have responses to generate; a dry run (-n) only
     warns about them, so `snakemake -n` works before the key is exported; a mode that runs no job (`--report`,
-    `--summary`, ...: eagle3_data.config.commands) does not check them. A dataset whose results/<name>/ another
-    config file built is refused (eagle3_data.runtime.owner). Returns the config files, (path, parsed YAML) in
+    `--summary`, ...: eagle3_data.config.commands) does not check them. A dataset whose results/<name>/ was built
+    for another target is refused (eagle3_data.runtime.owner). Returns the config files, (path, parsed YAML) in
     merge order.
     """
     main = workflow.is_main_process
@@ -44,8 +44,8 @@ def _check_config():
             cfg.check_layering(files)
         cfg.validate_config(config, cfg.schema(), files=files)
         cfg.check_config(config)
-        if main and not runs_no_job(sys.argv):  # a dataset another config built: refused, alone (nothing else said)
-            owner.check(cfg.datasets(config), files)
+        if main and not runs_no_job(sys.argv):  # a dataset built for another target: refused, alone
+            owner.check(cfg.datasets(config), files, config["target"]["path"])
         chosen = cfg.resolve_target_template(config)  # target.template: auto -> the family (cached)
         if main and chosen:
             print(chosen, file=sys.stderr)

@@ -133,26 +133,29 @@ def test_missing_source_file_names_the_key(tmp_path):
     assert "datasets.ultrachat_demo.source.path: resources/samples/nope.jsonl does not exist" in out
 
 
-def test_a_dataset_another_config_built_is_refused_before_any_job(tmp_path, demo_run):
-    """Two shipped configs name a dataset `sharegpt`: the second in the same results/ tree is refused in one line
-    (a dry run too), before its files and the other build's could mix; the demo's run recorded its own."""
+def test_a_dataset_built_for_another_target_is_refused_before_any_job(tmp_path, demo_run):
+    """Two shipped configs name a dataset `sharegpt` for two targets: the second in the same results/ tree is
+    refused in one line (a dry run too), before its files and the other build's could mix; the demo's run recorded
+    its own."""
     assert json.loads((demo_run / "results/sharegpt_demo/.built-by.json").read_text()) == {
         "config": "config.yaml",
         "dataset": "sharegpt_demo",
+        "target": "results/target/tiny-kimi",
     }
     wd = copy_workflow(tmp_path)
     (wd / "results/sharegpt").mkdir(parents=True)
     (wd / "results/sharegpt/.built-by.json").write_text(
-        json.dumps({"config": "resources/configs/openrouter.yaml", "dataset": "sharegpt"})
+        json.dumps({"config": "resources/configs/openrouter.yaml", "dataset": "sharegpt", "target": "models/Kimi-K2.5"})
     )
     proc = run_snakemake(wd, "-n", "--configfile", "resources/configs/real-small.yaml", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
     assert _lines(out) == [
-        "Config error: results/sharegpt/ holds dataset sharegpt as resources/configs/openrouter.yaml defines it, "
-        "not as resources/configs/real-small.yaml does: their files would mix. Keep that build by moving it aside "
-        "first (mv results results.openrouter; mv logs logs.openrouter), or, if resources/configs/real-small.yaml "
-        "is meant to carry on that build, delete results/sharegpt/.built-by.json"
+        "Config error: results/sharegpt/ holds dataset sharegpt built for target models/Kimi-K2.5 (by "
+        "resources/configs/openrouter.yaml); resources/configs/real-small.yaml builds it for "
+        "results/target/smollm2-135m-instruct: their files would mix. Keep that build by moving it aside first (mv "
+        "results results.openrouter; mv logs logs.openrouter), or, to rebuild it here for "
+        "results/target/smollm2-135m-instruct, delete results/sharegpt/.built-by.json"
     ], out
     os.rename(wd / "results", wd / "results.openrouter")  # what the line says: then the dry run plans the build
     proc = run_snakemake(wd, "-n", "--configfile", "resources/configs/real-small.yaml", check=False)

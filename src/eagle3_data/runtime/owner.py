@@ -5,11 +5,12 @@ configs that name the same dataset (the shipped ``resources/configs/openrouter.y
 ``resources/configs/real-small.yaml`` both name ``sharegpt``) would otherwise read and overwrite each other's
 files: a forecast or a run's last screen would count the other config's build.
 
-A run records, per dataset, the config file that defines it (the first of the run's ``--configfile`` files that
-sets ``datasets.<name>``; a file layered on it that only changes some keys keeps it) in
+A run records, per dataset, the target it builds the dataset for (``target.path``) and the config file that
+defines the dataset (the first of the run's ``--configfile`` files that sets ``datasets.<name>``) in
 ``results/<dataset>/.built-by.json`` (:func:`record`, from the Snakefile's ``onstart``). Before any job runs, also
-on a dry run, :func:`check` refuses a config whose dataset directory was built by another file, with one line
-saying how to keep both builds.
+on a dry run, :func:`check` refuses a config that builds a dataset of that name for another target: its replies,
+token ids and states are another build's. The same target from another file (a copy of the config with a dataset
+added, an overlay) carries the build on. The refusal is one line saying how to keep both builds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 
-#: the marker of a dataset's directory: ``{"config": <file>, "dataset": <name>}``
+#: the marker of a dataset's directory: ``{"config": <file>, "dataset": <name>, "target": <target.path>}``
 MARKER = ".built-by.json"
 
 
@@ -37,37 +38,51 @@ def defining_files(datasets: Sequence[str], files: Sequence[tuple[str, dict]]) -
     return out
 
 
-def _same_file(a: str, b: str) -> bool:
+def _same_path(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:
         return os.path.normpath(a) == os.path.normpath(b)
 
 
-def check(datasets: Sequence[str], files: Sequence[tuple[str, dict]], results_dir: str | os.PathLike = "results"):
-    """Raise :class:`ConfigError` (one line) when a dataset's directory under ``results_dir`` was built by a
-    config file other than the one that defines it now (its :data:`MARKER`). Directories without a marker (a
-    build before this check, or none yet) pass."""
+def check(
+    datasets: Sequence[str],
+    files: Sequence[tuple[str, dict]],
+    target: str,
+    results_dir: str | os.PathLike = "results",
+) -> None:
+    """Raise :class:`ConfigError` (one line) when a dataset's directory under ``results_dir`` was built for a
+    target other than ``target`` (``target.path``; its :data:`MARKER`). Directories without a marker, or whose
+    marker names no target, pass."""
     for ds, mine in defining_files(datasets, files).items():
         marker = Path(results_dir) / ds / MARKER
         try:
-            theirs = json.loads(marker.read_text())["config"]
+            built = json.loads(marker.read_text())
+            theirs, their_target = str(built["config"]), built.get("target")
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not _same_file(theirs, mine):
-            raise ConfigError(
-                f"Config error: {results_dir}/{ds}/ holds dataset {ds} as {theirs} defines it, not as {mine} "
-                f"does: their files would mix. Keep that build by moving it aside first (mv {results_dir} "
-                f"{results_dir}.{Path(theirs).stem}; mv logs logs.{Path(theirs).stem}), or, if {mine} is meant "
-                f"to carry on that build, delete {marker}"
-            )
+        if their_target is None or _same_path(str(their_target), str(target)):
+            continue
+        stem = Path(theirs).stem
+        raise ConfigError(
+            f"Config error: {results_dir}/{ds}/ holds dataset {ds} built for target {their_target} (by {theirs}); "
+            f"{mine} builds it for {target}: their files would mix. Keep that build by moving it aside first "
+            f"(mv {results_dir} {results_dir}.{stem}; mv logs logs.{stem}), or, to rebuild it here for {target}, "
+            f"delete {marker}"
+        )
 
 
-def record(datasets: Sequence[str], files: Sequence[tuple[str, dict]], results_dir: str | os.PathLike = "results"):
-    """Write each dataset's :data:`MARKER` (creating its directory): the config file that defines it."""
+def record(
+    datasets: Sequence[str],
+    files: Sequence[tuple[str, dict]],
+    target: str,
+    results_dir: str | os.PathLike = "results",
+) -> None:
+    """Write each dataset's :data:`MARKER` (creating its directory): the config file that defines it and the
+    target it is built for."""
     for ds, mine in defining_files(datasets, files).items():
         d = Path(results_dir) / ds
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f"{MARKER}.tmp"
-        tmp.write_text(json.dumps({"config": mine, "dataset": ds}) + "\n")
+        tmp.write_text(json.dumps({"config": mine, "dataset": ds, "target": str(target)}) + "\n")
         os.replace(tmp, d / MARKER)
