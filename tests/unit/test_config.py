@@ -575,3 +575,43 @@ def test_a_key_shorter_than_a_safe_length_is_refused_before_any_request(key):
     with pytest.raises(cfg.ConfigError) as other:  # the message does not depend on the value
         cfg.check_api_keys(c, ["sharegpt"], {"OPENROUTER_API_KEY": "x" * len(key)})
     assert str(other.value) == msg
+
+
+def test_a_budget_that_caps_nothing_or_can_count_no_dollar_is_a_config_error():
+    """A NaN or infinite budget was accepted and meant no cap; a dollar budget over a backend that reports no
+    cost and has no price counted nothing. Both are refused before anything is sent, naming the setting."""
+    base = yaml.safe_load((ROOT / "config.yaml").read_text())
+    ds = cfg.generated_datasets(base)[0]
+    for value, why in ((float("nan"), "is NaN"), (float("inf"), "is infinite"), (-0.5, r"is negative \(-0.5\)")):
+        for key in ("budget_usd", "budget_completion_tokens"):
+            c = copy.deepcopy(base)
+            c["datasets"][ds]["generation"] = {key: value}
+            with pytest.raises(cfg.ConfigError, match=rf"^datasets\.{ds}\.generation\.{key} {why}"):
+                cfg.check_config(c, check_paths=False)
+        c = copy.deepcopy(base)
+        c["generation"]["budget_usd"] = value
+        with pytest.raises(cfg.ConfigError, match=rf"^generation\.budget_usd {why}"):
+            cfg.check_config(c, check_paths=False)
+    c = copy.deepcopy(base)
+    c["generation"]["budget_usd"] = 1.0
+    cfg.check_config(c, check_paths=False)  # the demo's backend is a server the build launches: nothing bought
+    c["backends"]["hosted"] = {"type": "openai", "base_url": "https://api.example.com/v1", "model": "m"}
+    c["datasets"][ds]["generation"] = {"backends": ["hosted"]}
+    with pytest.raises(cfg.ConfigError) as ei:
+        cfg.check_config(c, check_paths=False)
+    assert str(ei.value) == (
+        f"generation.budget_usd is set, but backend hosted (type openai, used by {ds}) reports no cost and has no "
+        "price, so the budget could not count what it spends: set backends.hosted.price_per_m: {prompt: USD, "
+        "completion: USD} (per million tokens; 0 for a free local server), or remove budget_usd"
+    )
+    c["backends"]["hosted"]["price_per_m"] = {"prompt": 0.5, "completion": 1.5}
+    cfg.check_config(c, check_paths=False)
+    c["backends"]["hosted"].update(type="openrouter", price_per_m=None)  # OpenRouter's replies carry usage.cost
+    cfg.check_config(c, check_paths=False)
+    c["generation"]["budget_usd"] = None
+    c["backends"]["hosted"].update(type="openai")
+    cfg.check_config(c, check_paths=False)  # no dollar budget: nothing to count
+    schema = cfg.load_schema(cfg.SCHEMA_PATH)
+    c["generation"]["budget_usd"] = -1
+    with pytest.raises(WorkflowError):
+        validate(c, schema)

@@ -115,17 +115,19 @@ def test_assistant_turns_rules():
     assert assistant_turns([a, u], "last") == [2]  # a leading assistant turn is never a target
 
 
-def test_replies_with_unstorable_values_are_retried_or_stored_as_nulls(tmp_path, fs):
-    """An unpaired surrogate in the text can't be journaled (UTF-8) or tokenized: retried. A NaN cost, a 1e30 or
-    negative count, an out-of-range token id would break the output mid-run: stored as nulls, the reply kept."""
+def test_replies_with_unstorable_values_are_paid_rejects_or_stored_as_nulls(tmp_path, fs):
+    """An unpaired surrogate in the text can't be journaled (UTF-8) or tokenized: the billed reply is a paid reject
+    (never retried: each retry would be billed). A NaN cost, a 1e30 or negative count, an out-of-range token id
+    would break the output mid-run: stored as nulls, the reply kept."""
     fs.app.config.update({"psurrogate": 0.3, "pbadusage": 0.3, "seed": 5})
     fs.app.reset()
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(60))
     s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=8))
-    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    table = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    rows = [r for r in table if r["status"] == "ok"]
     out = fs.app.outcomes
-    assert s["ok"] == 60 and len(rows) == 60 and out["surrogate"] > 5 and out["badusage"] > 5
-    assert s["retry_reasons"] == {"invalid_unicode": out["surrogate"]}
+    assert s["ok"] == 60 - out["surrogate"] == len(rows) and out["surrogate"] > 5 and out["badusage"] > 5
+    assert s["retry_reasons"] == {} and s["failed"] == {"invalid_unicode": out["surrogate"]} and len(table) == 60
     assert all("\ud800" not in r["content"] for r in rows)
     nulls = [r for r in rows if r["prompt_tokens"] is None]
     assert len(nulls) == out["badusage"]
@@ -140,6 +142,7 @@ def test_reply_values_are_checked_one_by_one():
     from eagle3_data.backends.fields import as_cost, as_count, as_token_ids
     from eagle3_data.backends.native import parse_native_response
     from eagle3_data.backends.definition import BackendConfig
+    from eagle3_data.backends.paid import PaidReject
 
     assert [
         as_count(v) for v in (5, 5.9, "7", None, True, -1, 1e30, float("inf"), float("nan"), "x", 2**31, 2**31 - 1)
@@ -176,9 +179,11 @@ def test_reply_values_are_checked_one_by_one():
         for k in path[:-1]:
             node = node[k]
         node[path[-1]] = value
-        with pytest.raises(RetryableError, match=f"{path[-1]} has an unpaired surrogate") as ei:
+        with pytest.raises(PaidReject, match=f"{path[-1]} has an unpaired surrogate") as ei:
             parse_response(be, json.dumps(b).encode(), 0.5)
-        assert ei.value.reason == "invalid_unicode"
+        # billed: a paid reject with the reply's usage and cost, the unstorable field dropped
+        assert ei.value.reason == "invalid_unicode" and ei.value.fields["cost_usd"] == 0.001
+        assert ei.value.fields[path[-1]] is None and ei.value.fields["completion_tokens"] == 2
     ok_pair = json.loads(json.dumps({**body, "choices": [{"message": {"content": "emoji \ud83d\ude00"}}]}))
     assert parse_response(be, json.dumps(ok_pair).encode(), 0.5)["content"] == "emoji \U0001f600"
     with pytest.raises(RetryableError, match="no output_ids"):

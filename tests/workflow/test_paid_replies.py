@@ -4,6 +4,7 @@ retried; a journal that can't be written stops the job in one line before it pay
 from __future__ import annotations
 
 import errno
+import json
 import os
 import time
 from pathlib import Path
@@ -381,3 +382,131 @@ def test_a_reply_from_a_shorter_older_name_counts_as_another_model(tmp_path, fs)
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(4))
     s = run(tmp_path, fs, prompts, bk=backends_cfg(fs, model="vendor/model-x"))
     assert s["ok"] == 4 and s["other_model_replies"] == 4
+
+
+# ------------------------------------------------------------------ issue 44: where paid replies still leaked
+
+
+def test_a_reply_with_an_unpaired_surrogate_is_bought_once_and_a_named_reject(tmp_path, fs):
+    """A billed reply whose text holds ``\\ud800`` (not storable as UTF-8) was retried and re-bought on every attempt
+    and every rerun; it is journaled once as the paid reject ``invalid_unicode`` and never sent again."""
+    fs.app.config.update({"psurrogate": 0.3, "seed": 8})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=6))
+    n = fs.app.outcomes["surrogate"]
+    assert n >= 4 and s["failed"] == {"invalid_unicode": n} and s["ok"] == 30 - n and s["retries"] == 0
+    assert fs.app.requests == 30 and max(fs.app.billed_by_body.values()) == 1  # no retry: nothing bought twice
+    failed = _failed(tmp_path / "out.parquet")
+    assert len(failed) == n and all(
+        e
+        == "invalid_unicode: content has an unpaired surrogate at character "
+        + e.split("character ", 1)[1].split(" ", 1)[0]
+        + " (paid for: journaled, not bought again)"
+        for e in failed.values()
+    )
+    assert s["cost_usd"] == pytest.approx(fs.app.billed_usd + sum(_surrogate_costs(tmp_path)), rel=1e-9)
+    fs.app.reset()
+    again = run(tmp_path, fs, prompts, out="again.parquet")
+    assert fs.app.requests == 0 and again["from_journal"] == 30 and again["failed"] == {"invalid_unicode": n}
+
+
+def _surrogate_costs(tmp_path) -> list[float]:
+    """The costs journaled with the ``invalid_unicode`` rejects (the fault server's ``billed_usd`` counts ok replies
+    only)."""
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    return [r["cost_usd"] for r in recs.values() if (r.get("error") or "").startswith("invalid_unicode")]
+
+
+@pytest.mark.parametrize("body", ["<html><body><h1>502 Bad Gateway</h1></body></html>", "", "  \n"])
+def test_a_200_that_is_no_api_reply_is_retried_unpaid_not_journaled(tmp_path, fs, body):
+    """A 200 whose body is an HTML page or empty carries no usage and was not billed: it was journaled as paid and
+    never sent again (the rerun kept none of those samples). It is retried like any unpaid failure."""
+    fs.app.config.update({"pnotjson": 0.3, "notjson_body": body, "seed": 9})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(30))
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=8))
+    n = fs.app.outcomes["notjson"]
+    assert n >= 4 and s["ok"] == 30 and s["failed"] == {} and s["retries"] == n
+    assert fs.app.requests == 30 + n and max(fs.app.completed_by_body.values()) == 1
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 30 and all(r["status"] == "ok" for r in recs.values())
+
+
+def test_a_backend_answering_only_error_pages_leaves_its_samples_to_the_rerun(tmp_path, fs):
+    fs.app.config.update({"pnotjson": 1.0})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(5))
+    with pytest.raises(GenerationStopped, match="every request failed .*not_api_reply") as info:
+        run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=1))
+    assert "the HTTP 200 body is not the API's JSON (50 bytes, starting '<html><body><h1>502 Bad Gateway" in str(
+        info.value
+    )
+    assert read_journal(tmp_path / "journal", "ds")[0] == {}  # nothing paid: nothing journaled
+    fs.app.config.update({"pnotjson": 0.0})
+    fs.app.reset()
+    s = run(tmp_path, fs, prompts)
+    assert s["ok"] == 5 and fs.app.requests == 5
+
+
+def test_a_key_echoed_in_the_system_fingerprint_is_never_stored(tmp_path, fs, monkeypatch):
+    """Every string field of a reply is checked, not a list of known ones: a provider echoing the key in
+    ``system_fingerprint`` (stored in the journal and the responses parquet) makes the reply a paid reject."""
+    key = "sk-or-CANARY-fingerprint-77b1"
+    monkeypatch.setenv("E3D_PAID_KEY", key)
+    fs.app.config.update({"require_key": key, "echo_key": True, "echo_key_field": "system_fingerprint"})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(4))
+    log = tmp_path / "logs" / "job.log"
+    with pytest.raises(GenerationStopped, match="every request failed"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"), log=log)
+    recs, _ = read_journal(tmp_path / "journal", "ds")
+    assert len(recs) == 4 and all(
+        r["error"] == "api_key_in_reply: the reply's system_fingerprint quotes a configured API key (not stored)"
+        for r in recs.values()
+    )
+    assert fs.app.requests == 4
+    hits = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert hits == []
+
+
+def test_a_dollar_budget_caps_a_backend_whose_replies_carry_no_cost(tmp_path, fs):
+    """An OpenAI-compatible paid backend returns tokens but no ``cost``: with ``price_per_m`` set, every request
+    was sent and shown as $0.00. Each reply is now costed at ``price_per_m`` from its usage, and the budget stops."""
+    fs.app.config.update({"omit_cost": True})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
+    price = {"prompt": 2.0, "completion": 10.0}
+    bk = backends_cfg(fs, type="openai", max_concurrency=2, price_per_m=price)
+    s = run(tmp_path, fs, prompts, gen=gen_cfg(budget_usd=0.002), bk=bk)
+    recs = list(read_journal(tmp_path / "journal", "ds")[0].values())
+    want = [(r["prompt_tokens"] * 2.0 + r["completion_tokens"] * 10.0) / 1e6 for r in recs]
+    assert [r["cost_usd"] for r in recs] == pytest.approx(want, rel=1e-12) and min(want) > 0
+    assert s["stopped_by"] == "budget_usd" and s["not_sent"] > 0 and s["ok"] == len(recs) == fs.app.requests < 40
+    assert s["total_cost_usd"] == pytest.approx(sum(want), abs=1e-6)
+    # stopped at the budget: the spend plus the 2 in flight (at the mean reply) reached it; overshot by at most those
+    assert abs(sum(want) - 0.002) < 3 * max(want) and sum(want) > 0.002 / 2
+
+
+def test_a_reply_without_usage_is_costed_from_our_count_of_its_tokens(tmp_path, fs, caplog):
+    """A reply with no ``usage`` at all: its cost is ``price_per_m`` times our own count of its tokens (here no
+    target tokenizer is loaded: UTF-8 bytes / 4, rounded up), and the token budget counts them too (it was blind)."""
+    fs.app.config.update({"omit_usage": True})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(6))
+    bk = backends_cfg(fs, type="openai", price_per_m={"prompt": 2.0, "completion": 10.0})
+    with caplog.at_level("WARNING", logger="eagle3_data.generate"):
+        s = run(tmp_path, fs, prompts, gen=gen_cfg(budget_usd=100.0, budget_completion_tokens=10**6), bk=bk)
+    recs = list(read_journal(tmp_path / "journal", "ds")[0].values())
+    assert len(recs) == 6 and all(r["prompt_tokens"] is None and r["completion_tokens"] is None for r in recs)
+
+    def quarter(text: str) -> int:
+        return -(-len(text.encode()) // 4)
+
+    for r in recs:
+        prompt = json.loads(r["messages"])[-1]["content"]
+        assert prompt.startswith("question number ")
+        assert r["cost_usd"] == pytest.approx((quarter(prompt) * 2.0 + quarter(r["content"]) * 10.0) / 1e6, rel=1e-12)
+    assert s["completion_tokens"] == sum(quarter(r["content"]) for r in recs) > 0
+    assert (
+        caplog.text.count(
+            "backend fault returned a reply without its token usage: its cost is counted from an estimate "
+            "(UTF-8 bytes / 4) of its tokens at backends.fault.price_per_m"
+        )
+        == 1
+    )
+    assert caplog.text.count("without usage.completion_tokens: the token budget counts an estimate") == 1

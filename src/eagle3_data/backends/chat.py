@@ -133,15 +133,20 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     Raises :class:`RetryableError` for an unusable reply shape and errors inside the body, :class:`SampleError`
     ``http_<code>`` for a client error in the body (top level or any ``choices[i].error``) that no retry can fix
     (:func:`eagle3_data.backends.paid.client_error`), :class:`eagle3_data.backends.paid.PaidReject` ``undecodable_reply`` for a body
-    that is not JSON (cut off: billed, so journaled raw once and never bought again).
+    that starts as the API's JSON object and is cut off (billed, so journaled raw once and never bought again) and
+    ``invalid_unicode`` for a reply whose text holds an unpaired surrogate (``"\\udfff"``: billed, not storable),
+    :class:`RetryableError` ``not_api_reply`` for a body that is not a JSON object at all (an HTML error page, an
+    empty body: no usage, not billed, so retried as an unpaid failure).
     A valid JSON body holding bytes that are not UTF-8 is decoded with replacements (it was paid for): the count
     of replaced bytes is returned under ``_bad_bytes`` (the caller makes the sample a paid reject).
     """
-    from .paid import undecodable_reply, decode_json
+    from .paid import decode_json, not_api_reply, undecodable_reply
 
+    if content.lstrip()[:1] != b"{":  # an HTML page, an empty body: not the API's reply, no usage, not billed
+        raise RetryableError("not_api_reply", not_api_reply(content))
     try:
         data, bad_bytes = decode_json(content)
-    except ValueError as exc:  # a 200 cut off (or not JSON at all): billed all the same, never bought again
+    except ValueError as exc:  # the API's JSON cut off: billed all the same, never bought again
         raise undecodable_reply(backend, content, exc, latency_s) from None
     if not isinstance(data, dict):
         raise RetryableError("malformed_json", "body is not a JSON object")
@@ -178,26 +183,40 @@ def parse_response(backend: BackendConfig, content: bytes, latency_s: float) -> 
     if reasoning_tokens is None:
         reasoning_tokens = as_count(usage.get("reasoning_tokens"))  # SGLang: top-level
     provider = data.get("provider") if backend.type == "openrouter" else None
+    bad_text: list[str] = []  # the fields holding text that is not valid Unicode (the reply is billed all the same)
+
+    def text(field: str, v):
+        try:
+            return as_text(field, v)
+        except RetryableError as exc:
+            bad_text.append(exc.message)
+            return None
+
     # every value is checked to be what the journal (UTF-8 JSON) and the RESPONSES parquet can hold
-    return {
-        "reasoning": as_text("reasoning", reasoning),
-        "content": as_text("content", content_text),
-        "tool_calls": as_text("tool_calls", json.dumps(tool_calls, ensure_ascii=False)) if tool_calls else None,
-        "finish_reason": as_text("finish_reason", finish),
+    fields = {
+        "reasoning": text("reasoning", reasoning),
+        "content": text("content", content_text),
+        "tool_calls": text("tool_calls", json.dumps(tool_calls, ensure_ascii=False)) if tool_calls else None,
+        "finish_reason": text("finish_reason", finish),
         "prompt_tokens": as_count(usage.get("prompt_tokens")),
         "completion_tokens": completion_tokens,
         "reasoning_tokens": reasoning_tokens,
         "cost_usd": as_cost(usage.get("cost")),
         "backend": backend.name,
-        "provider": as_text("provider", str(provider)) if provider else backend.name,
-        "model": as_text("model", str(data.get("model") or backend.model)),
+        "provider": text("provider", str(provider)) if provider else backend.name,
+        "model": text("model", str(data.get("model") or backend.model)),
         "latency_s": float(latency_s),
         "output_ids": as_token_ids(choice.get("token_ids") or choice.get("output_ids")),
         "prompt_ids": as_token_ids(data.get("prompt_token_ids")),
         "completed_at": time.time(),
-        "generation_id": as_text("generation_id", str(data["id"])) if data.get("id") else None,
+        "generation_id": text("generation_id", str(data["id"])) if data.get("id") else None,
         "system_fingerprint": (
-            as_text("system_fingerprint", str(data["system_fingerprint"])) if data.get("system_fingerprint") else None
+            text("system_fingerprint", str(data["system_fingerprint"])) if data.get("system_fingerprint") else None
         ),
         **({"_bad_bytes": bad_bytes} if bad_bytes else {}),
     }
+    if bad_text:  # billed: journaled once as a named reject, never bought again on a retry or a rerun
+        from .paid import PaidReject
+
+        raise PaidReject("invalid_unicode", "; ".join(bad_text) + " (paid for: journaled, not bought again)", fields)
+    return fields

@@ -15,7 +15,9 @@ chat-completions API for token ids: the reply's ``choices[0].token_ids`` are kep
 top-level ``prompt_token_ids`` as ``prompt_ids`` (checked against the target's render of the prompt: the job's first
 replies stop it on a mismatch, :mod:`..prompt_check`; later ones are rejects at tokenize). ``cost_lookup: true``
 (type openrouter) looks the cost up by generation id when ``usage.cost`` is missing
-(:meth:`.pool.Backend.lookup_cost`; first retry after ``cost_lookup_delay_s``).
+(:meth:`.pool.Backend.lookup_cost`; first retry after ``cost_lookup_delay_s``). ``price_per_m`` (USD per million
+prompt / completion tokens) costs a reply that comes without ``usage.cost``
+(:func:`eagle3_data.generate.budget.reply_cost`).
 
 Messages never contain the API key: it is only ever placed in the ``Authorization`` header.
 """
@@ -54,6 +56,7 @@ class BackendConfig:
     cost_lookup: bool  # OpenRouter: GET /generation?id= when usage.cost is missing
     cost_lookup_delay_s: float  # first wait before a cost lookup retry (doubles, 5 tries)
     down_after_s: float  # refused connections / only 5xx for this long: the backend is out for the job
+    price_per_m: dict | None = None  # USD per million prompt / completion tokens: a reply's cost without usage.cost
 
     @classmethod
     def from_dict(cls, name: str, cfg: dict) -> "BackendConfig":
@@ -114,6 +117,7 @@ class BackendConfig:
             cost_lookup=bool(cfg["cost_lookup"]),
             cost_lookup_delay_s=float(cfg["cost_lookup_delay_s"]),
             down_after_s=float(cfg["down_after_s"]),
+            price_per_m=dict(cfg["price_per_m"]) if cfg.get("price_per_m") else None,
         )
 
     @property

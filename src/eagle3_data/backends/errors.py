@@ -52,7 +52,7 @@ UNPAID_REASONS = frozenset(
         "error_in_body",
         "no_choices",
         "empty_response",
-        "invalid_unicode",
+        "not_api_reply",
         "malformed_json",
         "aborted",
     }

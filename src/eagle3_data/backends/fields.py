@@ -32,8 +32,9 @@ def as_cost(v) -> float | None:
 
 def as_text(field: str, v) -> str | None:
     """A text field of a reply: the string, or None if not a string. A string that is not valid Unicode (an
-    unpaired surrogate from a ``\\ud800`` escape) can be neither journaled as UTF-8 nor tokenized: the reply is
-    retried (reason ``invalid_unicode``) instead of crashing the job."""
+    unpaired surrogate from a ``\\ud800`` escape) can be neither journaled as UTF-8 nor tokenized: raises
+    :class:`RetryableError` ``invalid_unicode`` naming the field and the character (the chat parser makes the billed
+    reply a paid reject of that name, :func:`eagle3_data.backends.chat.parse_response`)."""
     if not isinstance(v, str):
         return None
     try:

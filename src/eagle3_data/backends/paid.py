@@ -9,8 +9,12 @@ and the budgets count it. ``snakemake --forcerun generate`` does not re-buy it e
   U+FFFD replacements instead of being retried as malformed (the reply was paid for); its sample is then a paid
   reject ``invalid_utf8`` (a replaced character is not what the model produced, so its token ids can't be
   reconstructed);
-- :func:`undecodable_reply` -- a 200 body that is not JSON (cut off): a paid reject ``undecodable_reply``, its raw
-  text kept in the journal record (``raw_reply``), never retried (a provider that bills it would bill each retry);
+- :func:`undecodable_reply` -- a 200 body that starts as the API's JSON object and is cut off: a paid reject
+  ``undecodable_reply``, its raw text kept in the journal record (``raw_reply``), never retried (a provider that
+  bills it would bill each retry); a body that is no JSON object at all (an HTML page from a proxy, an empty body)
+  carries no usage and was not billed: retried as the unpaid failure ``not_api_reply`` (:func:`not_api_reply`);
+- a reply whose text holds an unpaired surrogate (``"\\udfff"``): billed, not storable as UTF-8: the paid reject
+  ``invalid_unicode`` (:func:`eagle3_data.backends.chat.parse_response`);
 - :func:`client_error` -- an error code in a 200 body that no retry can fix (4xx other than 408/409/425/429);
 - :func:`check_reply` -- a reply far larger than its billed completion tokens (``reply_too_large``), a reply
   quoting a configured API key in any field (``api_key_in_reply``), a reply naming another model than the one asked for
@@ -18,8 +22,8 @@ and the budgets count it. ``snakemake --forcerun generate`` does not re-buy it e
 - :func:`configured_keys` / :func:`scrub` -- every configured key (the values of every backend's
   ``api_key_env``, whatever their length) replaced by ``[api key]`` in text bound for logs and rows; a key shorter
   than :data:`MIN_KEY_CHARS` is refused before any request (:func:`short_key_problem`), so that a key found in
-  a reply's field (:data:`REPLY_TEXT_FIELDS`: its text, model, provider, id, finish reason) or in a prompt is
-  one and not an ordinary word.
+  any string field of a reply (its text, model, provider, id, finish reason, system fingerprint, ...) or in a
+  prompt is one and not an ordinary word.
 """
 
 from __future__ import annotations
@@ -37,8 +41,6 @@ SIZE_SLACK_BYTES = 16384
 #: the shortest API key accepted (config check and job start): a shorter one could be an ordinary word of a reply
 #: ("test", "beta"), so replies could not be checked for it; a key this long is looked for as a plain substring
 MIN_KEY_CHARS = 16
-#: the text fields of a reply a key is looked for in (all it stores); any hit refuses the reply: api_key_in_reply
-REPLY_TEXT_FIELDS = ("content", "reasoning", "tool_calls", "model", "provider", "generation_id", "finish_reason")
 
 
 class PaidReject(Exception):
@@ -71,6 +73,16 @@ def decode_json(content: bytes) -> tuple[object, int]:
 
 #: characters of an undecodable 200 body kept in its reject record (``raw_reply``; the rest is counted, not kept)
 RAW_REPLY_CHARS = 65536
+
+
+def not_api_reply(content: bytes) -> str:
+    """The message of a 200 body that is not the API's JSON object (an HTML error page from a proxy, an empty
+    body): its size and first 60 characters (the page is not kept)."""
+    why = "no reply and no usage: not billed, so it is retried"
+    if not content.strip():
+        return f"the HTTP 200 body is empty ({len(content):,} bytes): {why}"
+    head = " ".join(content[:200].decode("utf-8", "replace").split())[:60]
+    return f"the HTTP 200 body is not the API's JSON ({len(content):,} bytes, starting {head!r}): {why}"
 
 
 def undecodable_reply(backend, content: bytes, exc: Exception, latency_s: float) -> "PaidReject":
@@ -196,7 +208,7 @@ def check_reply(
             f"(more than {MAX_BYTES_PER_TOKEN} bytes a token)",
             fields,
         )
-    hit = [k for k in REPLY_TEXT_FIELDS if keys and key_in_text(str(fields.get(k) or ""), keys)]
+    hit = [k for k, v in fields.items() if keys and isinstance(v, str) and key_in_text(v, keys)]
     if hit:
         raise PaidReject(
             "api_key_in_reply",
@@ -212,7 +224,7 @@ def check_reply(
     return None
 
 
-#: the fields a paid reject's journal record keeps (no text: never the reply's content, a key, 10 MB)
+#: the fields of a reply a paid reject's journal record keeps (no text: never the reply's content, a key, 10 MB)
 REJECT_FIELDS = (
     "prompt_tokens",
     "completion_tokens",
@@ -229,6 +241,10 @@ REJECT_FIELDS = (
 )
 
 
+#: of :data:`REJECT_FIELDS`, the strings (a provider's own words: scrubbed of the keys, cut to 200 characters)
+REJECT_TEXT_FIELDS = ("model", "provider", "backend", "finish_reason", "generation_id")
+
+
 def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
     """The journal record of a paid reject: ``base`` (request_key, sample_id, dataset, turn, messages, tools) with
     ``status`` ``failed``, ``error`` ``"<reason>: <message>"`` and :data:`REJECT_FIELDS` of the reply."""
@@ -242,7 +258,7 @@ def reject_record(exc: PaidReject, base: dict, keys=()) -> dict:
         output_ids=None,
         prompt_ids=None,
     )
-    for k in ("model", "provider", "backend", "finish_reason", "generation_id"):  # every text field kept: scrubbed
+    for k in REJECT_TEXT_FIELDS:  # every text field kept: scrubbed
         if isinstance(rec.get(k), str):
             rec[k] = scrub(rec[k], keys)[:200]
     if exc.fields.get("raw_reply"):  # an undecodable reply's text: kept (scrubbed), in no RESPONSES column

@@ -15,6 +15,7 @@ from .lookup import (
     datasets,
     generated_datasets,
     generation_config,
+    generation_source,
     is_original,
     is_pretokenized,
     merge_datasets,
@@ -109,6 +110,9 @@ def check_config(config: dict, *, check_paths: bool = True) -> None:
         if check_paths and not Path(path).exists():
             raise ConfigError(f"datasets.{ds}.source.path: {path} does not exist")
         _check_template_kwargs(config, ds, used)
+        if not is_pretokenized(config, ds) and not is_original(config, ds):
+            _check_budgets(config, ds, used)
+    _check_budgets(config, None, {})
     try:
         merge_datasets(config)
     except KeyError as exc:
@@ -289,6 +293,29 @@ def pending_generation(config: dict, root: str | os.PathLike = ".") -> list[str]
         for ds in generated_datasets(config)
         if not all((root / f"results/{ds}/responses/{s}.parquet").exists() for s in shard_names(config, ds))
     ]
+
+
+def _check_budgets(config: dict, ds: str | None, used: dict) -> None:
+    """The budgets of ``ds`` (None: the global ``generation`` defaults) are real caps: finite and >= 0, and a
+    ``budget_usd`` only with backends whose replies can be costed (:func:`eagle3_data.generate.budget.uncosted_backends`).
+    Raises :class:`ConfigError` naming the setting."""
+    from ..generate.budget import bad_budget, uncosted_backends
+
+    gen = generation_config(config, ds) if ds else (config.get("generation") or {})
+    for key in ("budget_usd", "budget_completion_tokens"):
+        why = bad_budget(gen.get(key))
+        if why:
+            where = generation_source(config, ds, key) if ds else f"generation.{key}"
+            raise ConfigError(f"{where} {why}: set a finite number >= 0, or null for no budget")
+    uncosted = uncosted_backends(used) if gen.get("budget_usd") is not None else []
+    if uncosted:
+        b = uncosted[0]
+        raise ConfigError(
+            f"{generation_source(config, ds, 'budget_usd')} is set, but backend {b} (type "
+            f"{config['backends'][b].get('type')}, used by {ds}) reports no cost and has no price, so the budget "
+            f"could not count what it spends: set backends.{b}.price_per_m: {{prompt: USD, completion: USD}} (per "
+            "million tokens; 0 for a free local server), or remove budget_usd"
+        )
 
 
 def check_api_keys(config: dict, dataset_names: Iterable[str], environ: Mapping[str, str] | None = None) -> None:

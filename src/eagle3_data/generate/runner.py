@@ -19,7 +19,7 @@ from ..backends.errors import FatalBackendError, RetryableError, SampleError, re
 from ..backends.request import Request
 from ..prompt_check import EARLY_REPLIES
 from ..templates import request_messages, thinking_enabled
-from .budget import BudgetStop
+from .budget import BudgetStop, Pricer
 from .prompts import Sample, assistant_message, request_key
 
 logger = logging.getLogger("eagle3_data.generate")
@@ -104,6 +104,7 @@ class Runner:
         self.held: list[dict] = []
         self.on_stop = None  # run_requests: stop starting requests, give those in flight the grace
         self.reject_other_models = bool(gen.reject_other_models)
+        self.pricer = Pricer(self.dataset, target, settings.target)  # costs replies without usage.cost
         fmt = settings.target_format or {}  # the target's family and chat_template_kwargs (+ the dataset's)
         self.template = fmt.get("template")
         self.thinking = thinking_enabled(
@@ -177,7 +178,7 @@ class Runner:
                     return
                 except paid.PaidReject as exc:  # paid for, can't be kept: journaled once, a named reject
                     self.write(self.journal_append(exc.record))
-                    st.completion_tokens += exc.record.get("completion_tokens") or 0
+                    st.completion_tokens += self.pricer.completion_tokens(exc.record, st.budget_tokens is not None)
                     st.prompt_tokens += exc.record.get("prompt_tokens") or 0
                     st.cost_usd += exc.record.get("cost_usd") or 0.0
                     st.note_spend()
@@ -218,7 +219,7 @@ class Runner:
                     self.rows.append(failed_row(sample, self.dataset, turn, key, prompt, exc.reason, detail))
                     return
                 self.write(self.journal_append(rec))
-                st.completion_tokens += rec.get("completion_tokens") or 0
+                st.completion_tokens += self.pricer.completion_tokens(rec, st.budget_tokens is not None)
                 st.prompt_tokens += rec.get("prompt_tokens") or 0
                 st.cost_usd += rec.get("cost_usd") or 0.0
                 st.note_spend()
@@ -372,6 +373,9 @@ class Runner:
         except paid.PaidReject as exc:  # the reply itself is unusable (e.g. a cut-off body): its reject record
             if isinstance(exc.fields, dict):
                 exc.fields["attempts"] = attempts
+                if backend is not None:
+                    fields = {**exc.fields, "messages": json.dumps(prompt, ensure_ascii=False)}
+                    self.pricer.price(fields, backend.cfg, into=exc.fields)
             exc.record = paid.reject_record(
                 exc,
                 {
@@ -408,6 +412,7 @@ class Runner:
                 raise
             finally:
                 st.in_flight -= 1
+        self.pricer.price(rec, backend.cfg)
         bad = rec.pop("_bad_bytes", 0)
         try:
             warning = paid.check_reply(

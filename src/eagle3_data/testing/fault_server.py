@@ -18,8 +18,10 @@ Endpoints:
   whose content ends in an unpaired ``\\ud800``), ``pbadusage`` (200 with a NaN cost, a 1e30 prompt count, a
   negative reasoning count and an out-of-range token id; counted as completed), ``pbadbytes`` (a paid 200 reply,
   valid JSON, whose content holds the bytes ``\\xff\\xfe``, not UTF-8; counted as completed), ``perror422body``
-  (200 whose body is ``{"error": {"code": 422, ...}}``); ``pad_bytes`` (every reply's content padded with that many
-  bytes, its billed tokens unchanged); ``echo_key`` (every reply quotes the request's Bearer token); ``fail_after``
+  (200 whose body is ``{"error": {"code": 422, ...}}``), ``pnotjson`` (200 whose body is ``notjson_body``, an HTML
+  error page by default, ``""`` for an empty body: nothing generated, nothing billed); ``pad_bytes`` (every reply's
+  content padded with that many bytes, its billed tokens unchanged); ``echo_key`` (every reply quotes the request's
+  Bearer token: in its content, or in the top-level field ``echo_key_field``, e.g. ``system_fingerprint``); ``fail_after``
   (every request after that many gets HTTP ``fail_status``, e.g. 402, with body ``fail_body`` when set);
   ``storm_s`` (a 429 storm: every request arriving within that many seconds of the first one since the last reset
   gets HTTP 429 with ``Retry-After``, at once);
@@ -32,7 +34,8 @@ Endpoints:
   "length"``). ``usage`` has prompt/completion/reasoning tokens and ``cost`` (``price_in``/``price_out`` per
   token); ``provider`` is set (OpenRouter style); ``reasoning_field`` picks ``reasoning`` (OpenRouter) or
   ``reasoning_content`` (SGLang) for a short reasoning text (``reasoning_tokens`` words; 0 = none).
-  ``omit_cost`` leaves ``usage.cost`` out (the client may then look it up by generation id).
+  ``omit_cost`` leaves ``usage.cost`` out (the client may then look it up by generation id); ``omit_usage``
+  leaves the whole ``usage`` out (a server that reports neither tokens nor cost).
   ``require_tool_reasoning`` enforces Moonshot's thinking-mode rule: HTTP 400 "thinking is enabled but
   reasoning_content is missing in assistant tool call message" when an assistant message with ``tool_calls`` has
   no ``reasoning_content`` (absent or null).
@@ -86,8 +89,11 @@ DEFAULTS = {
     "pbadusage": 0.0,
     "pbadbytes": 0.0,
     "perror422body": 0.0,
+    "pnotjson": 0.0,
+    "notjson_body": "<html><body><h1>502 Bad Gateway</h1></body></html>",
     "pad_bytes": 0,
     "echo_key": False,
+    "echo_key_field": "content",
     "retry_after_s": 0.05,
     "hang_s": 30.0,
     "fail_after": None,
@@ -109,6 +115,7 @@ DEFAULTS = {
     "latency_by_body": False,
     "record_bodies": 50,
     "omit_cost": False,
+    "omit_usage": False,
     "cost_404s": 0,
     "gen_vocab": list(range(97, 123)) + [32],
     "gen_think": None,
@@ -257,6 +264,7 @@ class FaultApp:
             "pbadusage",
             "pbadbytes",
             "perror422body",
+            "pnotjson",
         ):
             r -= float(c[name])
             if r < 0:
@@ -461,11 +469,15 @@ class FaultApp:
                 self._count("malformed")
                 self.billed_by_body[bh] = self.billed_by_body.get(bh, 0) + 1
                 return json_response(200, b'{"id": "gen-x", "choices": [{"message": {"content": "trunc')
-            if fault == "psurrogate":  # a reply whose text can't be stored (the client must retry it)
+            if fault == "psurrogate":  # a billed reply whose text can't be stored (journaled once, never re-bought)
                 self._count("surrogate")
+                self.billed_by_body[bh] = self.billed_by_body.get(bh, 0) + 1
                 resp = self.completion(body, bh)
                 resp["choices"][0]["message"]["content"] += " \ud800"
                 return json_response(200, resp)
+            if fault == "pnotjson":  # a proxy's error page (or an empty body) with status 200: nothing generated
+                self._count("notjson")
+                return json_response(200, str(c["notjson_body"]).encode())
             if fault == "perror422body":  # a client error in a 200 body: no retry can fix it
                 self._count("error422body")
                 return json_response(
@@ -503,6 +515,8 @@ class FaultApp:
                 self.billed_usd += float(resp["usage"]["cost"])
                 if c["omit_cost"]:
                     del resp["usage"]["cost"]
+                if c["omit_usage"]:  # a server reporting no usage at all (tokens nor cost)
+                    del resp["usage"]
                 if fault == "pbadusage":  # values no column can hold: the client stores nulls, keeps the reply
                     self._count("badusage")
                     resp["usage"].update(
@@ -515,7 +529,10 @@ class FaultApp:
                     resp["choices"][0]["token_ids"] = [1, 2**40]
                 if c["echo_key"]:  # a reply quoting the request's API key (a prompt injection, a debug echo)
                     token = (headers.get("authorization") or "").removeprefix("Bearer ")
-                    resp["choices"][0]["message"]["content"] += f" my key is {token}."
+                    if c["echo_key_field"] == "content":
+                        resp["choices"][0]["message"]["content"] += f" my key is {token}."
+                    else:  # any other top-level field of the reply (system_fingerprint, a provider's own field)
+                        resp[str(c["echo_key_field"])] = f"fp-{token}"
                 if c["pad_bytes"]:  # a reply far larger than its billed tokens
                     resp["choices"][0]["message"]["content"] += " " + "x" * int(c["pad_bytes"])
             self._count("ok")
