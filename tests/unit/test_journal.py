@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import json
 
 import pytest
@@ -155,3 +156,42 @@ def test_stale_partial_outputs_are_removed_but_a_live_writers_is_not(tmp_path):
         assert live.exists() and other.exists() and not dead.exists()
     assert out.read_bytes() == b"in progress" and not live.exists()
     assert remove_stale_partials(out) == []
+
+
+def test_held_replies_are_the_owners_alone_and_read_until_the_journal_takes_them(tmp_path, monkeypatch):
+    """save_held's fallback: a folder of the user's own (0700) in the temp directory, files 0600; a folder of that
+    name readable by others (pre-created by another user) is refused; read_journal reads the held records, and
+    adopt_held moves them into the journal folder once its disk can take them."""
+    import errno
+    import tempfile
+
+    from eagle3_data.generate import journal as jm
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    jdir = tmp_path / "cache" / "journal"
+    real_write, real_fsync = os.write, os.fsync
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    recs = [{"request_key": f"k{i}", "status": "ok", "content": f"reply {i}"} for i in range(3)]
+    monkeypatch.setattr(jm.os, "write", full)  # the journal's disk is full: the records go to the fallback
+    path, in_journal = jm.save_held(recs, jdir, "ds", "000")
+    monkeypatch.setattr(jm.os, "write", real_write)
+    assert not in_journal and path.parent == jm.held_dir(jdir, "ds") and path.stat().st_mode & 0o777 == 0o600
+    top = tmp_path / "tmp" / f"eagle3-held-{os.getuid()}"
+    assert {p.stat().st_mode & 0o777 for p in (top, path.parent, path.parent.parent)} == {0o700}
+    got, stats = jm.read_journal(jdir, "ds")
+    assert sorted(got) == ["k0", "k1", "k2"] and stats["files"] == 2  # the (empty) journal and the held file
+    monkeypatch.setattr(jm.os, "fsync", full)
+    assert jm.adopt_held(jdir, "ds") == 0 and path.exists()  # still full: kept where it is, still read
+    assert sorted(jm.read_journal(jdir, "ds")[0]) == ["k0", "k1", "k2"]
+    assert sorted(p.name for p in (jdir / "ds").iterdir()) == ["000.jsonl"]  # no part file left behind
+    monkeypatch.setattr(jm.os, "fsync", real_fsync)
+    assert jm.adopt_held(jdir, "ds") == 3 and not path.exists()
+    assert sorted(p.name for p in (jdir / "ds").iterdir()) == ["000.jsonl", f"held-{path.name}"]
+    assert sorted(jm.read_journal(jdir, "ds")[0]) == ["k0", "k1", "k2"]
+    top.chmod(0o755)  # a folder of that name others can read (another user made it): nothing is written there
+    monkeypatch.setattr(jm.os, "write", full)
+    assert jm.save_held(recs, jdir, "ds", "001") == (None, False)

@@ -59,7 +59,11 @@ def test_unwritable_journal_directory_stops_before_any_request(tmp_path, fs):
 
 def test_full_disk_stops_sending_and_a_rerun_pays_only_for_the_rest(tmp_path, fs, monkeypatch):
     """ENOSPC at the 6th record: the job ends with one line naming the directory and 'the disk is full'; it sent
-    at most what was in flight after that; the rerun (space freed) sends only the requests not journaled."""
+    at most what was in flight after that; the rerun (space freed) sends only the requests not journaled or held."""
+    import tempfile
+
+    (tmp_path / "spill").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "spill"))
     fs.app.config.update({"latency_min_s": 0.02, "latency_max_s": 0.05})
     prompts = write_prompts(tmp_path / "p.parquet", simple_convs(40))
     real_write = os.write
@@ -79,15 +83,16 @@ def test_full_disk_stops_sending_and_a_rerun_pays_only_for_the_rest(tmp_path, fs
     assert fs.app.completed <= 6 + 4  # at most the requests in flight when the write failed
     monkeypatch.setattr(journal_mod.os, "write", real_write)
     recs, _ = read_journal(tmp_path / "journal", "ds")
-    assert len(recs) == 5
+    held = [ln for p in journal_mod.held_dir(tmp_path / "journal", "ds").glob("*.jsonl") for ln in p.open()]
+    assert len(recs) == 5 + len(held)  # the replies in flight that arrived: held, read like the journal
     deadline = time.monotonic() + 10
     while fs.app.in_flight and time.monotonic() < deadline:  # requests the stopped job dropped, still answering
         time.sleep(0.05)
     first = fs.app.completed
     fs.app.reset()
     s = run(tmp_path, fs, prompts)
-    assert s["ok"] == 40 and s["from_journal"] == 5 and fs.app.completed == 35
-    assert first + fs.app.completed - 40 <= 5  # paid twice: only replies that arrived after the disk filled
+    assert s["ok"] == 40 and s["from_journal"] == 5 + len(held) and fs.app.completed == 35 - len(held)
+    assert first + fs.app.completed - 40 <= first - 5 - len(held)  # paid twice: only replies the job never got
 
 
 def _failed(path) -> dict:
@@ -237,8 +242,8 @@ def test_402_gives_replies_in_flight_the_grace_and_no_request_starts_after_it(tm
 
 def test_replies_arriving_after_the_journal_fails_are_kept_and_not_bought_again(tmp_path, fs, monkeypatch):
     """ENOSPC at the 6th record with 8 replies of 0.2-0.4 s in flight: no request starts after it, the replies
-    in flight get the grace, and those the journal can't take are written to a fallback file the message names;
-    moved into the journal folder as it says, the rerun buys none of them again."""
+    in flight get the grace, and those the journal can't take are written to a fallback file the message names,
+    readable by the owner only; the plain rerun reads it, buys none of them again and moves it into the journal."""
     import tempfile
 
     spill = tmp_path / "spill"
@@ -262,18 +267,27 @@ def test_replies_arriving_after_the_journal_fails_are_kept_and_not_bought_again(
     monkeypatch.setattr(journal_mod.os, "write", real_write)
     msg = str(e.value)
     assert "\n" not in msg and "the disk is full" in msg
-    (held,) = spill.glob("eagle3-journal-ds-000-*.jsonl")
+    (held,) = spill.glob(f"eagle3-held-{os.getuid()}/*/ds/000-*.jsonl")
+    assert held.parent == journal_mod.held_dir(tmp_path / "journal", "ds")
     n_held = len(held.read_text().splitlines())
     assert fs.app.completed == 5 + n_held and n_held >= 3  # every paid reply: journaled or held
     assert (
-        f"{n_held} paid replies that arrived after it were written to {held}: move that file into "
-        f"{tmp_path / 'journal' / 'ds'}/ before rerunning" in msg
+        f"{n_held} paid replies that arrived after it were written to {held} (readable by you only): the rerun of "
+        f"the same command reads them and moves them into {tmp_path / 'journal' / 'ds'}/ (not paid for again)" in msg
     )
+    # the owner's alone: the file 0600, every folder from eagle3-held-<uid> down 0700
+    assert held.stat().st_mode & 0o777 == 0o600
+    assert {oct(p.stat().st_mode & 0o777) for p in held.parents if spill in p.parents} == {"0o700"}
     first = fs.app.completed
-    held.rename(tmp_path / "journal" / "ds" / held.name)
     fs.app.reset()
-    s = run(tmp_path, fs, prompts)
+    s = run(tmp_path, fs, prompts)  # the plain rerun: nothing moved by hand
     assert s["ok"] == 40 and s["from_journal"] == first and fs.app.completed == 40 - first  # none bought twice
+    assert (
+        not held.exists()
+        and len((tmp_path / "journal" / "ds" / f"held-{held.name}").read_text().splitlines()) == n_held
+    )
+    fs.app.reset()
+    assert run(tmp_path, fs, prompts, out="again.parquet")["from_journal"] == 40 and fs.app.requests == 0
 
 
 def test_a_cut_off_200_is_a_named_reject_journaled_raw_once(tmp_path, fs):

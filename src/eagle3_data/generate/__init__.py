@@ -39,7 +39,8 @@ progress display :mod:`eagle3_data.generate.progress`.
 """
 
 from .budget import BudgetStop, JobState
-from .job import GenerationInterrupted, GenerationStopped, UnpaidFailures, backend_pool, generate
+from .backends import backend_pool
+from .job import GenerationInterrupted, GenerationStopped, UnpaidFailures, generate
 from .output import RESPONSE_FIELDS, journal_batches, wanted_runs, write_journaled, write_output
 from .prompts import (
     PROMPT_ROLES,

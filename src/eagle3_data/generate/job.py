@@ -14,19 +14,17 @@ from typing import Any
 
 from ..backends import paid
 from . import progress
-from ..runtime import run as run_mod
 from .. import schemas
-from ..backends import limits
 from ..backends.errors import BackendDown, FatalBackendError
-from ..backends.definition import BackendConfig
 from ..errors import ExpectedFailure, Interrupted, log_to_file
 from ..files import content_hash, remove_stale_partials, write_json
-from .journal import JournalWriteError, JournalWriter, read_journal, save_held
+from .journal import JournalWriteError, JournalWriter, adopt_held, read_journal, save_held
 from ..logs import tally_warnings
 from .budget import JobState
-from .context import job_logging, server_log_path, sigterm_as_exception
+from .context import job_logging, sigterm_as_exception
 from .output import write_journaled
 from .prompts import Sample, read_prompts, shard_share
+from .backends import start_backends
 from .runner import Runner, Terminated, failed_row, run_requests
 
 logger = logging.getLogger("eagle3_data.generate")
@@ -56,7 +54,7 @@ def _held_saved(
     exc: JournalWriteError, held: list[dict], journal_dir, dataset: str, shard: str, journaled: str
 ) -> JournalWriteError:
     """``exc`` with where the paid records it kept from the journal went (:func:`..journal.save_held`): the
-    journal after all, a fallback file the hint names (move it into the journal folder before rerunning), or
+    journal after all, a fallback file the hint names (the rerun reads it and moves it into the journal), or
     nowhere (those replies are paid for again)."""
     if not held:
         return exc
@@ -68,8 +66,8 @@ def _held_saved(
         extra = f"{n} that arrived after it were journaled after all ({path})"
     else:
         extra = (
-            f"{n} that arrived after it were written to {path}: move that file into "
-            f"{Path(journal_dir) / dataset}/ before rerunning (its replies are then not paid for again)"
+            f"{n} that arrived after it were written to {path} (readable by you only): the rerun of the same "
+            f"command reads them and moves them into {Path(journal_dir) / dataset}/ (not paid for again)"
         )
     return JournalWriteError(exc.message, hint=f"{extra}; {exc.hint}; {journaled}")
 
@@ -104,56 +102,6 @@ def cpu_s() -> float:
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return round(ru.ru_utime + ru.ru_stime, 3)
-
-
-@contextlib.contextmanager
-def backend_pool(cfgs: list[BackendConfig], run, backend_jobs: dict | None, tag: str):
-    """The job's :class:`BackendPool`: each backend capped at this job's share of its ``max_concurrency``
-    (:func:`.limits.job_limit`), with the run's host slots when the limit is shared on this machine."""
-    from ..backends import pool  # httpx and the transport: only for a job that sends requests
-
-    mode = limits.sharing_mode(run)
-    backends = []
-    for c in cfgs:
-        n_jobs = (backend_jobs or {}).get(c.name, 1)
-        cap = limits.job_limit(c.max_concurrency, mode, n_jobs)
-        slots = limits.host_slots(c) if mode == "host" else None
-        # rate limits have no shared counter: each job of the run takes an even share of them
-        share = 1.0 / max(1, n_jobs) if mode in ("host", "split") else 1.0
-        backends.append(pool.Backend(c, cap=cap, slots=slots, rate_share=share))
-        logger.info(
-            "%s backend %s: at most %d request(s) in flight from this job%s%s",
-            tag,
-            c.name,
-            cap,
-            (
-                f", {c.max_concurrency} over all jobs on this machine"
-                if slots
-                else f" ({c.max_concurrency} split over {n_jobs} jobs)"
-                if mode == "split"
-                else ""
-            ),
-            (
-                f"; rate limits: 1/{n_jobs} of the backend's each"
-                if share < 1 and (c.requests_per_minute or c.tokens_per_minute)
-                else ""
-            ),
-        )
-    yield pool.BackendPool(backends)
-
-
-def _load_target(settings):
-    """TargetTokens for native ``/generate`` prompts and the check of a ``return_token_ids`` server's prompt ids
-    (chat_template_kwargs: target's, then the dataset's)."""
-    from ..templates import target_tokens
-
-    target = settings.target
-    if not target or not target.get("path"):
-        raise ValueError(
-            f"dataset {settings.dataset}: a backend has native_generate or return_token_ids: true, which "
-            "needs the target tokenizer: GenerateSettings.target (GenerateSettings.from_config sets it)"
-        )
-    return target_tokens(target, (settings.generation.extra_body or {}).get("chat_template_kwargs"))
 
 
 def generate(
@@ -379,6 +327,7 @@ def _read_journal(job: _Job, samples: list, bad: list, capped: int) -> tuple[dic
         ("content", "reasoning", "tool_calls") if mode == "all" else ()
     )
     key_files: dict = {}
+    adopt_held(job.journal_dir, job.dataset)  # paid replies a full disk kept in the temp folder: into the journal
     records, job.jstats = read_journal(job.journal_dir, job.dataset, fields=keep, key_files=key_files)
     logger.info(
         "%s %d samples (%d unusable, %d over max_samples), mode %s; journal: %d responses in %d file(s), "
@@ -445,7 +394,7 @@ def _answer(job: _Job, samples, records, state, writer, network: bool, display) 
     job's errors (the journal keeps every response)."""
     try:
         with contextlib.ExitStack() as stack:
-            pool = _start_backends(job, stack, display) if network else None
+            pool = start_backends(job, stack, display) if network else None
             journal = job.journal = stack.enter_context(JournalWriter(job.journal_dir, job.dataset, job.shard))
             if pool is not None:
                 journal.ensure_open()  # an unwritable journal stops the job before it pays for anything
@@ -489,40 +438,6 @@ def _answer(job: _Job, samples, records, state, writer, network: bool, display) 
         raise GenerationInterrupted(
             f"{job.tag} interrupted", hint=f"rerun the same command to resume; {job.journaled()}"
         ) from None
-
-
-def _start_backends(job: _Job, stack: contextlib.ExitStack, display):
-    """Check the key variables, load the target tokenizer where a backend needs it, start (or attach to) the
-    launched servers, and enter the job's :class:`BackendPool`."""
-    for c in job.cfgs:
-        c.api_key()  # a missing key variable stops the job before any server starts
-        if "{port}" in c.base_url and not c.launch:
-            raise ValueError(f"backend {c.name!r}: base_url has {{port}} but no launch: config")
-    if any(c.native_generate or c.return_token_ids for c in job.cfgs):
-        job.target_tokens = _load_target(job.settings)
-    run = run_mod.current()
-    for c in job.cfgs:
-        if c.launch:
-            srv = stack.enter_context(_server(job, c, run))
-            c.base_url = c.base_url.replace("{port}", str(srv.port))
-            (job.servers_started if srv.started else job.servers_attached).append(c.name)
-            job.server_logs[c.name] = srv.log_path
-    pool = stack.enter_context(backend_pool(job.cfgs, run, job.settings.backend_jobs, job.tag))
-    display.pool = pool
-    return pool
-
-
-def _server(job: _Job, c: BackendConfig, run):
-    """The launched server of backend ``c``: the workflow run's (one per backend for the whole run) or, outside a
-    run (the Python API, a cluster job), this job's own."""
-    from ..backends.server import launch_server, shared_server
-
-    if run is not None:
-        return shared_server(
-            c.launch, c.model, name=c.name, run=run, log_path=Path("logs") / "servers" / f"{c.name}.log"
-        )
-    log_path = server_log_path(job.log, job.journal_dir, job.dataset, job.shard, c.name)
-    return launch_server(c.launch, c.model, log_path, name=c.name)
 
 
 def _stopped(job: _Job, exc: FatalBackendError) -> GenerationStopped:

@@ -19,7 +19,10 @@ raw body, keys scrubbed, under ``raw_reply``: a key no RESPONSES column reads). 
 :meth:`JournalWriter.ensure_open`, before a job sends anything): a job with nothing to send never needs to write;
 a journal that can't be written (disk full, read-only) raises :class:`JournalWriteError`, one line naming the
 directory and the reason; records that arrive after it (replies in flight, given the stop grace) are held by the
-job and written by :func:`save_held` to the journal if it can take them by then, else to a fallback file.
+job and written by :func:`save_held` to the journal if it can take them by then, else to a fallback file in the
+system's temp directory (:func:`held_dir`: a folder of the user's own, mode 0700, the files 0600). The rerun moves
+those files into the journal before it reads it (:func:`adopt_held`), and :func:`read_journal` reads any still
+there: nothing paid for is bought again with the command the user types.
 
 The journal never holds an API key: records are response fields only (no headers, no request options).
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -153,7 +157,8 @@ def iter_journal_file(path: str | os.PathLike, stats: dict | None = None, warn: 
 def read_journal(
     journal_dir: str | os.PathLike, dataset: str, fields: Iterable[str] | None = None, key_files: dict | None = None
 ) -> tuple[dict[str, dict], dict]:
-    """Read every ``*.jsonl`` of ``<journal_dir>/<dataset>/``.
+    """Read every ``*.jsonl`` of ``<journal_dir>/<dataset>/``, then those :func:`save_held` wrote to
+    ``held_dir(journal_dir, dataset)`` when the journal could not take them.
 
     Returns ``(records, stats)``: ``records`` maps ``request_key`` -> record dict (first occurrence wins;
     a duplicate key is counted, not an error); with ``fields``, each record keeps only those keys (the
@@ -166,7 +171,11 @@ def read_journal(
     stats = {"files": 0, "lines": 0, "records": 0, "bad_lines": 0, "duplicates": 0}
     keep = None if fields is None else tuple(fields)
     folder = Path(journal_dir) / dataset
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+    held = held_dir(journal_dir, dataset)  # paid replies a full disk kept from the journal (read after it)
+    paths = [*(sorted(folder.glob("*.jsonl")) if folder.is_dir() else [])]
+    # (and a file a job was moving into the journal when it died: ``*.adopting-<pid>``, :func:`adopt_held`)
+    paths += sorted([*held.glob("*.jsonl"), *held.glob("*.adopting-*")]) if held.is_dir() else []
+    for path in paths:
         stats["files"] += 1
         for rec in iter_journal_file(path, stats, True):
             key = rec["request_key"]
@@ -330,21 +339,38 @@ class JournalWriter:
                 raise
 
 
+def held_dir(journal_dir: str | os.PathLike, dataset: str | None = None) -> Path:
+    """Where :func:`save_held` puts the paid replies a journal could not take:
+    ``<temp>/eagle3-held-<uid>/<12 hex digits of the journal folder's absolute path>/<dataset>`` (``<temp>``: the
+    system's temp directory, ``tempfile.gettempdir()``). The rerun of the same build finds them there."""
+    import tempfile
+
+    digest = hashlib.sha256(str(Path(journal_dir).resolve()).encode()).hexdigest()[:12]
+    root = Path(tempfile.gettempdir()) / f"eagle3-held-{os.getuid()}" / digest
+    return root if dataset is None else root / dataset
+
+
+def _private_dirs(path: Path) -> None:
+    """Create ``path`` and the folders above it up to ``eagle3-held-<uid>``, each mode 0700. Raises OSError when
+    that folder belongs to another user (another user pre-created it to read the replies)."""
+    top = next(p for p in (path, *path.parents) if p.name.startswith("eagle3-held-"))
+    for p in (top, *reversed([q for q in path.parents if top in q.parents]), path):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(p, 0o700)
+    st = os.stat(top, follow_symlinks=False)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(errno.EACCES, f"{top} belongs to another user or is readable by others")
+
+
 def save_held(
-    records: list[dict],
-    journal_dir: str | os.PathLike,
-    dataset: str,
-    shard: str,
-    fallback_dir: str | os.PathLike | None = None,
+    records: list[dict], journal_dir: str | os.PathLike, dataset: str, shard: str
 ) -> tuple[Path | None, bool]:
     """Write paid ``records`` that the journal could not take when they arrived: appended to the shard's journal
-    if it can be written now, else to ``<fallback_dir>/eagle3-journal-<dataset>-<shard>-<pid>.jsonl`` (default
-    the system's temp directory; a journal file a rerun reads once moved into ``<journal_dir>/<dataset>/``).
+    if it can be written now, else to ``<held_dir>/<shard>-<pid>.jsonl`` (:func:`held_dir`; readable by the owner
+    only), which the rerun reads and moves into the journal (:func:`adopt_held`).
 
     Returns ``(path, in_journal)``: where they are (None if nowhere could take them) and whether that is the
     journal itself."""
-    import tempfile
-
     if not records:
         return None, True
     try:
@@ -354,9 +380,12 @@ def save_held(
         return jw.path, True
     except (JournalWriteError, OSError):
         pass
-    path = Path(fallback_dir or tempfile.gettempdir()) / f"eagle3-journal-{dataset}-{shard}-{os.getpid()}.jsonl"
+    folder = held_dir(journal_dir, dataset)
+    path = folder / f"{shard}-{os.getpid()}.jsonl"
     try:
-        with open(path, "a", encoding="utf-8") as fh:
+        _private_dirs(folder)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as fh:
             for rec in records:
                 fh.write(json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n")
             fh.flush()
@@ -364,3 +393,50 @@ def save_held(
         return path, False
     except OSError:
         return None, False
+
+
+def adopt_held(journal_dir: str | os.PathLike, dataset: str) -> int:
+    """Move the files :func:`save_held` wrote for ``dataset`` into ``<journal_dir>/<dataset>/`` as
+    ``held-<name>.jsonl`` (copied, fsync-ed, then removed; claimed by a rename first, so two shard jobs never both
+    take one). A file the journal's disk still can't take stays where it is (and is read from there).
+    Returns the number of records moved."""
+    folder = held_dir(journal_dir, dataset)
+    moved = 0
+    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+        claim = path.with_suffix(f".adopting-{os.getpid()}")
+        try:
+            os.rename(path, claim)
+        except OSError:
+            continue  # another job took it
+        dest = Path(journal_dir) / dataset / f"held-{path.name}"
+        for i in range(1, 1000):
+            if not dest.exists():
+                break
+            dest = dest.with_name(f"held-{path.stem}-{i}.jsonl")
+        part = dest.with_name(dest.name + ".part")  # not *.jsonl: never read half-written
+        data = claim.read_bytes()
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(part, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(part, dest)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                part.unlink()
+            os.rename(claim, path)
+            logger.warning("%s: kept in %s (the journal folder can't take it yet: %s)", path.name, folder, exc)
+            continue
+        claim.unlink()
+        n = data.count(b"\n")
+        moved += n
+        logger.warning(
+            "%d paid repl%s a full disk kept from the journal found in %s: moved into %s (not bought again)",
+            n,
+            "ies" if n != 1 else "y",
+            path,
+            dest,
+            extra={"tally": False},
+        )
+    return moved
