@@ -615,7 +615,7 @@ class GenerateSettings(_Settings):
         unknown = [n for n in names if n not in self.backends]
         if unknown:
             raise ValueError(f"dataset {self.dataset}: generation.backends names unknown backends {unknown}")
-        return [BackendConfig.from_dict(n, self.backends[n]) for n in names]
+        return [BackendConfig.from_dict(n, self.backends[n], self.generation.max_tokens) for n in names]
 
     def budget_source(self, key: str) -> str:
         """Where the config sets budget ``key`` (``"generation.<key>"`` when not known)."""

@@ -166,8 +166,10 @@ def test_generation_and_backend_settings_take_the_schema_defaults_from_a_raw_con
     backend = SCHEMA["properties"]["backends"]["additionalProperties"]["properties"]
     (b,) = g.backend_configs()
     for key, node in backend.items():
-        if "default" in node and key not in ("launch", "price_per_m", "max_jobs"):
+        if "default" in node and key not in ("launch", "price_per_m", "max_jobs", "timeout_s"):
             assert g.backends["b"][key] == node["default"] and getattr(b, key) == node["default"], key
+    # timeout_s null: the typed backend's fits the longest reply max_tokens allows (here left to the server)
+    assert g.backends["b"]["timeout_s"] is None and b.timeout_s == 3600.0
     assert g.journal_dir == f"{SCHEMA['properties']['cache_dir']['default']}/journal"
     assert g.num_shards == SCHEMA["properties"]["datasets"]["additionalProperties"]["properties"]["shards"]["default"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from test_generate import backends_cfg, gen_cfg, run, simple_convs, write_prompts
+from test_generate import backends_cfg, gen_cfg, gen_settings, run, simple_convs, write_prompts
 
 from eagle3_data.generate import journal as journal_mod
 from eagle3_data.generate import GenerationStopped
@@ -524,3 +524,49 @@ def test_a_reply_without_usage_is_costed_from_our_count_of_its_tokens(tmp_path, 
         == 1
     )
     assert caplog.text.count("without usage.completion_tokens: the token budget counts an estimate") == 1
+
+
+def test_attempts_abandoned_at_the_timeout_are_named_and_counted_as_maybe_billed(tmp_path, fs, caplog):
+    """Replies slower than ``timeout_s`` are abandoned and asked again, and each abandoned attempt may be billed:
+    the error names the setting, the summary counts them by backend and the job's log warns once per backend."""
+    fs.app.config.update({"latency_min_s": 0.05, "latency_max_s": 0.45, "seed": 2})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(10))
+    with caplog.at_level("WARNING", logger="eagle3_data.generate"):
+        s = run(tmp_path, fs, prompts, gen=gen_cfg(max_retries=12), bk=backends_cfg(fs, timeout_s=0.25))
+    n = fs.app.requests - 10  # every attempt reached the server: a provider would have billed it
+    assert s["ok"] == 10 and n >= 3 and s["timed_out_attempts"] == {"fault": n} and s["retry_reasons"] == {"timeout": n}
+    assert (
+        caplog.text.count(
+            f"[ds/000] {n} attempt(s) abandoned at backends.fault.timeout_s = 0.25 s and asked again: the provider may "
+            "have billed them (raise timeout_s if its replies are that slow)"
+        )
+        == 1
+    )
+    fs.app.config.update({"latency_min_s": 0.5, "latency_max_s": 0.5})
+    with pytest.raises(GenerationStopped) as info:  # none in time: the stop names the setting
+        run(
+            tmp_path,
+            fs,
+            write_prompts(tmp_path / "q.parquet", simple_convs(2, start=50)),
+            gen=gen_cfg(max_retries=0),
+            bk=backends_cfg(fs, timeout_s=0.25),
+            out="q.parquet",
+        )
+    assert (
+        "last error: timeout: no complete reply within backends.fault.timeout_s = 0.25 s: the attempt was abandoned "
+        "(the provider may bill it); raise timeout_s if its replies are that slow" in str(info.value)
+    )
+
+
+def test_the_default_timeout_fits_the_longest_reply_max_tokens_allows(tmp_path, fs):
+    from eagle3_data.backends.definition import BackendConfig
+
+    entry = {"type": "openai", "base_url": "http://x/v1", "model": "m"}
+    assert BackendConfig.from_dict("b", entry).timeout_s == 3600.0  # max_tokens left to the server
+    assert BackendConfig.from_dict("b", entry, 2048).timeout_s == pytest.approx(324.8)
+    assert BackendConfig.from_dict("b", entry, 32768).timeout_s == pytest.approx(3396.8)  # the seed's replies
+    assert BackendConfig.from_dict("b", {**entry, "timeout_s": 30}, 32768).timeout_s == 30.0  # set: kept
+    bk = backends_cfg(fs)
+    bk["fault"].pop("timeout_s")
+    settings = gen_settings(tmp_path, gen_cfg(max_tokens=16384), bk)
+    assert [c.timeout_s for c in settings.backend_configs()] == [pytest.approx(1758.4)]

@@ -29,6 +29,23 @@ from dataclasses import dataclass
 
 from .errors import FatalBackendError
 
+#: the slowest decoding the default timeout allows for (tokens/s), and its allowance for queueing and the prompt (s)
+TIMEOUT_TOKENS_PER_S = 10.0
+TIMEOUT_BASE_S = 120.0
+#: the default timeout when the requests leave max_tokens to the server (its limit is unknown here)
+TIMEOUT_NO_MAX_TOKENS_S = 3600.0
+
+
+def default_timeout_s(max_tokens: int | None) -> float:
+    """Seconds a whole reply may take when ``backends.<name>.timeout_s`` is null: one that fits the longest reply
+    ``max_tokens`` allows at :data:`TIMEOUT_TOKENS_PER_S` plus :data:`TIMEOUT_BASE_S` (2,048 tokens: 325 s;
+    32,768: 3,397 s), else :data:`TIMEOUT_NO_MAX_TOKENS_S`. A reply past its timeout is abandoned and asked for
+    again, and a provider may bill both, so the default errs long."""
+    if not max_tokens:
+        return TIMEOUT_NO_MAX_TOKENS_S
+    return TIMEOUT_BASE_S + float(max_tokens) / TIMEOUT_TOKENS_PER_S
+
+
 #: the API dialects (the schema's ``backends.<name>.type`` enum: tests/test_settings.py ties them)
 BACKEND_TYPES = ("openai", "openrouter", "sglang")
 
@@ -59,9 +76,10 @@ class BackendConfig:
     price_per_m: dict | None = None  # USD per million prompt / completion tokens: a reply's cost without usage.cost
 
     @classmethod
-    def from_dict(cls, name: str, cfg: dict) -> "BackendConfig":
+    def from_dict(cls, name: str, cfg: dict, max_tokens: int | None = None) -> "BackendConfig":
         """The backend ``name`` of config ``backends:`` (``cfg``: its entry), the schema's defaults where unset
-        (:func:`eagle3_data.config.schema.filled`). Raises ValueError naming the backend and the bad key."""
+        (:func:`eagle3_data.config.schema.filled`); ``timeout_s`` null: :func:`default_timeout_s` of the
+        requests' ``max_tokens``. Raises ValueError naming the backend and the bad key."""
         from ..config.schema import filled
 
         cfg = filled("backends.<name>", cfg)
@@ -104,7 +122,7 @@ class BackendConfig:
             model=str(cfg["model"]),
             api_key_env=cfg.get("api_key_env") or None,
             max_concurrency=conc,
-            timeout_s=float(cfg["timeout_s"]),
+            timeout_s=float(cfg["timeout_s"]) if cfg.get("timeout_s") is not None else default_timeout_s(max_tokens),
             requests_per_minute=cfg.get("requests_per_minute"),
             launch=cfg.get("launch"),
             headers={str(k): str(v) for k, v in (cfg.get("headers") or {}).items()},

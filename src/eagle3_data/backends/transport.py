@@ -254,8 +254,14 @@ class HttpSession:
                 finally:
                     await resp.aclose()
                 return resp
-        except (httpx.TimeoutException, TimeoutError) as exc:
-            raise RetryableError("timeout", f"{type(exc).__name__} (timeout_s {self.cfg.timeout_s:g})") from None
+        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:  # never reached the server: nothing to bill
+            raise RetryableError("connection_error", f"{type(exc).__name__}: no connection in time") from None
+        except (httpx.TimeoutException, TimeoutError):
+            raise RetryableError(
+                "timeout",
+                f"no complete reply within backends.{self.cfg.name}.timeout_s = {self.cfg.timeout_s:g} s: the "
+                "attempt was abandoned (the provider may bill it); raise timeout_s if its replies are that slow",
+            ) from None
         except (
             httpx.ConnectError,
             httpx.RemoteProtocolError,

@@ -55,6 +55,8 @@ class JobState:
     other_model: int = 0  # replies naming another model than asked (kept unless reject_other_models)
     by_backend: dict = field(default_factory=dict)
     retry_reasons: dict = field(default_factory=dict)
+    # attempts abandoned at the backend's timeout_s, by backend: the server had them, so a provider may bill them
+    timed_out: dict = field(default_factory=dict)
     last_error: str | None = None  # "<reason>: <text> (backend <name>)" of the last failed request
     last_unpaid: str | None = None  # the same, of the last sample that failed without a paid reply
     logged_errors: dict = field(default_factory=dict)  # reason -> failures logged with their text so far

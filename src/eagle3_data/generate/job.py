@@ -520,6 +520,7 @@ def _summary(job: _Job, state: JobState, capped: int, n_rows: int) -> dict:
         "sent": state.sent,
         "retries": state.retries,
         "retry_reasons": dict(state.retry_reasons),
+        "timed_out_attempts": dict(state.timed_out),
         "not_sent": state.not_sent,
         "over_max_samples": capped,
         "prompt_tokens": state.prompt_tokens,
@@ -553,6 +554,17 @@ def _finish(job: _Job, state: JobState, summary: dict, summary_path, display) ->
         value = getattr(job.settings.generation, key, None)
         message = progress.budget_stop_message(state, key, value, job.settings.budget_source(key), job.shares)
         logger.warning("%s %s", job.tag, message, extra={"reason": key})
+    for name, n in state.timed_out.items():
+        timeout = next((c.timeout_s for c in job.cfgs if c.name == name), None)
+        logger.warning(
+            "%s %d attempt(s) abandoned at backends.%s.timeout_s = %g s and asked again: the provider may have "
+            "billed them (raise timeout_s if its replies are that slow)",
+            job.tag,
+            n,
+            name,
+            timeout,
+            extra={"reason": "timed_out_attempts"},
+        )
     logger.info("%s summary: %s", job.tag, json.dumps(summary, sort_keys=True))
     if summary_path is not None:
         write_json(summary, summary_path)

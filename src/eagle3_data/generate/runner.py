@@ -359,6 +359,8 @@ class Runner:
                                 sent_at, exc.retry_after, self.retry_initial_s, self.retry_max_s
                             ):
                                 free += 1
+                            if exc.reason == "timeout":  # abandoned after the server had it: it may be billed
+                                st.timed_out[backend.name] = st.timed_out.get(backend.name, 0) + 1
                             avoid = backend if exc.backend_fault else None  # retry elsewhere if possible
                             st.retry_reasons[exc.reason] = st.retry_reasons.get(exc.reason, 0) + 1
                             raise
