@@ -9,7 +9,7 @@ from eagle3_data import config as cfg
 from eagle3_data import settings as stage_settings
 from eagle3_data.config.commands import runs_no_job
 from eagle3_data.gguf_target import gguf_file
-from eagle3_data.runtime import owner
+from eagle3_data.runtime import damaged, owner
 from eagle3_data.settings import (
     DecontaminateSettings,
     ExportSettings,
@@ -26,6 +26,10 @@ from eagle3_data.settings import (
 )
 
 
+def _dry_run() -> bool:
+    return bool(getattr(getattr(workflow, "output_settings", None), "dryrun", False))
+
+
 def _check_config():
     """Schema (filling in defaults), layering, cross-key and API-key checks, before any job runs.
 
@@ -33,8 +37,9 @@ def _check_config():
     key variables are checked for the datasets that still have responses to generate; a dry run (-n) only
     warns about them, so `snakemake -n` works before the key is exported; a mode that runs no job (`--report`,
     `--summary`, ...: eagle3_data.config.commands) does not check them. A dataset whose results/<name>/ was built
-    for another target is refused (eagle3_data.runtime.owner). Returns the config files, (path, parsed YAML) in
-    merge order.
+    for another target is refused (eagle3_data.runtime.owner). A damaged stage output under results/ is named and
+    removed, so this run rebuilds it (eagle3_data.runtime.damaged; a dry run only names it). Returns the config
+    files, (path, parsed YAML) in merge order.
     """
     main = workflow.is_main_process
     embedded = os.path.relpath(Path(workflow.basedir) / "config.yaml")
@@ -44,7 +49,11 @@ def _check_config():
             cfg.check_layering(files)
         cfg.validate_config(config, cfg.schema(), files=files)
         cfg.check_config(config)
-        if main and not runs_no_job(sys.argv):  # a dataset built for another target: refused, alone
+        if main and not runs_no_job(sys.argv):
+            # a damaged stage output (a parquet cut in half, 0 bytes): named, removed, rebuilt by this run
+            for line in damaged.remove_damaged("results", dry_run=_dry_run()):
+                print(line, file=sys.stderr)
+            # a dataset built for another target: refused, alone
             owner.check(cfg.datasets(config), files, config["target"]["path"])
         chosen = cfg.resolve_target_template(config)  # target.template: auto -> the family (cached)
         if main and chosen:

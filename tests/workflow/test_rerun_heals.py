@@ -8,6 +8,7 @@ the target), against the fault server in this process."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,47 @@ def test_unlock_runs_without_the_api_key(tmp_path, target_dir):  # noqa: F811
         timeout=300,
     )
     assert p.returncode != 0 and "E3D_NOT_SET_KEY is not set" in p.stderr  # a build still needs it
+
+
+def test_a_damaged_file_in_results_is_named_once_and_rebuilt_by_the_rerun(tmp_path, target_dir):  # noqa: F811
+    """A responses shard cut in half and a zero-byte summary (a copy cut short, a disk repaired after a crash):
+    the rerun names each in one line, removes it and rebuilds it from the journal (no request), with no
+    traceback; the tokens shard that read it is rebuilt too. A dry run names them and removes nothing."""
+    import pyarrow.parquet as pq
+
+    tokens = "results/chat/tokens/000.parquet"
+    with FaultServer({"min_tokens": 3, "max_tokens": 8}) as fs:
+        wd = _workflow(tmp_path, target_dir, fs)
+        cmd = [sys.executable, "-m", "snakemake", *TARGETS, tokens, "--cores", "2", "--configfile", "mine.yaml"]
+
+        def snakemake(*extra):
+            return subprocess.run(
+                cmd + list(extra), cwd=wd, env=snakemake_env(), capture_output=True, text=True, timeout=600
+            )
+
+        p = snakemake()
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+        rows = pq.read_table(wd / TARGETS[0]).num_rows
+        cut = wd / TARGETS[0]
+        cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+        (wd / "results/chat/responses/000.json").write_bytes(b"")
+        fs.app.reset()
+        p = snakemake("-n")
+        assert p.returncode == 0 and cut.exists(), (p.stdout + p.stderr)[-3000:]
+        assert f"{TARGETS[0]} is damaged (cut off: no parquet footer at its end): a run (not -n) removes it" in p.stderr
+        p = snakemake()
+        out = p.stdout + p.stderr
+        assert p.returncode == 0 and "Traceback" not in out, out[-3000:]
+        for path, why in (
+            (TARGETS[0], "cut off: no parquet footer at its end"),
+            ("results/chat/responses/000.json", "0 bytes"),
+        ):
+            line = f"{path} is damaged ({why}): removed; this run rebuilds it (replies come from the journal: nothing paid for is bought again)"
+            assert out.count(line) == 1, out[-3000:]
+        assert fs.app.requests == 0  # rebuilt from the journal
+        assert pq.read_table(wd / TARGETS[0]).num_rows == rows and json.loads(
+            (wd / "results/chat/responses/000.json").read_text()
+        )
+        assert pq.read_table(wd / tokens).num_rows > 0
+        p = snakemake()
+        assert p.returncode == 0 and "Nothing to be done" in p.stdout + p.stderr
