@@ -24,7 +24,10 @@ Rows (``schemas.RESPONSES``), for the samples generate would take (sorted by ``s
 
 A sample with no answer to take is a ``failed`` row with ``backend`` :data:`ORIGINAL_BACKEND` (tokenize turns
 it into a reject of stage ``original_answers``): ``no_original_answer`` (no assistant message after the first
-message), ``bad_prompt`` (unusable ``messages`` or ``tools``, as in generate).
+message), ``bad_prompt`` (unusable ``messages`` or ``tools``, as in generate), and, for an answer that is there but
+is not one (:func:`answer_problem`): ``unclosed_think`` (its content opens ``<think>`` and never closes it: a
+reasoning cut off, source option ``strip_think: false``), ``reasoning_only`` (reasoning but no final answer and
+no tool call), ``empty_original_answer`` (no reasoning, content or tool call at all).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ log = logging.getLogger("eagle3_data.original_answers")
 
 #: the reject reason of a sample without an assistant answer to take
 NO_ANSWER = "no_original_answer"
+#: the reject reasons of an answer that is not one (:func:`answer_problem`)
+UNCLOSED_THINK = "unclosed_think"
+REASONING_ONLY = "reasoning_only"
+EMPTY_ANSWER = "empty_original_answer"
 
 _THOUGHT = re.compile(r"^\s*<\|begin_of_thought\|>(.*?)(?:<\|end_of_thought\|>|$)(.*)$", re.DOTALL)
 _SOLUTION = re.compile(r"<\|begin_of_solution\|>(.*?)(?:<\|end_of_solution\|>|$)", re.DOTALL)
@@ -81,6 +88,26 @@ def answer_fields(message: dict) -> dict:
         "content": content,
         "tool_calls": json.dumps(calls, ensure_ascii=False) if calls else None,
     }
+
+
+def answer_problem(fields: dict) -> tuple[str, str] | None:
+    """``(reason, detail)`` when the answer ``fields`` (:func:`answer_fields`) can't be trained on as an answer,
+    else None: an unclosed ``<think>`` in the content (:data:`UNCLOSED_THINK`), reasoning without a final answer
+    or tool call (:data:`REASONING_ONLY`; a ``<think>...</think>`` block left in the content counts as
+    reasoning), nothing at all (:data:`EMPTY_ANSWER`)."""
+    content, reasoning, calls = fields["content"] or "", fields["reasoning"] or "", fields["tool_calls"]
+    if content.count("<think>") > content.count("</think>"):
+        return UNCLOSED_THINK, (
+            "the answer opens <think> and never closes it (a reasoning cut off?): no final answer to train on"
+        )
+    thought, sep, final = content.rpartition("</think>")
+    if not sep:
+        thought, final = "", content
+    if final.strip() or calls:
+        return None
+    if reasoning.strip() or thought.replace("<think>", "").strip():
+        return REASONING_ONLY, "the answer has reasoning but no final answer or tool call: nothing it concludes"
+    return EMPTY_ANSWER, "the source's answer is empty (no reasoning, content or tool call)"
 
 
 def prompt_messages(history: list[dict], tool_call_ids: str) -> list[dict]:
@@ -120,6 +147,11 @@ def answer_rows(sample, dataset: str, mode: str, tool_call_ids: str) -> list[dic
     for turn in turns:
         prompt = prompt_messages(messages[:turn], tool_call_ids)
         fields = answer_fields(messages[turn])
+        problem = answer_problem(fields)
+        if problem:  # one unusable answer fails the sample (mode all: its other turns' prompts hold this one)
+            key = content_hash(dataset, sample.sample_id, problem[0], int(turn), length=16)
+            row = failed_row(sample, dataset, turn, key, prompt, *problem)
+            return [{**row, "backend": ORIGINAL_BACKEND}]
         rows.append(
             {
                 "sample_id": sample.sample_id,
@@ -224,8 +256,8 @@ def _bad_prompt_rows(bad: list[dict], ds: str, tag: str, failed: dict[str, int])
 def _answered(
     samples: list, settings: "OriginalAnswersSettings", failed_rows: list[dict], failed: dict[str, int]
 ) -> tuple[list[dict], int]:
-    """The ``ok`` rows of ``samples`` and how many samples they answer; a sample without an answer adds its
-    rows to ``failed_rows`` and counts in ``failed`` (:data:`NO_ANSWER`)."""
+    """The ``ok`` rows of ``samples`` and how many samples they answer; a sample without a usable answer adds
+    its failed row to ``failed_rows`` and counts in ``failed`` under its reason."""
     ok_rows: list[dict] = []
     ok = 0
     for s in samples:
@@ -235,7 +267,8 @@ def _answered(
             ok += 1
         else:
             failed_rows.extend(rows)
-            failed[NO_ANSWER] = failed.get(NO_ANSWER, 0) + 1
+            reason = rows[0]["error"].split(":", 1)[0]
+            failed[reason] = failed.get(reason, 0) + 1
     return ok_rows, ok
 
 

@@ -328,3 +328,30 @@ def cfg_schema():
     from eagle3_data.settings import SCHEMA_PATH
 
     return SCHEMA_PATH
+
+
+def test_answers_that_are_not_answers_are_each_a_named_reject(tmp_path):
+    """With strip_think: false an answer whose <think> never closes was kept as a broken turn, one with only
+    reasoning was kept with an empty final answer, an empty one was rejected under a reason pointing at
+    OpenRouter settings: each is its own named reject of stage original_answers."""
+    q = {"role": "user", "content": "2+2?"}
+    samples = {
+        "ok_think": THINK,
+        "ok_tools": AGENT,  # a tool call with empty content is an answer
+        "unclosed": [q, {"role": "assistant", "content": "<think>Two and two make"}],
+        "thought_only": [q, {"role": "assistant", "content": "<think>Two and two.</think>\n\n"}],
+        "field_only": [q, {"role": "assistant", "content": " ", "reasoning_content": "Two and two."}],
+        "ot_only": [q, {"role": "assistant", "content": "<|begin_of_thought|>Two.<|end_of_thought|>"}],
+        "empty": [q, {"role": "assistant", "content": ""}],
+        "none": [q, {"role": "assistant", "content": None}],
+    }
+    rows, s = run(tmp_path, samples, mode="all")
+    assert s["ok"] == 2 and s["failed"] == {"unclosed_think": 1, "reasoning_only": 3, "empty_original_answer": 2}
+    errors = {r["sample_id"]: r["error"] for r in rows if r["status"] == "failed"}
+    assert errors["unclosed"] == (
+        "unclosed_think: the answer opens <think> and never closes it (a reasoning cut off?): no final answer to "
+        "train on"
+    )
+    assert {errors[k].split(":")[0] for k in ("thought_only", "field_only", "ot_only")} == {"reasoning_only"}
+    assert errors["empty"] == "empty_original_answer: the source's answer is empty (no reasoning, content or tool call)"
+    assert all(r["backend"] == "original" for r in rows) and len(rows) == 2 + 1 + 6  # AGENT: 2 turns in mode all
