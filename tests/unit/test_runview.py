@@ -613,3 +613,52 @@ def test_extract_states_in_a_run_writes_its_progress_and_logs_its_device(tmp_pat
     assert (snap["tokens"], snap["reused"], snap["forwarded"], snap["final"]) == (tokens, 0, tokens, True)
     assert snap["device"] == "cpu" and info["device"] == "cpu"
     assert f"extract 002.safetensors: forwarding {tokens} tokens in {info['batches']} batches on cpu" in caplog.text
+
+
+def test_a_backend_slowed_by_a_429_storm_says_why_and_until_when(tmp_path):
+    """A 429 storm that slows a backend down to one request in flight: the view says so beside the ETA (why, the
+    pause's end, the replies that bring it back); a finished shard's word no longer counts."""
+    slowed = {
+        "openrouter": "rate limited (HTTP 429): 1 of 64 in flight, paused until 12:03:41; back to 64 after 63 more replies"
+    }
+    for shard, final in (("000", False), ("001", True)):
+        st = FakeState(total=10, done=2, ok=2, new_ok=2, in_flight=1)
+        snap = runview.snapshot(st, "a", shard, backends=["openrouter"], slowed=slowed, final=final)
+        assert snap["slowed"] == slowed
+        runview.write_snapshot(tmp_path, snap)
+    rv = runview.RunView(CONFIG, tmp_path, tally=lambda: None)
+    (row,) = [r for r in rv.rows() if r["backend"] == "openrouter"]
+    assert row["slowed"] == "openrouter: " + slowed["openrouter"] and row["down"] is None
+    line = rv.line(row)
+    assert "| SLOWED: openrouter: rate limited (HTTP 429): 1 of 64 in flight, paused until 12:03:41; back to 64" in line
+    assert line.split(" | ")[-1].startswith("ETA ")
+    st = FakeState(total=10, done=2, ok=2, new_ok=2, in_flight=1)
+    runview.write_snapshot(tmp_path, runview.snapshot(st, "a", "000", backends=["openrouter"], final=False))
+    (row,) = [r for r in rv.rows() if r["backend"] == "openrouter"]
+    assert row["slowed"] is None and "SLOWED" not in rv.line(row)  # back at its cap: said no more
+
+
+def test_backend_slowed_reports_its_limit_pause_and_the_replies_back_to_the_cap():
+    import time as _time
+
+    from eagle3_data.backends.definition import BackendConfig
+    from eagle3_data.backends.pool import STORM_MIN_429, Backend
+
+    c = BackendConfig.from_dict("b", {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"})
+    b = Backend(c, cap=8)
+    assert b.slowed() is None
+    t = _time.monotonic()
+    for _ in range(STORM_MIN_429):
+        b.rate_limited(t, retry_after=30.0)
+    assert int(b.limit) == 4
+    clock = {_time.strftime("%H:%M:%S", _time.localtime(_time.time() + d)) for d in (29, 30, 31)}
+    got = b.slowed()
+    assert got.startswith("rate limited (HTTP 429): 4 of 8 in flight, paused until ") and got.endswith(
+        "; back to 8 after 4 more replies"
+    )
+    assert got.split("until ")[1][:8] in clock  # the pause's end, local time
+    b.ejected_until = 0.0  # the pause is over: the limit, and how many replies bring it back
+    assert b.slowed() == "rate limited (HTTP 429): 4 of 8 in flight; back to 8 after 4 more replies"
+    for _ in range(4):
+        b.record(True)
+    assert b.slowed() is None

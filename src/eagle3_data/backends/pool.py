@@ -253,6 +253,24 @@ class Backend:
             else "failed"
         )
 
+    def slowed(self, now: float | None = None) -> str | None:
+        """Why this job sends the backend fewer requests than its cap now, and until when, for the run-wide view:
+        after a 429 storm (:meth:`rate_limited`) the limit it is at, the pause's end (local time) while it lasts,
+        and how many replies bring it back to the cap (one more request per reply); None at the cap."""
+        if not self.cuts or int(self.limit) >= self.cap or self.down:
+            return None
+        now = time.monotonic() if now is None else now
+        pause = ""
+        if now < self.ejected_until:
+            pause = (
+                f", paused until {time.strftime('%H:%M:%S', time.localtime(time.time() + self.ejected_until - now))}"
+            )
+        left = self.cap - int(self.limit)
+        return (
+            f"rate limited (HTTP 429): {int(self.limit)} of {self.cap} in flight{pause}; back to {self.cap} after "
+            f"{left} more repl{'ies' if left != 1 else 'y'}"
+        )
+
     def trouble(self, now: float | None = None) -> str | None:
         """Why the backend is not answering now, for the run-wide view (:mod:`eagle3_data.runtime.runview`): its ``down``
         reason once it is out, else, while every attempt (at least 3) of the last :data:`LIVE_DOWN_S` seconds or

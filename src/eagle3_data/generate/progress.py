@@ -208,11 +208,16 @@ class JobProgress:
         from ..runtime import runview
 
         down = {}  # the backends out for good or failing every attempt now (Backend.trouble)
+        slowed = {}  # those this job sends fewer requests than its cap after a 429 storm (Backend.slowed)
         for b in getattr(self.pool, "backends", None) or []:
             why = b.trouble() if hasattr(b, "trouble") else getattr(b, "down", None)
             if why:
                 down[getattr(b, "name", "?")] = str(why)[:200]
-        snap = runview.snapshot(self.state, self.dataset, self.shard, backends=self.backends, down=down, final=final)
+            elif hasattr(b, "slowed") and b.slowed():
+                slowed[b.name] = b.slowed()[:200]
+        snap = runview.snapshot(
+            self.state, self.dataset, self.shard, backends=self.backends, down=down, slowed=slowed, final=final
+        )
         snap["kind"] = self.kind
         runview.write_snapshot(self.run_dir, snap)
 

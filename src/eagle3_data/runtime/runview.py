@@ -30,7 +30,9 @@ the run's). ``warnings`` counts the jobs' warnings by reason (failed samples by 
 a backend taken out, ...): a generate job of a run prints none to the console, its log has their text. A backend
 that its jobs see down (every attempt for a few seconds refused or answered 5xx:
 :meth:`eagle3_data.backends.pool.Backend.trouble`), or that answered nothing for ``stall_s`` while work is left,
-shows ``DOWN: <why>`` instead of an ETA that would only grow, for as long as it lasts. The per-shard lines and
+shows ``DOWN: <why>`` instead of an ETA that would only grow, for as long as it lasts. A backend a 429 storm slowed
+down (:meth:`eagle3_data.backends.pool.Backend.slowed`) shows ``SLOWED: rate limited (HTTP 429): 1 of 64 in flight,
+paused until 12:03:41; back to 64 after 63 more replies`` beside its ETA. The per-shard lines and
 summaries go to the shard logs (``logs/generate/<ds>/<shard>.log``) and files.
 
 The snapshots are also what the run's last screen counts for a shard that did not finish (failed or stopped):
@@ -50,7 +52,16 @@ from .snapshots import PROGRESS_DIR, read_snapshots, snapshot_path, write_snapsh
 from .stageview import StageView, clock
 
 
-def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None = None, final: bool = False) -> dict:
+def snapshot(
+    state,
+    dataset: str,
+    shard: str,
+    *,
+    backends=(),
+    down: dict | None = None,
+    slowed: dict | None = None,
+    final: bool = False,
+) -> dict:
     """The counters of one generate job (``state``: ``generate._State``) as a JSON-able dict.
 
     Keys: dataset, shard, backends (names, priority order), total, done (samples with an outcome), ok, failed,
@@ -62,6 +73,7 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
     warnings (reason -> the job's other warnings, :class:`eagle3_data.logs.WarningTally`), budget_tokens and
     spent_tokens (the completion-token budget's share and spend), budget_in_flight (the replies that could still arrive
     when the spend reached a budget: its overshoot's bound), down (backend -> why it is out or failing now),
+    slowed (backend -> why this job sends it fewer requests than its cap, and until when: a 429 storm),
     last_done_at (unix s of the last finished request), updated_at (unix s), final (the job ended),
     pid."""
     now = time.time()
@@ -87,6 +99,7 @@ def snapshot(state, dataset: str, shard: str, *, backends=(), down: dict | None 
         "sent": state.sent,
         "last_error": (state.last_error or "")[:200] or None,
         "down": dict(down or {}),
+        "slowed": dict(slowed or {}),
         "elapsed_s": round(time.monotonic() - state.t0, 3),
         "last_done_at": state.last_done_at,
         "updated_at": now,
@@ -200,6 +213,14 @@ class RunView:
                     if b not in why_by or float(s.get("updated_at") or 0) > why_by[b][0]:
                         why_by[b] = (float(s.get("updated_at") or 0), why)
             downs = [f"{b}: {why}" for b, (_, why) in sorted(why_by.items())]
+            slow_by: dict[str, tuple[float, str]] = {}  # the same, of a backend slowed by a 429 storm
+            for s in started:
+                if s.get("final"):
+                    continue
+                for b, why in (s.get("slowed") or {}).items():
+                    if b not in slow_by or float(s.get("updated_at") or 0) > slow_by[b][0]:
+                        slow_by[b] = (float(s.get("updated_at") or 0), why)
+            slows = [f"{b}: {why}" for b, (_, why) in sorted(slow_by.items())]
             last = max((s.get("last_done_at") or 0.0 for s in started), default=0.0)
             first = min((s["updated_at"] - s["elapsed_s"] for s in started), default=now)
             active = [s for s in started if not s.get("final")]
@@ -227,6 +248,7 @@ class RunView:
                     "budget_usd": budget,
                     "eta_s": None if downs or rate <= 0 or not active else left / rate,
                     "down": "; ".join(downs) or None,
+                    "slowed": "; ".join(slows) or None,
                     "warnings": self._warnings(started),
                 }
             )
@@ -259,6 +281,9 @@ class RunView:
             parts.append(f"warnings: {warnings_text(r['warnings'])}")
         if r["down"]:
             parts.append(f"DOWN: {r['down']}"[:160])
+        elif r.get("slowed"):
+            parts.append(f"SLOWED: {r['slowed']}"[:200])
+            parts.append(f"ETA {clock(r['eta_s'])}" if r["eta_s"] is not None else "ETA -")
         elif r["started"] == r["finished"] == r["shards"]:
             parts.append("done")
         else:
@@ -295,6 +320,8 @@ class RunView:
                 if r["eta_s"] is not None
                 else "-"
             )
+            if r.get("slowed") and not r["down"]:  # a 429 storm: why fewer are in flight, and until when
+                eta = f"{eta} (SLOWED: {r['slowed']})"[:160]
             t.add_row(
                 r["backend"],
                 f"{r['done']:,}/{r['total']:,}",
