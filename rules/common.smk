@@ -253,11 +253,12 @@ def provenance_backends():
 
 
 def earlier_datasets(ds):
-    """The datasets with prompts listed before ``ds`` (near-duplicates: the first in this order is kept); none
-    when near-duplicates are off."""
+    """The datasets with prompts listed before ``ds`` (near-duplicates: the first in this order is kept), less
+    another mode of its own source (eagle3_data.config.lookup.earlier_prompt_datasets); none when near-duplicates
+    are off."""
     if not DECONTAMINATE.near_on:
         return []
-    return PROMPT_DATASETS[: PROMPT_DATASETS.index(ds)]
+    return cfg.earlier_prompt_datasets(config, ds)
 
 
 def earlier_signatures(ds):

@@ -615,3 +615,28 @@ def test_a_budget_that_caps_nothing_or_can_count_no_dollar_is_a_config_error():
     c["generation"]["budget_usd"] = -1
     with pytest.raises(WorkflowError):
         validate(c, schema)
+
+
+def test_two_modes_of_one_source_are_not_near_duplicates_of_each_other():
+    """With near-duplicates on, an answers: original dataset made from the same source as a regenerated one lost
+    every prompt (the docs pair them): a dataset's earlier datasets leave out another mode of its own source."""
+    x = {"format": "sharegpt", "path": "resources/samples/sharegpt.json"}
+    c = {
+        "datasets": {
+            "a": {"source": dict(x)},
+            "b": {"source": dict(x), "answers": "original"},
+            "c": {"source": {"format": "ultrachat", "path": "u.jsonl"}},
+            "t": {"source": {"format": "pretokenized", "path": "t.parquet"}},
+            "d": {"source": dict(x)},  # the same source regenerated twice: duplicates indeed
+            "e": {"source": {**x, "options": {"strip_think": False}}, "answers": "original"},  # other options
+        }
+    }
+    assert cfg.two_modes_of_one_source(c, "a", "b") and not cfg.two_modes_of_one_source(c, "a", "d")
+    assert not cfg.two_modes_of_one_source(c, "a", "e")
+    assert {ds: cfg.earlier_prompt_datasets(c, ds) for ds in ("a", "b", "c", "d", "e")} == {
+        "a": [],
+        "b": [],
+        "c": ["a", "b"],
+        "d": ["a", "c"],
+        "e": ["a", "b", "c", "d"],
+    }

@@ -48,6 +48,8 @@ from .lookup import (  # noqa: F401
     dataset_shards,
     datasets,
     deep_merge,
+    earlier_prompt_datasets,
+    two_modes_of_one_source,
     generated_datasets,
     generation_config,
     generation_source,

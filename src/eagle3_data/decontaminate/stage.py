@@ -9,7 +9,8 @@ Rejects (REJECTS rows, ``source_row`` kept):
 - ``benchmark_overlap``: :class:`.overlap.OverlapIndex` matched a benchmark item; detail ``<benchmark> <item id>
   (<rule>[: N shared])``, e.g. ``humaneval HumanEval/0 (13-gram: 41 shared)``;
 - ``near_duplicate``: the prompt nearly duplicates (:mod:`.near_dup`) a prompt of a dataset listed before its own
-  in the config (pre-tokenized datasets have no prompts and take no part); the first such prompt in that order
+  in the config (pre-tokenized datasets have no prompts and take no part; another ``answers`` mode of the same
+  source, :func:`eagle3_data.config.lookup.two_modes_of_one_source`, is not compared); the first such prompt in that order
   (datasets in config order, then source row) is named: detail ``near-duplicate of <dataset>/<sample_id>
   (estimated Jaccard 0.93 >= 0.8)``. The prompt it duplicates is kept by this rule whatever becomes of it later,
   so which of a pair is dropped depends only on the config's dataset order, never on a shard count or on which
