@@ -114,6 +114,7 @@ def test_each_overlap_rule_and_benchmark_format_names_the_item(tmp_path):
         "a constant speed of s kilometers per hour, what is s?",  # generic (AIME-like) by its id_field
         "Modeling's `separability_matrix` does not compute separability correctly for nested CompoundModels. "
         "Consider the following model: how do I fix it?",  # SWE-bench problem statement
+        "COMPUTE \\dbinom{8}{4}!",  # the short item with other case and punctuation: normalized
     ]
     prompts = normalized(tmp_path, "mixed", CLEAN + planted)
     _, kept, rejects = run(tmp_path, "mixed", prompts, DecontaminateSettings.defaults(benchmarks=BENCHMARKS))
@@ -121,11 +122,18 @@ def test_each_overlap_rule_and_benchmark_format_names_the_item(tmp_path):
     assert details == {
         2: "humaneval HumanEval/7 (exact)",
         3: "gsm8k 1 (whitespace)",
-        4: "mt-bench 82 (13-gram: 26 shared)",  # its 38 words: 26 13-grams, all shared
-        5: "mbpp 11 (13-gram: 5 shared)",  # 17 words in a row: 5 13-grams
+        # its 38 words: 26 13-grams, all shared; the detail names the first in the prompt's reading order
+        4: "mt-bench 82 (13-gram: 26 shared, e.g. 'draft a professional email seeking your supervisor s feedback on "
+        "the quarterly financial')",
+        # 17 words in a row: 5 13-grams
+        5: "mbpp 11 (13-gram: 5 shared, e.g. 'write a python function to remove first and last occurrence of a given')",
         6: "math500 test/counting_and_probability/911.json (exact)",
-        8: "aime aime-2024-1 (13-gram: 17 shared)",
-        9: "swe-bench astropy__astropy-12907 (13-gram: 3 shared)",  # 15 words in a row
+        8: "aime aime-2024-1 (13-gram: 17 shared, e.g. 'every morning aya goes for a 9 kilometer long walk and stops "
+        "at')",
+        # 15 words in a row
+        9: "swe-bench astropy__astropy-12907 (13-gram: 3 shared, e.g. 'modeling s separability_matrix does not "
+        "compute separability correctly for nested compoundmodels consider the')",
+        10: "math500 test/counting_and_probability/911.json (normalized)",
     }, details
     assert {json.loads(k["messages"])[0]["content"] for k in kept} == set(CLEAN) | {planted[5]}
     # the threshold: requiring more shared 13-grams than the AIME prompt has lets it through
@@ -135,7 +143,7 @@ def test_each_overlap_rule_and_benchmark_format_names_the_item(tmp_path):
         prompts,
         DecontaminateSettings.defaults(benchmarks=BENCHMARKS, min_shared_ngrams=6),
     )
-    assert {r["source_row"] for r in fewer} == {2, 3, 4, 6, 8}  # MBPP (5 shared) and SWE-bench (3) pass now
+    assert {r["source_row"] for r in fewer} == {2, 3, 4, 6, 8, 10}  # MBPP (5 shared) and SWE-bench (3) pass now
 
 
 def test_benchmark_entries_that_cannot_be_read_say_why():
@@ -239,3 +247,29 @@ def test_benchmark_config_errors_stop_the_run_before_any_job():
         check([{"name": "h", "format": "humaneval", "package": "no_such_pkg_xyz", "path": "a.jsonl"}])
     assert "its file a.jsonl cannot be read" in str(e.value) and "{" not in str(e.value)
     check([{"name": "h", "format": "humaneval", "package": "no_such_pkg_xyz", "path": "a.jsonl"}], paths=False)
+
+
+def test_boilerplate_shared_by_many_items_drops_no_prompt_and_the_shared_ngram_is_reported(tmp_path):
+    """A long code item used to drop a prompt for sharing one generic 13-word run (a common traceback line): an
+    n-gram found in BOILERPLATE_ITEMS or more benchmark items counts for none; a prompt that copies an item's own
+    words is still dropped, and its detail (and the report) names the n-gram it shares."""
+    from eagle3_data.decontaminate.benchmarks import BenchmarkItem
+    from eagle3_data.decontaminate.overlap import BOILERPLATE_ITEMS, OverlapIndex
+
+    tb = 'Traceback (most recent call last): File "/usr/lib/python3/unittest/case.py", line 59, in testPartExecutor'
+    tasks = [
+        "sort the list of intervals by their start and merge every pair that overlaps into one interval",
+        "count the distinct palindromic substrings of the given string using dynamic programming over lengths",
+        "return the minimum number of coins from the given denominations that add up to the target amount",
+    ]
+    items = [BenchmarkItem("code", f"task/{i}", (f"{t}\n\n{tb}\nAssertionError",)) for i, t in enumerate(tasks)]
+    assert len(items) == BOILERPLATE_ITEMS
+    index = OverlapIndex(items, 13, 1)
+    assert index.match(["My test fails:\n" + tb + "\nAssertionError: 3 != 4. What is wrong?"]) is None
+    m = index.match(["Please " + tasks[1] + ", in Python."])
+    assert m.detail() == (
+        "code task/1 (13-gram: 2 shared, e.g. 'count the distinct palindromic substrings of the given string using "
+        "dynamic programming over')"
+    )
+    # with fewer items the same line is no boilerplate: it matches (the rule the threshold protects)
+    assert OverlapIndex(items[:2], 13, 1).match(["My test fails:\n" + tb]).item.item_id == "task/0"

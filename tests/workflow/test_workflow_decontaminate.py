@@ -101,7 +101,11 @@ def test_one_planted_case_per_rule_is_rejected_named_and_counted(decon):
     rejects = {r["source_row"]: r for r in _rows([decon / "results/planted_demo/rejected/decontaminate/000.parquet"])}
     ultra_first = json.loads((decon / "run.ids").read_text())["ultra_first"]
     assert {k: (r["reason"], re.sub(r"\d+ shared", "N shared", r["detail"])) for k, r in rejects.items()} == {
-        0: ("benchmark_overlap", "humaneval HumanEval/0 (13-gram: N shared)"),
+        0: (
+            "benchmark_overlap",
+            "humaneval HumanEval/0 (13-gram: N shared, e.g. 'from typing import list def has_close_elements numbers "
+            "list float threshold float bool check')",
+        ),
         1: ("benchmark_overlap", "humaneval HumanEval/7 (exact)"),
         2: ("benchmark_overlap", "humaneval HumanEval/12 (whitespace)"),
         3: ("near_duplicate", f"near-duplicate of ultrachat_demo/{ultra_first} (estimated Jaccard 1.00 >= 0.8)"),
@@ -120,7 +124,9 @@ def test_one_planted_case_per_rule_is_rejected_named_and_counted(decon):
     assert (caught["source_row"], caught["reason"], caught["detail"]) == (
         1,
         "benchmark_overlap",
-        "humaneval HumanEval/2 (13-gram: 33 shared)",  # as docs/stages.md shows it
+        # as docs/stages.md shows it
+        "humaneval HumanEval/2 (13-gram: 33 shared, e.g. 'def truncate_number number float float given a positive "
+        "floating point number it can')",
     )
     assert len(_rows([decon / "results/code_demo/validated/000.parquet"])) == 3
     # the reports: rejects by reason (stage decontaminate), the decontamination table per rule and pair of datasets
@@ -136,6 +142,9 @@ def test_one_planted_case_per_rule_is_rejected_named_and_counted(decon):
         ["planted_demo", "5", "1", "near_duplicate", "ultrachat_demo", "minhash", "1"],
     ]
     assert ["ultrachat_demo", "28", "28", "", "", "", ""] in [r[:7] for r in table]
+    # the n-gram a prompt shares with its item, to tell a copied item from boilerplate
+    (gram,) = [r[8] for r in table if r[0] == "planted_demo" and r[5] == "13-gram"]
+    assert gram.startswith("from typing import list def has") and gram.endswith("bool check"), gram
     # the run's last table: the planted dataset's 5 source rows are 1 kept + 4 rejected
     out = (decon / "decon.out").read_text()
     line = next(ln.split() for ln in out[out.rindex("Run summary") :].splitlines() if ln.startswith("planted_demo"))

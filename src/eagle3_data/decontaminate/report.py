@@ -1,6 +1,7 @@
 """Rule decontamination_report: ``results/reports/decontamination.{md,csv}`` from the decontaminate stage's outputs
 (``sql/decontamination.sql``): per dataset the prompts checked and kept, and per reason what they matched (the
-benchmark, or the dataset whose prompt they nearly duplicate: the pairs of datasets) and by which rule."""
+benchmark, or the dataset whose prompt they nearly duplicate: the pairs of datasets), by which rule and, for the
+n-gram rule, one n-gram a prompt shares with its item (to tell a copied item from shared boilerplate)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from .. import sql
 from ..files import atomic_path, write_text
 
-COLUMNS = ["dataset", "checked", "kept", "reason", "against", "rule", "prompts", "items"]
+COLUMNS = ["dataset", "checked", "kept", "reason", "against", "rule", "prompts", "items", "example"]
 
 
 def write_report(kept_paths, rejected_paths, md_path, csv_path) -> list[dict]:
@@ -41,6 +42,7 @@ def write_report(kept_paths, rejected_paths, md_path, csv_path) -> list[dict]:
         ("rule", "Rule", "text"),
         ("prompts", "Prompts", ""),
         ("items", "Items (first)", "text"),
+        ("example", "A shared n-gram", "text"),
     ]
     shown = [{**r, "prompts": r["prompts"] if r["reason"] else None} for r in rows]
     write_text("# Decontamination\n\n" + markdown_table(shown, cols) + "\n", md_path)

@@ -4,7 +4,8 @@
 --   SET VARIABLE kept_files = 'results/*/decontaminated/*.parquet';          -- the prompts kept
 --   SET VARIABLE rejected_files = 'results/*/rejected/decontaminate/*.parquet';
 --   .read src/eagle3_data/sql/decontamination.sql
--- Reject details (eagle3_data.decontaminate.stage): benchmark_overlap '<benchmark> <item id> (<rule>[: N shared])';
+-- Reject details (eagle3_data.decontaminate.stage): benchmark_overlap '<benchmark> <item id> (<rule>[: N shared, e.g.
+-- '<n-gram>'])';
 -- near_duplicate 'near-duplicate of <dataset>/<sample_id> (estimated Jaccard J >= threshold)'.
 WITH kept AS (
     SELECT dataset, count(*)::BIGINT AS kept FROM read_parquet(getvariable('kept_files')) GROUP BY ALL
@@ -21,14 +22,16 @@ WITH kept AS (
     SELECT dataset, reason,
         CASE reason WHEN 'benchmark_overlap' THEN split_part(detail, ' ', 1)
                     ELSE regexp_extract(detail, '^near-duplicate of ([^/]+)/', 1) END AS against,
-        CASE reason WHEN 'benchmark_overlap' THEN regexp_extract(detail, '\((exact|whitespace|[0-9]+-gram)', 1)
+        CASE reason WHEN 'benchmark_overlap' THEN regexp_extract(detail, '\((exact|whitespace|normalized|[0-9]+-gram)', 1)
                     ELSE 'minhash' END AS rule,
         CASE reason WHEN 'benchmark_overlap' THEN regexp_extract(detail, '^[^ ]+ (.*) \([^(]*\)$', 1)
-                    ELSE regexp_extract(detail, '^near-duplicate of [^/]+/(.*) \(estimated', 1) END AS item
+                    ELSE regexp_extract(detail, '^near-duplicate of [^/]+/(.*) \(estimated', 1) END AS item,
+        nullif(regexp_extract(detail, 'e\.g\. ''([^'']*)''\)$', 1), '') AS example
     FROM rej
 )
 SELECT p.dataset, p.checked, p.kept, m.reason, m.against, m.rule, count(m.reason)::BIGINT AS prompts,
-    left(string_agg(DISTINCT m.item, ', ' ORDER BY m.item), 200) AS items
+    left(string_agg(DISTINCT m.item, ', ' ORDER BY m.item), 200) AS items,
+    min(m.example) AS example
 FROM per_dataset p LEFT JOIN matched m USING (dataset)
 GROUP BY ALL
 ORDER BY p.dataset, m.reason NULLS FIRST, prompts DESC, m.against, m.rule
