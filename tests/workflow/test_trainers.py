@@ -780,3 +780,39 @@ def test_fp8_states_keep_the_teacher(tmp_path, real_target, loaded, rows, export
         deq = d["hidden_states"].float() * d["hidden_states_scales"]
         amax = full.abs().amax(dim=(1, 2), keepdim=True)
         assert ((deq - full).abs() <= amax * 2**-3).all()  # two roundings of at most 2^-4 of the token's largest
+
+
+def test_each_export_names_the_target_and_the_layers_its_trainer_is_configured_with(exports, loaded, real_target):
+    """No export manifest named the target layer ids, the final-norm convention or the target. Each does now, in
+    its trainer's own numbering, checked against what that trainer configures by default for this target (its own
+    code): a trainer whose configured layers differ from the export's fails here."""
+    from types import SimpleNamespace
+
+    from specforge.algorithms.model_providers import resolve_eagle_capture_layers
+
+    model, _ = loaded
+    L = model.config.num_hidden_layers
+    eagle_specforge = resolve_eagle_capture_layers(
+        SimpleNamespace(model=SimpleNamespace(aux_hidden_state_layer_ids=None)), {}, model.config
+    )
+    want = {
+        "specforge": eagle_specforge,  # specforge/algorithms/model_providers.py: resolve_eagle_capture_layers
+        "speculators": resolve_target_layer_ids(None, str(real_target)),  # hidden_states indices: layer + 1
+        "speculators_fp8": resolve_target_layer_ids(None, str(real_target)),
+        "specforge_dflash": build_target_layer_ids(L, 5),  # a 5-layer draft, configs/qwen3-8b-dflash.json
+        "specforge_dspark": build_target_layer_ids(L, 5),
+    }
+    try:
+        from modelopt.torch.speculative.plugins.hf_eagle import default_eagle_aux_layer_ids
+
+        want["modelopt"] = sorted(default_eagle_aux_layer_ids(L))
+    except ImportError:  # Model-Optimizer installs only beside transformers < 5.15
+        pass
+    for layout, ids in want.items():
+        m = exports[f"{layout}_manifest"]
+        assert m["target_layers"]["configured"] == list(ids), layout
+        assert m["target"] == str(real_target) and "output of 0-based decoder layer" in m["target_layers"]["convention"]
+        assert m["final_norm"] == "both" and m["final_state"] == exp.CONTRACTS[layout]["final"]
+    # the stored layers are the same decoder layers whichever way a trainer counts them
+    assert exports["speculators_manifest"]["target_layers"]["layers"] == [i - 1 for i in want["speculators"]]
+    assert exports["speculators_manifest"]["target_layers"]["configured_as"] == "hidden_states_index"

@@ -85,7 +85,6 @@ import os
 import re
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,143 +93,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .extract.layout import StatesFile
-from .files import atomic_path, write_json, write_parquet
+from ..files import atomic_path, write_json
+
+from .layouts import CONTRACTS, SPECULATORS_DATASET_FILES, sample_path
+from .writer import MergedShard, SampleWriter, ShardRows, StatesIndex, write_side_table
 
 if TYPE_CHECKING:
-    from .settings import ExportSettings
+    from ..settings import ExportSettings
 
 log = logging.getLogger("eagle3_data.export")
-
-#: what each layout reads: ``drafters`` (the states must hold the layers of one of them: the first is the one
-#: named in errors), ``final`` (the final-state form: ``post`` | ``pre`` | None: none), ``files`` (``grouped``:
-#: ``rows_*/`` folders; ``speculators``: ``hidden_states/hs_{i}.safetensors`` and a data directory)
-CONTRACTS = {
-    "specforge": {"drafters": ("eagle3",), "final": "post", "files": "grouped"},
-    "specforge_dflash": {"drafters": ("dflash", "dspark"), "final": None, "files": "grouped"},
-    "specforge_dspark": {"drafters": ("dspark", "dflash"), "final": "post", "files": "grouped"},
-    "speculators": {"drafters": ("eagle3",), "final": "pre", "files": "speculators"},
-    "speculators_fp8": {"drafters": ("eagle3",), "final": "pre", "files": "speculators"},
-    "modelopt": {"drafters": ("eagle3",), "final": "post", "files": "grouped"},
-}
-LAYOUTS = tuple(CONTRACTS)
-#: the layouts whose directory is a speculators data path (rule export_dataset)
-SPECULATORS_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] == "speculators")
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def specforge_path(out_dir, index: int, group_size: int) -> Path:
-    """Where SpecForge's ``prepare_hidden_states.py`` puts sample ``index``: ``rows_{g}-{g+size}/data_{i}.ckpt``."""
-    g = (index // group_size) * group_size
-    return Path(out_dir) / f"rows_{g}-{g + group_size}" / f"data_{index}.ckpt"
-
-
-def modelopt_path(out_dir, index: int, group_size: int) -> Path:
-    """Where the ``modelopt`` layout puts sample ``index``: ``rows_{g}-{g+size}/{i}.pt``."""
-    g = (index // group_size) * group_size
-    return Path(out_dir) / f"rows_{g}-{g + group_size}" / f"{index}.pt"
-
-
-def speculators_path(out_dir, index: int) -> Path:
-    """Where speculators' ``FileTransfer`` looks for sample ``index``: ``hidden_states/hs_{i}.safetensors``."""
-    return Path(out_dir) / "hidden_states" / f"hs_{index}.safetensors"
-
-
-def sample_path(layout: str, out_dir, index: int, group_size: int) -> Path:
-    """The file of sample ``index`` in ``layout`` (module docstring)."""
-    if CONTRACTS[layout]["files"] == "speculators":
-        return speculators_path(out_dir, index)
-    if layout == "modelopt":
-        return modelopt_path(out_dir, index, group_size)
-    return specforge_path(out_dir, index, group_size)
-
-
-def drafter_of(layout: str, drafter_layers: dict) -> str | None:
-    """The drafter whose layers ``layout`` reads among those stored (``drafter_layers``), or None."""
-    return next((d for d in CONTRACTS[layout]["drafters"] if d in drafter_layers), None)
-
-
-def has_consecutive_supervised(loss_mask) -> bool:
-    """Whether a loss mask [T] holds two adjacent supervised positions (what SpecForge's DFlash family requires:
-    ``specforge/data/loss_mask.py``, ``has_consecutive_supervised_tokens``)."""
-    m = np.asarray(loss_mask).astype(bool)
-    return bool((m[1:] & m[:-1]).any())
-
-
-def quantize_per_token_fp8(x):
-    """speculators' FP8 connector quantisation (``hs_connectors/fp8_utils.py``): ``x`` [T, ...] -> ``(fp8 [T, ...]
-    float8_e4m3fn, scales [T, 1, ...] float32)``, one scale per token over every other dimension,
-    ``max(amax / 448, 1e-12)``."""
-    import torch
-
-    xf = x.float()
-    amax = xf.abs().amax(dim=tuple(range(1, xf.dim())), keepdim=True)
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
-    return (xf / scale).to(torch.float8_e4m3fn), scale
-
-
-class StatesIndex:
-    """The hidden-states files of a merged set, opened on first use: ``get(source, sample_id)`` -> the sample's
-    tensors (``StatesFile.sample``). ``states_dir/<source>.safetensors`` holds selection ``source``.
-
-    With ``selections`` (the merge manifest's ``selections`` mapping) each file's ``selection_digest`` must
-    equal the manifest's, else ValueError naming the file (stale states)."""
-
-    def __init__(self, states_dir, selections: dict | None = None):
-        self.dir = Path(states_dir)
-        self.selections = selections
-        self.files: dict[str, StatesFile] = {}
-
-    def file(self, source: str) -> StatesFile:
-        f = self.files.get(source)
-        if f is None:
-            path = self.dir / f"{source}.safetensors"
-            if not path.is_file():
-                raise FileNotFoundError(f"export: no hidden states for selection {source!r}: {path} is missing")
-            f = StatesFile(path)
-            if self.selections is not None:
-                want = (self.selections.get(source) or {}).get("digest")
-                got = f.meta.get("selection_digest")
-                if want != got:
-                    raise ValueError(
-                        f"export: {path} holds the states of another selection (digest {got!r}, the merge says "
-                        f"{want!r}): re-extract it (snakemake --forcerun {path}); the extract rule reruns by itself "
-                        "unless --rerun-triggers leaves out params"
-                    )
-            self.files[source] = f
-        return f
-
-    def get(self, source: str, sample_id: str) -> tuple[dict, StatesFile]:
-        f = self.file(source)
-        j = f.index.get(sample_id)
-        if j is None:
-            raise KeyError(f"export: sample {sample_id!r} is not in {f.path}")
-        return f.sample(j), f
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-        self.files.clear()
-
-
-@dataclass(frozen=True)
-class MergedShard:
-    """One merged file to export and its place in its set.
-
-    ``path``: a MERGED parquet file (``sample_id``, ``dataset``, ``input_ids``, ``loss_mask``, ``source``).
-    ``start_index``: global index of its first sample (the samples of the merged shards before it;
-    :func:`start_indices` computes it from the merge manifest). ``heldout``: the file is the held-out set (one
-    file, ``start_index`` 0; the set's size for :func:`prune_stale` is the merge manifest's ``heldout.samples``,
-    not the training shards' total)."""
-
-    path: str | os.PathLike
-    start_index: int = 0
-    heldout: bool = False
-
-    @property
-    def set_name(self) -> str:
-        """``heldout`` or ``train``: the manifest's ``set`` and the provenance table's."""
-        return "heldout" if self.heldout else "train"
 
 
 def export(
@@ -257,7 +128,9 @@ def export(
         states_dir: directory of the hidden-states files (``<states_dir>/<source>.safetensors``).
         merge_manifest: the merge manifest (path or dict), to refuse stale hidden-states files.
         manifest_path: optional JSON written last (atomically): layout, set (``train`` | ``heldout``), source,
-            start/end index, files, tokens, bytes (of the files written), skipped (``{reason: [sample ids]}``),
+            start/end index, files, tokens, bytes (of the files written), the target and its layers the files
+            hold, in the trainer's own numbering (``target``, ``target_layers``: :meth:`SampleWriter.manifest`),
+            final_norm, final_state, skipped (``{reason: [sample ids]}``),
             removed_stale (files of an earlier export removed, :func:`prune_stale`; only with
             ``merge_manifest``), seconds. Snakemake uses it as the rule's output.
         final_form: write this final-state form instead of the layout's (tests that build a broken export).
@@ -274,9 +147,9 @@ def export(
         a sample missing).
     """
     shard = shard if isinstance(shard, MergedShard) else MergedShard(shard)
-    writer = _SampleWriter(layout, out_dir, settings.group_size, shard, final_form)
+    writer = SampleWriter(layout, out_dir, settings.group_size, shard, final_form)
     t0 = time.perf_counter()
-    rows = _ShardRows.read(shard.path)
+    rows = ShardRows.read(shard.path)
     merged = _read_manifest(merge_manifest)
     index = StatesIndex(states_dir, None if merged is None else (merged.get("selections") or {}))
     try:
@@ -286,7 +159,7 @@ def export(
         index.close()
     if writer.contract["files"] == "speculators" and writer.spec_rows["ids"]:
         # (an empty shard shares its start with the next one: it writes none)
-        _write_side_table(writer.spec_rows, writer.out_dir, shard, provenance)
+        write_side_table(writer.spec_rows, writer.out_dir, shard, provenance)
     _log_skipped(layout, shard.path, writer.skipped)
     removed = [] if merged is None else _prune_earlier(writer, rows, merged)
     manifest = writer.manifest(rows.n, removed, time.perf_counter() - t0)
@@ -311,196 +184,6 @@ def _read_manifest(merge_manifest) -> dict | None:
     return json.loads(Path(merge_manifest).read_text()) if not isinstance(merge_manifest, dict) else merge_manifest
 
 
-@dataclass(frozen=True)
-class _ShardRows:
-    """The columns of a merged shard that export reads: ids, datasets and source selections per row, and the
-    token ids as one flat array with its offsets."""
-
-    path: object
-    sample_ids: list
-    datasets: list
-    sources: list
-    offsets: np.ndarray
-    flat_ids: np.ndarray
-
-    @classmethod
-    def read(cls, path) -> "_ShardRows":
-        table = pq.read_table(path, columns=["sample_id", "dataset", "input_ids", "loss_mask", "source"])
-        ids_col = table.column("input_ids").combine_chunks()
-        return cls(
-            path=path,
-            sample_ids=table.column("sample_id").to_pylist(),
-            datasets=table.column("dataset").to_pylist(),
-            sources=table.column("source").to_pylist(),
-            offsets=ids_col.offsets.to_numpy(),
-            flat_ids=ids_col.values.to_numpy(zero_copy_only=False),
-        )
-
-    @property
-    def n(self) -> int:
-        return len(self.sample_ids)
-
-    def ids(self, j: int) -> np.ndarray:
-        """Row ``j``'s token ids."""
-        return self.flat_ids[self.offsets[j] : self.offsets[j + 1]]
-
-
-class _SampleWriter:
-    """Writes the samples of one shard in ``layout``, one at a time (:meth:`write`), and keeps what the manifest
-    reports: files, tokens, bytes, the final norms read, the samples skipped and (speculators layouts) the side
-    table's rows."""
-
-    def __init__(self, layout: str, out_dir, group_size: int, shard: MergedShard, final_form: str | None):
-        import torch
-
-        self.torch = torch
-        if layout not in LAYOUTS:
-            raise ValueError(f"export layout must be one of {LAYOUTS}, got {layout!r}")
-        if shard.start_index < 0 or group_size < 1:
-            raise ValueError(
-                f"export: start_index must be >= 0 and group_size >= 1, got {shard.start_index}, {group_size}"
-            )
-        self.layout, self.contract, self.group_size, self.shard = layout, CONTRACTS[layout], group_size, shard
-        self.final = final_form or self.contract["final"]
-        self.out_dir = Path(out_dir)
-        self.files: list[str] = []
-        self.tokens = self.nbytes = 0
-        self.norms: set = set()
-        self.spec_rows: dict = {"ids": [], "mask": []}
-        self.skipped: dict[str, list[str]] = {}
-        self.layers_of: dict[str, list] = {}  # per states file: the layers this layout reads
-
-    def layers(self, sf: StatesFile) -> list:
-        """The layers of ``sf`` this layout reads (those of its drafter; ValueError when ``sf`` has none)."""
-        if sf.path not in self.layers_of:
-            drafter = drafter_of(self.layout, sf.drafter_layers)
-            if drafter is None:
-                raise ValueError(
-                    f"{sf.path}: holds the layers of {sorted(sf.drafter_layers)}, not those of "
-                    f"{self.contract['drafters'][0]}, which export layout {self.layout} reads; add "
-                    f"{self.contract['drafters'][0]} to extract.drafters (the extraction then captures its layers "
-                    "too)"
-                )
-            self.layers_of[sf.path] = sf.drafter_layers[drafter]
-            self.norms.add(sf.meta.get("final_norm", "post"))
-        return self.layers_of[sf.path]
-
-    def write(self, rows: _ShardRows, j: int, index: StatesIndex) -> None:
-        """Write row ``j`` of the shard (or skip it: the DFlash family without two consecutive supervised tokens),
-        its states read from ``index`` and checked against the row's token ids."""
-        sid = rows.sample_ids[j]
-        if rows.sources[j] is None:
-            raise ValueError(f"{rows.path}: row {j} ({sid!r}) has no source selection")
-        sf = index.file(rows.sources[j])
-        layers = self.layers(sf)
-        jj = sf.index.get(sid)
-        if jj is None:
-            raise KeyError(f"export: sample {sid!r} is not in {sf.path}")
-        t = sf.sample(jj, final=self.final, layers=layers)
-        want = rows.ids(j)
-        if not np.array_equal(t["input_ids"].numpy(), want):
-            raise ValueError(f"{sf.path}: sample {sid!r} holds other token ids than {rows.path} row {j}")
-        idx = self.shard.start_index + j
-        if self.layout in ("specforge_dflash", "specforge_dspark") and not has_consecutive_supervised(t["loss_mask"]):
-            self.skipped.setdefault("no_consecutive_supervised_tokens", []).append(sid)
-            return
-        self.tokens += len(want)
-        path = sample_path(self.layout, self.out_dir, idx, self.group_size)
-        if self.contract["files"] == "grouped":
-            # through a file object: torch.save names the archive inside after a path's file name, which
-            # is a random temporary name here; "archive" keeps two exports of the same states byte-identical
-            with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-                self.torch.save(_grouped_record(self.layout, t, sid), fh)
-        else:
-            self._write_speculators(path, t, sid, sf, idx, rows.datasets[j])
-        self.nbytes += os.path.getsize(path)
-        self.files.append(str(path))
-
-    def _write_speculators(self, path: Path, t: dict, sid: str, sf: StatesFile, idx: int, dataset: str) -> None:
-        """One speculators file (``hidden_states`` [T, A+1, H], fp8 + scales for ``speculators_fp8``) and the
-        sample's side-table row."""
-        from safetensors.torch import save_file
-
-        torch = self.torch
-        aux, fin = t["aux_hidden_states"], t["hidden_states"]
-        L, H = len(t["input_ids"]), fin.shape[-1]
-        stacked = torch.cat([aux.reshape(L, -1, H), fin.unsqueeze(1)], dim=1).contiguous()
-        tensors = {"token_ids": t["input_ids"], "hidden_states": stacked}
-        if self.layout == "speculators_fp8":
-            q, scales = quantize_per_token_fp8(stacked)
-            tensors = {"token_ids": t["input_ids"], "hidden_states": q, "hidden_states_scales": scales}
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"sample_id": sid, "source": str(sf.path)})
-        self.spec_rows["ids"].append((idx, sid, dataset, t["input_ids"].tolist()))
-        self.spec_rows["mask"].append(t["loss_mask"].tolist())
-
-    def manifest(self, n: int, removed: list, seconds: float) -> dict:
-        """The export manifest of a shard of ``n`` rows (``removed``: the stale files :func:`prune_stale`
-        removed)."""
-        start, norms = self.shard.start_index, self.norms
-        return {
-            "layout": self.layout,
-            "set": self.shard.set_name,
-            "source": str(self.shard.path),
-            "out_dir": str(self.out_dir),
-            "start_index": start,
-            "end_index": start + n,
-            "num_samples": n,
-            "num_written": len(self.files),
-            "num_tokens": self.tokens,
-            "bytes": self.nbytes,
-            "final_norm": sorted(norms)[0] if len(norms) == 1 else sorted(norms),
-            "final_state": self.final,
-            "skipped": self.skipped,
-            "files": self.files,
-            "removed_stale": len(removed),
-            "seconds": round(seconds, 3),
-        }
-
-
-def _grouped_record(layout: str, t: dict, sample_id: str) -> dict:
-    """What a grouped layout's ``torch.save`` file holds for sample ``t`` (module docstring)."""
-    aux, fin = t["aux_hidden_states"], t["hidden_states"]
-    if layout == "specforge":
-        return {
-            "input_ids": t["input_ids"],
-            "loss_mask": t["loss_mask"],
-            "aux_hidden_state": aux.unsqueeze(0),
-            "hidden_state": fin.unsqueeze(0),
-        }
-    if layout == "modelopt":
-        return {
-            "input_ids": t["input_ids"],
-            "hidden_states": fin,
-            "aux_hidden_states": aux,
-            "loss_mask": t["loss_mask"],
-            "conversation_id": sample_id,
-        }
-    record = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "hidden_states": aux.unsqueeze(0)}
-    if layout == "specforge_dspark":
-        record["target_last_hidden_states"] = fin.unsqueeze(0)
-    return record
-
-
-def _write_side_table(spec_rows: dict, out_dir: Path, shard: MergedShard, provenance) -> None:
-    """The speculators side table ``samples_{start}.parquet`` of the rows written (with the provenance columns
-    when ``provenance`` is given)."""
-    idxs, sids, dss, ids = zip(*spec_rows["ids"])
-    table = pa.table(
-        {
-            "index": pa.array(idxs, pa.int64()),
-            "sample_id": pa.array(sids, pa.string()),
-            "dataset": pa.array(dss, pa.string()),
-            "input_ids": pa.array(ids, pa.list_(pa.int64())),
-            "loss_mask": pa.array(spec_rows["mask"], pa.list_(pa.int64())),
-            "seq_len": pa.array([len(x) for x in ids], pa.int64()),
-        }
-    )
-    if provenance is not None:
-        table = _with_provenance(table, provenance, shard.set_name, shard.path)
-    write_parquet(table, out_dir / f"samples_{shard.start_index:09d}.parquet")
-
-
 def _log_skipped(layout: str, merged_path, skipped: dict) -> None:
     """Warn about the samples not written, per reason."""
     for reason, sids in skipped.items():
@@ -515,7 +198,7 @@ def _log_skipped(layout: str, merged_path, skipped: dict) -> None:
         )
 
 
-def _prune_earlier(writer: _SampleWriter, rows: _ShardRows, merged: dict) -> list[str]:
+def _prune_earlier(writer: SampleWriter, rows: ShardRows, merged: dict) -> list[str]:
     """Remove the files of an earlier export this one does not write (:func:`prune_stale`), within the set's size
     the merge manifest ``merged`` gives (the held-out set's or the training shards'). Returns the removed paths."""
     start, n = writer.shard.start_index, rows.n
@@ -543,38 +226,14 @@ def _prune_earlier(writer: _SampleWriter, rows: _ShardRows, merged: dict) -> lis
     return removed
 
 
-def _with_provenance(table: pa.Table, provenance, set_name: str, merged_path) -> pa.Table:
-    """``table`` (a shard's side table: ``index``, ``sample_id``, ...) with the provenance columns of its rows
-    (:data:`eagle3_data.provenance.SIDE_COLUMNS`, matched by ``index`` in ``set_name``). Raises ValueError when the
-    provenance table names other samples at those indices (it is of another merge)."""
-    from .provenance import SIDE_COLUMNS
-
-    idx = table.column("index").to_pylist()
-    prov = pq.read_table(
-        provenance,
-        columns=["set", "index", "sample_id", *SIDE_COLUMNS],
-        filters=[("set", "=", set_name), ("index", ">=", idx[0]), ("index", "<=", idx[-1])],
-    )
-    prov = prov.filter(pc.is_in(prov.column("index"), pa.array(idx, pa.int64()))).sort_by("index")  # (skipped: none)
-    if (
-        prov.column("index").to_pylist() != idx
-        or prov.column("sample_id").to_pylist() != table.column("sample_id").to_pylist()
-    ):
-        raise ValueError(
-            f"export: {provenance} does not describe the rows of {merged_path} (another merge's?): "
-            "rerun rule provenance"
-        )
-    for name in SIDE_COLUMNS:
-        table = table.append_column(prov.schema.field(name), prov.column(name))
-    return table
-
-
 _INDEX = {
     "specforge": re.compile(r"^data_(\d+)\.ckpt$"),
     "modelopt": re.compile(r"^(\d+)\.pt$"),
     "speculators": re.compile(r"^hs_(\d+)\.safetensors$"),
 }
+
 _GROUP = re.compile(r"^rows_(\d+)-(\d+)$")
+
 _SAMPLES = re.compile(r"^samples_(\d+)\.parquet$")
 
 
@@ -642,10 +301,6 @@ def start_indices(merge_manifest) -> list[int]:
         out.append(acc)
         acc += int(s["samples"])
     return out
-
-
-#: the files of a speculators data directory that ``datasets.Dataset.save_to_disk(num_shards=1)`` writes
-SPECULATORS_DATASET_FILES = ("data-00000-of-00001.arrow", "dataset_info.json", "state.json")
 
 
 def write_speculators_dataset(out_dir, *, token_frequencies=None) -> dict:
