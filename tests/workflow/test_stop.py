@@ -141,6 +141,10 @@ def _stop_and_check(wd, fs, proc, how: str) -> tuple[float, str]:
         proc.kill()
     elif how == "ctrl-c":  # a terminal's Ctrl-C: SIGINT to the whole foreground process group
         os.killpg(proc.pid, signal.SIGINT)
+    elif how == "ctrl-c twice":  # an impatient user: a second Ctrl-C while the first one's stop is under way
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
     try:
         out, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -180,12 +184,14 @@ def _resume(wd, fs, *extra) -> str:
     return p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigint", "ctrl-c"])
+@pytest.mark.parametrize("how", ["sigterm", "sigint", "ctrl-c", "ctrl-c twice"])
 def test_a_signal_to_snakemake_stops_the_requests(tmp_path, target_dir, server, how):
     wd = _workflow(tmp_path, target_dir, server)
     proc = _start(wd)
     _, out = _stop_and_check(wd, server, proc, how)
-    assert proc.returncode != 0
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    # a second Ctrl-C changes nothing: said once, the replies in flight still journaled (_stop_and_check: none lost)
+    assert out.count("Already stopping: the replies in flight are paid for") == (how == "ctrl-c twice"), out[-3000:]
     # the one line of the interrupted run counts this config's journaled responses
     n = _journaled(wd)
     assert n >= 12
@@ -193,7 +199,7 @@ def test_a_signal_to_snakemake_stops_the_requests(tmp_path, target_dir, server, 
     assert f" {n:,} responses of this config are journaled" in line, (line, n)
     # ... and it is the run's last words: not Snakemake's WorkflowError after a deliberate stop
     assert out.rstrip().splitlines()[-1] == line, out[-1500:]
-    assert line.startswith("Stopped (SIGTERM). " if how == "sigterm" else "Interrupted (Ctrl-C). ")
+    assert line.startswith("Stopped (SIGTERM). " if how == "sigterm" else "Interrupted (Ctrl-C). "), line
     assert "At least one job did not complete successfully" not in out and "WorkflowError" not in out
     # the last screen counts what the stopped shards journaled: OK = the journal's lines, a cost, the rest not sent;
     # no shard finished generate, and the columns add up: Samples = Kept + Rejected + Not sent + Left

@@ -494,7 +494,9 @@ def first_leaf(eg: BaseExceptionGroup) -> BaseException:
 async def run_requests(runner: Runner, samples: list[Sample], display: progress.JobProgress) -> None:
     # SIGTERM or SIGINT during the request phase (a cancelled cluster job, a terminal's Ctrl-C reaching the whole
     # process group) stops the job as the run's stop file does: no new request, the replies in flight (paid for)
-    # get stop_grace_s to arrive and be journaled, then Terminated. A second signal ends it at once. Handled
+    # get stop_grace_s to arrive and be journaled, then Terminated. A second Ctrl-C (SIGINT: an impatient user, or
+    # the terminal's Ctrl-C reaching the job and snakemake's stop both) changes nothing: the replies in flight are
+    # paid for, and ending now would buy them again. A second SIGTERM (a scheduler's kill) ends it at once. Handled
     # through the event loop: a Python-level handler that raises (what sigterm_as_exception installs for the rest
     # of the job) can land inside an event-loop callback, where asyncio logs and swallows it.
     loop, main = asyncio.get_running_loop(), asyncio.current_task()
@@ -510,10 +512,10 @@ async def run_requests(runner: Runner, samples: list[Sample], display: progress.
 
     def on_signal(name: str) -> None:
         signals.append(name)
-        if len(signals) > 1:
-            on_sigterm()
-        else:
+        if len(signals) == 1:
             on_stop(f"{name} received")
+        elif name != "SIGINT":
+            on_sigterm()
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

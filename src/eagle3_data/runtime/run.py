@@ -129,7 +129,10 @@ def elapsed() -> float | None:
 
 
 def _chain_signal(sig: int, name: str) -> None:
-    """Record that ``sig`` arrived, then do what was done before (raise KeyboardInterrupt, snakemake's handler)."""
+    """Record that ``sig`` arrived, then do what was done before (raise KeyboardInterrupt, snakemake's handler).
+    A SIGINT after the run began stopping (a second Ctrl-C) is said to change nothing, once, and not passed on:
+    snakemake would raise KeyboardInterrupt inside its own shutdown (tracebacks, no summary, the jobs killed
+    before the replies in flight were journaled)."""
     try:
         prev = signal.getsignal(sig)
     except ValueError:
@@ -138,6 +141,16 @@ def _chain_signal(sig: int, name: str) -> None:
         return
 
     def handler(signum, frame):
+        if name == "SIGINT" and _signals:  # a second Ctrl-C while the run stops: the stop goes on, no traceback
+            if not _signals.get("again"):
+                _signals["again"] = True
+                print(
+                    "Already stopping: the replies in flight are paid for and get generation.stop_grace_s to arrive "
+                    "and be journaled; the run then ends with its summary (Ctrl-C again changes nothing).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return None
         _signals[name] = True
         for path in _stop_file:  # the run's jobs see it within a second and stop starting requests
             with contextlib.suppress(OSError):
