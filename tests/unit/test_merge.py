@@ -301,12 +301,13 @@ def test_bad_arguments(tmp_path):
 
 
 def test_crash_mid_write_leaves_no_partial_shard(tmp_path, monkeypatch):
-    from eagle3_data import merge as merge_mod
+    from eagle3_data.merge import stage as merge_mod
+    from eagle3_data.merge import write as merge_write
 
     inputs = write_inputs(tmp_path, make_rows(300, ["a"], seed=9), 2)
     outs = [tmp_path / "m" / f"{i:03d}.parquet" for i in range(2)]
     calls = {"n": 0}
-    real = merge_mod.check_merged_batch
+    real = merge_write.check_merged_batch
 
     def flaky(table, path="<memory>", first_row=0):
         calls["n"] += 1
@@ -314,7 +315,7 @@ def test_crash_mid_write_leaves_no_partial_shard(tmp_path, monkeypatch):
             raise RuntimeError("simulated crash")
         return real(table, path, first_row)
 
-    monkeypatch.setattr(merge_mod, "check_merged_batch", flaky)
+    monkeypatch.setattr(merge_write, "check_merged_batch", flaky)
     with pytest.raises(RuntimeError, match="simulated crash"):
         merge(
             inputs,
@@ -609,7 +610,7 @@ def test_heldout_bad_settings(tmp_path):
 
 
 def test_python_draw_equals_the_sql_one():
-    from eagle3_data import merge as merge_mod
+    from eagle3_data.merge import stage as merge_mod
 
     for seed, sid in ((0, "x"), (7, "conv@12"), ("s", "a@b"), (3, "ünï@0")):
         assert merge_mod.heldout_draw(seed, sid) == heldout_draw(seed, sid)

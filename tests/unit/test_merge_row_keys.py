@@ -163,7 +163,8 @@ def test_selections_are_the_rows_of_the_selection_query(tmp_path):
 
 
 def test_a_failing_merged_shard_leaves_no_file_of_the_run(tmp_path, monkeypatch):
-    from eagle3_data import merge as merge_mod
+    from eagle3_data.merge import stage as merge_mod
+    from eagle3_data.merge import write as merge_write
     from eagle3_data.settings import MergeSettings
 
     from test_merge import make_rows, write_inputs
@@ -173,10 +174,10 @@ def test_a_failing_merged_shard_leaves_no_file_of_the_run(tmp_path, monkeypatch)
     outs = [tmp_path / "m" / f"{i}.parquet" for i in range(2)]
 
     def broken(table, path="<memory>", first_row=0):
-        raise merge_mod.schemas.SchemaError("simulated bad batch")
+        raise merge_write.schemas.SchemaError("simulated bad batch")
 
-    monkeypatch.setattr(merge_mod, "check_merged_batch", broken)
-    with pytest.raises(merge_mod.schemas.SchemaError, match="simulated bad batch"):
+    monkeypatch.setattr(merge_write, "check_merged_batch", broken)
+    with pytest.raises(merge_write.schemas.SchemaError, match="simulated bad batch"):
         merge_mod.merge(
             files,
             outs,
