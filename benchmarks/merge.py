@@ -145,7 +145,8 @@ def parts(inputs: list[str], max_len: int = 8192) -> dict:
 
     import duckdb
 
-    from eagle3_data import merge as M
+    from eagle3_data.merge import keys as K
+    from eagle3_data.merge import write as W
     from eagle3_data import sql
     from eagle3_data.settings import MergeSettings
 
@@ -172,7 +173,7 @@ def parts(inputs: list[str], max_len: int = 8192) -> dict:
             lambda: con.execute(f"SELECT sum(list_sum(loss_mask[1:getvariable('max_len')])) {scan}").fetchall()
         ),
         "duckdb_row_keys_query": timed(lambda: con.execute(sql.load("merge_row_keys"))),
-        "numpy_row_keys": timed(lambda: M.row_keys(con, inputs, max_len=max_len, datasets=None, threads=None)),
+        "numpy_row_keys": timed(lambda: K.row_keys(con, inputs, max_len=max_len, datasets=None, threads=None)),
     }
     # the plan, then the selections' rows both ways (read, not written)
     s = MergeSettings.defaults(max_len=max_len, overflow="truncate", seed=0)
@@ -195,7 +196,7 @@ def parts(inputs: list[str], max_len: int = 8192) -> dict:
     def new_rows():
         plan = con.sql(sql.load("merge_selection_plan")).to_arrow_table()
         plan = {n: plan.column(n).to_numpy() for n in plan.column_names}
-        for _ in M._selection_batches(inputs, inputs, plan, max_len, 1024, threading.Event()):
+        for _ in W.selection_batches(inputs, inputs, plan, max_len, 1024, threading.Event()):
             pass
 
     out["selection_rows_duckdb_join_sort"] = timed(old_rows)

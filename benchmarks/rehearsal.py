@@ -203,6 +203,9 @@ def build_config(
             "base_url": url,
             "max_concurrency": max(2, round(local_concurrency * limit_scale)),
             "timeout_s": 900,
+            # the seed launches it on its own GPUs (nothing bought); here it is the fault server, not launched, so
+            # the dollar budget needs its price said: none
+            "price_per_m": {"prompt": 0.0, "completion": 0.0},
             # as the target renders its prompts (thinking off): the config check refuses a server told otherwise
             "extra_body": {
                 **(seed["backends"]["sglang_local"].get("extra_body") or {}),

@@ -48,7 +48,7 @@ def write_outputs(con, job, stack: contextlib.ExitStack, check: bool, timing: di
 
         def write_selections() -> dict[int, int]:
             t1 = time.perf_counter()
-            batches = _selection_batches(job.files, job.keys, plan, job.max_len, job.batch_rows, stop)
+            batches = selection_batches(job.files, job.keys, plan, job.max_len, job.batch_rows, stop)
             # not re-checked: a selection's rows are the merged rows checked in the other thread (same
             # plan, same values, only another order); its row count is compared with the plan below
             out = _write_groups(batches, sel_outs, False, timing, "selections", commit=commit)
@@ -306,7 +306,7 @@ def _check_written(outs, stats, written) -> None:
             raise RuntimeError(f"merge: shard {outs[i]} has {written[i]} rows written, plan says {n}")
 
 
-def _selection_batches(
+def selection_batches(
     files: list[str], keys: list[str], plan: dict, max_len: int, batch_rows: int, stop: threading.Event
 ):
     """Record batches of each selection's rows (MERGED columns + ``shard`` = the file's index), file after file,
