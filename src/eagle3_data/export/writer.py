@@ -285,7 +285,7 @@ def with_provenance(table: pa.Table, provenance, set_name: str, merged_path) -> 
     """``table`` (a shard's side table: ``index``, ``sample_id``, ...) with the provenance columns of its rows
     (:data:`eagle3_data.provenance.SIDE_COLUMNS`, matched by ``index`` in ``set_name``). Raises ValueError when the
     provenance table names other samples at those indices (it is of another merge)."""
-    from .provenance import SIDE_COLUMNS
+    from ..provenance import SIDE_COLUMNS
 
     idx = table.column("index").to_pylist()
     prov = pq.read_table(
