@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -78,9 +80,12 @@ def submitted(tmp_path_factory):
     placeholders += [f"results/merged/{k:03d}.parquet" for k in range(cfg["merge"]["shards"])]
     placeholders += [f"results/merged/selection/{ds}/{s}.parquet" for ds, s in shards]
     placeholders += [f"results/reports/plan.{ext}" for ext in ("md", "html", "json")]  # extract waits for the plan
-    for f in placeholders:
+    for f in placeholders:  # whole files (a zero-byte parquet is a damaged output the run would remove and rebuild)
         (work / f).parent.mkdir(parents=True, exist_ok=True)
-        (work / f).touch()
+        if f.endswith(".parquet"):
+            pq.write_table(pa.table({"placeholder": pa.array([], pa.int8())}), work / f)
+        else:
+            (work / f).write_text("{}" if f.endswith(".json") else "")
     (work / "results/merged/manifest.json").write_text(
         json.dumps({"selections": {f"{ds}/{s}": {"digest": f"{ds}/{s}"} for ds, s in shards}})
     )
