@@ -323,24 +323,28 @@ def test_a_client_error_inside_choices_fails_at_once_like_the_top_level_one(tmp_
     )
 
 
+def _key_echoed(tmp_path, fs, monkeypatch, key: str, n: int, **server) -> dict:
+    """Run ``n`` prompts against a fault server that echoes the configured key (``server``: its config); the job
+    stops (every reply refused); returns the journal's records after checking the key is in no file."""
+    monkeypatch.setenv("E3D_PAID_KEY", key)
+    fs.app.config.update({"require_key": key, **server})
+    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(n))
+    with pytest.raises(GenerationStopped, match="every request failed"):
+        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"), log=tmp_path / "logs" / "job.log")
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()] == []
+    return read_journal(tmp_path / "journal", "ds")[0]
+
+
 def test_a_key_in_any_field_of_a_reply_is_never_stored(tmp_path, fs, monkeypatch):
     """The reply's `model` (here, a provider echoing the key in it) is checked like its text: the reply is a paid
     reject api_key_in_reply, and the key is in no file (journal, output, log)."""
     key = "sk-or-CANARY-model-4e7a0c"
-    monkeypatch.setenv("E3D_PAID_KEY", key)
-    fs.app.config.update({"require_key": key, "model": f"vendor/model {key}"})
-    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(6))
-    log = tmp_path / "logs" / "job.log"
-    with pytest.raises(GenerationStopped, match="every request failed"):
-        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"), log=log)
-    recs, _ = read_journal(tmp_path / "journal", "ds")
+    recs = _key_echoed(tmp_path, fs, monkeypatch, key, 6, model=f"vendor/model {key}")
     assert len(recs) == 6 and all(
         r["error"] == "api_key_in_reply: the reply's model quotes a configured API key (not stored)"
         for r in recs.values()
     )
     assert all(r["model"] == "vendor/model [api key]" for r in recs.values())
-    hits = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
-    assert hits == []
 
 
 def test_a_short_key_stops_the_job_before_any_request(tmp_path, fs, monkeypatch):
@@ -464,20 +468,12 @@ def test_a_key_echoed_in_the_system_fingerprint_is_never_stored(tmp_path, fs, mo
     """Every string field of a reply is checked, not a list of known ones: a provider echoing the key in
     ``system_fingerprint`` (stored in the journal and the responses parquet) makes the reply a paid reject."""
     key = "sk-or-CANARY-fingerprint-77b1"
-    monkeypatch.setenv("E3D_PAID_KEY", key)
-    fs.app.config.update({"require_key": key, "echo_key": True, "echo_key_field": "system_fingerprint"})
-    prompts = write_prompts(tmp_path / "p.parquet", simple_convs(4))
-    log = tmp_path / "logs" / "job.log"
-    with pytest.raises(GenerationStopped, match="every request failed"):
-        run(tmp_path, fs, prompts, bk=backends_cfg(fs, api_key_env="E3D_PAID_KEY"), log=log)
-    recs, _ = read_journal(tmp_path / "journal", "ds")
+    recs = _key_echoed(tmp_path, fs, monkeypatch, key, 4, echo_key=True, echo_key_field="system_fingerprint")
     assert len(recs) == 4 and all(
         r["error"] == "api_key_in_reply: the reply's system_fingerprint quotes a configured API key (not stored)"
         for r in recs.values()
     )
     assert fs.app.requests == 4
-    hits = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
-    assert hits == []
 
 
 def test_a_dollar_budget_caps_a_backend_whose_replies_carry_no_cost(tmp_path, fs):
