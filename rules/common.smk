@@ -67,7 +67,7 @@ def _check_config():
             try:
                 cfg.check_api_keys(config, cfg.pending_generation(config))
             except cfg.ConfigError as exc:
-                if not getattr(getattr(workflow, "output_settings", None), "dryrun", False):
+                if not _dry_run():
                     raise
                 print(f"Warning (dry run): {exc}", file=sys.stderr)
     except cfg.ConfigError as exc:
@@ -83,7 +83,7 @@ from eagle3_data.runtime import run as run_state
 if (
     workflow.is_main_process
     and "--unlock" not in sys.argv
-    and not getattr(getattr(workflow, "output_settings", None), "dryrun", False)
+    and not _dry_run()
 ):
     _hint = run_state.stale_lock_hint(config.get("cache_dir", "cache"))
     if _hint:
