@@ -80,11 +80,7 @@ def _check_config():
 # a command the lock would stop ends there (eagle3_data.runtime.run.stale_lock_stops)
 from eagle3_data.runtime import run as run_state
 
-if (
-    workflow.is_main_process
-    and "--unlock" not in sys.argv
-    and not _dry_run()
-):
+if workflow.is_main_process and "--unlock" not in sys.argv and not _dry_run():
     _hint = run_state.stale_lock_hint(config.get("cache_dir", "cache"))
     if _hint:
         print(_hint, file=sys.stderr, flush=True)
