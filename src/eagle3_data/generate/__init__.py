@@ -11,7 +11,9 @@ One job = one dataset shard. Flow:
 3. request key = ``files.content_hash(dataset, sample_id, turn, target_name, prompt messages, tools, sampling)``
    with sampling = ``{max_tokens, temperature, top_p, extra_body}``: independent of the backend, so a response
    from OpenRouter satisfies the same request later routed to SGLang;
-4. read the journal (:mod:`.journal`; only the fields resume needs are kept in memory), send only missing keys;
+4. read the journal (:mod:`.journal`; only the fields resume needs are kept in memory); a key it lacks is looked
+   up in every dataset's journal by what was asked (:mod:`.reuse`: prompt, tools, target, sampling), so a renamed
+   dataset or one sharing prompts with another re-pays nothing; send only the keys still missing;
    local servers (a backend's ``launch:``) start only when something must be sent. A backend with
    ``native_generate`` gets prompt ids rendered with the target's chat template (``GenerateSettings.target``) and
    returns exact ``output_ids``; reasoning/content are split at the ``</think>`` id;
@@ -33,7 +35,7 @@ a 4xx answer and a paid reject are final failed rows. A 429 slows the backend do
 (:meth:`eagle3_data.backends.pool.Backend.rate_limited`) instead of using up the request's retries.
 
 Modules: :mod:`.prompts` (samples, turns, request keys), :mod:`.budget` (the job's state and budgets),
-:mod:`.runner` (the requests), :mod:`.output` (journal read-back into the RESPONSES parquet), :mod:`.context`
+:mod:`.reuse` (replies found by what was asked), :mod:`.runner` (the requests), :mod:`.output` (journal read-back into the RESPONSES parquet), :mod:`.context`
 (log files, SIGTERM), :mod:`.job` (the entry, :func:`generate`); the journal is :mod:`eagle3_data.generate.journal`, the
 progress display :mod:`eagle3_data.generate.progress`.
 """

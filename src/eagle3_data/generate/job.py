@@ -24,6 +24,7 @@ from .budget import JobState
 from .context import job_logging, sigterm_as_exception
 from .output import write_journaled
 from .prompts import Sample, read_prompts, shard_share
+from .reuse import reuse_replies
 from .backends import start_backends
 from .runner import Runner, Terminated, failed_row, run_requests
 
@@ -226,6 +227,7 @@ class _Job:
     jstats: dict = field(default_factory=lambda: {"records": 0, "files": 0, "bad_lines": 0})
     journal: JournalWriter | None = None
     runner: Runner | None = None
+    reused: dict = field(default_factory=dict)  # replies found by what was asked: source dataset -> count
 
     @property
     def dataset(self) -> str:
@@ -262,6 +264,7 @@ def _generate(job: _Job, summary_path) -> dict:
         state = _job_state(job, samples, bad)
         state.warnings = warned
         records, key_files = _read_journal(job, samples, bad, capped)
+        _reuse(job, samples, records, key_files)
         rows = _prompt_reject_rows(job, bad, state)
         display, network = _plan_requests(job, samples, records, state)
         # the output is written while the job runs (new responses as they arrive); it appears at out_path only
@@ -323,12 +326,9 @@ def _read_journal(job: _Job, samples: list, bad: list, capped: int) -> tuple[dic
     """The resume index (request key -> what resume needs: spend and, mode all, what the regenerated history
     needs; texts stay on disk) and the journal file of each key (the end reads back only those files)."""
     mode = job.settings.generation.mode
-    keep = ("completion_tokens", "cost_usd", "status", "error") + (
-        ("content", "reasoning", "tool_calls") if mode == "all" else ()
-    )
     key_files: dict = {}
     adopt_held(job.journal_dir, job.dataset)  # paid replies a full disk kept in the temp folder: into the journal
-    records, job.jstats = read_journal(job.journal_dir, job.dataset, fields=keep, key_files=key_files)
+    records, job.jstats = read_journal(job.journal_dir, job.dataset, fields=_resume_fields(mode), key_files=key_files)
     logger.info(
         "%s %d samples (%d unusable, %d over max_samples), mode %s; journal: %d responses in %d file(s), "
         "%d torn/bad line(s) skipped",
@@ -342,6 +342,29 @@ def _read_journal(job: _Job, samples: list, bad: list, capped: int) -> tuple[dic
         job.jstats["bad_lines"],
     )
     return records, key_files
+
+
+def _resume_fields(mode: str) -> tuple[str, ...]:
+    """The record fields the resume index keeps: spend and status, and (mode all) what the history needs."""
+    return ("completion_tokens", "cost_usd", "status", "error") + (
+        ("content", "reasoning", "tool_calls") if mode == "all" else ()
+    )
+
+
+def _reuse(job: _Job, samples: list, records: dict, key_files: dict) -> None:
+    """Answer the requests this dataset's journal does not from any journal record that asked the same
+    (:mod:`.reuse`): copied into this shard's journal, not bought again."""
+    probe = Runner(job.settings, records=records, journal=None, pool=None, state=JobState(0, None, None))
+    with JournalWriter(job.journal_dir, job.dataset, job.shard) as jw:
+        job.reused = reuse_replies(probe, samples, records, key_files, jw, _resume_fields(job.settings.generation.mode))
+    if job.reused:
+        logger.info(
+            "%s %d repl%s found in the journal by what was asked (%s): reused, not bought again",
+            job.tag,
+            sum(job.reused.values()),
+            "ies" if sum(job.reused.values()) != 1 else "y",
+            ", ".join(f"{n} from {d}" for d, n in sorted(job.reused.items())),
+        )
 
 
 def _prompt_reject_rows(job: _Job, bad: list, state: JobState) -> list[dict]:
@@ -515,6 +538,7 @@ def _summary(job: _Job, state: JobState, capped: int, n_rows: int) -> dict:
         "failed": dict(state.failed),
         "failed_total": sum(state.failed.values()),
         "from_journal": state.from_journal,
+        "reused": dict(job.reused),
         "failed_unpaid": sum(state.unpaid.values()),
         "unpaid": dict(state.unpaid),
         "sent": state.sent,
