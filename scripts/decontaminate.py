@@ -9,7 +9,8 @@ from eagle3_data.settings import DecontaminateSettings
 
 log = setup_logging(snakemake.log[0])
 settings = DecontaminateSettings.from_config(snakemake.config)
-# the earlier datasets' signature files (results/<ds>/minhash/<shard>.parquet), grouped in the params' order
+# the earlier datasets' signature files (results/<ds>/minhash/<shard>.parquet), grouped in the params' order (with
+# near_duplicates.within_dataset, last, this dataset's own)
 earlier = {
     ds: [p for p in snakemake.input.earlier if Path(p).parent.parent.name == ds] for ds in snakemake.params.earlier
 }

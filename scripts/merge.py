@@ -10,7 +10,7 @@ from eagle3_data.settings import MergeSettings
 
 log = setup_logging(snakemake.log[0])
 settings = MergeSettings.from_config(snakemake.config)
-validated = list(snakemake.input)
+validated = list(snakemake.input.validated)
 heldout = snakemake.output.get("heldout")  # an output only when merge.heldout > 0
 
 
@@ -25,6 +25,7 @@ def main():
         selections=list(snakemake.output.selections),
         sources=[source_key(p) for p in validated],
         heldout_path=heldout,
+        prompt_paths=list(snakemake.input.prompts),  # their prompt_key: the held-out draw goes by prompt text
         # DuckDB's budget: the job's resources (merge.memory_mb and merge.threads, or a profile's set-resources)
         resources=MergeResources(memory_limit=memory_limit_of(snakemake.resources.mem_mb), threads=snakemake.threads),
     )

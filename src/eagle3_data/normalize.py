@@ -15,12 +15,18 @@ A conversation may end with a user turn (a pure prompt) or with an assistant tur
 decides which assistant turn(s) to regenerate).
 
 Rejects (``schemas.REJECTS``, stage ``normalize``): reason codes of ``sources.REJECT_REASONS``. A row whose
-id repeats an earlier row's id is rejected as ``duplicate_id`` (the first occurrence wins).
+id repeats an earlier row's id is rejected as ``duplicate_id`` (the first occurrence wins); a row whose prompt (its
+system, user and tool messages and tools: the assistant turns, which generate replaces, are not compared) repeats
+an earlier row's under another id is rejected as ``duplicate_prompt`` unless ``duplicate_prompts`` is ``keep``.
+
+``prompt_key`` (:func:`prompt_key`) is the key the merge's held-out split goes by: copies of one prompt text, in
+any dataset, under any id, with other case, punctuation or spacing, always fall on the same side.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import logging
@@ -35,6 +41,7 @@ import pyarrow.parquet as pq
 
 from . import schemas
 from .errors import ExpectedFailure
+from .decontaminate.overlap import normalized, squash
 from .files import atomic_path, content_hash, shard_of
 from .sources import FORMAT_PROBE_RECORDS, RowReject, SourceFormatError, get_adapter, iter_records
 from .sources.readers import TOO_DEEP, InvalidLine
@@ -138,6 +145,26 @@ def _prompt_json(sample) -> tuple[str, str | None]:
     return messages, tools
 
 
+def prompt_key(messages: list) -> str | None:
+    """The key of a conversation's prompt text: 16 hex digits (BLAKE2b) of its user messages' texts, each reduced
+    to its words (:func:`eagle3_data.decontaminate.overlap.normalized`: case, punctuation and spacing ignored),
+    one line per message; a text without a word counts with its spacing squashed. None without a user text.
+
+    ``[{"role": "user", "content": "What is 2+2?"}]`` and ``[{"role": "system", ...}, {"role": "user", "content":
+    "what is 2 + 2"}]`` get the same key: system prompts and assistant turns are not part of it."""
+    texts = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    lines = [normalized(t) or squash(t) for t in texts if isinstance(t, str) and t.strip()]
+    return content_hash("prompt", lines, length=8) if lines else None
+
+
+def _prompt_digest(messages: list, tools) -> bytes:
+    """The 8-byte BLAKE2b digest of a conversation's prompt as sent: its non-assistant messages and tools (the
+    ``duplicate_prompt`` rule)."""
+    asked = [m for m in messages if not (isinstance(m, dict) and m.get("role") == "assistant")]
+    blob = json.dumps([asked, tools], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
 def normalize(
     settings: NormalizeSettings,
     out_paths: Sequence[str | os.PathLike],
@@ -238,6 +265,8 @@ class _Tally:
     examples: dict[str, str] = field(default_factory=dict)
     repaired: Counter = field(default_factory=Counter)
     seen: set[str] = field(default_factory=set)
+    #: prompt digest -> (sample_id, source row) of the first row with that prompt (``duplicate_prompt``)
+    prompts: dict[bytes, tuple[str, int]] = field(default_factory=dict)
     skipped_lines: list[int] = field(default_factory=list)
 
     def reject(self, reason: str, detail: str, sid: str | None, index: int) -> None:
@@ -301,6 +330,17 @@ def _row_of(record, index: int, where: str, adapter, kind: str, settings: Normal
     if sid in tally.seen:
         tally.reject("duplicate_id", f"{where}: sample_id {sid!r} already used by an earlier row", sid, index)
         return None
+    if kind != "tokens" and settings.duplicate_prompts == "drop":
+        digest = _prompt_digest(sample.messages, sample.tools)
+        first = tally.prompts.setdefault(digest, (sid, index))
+        if first[0] != sid:
+            tally.reject(
+                "duplicate_prompt",
+                f"{where}: the same prompt as {first[0]!r} (source row {first[1]}), an earlier row",
+                sid,
+                index,
+            )
+            return None
     tally.seen.add(sid)
     tally.repaired.update(sample.notes)
     if kind == "tokens":
@@ -312,6 +352,7 @@ def _row_of(record, index: int, where: str, adapter, kind: str, settings: Normal
         "tools": tools_json,
         "source_format": settings.format,
         "source_row": index,
+        "prompt_key": prompt_key(sample.messages),
     }
 
 

@@ -37,6 +37,7 @@ class PromptsModel(pa_pd.DataFrameModel):
     tools: Series[str] = pa_pd.Field(nullable=True)
     source_format: Series[str] = pa_pd.Field(nullable=False)
     source_row: Series[int] = pa_pd.Field(ge=0)
+    prompt_key: Series[str] = pa_pd.Field(nullable=True, str_length={"min_value": 16, "max_value": 16})
 
     class Config:
         unique = ["sample_id"]

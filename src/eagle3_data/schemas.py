@@ -39,6 +39,8 @@ PROMPTS = pa.schema(
         ("tools", pa.string()),  # JSON list of OpenAI tool definitions, or null
         ("source_format", pa.string()),
         ("source_row", pa.int64()),  # 0-based row/line in the source file
+        # 16 hex digits of the normalized user text (normalize.prompt_key): the held-out split goes by it
+        ("prompt_key", pa.string()),
     ]
 )
 

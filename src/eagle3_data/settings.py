@@ -166,6 +166,9 @@ class NormalizeSettings(_Settings):
     max_reject_rate: float
     #: ``source.on_error``: ``fail`` (the default) or ``skip`` (an invalid JSONL line rejected and counted)
     on_error: str = "fail"
+    #: ``source.duplicate_prompts`` (else ``normalize.duplicate_prompts``): ``drop`` (a later row with an earlier
+    #: row's prompt is rejected ``duplicate_prompt``) or ``keep``
+    duplicate_prompts: str = "drop"
 
     CONTENT: ClassVar = cfg.SOURCE_DATA_KEYS
 
@@ -174,6 +177,7 @@ class NormalizeSettings(_Settings):
         out = super().params()
         if self.on_error != "fail":
             out["on_error"] = self.on_error
+        out["duplicate_prompts"] = self.duplicate_prompts
         return out
 
     @classmethod
@@ -181,7 +185,8 @@ class NormalizeSettings(_Settings):
         entry = config["datasets"][ds]
         src = {k: entry["source"].get(k) for k in cls.CONTENT}  # no schema defaults: None when left out
         own = entry["source"].get("max_reject_rate")
-        ceiling = own if own is not None else filled("normalize", config.get("normalize"))["max_reject_rate"]
+        section = filled("normalize", config.get("normalize"))
+        ceiling = own if own is not None else section["max_reject_rate"]
         shards = entry.get("shards", _default("datasets.<name>.shards"))
         return _build(
             cls,
@@ -190,6 +195,7 @@ class NormalizeSettings(_Settings):
             shards=int(shards),
             max_reject_rate=float(ceiling),
             on_error=entry["source"].get("on_error") or "fail",
+            duplicate_prompts=entry["source"].get("duplicate_prompts") or section["duplicate_prompts"],
         )
 
     @classmethod
@@ -197,7 +203,7 @@ class NormalizeSettings(_Settings):
         """``format`` and ``path`` have no default (``"sharegpt"``, ``""`` unless given)."""
         source = {
             k: values.pop(k)
-            for k in ("format", "path", "max_samples", "options", "max_reject_rate", "on_error")
+            for k in ("format", "path", "max_samples", "options", "max_reject_rate", "on_error", "duplicate_prompts")
             if k in values
         }
         source = {"format": "sharegpt", "path": "", **source}
@@ -242,7 +248,14 @@ class DecontaminateSettings(_Settings):
             out["min_shared_ngrams"] = self.min_shared_ngrams
         if self.near_on:
             out["near_duplicates"] = {"threshold": self.near_duplicates["threshold"], **self.signature_params()}
+            if self.near_duplicates.get("within_dataset"):  # only when on: the params of existing builds stay
+                out["near_duplicates"]["within_dataset"] = True
         return out
+
+    @property
+    def within_on(self) -> bool:
+        """Near-duplicates are also looked for within each dataset (``near_duplicates.within_dataset``)."""
+        return self.near_on and bool(self.near_duplicates.get("within_dataset"))
 
     def signature_params(self) -> dict:
         """Rule minhash's params: what a signature depends on (``num_perm``, ``shingle``, ``seed``)."""

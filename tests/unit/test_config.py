@@ -70,7 +70,7 @@ def test_defaults_fill_every_section_and_match_the_documented_values():
         "memory_mb": 4000,
         "threads": 2,
     }
-    assert c["normalize"] == {"max_reject_rate": 0.5}
+    assert c["normalize"] == {"max_reject_rate": 0.5, "duplicate_prompts": "drop"}
     assert c["extract"]["dtype"] == "bfloat16" and c["extract"]["gpus_per_job"] == 1
     assert c["export"]["layouts"] == [] and c["plan"]["tokens_per_s_per_gpu"] is None
     assert c["vocab"]["draft_vocab_size"] == 32000

@@ -273,3 +273,40 @@ def test_boilerplate_shared_by_many_items_drops_no_prompt_and_the_shared_ngram_i
     )
     # with fewer items the same line is no boilerplate: it matches (the rule the threshold protects)
     assert OverlapIndex(items[:2], 13, 1).match(["My test fails:\n" + tb]).item.item_id == "task/0"
+
+
+def test_near_duplicates_within_a_dataset_are_dropped_when_asked_the_earlier_row_kept(tmp_path):
+    """near_duplicates.within_dataset: a prompt nearly duplicating one of an earlier source row of its own dataset
+    goes, whichever shard holds either; off (the default), a pair within one dataset is kept."""
+    prompts = [CLEAN[0], LONG, CLEAN[1], OTHER + " Please.", LONG.lower().replace(",", ";"), OTHER.upper() + " PLEASE"]
+    src = ultrachat_source(tmp_path / "own.jsonl", prompts)
+    outs = [tmp_path / "own" / "prompts" / f"{s:03d}.parquet" for s in range(2)]
+    normalize(
+        NormalizeSettings.defaults("own", format="ultrachat", path=str(src), shards=2),
+        outs,
+        tmp_path / "own" / "rejected" / "normalize.parquet",
+    )
+    assert sum(pq.read_metadata(p).num_rows for p in outs) == 6  # not exact copies: normalize keeps them all
+
+    def shard_run(settings, tag):
+        sigs = [tmp_path / tag / f"{s:03d}.sig.parquet" for s in range(2)]
+        for p, sig in zip(outs, sigs):
+            minhash(p, sig, settings=settings)
+        rejected, kept = [], []
+        for s, (p, sig) in enumerate(zip(outs, sigs)):
+            out, rej = tmp_path / tag / f"{s:03d}.parquet", tmp_path / tag / f"{s:03d}.rej.parquet"
+            decontaminate(p, out, rej, settings=settings, dataset="own", signatures_path=sig, earlier={"own": sigs})
+            rejected += pq.read_table(rej).to_pylist()
+            kept += pq.read_table(out).to_pylist()
+        return sorted(r["source_row"] for r in kept), rejected
+
+    on = DecontaminateSettings.defaults(near_duplicates={"enabled": True, "within_dataset": True})
+    kept, rejected = shard_run(on, "on")
+    assert kept == [0, 1, 2, 3] and sorted(r["source_row"] for r in rejected) == [4, 5]
+    by_row = {r["source_row"]: r for r in rejected}
+    ids = {json.loads(r["messages"])[0]["content"]: r["sample_id"] for p in outs for r in pq.read_table(p).to_pylist()}
+    assert by_row[4]["detail"].startswith(f"near-duplicate of own/{ids[LONG]} (estimated Jaccard ")
+    assert by_row[5]["detail"].startswith(f"near-duplicate of own/{ids[OTHER + ' Please.']} (")
+    assert on.params()["near_duplicates"]["within_dataset"] is True
+    off = DecontaminateSettings.defaults(near_duplicates={"enabled": True})
+    assert shard_run(off, "off") == ([0, 1, 2, 3, 4, 5], []) and "within_dataset" not in off.params()["near_duplicates"]

@@ -615,3 +615,64 @@ def test_python_draw_equals_the_sql_one():
     for seed, sid in ((0, "x"), (7, "conv@12"), ("s", "a@b"), (3, "ünï@0")):
         assert merge_mod.heldout_draw(seed, sid) == heldout_draw(seed, sid)
     assert merge_mod.base_id("a@3") == "a" and merge_mod.base_id("a@b") == "a@b" and merge_mod.base_id("a@3x") == "a@3x"
+
+
+def test_copies_of_a_prompt_under_other_ids_and_in_other_datasets_fall_on_the_same_side(tmp_path):
+    """The held-out draw goes by the prompt's normalized text (its prompt_key), not the sample id: 60 prompts, each
+    copied under another id in the same dataset and, with other case and punctuation, in a second dataset; every
+    copy lands where the first does, though a draw per id would split about half of the groups."""
+    from eagle3_data.normalize import prompt_key
+
+    base = make_rows(180, ["a"], seed=21)
+    rows, prompts = [], {"a": [], "b": []}
+    for i in range(60):
+        text = f"Question {i}: what is the value of x, given y = {i}?"
+        variants = [("a", f"a-{i}", text), ("a", f"a-copy-{i}", text), ("b", f"b-{i}", text.upper().replace(",", ""))]
+        for j, (ds, sid, t) in enumerate(variants):
+            r = base[3 * i + j]
+            rows.append(dict(r, dataset=ds, sample_id=sid))
+            key = prompt_key([{"role": "user", "content": t}])
+            prompts[ds].append(
+                {"sample_id": sid, "dataset": ds, "messages": json.dumps([{"role": "user", "content": t}])}
+            )
+            prompts[ds][-1].update(source_format="test", source_row=len(prompts[ds]) - 1, prompt_key=key)
+    assert (
+        len({prompt_key([{"role": "user", "content": json.loads(p["messages"])[0]["content"]}]) for p in prompts["b"]})
+        == 60
+    )
+    prompt_paths = []
+    for ds, part in prompts.items():
+        p = tmp_path / "prompts" / f"{ds}.parquet"
+        schemas.write_checked(schemas.from_rows(part, schemas.PROMPTS), "prompts", p)
+        prompt_paths.append(p)
+    held_path = tmp_path / "m" / "heldout.parquet"
+    merge(
+        write_inputs(tmp_path, rows, 2),
+        [tmp_path / "m" / "000.parquet"],
+        tmp_path / "m.json",
+        heldout_path=held_path,
+        prompt_paths=prompt_paths,
+        settings=MergeSettings.defaults(max_len=100, heldout=0.4, seed=3),
+    )
+    held = {r["sample_id"] for r in pq.read_table(held_path).to_pylist()}
+    train = {r["sample_id"] for r in pq.read_table(tmp_path / "m" / "000.parquet").to_pylist()}
+    assert len(held) + len(train) == 180
+    groups = [{f"a-{i}", f"a-copy-{i}", f"b-{i}"} for i in range(60)]
+    assert all(g <= held or g <= train for g in groups)
+    assert 10 < sum(g <= held for g in groups) < 40
+    # the draw is the documented one, of the prompt key
+    from eagle3_data.merge import stage as merge_mod
+
+    for i in range(60):
+        key = prompt_key([{"role": "user", "content": f"question {i} what is the value of x given y {i}"}])
+        assert (f"a-{i}" in held) == (merge_mod.heldout_draw(3, f"a-{i}", key) < 0.4)
+    # drawn per sample id (no prompts given), copies straddle the split
+    merge(
+        write_inputs(tmp_path, rows, 2, tag="again"),
+        [tmp_path / "n" / "000.parquet"],
+        tmp_path / "n.json",
+        heldout_path=tmp_path / "n" / "heldout.parquet",
+        settings=MergeSettings.defaults(max_len=100, heldout=0.4, seed=3),
+    )
+    held_by_id = {r["sample_id"] for r in pq.read_table(tmp_path / "n" / "heldout.parquet").to_pylist()}
+    assert sum(not (g <= held_by_id or not g & held_by_id) for g in groups) > 10

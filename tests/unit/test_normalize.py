@@ -244,8 +244,8 @@ def test_wrong_format_fails_fast_and_late_breakage_is_rejected(tmp_path):
     arr.write_text(json.dumps([[1, 2]]))
     with pytest.raises(SourceFormatError, match=r"arr\.json record 0: expected a ShareGPT record.*got a list"):
         run(tmp_path, arr, "sharegpt")
-    good = [sg(i, [H("q"), G("a")]) for i in range(12)]
-    late = write_jsonl(tmp_path / "late.jsonl", good + [{"messages": []}, sg(99, [H("q")])])
+    good = [sg(i, [H(f"q{i}"), G("a")]) for i in range(12)]
+    late = write_jsonl(tmp_path / "late.jsonl", good + [{"messages": []}, sg(99, [H("q99")])])
     counts, tables, rejects = run(tmp_path, late, "sharegpt")
     assert counts["rejected"] == {"malformed_record": 1} and counts["kept"] == 13
     assert rejects[0]["source_row"] == 12 and rejects[0]["detail"].startswith("line 13: got keys ['messages']")
@@ -349,3 +349,34 @@ def test_bundled_sharegpt_specifics(tmp_path):
     assert any(m[0]["role"] == "system" for m in rows.values())
     assert any(m[-1]["role"] == "user" for m in rows.values())  # a prompt-only row
     assert len(json.loads((SAMPLES / "sharegpt.json").read_text())) == 40
+
+
+def test_a_prompt_repeated_under_another_id_is_a_named_reject_unless_kept(tmp_path):
+    """duplicate_prompts: drop (the default) rejects a later row whose system, user and tool messages and tools
+    equal an earlier row's (its answers may differ), naming the first; keep keeps it. The prompt_key column is
+    the normalized user text's key: equal for the copies, and for a copy with other case and punctuation."""
+    S = lambda v: {"from": "system", "value": v}  # noqa: E731
+    recs = [
+        sg(0, [H("What is 2+2?"), G("4")]),
+        sg(1, [H("Name a prime."), G("7")]),
+        sg(2, [H("What is 2+2?"), G("four")]),  # the same prompt, another answer: duplicate_prompt
+        sg(3, [H("what is 2 + 2"), G("4")]),  # other case and punctuation: not exact, kept, same prompt_key
+        sg(4, [S("Be brief."), H("What is 2+2?"), G("4")]),  # another system prompt: not the same prompt
+    ]
+    src = write_jsonl(tmp_path / "dups.jsonl", recs)
+    counts, tables, rejects = run(tmp_path, src, "sharegpt", shards=1)
+    assert counts["rejected"] == {"duplicate_prompt": 1} and counts["kept"] == 4
+    assert rejects == [
+        {
+            "sample_id": "id2_0",
+            "dataset": "ds",
+            "stage": "normalize",
+            "reason": "duplicate_prompt",
+            "detail": "line 3: the same prompt as 'id0_0' (source row 0), an earlier row",
+            "source_row": 2,
+        }
+    ]
+    keys = {r["sample_id"]: r["prompt_key"] for r in tables[0].to_pylist()}
+    assert keys["id0_0"] == keys["id3_0"] == keys["id4_0"] != keys["id1_0"] and len(keys["id0_0"]) == 16
+    counts, tables, rejects = run(tmp_path, src, "sharegpt", shards=1, duplicate_prompts="keep")
+    assert counts["rejected"] == {} and counts["kept"] == 5 and rejects == []

@@ -176,6 +176,10 @@ def _check_draft_quality(out: dict) -> None:
     regen = {k: v for k, v in out["target_argmax_agreement_heldout"].items() if k.endswith("_regen")}
     assert regen and all(v["share"] >= 0.9 and v["positions"] > 0 for v in regen.values()), regen
     assert sizes["train_samples"]["regenerated"] > 0 and sizes["train_samples"]["original"] > 0
+    # the held-out split goes by prompt text: no normalized prompt is both trained on and held out
+    split = sizes["heldout_split"]
+    assert split["shared"] == 0 and split["example"] is None and out["targets"]["heldout_split_met"]
+    assert split["heldout_prompts"] > 0 and split["training_prompts"] > split["heldout_prompts"]
     assert out["seeds"]["training"] == [0, 1] and out["seeds"]["measured"] == [0]
     # the FP8 drafter reads the same batches through hs-connectors' FP8 backend; the original drafter gets as many
     # supervised tokens (its steps the fewest that reach them)

@@ -210,6 +210,17 @@ def test_heldout_split_reruns_merge_and_exports_and_forwards_nothing(scratch):
     assert len(held) == man["heldout"]["samples"] > 0 and len(train) == man["totals"]["samples"]
     assert not {key(r) for r in held} & {key(r) for r in train}
     assert len(held) + len(train) == man0["totals"]["samples"]  # the same kept rows, split (the demo has no cap)
+    # drawn by prompt text: no held-out row's prompt_key (its normalized user text) is a training row's, and the
+    # manifest states that rule
+    keys = {
+        (r["dataset"], r["sample_id"]): r["prompt_key"]
+        for p in scratch.glob("results/*/prompts/*.parquet")
+        for r in pq.read_table(p, columns=["dataset", "sample_id", "prompt_key"]).to_pylist()
+    }
+    prompt_of = lambda r: keys.get((r["dataset"], re.sub(r"@[0-9]+$", "", r["sample_id"])))  # noqa: E731
+    held_keys, train_keys = {prompt_of(r) for r in held} - {None}, {prompt_of(r) for r in train} - {None}
+    assert held_keys and train_keys and not held_keys & train_keys
+    assert "prompt_key" in man["heldout"]["rule"]
     assert man["selections"] == man0["selections"]  # same digests: nothing to extract
     # exports: the training directory holds the training set only; the held-out one beside it, from index 0
     spec = sorted((scratch / "results/export/specforge").rglob("data_*.ckpt"))

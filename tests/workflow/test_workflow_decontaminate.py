@@ -174,6 +174,11 @@ def test_changing_the_benchmark_list_reruns_decontaminate_and_below_only(decon):
     # the threshold of near-duplicates: decontaminate again, the signatures are kept
     (decon / "thr.yaml").write_text("decontaminate:\n  near_duplicates: {threshold: 0.9}\n")
     assert "minhash" not in _dry(decon, *base, "thr.yaml") and _dry(decon, *base, "thr.yaml")["decontaminate"] == 6
+    # near-duplicates within each dataset too: decontaminate again (each shard reads its own dataset's signatures
+    # besides the earlier datasets'), the signatures are kept, normalize is not rerun
+    (decon / "within.yaml").write_text("decontaminate:\n  near_duplicates: {within_dataset: true}\n")
+    jobs = _dry(decon, *base, "within.yaml")
+    assert jobs["decontaminate"] == 6 and "minhash" not in jobs and not [j for j in jobs if "normalize" in j], jobs
     # the n-gram size of a rule that is off (no benchmark listed) reruns nothing
     (decon / "off.yaml").write_text("decontaminate:\n  benchmarks: []\n  ngram: 8\n")
     (decon / "off_base.yaml").write_text("decontaminate:\n  benchmarks: []\n")

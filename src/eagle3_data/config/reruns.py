@@ -130,6 +130,7 @@ RERUNS: list[tuple[str, str]] = [
     ("datasets.<name>.source.options", _DS_CHAIN),
     ("datasets.<name>.source.max_reject_rate", NOTHING),
     ("datasets.<name>.source.on_error", _DS_CHAIN),
+    ("datasets.<name>.source.duplicate_prompts", _DS_CHAIN),
     ("datasets.<name>.shards", _DS_CHAIN + " (every selection of the dataset is new: its states are recomputed)"),
     (
         "datasets.<name>.answers",
@@ -167,7 +168,12 @@ RERUNS: list[tuple[str, str]] = [
     ("decontaminate.near_duplicates.num_perm", "minhash, then as decontaminate.near_duplicates.threshold"),
     ("decontaminate.near_duplicates.shingle", "as decontaminate.near_duplicates.num_perm"),
     ("decontaminate.near_duplicates.seed", "as decontaminate.near_duplicates.num_perm"),
+    ("decontaminate.near_duplicates.within_dataset", "as decontaminate.near_duplicates.threshold"),
     ("normalize.max_reject_rate", NOTHING),
+    (
+        "normalize.duplicate_prompts",
+        "as datasets.<name>.source.duplicate_prompts, for every dataset that doesn't set its own",
+    ),
     ("validate.max_reject_rate", NOTHING),
     ("validate.count_tolerance.aggregate_rel", NOTHING),
     ("validate.keep_truncated", "validate of every shard, report, view, " + _BELOW_MERGE),

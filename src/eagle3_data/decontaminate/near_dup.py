@@ -1,4 +1,4 @@
-"""Near-duplicate prompts across datasets: MinHash signatures and an LSH index (``datasketch``).
+"""Near-duplicate prompts across datasets (and, optionally, within one): MinHash signatures and an LSH index (``datasketch``).
 
 A prompt's *shingles* are the distinct ``shingle``-word windows of its words (:func:`.overlap.words` of its user
 and system messages; a prompt with fewer words is one shingle of them all, a prompt with no word has no signature
@@ -73,17 +73,27 @@ class NearDuplicateFinder:
         #: own row index -> (dataset, sample_id, estimated Jaccard) of the first earlier prompt it nearly duplicates
         self.matches: dict[int, tuple[str, str, float]] = {}
 
-    def check(self, dataset: str, rows: Iterable[tuple[str, np.ndarray | None]]) -> int:
+    def check(
+        self,
+        dataset: str,
+        rows: Iterable[tuple[str, np.ndarray | None]],
+        before: Sequence[int] | None = None,
+        positions: Iterable[int] | None = None,
+    ) -> int:
         """Look up each earlier prompt ``(sample_id, signature)`` of ``dataset`` (in the stated order); returns
-        how many of the shard's prompts it newly matched."""
+        how many of the shard's prompts it newly matched. Within the shard's own dataset, ``positions`` gives each
+        row's place (its source row) and ``before`` each of the shard's prompts' own: a prompt matches only a row
+        placed before it."""
         if len(self.matches) == self.indexed:  # nothing (left) to match
             return 0
         found = 0
+        places = iter(positions) if positions is not None else None
         for sid, sig in rows:
+            place = next(places) if places is not None else None
             if sig is None:
                 continue
             for i in self.lsh.query(self._lean(seed=self.seed, hashvalues=sig)):
-                if i in self.matches:
+                if i in self.matches or (before is not None and not place < before[i]):
                     continue
                 j = jaccard(self.own[i], sig)
                 if j >= self.threshold:

@@ -9,7 +9,7 @@ Rejects (REJECTS rows, ``source_row`` kept):
 - ``benchmark_overlap``: :class:`.overlap.OverlapIndex` matched a benchmark item; detail ``<benchmark> <item id>
   (<rule>[: N shared])``, e.g. ``humaneval HumanEval/0 (13-gram: 41 shared)``;
 - ``near_duplicate``: the prompt nearly duplicates (:mod:`.near_dup`) a prompt of a dataset listed before its own
-  in the config (pre-tokenized datasets have no prompts and take no part; another ``answers`` mode of the same
+  in the config (with ``near_duplicates.within_dataset``, or of an earlier source row of its own dataset) (pre-tokenized datasets have no prompts and take no part; another ``answers`` mode of the same
   source, :func:`eagle3_data.config.lookup.two_modes_of_one_source`, is not compared); the first such prompt in that order
   (datasets in config order, then source row) is named: detail ``near-duplicate of <dataset>/<sample_id>
   (estimated Jaccard 0.93 >= 0.8)``. The prompt it duplicates is kept by this rule whatever becomes of it later,
@@ -87,16 +87,43 @@ def minhash(prompts_path, out_path, *, settings: "DecontaminateSettings", log_: 
     return summary
 
 
-def _signature_rows(paths: Sequence) -> list[tuple[str, np.ndarray | None]]:
-    """``(sample_id, signature)`` of every row of the signature files ``paths``, in source-row order."""
+def _signature_rows(paths: Sequence, with_rows: bool = False) -> list:
+    """``(sample_id, signature)`` of every row of the signature files ``paths``, in source-row order (with
+    ``with_rows``: ``(rows, source rows)``)."""
     parts = [pq.read_table(p) for p in paths]
     if not parts:
-        return []
+        return ([], []) if with_rows else []
     t = pa.concat_tables(parts)
-    order = np.argsort(np.asarray(t.column("source_row").to_numpy(zero_copy_only=False)), kind="stable")
+    src = np.asarray(t.column("source_row").to_numpy(zero_copy_only=False))
+    order = np.argsort(src, kind="stable")
     ids = t.column("sample_id").to_pylist()
     sigs = t.column("signature").to_pylist()
-    return [(ids[i], None if sigs[i] is None else np.asarray(sigs[i], dtype=np.uint32)) for i in order]
+    rows = [(ids[i], None if sigs[i] is None else np.asarray(sigs[i], dtype=np.uint32)) for i in order]
+    return (rows, [int(src[i]) for i in order]) if with_rows else rows
+
+
+def _near_duplicates(
+    nd: dict, dataset: str, ids: list, rows_src: list, signatures_path, earlier: Mapping[str, Sequence], prompts_path
+) -> NearDuplicateFinder:
+    """The shard's signatures (``signatures_path``, checked against the prompts' ``ids``) looked up in the earlier
+    datasets' (``earlier``, in order), then, with ``within_dataset``, in its own dataset's earlier source rows."""
+    own_table = pq.read_table(signatures_path)
+    if own_table.column("sample_id").to_pylist() != ids:
+        raise ValueError(
+            f"decontaminate: {signatures_path} is not the signature file of {prompts_path} "
+            "(other sample ids): rerun rule minhash"
+        )
+    sigs = [None if s is None else np.asarray(s, dtype=np.uint32) for s in own_table.column("signature").to_pylist()]
+    finder = NearDuplicateFinder(
+        sigs, threshold=float(nd["threshold"]), num_perm=int(nd["num_perm"]), seed=int(nd["seed"])
+    )
+    for ds, paths in earlier.items():
+        if ds != dataset:
+            finder.check(ds, _signature_rows(paths))
+    if dataset in earlier and nd.get("within_dataset"):  # its own rows last: only an earlier source row counts
+        rows, places = _signature_rows(earlier[dataset], with_rows=True)
+        finder.check(dataset, rows, before=rows_src, positions=places)
+    return finder
 
 
 def decontaminate(
@@ -116,7 +143,9 @@ def decontaminate(
     ``benchmark_files``: one file per ``settings.benchmarks`` entry, same order (the rule's inputs; default: each
     entry's :func:`.benchmarks.benchmark_path`). With ``settings.near_duplicates.enabled``: ``signatures_path`` is
     this shard's signature file (rule minhash) and ``earlier`` maps each dataset before ``dataset`` (config order,
-    in that order) to its signature files. Writes the kept rows to ``out_path`` (PROMPTS, same order) and the
+    in that order) to its signature files; with ``near_duplicates.within_dataset``, ``earlier`` also maps ``dataset``
+    itself to the signature files of its every shard (this one's included), and a prompt nearly duplicating one of
+    an earlier source row of its own dataset is rejected too. Writes the kept rows to ``out_path`` (PROMPTS, same order) and the
     rejects to ``rejects_path`` (REJECTS, stage ``decontaminate``), both checked and atomic. Returns ``{rows, kept,
     benchmark_overlap: {benchmark: n}, near_duplicate: {dataset: n}, seconds}``.
     """
@@ -152,18 +181,7 @@ def decontaminate(
 
     nd = settings.near_duplicates
     if nd.get("enabled") and earlier:
-        own_table = pq.read_table(signatures_path)
-        if own_table.column("sample_id").to_pylist() != ids:
-            raise ValueError(
-                f"decontaminate: {signatures_path} is not the signature file of {prompts_path} "
-                "(other sample ids): rerun rule minhash"
-            )
-        own = [None if s is None else np.asarray(s, dtype=np.uint32) for s in own_table.column("signature").to_pylist()]
-        finder = NearDuplicateFinder(
-            own, threshold=float(nd["threshold"]), num_perm=int(nd["num_perm"]), seed=int(nd["seed"])
-        )
-        for ds, paths in earlier.items():
-            finder.check(ds, _signature_rows(paths))
+        finder = _near_duplicates(nd, dataset, ids, rows_src, signatures_path, earlier, prompts_path)
         for i, (ds, sid, j) in sorted(finder.matches.items()):
             if i in reasons:
                 continue

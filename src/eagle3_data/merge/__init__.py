@@ -21,12 +21,14 @@ Determinism: a sample's place depends only on ``(seed, dataset, sample_id)`` (sh
 or order of the input files (only ``source`` names them).
 
 Held-out set (``merge.heldout`` = f in [0, 1), 0: off): among the rows that survive dedup, the supervision and
-the length rules, a row is held out when :func:`heldout_draw` of ``(seed, base_id)`` is below f, i.e.
-``int(md5(f"{seed}\\x1fheldout\\x1f{base_id}").hexdigest()[:8], 16) / 2**32 < f`` with ``base_id`` the
-``sample_id`` without a trailing ``@<turn>`` (:func:`base_id`; generation mode ``all`` writes one row per turn:
-a conversation's turns go together). The draw depends on nothing else: not the dataset (two datasets built from
-the same source, e.g. regenerated replies and the original answers, hold out the same prompts), not the other
-rows, the shard counts or the input files (adding data moves no sample in or out). Held-out rows are never in
+the length rules, a row is held out when :func:`heldout_draw` of ``(seed, key)`` is below f, i.e.
+``int(md5(f"{seed}\\x1fheldout\\x1f{key}").hexdigest()[:8], 16) / 2**32 < f`` with ``key`` the ``prompt_key`` of
+the row's prompt (:func:`eagle3_data.normalize.prompt_key`: its user text, case, punctuation and spacing ignored,
+read from the PROMPTS files), else (a pre-tokenized dataset) the ``sample_id`` without a trailing ``@<turn>``
+(:func:`base_id`; generation mode ``all`` writes one row per turn: a conversation's turns go together). The draw
+depends on nothing else: not the dataset or the id (copies of one prompt, in two datasets built from the same
+source or under other ids, fall on the same side), not the other rows, the shard counts or the input files
+(adding data moves no sample in or out). Held-out rows are never in
 the merged shards; they are written, in the same shuffle-key order, to their own MERGED file (``heldout_path``),
 and ``max_samples`` caps count training rows only. They stay in the selections (extraction covers both sets, and
 a change of f alone leaves every selection's digest as it was, unless a ``max_samples`` cap then admits other

@@ -4,6 +4,7 @@ set written and checked, and the manifest (the stage is described in :mod:`eagle
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import duckdb
+import pyarrow.parquet as pq
 
 from .. import sql
 from ..files import write_json
@@ -58,10 +60,13 @@ def base_id(sample_id: str) -> str:
     return _TURN.sub("", sample_id)
 
 
-def heldout_draw(seed, sample_id: str) -> float:
-    """The held-out draw of a row, in [0, 1): ``int(md5(f"{seed}\\x1fheldout\\x1f{base_id}")[:8], 16) / 2**32``
-    (``sql/merge_plan.sql`` computes the same). A row is held out when its draw is below ``merge.heldout``."""
-    digest = hashlib.md5(f"{seed}\x1fheldout\x1f{base_id(sample_id)}".encode()).hexdigest()
+def heldout_draw(seed, sample_id: str, prompt_key: str | None = None) -> float:
+    """The held-out draw of a row, in [0, 1): ``int(md5(f"{seed}\\x1fheldout\\x1f{key}")[:8], 16) / 2**32`` with
+    ``key`` the row's ``prompt_key`` (its PROMPTS row's: :func:`eagle3_data.normalize.prompt_key`, the normalized
+    user text), else (a pre-tokenized row, no prompts) its :func:`base_id` (``sql/merge_plan.sql`` computes the
+    same). A row is held out when its draw is below ``merge.heldout``."""
+    key = prompt_key if prompt_key is not None else base_id(sample_id)
+    digest = hashlib.md5(f"{seed}\x1fheldout\x1f{key}".encode()).hexdigest()
     return int(digest[:8], 16) / 2**32
 
 
@@ -96,6 +101,7 @@ def merge(
     selections=None,
     sources=None,
     heldout_path=None,
+    prompt_paths=(),
     resources: MergeResources | None = None,
     check: bool = True,
 ) -> dict:
@@ -125,6 +131,10 @@ def merge(
             and the manifest's ``selections`` keys.
         heldout_path: the held-out set's MERGED file (its rows in shuffle-key order; written empty when
             ``settings.heldout`` is 0), or ``None`` (then ``settings.heldout`` must be 0).
+        prompt_paths: PROMPTS parquet files (``schemas.PROMPTS``) of the merged datasets: the held-out draw of a row
+            goes by its prompt's ``prompt_key`` (:func:`heldout_draw`), so copies of one prompt text under other ids
+            or in other datasets fall on the same side; a row without one (none given, a pre-tokenized dataset) is
+            drawn by its :func:`base_id`.
         resources: the job's :class:`MergeResources` (DuckDB's memory, threads and spill directory, the batch size);
             ``None``: ``MergeResources()``, i.e. the settings' ``memory_mb`` and ``threads``.
         check: run :func:`check_merged_batch` (the MERGED contract, with arrow compute) on every batch of
@@ -139,6 +149,7 @@ def merge(
         schemas.SchemaError: a merged batch breaks the MERGED contract.
     """
     job = _job(validated_paths, out_paths, settings, selections, sources, heldout_path, resources or MergeResources())
+    job = dataclasses.replace(job, prompt_files=_paths(prompt_paths) if job.heldout else [])
     t0 = time.perf_counter()
     timing: dict = {}
     with contextlib.ExitStack() as stack:
@@ -177,6 +188,7 @@ class _Job:
     threads: int | None
     temp_dir: str | os.PathLike | None
     batch_rows: int
+    prompt_files: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def groups(self) -> list[str]:
@@ -285,12 +297,34 @@ def _connect(job: _Job, stack: contextlib.ExitStack) -> duckdb.DuckDBPyConnectio
     con.execute("SET VARIABLE overflow = ?::VARCHAR", [job.overflow])
     con.execute("SET VARIABLE seed = ?::VARCHAR", [str(job.seed)])
     con.execute("SET VARIABLE heldout = ?::DOUBLE", [job.heldout])
+    _prompt_keys(con, job.prompt_files)
     con.execute("CREATE TEMP TABLE merge_sources (filename VARCHAR, source VARCHAR, idx BIGINT)")
     con.executemany(
         "INSERT INTO merge_sources VALUES (?, ?, ?)",
         [[f, key, i] for i, (f, key) in enumerate(zip(job.files, job.keys))],
     )
     return con
+
+
+def _prompt_keys(con, files: list[str]) -> None:
+    """Table ``prompt_keys`` (dataset, sample_id, prompt_key) of the PROMPTS ``files``, the held-out draw's keys
+    (a file written before ``prompt_key`` existed gives none: its rows are drawn by base id, and a warning says to
+    rerun normalize)."""
+    con.execute("CREATE TEMP TABLE prompt_keys (dataset VARCHAR, sample_id VARCHAR, prompt_key VARCHAR)")
+    have = [f for f in files if "prompt_key" in pq.read_schema(f).names]
+    if len(have) < len(files):
+        log.warning(
+            "merge: %d PROMPTS file(s) without prompt_key (e.g. %s, written by an older normalize): their rows are "
+            "held out by sample id, not by prompt text; rerun normalize (snakemake --forcerun normalize) to fix",
+            len(files) - len(have),
+            next(f for f in files if f not in have),
+        )
+    if have:
+        con.execute(
+            "INSERT INTO prompt_keys SELECT dataset, sample_id, prompt_key FROM read_parquet(?) "
+            "WHERE prompt_key IS NOT NULL",
+            [have],
+        )
 
 
 def _plan(con, job: _Job, t0: float) -> tuple[dict, tuple[list, list, list]]:

@@ -21,9 +21,10 @@ from .keys import row_sums
 
 #: the held-out rule, as the manifest states it
 HELDOUT_RULE = (
-    "held out when int(md5(f'{seed}\\x1fheldout\\x1f{base_id}')[:8], 16) / 2**32 < heldout; base_id = "
-    "sample_id without a trailing @<turn>; decided among rows no dedup / supervision / length rule drops; "
-    "max_samples caps count training rows only"
+    "held out when int(md5(f'{seed}\\x1fheldout\\x1f{key}')[:8], 16) / 2**32 < heldout; key = the prompt_key "
+    "of the sample's prompt (its user text, case, punctuation and spacing ignored: copies of one prompt go "
+    "together), else (pre-tokenized) base_id = sample_id without a trailing @<turn>; decided among rows no "
+    "dedup / supervision / length rule drops; max_samples caps count training rows only"
 )
 #: MERGED columns written with dictionary encoding (every one but the token ids)
 DICT_COLUMNS = [n for n in schemas.MERGED.names if n != "input_ids"]

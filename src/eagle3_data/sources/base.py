@@ -27,6 +27,9 @@ REJECT_REASONS: dict[str, str] = {
     "no_user_turn": "no user message at all (e.g. a trajectory holding only its system element)",
     "empty_user_message": "a user message whose text is empty or whitespace",
     "duplicate_id": "the sample_id was already taken by an earlier row of the same source (later row rejected)",
+    "duplicate_prompt": "the same prompt (system, user and tool messages and tools; the assistant turns are not "
+    "compared) as an earlier row of the same source, under another id (later row rejected; "
+    "datasets.<name>.source.duplicate_prompts: keep keeps it)",
     "malformed_tools": "the `tools` field is not a list of tool definitions (or JSON text of one)",
     "malformed_tool_arguments": "a tool call's arguments are neither JSON nor a Python literal of an object "
     "(glaive `<functioncall>`)",

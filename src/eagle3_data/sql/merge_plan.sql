@@ -8,6 +8,8 @@
 --   SET VARIABLE max_len = 2048;  SET VARIABLE overflow = 'truncate';  -- or 'drop'
 --   SET VARIABLE seed = '0';      SET VARIABLE num_shards = 2;
 --   SET VARIABLE heldout = 0.0::DOUBLE;                        -- held-out share (0: off)
+--   CREATE TEMP TABLE prompt_keys AS SELECT dataset, sample_id, prompt_key  -- the held-out draw's keys
+--       FROM read_parquet(['results/ds_a/prompts/000.parquet', 'results/ds_b/prompts/000.parquet']);
 --   .read src/eagle3_data/sql/merge_row_keys.sql              -- merge_row_keys (merge_row_keys.py: numpy, same values)
 --   .read src/eagle3_data/sql/merge_plan.sql
 --   SELECT shard, count(*), sum(out_tokens) FROM merge_plan WHERE drop_reason IS NULL GROUP BY ALL ORDER BY 1;
@@ -22,11 +24,13 @@
 --                                   above drops whose draw is below the share (see Held-out below)
 --   over_max_samples                beyond the dataset's cap, counted in the seeded shuffle order among the
 --                                   training rows only (held-out rows are neither counted nor capped)
--- Held-out: heldout_draw = the first 8 hex digits of md5(seed || chr(31) || 'heldout' || chr(31) || base_id) as
--- an integer, base_id = sample_id without a trailing '@<turn>' (generation mode `all`: every turn of a
--- conversation goes the same way); a row is held out when heldout_draw / 2^32 < heldout. The draw depends on
--- (seed, base_id) only: not on the dataset (two datasets built from one source hold out the same prompts), the
--- other rows or the shard counts (adding data moves no sample in or out). Off (heldout = 0): no row, no md5.
+-- Held-out: heldout_draw = the first 8 hex digits of md5(seed || chr(31) || 'heldout' || chr(31) || key) as
+-- an integer, key = the prompt_key of the row's prompt (table prompt_keys: dataset, sample_id, prompt_key of the
+-- PROMPTS files; the normalized user text, so copies of one prompt under other ids or in other datasets go the
+-- same way), else (pre-tokenized rows) base_id; base_id = sample_id without a trailing '@<turn>' (generation mode
+-- `all`: every turn of a conversation goes the same way); a row is held out when heldout_draw / 2^32 < heldout.
+-- The draw depends on (seed, key) only: not on the dataset, the other rows or the shard counts (adding data moves
+-- no sample in or out). Off (heldout = 0): no row, no md5.
 -- Shuffle: rows are ordered by shuffle_key = md5(seed, dataset, sample_id), which depends only on the
 -- sample, never on how many input files there are or their order. Shards are contiguous ranges of that
 -- order over the training rows; a row goes to shard floor(tokens_before_it * num_shards / total_tokens), so
@@ -43,7 +47,7 @@ SELECT
     md5(getvariable('seed')::VARCHAR || chr(31) || v.dataset || chr(31) || v.sample_id) AS shuffle_key,
     CASE WHEN getvariable('heldout') > 0 THEN
         ('0x' || substr(md5(getvariable('seed')::VARCHAR || chr(31) || 'heldout' || chr(31)
-                            || regexp_replace(v.sample_id, '@[0-9]+$', '')), 1, 8))::UBIGINT
+                            || coalesce(p.prompt_key, regexp_replace(v.sample_id, '@[0-9]+$', ''))), 1, 8))::UBIGINT
     END AS heldout_draw,
     k.content_key,
     k.mask_key,
@@ -52,6 +56,7 @@ SELECT
     k.num_supervised_cut
 FROM read_parquet(getvariable('validated_files'), filename = true, file_row_number = true) AS v
 JOIN merge_row_keys AS k ON k.filename = v.filename AND k.file_row_number = v.file_row_number
+LEFT JOIN prompt_keys AS p ON p.dataset = v.dataset AND p.sample_id = regexp_replace(v.sample_id, '@[0-9]+$', '')
 WHERE getvariable('datasets') IS NULL OR list_contains(getvariable('datasets'), v.dataset);
 
 CREATE OR REPLACE TEMP TABLE merge_plan AS

@@ -23,6 +23,7 @@ _RUNNING = None
 
 __all__ = [
     "samples_table",
+    "shared_prompts",
     "supervised_counts",
     "target_agreement",
     "pack",
@@ -44,6 +45,45 @@ def samples_table(data_dir: Path) -> list[dict]:
     parts = sorted(Path(data_dir).glob("samples_*.parquet"))
     t = pa.concat_tables([pq.read_table(p, columns=["index", "sample_id", "dataset", "seq_len"]) for p in parts])
     return sorted(t.to_pylist(), key=lambda r: r["index"])
+
+
+def shared_prompts(work: Path, train_rows: list[dict], held_rows: list[dict]) -> dict:
+    """The held-out split against training by prompt text: each row's user texts (its dataset's
+    ``results/<ds>/prompts/*.parquet`` row, by sample id less a trailing ``@<turn>``), case, punctuation and
+    spacing ignored (:func:`eagle3_data.decontaminate.overlap.normalized`). Returns ``{"training_prompts",
+    "heldout_prompts", "shared", "example"}``: distinct normalized prompts on each side, how many are on both,
+    one of them (None when none). A row whose prompt can't be found raises ``SystemExit``."""
+    import json
+    import re
+
+    import pyarrow.parquet as pq
+
+    from eagle3_data.decontaminate.overlap import normalized
+
+    texts: dict[tuple[str, str], str] = {}
+    for ds in {r["dataset"] for r in train_rows + held_rows}:
+        for p in sorted((Path(work) / "results" / ds / "prompts").glob("*.parquet")):
+            for r in pq.read_table(p, columns=["sample_id", "messages"]).to_pylist():
+                users = [m["content"] for m in json.loads(r["messages"]) if m.get("role") == "user"]
+                texts[ds, r["sample_id"]] = "\n".join(normalized(t) for t in users)
+
+    def side(rows: list[dict]) -> set[str]:
+        out = set()
+        for r in rows:
+            key = (r["dataset"], re.sub(r"@[0-9]+$", "", r["sample_id"]))
+            if key not in texts:
+                raise SystemExit(f"no prompt found for {key[0]}/{key[1]} under {work}/results/{key[0]}/prompts/")
+            out.add(texts[key])
+        return out
+
+    train, held = side(train_rows), side(held_rows)
+    both = sorted(train & held)
+    return {
+        "training_prompts": len(train),
+        "heldout_prompts": len(held),
+        "shared": len(both),
+        "example": both[0][:200] if both else None,
+    }
 
 
 def supervised_counts(data_dir: Path, max_len: int) -> list[int]:
