@@ -99,7 +99,7 @@ MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
 EXPORT = ExportSettings.from_config(config)
 EXPORT_LAYOUTS = EXPORT.layouts
-from eagle3_data.export import LAYOUTS, SPECULATORS_DATASET_FILES, SPECULATORS_LAYOUTS
+from eagle3_data.export import INPLACE_LAYOUTS, LAYOUTS, SPECULATORS_DATASET_FILES, SPECULATORS_LAYOUTS
 
 EXPORT_LAYOUT_PATTERN = "|".join(LAYOUTS)
 SPECULATORS_LAYOUT_PATTERN = "|".join(SPECULATORS_LAYOUTS)

@@ -1,5 +1,6 @@
 # Export: one merged shard (the shuffled order) -> the per-sample files a trainer reads (SpecForge EAGLE-3, DFlash
 # and DSpark data_{i}.ckpt, speculators hs_{i}.safetensors in the extract dtype or FP8, Model-Optimizer {i}.pt;
+# speculators_inplace: no states copied, speculators reads results/hidden_states/ through this package's backend;
 # eagle3_data.export.CONTRACTS), named by the sample's global index in the merged set and read from the
 # hidden-states files of the selections the shard's rows came from. The per-shard JSON (written last) is the rule's
 # output; the sample files go to results/export/<layout>/. No extract setting is a param: the states files are
@@ -10,7 +11,8 @@ rule export:
     input:
         merged="results/merged/{k}.parquet",
         manifest="results/merged/manifest.json",
-        states=states_files(MERGE_DATASETS),
+        # an in-place layout reads no states: it is written before extraction ends (eagle3_data.export.inplace)
+        states=lambda wc: [] if wc.layout in INPLACE_LAYOUTS else states_files(MERGE_DATASETS),
         provenance=rules.provenance.output.table,  # speculators' side table: each sample's provenance
     output:
         "results/export/{layout}/{k}.json",
@@ -36,7 +38,7 @@ rule export_heldout:
     input:
         merged=HELDOUT_MERGED,
         manifest="results/merged/manifest.json",
-        states=states_files(MERGE_DATASETS),
+        states=lambda wc: [] if wc.layout in INPLACE_LAYOUTS else states_files(MERGE_DATASETS),
         provenance=rules.provenance.output.table,
     output:
         "results/export/heldout/{layout}.json",

@@ -116,7 +116,6 @@ def _sql_selections(files, keys, settings, k):
     con.executemany(
         "INSERT INTO merge_sources VALUES (?, ?, ?)", [[f, s, i] for i, (f, s) in enumerate(zip(files, keys))]
     )
-    con.execute("CREATE TEMP TABLE prompt_keys (dataset VARCHAR, sample_id VARCHAR, prompt_key VARCHAR)")
     con.execute(sql.load("merge_row_keys"))
     con.execute(sql.load("merge_plan"))
     rows = con.sql(sql.load("merge_selection_rows")).to_arrow_table().to_pylist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import random
 
 import numpy as np
@@ -350,7 +351,7 @@ def test_plan_checks_the_sink(tmp_path, monkeypatch):
         export_layouts=["specforge", "speculators_fp8", "specforge_dspark"],
     )
     Usage = type(sh.disk_usage(tmp_path))
-    monkeypatch.setattr(pl.shutil, "disk_usage", lambda p: Usage(10**13, 10**13 - 10**11, 10**11))  # 100 GB free
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**13, 10**13 - 10**11, 10**11))  # 100 GB free
     p = pl.build_plan(man, [], settings=settings, states_dir=states, export_dir=exports)
     assert p["layers"] == [1, 15, 28, 8, 22, 29] and p["drafter_layers"]["dspark"] == [1, 8, 15, 22, 29]
     U = 6
@@ -381,7 +382,25 @@ def test_plan_checks_the_sink(tmp_path, monkeypatch):
     )
     md = pl.render_markdown(p)
     assert md.index("## Warnings") < md.index("## Bytes per token") < md.index("## Exports") < md.index("## Disk")
-    assert "| speculators_fp8 | **yes** | 16,396 B |" in md and "| modelopt | no | 32,784 B |" in md
+    assert "| speculators_fp8 | copied | **yes** | 16,396 B |" in md and "| modelopt | copied | no | 32,784 B |" in md
+    assert "| speculators_inplace | in place (sample table only) | no | 16 B |" in md
+    # without the copies: the states alone (no in-place layout requested here)
+    assert p["totals"]["bytes_without_copies"] == pytest.approx(want["states"]) and p["exports"]["in_place"] == []
+    assert f"without the copies (the states and the in-place sample tables): {format_bytes(want['states'])}" in md
+    # speculators read in place instead of copied: its sample table's 16 bytes a token, not 16,396
+    inplace = pl.build_plan(
+        man,
+        [],
+        settings=settings.replace(export_layouts=["specforge", "speculators_inplace"]),
+        states_dir=states,
+        export_dir=exports,
+    )
+    assert inplace["exports"]["in_place"] == ["speculators_inplace"]
+    assert inplace["exports"]["bytes"]["speculators_inplace"] == 10_000_000 * 16
+    assert inplace["totals"]["bytes_without_copies"] == pytest.approx(want["states"] + 10_000_000 * 16)
+    assert inplace["totals"]["bytes_with_exports"] == pytest.approx(
+        want["states"] + want["specforge"] + 10_000_000 * 16
+    )
     assert "0.88 GB/s per GPU in bf16 (32,773 B/token), 0.44 GB/s with" in md
     assert "[2 warnings]" in pl.summary_line(p, "plan.md")
 

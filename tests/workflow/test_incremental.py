@@ -94,18 +94,20 @@ def test_retrying_one_failed_request_forwards_only_that_sample(scratch):
 def test_new_dataset_forwards_only_its_tokens(scratch):
     cfg = yaml.safe_load((scratch / "config.yaml").read_text())
     before_states, before_sum = states(scratch), summaries(scratch)
+    # prompts no other dataset holds (a copy of ultrachat_demo's would reuse its replies, found by what was asked,
+    # and merge would drop the identical rows as duplicates)
     args = _overrides(
         scratch,
-        "datasets:\n  ultrachat_more:\n    source: {format: ultrachat, path: "
-        "resources/samples/ultrachat.jsonl, max_samples: 5}\n    shards: 1\n",
+        "datasets:\n  math_more:\n    source: {format: instruction_response, path: "
+        "resources/samples/math_word_problems.jsonl, max_samples: 5}\n    shards: 1\n",
     )
     run_snakemake(scratch, "--cores", "2", *args)
     after_states, after_sum = states(scratch), summaries(scratch)
-    assert rerun_jobs(before_sum, after_sum) == {"ultrachat_more/000"}
+    assert rerun_jobs(before_sum, after_sum) == {"math_more/000"}
     for k, v in before_states.items():
         assert after_states[k] == v, f"{k} was rewritten"  # same bytes, same mtime
-    s = after_sum["ultrachat_more/000"]
-    assert s["forwarded_tokens"] == sum(selection_tokens(scratch, "ultrachat_more/000").values()) > 0
+    s = after_sum["math_more/000"]
+    assert s["forwarded_tokens"] == sum(selection_tokens(scratch, "math_more/000").values()) > 0
     assert s["reused_tokens"] == 0
     assert len(cfg["datasets"]) + 1 == len({k.split("/")[0] for k in after_states})
     # the exports follow the new shuffled order and hold every kept sample

@@ -305,15 +305,21 @@ def speculators_model(real_target, t2d=None, d2t=None, draft_vocab_size=None) ->
     )
 
 
-def check_speculators(out_dir: Path, rows, loaded, target_path, max_len: int = 4096) -> int:
-    """What speculators 0.9.0 reads from ``out_dir`` (a data path as it trains on it), checked against ``rows``
-    and the target. Returns the number of samples read."""
+def check_speculators(out_dir: Path, rows, loaded, target_path, max_len: int = 4096, transfer=None) -> int:
+    """What speculators 0.9.0 reads from ``out_dir`` (a data path as it trains on it; through ``transfer``, else
+    its own ``FileTransfer``), checked against ``rows`` and the target. Returns the number of samples read."""
     model, decoder = loaded
     H = model.config.hidden_size
     # speculators/models/utils.py:111: default target layers [2, L//2, L-3], indices of the target's hidden_states
     # (index i = the output of layer i - 1): the outputs of layers [1, L//2 - 1, L - 4], the build's default
     layers = resolve_target_layer_ids(None, str(target_path))
-    ds = ArrowDataset(max_len=max_len, datapath=str(out_dir), on_missing="raise", hidden_states_dtype=torch.float32)
+    ds = ArrowDataset(
+        max_len=max_len,
+        datapath=str(out_dir),
+        transfer=transfer,
+        on_missing="raise",
+        hidden_states_dtype=torch.float32,
+    )
     assert len(ds) == len(rows)
     for i, r in enumerate(rows):
         item = ds[i]
@@ -530,10 +536,16 @@ def test_speculators_reads_the_export_and_trains_a_step(exports, rows, loaded, r
     d2t, t2d = build_vocab_mappings_from_distribution(freq, D, V)
     ours = draft_vocab_maps(list(freq), list(freq.values()), D, V)
     assert torch.equal(d2t, ours["d2t"]) and torch.equal(t2d, ours["t2d"])
-    # one packed batch through speculators' collate (with its EAGLE-3 shift) and Eagle3DraftModel
+    loss, draft = _speculators_step(exports["speculators"], rows, loaded, real_target, t2d, d2t, D)
+    assert draft.fc.weight.grad.abs().sum() > 0 and loss.item() > 0
+
+
+def _speculators_step(data_dir, rows, loaded, real_target, t2d, d2t, D, transfer=None):
+    """One packed batch of every sample of ``data_dir`` through speculators' collate (with its EAGLE-3 shift) and a
+    seeded Eagle3DraftModel: its loss, backward done (returns the loss and the draft)."""
     H = loaded[0].config.hidden_size
     ds = ArrowDataset(
-        max_len=4096, datapath=str(exports["speculators"]), on_missing="raise", hidden_states_dtype=torch.float32
+        max_len=4096, datapath=str(data_dir), transfer=transfer, on_missing="raise", hidden_states_dtype=torch.float32
     )
     total = sum(r["num_tokens"] - 1 for r in rows)
     batch = CollateFn(total, H, 3, torch.float32, preprocess=shift_batch)([ds[i] for i in range(len(ds))])
@@ -560,6 +572,95 @@ def test_speculators_reads_the_export_and_trains_a_step(exports, rows, loaded, r
     assert draft.fc.weight.grad.abs().sum() > 0
     # step-0 accuracy counts only supervised positions (speculators/models/eagle3/metrics.py)
     assert metrics["full_acc_0_total"].item() == int(batch["loss_mask"].sum())
+    return loss, draft
+
+
+def test_speculators_reads_the_states_in_place_bit_for_bit_and_trains_the_same_step(exports, rows, loaded, real_target):
+    """speculators_inplace: no states copied (the data directory holds its sample table, the arrow dataset and
+    inplace.json); speculators' ArrowDataset reads through the eagle3_data backend (registered in hs_connectors by
+    name) the very tensors of the file export, and one training step gives the same loss and gradient."""
+    from types import SimpleNamespace
+
+    from hs_connectors import HiddenStatesBackend
+    from safetensors.torch import load_file
+
+    import eagle3_data.export.inplace  # noqa: F401  (registers the backend)
+
+    out = exports["speculators_inplace"]
+    assert not (out / "hidden_states").exists()
+    m = exports["speculators_inplace_manifest"]
+    assert m["num_written"] == 0 and m["files"] == [] and m["num_samples"] == len(rows)
+    copied = exports["speculators_manifest"]["bytes"]
+    assert 0 < m["bytes"] < copied / 20  # the side table only
+    transfer = HiddenStatesBackend.registry["eagle3_data"].from_train_args(SimpleNamespace(), str(out))
+    for i in range(len(rows)):
+        got, want = transfer.get_cached(i), load_file(exports["speculators"] / "hidden_states" / f"hs_{i}.safetensors")
+        assert set(got) == set(want)
+        assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want), i
+    assert check_speculators(out, rows, loaded, real_target, transfer=transfer) == len(rows)
+    freq = torch.load(out / "token_freq.pt", weights_only=True)
+    V, D = loaded[0].config.vocab_size, 64
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, D, V)
+    loss_file, draft_file = _speculators_step(exports["speculators"], rows, loaded, real_target, t2d, d2t, D)
+    loss_here, draft_here = _speculators_step(out, rows, loaded, real_target, t2d, d2t, D, transfer=transfer)
+    assert torch.equal(loss_file, loss_here) and torch.equal(draft_file.fc.weight.grad, draft_here.fc.weight.grad)
+
+
+def test_speculators_in_place_check_fails_on_a_wrong_order_norm_or_layer(exports, rows, loaded, real_target, tmp_path):
+    import json as js
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3_data.export.inplace import InPlaceTransfer
+
+    def variant(name, edit_table=None, edit_info=None):
+        d = tmp_path / name
+        shutil.copytree(exports["speculators_inplace"], d)
+        info = js.loads((d / "inplace.json").read_text())
+        info["states_dir"] = str(exports["states"])
+        if edit_info:
+            edit_info(info)
+        (d / "inplace.json").write_text(js.dumps(info))
+        if edit_table:
+            part = next(d.glob("samples_*.parquet"))
+            pq.write_table(edit_table(pq.read_table(part)), part)
+        return d
+
+    ok = variant("ok")
+    assert check_speculators(ok, rows, loaded, real_target, transfer=InPlaceTransfer(ok)) == len(rows)
+
+    def swap(t):  # two rows of one selection point at each other's states
+        ids, src = t.column("sample_id").to_pylist(), t.column("source").to_pylist()
+        a, b = next((a, b) for a in range(len(ids)) for b in range(a + 1, len(ids)) if src[a] == src[b])
+        ids[a], ids[b] = ids[b], ids[a]
+        return t.set_column(t.schema.get_field_index("sample_id"), "sample_id", pa.array(ids, pa.string()))
+
+    order = variant("order", edit_table=swap)
+    with pytest.raises((AssertionError, TypeError)):  # speculators' token check: SampleUnavailable, not a sample
+        check_speculators(order, rows, loaded, real_target, transfer=InPlaceTransfer(order))
+    norm = variant("norm", edit_info=lambda i: i.update(final="post"))
+    with pytest.raises(AssertionError):
+        check_speculators(norm, rows, loaded, real_target, transfer=InPlaceTransfer(norm))
+    # states of other layers (the decoder's first three): the aux states are not those speculators' config reads
+    other = tmp_path / "other_states"
+    for src in sorted({r["source"] for r in rows}):
+        part = [{k: v for k, v in r.items() if k != "prompt_len"} for r in rows if r["source"] == src]
+        sel = tmp_path / "sel" / f"{src}.parquet"
+        schemas.write_checked(schemas.from_rows(part, schemas.MERGED), "merged", sel)
+        ex.extract_states(
+            sel,
+            other / f"{src}.safetensors",
+            selection_digest=f"digest-{src}",
+            model=loaded,
+            settings=ExtractSettings.defaults(model_path=str(real_target), dtype="float32", layers=[0, 1, 2]),
+        )
+    layer = variant("layer", edit_info=lambda i: i.update(states_dir=str(other)))
+    with pytest.raises(AssertionError):
+        check_speculators(layer, rows, loaded, real_target, transfer=InPlaceTransfer(layer))
+    # a states file of another selection (being re-extracted) is not served: the sample is missing
+    stale = variant("stale", edit_info=lambda i: i["selections"].update({k: {"digest": "x"} for k in i["selections"]}))
+    assert InPlaceTransfer(stale).get_cached(0) is None
 
 
 def test_speculators_check_fails_on_broken_exports(exports, rows, loaded, real_target, tmp_path):
@@ -610,7 +711,9 @@ def test_one_extraction_serves_every_layout(exports, rows):
     """The issue's step: specforge and speculators (and the rest) from the same states, no second extraction."""
     for layout in exp.LAYOUTS:
         m = exports[f"{layout}_manifest"]
-        assert m["final_norm"] == "both" and m["num_samples"] == len(rows)
+        assert m["num_samples"] == len(rows)
+        # an in-place layout reads no states when exported (its trainer reads them): it names no norm
+        assert m["final_norm"] == ("both" if layout not in exp.INPLACE_LAYOUTS else [])
     assert exports["specforge_manifest"]["final_state"] == "post"
     assert exports["speculators_manifest"]["final_state"] == "pre"
 

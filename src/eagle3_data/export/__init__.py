@@ -5,6 +5,7 @@ from .layouts import (  # noqa: F401
     CONTRACTS,
     configured_layer_ids,
     FP8_MAX,
+    INPLACE_LAYOUTS,
     LAYOUTS,
     SPECULATORS_DATASET_FILES,
     SPECULATORS_LAYOUTS,

@@ -9,7 +9,8 @@ import numpy as np
 
 #: what each layout reads: ``drafters`` (the states must hold the layers of one of them: the first is the one
 #: named in errors), ``final`` (the final-state form: ``post`` | ``pre`` | None: none), ``files`` (``grouped``:
-#: ``rows_*/`` folders; ``speculators``: ``hidden_states/hs_{i}.safetensors`` and a data directory), ``ids``
+#: ``rows_*/`` folders; ``speculators``: ``hidden_states/hs_{i}.safetensors`` and a data directory; ``inplace``: a
+#: data directory whose states are read from the extracted files, :mod:`.inplace`), ``ids``
 #: (how the trainer's config numbers the target layers: ``layer``, the 0-based decoder layer whose output it reads,
 #: as SpecForge and Model-Optimizer do; ``hidden_states_index``, the index into the target's ``hidden_states``
 #: tuple, whose entry 0 is the embeddings: layer + 1, as speculators' ``target_layer_ids`` do)
@@ -19,13 +20,16 @@ CONTRACTS = {
     "specforge_dspark": {"drafters": ("dspark", "dflash"), "final": "post", "files": "grouped", "ids": "layer"},
     "speculators": {"drafters": ("eagle3",), "final": "pre", "files": "speculators", "ids": "hidden_states_index"},
     "speculators_fp8": {"drafters": ("eagle3",), "final": "pre", "files": "speculators", "ids": "hidden_states_index"},
+    "speculators_inplace": {"drafters": ("eagle3",), "final": "pre", "files": "inplace", "ids": "hidden_states_index"},
     "modelopt": {"drafters": ("eagle3",), "final": "post", "files": "grouped", "ids": "layer"},
 }
 
 LAYOUTS = tuple(CONTRACTS)
 
 #: the layouts whose directory is a speculators data path (rule export_dataset)
-SPECULATORS_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] == "speculators")
+SPECULATORS_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] in ("speculators", "inplace"))
+#: the layouts that copy no states: a data directory whose trainer reads results/hidden_states/ in place
+INPLACE_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] == "inplace")
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -81,6 +85,20 @@ def quantize_per_token_fp8(x):
     amax = xf.abs().amax(dim=tuple(range(1, xf.dim())), keepdim=True)
     scale = (amax / FP8_MAX).clamp(min=1e-12)
     return (xf / scale).to(torch.float8_e4m3fn), scale
+
+
+def speculators_tensors(t: dict) -> dict:
+    """What speculators reads of sample ``t`` (``StatesFile.sample``'s tensors, final state pre-norm):
+    ``token_ids`` [T] int64 and ``hidden_states`` [T, A+1, H] (the A auxiliary layers, then the final state), in
+    the sample's dtype (hs_connectors' ``FileTransfer`` format)."""
+    import torch
+
+    aux, fin = t["aux_hidden_states"], t["hidden_states"]
+    T, H = len(t["input_ids"]), fin.shape[-1]
+    return {
+        "token_ids": t["input_ids"],
+        "hidden_states": torch.cat([aux.reshape(T, -1, H), fin.unsqueeze(1)], dim=1).contiguous(),
+    }
 
 
 def grouped_record(layout: str, t: dict, sample_id: str) -> dict:

@@ -46,6 +46,12 @@ directory; ``g`` = the index rounded down to a multiple of ``group_size``):
     float32, one scale per token over every layer (``amax / 448``, at least 1e-12, as its quantizer); value =
     ``fp8 * scale``. 4*H + 12 bytes per token: half the bfloat16 file.
 
+``speculators_inplace`` (speculators 0.9.0 through this package's hs-connectors backend, :mod:`.inplace`; train with
+``--hidden-states-backend eagle3_data``): no states copied. ``<out_dir>/samples_{start}.parquet`` as ``speculators``
+plus ``source`` (the selection whose states file holds each sample), and ``<out_dir>/inplace.json`` (where the
+states files are, the final-state form, the merge's digest of each selection). It reads no states file, so it is
+written once the merge is done; the trainer reads each sample from ``results/hidden_states/`` when it asks for it.
+
 ``modelopt`` (NVIDIA Model-Optimizer offline EAGLE-3 data: the dump of
 ``examples/speculative_decoding/collect_hidden_states/compute_hidden_states_hf.py``, read by
 ``OfflineSupervisedDataset`` in ``modelopt/torch/speculative/eagle/utils.py`` from every ``*.pt`` under
@@ -157,9 +163,13 @@ def export(
             writer.write(rows, j, index)
     finally:
         index.close()
-    if writer.contract["files"] == "speculators" and writer.spec_rows["ids"]:
+    if writer.contract["files"] in ("speculators", "inplace") and writer.spec_rows["ids"]:
         # (an empty shard shares its start with the next one: it writes none)
-        write_side_table(writer.spec_rows, writer.out_dir, shard, provenance)
+        side = write_side_table(writer.spec_rows, writer.out_dir, shard, provenance)
+        if writer.contract["files"] == "inplace":  # what the data directory holds: its side tables only
+            writer.nbytes += os.path.getsize(side)
+    if writer.contract["files"] == "inplace":
+        write_inplace_index(writer.out_dir, layout, states_dir, merged, writer.final)
     _log_skipped(layout, shard.path, writer.skipped)
     removed = [] if merged is None else _prune_earlier(writer, rows, merged)
     manifest = writer.manifest(rows.n, removed, time.perf_counter() - t0)
@@ -175,6 +185,19 @@ def export(
         writer.out_dir,
     )
     return manifest
+
+
+def write_inplace_index(out_dir, layout: str, states_dir, merged: dict | None, final: str) -> Path:
+    """``<out_dir>/inplace.json`` of an in-place layout (:mod:`.inplace`): ``layout``, ``final`` (the final-state
+    form served), ``states_dir`` (relative to ``out_dir``: the results tree can move as a whole) and ``selections``
+    (``{source: {"digest"}}`` of the merge manifest ``merged``, so a states file of another selection is not
+    served). Every shard's job writes the same file (atomically)."""
+    path = Path(out_dir) / "inplace.json"
+    selections = {k: {"digest": v.get("digest")} for k, v in ((merged or {}).get("selections") or {}).items()}
+    rel = os.path.relpath(Path(states_dir).resolve(), Path(out_dir).resolve())
+    info = {"layout": layout, "final": final, "states_dir": rel}
+    write_json({**info, "selections": selections}, path)
+    return path
 
 
 def _read_manifest(merge_manifest) -> dict | None:

@@ -25,6 +25,7 @@ from .layouts import (
     quantize_per_token_fp8,
     sample_path,
     grouped_record,
+    speculators_tensors,
 )
 
 log = logging.getLogger("eagle3_data.export")
@@ -105,11 +106,13 @@ class ShardRows:
     sources: list
     offsets: np.ndarray
     flat_ids: np.ndarray
+    flat_mask: np.ndarray
 
     @classmethod
     def read(cls, path) -> "ShardRows":
         table = pq.read_table(path, columns=["sample_id", "dataset", "input_ids", "loss_mask", "source"])
         ids_col = table.column("input_ids").combine_chunks()
+        mask_col = table.column("loss_mask").combine_chunks()
         return cls(
             path=path,
             sample_ids=table.column("sample_id").to_pylist(),
@@ -117,6 +120,7 @@ class ShardRows:
             sources=table.column("source").to_pylist(),
             offsets=ids_col.offsets.to_numpy(),
             flat_ids=ids_col.values.to_numpy(zero_copy_only=False),
+            flat_mask=mask_col.values.to_numpy(zero_copy_only=False),  # (the same lengths as the ids)
         )
 
     @property
@@ -126,6 +130,10 @@ class ShardRows:
     def ids(self, j: int) -> np.ndarray:
         """Row ``j``'s token ids."""
         return self.flat_ids[self.offsets[j] : self.offsets[j + 1]]
+
+    def mask(self, j: int) -> np.ndarray:
+        """Row ``j``'s loss mask."""
+        return self.flat_mask[self.offsets[j] : self.offsets[j + 1]]
 
 
 class SampleWriter:
@@ -176,6 +184,12 @@ class SampleWriter:
         sid = rows.sample_ids[j]
         if rows.sources[j] is None:
             raise ValueError(f"{rows.path}: row {j} ({sid!r}) has no source selection")
+        if self.contract["files"] == "inplace":  # no states read or copied: the trainer reads them in place
+            self.tokens += len(rows.ids(j))
+            self.spec_rows["ids"].append((self.shard.start_index + j, sid, rows.datasets[j], rows.ids(j).tolist()))
+            self.spec_rows["mask"].append(rows.mask(j).tolist())
+            self.spec_rows.setdefault("source", []).append(rows.sources[j])
+            return
         sf = index.file(rows.sources[j])
         layers = self.layers(sf)
         jj = sf.index.get(sid)
@@ -206,11 +220,8 @@ class SampleWriter:
         sample's side-table row."""
         from safetensors.torch import save_file
 
-        torch = self.torch
-        aux, fin = t["aux_hidden_states"], t["hidden_states"]
-        L, H = len(t["input_ids"]), fin.shape[-1]
-        stacked = torch.cat([aux.reshape(L, -1, H), fin.unsqueeze(1)], dim=1).contiguous()
-        tensors = {"token_ids": t["input_ids"], "hidden_states": stacked}
+        tensors = speculators_tensors(t)
+        stacked = tensors["hidden_states"]
         if self.layout == "speculators_fp8":
             q, scales = quantize_per_token_fp8(stacked)
             tensors = {"token_ids": t["input_ids"], "hidden_states": q, "hidden_states_scales": scales}
@@ -262,9 +273,9 @@ class SampleWriter:
         }
 
 
-def write_side_table(spec_rows: dict, out_dir: Path, shard: MergedShard, provenance) -> None:
+def write_side_table(spec_rows: dict, out_dir: Path, shard: MergedShard, provenance) -> Path:
     """The speculators side table ``samples_{start}.parquet`` of the rows written (with the provenance columns
-    when ``provenance`` is given)."""
+    when ``provenance`` is given); returns its path."""
     idxs, sids, dss, ids = zip(*spec_rows["ids"])
     table = pa.table(
         {
@@ -276,9 +287,13 @@ def write_side_table(spec_rows: dict, out_dir: Path, shard: MergedShard, provena
             "seq_len": pa.array([len(x) for x in ids], pa.int64()),
         }
     )
+    if "source" in spec_rows:  # an in-place layout: the selection whose states file holds each sample
+        table = table.append_column("source", pa.array(spec_rows["source"], pa.string()))
     if provenance is not None:
         table = with_provenance(table, provenance, shard.set_name, shard.path)
-    write_parquet(table, out_dir / f"samples_{shard.start_index:09d}.parquet")
+    path = out_dir / f"samples_{shard.start_index:09d}.parquet"
+    write_parquet(table, path)
+    return path
 
 
 def with_provenance(table: pa.Table, provenance, set_name: str, merged_path) -> pa.Table:

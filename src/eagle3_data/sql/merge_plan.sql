@@ -38,6 +38,9 @@
 -- (the writer's output after the training shards: the held-out file, in the same shuffle_key order); a
 -- dropped row NULL. Kept rows of both sets are in the selections (drop_reason IS NULL): extraction covers both.
 
+-- the held-out draw's keys: none unless the caller filled it (then the draw is by base_id, as before prompt keys)
+CREATE TEMP TABLE IF NOT EXISTS prompt_keys (dataset VARCHAR, sample_id VARCHAR, prompt_key VARCHAR);
+
 CREATE OR REPLACE TEMP TABLE merge_keys AS
 SELECT
     v.filename,
