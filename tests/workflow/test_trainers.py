@@ -171,8 +171,9 @@ def _merged(tmp: Path, rows) -> Path:
 DRAFTERS = ["eagle3", "dflash", "dspark"]
 
 
-def _extract(tmp: Path, rows, model_path, loaded) -> tuple[Path, dict]:
-    """One extraction with the defaults (final_norm both) and every drafter's layers."""
+def _extract(tmp: Path, rows, model_path, loaded, **settings) -> tuple[Path, dict]:
+    """One extraction with the defaults (final_norm both) and every drafter's layers (``settings``: other extract
+    settings, e.g. ``layers``)."""
     states, selections = tmp / "states", {}
     for src in sorted({r["source"] for r in rows}):
         part = [{k: v for k, v in r.items() if k != "prompt_len"} for r in rows if r["source"] == src]
@@ -183,7 +184,9 @@ def _extract(tmp: Path, rows, model_path, loaded) -> tuple[Path, dict]:
             states / f"{src}.safetensors",
             selection_digest=f"digest-{src}",
             model=loaded,
-            settings=ExtractSettings.defaults(model_path=str(model_path), dtype="float32", drafters=DRAFTERS),
+            settings=ExtractSettings.defaults(
+                model_path=str(model_path), dtype="float32", **{"drafters": DRAFTERS, **settings}
+            ),
         )
         assert info["norm_formula"] == "llama"  # SmolLM2: LlamaRMSNorm, found on the first batch
         selections[src] = {"digest": f"digest-{src}"}
@@ -643,18 +646,7 @@ def test_speculators_in_place_check_fails_on_a_wrong_order_norm_or_layer(exports
     with pytest.raises(AssertionError):
         check_speculators(norm, rows, loaded, real_target, transfer=InPlaceTransfer(norm))
     # states of other layers (the decoder's first three): the aux states are not those speculators' config reads
-    other = tmp_path / "other_states"
-    for src in sorted({r["source"] for r in rows}):
-        part = [{k: v for k, v in r.items() if k != "prompt_len"} for r in rows if r["source"] == src]
-        sel = tmp_path / "sel" / f"{src}.parquet"
-        schemas.write_checked(schemas.from_rows(part, schemas.MERGED), "merged", sel)
-        ex.extract_states(
-            sel,
-            other / f"{src}.safetensors",
-            selection_digest=f"digest-{src}",
-            model=loaded,
-            settings=ExtractSettings.defaults(model_path=str(real_target), dtype="float32", layers=[0, 1, 2]),
-        )
+    other, _ = _extract(tmp_path / "other", rows, real_target, loaded, drafters=["eagle3"], layers=[0, 1, 2])
     layer = variant("layer", edit_info=lambda i: i.update(states_dir=str(other)))
     with pytest.raises(AssertionError):
         check_speculators(layer, rows, loaded, real_target, transfer=InPlaceTransfer(layer))
