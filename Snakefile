@@ -54,10 +54,12 @@ rule all:
         exports=expand("results/export/{layout}/{k}.json", layout=EXPORT_LAYOUTS, k=MERGED_SHARDS),
         # the held-out set's exports, only with merge.heldout > 0
         heldout_exports=expand("results/export/heldout/{layout}.json", layout=EXPORT_LAYOUTS) if MERGE.heldout else [],
-        # speculators' data directories (the `datasets` files beside hidden_states/)
         # the decontamination report, only when the stage is on (decontaminate.benchmarks / near_duplicates)
         decontamination=rules.decontamination_report.output.md if DECONTAMINATE.on else [],
+        # speculators' data directories (the `datasets` files beside hidden_states/)
         speculators_dataset=speculators_datasets(),
+        # SpecForge's ref manifests of the in-place layout (specforge_inplace)
+        ref_manifests=ref_manifests(),
 
 
 onstart:

@@ -99,10 +99,11 @@ MERGE_DATASETS = cfg.merge_datasets(config)
 MERGED_SHARDS = cfg.merged_shard_names(config)
 EXPORT = ExportSettings.from_config(config)
 EXPORT_LAYOUTS = EXPORT.layouts
-from eagle3_data.export import INPLACE_LAYOUTS, LAYOUTS, SPECULATORS_DATASET_FILES, SPECULATORS_LAYOUTS
+from eagle3_data.export import INPLACE_LAYOUTS, LAYOUTS, REFS_LAYOUTS, SPECULATORS_DATASET_FILES, SPECULATORS_LAYOUTS
 
 EXPORT_LAYOUT_PATTERN = "|".join(LAYOUTS)
 SPECULATORS_LAYOUT_PATTERN = "|".join(SPECULATORS_LAYOUTS)
+REFS_LAYOUT_PATTERN = "|".join(REFS_LAYOUTS)
 
 
 def speculators_datasets():
@@ -115,6 +116,15 @@ def speculators_datasets():
         for f in sets
         for x in layouts
         for name in list(SPECULATORS_DATASET_FILES) + ["token_freq.pt"]
+    ]
+
+
+def ref_manifests():
+    """The SpecForge ref manifest of every requested specforge_inplace layout (rule export_refs), and of the
+    held-out set's with merge.heldout > 0."""
+    sets = ["results/export/{layout}"] + (["results/export/heldout/{layout}"] if MERGE.heldout else [])
+    return [
+        os.path.join(f.format(layout=x), "manifest.json") for f in sets for x in EXPORT_LAYOUTS if x in REFS_LAYOUTS
     ]
 
 

@@ -1,6 +1,7 @@
 # Export: one merged shard (the shuffled order) -> the per-sample files a trainer reads (SpecForge EAGLE-3, DFlash
 # and DSpark data_{i}.ckpt, speculators hs_{i}.safetensors in the extract dtype or FP8, Model-Optimizer {i}.pt;
-# speculators_inplace: no states copied, speculators reads results/hidden_states/ through this package's backend;
+# speculators_inplace / specforge_inplace: no states copied, the trainer reads results/hidden_states/ through this
+# package's backend / feature store;
 # eagle3_data.export.CONTRACTS), named by the sample's global index in the merged set and read from the
 # hidden-states files of the selections the shard's rows came from. The per-shard JSON (written last) is the rule's
 # output; the sample files go to results/export/<layout>/. No extract setting is a param: the states files are
@@ -87,3 +88,34 @@ use rule export_dataset as export_dataset_heldout with:
         token_freq="results/export/heldout/{layout}/token_freq.pt",
     log:
         "logs/export/heldout/{layout}-dataset.log",
+
+
+# SpecForge reads the states in place (layout specforge_inplace): its ref manifest (SpecForge's disaggregated offline
+# format: one SampleRef per sample, in the merged order, pointing at results/hidden_states/) and manifest.json.done,
+# written once every shard's side table is (eagle3_data.export.inplace_specforge): from the merge alone, before
+# extraction ends. Train with DISAGG_BACKEND=eagle3_data DISAGG_MANIFEST=<this file> python -m
+# eagle3_data.export.inplace_specforge train ...
+rule export_refs:
+    input:
+        shards=expand("results/export/{{layout}}/{k}.json", k=MERGED_SHARDS),
+    output:
+        manifest="results/export/{layout}/manifest.json",
+        done="results/export/{layout}/manifest.json.done",
+    log:
+        "logs/export/{layout}/refs.log",
+    wildcard_constraints:
+        layout=REFS_LAYOUT_PATTERN,
+    conda:
+        "../envs/cpu.yaml"
+    script:
+        "../scripts/export_refs.py"
+
+
+use rule export_refs as export_refs_heldout with:
+    input:
+        shards="results/export/heldout/{layout}.json",
+    output:
+        manifest="results/export/heldout/{layout}/manifest.json",
+        done="results/export/heldout/{layout}/manifest.json.done",
+    log:
+        "logs/export/heldout/{layout}-refs.log",

@@ -1,6 +1,7 @@
-"""speculators_inplace on the demo build: the data directory is written from the merge alone (no states copied, no
-extract job run), and speculators' own ArrowDataset reads each shard's samples through this package's backend as
-soon as that shard's extract job ends, while a later one still extracts."""
+"""speculators_inplace and specforge_inplace on the demo build: the data directory and the ref manifest are written
+from the merge alone (no states copied, no extract job run), and speculators' own ArrowDataset and SpecForge's own
+feature loader read each shard's samples through this package's backend and store as soon as that shard's extract
+job ends, while a later one still extracts."""
 
 from __future__ import annotations
 
@@ -16,23 +17,29 @@ from eagle3_data.testing.workflow import run_snakemake, snakemake_env
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("speculators")
+pytest.importorskip("specforge")
 
 
 def test_a_trainer_reads_the_first_finished_shard_while_a_later_one_still_extracts(demo_run, tmp_path):
     from speculators.train.data import ArrowDataset
     from speculators.train.recovery import SampleUnavailable
 
+    from specforge.runtime.data_plane.disagg_ingest import read_ref_manifest
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+
     from eagle3_data.export.inplace import InPlaceTransfer
+    from eagle3_data.export.inplace_specforge import InPlaceFeatureStore
 
     wd = tmp_path / "wf"
     shutil.copytree(demo_run, wd, symlinks=True)
-    (wd / "inplace.yaml").write_text("export:\n  layouts: [speculators_inplace]\n")
+    (wd / "inplace.yaml").write_text("export:\n  layouts: [speculators_inplace, specforge_inplace]\n")
     args = ("--configfile", "config.yaml", "inplace.yaml")
     for p in (wd / "results/hidden_states").glob("*/*.safetensors"):
         p.unlink()  # as before extraction: no states at all
     out = wd / "results/export/speculators_inplace"
     target = "results/export/speculators_inplace/data-00000-of-00001.arrow"
-    proc = run_snakemake(wd, target, "--cores", "2", *args)  # (targets before --configfile)
+    refs_path = wd / "results/export/specforge_inplace/manifest.json"
+    proc = run_snakemake(wd, target, str(refs_path.relative_to(wd)), "--cores", "2", *args)  # (targets first)
     assert "extract" not in (proc.stdout + proc.stderr).split("Job stats:")[1].split("Reasons")[0]
     assert not list((wd / "results/hidden_states").glob("*/*.safetensors")) and not (out / "hidden_states").exists()
     manifest = json.loads((out / "000.json").read_text())
@@ -52,11 +59,19 @@ def test_a_trainer_reads_the_first_finished_shard_while_a_later_one_still_extrac
         hidden_states_dtype=torch.float32,
     )
     assert all(isinstance(ds[i], SampleUnavailable) for i in range(len(ds)))  # nothing extracted: all skipped
+    refs = read_ref_manifest(str(refs_path))  # SpecForge's: the same samples in the same order
+    assert [r.metadata["sample"] for r in refs] == [r["sample_id"] for r in side]
+    store = InPlaceFeatureStore(refs_path.parent, recheck_s=0.0)
+
+    def specforge_reads(i):
+        (batch,) = FeatureDataLoader(store, refs=[refs[i]], gc_interval_s=None)
+        return batch.tensors["input_ids"][0].tolist() == side[i]["input_ids"]
 
     # the first shard's extract job ends: its samples are served to the dataset already built
     run_snakemake(wd, f"results/hidden_states/{first}.safetensors", "--cores", "2", *args)
     item = ds[by_source[first][0]]
     assert not isinstance(item, SampleUnavailable) and item["hidden_states"].shape[0] == len(item["input_ids"])
+    assert specforge_reads(by_source[first][0])
     # a later shard extracts while the trainer reads the first one's samples
     target = f"results/hidden_states/{second}.safetensors"
     later = subprocess.Popen(
@@ -70,6 +85,8 @@ def test_a_trainer_reads_the_first_finished_shard_while_a_later_one_still_extrac
         read_during = [ds[i] for i in by_source[first]]
         assert later.poll() is None  # (snakemake takes seconds to start)
         assert isinstance(ds[by_source[second][0]], SampleUnavailable)
+        with pytest.raises(KeyError, match="not extracted yet"):
+            specforge_reads(by_source[second][0])
         assert not any(isinstance(x, SampleUnavailable) for x in read_during)
     finally:
         assert later.wait(timeout=900) == 0
@@ -77,3 +94,4 @@ def test_a_trainer_reads_the_first_finished_shard_while_a_later_one_still_extrac
     for i in by_source[second]:
         x = ds[i]
         assert not isinstance(x, SampleUnavailable) and x["input_ids"].tolist() == side[i]["input_ids"]
+        assert specforge_reads(i)

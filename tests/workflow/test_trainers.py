@@ -42,6 +42,7 @@ import torch
 from eagle3_data import export as exp
 from eagle3_data import extract as ex
 from eagle3_data import schemas
+from eagle3_data.export.inplace_specforge import write_ref_manifest
 from eagle3_data.extract.transformers_backend import load_target
 from eagle3_data.gguf_target import build_gguf_target, gguf_file
 from eagle3_data.settings import ExportSettings, ExtractSettings, GGUFTargetSettings
@@ -61,6 +62,7 @@ try:
     from specforge.algorithms.eagle3.data import normalize_offline_sample
     from specforge.modeling.draft.dflash import build_target_layer_ids, extract_context_feature
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.runtime.data_plane.disagg_ingest import read_ref_manifest
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, shift_batch
@@ -217,6 +219,8 @@ def exports(tmp_path_factory, real_target, loaded, rows):
     write_parquet(token_frequencies([merged]), tmp / "freq.parquet")
     for layout in exp.SPECULATORS_LAYOUTS:
         exp.write_speculators_dataset(out[layout], token_frequencies=tmp / "freq.parquet")
+    for layout in exp.REFS_LAYOUTS:
+        write_ref_manifest(out[layout])
     out["freq"] = tmp / "freq.parquet"
     return out
 
@@ -229,6 +233,8 @@ def _broken(tmp_path, exports, rows, layout, **kw) -> Path:
     )
     if layout in exp.SPECULATORS_LAYOUTS:
         exp.write_speculators_dataset(out)
+    if layout in exp.REFS_LAYOUTS:
+        write_ref_manifest(out)
     return out
 
 
@@ -244,23 +250,31 @@ def _index(path: str) -> int:
 # --- the checks, each a function so that it also runs on a broken export ----------------------------------
 
 
-def check_specforge(out_dir: Path, rows, loaded, max_len: int = 4096) -> int:
-    """What SpecForge 0.2.0 reads from ``out_dir``, checked against ``rows`` and the target. Returns the number
-    of samples read. Raises (KeyError, AssertionError) where the export breaks SpecForge's contract."""
+def check_specforge(out_dir: Path, rows, loaded, max_len: int = 4096, store=None) -> int:
+    """What SpecForge 0.2.0 reads from ``out_dir``, checked against ``rows`` and the target: the files its
+    ``OfflineManifestReader`` lists, or (``store``: an in-place layout's feature store) the refs of ``out_dir``'s
+    ``manifest.json`` read by its ``read_ref_manifest``. Returns the number of samples read. Raises (KeyError,
+    AssertionError) where the export breaks SpecForge's contract."""
     model, _ = loaded
     H, L = model.config.hidden_size, model.config.num_hidden_layers
     # specforge/algorithms/model_providers.py:204: EAGLE-3 capture layers [1, L//2 - 1, L - 4] (output of layer i)
     layers = [1, L // 2 - 1, L - 4]
-    refs = OfflineManifestReader(str(out_dir), max_len=max_len, validate_files=True).read()  # keys checked here
+    if store is None:
+        refs = OfflineManifestReader(str(out_dir), max_len=max_len, validate_files=True).read()  # keys checked here
+        store = LocalFeatureStore()
+    else:
+        refs = read_ref_manifest(str(out_dir / "manifest.json"))
     assert len(refs) == len(rows)
-    store = LocalFeatureStore()
     for ref in refs:
         raw, handle = store.get(ref)
         # specforge/runtime/data_plane/offline_reader.py:49: the four raw keys of an offline EAGLE-3 file
         assert set(raw) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
         d = normalize_offline_sample(raw, max_len)
         store.release(handle)
-        r = rows[_index(ref.feature_store_uri)]
+        # a file's index is in its name (SpecForge's file_index is its place in the sorted paths); a ref's, in the manifest
+        r = rows[
+            _index(ref.feature_store_uri) if ref.feature_store_uri.startswith("file://") else ref.metadata["file_index"]
+        ]
         T = r["num_tokens"]
         assert d["input_ids"].dtype == torch.int64 and d["input_ids"][0].tolist() == r["input_ids"]
         assert d["hidden_state"].shape == (1, T, 3 * H) and d["target"].shape == (1, T, H)
@@ -653,6 +667,142 @@ def test_speculators_in_place_check_fails_on_a_wrong_order_norm_or_layer(exports
     # a states file of another selection (being re-extracted) is not served: the sample is missing
     stale = variant("stale", edit_info=lambda i: i["selections"].update({k: {"digest": "x"} for k in i["selections"]}))
     assert InPlaceTransfer(stale).get_cached(0) is None
+
+
+def _specforge_batches(store, refs, max_len: int = 4096) -> list:
+    """SpecForge's own offline data path over ``refs``: its FeatureDataLoader with the EAGLE-3 offline normalizer
+    and collator (specforge/algorithms/eagle3/data.py), one sample a batch."""
+    from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+
+    loader = FeatureDataLoader(
+        store,
+        refs=refs,
+        collate_fn=build_offline_collator(),
+        per_sample_transform=build_offline_normalizer(max_len),
+        gc_interval_s=None,
+    )
+    return [b.tensors for b in loader]
+
+
+def test_specforge_reads_the_states_in_place_through_its_ref_manifest_bit_for_bit(exports, rows, loaded):
+    """specforge_inplace: no states copied (the directory holds its sample table, inplace.json and SpecForge's ref
+    manifest); SpecForge's read_ref_manifest and FeatureDataLoader read through this package's feature store the
+    very tensors of the specforge file export, and the batches its EAGLE-3 normalizer and collator make are equal."""
+    from eagle3_data.export.inplace_specforge import InPlaceFeatureStore
+
+    out = exports["specforge_inplace"]
+    assert not list(out.rglob("*.ckpt")) and (out / "manifest.json.done").is_file()
+    m = exports["specforge_inplace_manifest"]
+    assert m["num_written"] == 0 and m["files"] == [] and 0 < m["bytes"] < exports["specforge_manifest"]["bytes"] / 20
+    refs = read_ref_manifest(str(out / "manifest.json"))
+    assert [r.metadata["file_index"] for r in refs] == list(range(len(rows)))
+    assert [r.num_tokens for r in refs] == [r["num_tokens"] for r in rows]
+    store = InPlaceFeatureStore(out)
+    copies = sorted(OfflineManifestReader(str(exports["specforge"])).read(), key=lambda r: _index(r.feature_store_uri))
+    for ref, copy in zip(refs, copies):
+        got, handle = store.get(ref)
+        want, _ = LocalFeatureStore().get(copy)
+        store.release(handle)
+        assert set(got) == set(want) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+        assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want), ref.sample_id
+    assert store.health()["active_leases"] == 0
+    assert check_specforge(out, rows, loaded, store=store) == len(rows)
+    here, copied = _specforge_batches(store, refs), _specforge_batches(LocalFeatureStore(), copies)
+    assert len(here) == len(copied) == len(rows)
+    for a, b in zip(here, copied):
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_specforge_in_place_check_fails_on_a_wrong_order_norm_or_layer(exports, rows, loaded, real_target, tmp_path):
+    import json as js
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3_data.export.inplace_specforge import InPlaceFeatureStore
+
+    def variant(name, edit_table=None, edit_info=None, states=None):
+        d = tmp_path / name
+        shutil.copytree(exports["specforge_inplace"], d)
+        info = js.loads((d / "inplace.json").read_text())
+        info["states_dir"] = str(states or exports["states"])
+        if edit_info:
+            edit_info(info)
+        (d / "inplace.json").write_text(js.dumps(info))
+        if edit_table:
+            part = next(d.glob("samples_*.parquet"))
+            pq.write_table(edit_table(pq.read_table(part)), part)
+        write_ref_manifest(d)
+        return d
+
+    ok = variant("ok")
+    assert check_specforge(ok, rows, loaded, store=InPlaceFeatureStore(ok)) == len(rows)
+
+    def swap(t):  # two rows of one selection point at each other's states
+        ids, src = t.column("sample_id").to_pylist(), t.column("source").to_pylist()
+        a, b = next((a, b) for a in range(len(ids)) for b in range(a + 1, len(ids)) if src[a] == src[b])
+        ids[a], ids[b] = ids[b], ids[a]
+        return t.set_column(t.schema.get_field_index("sample_id"), "sample_id", pa.array(ids, pa.string()))
+
+    order = variant("order", edit_table=swap)
+    with pytest.raises((AssertionError, ValueError)):  # the tokens (the store checks their count first)
+        check_specforge(order, rows, loaded, store=InPlaceFeatureStore(order))
+    norm = variant("norm", edit_info=lambda i: i.update(final="pre"))
+    with pytest.raises(AssertionError):
+        check_specforge(norm, rows, loaded, store=InPlaceFeatureStore(norm))
+    other, _ = _extract(tmp_path / "other", rows, real_target, loaded, drafters=["eagle3"], layers=[0, 1, 2])
+    layer = variant("layer", states=other)
+    with pytest.raises(AssertionError):
+        check_specforge(layer, rows, loaded, store=InPlaceFeatureStore(layer))
+    # a states file of another selection (being re-extracted) is not served
+    stale = variant("stale", edit_info=lambda i: i["selections"].update({k: {"digest": "x"} for k in i["selections"]}))
+    ref = read_ref_manifest(str(stale / "manifest.json"))[0]
+    with pytest.raises(KeyError, match="not extracted yet"):
+        InPlaceFeatureStore(stale).get(ref)
+
+
+def test_specforge_store_waits_for_a_states_file_and_the_launcher_names_it(exports, tmp_path, monkeypatch):
+    """A sample whose states file is not there: KeyError at once (wait_s 0), or served once the file is renamed
+    into place within wait_s. ``DISAGG_BACKEND=eagle3_data`` makes SpecForge's own store factory return this store;
+    its other backends stay SpecForge's."""
+    import threading
+    from types import SimpleNamespace
+
+    import specforge.training.disaggregated as disagg
+    from specforge.runtime.data_plane.disaggregated import SharedDirFeatureStore
+
+    from eagle3_data.export import inplace_specforge as ips
+
+    d = tmp_path / "d"
+    shutil.copytree(exports["specforge_inplace"], d)
+    states = tmp_path / "states"
+    shutil.copytree(exports["states"], states)
+    info = json.loads((d / "inplace.json").read_text())
+    (d / "inplace.json").write_text(json.dumps({**info, "states_dir": str(states)}))
+    ref = read_ref_manifest(str(d / "manifest.json"))[0]
+    f = states / f"{ref.metadata['source']}.safetensors"
+    f.rename(tmp_path / "away")
+    with pytest.raises(KeyError, match="not extracted yet"):
+        ips.InPlaceFeatureStore(d, recheck_s=0.05).get(ref)
+    timer = threading.Timer(0.5, lambda: (tmp_path / "away").rename(f))
+    timer.start()
+    got, _ = ips.InPlaceFeatureStore(d, wait_s=30, recheck_s=0.05).get(ref)
+    timer.join()
+    assert got["input_ids"].shape == (ref.num_tokens,)
+
+    monkeypatch.setattr(disagg, "_offline_store", disagg._offline_store)  # undone after the test
+    ips.install()
+    ips.install()  # twice: still one layer over SpecForge's own
+    monkeypatch.setenv("DISAGG_BACKEND", "eagle3_data")
+    monkeypatch.setenv("DISAGG_MANIFEST", str(d / "manifest.json"))
+    store = disagg._offline_store(SimpleNamespace(run_id="r"), retain_on_release=True)
+    assert isinstance(store, ips.InPlaceFeatureStore) and torch.equal(store.get(ref)[0]["input_ids"], got["input_ids"])
+    monkeypatch.setenv("DISAGG_BACKEND", "shared_dir")
+    monkeypatch.setenv("DISAGG_STORE_ROOT", str(tmp_path / "shared"))
+    assert isinstance(disagg._offline_store(SimpleNamespace(run_id="r")), SharedDirFeatureStore)
+    with pytest.raises(TypeError, match="read-only"):
+        store.put({"x": torch.zeros(1)}, sample_id="s", metadata={})
 
 
 def test_speculators_check_fails_on_broken_exports(exports, rows, loaded, real_target, tmp_path):

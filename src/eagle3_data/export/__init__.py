@@ -13,6 +13,7 @@ from .layouts import (  # noqa: F401
     has_consecutive_supervised,
     modelopt_path,
     quantize_per_token_fp8,
+    REFS_LAYOUTS,
     sample_path,
     specforge_path,
     speculators_path,

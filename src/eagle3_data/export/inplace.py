@@ -27,101 +27,39 @@ your own script.
 
 from __future__ import annotations
 
-import json
 import os
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
-from ..extract.layout import StatesFile
-from .layouts import drafter_of, speculators_tensors
+from .inplace_states import INDEX_FILE, RECHECK_S, InPlaceStates  # noqa: F401  (INDEX_FILE: this module's API)
+from .layouts import speculators_tensors
 
 #: the backend's name in hs_connectors' registry (``--hidden-states-backend``)
 BACKEND = "eagle3_data"
-#: the file of an in-place data directory that says where its states are
-INDEX_FILE = "inplace.json"
-#: seconds between two looks for a states file that was not there
-RECHECK_S = 10.0
 
 
 class InPlaceTransfer(HiddenStatesTransfer):
-    """Sample ``i`` of the in-place data directory ``data_path``, read from its selection's states file.
-
-    ``data_path/inplace.json`` gives ``states_dir`` (``<states_dir>/<source>.safetensors`` holds selection
-    ``source``; relative to ``data_path``), ``layout``, ``final`` (``pre``) and ``selections`` (``{source: digest}``, the merge's); the side tables give each
-    index's ``sample_id`` and ``source``. Files are opened on first use in each process (a DataLoader worker opens
-    its own)."""
+    """Sample ``i`` of the in-place data directory ``data_path`` (:class:`InPlaceStates`), read from its selection's
+    states file."""
 
     def __init__(self, data_path: str | os.PathLike, recheck_s: float = RECHECK_S):
-        self.data_path = Path(data_path)
-        info = json.loads((self.data_path / INDEX_FILE).read_text())
-        states_dir = Path(info["states_dir"])
-        self.states_dir = states_dir if states_dir.is_absolute() else (self.data_path / states_dir).resolve()
-        self.layout = info["layout"]
-        self.final = info.get("final", "pre")
-        self.selections: dict = info.get("selections") or {}
-        self.recheck_s = float(recheck_s)
-        self._rows = None
-        self._files: dict[str, StatesFile] = {}
-        self._missing: dict[str, float] = {}
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.update(_files={}, _missing={}, _rows=None)  # memory maps stay in the process that opened them
-        return state
-
-    def _side(self):
-        """The side tables' ``sample_id`` and ``source`` columns, in index order (read once)."""
-        if self._rows is None:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            parts = sorted(self.data_path.glob("samples_*.parquet"), key=lambda p: int(p.stem.split("_")[1]))
-            t = pa.concat_tables([pq.read_table(p, columns=["index", "sample_id", "source"]) for p in parts])
-            t = t.sort_by("index")
-            self._rows = (t.column("index"), t.column("sample_id"), t.column("source"))
-        return self._rows
-
-    def _file(self, source: str) -> StatesFile | None:
-        f = self._files.get(source)
-        if f is not None:
-            return f
-        if time.monotonic() < self._missing.get(source, float("-inf")):
-            return None
-        path = self.states_dir / f"{source}.safetensors"
-        if path.is_file():
-            f = StatesFile(path)
-            want = (self.selections.get(source) or {}).get("digest")
-            if want is None or f.meta.get("selection_digest") == want:
-                self._files[source] = f
-                self._missing.pop(source, None)
-                return f
-            f.close()  # another selection's states: being re-extracted
-        self._missing[source] = time.monotonic() + self.recheck_s
-        return None
+        self.states = InPlaceStates(data_path, recheck_s)
+        self.data_path = self.states.data_path
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         """Sample ``file_idx``'s ``{"hidden_states": [T, A+1, H], "token_ids": [T] int64}``, or None while its
         states file is not there (or not this merge's). Raises IndexError for an index the side tables lack and
         ValueError when the file holds no layers of the layout's drafter or the sample's ids differ from the
         file's."""
-        index, ids, sources = self._side()
+        index, ids, sources = self.states.side()
         if not 0 <= file_idx < len(index) or index[file_idx].as_py() != file_idx:
             raise IndexError(f"{self.data_path}: no sample {file_idx} in its samples_*.parquet tables")
-        source, sid = sources[file_idx].as_py(), ids[file_idx].as_py()
-        f = self._file(source)
+        f = self.states.file(sources[file_idx].as_py())
         if f is None:
             return None
-        drafter = drafter_of(self.layout, f.drafter_layers)
-        if drafter is None:
-            raise ValueError(f"{f.path}: holds the layers of {sorted(f.drafter_layers)}, not eagle3's")
-        j = f.index.get(sid)
-        if j is None:
-            raise ValueError(f"{f.path}: no sample {sid!r} (index {file_idx} of {self.data_path})")
-        return speculators_tensors(f.sample(j, final=self.final, layers=f.drafter_layers[drafter]))
+        return speculators_tensors(self.states.sample(f, ids[file_idx].as_py(), f"index {file_idx}"))
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         """Not served: the states come from the build's extraction, never from a live vLLM request."""

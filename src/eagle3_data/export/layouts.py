@@ -10,7 +10,8 @@ import numpy as np
 #: what each layout reads: ``drafters`` (the states must hold the layers of one of them: the first is the one
 #: named in errors), ``final`` (the final-state form: ``post`` | ``pre`` | None: none), ``files`` (``grouped``:
 #: ``rows_*/`` folders; ``speculators``: ``hidden_states/hs_{i}.safetensors`` and a data directory; ``inplace``: a
-#: data directory whose states are read from the extracted files, :mod:`.inplace`), ``ids``
+#: speculators data directory whose states are read from the extracted files, :mod:`.inplace`; ``refs``: a SpecForge
+#: ref manifest whose states are read from the extracted files, :mod:`.inplace_specforge`), ``ids``
 #: (how the trainer's config numbers the target layers: ``layer``, the 0-based decoder layer whose output it reads,
 #: as SpecForge and Model-Optimizer do; ``hidden_states_index``, the index into the target's ``hidden_states``
 #: tuple, whose entry 0 is the embeddings: layer + 1, as speculators' ``target_layer_ids`` do)
@@ -21,6 +22,7 @@ CONTRACTS = {
     "speculators": {"drafters": ("eagle3",), "final": "pre", "files": "speculators", "ids": "hidden_states_index"},
     "speculators_fp8": {"drafters": ("eagle3",), "final": "pre", "files": "speculators", "ids": "hidden_states_index"},
     "speculators_inplace": {"drafters": ("eagle3",), "final": "pre", "files": "inplace", "ids": "hidden_states_index"},
+    "specforge_inplace": {"drafters": ("eagle3",), "final": "post", "files": "refs", "ids": "layer"},
     "modelopt": {"drafters": ("eagle3",), "final": "post", "files": "grouped", "ids": "layer"},
 }
 
@@ -29,7 +31,9 @@ LAYOUTS = tuple(CONTRACTS)
 #: the layouts whose directory is a speculators data path (rule export_dataset)
 SPECULATORS_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] in ("speculators", "inplace"))
 #: the layouts that copy no states: a data directory whose trainer reads results/hidden_states/ in place
-INPLACE_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] == "inplace")
+INPLACE_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] in ("inplace", "refs"))
+#: the layouts whose directory holds a SpecForge ref manifest (rule export_refs)
+REFS_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] == "refs")
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -104,7 +108,7 @@ def speculators_tensors(t: dict) -> dict:
 def grouped_record(layout: str, t: dict, sample_id: str) -> dict:
     """What a grouped layout's ``torch.save`` file holds for sample ``t`` (module docstring)."""
     aux, fin = t["aux_hidden_states"], t["hidden_states"]
-    if layout == "specforge":
+    if layout in ("specforge", "specforge_inplace"):
         return {
             "input_ids": t["input_ids"],
             "loss_mask": t["loss_mask"],

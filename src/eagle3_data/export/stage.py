@@ -52,6 +52,11 @@ plus ``source`` (the selection whose states file holds each sample), and ``<out_
 states files are, the final-state form, the merge's digest of each selection). It reads no states file, so it is
 written once the merge is done; the trainer reads each sample from ``results/hidden_states/`` when it asks for it.
 
+``specforge_inplace`` (SpecForge 0.2.0's disaggregated offline trainer through this package's feature store,
+:mod:`.inplace_specforge`): no states copied. ``<out_dir>/samples_{start}.parquet`` and ``inplace.json`` as
+``speculators_inplace`` (final state post-norm), and, once every shard is exported, SpecForge's ref manifest
+``<out_dir>/manifest.json`` (rule ``export_refs``); the store serves each ref the tensors of a ``specforge`` file.
+
 ``modelopt`` (NVIDIA Model-Optimizer offline EAGLE-3 data: the dump of
 ``examples/speculative_decoding/collect_hidden_states/compute_hidden_states_hf.py``, read by
 ``OfflineSupervisedDataset`` in ``modelopt/torch/speculative/eagle/utils.py`` from every ``*.pt`` under
@@ -163,12 +168,13 @@ def export(
             writer.write(rows, j, index)
     finally:
         index.close()
-    if writer.contract["files"] in ("speculators", "inplace") and writer.spec_rows["ids"]:
+    in_place = writer.contract["files"] in ("inplace", "refs")
+    if (in_place or writer.contract["files"] == "speculators") and writer.spec_rows["ids"]:
         # (an empty shard shares its start with the next one: it writes none)
         side = write_side_table(writer.spec_rows, writer.out_dir, shard, provenance)
-        if writer.contract["files"] == "inplace":  # what the data directory holds: its side tables only
+        if in_place:  # what the data directory holds: its side tables only
             writer.nbytes += os.path.getsize(side)
-    if writer.contract["files"] == "inplace":
+    if in_place:
         write_inplace_index(writer.out_dir, layout, states_dir, merged, writer.final)
     _log_skipped(layout, shard.path, writer.skipped)
     removed = [] if merged is None else _prune_earlier(writer, rows, merged)

@@ -184,7 +184,7 @@ class SampleWriter:
         sid = rows.sample_ids[j]
         if rows.sources[j] is None:
             raise ValueError(f"{rows.path}: row {j} ({sid!r}) has no source selection")
-        if self.contract["files"] == "inplace":  # no states read or copied: the trainer reads them in place
+        if self.contract["files"] in ("inplace", "refs"):  # no states read or copied: the trainer reads them in place
             self.tokens += len(rows.ids(j))
             self.spec_rows["ids"].append((self.shard.start_index + j, sid, rows.datasets[j], rows.ids(j).tolist()))
             self.spec_rows["mask"].append(rows.mask(j).tolist())
