@@ -1,7 +1,7 @@
 # Export: one merged shard (the shuffled order) -> the per-sample files a trainer reads (SpecForge EAGLE-3, DFlash
 # and DSpark data_{i}.ckpt, speculators hs_{i}.safetensors in the extract dtype or FP8, Model-Optimizer {i}.pt;
-# speculators_inplace / specforge_inplace: no states copied, the trainer reads results/hidden_states/ through this
-# package's backend / feature store;
+# speculators_inplace, specforge_inplace, modelopt_inplace: no states copied, the trainer reads
+# results/hidden_states/ through this package's backend, feature store, streaming dataset;
 # eagle3_data.export.CONTRACTS), named by the sample's global index in the merged set and read from the
 # hidden-states files of the selections the shard's rows came from. The per-shard JSON (written last) is the rule's
 # output; the sample files go to results/export/<layout>/. No extract setting is a param: the states files are

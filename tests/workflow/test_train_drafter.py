@@ -32,6 +32,7 @@ import torch
 from eagle3_data import export as exp
 from eagle3_data import extract as ex
 from eagle3_data import schemas
+from eagle3_data.export.inplace_specforge import write_ref_manifest
 from eagle3_data.files import write_parquet
 from eagle3_data.settings import ExportSettings, ExtractSettings, VocabSettings
 from eagle3_data.testing.workflow import ROOT
@@ -92,7 +93,8 @@ def assert_learns(steps: list[dict]) -> None:
 def exports(tmp_path_factory, request):
     """The trainer tests' ``rows`` extracted once with bfloat16 states (the eagle3 layers, ``final_norm: both``)
     and exported in the ``speculators`` (a data path, with the vocab stage's token frequencies) and ``specforge``
-    layouts; ``target``: the real target's directory."""
+    layouts, and in their in-place forms (``speculators_inplace``, ``specforge_inplace``: no states copied);
+    ``target``: the real target's directory."""
     target, model = request.getfixturevalue("real_target"), request.getfixturevalue("loaded")
     plain = [{k: v for k, v in r.items() if k != "prompt_len"} for r in request.getfixturevalue("rows")]
     tmp = tmp_path_factory.mktemp("bf16")
@@ -111,7 +113,7 @@ def exports(tmp_path_factory, request):
         selections[src] = {"digest": src}
     manifest = {"shards": [{"samples": len(plain)}], "selections": selections}
     out = {"target": Path(target), "merged": merged, "tokens": sum(r["num_tokens"] for r in plain)}
-    for layout in ("speculators", "specforge"):
+    for layout in ("speculators", "specforge", "speculators_inplace", "specforge_inplace"):
         out[layout] = tmp / layout
         m = exp.export(
             merged,
@@ -125,6 +127,8 @@ def exports(tmp_path_factory, request):
     freq = tmp / "freq.parquet"
     write_parquet(token_frequencies([merged]), freq)
     exp.write_speculators_dataset(out["speculators"], token_frequencies=freq)
+    exp.write_speculators_dataset(out["speculators_inplace"], token_frequencies=freq)
+    write_ref_manifest(out["specforge_inplace"])
     ckpt = torch.load(next(out["specforge"].rglob("data_0.ckpt")), weights_only=True)
     assert ckpt["hidden_state"].dtype == ckpt["aux_hidden_state"].dtype == torch.bfloat16
     return out
@@ -193,6 +197,38 @@ def test_speculators_trains_a_drafter_on_the_export(exports, drafter, extra, tmp
     first, last = (load_file(save / e / "model.safetensors") for e in ("0", "1"))
     trained = [k for k in first if first[k].is_floating_point() and not torch.equal(first[k], last[k])]
     assert trained, "no weight changed between the two checkpoints"
+
+
+def in_place_copy(src: Path, dest: Path) -> Path:
+    """A copy of the in-place directory ``src`` whose ``inplace.json`` still finds the states (an absolute path)."""
+    shutil.copytree(src, dest)
+    info = json.loads((dest / "inplace.json").read_text())
+    info["states_dir"] = str((src / info["states_dir"]).resolve())
+    (dest / "inplace.json").write_text(json.dumps(info))
+    return dest
+
+
+def test_speculators_trains_the_same_on_the_states_read_in_place(exports, tmp_path):
+    """speculators' own train command on the speculators_inplace data path (``--hidden-states-backend eagle3_data``,
+    no hs_*.safetensors anywhere) takes the very steps it takes on the copied files: the same losses, bit for bit,
+    and the same weights at the end."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name, src in (("copied", exports["speculators"]), ("in_place", exports["speculators_inplace"])):
+        data = tmp_path / name / "data"  # speculators caches its vocab mapping in the data path: a copy
+        if name == "in_place":
+            in_place_copy(src, data)
+            assert not (data / "hidden_states").exists()
+        else:
+            shutil.copytree(src, data)
+        extra = {"hidden_states_backend": "eagle3_data"} if name == "in_place" else {}
+        argv = speculators_argv(exports["target"], data, tmp_path / name / "out", exports["tokens"], **extra)
+        runs[name] = train("speculators", argv, tmp_path / name)
+    assert_learns(runs["in_place"])
+    assert [s["loss"] for s in runs["in_place"]] == [s["loss"] for s in runs["copied"]]
+    a, b = (load_file(tmp_path / n / "out" / "1" / "model.safetensors") for n in ("copied", "in_place"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # --- SpecForge --------------------------------------------------------------------------------------------
@@ -272,3 +308,55 @@ def _run_id(config: Path) -> str:
     import yaml
 
     return yaml.safe_load(config.read_text())["run_id"]
+
+
+def test_specforge_trains_on_the_states_read_in_place(exports, tmp_path):
+    """SpecForge's own train command, through ``python -m eagle3_data.export.inplace_specforge``, with the shipped
+    in-place config (resources/train/specforge-eagle3-inplace.yaml: its disaggregated offline consumer reading the
+    specforge_inplace ref manifest through this package's feature store; no data_{i}.ckpt anywhere) trains a
+    drafter: the loss falls, its checkpoint is written, and its steps are those of the colocated run on the copied
+    files (README step 9's config, the test above) to float32 rounding."""
+    config = ROOT / "resources/train/specforge-eagle3-inplace.yaml"
+    target = specforge_target(exports["target"], tmp_path / "target")
+    vocab = tmp_path / "vocab_mapping.pt"
+    build_vocab(
+        [exports["merged"]],
+        vocab,
+        settings=VocabSettings.defaults(draft_vocab_size=SPECFORGE_DRAFT_VOCAB, model_path=str(target)),
+    )
+    data = in_place_copy(exports["specforge_inplace"], tmp_path / "specforge_inplace")
+    assert not list(data.rglob("*.ckpt")) and (data / "manifest.json.done").is_file()
+    out = tmp_path / "out"
+    overrides = {
+        "model.target_model_path": target,
+        "model.embedding_key": "model.embed_tokens.weight",
+        "model.lm_head_key": "lm_head.weight",
+        "model.vocab_mapping_path": vocab,
+        "model.draft_model_config": specforge_draft_config(target, tmp_path / "draft.json", SPECFORGE_DRAFT_VOCAB),
+        "data.hidden_states_path": data,
+        "data.cache_dir": tmp_path / "cache",
+        "deployment.disaggregated.control_dir": data,
+        "deployment.disaggregated.store_root": data,
+        "training.attention_backend": "sdpa",
+        "training.fsdp_sharding": "NO_SHARD",
+        "training.batch_size": len(json.loads((data / "manifest.json").read_text())["refs"]),
+        "training.num_epochs": STEPS,
+        "training.max_steps": STEPS,
+        "output_dir": out,
+        "deployment.trainer.nproc_per_node": 1,
+    }
+    argv = ["train", "--config", str(config)] + [f"{k}={v}" for k, v in overrides.items()]
+    steps = train("specforge", argv, tmp_path)
+    assert_learns(steps)
+    assert (out / f"{_run_id(config)}-step{STEPS}" / "training_state.pt").exists(), sorted(
+        p.name for p in out.iterdir()
+    )
+    assert not list(data.rglob("*.ckpt"))  # nothing was put into a store: the states were read where they are
+    copied = {k: v for k, v in overrides.items() if not k.startswith("deployment.disaggregated")}
+    copied.update({"data.hidden_states_path": exports["specforge"], "output_dir": tmp_path / "copied"})
+    words = shlex.split(readme_command("specforge train "))
+    argv = words[1:] + [f"{k}={v}" for k, v in copied.items()]
+    argv[argv.index("--config") + 1] = str(ROOT / words[words.index("--config") + 1])
+    (tmp_path / "colocated").mkdir()
+    want = train("specforge", argv, tmp_path / "colocated")
+    assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in want], rel=1e-6)

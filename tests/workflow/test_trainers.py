@@ -474,10 +474,10 @@ def modelopt_offline_files(offline_data_path) -> list[str]:
     return files
 
 
-def check_modelopt(out_dir: Path, rows, loaded) -> int:
+def check_modelopt(out_dir: Path, rows, loaded, dataset=None) -> int:
     """What Model-Optimizer's offline EAGLE-3 training reads from ``out_dir`` (its own dataset and collator, with
-    ``training.answer_only_loss``: the stored loss mask), checked against ``rows`` and the target. Returns the
-    number of samples read."""
+    ``training.answer_only_loss``: the stored loss mask), or ``dataset`` (the in-place streaming dataset, sample i at
+    index i), checked against ``rows`` and the target. Returns the number of samples read."""
     dataset_cls, collator_cls = modelopt_reader()
     model, _ = loaded
     H, L = model.config.hidden_size, model.config.num_hidden_layers
@@ -485,9 +485,9 @@ def check_modelopt(out_dir: Path, rows, loaded) -> int:
     from modelopt.torch.speculative.plugins.hf_eagle import default_eagle_aux_layer_ids
 
     layers = default_eagle_aux_layer_ids(L)
-    files = modelopt_offline_files(out_dir)
+    files = modelopt_offline_files(out_dir) if dataset is None else [str(i) for i in range(len(dataset))]
     assert len(files) == len(rows)
-    dataset = dataset_cls(files, answer_only_loss=True)
+    dataset = dataset or dataset_cls(files, answer_only_loss=True)
     items = []
     for i, f in enumerate(files):
         item = dataset[i]
@@ -764,8 +764,8 @@ def test_specforge_in_place_check_fails_on_a_wrong_order_norm_or_layer(exports, 
 
 def test_specforge_store_waits_for_a_states_file_and_the_launcher_names_it(exports, tmp_path, monkeypatch):
     """A sample whose states file is not there: KeyError at once (wait_s 0), or served once the file is renamed
-    into place within wait_s. ``DISAGG_BACKEND=eagle3_data`` makes SpecForge's own store factory return this store;
-    its other backends stay SpecForge's."""
+    into place within wait_s. After install(), SpecForge's own store factory returns this store for a manifest beside
+    an inplace.json, and its own backend for any other."""
     import threading
     from types import SimpleNamespace
 
@@ -794,12 +794,12 @@ def test_specforge_store_waits_for_a_states_file_and_the_launcher_names_it(expor
     monkeypatch.setattr(disagg, "_offline_store", disagg._offline_store)  # undone after the test
     ips.install()
     ips.install()  # twice: still one layer over SpecForge's own
-    monkeypatch.setenv("DISAGG_BACKEND", "eagle3_data")
+    monkeypatch.setenv("DISAGG_BACKEND", "shared_dir")  # as SpecForge sets it from deployment.disaggregated
+    monkeypatch.setenv("DISAGG_STORE_ROOT", str(tmp_path / "shared"))
     monkeypatch.setenv("DISAGG_MANIFEST", str(d / "manifest.json"))
     store = disagg._offline_store(SimpleNamespace(run_id="r"), retain_on_release=True)
     assert isinstance(store, ips.InPlaceFeatureStore) and torch.equal(store.get(ref)[0]["input_ids"], got["input_ids"])
-    monkeypatch.setenv("DISAGG_BACKEND", "shared_dir")
-    monkeypatch.setenv("DISAGG_STORE_ROOT", str(tmp_path / "shared"))
+    monkeypatch.setenv("DISAGG_MANIFEST", str(tmp_path / "elsewhere" / "manifest.json"))  # no inplace.json there
     assert isinstance(disagg._offline_store(SimpleNamespace(run_id="r")), SharedDirFeatureStore)
     with pytest.raises(TypeError, match="read-only"):
         store.put({"x": torch.zeros(1)}, sample_id="s", metadata={})
@@ -938,6 +938,86 @@ def test_speculators_fp8_check_fails_on_broken_exports(exports, rows, loaded, tm
 def test_modelopt_reads_the_export(exports, rows, loaded):
     modelopt_reader()  # skips where Model-Optimizer is not importable
     assert check_modelopt(exports["modelopt"], rows, loaded) == len(rows)
+
+
+def test_modelopt_reads_the_states_in_place_through_its_streaming_dataset_bit_for_bit(exports, rows, loaded):
+    """modelopt_inplace: no states copied; Model-Optimizer's StreamingDataset, subclassed (its _fetch hook), gives
+    the very items and batch its OfflineSupervisedDataset and collator give on the modelopt files."""
+    dataset_cls, collator_cls = modelopt_reader()
+    from eagle3_data.export.inplace_modelopt import InPlaceStreamingDataset
+
+    out = exports["modelopt_inplace"]
+    assert not list(out.rglob("*.pt")) and exports["modelopt_inplace_manifest"]["num_written"] == 0
+    here = InPlaceStreamingDataset.from_data_path(out)
+    assert check_modelopt(out, rows, loaded, dataset=here) == len(rows)
+    files = sorted(modelopt_offline_files(exports["modelopt"]), key=lambda f: int(Path(f).stem))
+    copied = dataset_cls(files, answer_only_loss=True)
+    a, b = [here[i] for i in range(len(rows))], [copied[i] for i in range(len(rows))]
+    for x, y in zip(a, b):
+        assert set(x) == set(y) and x["base_hidden_prenorm"] is y["base_hidden_prenorm"] is False
+        assert all(torch.equal(x[k], y[k]) and x[k].dtype == y[k].dtype for k in y if k != "base_hidden_prenorm")
+    n = max(r["num_tokens"] for r in rows) + 8
+    ba, bb = collator_cls(train_len=n)(a), collator_cls(train_len=n)(b)
+    for k in bb["base_model_outputs"]:
+        v = bb["base_model_outputs"][k]
+        assert torch.equal(ba["base_model_outputs"][k], v) if torch.is_tensor(v) else ba["base_model_outputs"][k] == v
+    assert all(torch.equal(ba[k], bb[k]) for k in bb if torch.is_tensor(bb[k]))
+
+
+def test_modelopt_in_place_fails_on_a_wrong_order_norm_or_layer_and_skips_a_shard_not_extracted(
+    exports, rows, loaded, real_target, tmp_path
+):
+    import json as js
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    modelopt_reader()
+    from eagle3_data.export.inplace_modelopt import InPlaceStreamingDataset
+
+    def variant(name, edit_table=None, edit_info=None, states=None):
+        d = tmp_path / name
+        shutil.copytree(exports["modelopt_inplace"], d)
+        info = js.loads((d / "inplace.json").read_text())
+        info["states_dir"] = str(states or exports["states"])
+        if edit_info:
+            edit_info(info)
+        (d / "inplace.json").write_text(js.dumps(info))
+        if edit_table:
+            part = next(d.glob("samples_*.parquet"))
+            pq.write_table(edit_table(pq.read_table(part)), part)
+        return d
+
+    ok = variant("ok")
+    assert check_modelopt(ok, rows, loaded, dataset=InPlaceStreamingDataset.from_data_path(ok)) == len(rows)
+
+    def swap(t):  # two rows of one selection point at each other's states
+        ids, src = t.column("sample_id").to_pylist(), t.column("source").to_pylist()
+        a, b = next((a, b) for a in range(len(ids)) for b in range(a + 1, len(ids)) if src[a] == src[b])
+        ids[a], ids[b] = ids[b], ids[a]
+        return t.set_column(t.schema.get_field_index("sample_id"), "sample_id", pa.array(ids, pa.string()))
+
+    order = variant("order", edit_table=swap)
+    with pytest.raises((AssertionError, ValueError)):  # Model-Optimizer's token drift: a fault, not a miss
+        check_modelopt(order, rows, loaded, dataset=InPlaceStreamingDataset.from_data_path(order))
+    with pytest.raises(ValueError, match="post-norm"):  # pre-norm states are refused, not trained on
+        InPlaceStreamingDataset.from_data_path(variant("norm", edit_info=lambda i: i.update(final="pre")))
+    other, _ = _extract(tmp_path / "other", rows, real_target, loaded, drafters=["eagle3"], layers=[0, 1, 2])
+    layer = variant("layer", states=other)
+    with pytest.raises(AssertionError):
+        check_modelopt(layer, rows, loaded, dataset=InPlaceStreamingDataset.from_data_path(layer))
+    # a shard not extracted yet: its samples are misses, and Model-Optimizer serves the next one that has states
+    states = tmp_path / "partial_states"
+    shutil.copytree(exports["states"], states)
+    side = pq.read_table(next(exports["modelopt_inplace"].glob("samples_*.parquet"))).to_pylist()
+    gone = side[0]["source"]
+    (states / f"{gone}.safetensors").unlink()
+    ds = InPlaceStreamingDataset.from_data_path(variant("partial", states=states), recheck_s=0.0)
+    served = [ds[i]["input_ids"].tolist() for i in range(len(side))]
+    assert {tuple(x) for x in served} == {tuple(r["input_ids"]) for r in side if r["source"] != gone}
+    assert all(served[i] == r["input_ids"] for i, r in enumerate(side) if r["source"] != gone)
+    shutil.copy(exports["states"] / f"{gone}.safetensors", states / f"{gone}.safetensors")  # its job ends
+    assert ds[0]["input_ids"].tolist() == side[0]["input_ids"]
 
 
 def test_modelopt_check_fails_on_broken_exports(exports, rows, loaded, tmp_path):

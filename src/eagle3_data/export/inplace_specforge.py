@@ -16,10 +16,12 @@ The ``specforge_inplace`` layout is that manifest without the copy:
   states file: ``input_ids`` [T] int64, ``loss_mask`` [T] int64, ``aux_hidden_state`` [1, T, A*H] and
   ``hidden_state`` [1, T, H] (post-norm), the tensors the ``specforge`` export writes, bit for bit.
 
-SpecForge picks its store by ``DISAGG_BACKEND`` among two names (``shared_dir``, ``mooncake``), so train with this
-module's launcher, which adds ``eagle3_data``: ``DISAGG_BACKEND=eagle3_data
-DISAGG_MANIFEST=results/export/specforge_inplace/manifest.json python -m eagle3_data.export.inplace_specforge train
---config run.yaml training.role=consumer ...`` (the rest as ``specforge train``).
+SpecForge picks its store among two backends (``deployment.disaggregated.backend``: ``shared_dir``, ``mooncake``),
+with no registry, so train with this module's launcher (:func:`install`): ``python -m
+eagle3_data.export.inplace_specforge train --config run.yaml deployment.mode=disaggregated
+deployment.disaggregated.control_dir=results/export/specforge_inplace deployment.disaggregated.backend=shared_dir
+training.role=consumer ...`` (the rest as ``specforge train``): a manifest beside this package's ``inplace.json`` is
+read through :class:`InPlaceFeatureStore`.
 
 Training before extraction ends: the manifest lists every merged sample once the merge is done, and SpecForge's
 offline trainer reads it once. A sample whose states file is not there yet waits in ``get()`` up to ``wait_s``
@@ -37,17 +39,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from ..files import atomic_path, write_json
-from .inplace_states import RECHECK_S, InPlaceStates
+from .inplace_states import INDEX_FILE, RECHECK_S, InPlaceStates, side_rows
 from .layouts import grouped_record
 
 #: the ref manifest of a ``specforge_inplace`` directory (SpecForge's ``DISAGG_MANIFEST``)
 MANIFEST = "manifest.json"
-#: the name of the store in SpecForge's ``DISAGG_BACKEND`` (with this module's launcher)
+#: the name of the store (its ``store_id`` and ``health()``)
 BACKEND = "eagle3_data"
 #: SpecForge 0.2.0's ``SampleRef`` schema version (``specforge/runtime/contracts.py``)
 SCHEMA_VERSION = 1
@@ -64,19 +62,9 @@ def ref_dicts(out_dir, run_id: str = "eagle3_data") -> list[dict]:
     ``OfflineManifestReader`` by default), ``num_tokens``, and ``metadata``: ``format`` ``offline_eagle3``,
     ``target_repr`` ``hidden_state``, ``file_index`` (the global index), ``source`` and ``sample`` (the merged set's
     sample id). Raises ValueError when the side tables' indices are not ``0..N-1`` (a shard's export is missing)."""
-    out_dir = Path(out_dir)
-    parts = sorted(out_dir.glob("samples_*.parquet"), key=lambda p: int(p.stem.split("_")[1]))
-    cols = ["index", "sample_id", "source", "seq_len"]
-    tables = [pq.read_table(p, columns=cols) for p in parts]
-    t = pa.concat_tables(tables).sort_by("index") if tables else None
-    index = np.asarray([] if t is None else t.column("index").to_numpy())
-    if not np.array_equal(index, np.arange(len(index))):
-        gap = next(i for i, v in enumerate(np.append(index, -1)) if v != i)
-        raise ValueError(f"export: {out_dir} has no sample {gap} in its samples_*.parquet files: rerun the export")
-    if t is None:
-        return []
+    rows = side_rows(out_dir, ["index", "sample_id", "source", "seq_len"])
     refs = []
-    for i, sid, src, n in zip(index.tolist(), *(t.column(c).to_pylist() for c in cols[1:])):
+    for i, sid, src, n in ((r["index"], r["sample_id"], r["source"], r["seq_len"]) for r in rows):
         refs.append(
             {
                 "sample_id": f"{run_id}:{i:08d}",
@@ -198,23 +186,21 @@ class InPlaceFeatureStore(_store_base()):
 
 
 def install() -> None:
-    """Make ``DISAGG_BACKEND=eagle3_data`` name :class:`InPlaceFeatureStore` in SpecForge 0.2.0's disaggregated
-    training (``specforge/training/disaggregated.py``, ``_offline_store``: two backends, no registry): the store over
-    ``DISAGG_MANIFEST``'s folder, waiting ``EAGLE3_DATA_WAIT_S`` seconds (default 0) for a states file. Any other
-    backend is SpecForge's own."""
+    """Make SpecForge 0.2.0's disaggregated trainer read a ``specforge_inplace`` manifest through
+    :class:`InPlaceFeatureStore`. Its store factory (``specforge/training/disaggregated.py``, ``_offline_store``)
+    knows two backends and no registry; after this, a manifest (``DISAGG_MANIFEST``, set by SpecForge from
+    ``deployment.disaggregated.control_dir``) whose folder holds this package's ``inplace.json`` is served by the
+    in-place store (waiting ``EAGLE3_DATA_WAIT_S`` seconds, default 0, for a states file), and any other by
+    SpecForge's own backend. Idempotent."""
     import specforge.training.disaggregated as disagg
 
     own = getattr(disagg._offline_store, "__wrapped__", disagg._offline_store)
 
     def _offline_store(cfg, *, retain_on_release: bool = False):
-        if os.environ.get("DISAGG_BACKEND", "shared_dir") != BACKEND:
+        folder = Path(os.environ.get("DISAGG_MANIFEST") or ".").parent
+        if not (folder / INDEX_FILE).is_file():
             return own(cfg, retain_on_release=retain_on_release)
-        manifest = os.environ.get("DISAGG_MANIFEST")
-        if not manifest:
-            raise ValueError(
-                "DISAGG_BACKEND=eagle3_data needs DISAGG_MANIFEST (results/export/specforge_inplace/manifest.json)"
-            )
-        return InPlaceFeatureStore(Path(manifest).parent, wait_s=float(os.environ.get("EAGLE3_DATA_WAIT_S", "0")))
+        return InPlaceFeatureStore(folder, wait_s=float(os.environ.get("EAGLE3_DATA_WAIT_S") or 0))
 
     _offline_store.__wrapped__ = own
     disagg._offline_store = _offline_store
@@ -222,10 +208,24 @@ def install() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m eagle3_data.export.inplace_specforge <specforge arguments>``: SpecForge's own command line
-    (``specforge``) with ``DISAGG_BACKEND=eagle3_data`` installed."""
+    (``specforge``) with the in-place store installed (:func:`install`). Returns its exit code.
+
+    SpecForge starts the workers of a several-process run as ``python -m specforge.cli``, processes without the
+    store: such a run is refused (SystemExit with a message) with the command that starts them under ``torchrun`` instead, where
+    SpecForge runs in each worker's own process."""
+    import specforge.launch_plan as launch_plan
     from specforge.cli import main as specforge_main
 
     install()
+
+    def refuse(plan, *args, **kwargs):
+        raise SystemExit(
+            "this run starts its workers as `python -m specforge.cli`, which would not read the states in place: "
+            "start them with torchrun, e.g. `torchrun --nproc-per-node 8 -m eagle3_data.export.inplace_specforge "
+            "train --config ...` (deployment.trainer.nproc_per_node = --nproc-per-node)"
+        )
+
+    launch_plan.run_commands = refuse
     return specforge_main(argv)
 
 

@@ -18,6 +18,26 @@ INDEX_FILE = "inplace.json"
 RECHECK_S = 10.0
 
 
+def side_rows(out_dir, columns: list[str]) -> list[dict]:
+    """The rows of the side tables ``samples_*.parquet`` of the export directory ``out_dir``, ``columns`` of each (one
+    of them ``index``), in global index order. Raises ValueError when the indices are not ``0..N-1`` without gap or
+    repeat (a shard's export is missing), naming the first missing index."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out_dir = Path(out_dir)
+    parts = sorted(out_dir.glob("samples_*.parquet"), key=lambda p: int(p.stem.split("_")[1]))
+    if not parts:
+        return []
+    t = pa.concat_tables([pq.read_table(p, columns=columns) for p in parts]).sort_by("index")
+    index = t.column("index").to_numpy()
+    if not np.array_equal(index, np.arange(len(index))):
+        gap = next(i for i, v in enumerate(np.append(index, -1)) if v != i)
+        raise ValueError(f"export: {out_dir} has no sample {gap} in its samples_*.parquet files: rerun the export")
+    return t.to_pylist()
+
+
 class InPlaceStates:
     """The states files of the in-place data directory ``data_path`` (an in-place layout's export directory).
 

@@ -11,7 +11,8 @@ import numpy as np
 #: named in errors), ``final`` (the final-state form: ``post`` | ``pre`` | None: none), ``files`` (``grouped``:
 #: ``rows_*/`` folders; ``speculators``: ``hidden_states/hs_{i}.safetensors`` and a data directory; ``inplace``: a
 #: speculators data directory whose states are read from the extracted files, :mod:`.inplace`; ``refs``: a SpecForge
-#: ref manifest whose states are read from the extracted files, :mod:`.inplace_specforge`), ``ids``
+#: ref manifest whose states are read from the extracted files, :mod:`.inplace_specforge`; ``stream``: side tables
+#: whose states Model-Optimizer's streaming dataset reads from the extracted files, :mod:`.inplace_modelopt`), ``ids``
 #: (how the trainer's config numbers the target layers: ``layer``, the 0-based decoder layer whose output it reads,
 #: as SpecForge and Model-Optimizer do; ``hidden_states_index``, the index into the target's ``hidden_states``
 #: tuple, whose entry 0 is the embeddings: layer + 1, as speculators' ``target_layer_ids`` do)
@@ -24,6 +25,7 @@ CONTRACTS = {
     "speculators_inplace": {"drafters": ("eagle3",), "final": "pre", "files": "inplace", "ids": "hidden_states_index"},
     "specforge_inplace": {"drafters": ("eagle3",), "final": "post", "files": "refs", "ids": "layer"},
     "modelopt": {"drafters": ("eagle3",), "final": "post", "files": "grouped", "ids": "layer"},
+    "modelopt_inplace": {"drafters": ("eagle3",), "final": "post", "files": "stream", "ids": "layer"},
 }
 
 LAYOUTS = tuple(CONTRACTS)
@@ -31,7 +33,8 @@ LAYOUTS = tuple(CONTRACTS)
 #: the layouts whose directory is a speculators data path (rule export_dataset)
 SPECULATORS_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] in ("speculators", "inplace"))
 #: the layouts that copy no states: a data directory whose trainer reads results/hidden_states/ in place
-INPLACE_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] in ("inplace", "refs"))
+INPLACE_FILES = ("inplace", "refs", "stream")
+INPLACE_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] in INPLACE_FILES)
 #: the layouts whose directory holds a SpecForge ref manifest (rule export_refs)
 REFS_LAYOUTS = tuple(k for k, v in CONTRACTS.items() if v["files"] == "refs")
 

@@ -57,6 +57,10 @@ written once the merge is done; the trainer reads each sample from ``results/hid
 ``speculators_inplace`` (final state post-norm), and, once every shard is exported, SpecForge's ref manifest
 ``<out_dir>/manifest.json`` (rule ``export_refs``); the store serves each ref the tensors of a ``specforge`` file.
 
+``modelopt_inplace`` (Model-Optimizer 0.47's ``StreamingDataset`` subclassed, :mod:`.inplace_modelopt`): no states
+copied. ``<out_dir>/samples_{start}.parquet`` and ``inplace.json`` as ``speculators_inplace`` (final state
+post-norm); the dataset's ``_fetch`` reads each sample's states from ``results/hidden_states/``.
+
 ``modelopt`` (NVIDIA Model-Optimizer offline EAGLE-3 data: the dump of
 ``examples/speculative_decoding/collect_hidden_states/compute_hidden_states_hf.py``, read by
 ``OfflineSupervisedDataset`` in ``modelopt/torch/speculative/eagle/utils.py`` from every ``*.pt`` under
@@ -106,7 +110,7 @@ import pyarrow.parquet as pq
 
 from ..files import atomic_path, write_json
 
-from .layouts import CONTRACTS, SPECULATORS_DATASET_FILES, sample_path
+from .layouts import CONTRACTS, INPLACE_FILES, SPECULATORS_DATASET_FILES, sample_path
 from .writer import MergedShard, SampleWriter, ShardRows, StatesIndex, write_side_table
 
 if TYPE_CHECKING:
@@ -168,7 +172,7 @@ def export(
             writer.write(rows, j, index)
     finally:
         index.close()
-    in_place = writer.contract["files"] in ("inplace", "refs")
+    in_place = writer.contract["files"] in INPLACE_FILES
     if (in_place or writer.contract["files"] == "speculators") and writer.spec_rows["ids"]:
         # (an empty shard shares its start with the next one: it writes none)
         side = write_side_table(writer.spec_rows, writer.out_dir, shard, provenance)

@@ -18,6 +18,7 @@ from ..files import atomic_path, write_parquet
 
 from .layouts import (
     CONTRACTS,
+    INPLACE_FILES,
     LAYOUTS,
     configured_layer_ids,
     drafter_of,
@@ -184,7 +185,7 @@ class SampleWriter:
         sid = rows.sample_ids[j]
         if rows.sources[j] is None:
             raise ValueError(f"{rows.path}: row {j} ({sid!r}) has no source selection")
-        if self.contract["files"] in ("inplace", "refs"):  # no states read or copied: the trainer reads them in place
+        if self.contract["files"] in INPLACE_FILES:  # no states read or copied: the trainer reads them in place
             self.tokens += len(rows.ids(j))
             self.spec_rows["ids"].append((self.shard.start_index + j, sid, rows.datasets[j], rows.ids(j).tolist()))
             self.spec_rows["mask"].append(rows.mask(j).tolist())

@@ -17,7 +17,8 @@ Arithmetic (printed in the report with the real numbers):
   EAGLE-3 ``.ckpt`` and Model-Optimizer ``.pt`` ``A*H*b + H*b + 16`` (int64 ids and mask), DFlash ``F*H*b + 16``,
   DSpark ``F*H*b + H*b + 16``, speculators ``(A+1)*H*b + 8`` (int64 ids), speculators FP8 ``(A+1)*H + 12``
   (A = EAGLE-3's 3 layers, F = DFlash's 5); each file's own header (a few hundred bytes per sample) comes on top;
-  ``speculators_inplace`` and ``specforge_inplace`` copy no states: their sample table's ``16`` (int64 ids and mask, before compression);
+  the in-place layouts (``speculators_inplace``, ``specforge_inplace``, ``modelopt_inplace``) copy no states: their
+  sample table's ``16`` (int64 ids and mask, before compression);
 - storage = tokens x bytes per token (+ 8 bytes per sample of offsets), shown in decimal and binary units
   (B, KB = 1e3 ... TB = 1e12; KiB = 2^10 ... TiB = 2^40), the largest that keeps the number >= 1;
 - disk (:func:`sink_check`): per filesystem (``results/hidden_states/``, ``results/export/``: the nearest existing

@@ -122,7 +122,7 @@ def render_markdown(plan: dict) -> str:
             "## Exports",
             "",
             "Each export layout is a copy of the states in the form its trainer reads, in the extract dtype "
-            "(speculators_fp8: fp8), every row, except an in-place layout (speculators_inplace, specforge_inplace), which writes its "
+            "(speculators_fp8: fp8), every row, except an in-place layout (speculators_inplace, specforge_inplace, modelopt_inplace), which writes its "
             "sample table only: its trainer reads the states where extraction wrote them. Bytes per token, and "
             "in total for this build's tokens (requested in export.layouts: **yes**).",
             "",

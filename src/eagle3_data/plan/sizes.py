@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..extract.model import DFLASH_DRAFT_LAYERS
+from ..export.layouts import INPLACE_LAYOUTS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TB, TIB = 1e12, float(2**40)
@@ -61,10 +62,7 @@ def export_bytes_per_token(
         return bytes_per_token(H, F, dtype=dtype, ids_bytes=16, final="all" if layout == "specforge_dspark" else "none")
     if layout == "speculators":
         return bytes_per_token(H, A, dtype=dtype, ids_bytes=8)
-    if layout in (
-        "speculators_inplace",
-        "specforge_inplace",
-    ):  # its sample table only (int64 ids and mask): the states are read in place
+    if layout in INPLACE_LAYOUTS:  # its sample table only (int64 ids and mask): the states are read in place
         return {"aux": 0.0, "final": 0.0, "ids": 16.0, "total": 16.0}
     if layout == "speculators_fp8":  # [T, A+1, H] fp8 + one float32 scale per token
         return {"aux": float(A * H), "final": float(H), "ids": 12.0, "total": float((A + 1) * H + 12)}

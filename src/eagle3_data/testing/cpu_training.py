@@ -8,7 +8,11 @@ assumes of an accelerator is changed, and only here:
   call): its ``Trainer`` moves the model and every batch to ``LOCAL_RANK`` taken as a device index (``.to(0)``,
   the first accelerator) and synchronizes the accelerator around every logged step (``speculators/train/
   trainer.py``). Here the trainer's device is ``"cpu"`` and ``torch.accelerator.synchronize`` does nothing.
-- SpecForge 0.2.0, ``specforge.cli.main`` (the ``specforge`` command): its EAGLE-3 KL loss is a Triton kernel
+- speculators reads ``--hidden-states-backend eagle3_data`` (the ``speculators_inplace`` layout) as
+  ``python -m eagle3_data.export.inplace`` does: that module is imported first, which registers the backend.
+- SpecForge 0.2.0, ``specforge.cli.main`` (the ``specforge`` command), through ``python -m
+  eagle3_data.export.inplace_specforge``'s ``main`` (SpecForge's command with this package's in-place feature
+  store installed for a ``specforge_inplace`` manifest; any other run is SpecForge's alone): its EAGLE-3 KL loss is a Triton kernel
   (``LogSoftmaxLoss`` in ``specforge/core/loss.py``, a module that imports ``triton``). Here that module is
   replaced by one whose ``LogSoftmaxLoss.apply`` is the same file's PyTorch reference, ``_compute_loss``
   (``-sum(position_mask * target_p * log_softmax(logits), -1).mean()``, without its ``torch.compile``).
@@ -59,6 +63,8 @@ def run_speculators(argv: list[str]) -> list[dict]:
     from speculators.train.cli import main as train_main
     from speculators.train.config import TrainConfig
 
+    import eagle3_data.export.inplace  # noqa: F401 - registers --hidden-states-backend eagle3_data
+
     steps: list[dict] = []
 
     class _Metrics(logging.Handler):
@@ -93,8 +99,9 @@ def run_specforge(argv: list[str]) -> list[dict]:
 
     sys.modules["specforge.core.loss"] = loss_module
 
-    from specforge.cli import main as specforge_main
     from specforge.training import controller
+
+    from eagle3_data.export.inplace_specforge import main as specforge_main
 
     steps: list[dict] = []
     train_step = controller.TrainerCore.train_step
