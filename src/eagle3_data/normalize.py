@@ -3,7 +3,7 @@ sources) + one rejects file.
 
 Output rows (``schemas.PROMPTS``): ``sample_id`` (the source's own id, else ``files.content_hash(messages,
 tools)``), ``dataset``, ``messages`` (JSON text of OpenAI messages: role system/user/assistant/tool,
-``content`` always a string, ``tool_calls`` with ``function.arguments`` as JSON text, ``tool_call_id``/``name``
+``content`` a string, or for a user message with images its text and image parts (:mod:`eagle3_data.images`), ``tool_calls`` with ``function.arguments`` as JSON text, ``tool_call_id``/``name``
 on tool messages; original assistant turns are kept), ``tools`` (JSON text of OpenAI tool definitions, or
 null), ``source_format``, ``source_row`` (0-based record index in the source file; for JSONL blank lines are
 not counted). Shard of a row = ``files.shard_of(sample_id, num_shards)``, so appending records to a source never
@@ -43,6 +43,7 @@ from . import schemas
 from .errors import ExpectedFailure
 from .decontaminate.overlap import normalized, squash
 from .files import atomic_path, content_hash, shard_of
+from .images import content_text, image_parts
 from .sources import FORMAT_PROBE_RECORDS, RowReject, SourceFormatError, get_adapter, iter_records
 from .sources.readers import TOO_DEEP, InvalidLine
 
@@ -151,9 +152,18 @@ def prompt_key(messages: list) -> str | None:
     one line per message; a text without a word counts with its spacing squashed. None without a user text.
 
     ``[{"role": "user", "content": "What is 2+2?"}]`` and ``[{"role": "system", ...}, {"role": "user", "content":
-    "what is 2 + 2"}]`` get the same key: system prompts and assistant turns are not part of it."""
-    texts = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-    lines = [normalized(t) or squash(t) for t in texts if isinstance(t, str) and t.strip()]
+    "what is 2 + 2"}]`` get the same key: system prompts and assistant turns are not part of it. A user message's
+    images (:mod:`eagle3_data.images`) are part of its line, by their digests: one question about two pictures
+    is two prompts."""
+    lines = []
+    for m in messages:
+        if not (isinstance(m, dict) and m.get("role") == "user"):
+            continue
+        text, pictures = content_text(m.get("content")), image_parts([m])
+        line = (normalized(text) or squash(text)) if text.strip() else ""
+        line += "".join(f" <image {p['image']['sha256']}>" for p in pictures)
+        if line:
+            lines.append(line)
     return content_hash("prompt", lines, length=8) if lines else None
 
 

@@ -12,6 +12,8 @@ format (config ``source.format``)  records
 ``nebius_swe_agent``        ``{instance_id, model_name, trajectory: [{role: system|user|ai, text}]}``
 ``glaive``                  ``{system, chat}`` strings (glaive-function-calling-v2)
 ``instruction_response``    ``{instruction|problem|input, response|solution|output}`` (Magicoder, OpenCodeInstruct)
+``llava``                   ``{id, image, conversations: [{from, value}]}`` with ``<image>`` markers (LLaVA-Instruct,
+                            ShareGPT4V, ALLaVA): image prompts, images read from ``options.image_dir``
 ``pretokenized``            ``{sample_id?, input_ids, loss_mask}`` -> TOKENS rows, skips generation
 ==========================  ==========================================================================
 
@@ -30,6 +32,7 @@ from .base import (
 )
 from .glaive import Glaive
 from .instruction import InstructionResponse
+from .llava import LLaVA
 from .openai_messages import MixtureOfThoughts, OpenAIMessages, SWESmith, UltraChat
 from .pretokenized import Pretokenized
 from .readers import file_kind, iter_records
@@ -48,6 +51,7 @@ ADAPTERS: dict[str, type[Adapter]] = {
         NebiusSWEAgent,
         Glaive,
         InstructionResponse,
+        LLaVA,
         Pretokenized,
     )
 }

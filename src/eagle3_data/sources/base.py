@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ExpectedFailure
+from ..images import IMAGE_REJECTS, content_text, image_parts
 
 # Reason codes written to ``results/<ds>/rejected/normalize.parquet`` (column ``reason``), stage "normalize".
 REJECT_REASONS: dict[str, str] = {
@@ -40,6 +41,8 @@ REJECT_REASONS: dict[str, str] = {
     "non_integer_id": "pre-tokenized input_ids holding a non-integer value (float, string, bool, null)",
     "id_out_of_range": "pre-tokenized input_ids value below 0 or above the int32 range",
     "invalid_mask_value": "pre-tokenized loss_mask value other than 0/1 (true/false accepted)",
+    # image prompts (eagle3_data.images)
+    **IMAGE_REJECTS,
 }
 
 # A record missing the format's required key among the first this-many records means "wrong format" (fail fast).
@@ -266,5 +269,5 @@ def check_conversation(messages: list[dict]) -> None:
     else:
         raise RowReject("no_user_turn", f"{len(messages)} message(s), all system")
     for i, m in enumerate(messages):
-        if m["role"] == "user" and not m["content"].strip():
+        if m["role"] == "user" and not content_text(m["content"]).strip() and not image_parts([m]):
             raise RowReject("empty_user_message", f"user message at index {i} is empty")

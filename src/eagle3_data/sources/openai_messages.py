@@ -30,6 +30,7 @@ from .base import (
     strip_think,
     text_of,
 )
+from .llava import resolve_image
 
 ROLE_ALIASES = {"developer": "system"}
 
@@ -43,6 +44,7 @@ class OpenAIMessages(Adapter):
         "messages_field": "messages",
         "tools_field": "tools",
         "strip_think": True,
+        "image_dir": None,  # set: user messages may hold image_url parts, their url a path relative to it
     }
 
     def _shape_problem_of_value(self, key: str, value: Any) -> str | None:
@@ -81,7 +83,10 @@ class OpenAIMessages(Adapter):
         if not isinstance(role, str):
             raise RowReject("malformed_message", f"{where} has no `role` string")
         role = ROLE_ALIASES.get(role, role)
-        content = text_of(m.get("content"), where)
+        raw = m.get("content")
+        if self.options["image_dir"] is not None and role == "user" and isinstance(raw, list):
+            return {"role": role, "content": self._parts(raw, where)}
+        content = text_of(raw, where)
         if role == "assistant" and self.options["strip_think"] and "<think>" in content:
             content = strip_think(content)
         out: dict = {"role": role, "content": content}
@@ -92,6 +97,19 @@ class OpenAIMessages(Adapter):
         if isinstance(m.get("name"), str) and m["name"]:
             out["name"] = m["name"]
         return out
+
+    def _parts(self, raw: list, where: str) -> list[dict] | str:
+        """A user message's content parts with its images read from ``image_dir`` (text alone: a string)."""
+        out: list[dict] = []
+        for part in raw:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                out.append(resolve_image(url, self.options["image_dir"], None))
+            else:
+                text = text_of([part], where)
+                if text:
+                    out.append({"type": "text", "text": text})
+        return out if any(p["type"] == "image_url" for p in out) else "".join(p["text"] for p in out)
 
 
 class UltraChat(OpenAIMessages):

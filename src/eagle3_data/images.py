@@ -1,0 +1,173 @@
+"""Image prompts for multimodal targets: the image parts of a prompt's messages, and the target's image processor.
+
+An image in a prompt is an OpenAI ``image_url`` content part (the form OpenRouter, vLLM and SGLang take). In the
+build's files it names its file, relative to the dataset's image folder (``datasets.<name>.source.image_dir``), and
+carries the file's digest and size, so that the request key and the prompt key depend on the image's bytes, not on
+where the folder is::
+
+    {"type": "image_url", "image_url": {"url": "shapes/red_circle.png"},
+     "image": {"sha256": "<64 hex digits>", "width": 80, "height": 60}}
+
+:func:`request_content` turns such a part into what an API takes: the same part with a ``data:`` URL and without
+the ``image`` key.
+
+The target's processor decides how many positions an image takes. For the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL: ``preprocessor_config.json`` with ``patch_size``, ``merge_size``, ``temporal_patch_size``) the chat
+template writes one ``<|image_pad|>`` per image and the processor repeats it ``t * h * w / merge_size**2`` times,
+``(t, h, w)`` being the image's patch grid (transformers ``Qwen2_5_VLProcessor.replace_image_token``; vLLM's
+``Qwen2VLMultiModalProcessor`` does the same). :class:`TargetImages` computes it with the target's own image
+processor and expands rendered ids with it (:meth:`TargetImages.expand`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import mimetypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: the reject reasons of image prompts (stage normalize), with what each means
+IMAGE_REJECTS = {
+    "image_missing": "an image the record names is not in the dataset's image folder (datasets.<name>.source.image_dir)",
+    "image_unreadable": "an image file that PIL cannot decode (truncated, not an image, or an unknown format)",
+    "image_marker_mismatch": "the record's `<image>` markers and its images differ in number",
+}
+
+
+class ImageProblem(ValueError):
+    """An image of a record cannot be used: ``reason`` is a key of :data:`IMAGE_REJECTS`."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def image_part(name: str, image_dir) -> dict:
+    """The content part of image ``name`` (a path relative to ``image_dir``): its file decoded once by PIL (whole,
+    not only its header), its SHA-256 and size. Raises :class:`ImageProblem` (``image_missing``: no such file, or
+    a path leaving ``image_dir``; ``image_unreadable``: PIL cannot decode it)."""
+    from PIL import Image, UnidentifiedImageError
+
+    root = Path(image_dir).resolve()
+    path = (root / name).resolve()
+    if root not in path.parents or not path.is_file():
+        raise ImageProblem("image_missing", f"{name!r} is not a file in {image_dir}")
+    data = path.read_bytes()
+    try:
+        with Image.open(path) as im:
+            im.load()
+            width, height = im.size
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise ImageProblem("image_unreadable", f"{path}: {exc}") from None
+    return {
+        "type": "image_url",
+        "image_url": {"url": name},
+        "image": {"sha256": hashlib.sha256(data).hexdigest(), "width": width, "height": height},
+    }
+
+
+def is_image(part: Any) -> bool:
+    """Whether a content part is an image part."""
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def content_text(content: Any) -> str:
+    """The text of a message ``content``: itself when a string, else its text parts joined (image parts left out)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+def image_parts(messages: list[dict]) -> list[dict]:
+    """The image parts of ``messages``, in order."""
+    return [p for m in messages if isinstance(m.get("content"), list) for p in m["content"] if is_image(p)]
+
+
+def image_key(messages: list[dict]) -> str:
+    """The images of ``messages`` as one JSON text of their digests, in order ("" for none): what a request key or
+    a prompt key adds for them."""
+    digests = [p["image"]["sha256"] for p in image_parts(messages)]
+    return json.dumps(digests) if digests else ""
+
+
+def data_url(path) -> str:
+    """``data:<mime>;base64,<bytes>`` of the file ``path`` (the MIME type from its name; PNG when unknown)."""
+    mime = mimetypes.guess_type(str(path))[0] or "image/png"
+    return f"data:{mime};base64,{base64.b64encode(Path(path).read_bytes()).decode('ascii')}"
+
+
+def request_content(content: Any, image_dir) -> Any:
+    """``content`` as an API takes it: image parts with a ``data:`` URL of their file (read from ``image_dir``) and
+    without the build's ``image`` key; text parts and strings unchanged. Raises :class:`ImageProblem`
+    (``image_missing``) when a file is gone, or holds other bytes than its digest says."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for p in content:
+        if not is_image(p):
+            out.append(p)
+            continue
+        path = Path(image_dir) / p["image_url"]["url"]
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != p["image"]["sha256"]:
+            raise ImageProblem("image_missing", f"{path} is gone or changed since normalize")
+        out.append({"type": "image_url", "image_url": {"url": data_url(path)}})
+    return out
+
+
+@dataclass
+class TargetImages:
+    """The image side of a multimodal target: its image processor (``preprocessor_config.json`` of the target's
+    folder) and the id of its image placeholder token.
+
+    Qwen2-VL family only (``image_processor_type`` ``Qwen2VLImageProcessor``); ValueError names another. The
+    processor runs on PIL (transformers ``Qwen2VLImageProcessorPil``), with the target's own settings."""
+
+    processor: Any
+    image_token_id: int
+
+    @classmethod
+    def load(cls, target_dir, image_token_id: int | None = None) -> "TargetImages":
+        """The target folder's image processor; ``image_token_id`` from its ``config.json`` when not given."""
+        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+        target_dir = Path(target_dir)
+        cfg_path = target_dir / "preprocessor_config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"{target_dir}: no preprocessor_config.json: not a multimodal target")
+        cfg = json.loads(cfg_path.read_text())
+        kind = str(cfg.get("image_processor_type", ""))
+        if not kind.startswith("Qwen2VLImageProcessor"):
+            raise ValueError(f"{cfg_path}: image_processor_type {kind!r}: only the Qwen2-VL family is supported")
+        if image_token_id is None:
+            image_token_id = int(json.loads((target_dir / "config.json").read_text())["image_token_id"])
+        return cls(Qwen2VLImageProcessorPil.from_pretrained(str(target_dir)), int(image_token_id))
+
+    def inputs(self, images: list) -> dict:
+        """The model's image inputs for ``images`` (PIL images, in prompt order): ``pixel_values`` [P, C*t*p*p]
+        float32 and ``image_grid_thw`` [N, 3] int64."""
+        return dict(self.processor(images=images, return_tensors="pt"))
+
+    def placeholder_counts(self, grid_thw) -> list[int]:
+        """Positions each image takes: ``t * h * w // merge_size**2`` per row of ``grid_thw`` [N, 3]."""
+        merge = int(self.processor.merge_size) ** 2
+        return [int(t) * int(h) * int(w) // merge for t, h, w in grid_thw.tolist()]
+
+    def expand(self, ids: list[int], counts: list[int]) -> list[int]:
+        """``ids`` (a rendered prompt: one image token per image) with the k-th image token repeated ``counts[k]``
+        times. Raises ValueError when the image tokens and ``counts`` differ in number."""
+        found = sum(1 for i in ids if i == self.image_token_id)
+        if found != len(counts):
+            raise ValueError(f"the ids hold {found} image token(s) for {len(counts)} image(s)")
+        out, k = [], 0
+        for i in ids:
+            if i == self.image_token_id:
+                out.extend([i] * counts[k])
+                k += 1
+            else:
+                out.append(i)
+        return out
