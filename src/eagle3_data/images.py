@@ -1,11 +1,12 @@
 """Image prompts for multimodal targets: the image parts of a prompt's messages, and the target's image processor.
 
 An image in a prompt is an OpenAI ``image_url`` content part (the form OpenRouter, vLLM and SGLang take). In the
-build's files it names its file, relative to the dataset's image folder (``datasets.<name>.source.image_dir``), and
-carries the file's digest and size, so that the request key and the prompt key depend on the image's bytes, not on
-where the folder is::
+build's files it names its file as the dataset's image folder (``datasets.<name>.source.options.image_dir``) joined
+with the record's name for it (relative to the working directory, as ``source.path`` is, so every later stage finds
+it), and carries the file's digest and size, so that a key can depend on the image's bytes rather than on where the
+folder is (:func:`image_key`)::
 
-    {"type": "image_url", "image_url": {"url": "shapes/red_circle.png"},
+    {"type": "image_url", "image_url": {"url": "resources/samples/images/red_circle.png"},
      "image": {"sha256": "<64 hex digits>", "width": 80, "height": 60}}
 
 :func:`request_content` turns such a part into what an API takes: the same part with a ``data:`` URL and without
@@ -46,9 +47,10 @@ class ImageProblem(ValueError):
 
 
 def image_part(name: str, image_dir) -> dict:
-    """The content part of image ``name`` (a path relative to ``image_dir``): its file decoded once by PIL (whole,
-    not only its header), its SHA-256 and size. Raises :class:`ImageProblem` (``image_missing``: no such file, or
-    a path leaving ``image_dir``; ``image_unreadable``: PIL cannot decode it)."""
+    """The content part of image ``name`` (a path relative to ``image_dir``; its ``url``: the two joined): its file
+    decoded once by PIL (whole, not only its header), its SHA-256 and size. Raises :class:`ImageProblem`
+    (``image_missing``: no such file, or a path leaving ``image_dir``; ``image_unreadable``: PIL cannot decode
+    it)."""
     from PIL import Image, UnidentifiedImageError
 
     root = Path(image_dir).resolve()
@@ -64,7 +66,7 @@ def image_part(name: str, image_dir) -> dict:
         raise ImageProblem("image_unreadable", f"{path}: {exc}") from None
     return {
         "type": "image_url",
-        "image_url": {"url": name},
+        "image_url": {"url": str(Path(image_dir) / name)},
         "image": {"sha256": hashlib.sha256(data).hexdigest(), "width": width, "height": height},
     }
 
@@ -101,10 +103,10 @@ def data_url(path) -> str:
     return f"data:{mime};base64,{base64.b64encode(Path(path).read_bytes()).decode('ascii')}"
 
 
-def request_content(content: Any, image_dir) -> Any:
-    """``content`` as an API takes it: image parts with a ``data:`` URL of their file (read from ``image_dir``) and
-    without the build's ``image`` key; text parts and strings unchanged. Raises :class:`ImageProblem`
-    (``image_missing``) when a file is gone, or holds other bytes than its digest says."""
+def request_content(content: Any) -> Any:
+    """``content`` as an API takes it: image parts with a ``data:`` URL of their file and without the build's
+    ``image`` key; text parts and strings unchanged. Raises :class:`ImageProblem` (``image_missing``) when a file
+    is gone, or holds other bytes than its digest says."""
     if not isinstance(content, list):
         return content
     out = []
@@ -112,7 +114,7 @@ def request_content(content: Any, image_dir) -> Any:
         if not is_image(p):
             out.append(p)
             continue
-        path = Path(image_dir) / p["image_url"]["url"]
+        path = Path(p["image_url"]["url"])
         if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != p["image"]["sha256"]:
             raise ImageProblem("image_missing", f"{path} is gone or changed since normalize")
         out.append({"type": "image_url", "image_url": {"url": data_url(path)}})

@@ -48,7 +48,7 @@ def test_the_bundled_llava_prompts_normalize_with_their_images_in_place_and_name
         "content": [
             {
                 "type": "image_url",
-                "image_url": {"url": "red_circle.png"},
+                "image_url": {"url": str(IMAGES / "red_circle.png")},
                 "image": {"sha256": digest("red_circle.png"), "width": 80, "height": 60},
             },
             {"type": "text", "text": "What shape is in this picture, and what color is it?"},  # the marker's \n went
@@ -57,7 +57,11 @@ def test_the_bundled_llava_prompts_normalize_with_their_images_in_place_and_name
     # no marker, one image: before the text (LLaVA's convention); two markers: two images, in order
     assert [p["type"] for p in json.loads(rows["shape-1"]["messages"])[0]["content"]] == ["image_url", "text"]
     two = json.loads(rows["shape-2"]["messages"])[0]["content"]
-    assert [p.get("image_url", {}).get("url") for p in two] == ["green_triangle.png", "yellow_bar.png", None]
+    assert [Path(p.get("image_url", {}).get("url", "-")).name for p in two] == [
+        "green_triangle.png",
+        "yellow_bar.png",
+        "-",
+    ]
     # a marker mid-sentence stays mid-sentence; the assistant turns are kept for generate to replace
     mid = json.loads(rows["shape-4"]["messages"])
     assert [p.get("text") for p in mid[0]["content"]] == ["How many corners does the shape in ", None, " have?"]

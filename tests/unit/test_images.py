@@ -33,7 +33,7 @@ def test_the_bundled_images_are_drawn_the_same_every_time(pictures, tmp_path):
 def test_an_image_part_carries_the_files_digest_and_size_and_bad_files_are_named_rejects(pictures, tmp_path):
     folder = pictures[0].parent
     part = im.image_part("red_circle.png", folder)
-    assert part["image_url"] == {"url": "red_circle.png"}
+    assert part["image_url"] == {"url": str(folder / "red_circle.png")}
     assert part["image"] == {
         "sha256": hashlib.sha256((folder / "red_circle.png").read_bytes()).hexdigest(),
         "width": 80,
@@ -57,18 +57,18 @@ def test_an_image_part_carries_the_files_digest_and_size_and_bad_files_are_named
 def test_a_request_carries_the_image_as_a_data_url_of_its_bytes(pictures, tmp_path):
     folder = pictures[0].parent
     content = [im.image_part("blue_square.png", folder), {"type": "text", "text": "What color?"}]
-    sent = im.request_content(content, folder)
+    sent = im.request_content(content)
     assert sent[1] == content[1] and set(sent[0]) == {"type", "image_url"}
     head, b64 = sent[0]["image_url"]["url"].split(",", 1)
     assert head == "data:image/png;base64" and base64.b64decode(b64) == (folder / "blue_square.png").read_bytes()
-    assert im.request_content("plain text", folder) == "plain text"
+    assert im.request_content("plain text") == "plain text"
     assert im.content_text(content) == "What color?" and im.content_text(None) == ""
     messages = [{"role": "user", "content": content}]
     assert im.image_key(messages) == f'["{content[0]["image"]["sha256"]}"]' and im.image_key([]) == ""
-    changed = tmp_path / "blue_square.png"
-    changed.write_bytes((folder / "red_circle.png").read_bytes())  # same name, other bytes
+    moved = {**content[0], "image_url": {"url": str(tmp_path / "blue_square.png")}}
+    (tmp_path / "blue_square.png").write_bytes((folder / "red_circle.png").read_bytes())  # other bytes
     with pytest.raises(im.ImageProblem, match="changed since normalize"):
-        im.request_content(content, tmp_path)
+        im.request_content([moved])
 
 
 def _prompt(folder, *names, text="What shape is this?"):
