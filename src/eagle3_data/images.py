@@ -97,6 +97,31 @@ def image_key(messages: list[dict]) -> str:
     return json.dumps(digests) if digests else ""
 
 
+def key_messages(messages: list) -> list:
+    """``messages`` as a request key or a reply index reads them: an image part without its ``url`` (its
+    ``image`` digest stays), so moving the image folder keeps the key; messages without images unchanged."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(is_image(p) for p in content):
+            m = {
+                **m,
+                "content": [{k: v for k, v in p.items() if k != "image_url"} if is_image(p) else p for p in content],
+            }
+        out.append(m)
+    return out
+
+
+def request_messages(messages: list) -> list:
+    """``messages`` as an API takes them: each content through :func:`request_content` (a data URL per image).
+    Raises :class:`ImageProblem`."""
+    if not any(isinstance(m.get("content"), list) for m in messages if isinstance(m, dict)):
+        return messages
+    return [
+        {**m, "content": request_content(m["content"])} if isinstance(m.get("content"), list) else m for m in messages
+    ]
+
+
 def data_url(path) -> str:
     """``data:<mime>;base64,<bytes>`` of the file ``path`` (the MIME type from its name; PNG when unknown)."""
     mime = mimetypes.guess_type(str(path))[0] or "image/png"

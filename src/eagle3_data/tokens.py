@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 from . import schemas
 from .config.lookup import ORIGINAL_BACKEND
 from .prompt_check import mismatch_detail
+from .images import image_parts
 from .templates import (
     TargetTokens,
     TemplateError,
@@ -97,6 +98,37 @@ def _reject(base: dict, stage: str, reason: str, detail: str) -> dict:
         "reject_reason": reason,
         "reject_detail": (detail or "")[:500],
     }
+
+
+_TARGET_IMAGES: dict[str, object] = {}
+
+
+def expand_images(target: TargetTokens, prompt_ids: list[int], pictures: list[dict]) -> list[int]:
+    """``prompt_ids`` of a prompt with images (one image token each, as the template renders them) expanded as the
+    target's processor expands them (:class:`eagle3_data.images.TargetImages`, loaded once per target folder).
+    Raises :class:`eagle3_data.images.ImageProblem` (``image_prompt_text_target``: the target has no image
+    processor; ``image_missing``: a file gone or changed) or ValueError (the image tokens and images differ in
+    number)."""
+    from PIL import Image
+
+    from .images import ImageProblem, TargetImages, request_content
+
+    where = str(getattr(target, "path", None) or getattr(target.tok, "name_or_path", "") or "")
+    if where not in _TARGET_IMAGES:
+        try:
+            _TARGET_IMAGES[where] = TargetImages.load(where)
+        except (ValueError, OSError, KeyError) as exc:
+            _TARGET_IMAGES[where] = ImageProblem("image_prompt_text_target", f"target {where}: {exc}")
+    images = _TARGET_IMAGES[where]
+    if isinstance(images, ImageProblem):
+        raise images
+    request_content(pictures)  # each file still holds the bytes its digest names
+    pics = []
+    for p in pictures:
+        with Image.open(p["image_url"]["url"]) as im:
+            pics.append(im.convert("RGB"))
+    counts = images.placeholder_counts(images.inputs(pics)["image_grid_thw"])
+    return images.expand(prompt_ids, counts)
 
 
 def tokenize_batch(
@@ -184,7 +216,8 @@ def tokenize_batch(
         )
         texts.append(prompt)
         texts.extend(t for t, special in segs if not special)
-        work.append((len(meta) - 1, segs, exact, truncated, r.get("prompt_ids") or None))
+        pictures = image_parts(messages)
+        work.append((len(meta) - 1, segs, exact, truncated, r.get("prompt_ids") or None, pictures))
 
     encoded = target.encode_texts(texts)  # the one batched encode of the shard
     ids_out: list[list[int] | None] = [None] * len(meta)
@@ -200,10 +233,23 @@ def tokenize_batch(
         return special_ids[name]
 
     mismatched: set[int] = set()
-    for i, segs, exact, truncated, server_ids in work:
+    for i, segs, exact, truncated, server_ids, pictures in work:
         prompt_ids = encoded[k]
         k += 1
-        if server_ids is not None:  # the server rendered the prompt itself (vLLM return_token_ids)
+        if pictures:  # each image token repeated for the image's patches, as the target's processor does
+            try:
+                prompt_ids = expand_images(target, prompt_ids, pictures)
+            except (ValueError, OSError) as exc:
+                mismatched.add(i)
+                meta[i] = _reject(
+                    {k2: v for k2, v in meta[i].items() if not k2.startswith("reject_") and k2 != "ids_source"},
+                    "tokenize",
+                    getattr(exc, "reason", "image_tokens"),
+                    str(exc),
+                )
+        if (
+            server_ids is not None and i not in mismatched
+        ):  # the server rendered the prompt itself (vLLM return_token_ids)
             detail = mismatch_detail(target, prompt_ids, [int(x) for x in server_ids])
             if detail is not None:
                 mismatched.add(i)

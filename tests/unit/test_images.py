@@ -6,6 +6,7 @@ model's vision tower."""
 from __future__ import annotations
 
 import base64
+import json
 import hashlib
 
 import pytest
@@ -130,3 +131,125 @@ def test_the_image_positions_states_come_from_the_vision_tower(target, pictures)
     assert a[:first] == b[:first] and len(ha) == 5 and ha[-1].shape[-1] == 64
     assert torch.equal(ha[2][0, :first], hb[2][0, :first])
     assert not torch.allclose(ha[0][0, first], hb[0][0, first])  # the embeddings there are the images'
+
+
+# --- generation and tokenize of an image prompt ---------------------------------------------------------------
+
+
+def test_a_chat_request_sends_each_image_as_a_data_url_and_a_missing_one_is_a_sample_error(pictures, tmp_path):
+    import shutil
+
+    from eagle3_data.backends.chat import build_body
+    from eagle3_data.backends.definition import BackendConfig
+    from eagle3_data.backends.errors import SampleError
+
+    backend = BackendConfig.from_dict("v", {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m"})
+    shutil.copy(pictures[0], tmp_path / "pic.png")
+    messages = _prompt(tmp_path, "pic.png")
+    body = build_body(backend, messages, None, {"max_tokens": 5})
+    sent = body["messages"][1]["content"][0]
+    assert set(sent) == {"type", "image_url"} and sent["image_url"]["url"].startswith("data:image/png;base64,")
+    assert body["messages"][0] == messages[0] and body["messages"][1]["content"][1] == messages[1]["content"][1]
+    assert json.loads(json.dumps(messages))[1]["content"][0]["image"]  # the prompt itself is not changed
+    text_only = [{"role": "user", "content": "hi"}]
+    assert build_body(backend, text_only, None, {})["messages"] == text_only
+    (tmp_path / "pic.png").unlink()
+    with pytest.raises(SampleError) as e:
+        build_body(backend, messages, None, {"max_tokens": 5})
+    assert e.value.reason == "image_missing"
+
+
+def test_the_request_key_goes_by_the_images_bytes_not_their_folder(pictures, tmp_path):
+    import shutil
+
+    from eagle3_data.files import content_hash
+    from eagle3_data.generate.prompts import request_key
+
+    moved = tmp_path / "moved"
+    shutil.copytree(pictures[0].parent, moved)
+    key = lambda m: request_key("d", "s", 2, "t", m, None, {"max_tokens": 5})  # noqa: E731
+    here, there = _prompt(pictures[0].parent, "red_circle.png"), _prompt(moved, "red_circle.png")
+    assert here != there and key(here) == key(there)
+    assert key(here) != key(_prompt(moved, "blue_square.png"))
+    text = [{"role": "user", "content": "hi"}]  # a text prompt's key is what it always was
+    assert key(text) == content_hash("d", "s", 2, "t", text, None, {"max_tokens": 5}, length=16)
+
+
+def test_the_native_path_refuses_an_image_prompt(pictures):
+    from eagle3_data.backends.definition import BackendConfig
+    from eagle3_data.backends.errors import SampleError
+    from eagle3_data.backends.native import encode
+    from eagle3_data.backends.request import Request
+
+    backend = BackendConfig.from_dict("s", {"type": "sglang", "base_url": "http://127.0.0.1:1/v1", "model": "m"})
+    with pytest.raises(SampleError) as e:
+        encode(backend, Request(_prompt(pictures[0].parent, "red_circle.png"), None, {"max_tokens": 5}))
+    assert e.value.reason == "image_prompt_native"
+
+
+def test_tokenize_expands_an_image_prompt_as_the_processor_does_and_supervises_only_the_reply(target, pictures):
+    from PIL import Image
+
+    from eagle3_data.templates import load_target_tokens
+    from eagle3_data.tokens import tokenize_rows
+
+    folder = pictures[0].parent
+    messages = _prompt(folder, "green_triangle.png", "yellow_bar.png")
+    row = {
+        "sample_id": "s",
+        "dataset": "d",
+        "turn": 2,
+        "status": "ok",
+        "messages": json.dumps(messages),
+        "tools": None,
+        "content": "A triangle and a bar.",
+        "reasoning": None,
+        "finish_reason": "stop",
+        "completion_tokens": 6,
+    }
+    (out,) = tokenize_rows([row], load_target_tokens(str(target), "auto"))
+    assert out["reject_reason"] is None, out["reject_detail"]
+    processor = tiny_vlm.load_processor(target)
+    finished = messages + [{"role": "assistant", "content": "A triangle and a bar."}]
+    text = processor.tokenizer.apply_chat_template(finished, tokenize=False)
+    pics = [Image.open(folder / n).convert("RGB") for n in ("green_triangle.png", "yellow_bar.png")]
+    want = processor(text=[text], images=pics)["input_ids"][0]
+    want = list(want)
+    # the template's newline after <|im_end|> is not part of the reply: the target stops at <|im_end|>
+    assert out["input_ids"] == want[:-1] and processor.tokenizer.decode(want[-1:]) == "\n"
+    pads = [j for j, i in enumerate(out["input_ids"]) if i == tiny_vlm.IMAGE_TOKEN_ID]
+    assert len(pads) > 2 and all(out["loss_mask"][j] == 0 for j in pads)
+    reply = processor.tokenizer("A triangle and a bar.<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert out["num_completion_tokens"] == len(reply) and sum(out["loss_mask"]) == len(reply)
+    assert out["input_ids"][-len(reply) :] == reply
+
+
+def test_tokenize_rejects_an_image_prompt_for_a_text_target_and_a_changed_image(target, pictures, tmp_path):
+    import shutil
+
+    from eagle3_data.templates import load_target_tokens
+    from eagle3_data.tokens import tokenize_rows
+
+    shutil.copy(pictures[0], tmp_path / "pic.png")
+    row = {
+        "sample_id": "s",
+        "dataset": "d",
+        "turn": 2,
+        "status": "ok",
+        "messages": json.dumps(_prompt(tmp_path, "pic.png")),
+        "tools": None,
+        "content": "A circle.",
+        "reasoning": None,
+        "finish_reason": "stop",
+        "completion_tokens": 3,
+    }
+    text_target = tmp_path / "text-target"
+    text_target.mkdir()
+    for f in target.iterdir():
+        if f.name != "preprocessor_config.json":
+            shutil.copy(f, text_target / f.name)
+    (out,) = tokenize_rows([row], load_target_tokens(str(text_target), "auto"))
+    assert out["reject_reason"] == "image_prompt_text_target" and "preprocessor_config.json" in out["reject_detail"]
+    shutil.copy(pictures[1], tmp_path / "pic.png")  # other bytes under the same name
+    (out,) = tokenize_rows([row], load_target_tokens(str(target), "auto"))
+    assert out["reject_reason"] == "image_missing" and "changed since normalize" in out["reject_detail"]

@@ -15,6 +15,7 @@ from .errors import FatalBackendError, RetryableError, SampleError
 from .fields import as_cost, as_count, as_text, as_token_ids, parts_text
 from .request import Payload, Request
 from .definition import BackendConfig
+from ..images import ImageProblem, request_messages
 
 
 def url(backend: BackendConfig) -> str:
@@ -72,7 +73,8 @@ def build_body(
 ) -> dict:
     """Chat-completions request body: model, messages, tools, max_tokens, temperature, top_p, + extra fields.
 
-    Assistant history reasoning goes in the field the backend reads (:func:`history_reasoning`; ``thinking``: the
+    An image part (:mod:`eagle3_data.images`) goes as a ``data:`` URL of its file (:class:`SampleError`
+    ``image_missing`` when the file is gone or changed). Assistant history reasoning goes in the field the backend reads (:func:`history_reasoning`; ``thinking``: the
     target reasons after this prompt, so tool-call turns without reasoning get an empty one).
 
     ``sampling`` keys: ``max_tokens``, ``temperature``, ``top_p`` (None values are left out) and
@@ -84,6 +86,10 @@ def build_body(
     without it gets no such key: its bodies are byte for byte what they were). Backend settings are not part of
     the request key (a response is the same request whichever backend served it).
     """
+    try:
+        messages = request_messages(messages)
+    except ImageProblem as exc:
+        raise SampleError(exc.reason, exc.detail) from None
     body: dict[str, Any] = {"model": backend.model, "messages": history_reasoning(backend.type, messages, thinking)}
     if tools:
         body["tools"] = tools

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..templates import TemplateError, prompt_think_state, split_output_ids
 from . import codec
+from ..images import image_parts
 from .errors import RetryableError, SampleError
 from .fields import as_count, as_token_ids
 from .request import Payload, Request
@@ -39,7 +40,11 @@ def prompt_ids(request: Request) -> tuple[list[int], str]:
 
 def encode(backend: BackendConfig, request: Request) -> Payload:
     """The request's ``/generate`` body as JSON bytes (:func:`build_native_body`); ``est_tokens``: prompt ids +
-    ``max_tokens``. Raises :class:`SampleError` (see :func:`prompt_ids`)."""
+    ``max_tokens``. Raises :class:`SampleError` (see :func:`prompt_ids`; ``image_prompt_native``: a prompt with
+    images, which ``/generate`` would get as placeholder ids without their pixels: send it through the chat
+    dialect)."""
+    if image_parts(request.messages):
+        raise SampleError("image_prompt_native", "a prompt with images: the native /generate path sends ids only")
     ids, think = prompt_ids(request)
     body = codec.dumps(build_native_body(backend, ids, request.sampling))
     return Payload(body, len(ids) + int(request.sampling.get("max_tokens") or 0), request.target, think)

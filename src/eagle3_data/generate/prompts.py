@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pyarrow.parquet as pq
 
 from ..files import content_hash
+from ..images import key_messages
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "extra_body")
 PROMPT_ROLES = ("user", "tool")
@@ -80,7 +81,9 @@ def sampling_params(generation) -> dict:
 def request_key(
     dataset: str, sample_id: str, turn: int, target_name: str, messages: list, tools, sampling: dict
 ) -> str:
-    """Backend-independent key of one request (see module docstring)."""
+    """Backend-independent key of one request (see module docstring); an image counts by its digest, not its path
+    (:func:`eagle3_data.images.key_messages`)."""
+    messages = key_messages(messages)
     return content_hash(dataset, sample_id, int(turn), target_name, messages, tools, sampling, length=16)
 
 

@@ -10,7 +10,7 @@ paying for responses.
 - the states extraction will store can serve every ``export.layouts`` layout (:func:`check_export_layouts`): the
   final-state form it reads (``extract.final_norm``) and its drafter's layers (``extract.drafters``; the layers
   fit the target when its ``config.json`` is there), so a conflict is found before any GPU hour is spent;
-- no dataset holds image prompts (:func:`check_image_prompts`): normalize reads them, the later stages not yet;
+- no dataset holds image prompts (:func:`check_image_prompts`): extraction does not take them yet;
 - cluster resources (the SLURM profile's ``slurm_account: "$EAGLE3_SLURM_ACCOUNT"``) hold no ``$VARIABLE`` left
   unexpanded because the variable is not set (Snakemake would submit the literal text).
 
@@ -127,17 +127,17 @@ def check_draft_vocab(config: dict) -> None:
 
 def check_image_prompts(config: dict) -> None:
     """No dataset reads image prompts (format ``llava``, or ``source.options.image_dir`` set): normalize reads and
-    checks them (:mod:`eagle3_data.images`), but generation, tokenization and extraction do not take images yet, so
-    a build with them is refused here, before any job, rather than sending or tokenizing them wrong. Raises
-    ConfigError naming the dataset."""
+    checks them, generate sends them and tokenize expands them (:mod:`eagle3_data.images`), but the merged rows do
+    not carry their images to extraction yet, so a build with them is refused here, before any job, rather than
+    extracting states without the pictures. Raises ConfigError naming the dataset."""
     for name, ds in (config.get("datasets") or {}).items():
         source = (ds or {}).get("source") or {}
         if source.get("format") == "llava" or ((source.get("options") or {}).get("image_dir") is not None):
             raise ConfigError(
                 f"Config error: datasets.{name} holds image prompts (source format {source.get('format')!r}"
                 f"{', options.image_dir' if (source.get('options') or {}).get('image_dir') is not None else ''}): "
-                "normalize reads them, but generation, tokenization and extraction of image rows are not built "
-                "yet; remove the dataset from this config for now"
+                "normalize, generate and tokenize take them, but extraction of image rows is not built yet; remove "
+                "the dataset from this config for now"
             )
 
 

@@ -62,7 +62,9 @@ def load_target_tokens(
         from .auto import detect_family
 
         fmt = completion_format(detect_family(tok, chat_template_kwargs)["family"])
-    return TargetTokens(tok, fmt, chat_template_kwargs)
+    target = TargetTokens(tok, fmt, chat_template_kwargs)
+    target.path = str(path)  # the target's folder: its image processor, for a prompt with images (tokens.py)
+    return target
 
 
 def format_token_names(fmt) -> list[str]:
