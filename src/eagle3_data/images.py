@@ -32,7 +32,8 @@ from typing import Any
 
 #: the reject reasons of image prompts (stage normalize), with what each means
 IMAGE_REJECTS = {
-    "image_missing": "an image the record names is not in the dataset's image folder (datasets.<name>.source.image_dir)",
+    "image_missing": "an image the record names is not in the dataset's image folder "
+    "(datasets.<name>.source.options.image_dir), or its file changed since normalize",
     "image_unreadable": "an image file that PIL cannot decode (truncated, not an image, or an unknown format)",
     "image_marker_mismatch": "the record's `<image>` markers and its images differ in number",
 }

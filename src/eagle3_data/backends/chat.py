@@ -74,8 +74,9 @@ def build_body(
     """Chat-completions request body: model, messages, tools, max_tokens, temperature, top_p, + extra fields.
 
     An image part (:mod:`eagle3_data.images`) goes as a ``data:`` URL of its file (:class:`SampleError`
-    ``image_missing`` when the file is gone or changed). Assistant history reasoning goes in the field the backend reads (:func:`history_reasoning`; ``thinking``: the
-    target reasons after this prompt, so tool-call turns without reasoning get an empty one).
+    ``image_missing`` when the file is gone or changed). Assistant history reasoning goes in the field the backend
+    reads (:func:`history_reasoning`; ``thinking``: the target reasons after this prompt, so tool-call turns without
+    reasoning get an empty one).
 
     ``sampling`` keys: ``max_tokens``, ``temperature``, ``top_p`` (None values are left out) and
     ``extra_body`` (the dataset's ``generation.extra_body``: part of the request key).

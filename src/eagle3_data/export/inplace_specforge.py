@@ -211,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     (``specforge``) with the in-place store installed (:func:`install`). Returns its exit code.
 
     SpecForge starts the workers of a several-process run as ``python -m specforge.cli``, processes without the
-    store: such a run is refused (SystemExit with a message) with the command that starts them under ``torchrun`` instead, where
-    SpecForge runs in each worker's own process."""
+    store: such a run is refused (SystemExit with a message) naming the command that starts them under ``torchrun``
+    instead, where SpecForge runs in each worker's own process."""
     import specforge.launch_plan as launch_plan
     from specforge.cli import main as specforge_main
 
