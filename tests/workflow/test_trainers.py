@@ -513,6 +513,36 @@ def check_modelopt(out_dir: Path, rows, loaded, dataset=None) -> int:
     return len(files)
 
 
+def in_place_variant(exports, layout: str, d: Path, edit_table=None, edit_info=None, states=None) -> Path:
+    """A copy ``d`` of the in-place export directory of ``layout`` whose ``inplace.json`` points at ``states`` (the
+    fixture's states by default), edited by ``edit_info(info)`` and its first side table by ``edit_table(table)``;
+    a SpecForge one gets its ref manifest written again."""
+    import pyarrow.parquet as pq
+
+    shutil.copytree(exports[layout], d)
+    info = json.loads((d / "inplace.json").read_text())
+    info["states_dir"] = str(states or exports["states"])
+    if edit_info:
+        edit_info(info)
+    (d / "inplace.json").write_text(json.dumps(info))
+    if edit_table:
+        part = next(d.glob("samples_*.parquet"))
+        pq.write_table(edit_table(pq.read_table(part)), part)
+    if layout in exp.REFS_LAYOUTS:
+        write_ref_manifest(d)
+    return d
+
+
+def swap_two_of_one_selection(t):
+    """Side table ``t`` with two rows of one selection pointing at each other's states (a wrong order)."""
+    import pyarrow as pa
+
+    ids, src = t.column("sample_id").to_pylist(), t.column("source").to_pylist()
+    a, b = next((a, b) for a in range(len(ids)) for b in range(a + 1, len(ids)) if src[a] == src[b])
+    ids[a], ids[b] = ids[b], ids[a]
+    return t.set_column(t.schema.get_field_index("sample_id"), "sample_id", pa.array(ids, pa.string()))
+
+
 # --- tests --------------------------------------------------------------------------------------------------
 
 
@@ -624,36 +654,16 @@ def test_speculators_reads_the_states_in_place_bit_for_bit_and_trains_the_same_s
 
 
 def test_speculators_in_place_check_fails_on_a_wrong_order_norm_or_layer(exports, rows, loaded, real_target, tmp_path):
-    import json as js
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from eagle3_data.export.inplace import InPlaceTransfer
 
-    def variant(name, edit_table=None, edit_info=None):
-        d = tmp_path / name
-        shutil.copytree(exports["speculators_inplace"], d)
-        info = js.loads((d / "inplace.json").read_text())
-        info["states_dir"] = str(exports["states"])
-        if edit_info:
-            edit_info(info)
-        (d / "inplace.json").write_text(js.dumps(info))
-        if edit_table:
-            part = next(d.glob("samples_*.parquet"))
-            pq.write_table(edit_table(pq.read_table(part)), part)
-        return d
+    def variant(name, edit_table=None, edit_info=None, states=None):
+        return in_place_variant(exports, "speculators_inplace", tmp_path / name, edit_table, edit_info, states)
 
     ok = variant("ok")
     assert check_speculators(ok, rows, loaded, real_target, transfer=InPlaceTransfer(ok)) == len(rows)
 
-    def swap(t):  # two rows of one selection point at each other's states
-        ids, src = t.column("sample_id").to_pylist(), t.column("source").to_pylist()
-        a, b = next((a, b) for a in range(len(ids)) for b in range(a + 1, len(ids)) if src[a] == src[b])
-        ids[a], ids[b] = ids[b], ids[a]
-        return t.set_column(t.schema.get_field_index("sample_id"), "sample_id", pa.array(ids, pa.string()))
-
-    order = variant("order", edit_table=swap)
+    order = variant("order", edit_table=swap_two_of_one_selection)
     with pytest.raises((AssertionError, TypeError)):  # speculators' token check: SampleUnavailable, not a sample
         check_speculators(order, rows, loaded, real_target, transfer=InPlaceTransfer(order))
     norm = variant("norm", edit_info=lambda i: i.update(final="post"))
@@ -715,37 +725,16 @@ def test_specforge_reads_the_states_in_place_through_its_ref_manifest_bit_for_bi
 
 
 def test_specforge_in_place_check_fails_on_a_wrong_order_norm_or_layer(exports, rows, loaded, real_target, tmp_path):
-    import json as js
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from eagle3_data.export.inplace_specforge import InPlaceFeatureStore
 
     def variant(name, edit_table=None, edit_info=None, states=None):
-        d = tmp_path / name
-        shutil.copytree(exports["specforge_inplace"], d)
-        info = js.loads((d / "inplace.json").read_text())
-        info["states_dir"] = str(states or exports["states"])
-        if edit_info:
-            edit_info(info)
-        (d / "inplace.json").write_text(js.dumps(info))
-        if edit_table:
-            part = next(d.glob("samples_*.parquet"))
-            pq.write_table(edit_table(pq.read_table(part)), part)
-        write_ref_manifest(d)
-        return d
+        return in_place_variant(exports, "specforge_inplace", tmp_path / name, edit_table, edit_info, states)
 
     ok = variant("ok")
     assert check_specforge(ok, rows, loaded, store=InPlaceFeatureStore(ok)) == len(rows)
 
-    def swap(t):  # two rows of one selection point at each other's states
-        ids, src = t.column("sample_id").to_pylist(), t.column("source").to_pylist()
-        a, b = next((a, b) for a in range(len(ids)) for b in range(a + 1, len(ids)) if src[a] == src[b])
-        ids[a], ids[b] = ids[b], ids[a]
-        return t.set_column(t.schema.get_field_index("sample_id"), "sample_id", pa.array(ids, pa.string()))
-
-    order = variant("order", edit_table=swap)
+    order = variant("order", edit_table=swap_two_of_one_selection)
     with pytest.raises((AssertionError, ValueError)):  # the tokens (the store checks their count first)
         check_specforge(order, rows, loaded, store=InPlaceFeatureStore(order))
     norm = variant("norm", edit_info=lambda i: i.update(final="pre"))
@@ -967,37 +956,18 @@ def test_modelopt_reads_the_states_in_place_through_its_streaming_dataset_bit_fo
 def test_modelopt_in_place_fails_on_a_wrong_order_norm_or_layer_and_skips_a_shard_not_extracted(
     exports, rows, loaded, real_target, tmp_path
 ):
-    import json as js
-
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     modelopt_reader()
     from eagle3_data.export.inplace_modelopt import InPlaceStreamingDataset
 
     def variant(name, edit_table=None, edit_info=None, states=None):
-        d = tmp_path / name
-        shutil.copytree(exports["modelopt_inplace"], d)
-        info = js.loads((d / "inplace.json").read_text())
-        info["states_dir"] = str(states or exports["states"])
-        if edit_info:
-            edit_info(info)
-        (d / "inplace.json").write_text(js.dumps(info))
-        if edit_table:
-            part = next(d.glob("samples_*.parquet"))
-            pq.write_table(edit_table(pq.read_table(part)), part)
-        return d
+        return in_place_variant(exports, "modelopt_inplace", tmp_path / name, edit_table, edit_info, states)
 
     ok = variant("ok")
     assert check_modelopt(ok, rows, loaded, dataset=InPlaceStreamingDataset.from_data_path(ok)) == len(rows)
 
-    def swap(t):  # two rows of one selection point at each other's states
-        ids, src = t.column("sample_id").to_pylist(), t.column("source").to_pylist()
-        a, b = next((a, b) for a in range(len(ids)) for b in range(a + 1, len(ids)) if src[a] == src[b])
-        ids[a], ids[b] = ids[b], ids[a]
-        return t.set_column(t.schema.get_field_index("sample_id"), "sample_id", pa.array(ids, pa.string()))
-
-    order = variant("order", edit_table=swap)
+    order = variant("order", edit_table=swap_two_of_one_selection)
     with pytest.raises((AssertionError, ValueError)):  # Model-Optimizer's token drift: a fault, not a miss
         check_modelopt(order, rows, loaded, dataset=InPlaceStreamingDataset.from_data_path(order))
     with pytest.raises(ValueError, match="post-norm"):  # pre-norm states are refused, not trained on

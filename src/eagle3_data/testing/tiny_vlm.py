@@ -39,22 +39,6 @@ def image_only_processor_class():
     return ImageOnlyProcessor
 
 
-def tiny_vlm_tokenizer():
-    """The tiny target's tokenizer: Qwen's real vocabulary with the Qwen2.5-VL chat template."""
-    from transformers import PreTrainedTokenizerFast
-
-    from .tokenizer_fixtures import chat_template, qwen3_backend
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=qwen3_backend(),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=chat_template("qwen2.5-vl"),
-        clean_up_tokenization_spaces=False,
-        model_max_length=1 << 20,
-    )
-
-
 def build_tiny_vlm(path, seed: int = 0) -> Path:
     """Write the tiny Qwen2.5-VL target to ``path`` (``config.json``, ``model.safetensors`` in float32, the
     tokenizer files with the chat template, ``preprocessor_config.json``). Returns ``path``."""
@@ -62,8 +46,10 @@ def build_tiny_vlm(path, seed: int = 0) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
+    from .tokenizer_fixtures import qwen3_real
+
     path = Path(path)
-    tok = tiny_vlm_tokenizer()
+    tok = qwen3_real("qwen2.5-vl")  # Qwen's vocabulary with the Qwen2.5-VL template
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": 151936,
