@@ -653,6 +653,48 @@ def test_speculators_reads_the_states_in_place_bit_for_bit_and_trains_the_same_s
     assert torch.equal(loss_file, loss_here) and torch.equal(draft_file.fc.weight.grad, draft_here.fc.weight.grad)
 
 
+def test_the_in_place_readers_serve_fp8_stored_states_as_the_file_exports_do(
+    exports, rows, loaded, real_target, tmp_path
+):
+    """States stored in fp8 (``extract.aux_format`` / ``final_format: fp8_e4m3``) are served dequantized
+    (``fp8.float() * scale``, as hs_connectors' FP8 backend reads its files) to the extract dtype: speculators' and
+    SpecForge's in-place readers give the very tensors their file exports of the same states hold."""
+    from safetensors.torch import load_file
+
+    from eagle3_data.export.inplace import InPlaceTransfer
+    from eagle3_data.export.inplace_specforge import InPlaceFeatureStore
+
+    states, manifest = _extract(
+        tmp_path / "fp8", rows, real_target, loaded, drafters=["eagle3"], aux_format="fp8_e4m3", final_format="fp8_e4m3"
+    )
+    out = {}
+    for layout in ("speculators", "speculators_inplace", "specforge", "specforge_inplace"):
+        out[layout] = tmp_path / layout
+        exp.export(
+            exports["merged"],
+            out[layout],
+            layout=layout,
+            states_dir=states,
+            merge_manifest=manifest,
+            settings=ExportSettings.defaults(),
+        )
+    write_ref_manifest(out["specforge_inplace"])
+    transfer = InPlaceTransfer(out["speculators_inplace"])
+    store = InPlaceFeatureStore(out["specforge_inplace"])
+    copies = sorted(OfflineManifestReader(str(out["specforge"])).read(), key=lambda r: _index(r.feature_store_uri))
+    for i, (ref, copy) in enumerate(zip(read_ref_manifest(str(out["specforge_inplace"] / "manifest.json")), copies)):
+        got, want = transfer.get_cached(i), load_file(out["speculators"] / "hidden_states" / f"hs_{i}.safetensors")
+        assert got["hidden_states"].dtype == torch.float32
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        here, there = store.get(ref)[0], LocalFeatureStore().get(copy)[0]
+        assert all(here[k].dtype == there[k].dtype and torch.equal(here[k], there[k]) for k in there)
+    # and they are fp8's rounding of the full-precision states, not those states: the saver was applied
+    full = InPlaceTransfer(exports["speculators_inplace"]).get_cached(0)["hidden_states"]
+    fp8 = transfer.get_cached(0)["hidden_states"]
+    assert not torch.equal(full, fp8)
+    assert torch.allclose(full, fp8, rtol=0.07, atol=1e-3 * float(full.abs().max()))
+
+
 def test_speculators_in_place_check_fails_on_a_wrong_order_norm_or_layer(exports, rows, loaded, real_target, tmp_path):
 
     from eagle3_data.export.inplace import InPlaceTransfer
