@@ -123,10 +123,35 @@ def request_messages(messages: list) -> list:
     ]
 
 
-def data_url(path) -> str:
-    """``data:<mime>;base64,<bytes>`` of the file ``path`` (the MIME type from its name; PNG when unknown)."""
+def data_url(path, data: bytes | None = None) -> str:
+    """``data:<mime>;base64,<bytes>`` of the file ``path`` (its bytes ``data`` when already read; the MIME type from
+    its name, PNG when unknown)."""
     mime = mimetypes.guess_type(str(path))[0] or "image/png"
-    return f"data:{mime};base64,{base64.b64encode(Path(path).read_bytes()).decode('ascii')}"
+    data = Path(path).read_bytes() if data is None else data
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def image_bytes(part: dict) -> bytes:
+    """The bytes of an image part's file, read once and checked against its digest. Raises :class:`ImageProblem`
+    (``image_missing``) when the file is gone or holds other bytes."""
+    path = Path(part["image_url"]["url"])
+    data = path.read_bytes() if path.is_file() else None
+    if data is None or hashlib.sha256(data).hexdigest() != part["image"]["sha256"]:
+        raise ImageProblem("image_missing", f"{path} is gone or changed since normalize")
+    return data
+
+
+def open_images(parts: list[dict]) -> list:
+    """The PIL images (RGB) of image parts, each file read once and checked (:func:`image_bytes`)."""
+    import io
+
+    from PIL import Image
+
+    out = []
+    for p in parts:
+        with Image.open(io.BytesIO(image_bytes(p))) as im:
+            out.append(im.convert("RGB"))
+    return out
 
 
 def request_content(content: Any) -> Any:
@@ -140,10 +165,8 @@ def request_content(content: Any) -> Any:
         if not is_image(p):
             out.append(p)
             continue
-        path = Path(p["image_url"]["url"])
-        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != p["image"]["sha256"]:
-            raise ImageProblem("image_missing", f"{path} is gone or changed since normalize")
-        out.append({"type": "image_url", "image_url": {"url": data_url(path)}})
+        url = p["image_url"]["url"]
+        out.append({"type": "image_url", "image_url": {"url": data_url(url, image_bytes(p))}})
     return out
 
 

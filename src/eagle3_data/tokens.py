@@ -109,9 +109,7 @@ def expand_images(target: TargetTokens, prompt_ids: list[int], pictures: list[di
     Raises :class:`eagle3_data.images.ImageProblem` (``image_prompt_text_target``: the target has no image
     processor; ``image_missing``: a file gone or changed) or ValueError (the image tokens and images differ in
     number)."""
-    from PIL import Image
-
-    from .images import ImageProblem, TargetImages, request_content
+    from .images import ImageProblem, TargetImages, open_images
 
     where = str(getattr(target, "path", None) or getattr(target.tok, "name_or_path", "") or "")
     if where not in _TARGET_IMAGES:
@@ -122,11 +120,7 @@ def expand_images(target: TargetTokens, prompt_ids: list[int], pictures: list[di
     images = _TARGET_IMAGES[where]
     if isinstance(images, ImageProblem):
         raise images
-    request_content(pictures)  # each file still holds the bytes its digest names
-    pics = []
-    for p in pictures:
-        with Image.open(p["image_url"]["url"]) as im:
-            pics.append(im.convert("RGB"))
+    pics = open_images(pictures)  # each file read once, and still the bytes its digest names
     counts = images.placeholder_counts(images.inputs(pics)["image_grid_thw"])
     return images.expand(prompt_ids, counts)
 

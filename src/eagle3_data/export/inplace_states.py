@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..extract.layout import StatesFile
 from .layouts import drafter_of
+from .writer import read_side_tables
 
 #: the file of an in-place data directory that says where its states are
 INDEX_FILE = "inplace.json"
@@ -19,23 +20,10 @@ RECHECK_S = 10.0
 
 
 def side_rows(out_dir, columns: list[str]) -> list[dict]:
-    """The rows of the side tables ``samples_*.parquet`` of the export directory ``out_dir``, ``columns`` of each (one
-    of them ``index``), in global index order. Raises ValueError when the indices are not ``0..N-1`` without gap or
-    repeat (a shard's export is missing), naming the first missing index."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    out_dir = Path(out_dir)
-    parts = sorted(out_dir.glob("samples_*.parquet"), key=lambda p: int(p.stem.split("_")[1]))
-    if not parts:
-        return []
-    t = pa.concat_tables([pq.read_table(p, columns=columns) for p in parts]).sort_by("index")
-    index = t.column("index").to_numpy()
-    if not np.array_equal(index, np.arange(len(index))):
-        gap = next(i for i, v in enumerate(np.append(index, -1)) if v != i)
-        raise ValueError(f"export: {out_dir} has no sample {gap} in its samples_*.parquet files: rerun the export")
-    return t.to_pylist()
+    """The rows of the export directory ``out_dir``'s side tables, ``columns`` of each (``index`` among them), in
+    global index order (:func:`.writer.read_side_tables`, which raises ValueError for a missing shard)."""
+    table = read_side_tables(out_dir, columns)
+    return [] if table is None else table.to_pylist()
 
 
 class InPlaceStates:
@@ -69,12 +57,9 @@ class InPlaceStates:
     def side(self):
         """The side tables' ``index``, ``sample_id`` and ``source`` columns, in index order (read once)."""
         if self._rows is None:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            parts = sorted(self.data_path.glob("samples_*.parquet"), key=lambda p: int(p.stem.split("_")[1]))
-            t = pa.concat_tables([pq.read_table(p, columns=["index", "sample_id", "source"]) for p in parts])
-            t = t.sort_by("index")
+            t = read_side_tables(self.data_path, ["index", "sample_id", "source"])
+            if t is None:
+                raise FileNotFoundError(f"{self.data_path}: no samples_*.parquet side tables (export it first)")
             self._rows = (t.column("index"), t.column("sample_id"), t.column("source"))
         return self._rows
 

@@ -103,7 +103,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -111,7 +110,7 @@ import pyarrow.parquet as pq
 from ..files import atomic_path, write_json
 
 from .layouts import CONTRACTS, INPLACE_FILES, SPECULATORS_DATASET_FILES, sample_path
-from .writer import MergedShard, SampleWriter, ShardRows, StatesIndex, write_side_table
+from .writer import MergedShard, SampleWriter, ShardRows, StatesIndex, read_side_tables, write_side_table
 
 if TYPE_CHECKING:
     from ..settings import ExportSettings
@@ -356,27 +355,16 @@ def write_speculators_dataset(out_dir, *, token_frequencies=None) -> dict:
     import torch
 
     out_dir = Path(out_dir)
-    parts = sorted(out_dir.glob("samples_*.parquet"), key=lambda p: int(_SAMPLES.match(p.name).group(1)))
-    tables = [pq.read_table(p, columns=["index", "input_ids", "loss_mask", "seq_len"]) for p in parts]
-    table = (
-        pa.concat_tables(tables)
-        if tables
-        else pa.table(
-            {
-                "index": pa.array([], pa.int64()),
-                "input_ids": pa.array([], pa.list_(pa.int64())),
-                "loss_mask": pa.array([], pa.list_(pa.int64())),
-                "seq_len": pa.array([], pa.int64()),
-            }
-        )
+    empty = pa.table(
+        {
+            "index": pa.array([], pa.int64()),
+            "input_ids": pa.array([], pa.list_(pa.int64())),
+            "loss_mask": pa.array([], pa.list_(pa.int64())),
+            "seq_len": pa.array([], pa.int64()),
+        }
     )
-    index = table.column("index").to_numpy()
-    if not np.array_equal(index, np.arange(len(index))):
-        gap = next(i for i, v in enumerate(np.append(index, -1)) if v != i)
-        raise ValueError(
-            f"export: {out_dir} has no sample {gap} in its samples_*.parquet files (a shard's export "
-            "is missing): rerun the export"
-        )
+    table = read_side_tables(out_dir, ["index", "input_ids", "loss_mask", "seq_len"], empty)
+    index = table.column("index")
     table = table.select(["input_ids", "loss_mask", "seq_len"]).cast(
         pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())])
     )

@@ -297,6 +297,26 @@ def write_side_table(spec_rows: dict, out_dir: Path, shard: MergedShard, provena
     return path
 
 
+def read_side_tables(out_dir, columns: list[str], empty: pa.Table | None = None) -> pa.Table | None:
+    """The side tables ``samples_{start}.parquet`` of the export directory ``out_dir`` (:func:`write_side_table`),
+    ``columns`` of each (``index`` among them), as one table in global index order; ``empty`` when there are none.
+    Raises ValueError when the indices are not ``0..N-1`` without gap or repeat (a shard's export is missing),
+    naming the first missing index."""
+    out_dir = Path(out_dir)
+    parts = sorted(out_dir.glob("samples_*.parquet"), key=lambda p: int(p.stem.split("_")[1]))
+    if not parts:
+        return empty
+    table = pa.concat_tables([pq.read_table(p, columns=columns) for p in parts]).sort_by("index")
+    index = table.column("index").to_numpy()
+    if not np.array_equal(index, np.arange(len(index))):
+        gap = next(i for i, v in enumerate(np.append(index, -1)) if v != i)
+        raise ValueError(
+            f"export: {out_dir} has no sample {gap} in its samples_*.parquet files (a shard's export "
+            "is missing): rerun the export"
+        )
+    return table
+
+
 def with_provenance(table: pa.Table, provenance, set_name: str, merged_path) -> pa.Table:
     """``table`` (a shard's side table: ``index``, ``sample_id``, ...) with the provenance columns of its rows
     (:data:`eagle3_data.provenance.SIDE_COLUMNS`, matched by ``index`` in ``set_name``). Raises ValueError when the

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ExpectedFailure
-from ..images import IMAGE_REJECTS, content_text, image_parts
+from ..images import IMAGE_REJECTS, ImageProblem, content_text, image_part, image_parts
 
 # Reason codes written to ``results/<ds>/rejected/normalize.parquet`` (column ``reason``), stage "normalize".
 REJECT_REASONS: dict[str, str] = {
@@ -271,3 +271,15 @@ def check_conversation(messages: list[dict]) -> None:
     for i, m in enumerate(messages):
         if m["role"] == "user" and not content_text(m["content"]).strip() and not image_parts([m]):
             raise RowReject("empty_user_message", f"user message at index {i} is empty")
+
+
+def resolve_image(name: Any, image_dir, sid: str | None) -> dict:
+    """The content part of image ``name`` read from ``image_dir``; RowReject with the image's reason."""
+    if image_dir is None:
+        raise RowReject("image_missing", f"image {name!r}: no image folder (set source.options.image_dir)", sid)
+    if not isinstance(name, str) or not name:
+        raise RowReject("image_missing", f"image {name!r} is not a file name", sid)
+    try:
+        return image_part(name, image_dir)
+    except ImageProblem as p:
+        raise RowReject(p.reason, p.detail, sid) from None

@@ -18,21 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..images import ImageProblem, image_part
-from .base import RowReject, Sample
+from .base import RowReject, Sample, resolve_image
 from .sharegpt import ShareGPT
-
-
-def resolve_image(name: Any, image_dir, sid: str | None) -> dict:
-    """The content part of image ``name`` read from ``image_dir``; RowReject with the image's reason."""
-    if image_dir is None:
-        raise RowReject("image_missing", f"image {name!r}: no image folder (set source.options.image_dir)", sid)
-    if not isinstance(name, str) or not name:
-        raise RowReject("image_missing", f"image {name!r} is not a file name", sid)
-    try:
-        return image_part(name, image_dir)
-    except ImageProblem as p:
-        raise RowReject(p.reason, p.detail, sid) from None
 
 
 class LLaVA(ShareGPT):

@@ -28,9 +28,9 @@ from .base import (
     normalize_tool_calls,
     normalize_tools,
     strip_think,
+    resolve_image,
     text_of,
 )
-from .llava import resolve_image
 
 ROLE_ALIASES = {"developer": "system"}
 
