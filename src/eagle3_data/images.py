@@ -141,6 +141,48 @@ def image_bytes(part: dict) -> bytes:
     return data
 
 
+def row_images(parts: list[dict], spans: list[tuple[int, int]]) -> str:
+    """The TOKENS/VALIDATED ``images`` value of a row: JSON list of each image part's file (``url``), digest and
+    size with its placeholder positions ``start`` (0-based index in ``input_ids``) and ``length``."""
+    return json.dumps(
+        [{"url": p["image_url"]["url"], **p["image"], "start": s, "length": n} for p, (s, n) in zip(parts, spans)]
+    )
+
+
+def span_problem(ids, mask, images: str) -> str | None:
+    """Why a row's ``images`` spans do not fit its ids and loss mask (None when they do): each image's positions
+    ``[start, start + length)`` inside the row, one id throughout, loss mask 0, before the first supervised
+    position, in order and apart. ``ids``, ``mask``: the row's ``input_ids`` and ``loss_mask`` (1-D arrays)."""
+    import numpy as np
+
+    ids, mask = np.asarray(ids), np.asarray(mask)
+    sup = np.flatnonzero(mask)
+    first_sup = int(sup[0]) if len(sup) else len(ids)
+    end = 0
+    for k, im in enumerate(json.loads(images)):
+        s, n = int(im["start"]), int(im["length"])
+        if n < 1 or s < end or s + n > len(ids):
+            return f"image {k}: positions [{s}, {s + n}) outside the row of {len(ids)} or overlapping image {k - 1}"
+        if (ids[s : s + n] != ids[s]).any():
+            return f"image {k}: positions [{s}, {s + n}) hold other ids than its placeholder {int(ids[s])}"
+        if s + n > first_sup:
+            return f"image {k}: positions [{s}, {s + n}) reach the first supervised position {first_sup}"
+        end = s + n
+    return None
+
+
+def parts_of_row(images: str) -> list[dict]:
+    """The image parts (:func:`image_part`'s form) of a row's ``images`` value."""
+    return [
+        {
+            "type": "image_url",
+            "image_url": {"url": im["url"]},
+            "image": {"sha256": im["sha256"], "width": im["width"], "height": im["height"]},
+        }
+        for im in json.loads(images)
+    ]
+
+
 def open_images(parts: list[dict]) -> list:
     """The PIL images (RGB) of image parts, each file read once and checked (:func:`image_bytes`)."""
     import io
@@ -207,6 +249,33 @@ class TargetImages:
         """Positions each image takes: ``t * h * w // merge_size**2`` per row of ``grid_thw`` [N, 3]."""
         merge = int(self.processor.merge_size) ** 2
         return [int(t) * int(h) * int(w) // merge for t, h, w in grid_thw.tolist()]
+
+    def count_for_size(self, width: int, height: int) -> int:
+        """Positions an image of ``width`` x ``height`` pixels takes, from its size alone (no pixels read): the
+        processor's resize (transformers ``smart_resize``: multiples of ``patch_size * merge_size`` within its
+        pixel bounds) in patches, over ``merge_size**2``; the same as :meth:`placeholder_counts` of its inputs."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        p = self.processor
+        patch, merge = int(p.patch_size), int(p.merge_size)
+        h, w = smart_resize(
+            int(height),
+            int(width),
+            factor=patch * merge,
+            min_pixels=p.size.shortest_edge,
+            max_pixels=p.size.longest_edge,
+        )
+        return (h // patch) * (w // patch) // merge**2
+
+    def expand_spans(self, ids: list[int], counts: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """:meth:`expand` and each image's ``(start, length)`` in the expanded ids."""
+        out = self.expand(ids, counts)
+        spans, at = [], 0
+        for n in counts:
+            at = out.index(self.image_token_id, at)
+            spans.append((at, n))
+            at += n
+        return out, spans
 
     def expand(self, ids: list[int], counts: list[int]) -> list[int]:
         """``ids`` (a rendered prompt: one image token per image) with the k-th image token repeated ``counts[k]``

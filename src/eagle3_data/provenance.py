@@ -290,15 +290,14 @@ def _config_tables(con, datasets: dict, backends: dict) -> None:
         [[ds, d.get("source_path"), d.get("source_format")] for ds, d in datasets.items()],
     )
     con.execute("CREATE TEMP TABLE sampling (dataset VARCHAR, backend VARCHAR, engine VARCHAR, sampling VARCHAR)")
-    con.executemany(
-        "INSERT INTO sampling VALUES (?, ?, ?, ?)",
-        [
-            [ds, b, (backends.get(b) or {}).get("type"), _sampling(d["generation"], backends.get(b))]
-            for ds, d in datasets.items()
-            if d.get("generation")
-            for b in backends
-        ],
-    )
+    rows = [
+        [ds, b, (backends.get(b) or {}).get("type"), _sampling(d["generation"], backends.get(b))]
+        for ds, d in datasets.items()
+        if d.get("generation")
+        for b in backends
+    ]
+    if rows:  # none when no dataset is generated (every answer original or pre-tokenized)
+        con.executemany("INSERT INTO sampling VALUES (?, ?, ?, ?)", rows)
 
 
 def _source_tables(con, files: MergedFiles) -> None:

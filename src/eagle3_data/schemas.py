@@ -109,6 +109,9 @@ TOKENS = pa.schema(
         ("backend", pa.string()),
         ("provider", pa.string()),
         ("cost_usd", pa.float64()),
+        # JSON list of the prompt's images, in order, or null (a text row): each {"url", "sha256", "width",
+        # "height"} (eagle3_data.images.image_part) and "start", "length": its placeholder positions in input_ids
+        ("images", pa.string()),
         ("reject_stage", pa.string()),  # set when an earlier stage already failed this sample
         ("reject_reason", pa.string()),
         ("reject_detail", pa.string()),

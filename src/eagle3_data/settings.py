@@ -109,6 +109,15 @@ class TinyTargetSettings(_Settings):
     max_position_embeddings: int
     mean_reasoning_tokens: float
     mean_completion_tokens: float
+    kind: str = "kimi"
+
+    def params(self) -> dict:
+        """:meth:`_Settings.params`, with ``kind`` only when it is not the default (a default build's params, and
+        so its target, stay those of the builds made before the key existed)."""
+        out = super().params()
+        if self.kind != "kimi":
+            out["kind"] = self.kind
+        return out
 
     CONTENT: ClassVar = (
         "seed",

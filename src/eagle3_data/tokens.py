@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from . import schemas
 from .config.lookup import ORIGINAL_BACKEND
 from .prompt_check import mismatch_detail
-from .images import image_parts
+from .images import image_parts, row_images
 from .templates import (
     TargetTokens,
     TemplateError,
@@ -103,9 +103,12 @@ def _reject(base: dict, stage: str, reason: str, detail: str) -> dict:
 _TARGET_IMAGES: dict[str, object] = {}
 
 
-def expand_images(target: TargetTokens, prompt_ids: list[int], pictures: list[dict]) -> list[int]:
+def expand_images(
+    target: TargetTokens, prompt_ids: list[int], pictures: list[dict]
+) -> tuple[list[int], list[tuple[int, int]]]:
     """``prompt_ids`` of a prompt with images (one image token each, as the template renders them) expanded as the
-    target's processor expands them (:class:`eagle3_data.images.TargetImages`, loaded once per target folder).
+    target's processor expands them (:class:`eagle3_data.images.TargetImages`, loaded once per target folder), and
+    each image's ``(start, length)`` in them.
     Raises :class:`eagle3_data.images.ImageProblem` (``image_prompt_text_target``: the target has no image
     processor; ``image_missing``: a file gone or changed) or ValueError (the image tokens and images differ in
     number)."""
@@ -122,7 +125,7 @@ def expand_images(target: TargetTokens, prompt_ids: list[int], pictures: list[di
         raise images
     pics = open_images(pictures)  # each file read once, and still the bytes its digest names
     counts = images.placeholder_counts(images.inputs(pics)["image_grid_thw"])
-    return images.expand(prompt_ids, counts)
+    return images.expand_spans(prompt_ids, counts)
 
 
 def tokenize_batch(
@@ -232,11 +235,16 @@ def tokenize_batch(
         k += 1
         if pictures:  # each image token repeated for the image's patches, as the target's processor does
             try:
-                prompt_ids = expand_images(target, prompt_ids, pictures)
+                prompt_ids, spans = expand_images(target, prompt_ids, pictures)
+                meta[i]["images"] = row_images(pictures, spans)
             except (ValueError, OSError) as exc:
                 mismatched.add(i)
                 meta[i] = _reject(
-                    {k2: v for k2, v in meta[i].items() if not k2.startswith("reject_") and k2 != "ids_source"},
+                    {
+                        k2: v
+                        for k2, v in meta[i].items()
+                        if not k2.startswith("reject_") and k2 not in ("ids_source", "images")
+                    },
                     "tokenize",
                     getattr(exc, "reason", "image_tokens"),
                     str(exc),
@@ -248,7 +256,11 @@ def tokenize_batch(
             if detail is not None:
                 mismatched.add(i)
                 meta[i] = _reject(
-                    {k2: v for k2, v in meta[i].items() if not k2.startswith("reject_") and k2 != "ids_source"},
+                    {
+                        k2: v
+                        for k2, v in meta[i].items()
+                        if not k2.startswith("reject_") and k2 not in ("ids_source", "images")
+                    },
                     "tokenize",
                     "server_prompt_mismatch",
                     detail,
@@ -280,7 +292,11 @@ def tokenize_batch(
             exact = meta[i]["ids_source"] == "exact"
             j = next((n for n, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
             meta[i] = _reject(
-                {k2: v for k2, v in meta[i].items() if not k2.startswith("reject_") and k2 != "ids_source"},
+                {
+                    k2: v
+                    for k2, v in meta[i].items()
+                    if not k2.startswith("reject_") and k2 not in ("ids_source", "images")
+                },
                 "tokenize",
                 "exact_ids_text_mismatch" if exact else "round_trip",
                 f"{'backend output_ids' if exact else 'completion ids'} decode to text that differs from the "

@@ -20,6 +20,8 @@ bad_loss_mask            a ``loss_mask`` value other than 0/1
 no_supervised_tokens     ``loss_mask`` has no 1
 mask_not_completion      generated row: the 1s are not exactly the completion (one trailing run of
                          ``num_completion_tokens`` positions)
+image_span               row with images: an image's placeholder positions (``images``: start, length) are not one
+                         id inside the row with loss mask 0 before the first supervised position
 truncated                normalised ``finish_reason == "length"`` (a billed count at ``max_tokens`` included) and
                          ``validate.keep_truncated`` is false
 missing_end_of_turn      the sequence does not end with a supervised end-of-turn token of the target
@@ -68,21 +70,19 @@ import pyarrow.parquet as pq
 
 from . import schemas
 from .backends.errors import unpaid_reason
-from .errors import ExpectedFailure
+from .validate_audit import (  # noqa: F401 (the stage's exceptions, raised by validate())
+    CountAuditFailed,
+    RejectRateExceeded,
+    count_audits,
+    raise_over_ceilings,
+    warn_prompt_audit,
+)
 from .templates import KIMI_TOOL_TOKENS, TargetTokens, target_tokens
 
 if TYPE_CHECKING:
     from .settings import ValidateSettings
 
 log = logging.getLogger("eagle3_data.validate")
-
-
-class RejectRateExceeded(ExpectedFailure, RuntimeError):
-    """A shard rejected more than ``validate.max_reject_rate`` of its samples."""
-
-
-class CountAuditFailed(ExpectedFailure, RuntimeError):
-    """The shard's reconstructed completion tokens differ from the billed ones by more than ``aggregate_rel``."""
 
 
 @dataclass
@@ -150,6 +150,7 @@ class Batch:
             return np.full(self.n, default, dtype=object)
 
         self.source = col("ids_source")
+        self.images = col("images")
         self.finish = col("finish_reason")
         billed = col("billed_completion_tokens")
         self.billed = np.array([np.nan if b is None else float(b) for b in billed])
@@ -185,6 +186,12 @@ class Batch:
         k = np.searchsorted(where, self.ends) - 1
         cand = where[np.maximum(k, 0)] if len(where) else np.full(self.n, -1, dtype=np.int64)
         return np.where((k >= 0) & (cand >= self.starts), cand, -1).astype(np.int64)
+
+    def row_ids(self, i: int) -> np.ndarray:
+        return self.ids[self.starts[i] : self.ends[i]]
+
+    def row_mask(self, i: int) -> np.ndarray:
+        return self.mask[self.starts[i] : self.ends[i]]
 
     def completion(self, i: int) -> np.ndarray:
         s, e = self.starts[i], self.ends[i]
@@ -244,6 +251,21 @@ def check_mask_is_completion(b: Batch, ctx: Context):
             f"expected the last {b.num_completion[i]} positions"
         ),
     )
+
+
+@check("image_span")
+def check_image_spans(b: Batch, ctx: Context):
+    """Rows with images: each image's placeholder positions (``images``: start, length) lie in the row, hold one
+    id, have loss mask 0 and come before the first supervised position (so a cut at ``merge.max_len`` that keeps
+    a supervised token keeps every image whole)."""
+    from .images import span_problem
+
+    why = {
+        i: w
+        for i in np.flatnonzero(b.images != None).tolist()  # noqa: E711 (an object array of str / None)
+        if (w := span_problem(b.row_ids(i), b.row_mask(i), b.images[i])) is not None
+    }
+    return np.array([i in why for i in range(b.n)], dtype=bool), lambda i: why.get(i, "")
 
 
 @check("truncated")
@@ -505,8 +527,10 @@ def validate(
     tt = target_tokens(settings.target.params(), lazy=True)
     ctx = Context.from_settings(tt, settings)
     table = pq.read_table(tokens_path)
-    if "billed_prompt_tokens" not in table.column_names:  # a tokens file written before the column existed
-        table = table.append_column(pa.field("billed_prompt_tokens", pa.int64()), pa.nulls(table.num_rows, pa.int64()))
+    for name in ("billed_prompt_tokens", "images"):  # a tokens file written before the column existed
+        if name not in table.column_names:
+            typ = schemas.TOKENS.field(name).type
+            table = table.append_column(pa.field(name, typ), pa.nulls(table.num_rows, typ))
     verdict = check_table(table, ctx)
     good = np.array([v is None for v in verdict], dtype=bool)
     validated = table.filter(pa.array(good)).select(schemas.VALIDATED.names).cast(schemas.VALIDATED)
@@ -521,14 +545,14 @@ def validate(
         "validated": n - len(bad),
         "rejected": dict(Counter(b["reason"] for b in bad)),
         "reject_rate": round(rate, 4),
-        **_count_audits(validated),
+        **count_audits(validated),
         # generate failures that got no paid reply (nothing journaled): a rerun of generate sends them again
         "failed_unpaid": sum(1 for b in bad if b["stage"] == "generate" and unpaid_reason(b["reason"])),
         "seconds": round(time.time() - t0, 3),
     }
     log.info("validate %s: %s", tokens_path, summary)
-    _warn_prompt_audit(tokens_path, summary)
-    _raise_over_ceilings(tokens_path, summary, bad, float(settings.max_reject_rate), ctx.aggregate_rel)
+    warn_prompt_audit(tokens_path, summary)
+    raise_over_ceilings(tokens_path, summary, bad, float(settings.max_reject_rate), ctx.aggregate_rel)
     return summary
 
 
@@ -548,71 +572,3 @@ def _reject_rows(table: pa.Table, verdict: list) -> list[dict]:
         for i, v in enumerate(verdict)
         if v is not None
     ]
-
-
-def _count_audits(validated: pa.Table) -> dict:
-    """The count audits' keys of :func:`validate`'s summary: completion tokens billed vs reconstructed (over the
-    rows with a billed count) and the prompt audit (reported, never a reject): the prompt as the target template
-    renders it vs what the backend billed; a gap means the server saw another prompt than the one the hidden
-    states will be computed on."""
-    has_billed = pc.is_valid(validated.column("billed_completion_tokens"))
-    billed = int(pc.sum(pc.filter(validated.column("billed_completion_tokens"), has_billed)).as_py() or 0)
-    recon = int(pc.sum(pc.filter(validated.column("num_completion_tokens"), has_billed)).as_py() or 0)
-    bp = validated.column("billed_prompt_tokens")
-    has_bp = pc.is_valid(bp)
-    differ = pc.fill_null(pc.not_equal(bp, validated.column("num_prompt_tokens")), False)
-    return {
-        "billed_completion_tokens": billed,
-        "reconstructed_completion_tokens": recon,
-        "count_rel": abs(recon - billed) / billed if billed else 0.0,
-        "billed_prompt_tokens": int(pc.sum(pc.filter(bp, has_bp)).as_py() or 0),
-        "rendered_prompt_tokens": int(pc.sum(pc.filter(validated.column("num_prompt_tokens"), has_bp)).as_py() or 0),
-        "prompt_samples_billed": int(pc.sum(pc.cast(has_bp, pa.int64())).as_py() or 0),
-        "prompt_samples_differ": int(pc.sum(pc.cast(differ, pa.int64())).as_py() or 0),
-    }
-
-
-def _warn_prompt_audit(tokens_path: str, summary: dict) -> None:
-    """Log a warning when some validated samples' rendered prompt lengths differ from the billed ones."""
-    if summary["prompt_samples_differ"]:
-        log.warning(
-            "validate %s: prompt audit: %d of %d samples' prompts as the target template renders them "
-            "differ in length from the backend's billed prompt_tokens (%d rendered vs %d billed in all): "
-            "the server may render another prompt (a default system prompt, another template version, "
-            "tools rendered differently); see results/reports/audit.md",
-            tokens_path,
-            summary["prompt_samples_differ"],
-            summary["prompt_samples_billed"],
-            summary["rendered_prompt_tokens"],
-            summary["billed_prompt_tokens"],
-        )
-
-
-def _raise_over_ceilings(
-    tokens_path: str, summary: dict, bad: list[dict], ceiling: float, aggregate_rel: float | None
-) -> None:
-    """Raise :class:`RejectRateExceeded` when the reject rate is above ``ceiling`` (``validate.max_reject_rate``)
-    and :class:`CountAuditFailed` when ``count_rel`` is above ``aggregate_rel`` (when set)."""
-    n = summary["rows"]
-    rate = len(bad) / n if n else 0.0
-    if rate > ceiling:
-        examples = "; ".join(f"{b['sample_id']}: {b['reason']} ({b['detail'][:80]})" for b in bad[:5])
-        unpaid = summary["failed_unpaid"]
-        raise RejectRateExceeded(
-            f"{tokens_path}: {len(bad)}/{n} samples rejected ({rate:.1%}) > validate.max_reject_rate "
-            f"{ceiling:.1%}; reasons {summary['rejected']}; e.g. {examples}"
-            + (
-                f"; {unpaid} failed, not paid: rerun to retry them (`snakemake --forcerun generate` sends only those "
-                "samples: they were recorded as failed with generation.unpaid_failures: keep)"
-                if unpaid
-                else ""
-            )
-        )
-    count_rel = summary["count_rel"]
-    if aggregate_rel is not None and count_rel > aggregate_rel:
-        raise CountAuditFailed(
-            f"{tokens_path}: reconstructed completion tokens {summary['reconstructed_completion_tokens']} vs billed "
-            f"{summary['billed_completion_tokens']} differ by {count_rel:.4%} > "
-            f"validate.count_tolerance.aggregate_rel {aggregate_rel:.4%} (the provider may "
-            f"trim or alter the text it returns, or the template family is wrong)"
-        )

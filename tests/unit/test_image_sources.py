@@ -140,10 +140,22 @@ def test_the_prompt_key_counts_the_images():
 
 
 @pytest.mark.parametrize("source", [{"format": "llava"}, {"format": "openai_messages", "options": {"image_dir": "x"}}])
-def test_a_build_with_image_prompts_is_refused_before_any_job(source):
-    with pytest.raises(ConfigError, match="datasets.pics holds image prompts"):
-        check_image_prompts({"datasets": {"text": {"source": {"format": "sharegpt"}}, "pics": {"source": source}}})
-    check_image_prompts({"datasets": {"text": {"source": {"format": "sharegpt"}}}})
+def test_a_build_with_image_prompts_is_refused_where_a_stage_cannot_take_images(source):
+    config = {"datasets": {"text": {"source": {"format": "sharegpt"}}, "pics": {"source": source}}}
+    check_image_prompts(config)  # the transformers extraction backend, chat requests: runs
+    with pytest.raises(ConfigError, match="datasets.pics holds image prompts, and extract.backend 'sglang'"):
+        check_image_prompts({**config, "extract": {"backend": "sglang"}})
+    native = {
+        **config,
+        "backends": {"srv": {"type": "sglang", "native_generate": True}},
+        "generation": {"backends": ["srv"]},
+    }
+    with pytest.raises(ConfigError, match="its backend srv sends SGLang's native /generate"):
+        check_image_prompts(native)
+    # the same backend for a dataset whose answers are its own (no request): runs
+    pics = {**native["datasets"]["pics"], "answers": "original"}
+    check_image_prompts({**native, "datasets": {**native["datasets"], "pics": pics}})
+    check_image_prompts({"datasets": {"text": {"source": {"format": "sharegpt"}}}, "extract": {"backend": "sglang"}})
 
 
 def test_the_image_rejects_are_reject_reasons():

@@ -27,13 +27,15 @@ from .validation import ConfigError, yaml_keys
 
 #: the completion family of the demo's tiny target (``target.build_tiny``; :mod:`eagle3_data.tiny_target`)
 TINY_TARGET_FAMILY = "kimi-k25"
+#: ... and of each ``target.tiny.kind`` (the tiny Qwen2.5-VL: ChatML without think markers)
+TINY_TARGET_FAMILIES = {"kimi": TINY_TARGET_FAMILY, "qwen2.5-vl": "generic"}
 
 
 def resolve_target_template(config: dict) -> str | None:
     """Replace ``target.template: auto`` in ``config`` by the family found from the target's own chat template
     (:func:`eagle3_data.templates.auto.resolve_template`, cached under ``cache_dir``: a cache hit imports no
     transformers) and return the line saying which was chosen and why; a named family is kept (an override;
-    returns None). A tiny target not built yet (``build_tiny``) takes :data:`TINY_TARGET_FAMILY`; a GGUF target not
+    returns None). A tiny target not built yet (``build_tiny``) takes its kind's :data:`TINY_TARGET_FAMILIES`; a GGUF target not
     converted yet (``target.gguf``) is probed on the GGUF file's tokenizer (saved once under ``cache_dir``). Raises
     :class:`ConfigError` naming the property of the template that failed, or a missing ``target.path``.
     """
@@ -46,8 +48,9 @@ def resolve_target_template(config: dict) -> str | None:
         and target.get("build_tiny")
         and not Path(str(target.get("path", ""))).exists()
     ):
-        target["template"] = TINY_TARGET_FAMILY
-        return f"target.template: auto -> {TINY_TARGET_FAMILY} (the tiny target, built by rule tiny_target)"
+        family = TINY_TARGET_FAMILIES[(target.get("tiny") or {}).get("kind") or "kimi"]
+        target["template"] = family
+        return f"target.template: auto -> {family} (the tiny target, built by rule tiny_target)"
     probe = target
     if (
         (target.get("template") or "auto") == "auto"

@@ -57,12 +57,29 @@ class Forward:
     each batch's copies and writes overlapping the next batch's forward (``writeback``); fills ``run``."""
 
     def __init__(
-        self, shard: TokenShard, run: dict, s: "ExtractSettings", *, layers, hidden_size, model, capture, stack
+        self,
+        shard: TokenShard,
+        run: dict,
+        s: "ExtractSettings",
+        *,
+        layers,
+        hidden_size,
+        model,
+        capture,
+        stack,
+        images: dict[int, str] | None = None,
     ):
         """``s``: the job's settings (backend, dtype, devices, batch size, attention path, fused kernels, final
         norm); ``layers``, ``hidden_size``: the decoder layers captured, the target's width; ``model`` / ``capture``: a loaded target / SGLang stand-in
-        (tests); ``stack``: closes the backend and releases the devices."""
+        (tests); ``stack``: closes the backend and releases the devices; ``images``: the rows with images (row
+        index: their ``images`` JSON, :mod:`.vision`), each forwarded alone through the vision tower."""
         self.shard, self.run_info, self.batch_tokens, self.dtype = shard, run, s.batch_tokens, s.dtype
+        self.images, self.image_inputs = images or {}, None
+        if self.images and s.backend != "transformers":
+            raise ValueError(
+                f"{shard.path}: {len(self.images)} row(s) with images: only extract.backend transformers passes "
+                "images through the target's vision tower"
+            )
         if s.backend == "sglang":
             from .sglang_backend import SglangBackend
 
@@ -101,6 +118,10 @@ class Forward:
                 fused=s.fused,
             )
             run["fused"] = be.fused
+            if self.images:
+                from .vision import ImageInputs
+
+                self.image_inputs = ImageInputs(s.model_path, be.model)
         stack.callback(be.close)
         if be.layers != list(layers) or be.hidden_size != hidden_size:
             raise RuntimeError(
@@ -117,9 +138,11 @@ class Forward:
     def plan(self, todo: list[int]) -> None:
         """Plan the batches of samples ``todo`` (forgetting a first batch captured for another plan)."""
         sh = self.shard
-        lengths = [sh.lengths[i] for i in todo]
-        self.total = sum(lengths)
-        self.batches = [[todo[k] for k in b] for b in self.be.batches(lengths, self.batch_tokens)]
+        self.total = sum(sh.lengths[i] for i in todo)
+        text = [i for i in todo if i not in self.images]
+        lengths = [sh.lengths[i] for i in text]
+        self.batches = [[text[k] for k in b] for b in self.be.batches(lengths, self.batch_tokens)] if text else []
+        self.batches += [[i] for i in todo if i in self.images]  # image rows: one per forward, after the text
         self.first, self.first_s = None, 0.0
 
     def first_batch_norm_check(self) -> dict:
@@ -179,7 +202,13 @@ class Forward:
         }
 
     def _capture(self, idx: list[int]):
-        states = self.be.capture([self.shard.sample_ids_of(i) for i in idx])
+        if len(idx) == 1 and idx[0] in self.images:
+            i = idx[0]
+            ids = self.shard.sample_ids_of(i)
+            where = f"{self.shard.path}: sample {self.shard.sample_ids[i]!r}"
+            states = self.be.capture_image_row(ids, self.image_inputs(ids, self.images[i], where))
+        else:
+            states = self.be.capture([self.shard.sample_ids_of(i) for i in idx])
         if self.store_post:  # the model's own norm on the rows before it: exactly its output
             import torch
 

@@ -52,6 +52,7 @@ from .layout import (
 )
 from .forward import Forward
 from .model import LAYER_CONVENTION, model_dims, model_fingerprint, resolve_drafter_layers
+from .vision import image_digests, selection_images
 
 if TYPE_CHECKING:
     from ..settings import ExtractSettings
@@ -152,6 +153,7 @@ def extract_states(
     model=None,
     capture=None,
     overlap: bool = True,
+    images_path=None,
 ) -> dict:
     """Write the hidden states of the samples of ``selection_path`` to ``out_path``, reusing stored rows.
 
@@ -197,9 +199,13 @@ def extract_states(
             layer order (what SGLang returns; see ``sglang_backend.SglangBackend``).
         overlap: copy the states to the host and write them in a writer thread while the next batch is
             forwarded (``writeback`` module); ``False``: in order, in this thread (same bytes).
+        images_path: the selection's validated file, whose ``images`` column names the rows with images: those
+            are forwarded one at a time through the target's vision tower (:mod:`.vision`) and reused only from a
+            row stored for the same images (``None``: no image rows).
 
     Returns: dict with ``path, num_samples, num_tokens, forwarded_samples, forwarded_tokens, reused_samples,
-        reused_tokens, layers, drafter_layers, hidden_size, dtype, device, devices, batches, seconds,
+        reused_tokens, image_rows`` (rows with images), ``layers, drafter_layers, hidden_size, dtype, device,
+        devices, batches, seconds,
         model_seconds, tokens_per_s`` (forwarded tokens per second of model time), ``bytes, final_rows,
         final_states, aux_format, final_format, final_norm, norm_formula`` (``final_norm: both``, else None),
         ``backend, attention`` (``padded``, ``packed:<kernel>``, or the SGLang backend's ``packed``) and
@@ -222,11 +228,14 @@ def extract_states(
         raise ValueError(f"{selection_path}: token ids outside the target's vocabulary [0, {vocab})")
     layout = _Layout(shard, dims, chosen, per_drafter, model_fingerprint(s.model_path))
     digest = layout.digest(s)
+    images = selection_images(images_path, shard.sample_ids)
     src = _open_reusable([reuse_path, out_path], digest)
     try:
-        reuse = _reusable_rows(shard, src)
+        reuse = _reusable_rows(shard, src, images)
         metadata = layout.metadata(s, digest, selection_path, selection_digest)
-        job = _Job(shard, layout, s, reuse, src, _new_run())
+        if images:
+            metadata["images"] = json.dumps({shard.sample_ids[i]: image_digests(v) for i, v in images.items()})
+        job = _Job(shard, layout, s, reuse, src, _new_run(), images)
         with contextlib.ExitStack() as stack:
             fwd = job.forward(model, capture, stack)
             writer = job.write(out_path, metadata, fwd, overlap)
@@ -260,13 +269,16 @@ def check_settings(s: "ExtractSettings") -> None:
         raise ValueError("extract backend sglang stores post-norm final states only: set extract.final_norm: post")
 
 
-def _reusable_rows(shard: TokenShard, src: StatesFile | None) -> dict[int, int]:
+def _reusable_rows(shard: TokenShard, src: StatesFile | None, images: dict[int, str] | None = None) -> dict[int, int]:
     """Row of ``src`` (a stored file with this job's settings) for each sample of ``shard`` it holds as computed
-    now (the same ids and loss mask)."""
+    now (the same ids and loss mask; a row with images: stored for the same images, its metadata's ``images``)."""
     reuse: dict[int, int] = {}
     if src is not None:
+        stored = json.loads(src.meta.get("images") or "{}")
         for i, sid in enumerate(shard.sample_ids):
             j = src.index.get(sid)
+            if images and i in images and stored.get(sid) != image_digests(images[i]):
+                continue
             if j is not None and reusable(src, j, shard.sample_ids_of(i), shard.mask_of(i)):
                 reuse[i] = j
     return reuse
@@ -340,8 +352,9 @@ class _Job:
     """One extract job's steps once the layout is known: the forward side (and the final norm's check), the
     written file, the summary."""
 
-    def __init__(self, shard, layout: _Layout, s: "ExtractSettings", reuse: dict, src, run: dict):
+    def __init__(self, shard, layout: _Layout, s: "ExtractSettings", reuse: dict, src, run: dict, images=None):
         self.shard, self.layout, self.s, self.reuse, self.src, self.run = shard, layout, s, reuse, src, run
+        self.images = images or {}
         self.todo = [i for i in range(shard.n) if i not in reuse]
         self.norm = None  # final_norm both: {weight, eps, formula, check}
 
@@ -363,6 +376,7 @@ class _Job:
             model=model,
             capture=capture,
             stack=stack,
+            images=self.images,
         )
         fwd.plan(self.todo)
         if s.final_norm == "both":
@@ -440,6 +454,7 @@ class _Job:
             "forwarded_tokens": fwd_tokens,
             "reused_samples": len(self.reuse),
             "reused_tokens": shard.T - fwd_tokens,
+            "image_rows": len(self.images),
             "layers": self.layout.chosen,
             "drafter_layers": self.layout.per_drafter,
             "hidden_size": self.layout.hidden_size,

@@ -315,14 +315,16 @@ def pick_device(device: str = "auto") -> str:
 def load_target(
     model_path, *, dtype: str = "float32", device: str = "auto", device_map=None, trust_remote_code: bool = False
 ):
-    """Load the target from a local directory (``AutoModelForCausalLM``, eval mode) onto ``device``.
+    """Load the target from a local directory (``AutoModelForCausalLM``; a vision-language model with
+    ``AutoModelForImageTextToText``, :mod:`.vision`) in eval mode onto ``device``.
 
     ``device_map`` (e.g. ``"auto"``) spreads the layers over every visible GPU instead (accelerate).
     Returns ``(model, decoder)`` where ``decoder`` is the base model holding ``layers`` and ``norm``.
     Raises FileNotFoundError (no directory), ValueError (bad dtype; a model without ``layers``/``norm``).
     """
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from .vision import model_class
 
     if dtype not in DTYPES:
         raise ValueError(f"extract dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -332,7 +334,7 @@ def load_target(
     kwargs = {"dtype": getattr(torch, dtype), "local_files_only": True, "trust_remote_code": trust_remote_code}
     if device_map is not None:
         kwargs["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model = model_class(path).from_pretrained(str(path), **kwargs)
     if device_map is None:
         model.to(pick_device(device))
     model.eval()
@@ -421,7 +423,7 @@ class TransformersBackend:
                 model_path, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code
             )
         self.model, self.decoder = loaded
-        cfg = self.model.config
+        cfg = self.decoder.config  # a vision-language model's: its language model's (text_config)
         self.num_layers = len(self.decoder.layers)
         self.hidden_size = int(getattr(cfg, "hidden_size", None) or self.decoder.norm.weight.shape[-1])
         self.vocab_size = int(getattr(cfg, "vocab_size", 0) or 0)
@@ -442,10 +444,10 @@ class TransformersBackend:
         self._prev_attn = None
         if self.layout == "packed":
             _register_packed_attention()
-            self._prev_attn = self.model.config._attn_implementation
-            self.model.set_attn_implementation(ATTENTION_NAME)
+            self._prev_attn = self.decoder.config._attn_implementation
+            self._set_attn(ATTENTION_NAME)
             if self.decoder.config._attn_implementation != ATTENTION_NAME:
-                self.model.set_attn_implementation(self._prev_attn)
+                self._set_attn(self._prev_attn)
                 self._prev_attn = None
                 why = f"{type(self.model).__name__} cannot switch its attention implementation"
                 if attention != "auto":
@@ -553,5 +555,37 @@ class TransformersBackend:
 
         unfuse(self.decoder)
         if self._prev_attn is not None:
-            self.model.set_attn_implementation(self._prev_attn)
+            self._set_attn(self._prev_attn)
             self._prev_attn = None
+
+    def _set_attn(self, name: str) -> None:
+        """Set the language model's attention implementation (a vision-language model's vision tower keeps its
+        own: the packed function knows only the decoder's samples)."""
+        if hasattr(self.model.config, "vision_config"):
+            self.model.set_attn_implementation({"text_config": name})
+        else:
+            self.model.set_attn_implementation(name)
+
+    def capture_image_row(self, ids: np.ndarray, inputs: dict) -> list[tuple]:
+        """One forward of one row with images through the model's base (vision tower + language model), ``inputs``
+        from :class:`.vision.ImageInputs`; returns ``[(aux [T, A*H], final [T, H])]`` as :meth:`capture` does. In
+        the packed layout the row is a pack of one sample."""
+        import torch
+
+        T = len(ids)
+        x = torch.from_numpy(np.asarray(ids, dtype=np.int64))[None]
+        kw = {k: self._to_device(v) for k, v in inputs.items()}
+        pack = _Pack([T], self.kernel) if self.layout == "packed" else None
+        token = _PACK.set(pack) if pack is not None else None
+        self._cap.out.clear()
+        try:
+            with torch.inference_mode():
+                getattr(self.model, "model", self.model)(input_ids=self._to_device(x), use_cache=False, **kw)
+                aux, fin = self._collect((1, T))
+        finally:
+            if token is not None:
+                _PACK.reset(token)
+            self._cap.out.clear()
+        if pack is not None and pack.calls != self.num_layers:
+            raise RuntimeError(f"{self.model_name}: the packed attention ran {pack.calls} times for an image row")
+        return [(aux[0], fin[0])]

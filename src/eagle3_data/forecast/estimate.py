@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from ..images import TargetImages, image_parts
 from ..settings import backend_settings
 from ..templates import TemplateError, request_messages, target_tokens
 from .errors import ForecastError
@@ -16,18 +17,33 @@ from .pilot_job import capped_samples
 from .prices import backend_prices
 
 
-def _prompt_lengths(tt, prompts: list[tuple[list, list | None]]) -> tuple[list[int], int]:
-    """Token counts of each (messages, tools) prompt rendered with the target's template; unrenderable prompts
-    count 0 and are counted (they are sent, and rejected at tokenize)."""
-    texts, failed = [], 0
+def _prompt_lengths(tt, prompts: list[tuple[list, list | None]], images=None) -> tuple[list[int], int]:
+    """Token counts of each (messages, tools) prompt rendered with the target's template, each image counted as
+    the positions the target's processor gives it (``images``: :class:`eagle3_data.images.TargetImages`, from
+    the image's size; ``None``: one placeholder per image); unrenderable prompts count 0 and are counted (they
+    are sent, and rejected at tokenize)."""
+    texts, failed, extra = [], 0, []
     for messages, tools in prompts:
         try:
             texts.append(tt.render(messages, tools, True))
         except TemplateError:
             texts.append("")
             failed += 1
-    lens = [len(x) for x in tt.encode_texts(texts)] if texts else []
+        pics = image_parts(messages) if images is not None else []
+        extra.append(sum(images.count_for_size(p["image"]["width"], p["image"]["height"]) - 1 for p in pics))
+    lens = [len(x) + e for x, e in zip(tt.encode_texts(texts), extra)] if texts else []
     return lens, failed
+
+
+def _target_images(target: dict, prompts: list[tuple[list, list | None]]):
+    """The target's image processor when some prompt holds images and the target has one, else None (a text
+    target's image prompts are rejected at tokenize: ``image_prompt_text_target``)."""
+    if not any(image_parts(m) for m, _ in prompts):
+        return None
+    try:
+        return TargetImages.load(target["path"])
+    except (ValueError, OSError, KeyError):
+        return None
 
 
 def _dataset_requests(prompts_paths: list, generation, num_shards: int, template: str | None):
@@ -76,7 +92,8 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
     backends = spec["backends"]
     tt = target_tokens(target, (gen.extra_body or {}).get("chat_template_kwargs"))
     prompts, n_samples, n_bad, per_shard = _dataset_requests(spec["prompts"], gen, spec["num_shards"], template)
-    lens, unrenderable = _prompt_lengths(tt, prompts)
+    images = _target_images(target, prompts)
+    lens, unrenderable = _prompt_lengths(tt, prompts, images)
     rows = _pilot_rows(spec["pilot"])
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
@@ -85,7 +102,7 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
             f"logs/forecast_pilot/{ds}/): nothing to forecast from"
         )
     pilot_lens, _ = _prompt_lengths(
-        tt, [(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None) for r in ok]
+        tt, [(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None) for r in ok], images
     )
     prices = {}
     costs: list[float | None] = []
@@ -140,8 +157,9 @@ def forecast_dataset(ds: str, spec: dict, *, target: dict, template: str | None,
         "requests": requests,
         "requests_sent": round(sent),
         "stopped_by": stopped_by,
-        "prompt_tokens": int(sum(lens)),
+        "prompt_tokens": int(sum(lens)),  # image positions included (the target's processor)
         "prompt_tokens_sent": round(sum(lens) * frac),
+        "images": sum(len(image_parts(m)) for m, _ in prompts),
         "unrenderable_prompts": unrenderable,
         "completion_tokens_per_request": round(mean_comp, 1),
         "expected_completion_tokens": round(completion * frac),

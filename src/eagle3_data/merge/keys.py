@@ -186,3 +186,44 @@ def row_keys(
         con.execute("CREATE OR REPLACE TEMP TABLE merge_row_keys AS SELECT * FROM merge_row_keys_np")
     con.execute("DROP TABLE merge_row_keys_np")
     return {"numpy_files": len(files) - len(slow), "sql_files": len(slow)}
+
+
+def add_image_keys(con, files: list[str], datasets: list[str] | None, batch_rows: int = 1024) -> int:
+    """Fold each image row's image digests into its ``content_key`` in ``merge_row_keys``:
+    ``md5(content_key || chr(31) || digests)``, ``digests`` = the JSON list of its images' SHA-256s in order (the
+    VALIDATED ``images`` column). Two rows with the same ids but other images (one question about two pictures of
+    one size) are then no duplicates, and a selection's digest changes when an image does, so its states are
+    extracted again. Text rows (and files written before the column existed) keep their keys. Returns the number
+    of image rows."""
+    import json
+
+    parts = []
+    for path in files:
+        pf = pq.ParquetFile(path)
+        if "images" not in pf.schema_arrow.names:
+            continue
+        first = 0
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=["dataset", "images"], use_threads=False):
+            vals, dss = batch.column("images").to_pylist(), batch.column("dataset").to_pylist()
+            for r, (v, ds) in enumerate(zip(vals, dss)):
+                if v and (datasets is None or ds in datasets):
+                    digests = json.dumps([im["sha256"] for im in json.loads(v)])
+                    parts.append((path, first + r, digests))
+            first += batch.num_rows
+    if parts:
+        con.register(
+            "_merge_image_keys",
+            pa.table(
+                {
+                    "filename": pa.array([p[0] for p in parts], pa.string()),
+                    "file_row_number": pa.array([p[1] for p in parts], pa.int64()),
+                    "digests": pa.array([p[2] for p in parts], pa.string()),
+                }
+            ),
+        )
+        con.execute(
+            "UPDATE merge_row_keys AS k SET content_key = md5(k.content_key || chr(31) || i.digests) "
+            "FROM _merge_image_keys AS i WHERE k.filename = i.filename AND k.file_row_number = i.file_row_number"
+        )
+        con.unregister("_merge_image_keys")
+    return len(parts)

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from .. import sql
 from ..files import write_json
-from .keys import row_keys
+from .keys import add_image_keys, row_keys
 
 if TYPE_CHECKING:
     from ..settings import MergeSettings
@@ -328,7 +328,7 @@ def _prompt_keys(con, files: list[str]) -> None:
 
 
 def _plan(con, job: _Job, t0: float) -> tuple[dict, tuple[list, list, list]]:
-    """Compute the row keys (:func:`.keys.row_keys`), plan the merge (``sql/merge_plan.sql``; ``ValueError`` on a
+    """Compute the row keys (:func:`.keys.row_keys`, image rows' keys folded in by :func:`.keys.add_image_keys`), plan the merge (``sql/merge_plan.sql``; ``ValueError`` on a
     ``(dataset, sample_id)`` with two different ``input_ids``) and read its statistics. Returns the phases'
     timing (``plan``, ``plan_row_keys``, ``stats``: seconds, ``plan`` and ``plan_row_keys`` since ``t0``) and the
     results of ``merge_stats``, ``merge_drops`` and ``merge_selections``."""
@@ -340,6 +340,7 @@ def _plan(con, job: _Job, t0: float) -> tuple[dict, tuple[list, list, list]]:
         threads=job.threads or None,
         batch_rows=job.batch_rows,
     )
+    add_image_keys(con, job.files, job.datasets, job.batch_rows)
     t_keys = time.perf_counter() - t0
     con.execute(sql.load("merge_plan"))
     conflicts = con.sql(sql.load("merge_conflicts")).fetchall()

@@ -10,7 +10,7 @@ paying for responses.
 - the states extraction will store can serve every ``export.layouts`` layout (:func:`check_export_layouts`): the
   final-state form it reads (``extract.final_norm``) and its drafter's layers (``extract.drafters``; the layers
   fit the target when its ``config.json`` is there), so a conflict is found before any GPU hour is spent;
-- no dataset holds image prompts (:func:`check_image_prompts`): extraction does not take them yet;
+- a dataset with image prompts runs only on stages that take images (:func:`check_image_prompts`);
 - cluster resources (the SLURM profile's ``slurm_account: "$EAGLE3_SLURM_ACCOUNT"``) hold no ``$VARIABLE`` left
   unexpanded because the variable is not set (Snakemake would submit the literal text).
 
@@ -125,20 +125,40 @@ def check_draft_vocab(config: dict) -> None:
         )
 
 
-def check_image_prompts(config: dict) -> None:
-    """No dataset reads image prompts (format ``llava``, or ``source.options.image_dir`` set): normalize reads and
-    checks them, generate sends them and tokenize expands them (:mod:`eagle3_data.images`), but the merged rows do
-    not carry their images to extraction yet, so a build with them is refused here, before any job, rather than
-    extracting states without the pictures. Raises ConfigError naming the dataset."""
+def image_datasets(config: dict) -> list[str]:
+    """Datasets that read image prompts: source format ``llava``, or ``source.options.image_dir`` set."""
+    out = []
     for name, ds in (config.get("datasets") or {}).items():
         source = (ds or {}).get("source") or {}
-        if source.get("format") == "llava" or ((source.get("options") or {}).get("image_dir") is not None):
-            raise ConfigError(
-                f"Config error: datasets.{name} holds image prompts (source format {source.get('format')!r}"
-                f"{', options.image_dir' if (source.get('options') or {}).get('image_dir') is not None else ''}): "
-                "normalize, generate and tokenize take them, but extraction of image rows is not built yet; remove "
-                "the dataset from this config for now"
-            )
+        if source.get("format") == "llava" or (source.get("options") or {}).get("image_dir") is not None:
+            out.append(name)
+    return out
+
+
+def check_image_prompts(config: dict) -> None:
+    """A build with image prompts (:func:`image_datasets`) runs only where every stage can take them: the target's
+    states come from ``extract.backend: transformers`` (the SGLang extraction backend takes token ids only), and no
+    backend of such a dataset sends SGLang's native ``/generate`` (token ids, no pictures). A target without an
+    image processor is found at tokenize (reject ``image_prompt_text_target``). Raises ConfigError naming the
+    dataset and the key."""
+    names = image_datasets(config)
+    if not names:
+        return
+    backend = ((config.get("extract") or {}).get("backend")) or "transformers"
+    if backend != "transformers":
+        raise ConfigError(
+            f"Config error: datasets.{names[0]} holds image prompts, and extract.backend {backend!r} takes token ids "
+            "only: set extract.backend: transformers (it passes the images through the target's vision tower)"
+        )
+    for name in names:
+        if name not in generated_datasets(config):
+            continue
+        for b_name, b in backends_config(config, name).items():
+            if (b or {}).get("native_generate"):
+                raise ConfigError(
+                    f"Config error: datasets.{name} holds image prompts and its backend {b_name} sends SGLang's "
+                    f"native /generate (token ids, no pictures): set backends.{b_name}.native_generate: false"
+                )
 
 
 def check_launch_python(config: dict) -> None:

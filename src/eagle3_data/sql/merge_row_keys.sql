@@ -5,6 +5,8 @@
 -- tests/unit/test_merge_row_keys.py) and falls back to this query for a file it cannot (nulls, ids >= 10^6 or < 0, mask values
 -- outside 0..9). By hand (duckdb CLI), before merge_plan.sql (same variables):
 --   .read src/eagle3_data/sql/merge_row_keys.sql
+-- Rows with images (VALIDATED `images`) then get their image digests folded into content_key
+-- (merge/keys.py add_image_keys), so the same ids with other images are no duplicate.
 CREATE OR REPLACE TEMP TABLE merge_row_keys AS
 SELECT
     filename,

@@ -87,6 +87,30 @@ def build_tiny_vlm(path, seed: int = 0) -> Path:
     return path
 
 
+def build_tiny_vlm_target(out_dir, settings) -> dict:
+    """Rule tiny_target for ``target.tiny.kind: qwen2.5-vl``: :func:`build_tiny_vlm` with ``settings.seed``
+    (:class:`~eagle3_data.settings.TinyTargetSettings`), built in a temporary folder beside ``out_dir`` and renamed
+    into place (``out_dir`` is absent, the previous build or complete), with ``tiny_target.json`` (the returned
+    ``{"kind", "seed", "image_token_id"}``: what marks a folder the build made)."""
+    import json
+    import shutil
+    import tempfile
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    info = {"kind": "qwen2.5-vl", "seed": settings.seed, "image_token_id": IMAGE_TOKEN_ID}
+    try:
+        build_tiny_vlm(tmp, seed=settings.seed)
+        (tmp / "tiny_target.json").write_text(json.dumps(info, indent=2) + "\n")  # what the config checks look for
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
 def load_processor(path):
     """The tiny target's processor (:func:`image_only_processor_class`) from its folder ``path``."""
     from transformers import AutoTokenizer
