@@ -4,7 +4,7 @@ target, or (``target.tiny.kind: qwen2.5-vl``) a tiny Qwen2.5-VL for image prompt
 from eagle3_data.errors import run_stage
 from eagle3_data.logs import setup_logging
 from eagle3_data.settings import TinyTargetSettings
-from eagle3_data.testing.tiny_vlm import build_tiny_vlm_target
+from eagle3_data.tiny_vlm import build_tiny_vlm_target
 from eagle3_data.tiny_target import build_tiny_target
 
 log = setup_logging(snakemake.log[0])

@@ -15,7 +15,7 @@ from eagle3_data.config import ConfigError
 from eagle3_data.normalize import prompt_key
 from eagle3_data.runtime.prerun import check_image_prompts
 from eagle3_data.sources import get_adapter
-from eagle3_data.testing.tiny_vlm import draw_images
+from eagle3_data.tiny_vlm import draw_images
 from test_normalize import SAMPLES, run, write_jsonl
 
 IMAGES = SAMPLES / "images"

@@ -1,5 +1,5 @@
 """Image prompts (issue 46, first part): image parts, their files and rejects, and the exact ids of an image prompt
-on a real processor (the tiny Qwen2.5-VL of ``eagle3_data.testing.tiny_vlm``: Qwen's real vocabulary, the published
+on a real processor (the tiny Qwen2.5-VL of ``eagle3_data.tiny_vlm``: Qwen's real vocabulary, the published
 template, transformers' Qwen2-VL image processor), checked against transformers' own processor and run through the
 model's vision tower."""
 
@@ -12,7 +12,7 @@ import hashlib
 import pytest
 
 from eagle3_data import images as im
-from eagle3_data.testing import tiny_vlm
+from eagle3_data import tiny_vlm
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3_data.testing import tiny_vlm
+from eagle3_data import tiny_vlm
 from eagle3_data.testing.workflow import copy_workflow, run_snakemake
 
 torch = pytest.importorskip("torch")

@@ -158,20 +158,18 @@ def extract_states(
     """Write the hidden states of the samples of ``selection_path`` to ``out_path``, reusing stored rows.
 
     Args:
-        selection_path: a MERGED-schema parquet (``sample_id``, ``dataset``, ``input_ids`` list<int32>,
-            ``loss_mask`` list<int8>): a merge selection, or any merged shard. The file keeps its row order.
-        out_path: the safetensors file (layout in ``extract.layout``); written to a temporary name in the same
-            directory and renamed when complete.
+        selection_path: a MERGED-schema parquet (``sample_id``, ``dataset``, ``input_ids`` list<int32>, ``loss_mask``
+            list<int8>): a merge selection, or any merged shard (the states keep its row order).
+        out_path: the safetensors file (``extract.layout``), written under a temporary name, renamed when complete.
         settings: :class:`~eagle3_data.settings.ExtractSettings` (the ``extract`` section and the target), fields:
         model_path: local directory of the target (config + weights); never downloaded.
         drafters, layers, dflash_layers: the drafters whose layers are captured (``eagle3`` | ``dflash`` |
             ``dspark``), EAGLE-3's auxiliary layers (0-based decoder layers whose OUTPUT is stored; ``None`` ->
             ``model.default_layers``) and DFlash's / DSpark's (``model.resolve_drafter_layers``): the union is
             stored once, the metadata's ``drafter_layers`` says which each reads.
-        dtype: ``float32`` | ``bfloat16`` | ``float16``: the compute and stored dtype.
-        device: ``auto`` (cuda if the machine has a GPU, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
-        batch_tokens: tokens per forward (padded tokens for the transformers padded layout, real tokens for the
-            packed layout and for SGLang).
+        dtype: ``float32`` | ``bfloat16`` | ``float16`` (compute and stored); device: ``auto`` (cuda if the machine
+            has a GPU, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
+        batch_tokens: tokens per forward (padded ones in the padded layout, real ones when packed and for SGLang).
         attention: transformers backend: batch layout and attention kernel, ``auto`` (packed on every device;
             padded for a model packing cannot express) | ``padded`` | ``packed`` | ``packed-varlen`` | ``packed-flex`` | ``packed-loop``
             (``transformers_backend`` module docstring). Not in :func:`settings_digest`: it changes rounding, not
@@ -199,9 +197,8 @@ def extract_states(
             layer order (what SGLang returns; see ``sglang_backend.SglangBackend``).
         overlap: copy the states to the host and write them in a writer thread while the next batch is
             forwarded (``writeback`` module); ``False``: in order, in this thread (same bytes).
-        images_path: the selection's validated file, whose ``images`` column names the rows with images: those
-            are forwarded one at a time through the target's vision tower (:mod:`.vision`) and reused only from a
-            row stored for the same images (``None``: no image rows).
+        images_path: the selection's validated file: its rows with images (column ``images``) are forwarded one
+            at a time through the target's vision tower and reused only for the same pictures (:mod:`.vision`).
 
     Returns: dict with ``path, num_samples, num_tokens, forwarded_samples, forwarded_tokens, reused_samples,
         reused_tokens, image_rows`` (rows with images), ``layers, drafter_layers, hidden_size, dtype, device,
@@ -227,14 +224,11 @@ def extract_states(
     if vocab and shard.T and (shard.ids.min() < 0 or shard.ids.max() >= vocab):
         raise ValueError(f"{selection_path}: token ids outside the target's vocabulary [0, {vocab})")
     layout = _Layout(shard, dims, chosen, per_drafter, model_fingerprint(s.model_path))
-    digest = layout.digest(s)
-    images = selection_images(images_path, shard.sample_ids)
+    digest, images = layout.digest(s), selection_images(images_path, shard.sample_ids)
     src = _open_reusable([reuse_path, out_path], digest)
     try:
         reuse = _reusable_rows(shard, src, images)
-        metadata = layout.metadata(s, digest, selection_path, selection_digest)
-        if images:
-            metadata["images"] = json.dumps({shard.sample_ids[i]: image_digests(v) for i, v in images.items()})
+        metadata = layout.metadata(s, digest, selection_path, selection_digest, images)
         job = _Job(shard, layout, s, reuse, src, _new_run(), images)
         with contextlib.ExitStack() as stack:
             fwd = job.forward(model, capture, stack)
@@ -326,10 +320,13 @@ class _Layout:
             final_format=s.final_format,
         )
 
-    def metadata(self, s: "ExtractSettings", digest: str, selection_path, selection_digest) -> dict:
-        """The file's metadata (the final norm's record is added once known)."""
+    def metadata(self, s: "ExtractSettings", digest: str, selection_path, selection_digest, images=None) -> dict:
+        """The file's metadata (the final norm's record is added once known); with image rows (``images``: row
+        index -> its ``images`` JSON) their pictures' digests by sample id (``images``: what a reuse compares)."""
         shard = self.shard
+        extra = {"images": json.dumps({shard.sample_ids[i]: image_digests(v) for i, v in images.items()})}
         return {
+            **(extra if images else {}),
             "backend": s.backend,
             "model_path": str(s.model_path),
             "model_name": Path(str(s.model_path)).name,

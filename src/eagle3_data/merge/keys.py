@@ -188,7 +188,7 @@ def row_keys(
     return {"numpy_files": len(files) - len(slow), "sql_files": len(slow)}
 
 
-def add_image_keys(con, files: list[str], datasets: list[str] | None, batch_rows: int = 1024) -> int:
+def add_image_keys(con, files: list[str], datasets: list[str] | None) -> int:
     """Fold each image row's image digests into its ``content_key`` in ``merge_row_keys``:
     ``md5(content_key || chr(31) || digests)``, ``digests`` = the JSON list of its images' SHA-256s in order (the
     VALIDATED ``images`` column). Two rows with the same ids but other images (one question about two pictures of
@@ -202,14 +202,14 @@ def add_image_keys(con, files: list[str], datasets: list[str] | None, batch_rows
         pf = pq.ParquetFile(path)
         if "images" not in pf.schema_arrow.names:
             continue
-        first = 0
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=["dataset", "images"], use_threads=False):
-            vals, dss = batch.column("images").to_pylist(), batch.column("dataset").to_pylist()
-            for r, (v, ds) in enumerate(zip(vals, dss)):
-                if v and (datasets is None or ds in datasets):
-                    digests = json.dumps([im["sha256"] for im in json.loads(v)])
-                    parts.append((path, first + r, digests))
-            first += batch.num_rows
+        images = pf.read(columns=["images"], use_threads=False).column("images")
+        if images.null_count == len(images):  # a text shard: one all-null column read, nothing else
+            continue
+        rows = np.flatnonzero(pc.is_valid(images).to_numpy(zero_copy_only=False))
+        dss = pf.read(columns=["dataset"], use_threads=False).column("dataset").take(pa.array(rows)).to_pylist()
+        for r, v, ds in zip(rows.tolist(), images.take(pa.array(rows)).to_pylist(), dss):
+            if datasets is None or ds in datasets:
+                parts.append((path, r, json.dumps([im["sha256"] for im in json.loads(v)])))
     if parts:
         con.register(
             "_merge_image_keys",

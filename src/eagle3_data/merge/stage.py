@@ -340,7 +340,7 @@ def _plan(con, job: _Job, t0: float) -> tuple[dict, tuple[list, list, list]]:
         threads=job.threads or None,
         batch_rows=job.batch_rows,
     )
-    add_image_keys(con, job.files, job.datasets, job.batch_rows)
+    add_image_keys(con, job.files, job.datasets)
     t_keys = time.perf_counter() - t0
     con.execute(sql.load("merge_plan"))
     conflicts = con.sql(sql.load("merge_conflicts")).fetchall()

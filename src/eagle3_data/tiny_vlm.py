@@ -1,10 +1,11 @@
-"""A tiny random Qwen2.5-VL target with a real processor, and small images drawn with PIL (test support for image
-prompts, :mod:`eagle3_data.images`).
+"""A tiny random Qwen2.5-VL target with a real processor, and small images drawn with PIL: the target of
+``resources/configs/images.yaml`` (``target.tiny.kind: qwen2.5-vl``, rule tiny_target) and of the image-prompt tests
+(:mod:`eagle3_data.images`).
 
 No small vision-language model's weights install offline, so :func:`build_tiny_vlm` makes one from transformers'
-``Qwen2_5_VLConfig``: the real Qwen vocabulary and special tokens (``tokenizer_fixtures.qwen3_backend``, which
+``Qwen2_5_VLConfig``: the real Qwen vocabulary and special tokens (:mod:`eagle3_data.qwen_vocabulary`, which
 holds ``<|vision_start|>`` 151652, ``<|image_pad|>`` 151655), the published Qwen2.5-VL chat template
-(``chat_templates/qwen2.5-vl.jinja``), transformers' Qwen2-VL image processor with its default patching (patch 14,
+(``chat_templates/qwen2.5-vl.jinja`` beside this module), transformers' Qwen2-VL image processor with its default patching (patch 14,
 merge 2, temporal 2) and a small pixel range, and random weights: a 2-block vision tower whose merger feeds a
 4-layer, 64-wide language model. It runs on the CPU in well under a second per prompt.
 
@@ -39,6 +40,28 @@ def image_only_processor_class():
     return ImageOnlyProcessor
 
 
+def chat_template_text() -> str:
+    """The published Qwen2.5-VL chat template (``chat_templates/qwen2.5-vl.jinja``; source in README.md there)."""
+    return (Path(__file__).resolve().parent / "chat_templates" / "qwen2.5-vl.jinja").read_text(encoding="utf-8")
+
+
+def tokenizer():
+    """A transformers tokenizer with Qwen's real vocabulary (:func:`eagle3_data.qwen_vocabulary.qwen3_backend`)
+    and the Qwen2.5-VL chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    from .qwen_vocabulary import qwen3_backend
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=qwen3_backend(),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=chat_template_text(),
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+
+
 def build_tiny_vlm(path, seed: int = 0) -> Path:
     """Write the tiny Qwen2.5-VL target to ``path`` (``config.json``, ``model.safetensors`` in float32, the
     tokenizer files with the chat template, ``preprocessor_config.json``). Returns ``path``."""
@@ -46,10 +69,8 @@ def build_tiny_vlm(path, seed: int = 0) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
-    from .tokenizer_fixtures import qwen3_real
-
     path = Path(path)
-    tok = qwen3_real("qwen2.5-vl")  # Qwen's vocabulary with the Qwen2.5-VL template
+    tok = tokenizer()  # Qwen's vocabulary with the Qwen2.5-VL template
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": 151936,
