@@ -166,3 +166,22 @@ def test_the_tiny_vlm_kind_is_a_param_only_when_chosen():
     assert default.kind == "kimi" and "kind" not in default.params()  # the demo's target keeps its params
     vlm = TinyTargetSettings.defaults(kind="qwen2.5-vl", seed=3)
     assert vlm.params()["kind"] == "qwen2.5-vl" and vlm.params()["seed"] == 3
+
+
+def test_the_target_class_is_the_vlm_class_only_for_a_vlm_transformers_knows(tmp_path):
+    import transformers
+
+    from eagle3_data.extract.vision import model_class
+
+    def target(name, cfg):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    vlm = {"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}
+    assert model_class(target("vlm", vlm)) is transformers.AutoModelForImageTextToText
+    assert model_class(target("text", {"model_type": "llama"})) is transformers.AutoModelForCausalLM
+    # a target with its own code (Kimi K2.5's auto_map): loaded as its code says, as before
+    own = {**vlm, "model_type": "kimi_k25", "auto_map": {"AutoModelForCausalLM": "modeling_kimi_k25.KimiK25"}}
+    assert model_class(target("own", own)) is transformers.AutoModelForCausalLM

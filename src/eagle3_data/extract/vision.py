@@ -32,11 +32,16 @@ def is_multimodal(model_path) -> bool:
 
 def model_class(model_path):
     """The transformers auto class that loads the target: ``AutoModelForImageTextToText`` for a vision-language
-    model (:func:`is_multimodal`), else ``AutoModelForCausalLM``."""
+    model transformers knows (:func:`is_multimodal`, its ``model_type`` in that class's mapping, no ``auto_map``),
+    else ``AutoModelForCausalLM`` (a text model; a target with its own code, e.g. Kimi K2.5's, as its
+    ``auto_map`` names it)."""
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     if is_multimodal(model_path):
-        return transformers.AutoModelForImageTextToText
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        if not cfg.get("auto_map") and cfg.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 
 
