@@ -100,6 +100,11 @@ def _reject(base: dict, stage: str, reason: str, detail: str) -> dict:
     }
 
 
+def _kept_fields(meta_row: dict) -> dict:
+    """A TOKENS row's fields that stay when it is rejected after all (not its verdict, id source or images)."""
+    return {k: v for k, v in meta_row.items() if not k.startswith("reject_") and k not in ("ids_source", "images")}
+
+
 _TARGET_IMAGES: dict[str, object] = {}
 
 
@@ -240,11 +245,7 @@ def tokenize_batch(
             except (ValueError, OSError) as exc:
                 mismatched.add(i)
                 meta[i] = _reject(
-                    {
-                        k2: v
-                        for k2, v in meta[i].items()
-                        if not k2.startswith("reject_") and k2 not in ("ids_source", "images")
-                    },
+                    _kept_fields(meta[i]),
                     "tokenize",
                     getattr(exc, "reason", "image_tokens"),
                     str(exc),
@@ -256,11 +257,7 @@ def tokenize_batch(
             if detail is not None:
                 mismatched.add(i)
                 meta[i] = _reject(
-                    {
-                        k2: v
-                        for k2, v in meta[i].items()
-                        if not k2.startswith("reject_") and k2 not in ("ids_source", "images")
-                    },
+                    _kept_fields(meta[i]),
                     "tokenize",
                     "server_prompt_mismatch",
                     detail,
@@ -292,11 +289,7 @@ def tokenize_batch(
             exact = meta[i]["ids_source"] == "exact"
             j = next((n for n, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
             meta[i] = _reject(
-                {
-                    k2: v
-                    for k2, v in meta[i].items()
-                    if not k2.startswith("reject_") and k2 not in ("ids_source", "images")
-                },
+                _kept_fields(meta[i]),
                 "tokenize",
                 "exact_ids_text_mismatch" if exact else "round_trip",
                 f"{'backend output_ids' if exact else 'completion ids'} decode to text that differs from the "
