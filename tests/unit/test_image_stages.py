@@ -21,16 +21,6 @@ from test_merge import row, write_inputs
 PAD = tiny_vlm.IMAGE_TOKEN_ID
 
 
-@pytest.fixture(scope="module")
-def pictures(tmp_path_factory):
-    return tiny_vlm.draw_images(tmp_path_factory.mktemp("images"))
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return tiny_vlm.build_tiny_vlm(tmp_path_factory.mktemp("tiny-qwen2.5-vl"))
-
-
 def _images(spans, digest="a" * 64, url="pic.png") -> str:
     return json.dumps(
         [{"url": url, "sha256": digest, "width": 8, "height": 8, "start": s, "length": n} for s, n in spans]

@@ -15,16 +15,6 @@ from eagle3_data import images as im
 from eagle3_data import tiny_vlm
 
 
-@pytest.fixture(scope="module")
-def pictures(tmp_path_factory):
-    return tiny_vlm.draw_images(tmp_path_factory.mktemp("images"))
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return tiny_vlm.build_tiny_vlm(tmp_path_factory.mktemp("tiny-qwen2.5-vl"))
-
-
 def test_the_bundled_images_are_drawn_the_same_every_time(pictures, tmp_path):
     again = tiny_vlm.draw_images(tmp_path)
     assert [p.read_bytes() for p in again] == [p.read_bytes() for p in pictures]
