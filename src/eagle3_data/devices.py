@@ -26,6 +26,7 @@ import errno
 import fcntl
 import logging
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -168,7 +169,9 @@ def gpu_devices(
         if not waited_logged:
             log.info("waiting for %d free GPU(s) of %s (locks in %s)", n, pool, ldir)
             waited_logged = True
-        time.sleep(delay)
+        # jittered: two jobs that want most of the devices take a part each, give it back and would otherwise retry
+        # in step (the same doubling from the same start) for as long as both wait
+        time.sleep(delay * random.uniform(0.5, 1.5))
         delay = min(delay * 2, 5.0)
     chosen = sorted((d for d, _ in held), key=lambda d: pool.index(d))
     fds = [fd for _, fd in held]
