@@ -122,7 +122,7 @@ def test_package_imports_no_torch_and_no_cycles():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-    # the layering: layout/model/batching import no backend and no stage; backends import no stage
+    # the layering: layout/model/batching/vision import no backend and no stage; backends import no stage
     import ast
     from pathlib import Path
 
@@ -138,7 +138,9 @@ def test_package_imports_no_torch_and_no_cycles():
     # norm: the final norm's formulas (torch only), read by the layout's readers
     assert imports["norm"] <= set() and imports["layout"] <= {"norm"} and imports["model"] <= set()
     assert imports["batching"] <= set() and imports["fused"] <= set()
-    assert imports["transformers_backend"] <= {"batching", "layout", "model", "fused"}
+    # vision: the image rows' inputs and the target's class, beside model (no backend, no stage)
+    assert imports["vision"] <= set()
+    assert imports["transformers_backend"] <= {"batching", "layout", "model", "fused", "vision"}
     assert imports["sglang_backend"] <= {"batching", "layout", "model"}
     assert "stage" not in set().union(*(v for k, v in imports.items() if k not in ("stage", "__init__")))
 
