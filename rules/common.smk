@@ -313,13 +313,7 @@ def extract_input(wildcards):
     # printed, so `--until plan` stops before any GPU extracts; the plan's file is no input (a rewritten plan
     # reruns no extraction)
     checkpoints.plan.get()
-    # the validated file names the rows with images (column images); ancient: the selection digest, which holds
-    # the images' digests, decides a rerun
-    return {
-        "selection": ancient(selection_path(wildcards.ds, wildcards.shard)),
-        "validated": ancient(f"results/{wildcards.ds}/validated/{wildcards.shard}.parquet"),
-        "target": target_input(),
-    }
+    return {"selection": ancient(selection_path(wildcards.ds, wildcards.shard)), "target": target_input()}
 
 
 def selection_digest(wildcards):

@@ -17,7 +17,7 @@ run_stage(
         reuse_path=settings.reuse_path(ds, shard),
         selection_digest=snakemake.params.selection,
         summary_path=snakemake.output.summary,
-        images_path=snakemake.input.validated,
+        images_path=settings.validated_path(ds, shard),
     ),
     log=log,
 )

@@ -2,7 +2,7 @@
 tower, so the states stored at every position (the image placeholders' included) are the ones the engine computes.
 
 Where the images come from: the selection's validated file (``results/<dataset>/validated/<shard>.parquet``,
-column ``images``: each image's file, SHA-256, size and placeholder positions; ``schemas.TOKENS``). Each file is
+``ExtractSettings.validated_path``; column ``images``: each image's file, SHA-256, size and placeholder positions; ``schemas.TOKENS``). Each file is
 read again and checked against its digest, run through the target's own image processor
 (:class:`eagle3_data.images.TargetImages`) and its patch count compared with the placeholder positions the row
 holds, so a changed image or a cut image is an error, never a wrong state.

@@ -362,6 +362,13 @@ class ExtractSettings(SettingsBase):
         """The hard link under ``cache_dir`` that keeps a selection's computed rows across reruns."""
         return f"{self.cache_dir}/hidden_states/{ds}/{shard}.safetensors"
 
+    @staticmethod
+    def validated_path(ds: str, shard: str) -> str:
+        """The validated file a selection was made from (rule validate's output): its ``images`` column names the
+        selection's rows with images. Not a rule input: the selection's digest, which holds the pictures' digests,
+        decides a rerun (an input added to the rule would rerun every extract job of a build made before)."""
+        return f"results/{ds}/validated/{shard}.parquet"
+
 
 @dataclass(frozen=True)
 class PlanSettings(SettingsBase):
